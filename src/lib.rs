@@ -1,0 +1,11 @@
+//! onnx-ga: rewrite ONNX training graphs into self-contained gradient-accumulation steps.
+//!
+//! The flow: [`model`] loads a `ModelProto` (with external data), [`ir`] builds a use-def
+//! graph over it, [`signature`] finds the training roles (loss, seed, parameters, gradients),
+//! passes rewrite the graph, and [`ir`] exports it back losslessly.
+
+pub mod checkpoint;
+pub mod ir;
+pub mod model;
+pub mod proto;
+pub mod runtime;
