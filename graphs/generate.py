@@ -27,8 +27,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+sys.dont_write_bytecode = True  # no __pycache__ next to the checked-in scripts
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ort_training_shim  # noqa: E402,F401  (registers onnxruntime.training without torch)
+from gen_common import save_npz  # noqa: E402  (also registers onnxruntime.training without torch)
 from onnxruntime.training import artifacts, onnxblock  # noqa: E402
 from onnxruntime.training.onnxblock import _graph_utils  # noqa: E402
 
@@ -306,7 +307,7 @@ def quiet_native_stderr():
             os.close(saved)
 
 
-def generate(name: str) -> collections.Counter:
+def generate(name: str) -> dict[str, collections.Counter]:
     out = os.path.join(HERE, name)
     os.makedirs(out, exist_ok=True)
     model, b, loss, optim, data = MODELS[name]()
@@ -333,28 +334,33 @@ def generate(name: str) -> collections.Counter:
     assert sorted(data_inputs) == sorted(data), (name, data_inputs, list(data))
     for n in data_inputs:
         assert data[n].shape[0] == N_SAMPLES
-    np.savez(os.path.join(out, "data.npz"), **{n: data[n] for n in data_inputs})
+    save_npz(os.path.join(out, "data.npz"), {n: data[n] for n in data_inputs})
 
-    counts = collections.Counter()
-    for f in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):
-        counts.update(op_counts(os.path.join(out, f)))
-    return counts
+    return {f: op_counts(os.path.join(out, f"{f}_model.onnx")) for f in FILES}
+
+
+FILES = ("training", "eval", "optimizer")
 
 
 def main(argv: list[str]) -> None:
     names = argv or list(MODELS)
-    union = collections.Counter()
+    where: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
     for name in names:
-        counts = generate(name)
-        union.update(counts)
-        print(f"== {name}")
-        for (domain, op), n in sorted(counts.items()):
-            print(f"   {domain or 'ai.onnx':14s} {op:32s} {n}")
+        per_file = generate(name)
+        ops = sorted(set().union(*per_file.values()))
+        print(f"== {name}: op counts in training / eval / optimizer model")
+        for domain, op in ops:
+            cols = " ".join(f"{per_file[f][(domain, op)]:5d}" for f in FILES)
+            print(f"   {domain or 'ai.onnx':14s} {op:30s}{cols}")
+            where[(domain, op)].append(name)
+    print("== training-only ops of DESIGN.md section 6 -> models using them")
+    for key in REQUIRED_OPS:
+        print(f"   {key[0] or 'ai.onnx':14s} {key[1]:30s} {', '.join(where.get(key, [])) or 'MISSING'}")
     if argv:
         return
-    missing = [k for k in REQUIRED_OPS if k not in union]
-    print("== required training-only ops:", "all covered" if not missing else f"MISSING {missing}")
-    assert not missing, missing
+    missing = [k for k in REQUIRED_OPS if k not in where]
+    assert not missing, f"missing training-only ops: {missing}"
+    print("== all covered")
 
 
 if __name__ == "__main__":
