@@ -1,1 +1,536 @@
-//! (in progress)
+//! The rewrite IR: an arena of values and nodes over the prost ONNX types.
+//!
+//! Why not edit `ModelProto` directly: a proto only links values by name, so every
+//! "who consumes `W_grad`?" is a full scan and a rename silently breaks the wiring. Here
+//! every value knows its definition and its uses, both kept consistent by the mutation
+//! API, and `If` bodies that read outer values say so (captures are derived from use
+//! lists, never guessed).
+//!
+//! The IR is deliberately dumb and lossless: nodes keep their prost `NodeProto` (attributes,
+//! doc strings, metadata), initializers stay raw `TensorProto`s, and everything a pass does
+//! not touch is exported exactly as it was read ([`import`], [`export`]).
+//!
+//! Scopes: body 0 is the main graph; every `GRAPH`/`GRAPHS` attribute becomes another body
+//! whose `parent` is the body of the node that owns it. Names resolve from the inner scope
+//! outwards, as ONNX does.
+
+mod export;
+mod import;
+mod names;
+pub mod print;
+pub mod verify;
+
+pub use names::NameAuthority;
+
+use crate::proto::{
+    AttributeProto, ModelProto, NodeProto, StringStringEntryProto, TensorProto, TypeProto,
+    ValueInfoProto,
+};
+
+/// The metadata key that records which pass inserted a node.
+pub const PASS_KEY: &str = "onnx_ga.pass";
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId(pub u32);
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ValueId(pub u32);
+
+/// A graph scope: the main graph or a subgraph attribute of a node.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BodyId(pub u32);
+
+impl BodyId {
+    pub const MAIN: BodyId = BodyId(0);
+}
+
+/// Where a value comes from. Exactly one definition per value; the verifier checks it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ValueDef {
+    /// A graph input of `body` (possibly also backed by an initializer there).
+    Input { body: BodyId },
+    /// An initializer of `body` that is not a graph input.
+    Initializer { body: BodyId },
+    /// A sparse initializer of `body`.
+    SparseInitializer { body: BodyId },
+    /// Output `slot` of `node`.
+    Node { node: NodeId, slot: usize },
+    /// Used but defined nowhere (a broken model); kept so the verifier can report it.
+    Undefined { body: BodyId },
+}
+
+/// One consumer of a value.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Use {
+    /// Input `slot` of `node`.
+    Node { node: NodeId, slot: usize },
+    /// Output `index` of `body`.
+    Output { body: BodyId, index: usize },
+}
+
+#[derive(Clone, Debug)]
+pub struct Value {
+    pub name: String,
+    pub def: ValueDef,
+    /// Consumers, kept in sync by the mutation API.
+    pub(crate) uses: Vec<Use>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Node {
+    /// The node as read: attributes, name, doc string, metadata. Its `input` and `output`
+    /// name lists and its graph-valued attributes are rebuilt from the IR on export.
+    pub proto: NodeProto,
+    pub body: BodyId,
+    /// `None` is an omitted optional input (the empty name in ONNX).
+    pub inputs: Vec<Option<ValueId>>,
+    /// `None` is an omitted optional output.
+    pub outputs: Vec<Option<ValueId>>,
+    /// Subgraph bodies, by attribute index (and position within a `GRAPHS` attribute).
+    pub subgraphs: Vec<SubgraphRef>,
+    pub(crate) removed: bool,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct SubgraphRef {
+    pub attribute: usize,
+    /// `None` for a `GRAPH` attribute, `Some(i)` for element `i` of a `GRAPHS` attribute.
+    pub element: Option<usize>,
+    pub body: BodyId,
+}
+
+/// One graph scope. Lists keep their original order; each entry keeps its original proto
+/// so untouched parts export byte for byte.
+#[derive(Clone, Debug, Default)]
+pub struct Body {
+    pub parent: Option<BodyId>,
+    /// The node owning this body as an attribute (`None` for the main graph).
+    pub owner: Option<NodeId>,
+    pub nodes: Vec<NodeId>,
+    pub inputs: Vec<(ValueId, ValueInfoProto)>,
+    pub outputs: Vec<(ValueId, ValueInfoProto)>,
+    pub value_info: Vec<(ValueId, ValueInfoProto)>,
+    pub initializers: Vec<(ValueId, TensorProto)>,
+    pub sparse_initializers: Vec<(ValueId, crate::proto::SparseTensorProto)>,
+    /// The graph proto with its nodes, inputs, outputs, value_info and initializers moved
+    /// out: name, doc string, quantization annotations, metadata.
+    pub rest: crate::proto::GraphProto,
+}
+
+/// A whole model in IR form.
+#[derive(Clone, Debug)]
+pub struct Model {
+    /// Everything of the model except its graph: IR version, opsets, producer, metadata,
+    /// functions, training info.
+    pub header: ModelProto,
+    pub bodies: Vec<Body>,
+    pub nodes: Vec<Node>,
+    pub values: Vec<Value>,
+    pub names: NameAuthority,
+}
+
+/// Errors of IR mutations. Each names the values or nodes involved.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum IrError {
+    #[error("cannot remove node {node}: its output '{value}' is still used")]
+    StillUsed { node: String, value: String },
+    #[error("value '{0}' is a graph output; replacing its uses needs the explicit graph-output policy")]
+    GraphOutput(String),
+    #[error("no value named '{0}' is visible in this scope")]
+    UnknownValue(String),
+}
+
+impl Model {
+    pub fn from_proto(model: ModelProto) -> Model {
+        import::import(model)
+    }
+
+    pub fn to_proto(&self) -> ModelProto {
+        export::export(self)
+    }
+
+    pub fn value(&self, v: ValueId) -> &Value {
+        &self.values[v.0 as usize]
+    }
+
+    pub fn node(&self, n: NodeId) -> &Node {
+        &self.nodes[n.0 as usize]
+    }
+
+    pub fn node_mut(&mut self, n: NodeId) -> &mut Node {
+        &mut self.nodes[n.0 as usize]
+    }
+
+    pub fn body(&self, b: BodyId) -> &Body {
+        &self.bodies[b.0 as usize]
+    }
+
+    pub fn body_mut(&mut self, b: BodyId) -> &mut Body {
+        &mut self.bodies[b.0 as usize]
+    }
+
+    pub fn main(&self) -> &Body {
+        self.body(BodyId::MAIN)
+    }
+
+    pub fn name(&self, v: ValueId) -> &str {
+        &self.values[v.0 as usize].name
+    }
+
+    pub fn uses(&self, v: ValueId) -> &[Use] {
+        &self.values[v.0 as usize].uses
+    }
+
+    /// The node and output slot that define `v`, if a node does.
+    pub fn producer(&self, v: ValueId) -> Option<(NodeId, usize)> {
+        match self.value(v).def {
+            ValueDef::Node { node, slot } => Some((node, slot)),
+            _ => None,
+        }
+    }
+
+    /// Live nodes of a body, in their current order.
+    pub fn body_nodes(&self, b: BodyId) -> impl Iterator<Item = NodeId> + '_ {
+        self.body(b).nodes.iter().copied().filter(|n| !self.node(*n).removed)
+    }
+
+    /// Every live node of the model, bodies included.
+    pub fn all_nodes(&self) -> impl Iterator<Item = NodeId> + '_ {
+        (0..self.nodes.len() as u32).map(NodeId).filter(|n| !self.node(*n).removed)
+    }
+
+    /// Resolves `name` in `body`, then in its enclosing scopes.
+    pub fn lookup(&self, body: BodyId, name: &str) -> Option<ValueId> {
+        let mut scope = Some(body);
+        while let Some(b) = scope {
+            if let Some(v) = self.lookup_local(b, name) {
+                return Some(v);
+            }
+            scope = self.body(b).parent;
+        }
+        None
+    }
+
+    fn lookup_local(&self, body: BodyId, name: &str) -> Option<ValueId> {
+        let b = self.body(body);
+        let from_lists = b
+            .inputs
+            .iter()
+            .map(|(v, _)| *v)
+            .chain(b.initializers.iter().map(|(v, _)| *v))
+            .chain(b.sparse_initializers.iter().map(|(v, _)| *v));
+        let from_nodes = self
+            .body_nodes(body)
+            .flat_map(|n| self.node(n).outputs.iter().flatten().copied());
+        from_lists.chain(from_nodes).find(|v| self.name(*v) == name)
+    }
+
+    /// The body in which `v` is defined.
+    pub fn defining_body(&self, v: ValueId) -> BodyId {
+        match self.value(v).def {
+            ValueDef::Input { body }
+            | ValueDef::Initializer { body }
+            | ValueDef::SparseInitializer { body }
+            | ValueDef::Undefined { body } => body,
+            ValueDef::Node { node, .. } => self.node(node).body,
+        }
+    }
+
+    /// True when `inner` is `outer` or nested inside it.
+    pub fn is_within(&self, inner: BodyId, outer: BodyId) -> bool {
+        let mut scope = Some(inner);
+        while let Some(b) = scope {
+            if b == outer {
+                return true;
+            }
+            scope = self.body(b).parent;
+        }
+        false
+    }
+
+    /// Outer values that nodes of `body` (or of bodies nested in it) read by name.
+    /// Sorted by value id, so the order is deterministic.
+    pub fn captures(&self, body: BodyId) -> Vec<ValueId> {
+        let mut captured: Vec<ValueId> = self
+            .values
+            .iter()
+            .enumerate()
+            .filter(|(_, value)| {
+                value.uses.iter().any(|u| match u {
+                    Use::Node { node, .. } => self.is_within(self.node(*node).body, body),
+                    Use::Output { body: b, .. } => self.is_within(*b, body),
+                })
+            })
+            .map(|(i, _)| ValueId(i as u32))
+            .filter(|v| !self.is_within(self.defining_body(*v), body))
+            .collect();
+        captured.sort();
+        captured
+    }
+
+    /// The declared type of `v`: from its graph input, output or value_info entry, or from
+    /// the initializer that backs it.
+    pub fn value_type(&self, v: ValueId) -> Option<TypeProto> {
+        let body = self.body(self.defining_body(v));
+        let declared = body
+            .inputs
+            .iter()
+            .chain(&body.outputs)
+            .chain(&body.value_info)
+            .find(|(id, _)| *id == v)
+            .and_then(|(_, vi)| vi.r#type.clone());
+        declared.or_else(|| {
+            self.initializer(v).map(|t| tensor_type(t.data_type(), &t.dims))
+        })
+    }
+
+    /// The initializer backing `v`, if any.
+    pub fn initializer(&self, v: ValueId) -> Option<&TensorProto> {
+        let body = self.body(self.defining_body(v));
+        body.initializers.iter().find(|(id, _)| *id == v).map(|(_, t)| t)
+    }
+
+    /// The main graph's input values, in order.
+    pub fn graph_inputs(&self) -> Vec<ValueId> {
+        self.main().inputs.iter().map(|(v, _)| *v).collect()
+    }
+
+    /// The main graph's output values, in order.
+    pub fn graph_outputs(&self) -> Vec<ValueId> {
+        self.main().outputs.iter().map(|(v, _)| *v).collect()
+    }
+
+    /// Opset version imported for `domain` ("" and "ai.onnx" are the same domain).
+    pub fn opset(&self, domain: &str) -> Option<i64> {
+        let wanted = normalize_domain(domain);
+        self.header
+            .opset_import
+            .iter()
+            .find(|o| normalize_domain(o.domain()) == wanted)
+            .map(|o| o.version())
+    }
+
+    // ---- mutation -------------------------------------------------------------------------
+
+    fn push_value(&mut self, name: String, def: ValueDef) -> ValueId {
+        let id = ValueId(self.values.len() as u32);
+        self.values.push(Value { name, def, uses: Vec::new() });
+        id
+    }
+
+    /// A new initializer in `body` under a fresh name derived from `hint`.
+    pub fn add_initializer(&mut self, body: BodyId, hint: &str, mut tensor: TensorProto) -> ValueId {
+        let name = self.names.fresh(hint);
+        tensor.name = Some(name.clone());
+        let v = self.push_value(name, ValueDef::Initializer { body });
+        self.body_mut(body).initializers.push((v, tensor));
+        v
+    }
+
+    /// A new graph input of `body`, backed by `default` as an initializer of the same name
+    /// when given (the state convention: a fresh run needs nothing fed).
+    pub fn add_input(
+        &mut self,
+        body: BodyId,
+        name: &str,
+        ty: TypeProto,
+        default: Option<TensorProto>,
+    ) -> ValueId {
+        let name = self.names.fresh(name);
+        let v = self.push_value(name.clone(), ValueDef::Input { body });
+        let info = ValueInfoProto { name: Some(name.clone()), r#type: Some(ty), ..Default::default() };
+        self.body_mut(body).inputs.push((v, info));
+        if let Some(mut t) = default {
+            t.name = Some(name);
+            self.body_mut(body).initializers.push((v, t));
+        }
+        v
+    }
+
+    /// Appends `v` to the outputs of `body`, declared with `ty`.
+    pub fn add_output(&mut self, body: BodyId, v: ValueId, ty: Option<TypeProto>) {
+        let info = ValueInfoProto { name: Some(self.name(v).to_string()), r#type: ty, ..Default::default() };
+        let b = self.body_mut(body);
+        let index = b.outputs.len();
+        b.outputs.push((v, info));
+        self.values[v.0 as usize].uses.push(Use::Output { body, index });
+    }
+
+    /// Records (or replaces) the declared type of an intermediate value.
+    pub fn set_value_type(&mut self, v: ValueId, ty: TypeProto) {
+        let body = self.defining_body(v);
+        let name = self.name(v).to_string();
+        let b = self.body_mut(body);
+        if let Some((_, vi)) = b.value_info.iter_mut().find(|(id, _)| *id == v) {
+            vi.r#type = Some(ty);
+        } else {
+            b.value_info.push((v, ValueInfoProto { name: Some(name), r#type: Some(ty), ..Default::default() }));
+        }
+    }
+
+    /// Adds a node at the end of `body`; export places it in topological order. Output
+    /// values get fresh names from `output_hints`; the node records the pass that made it.
+    pub fn add_node(&mut self, body: BodyId, spec: NodeSpec<'_>) -> NodeId {
+        let id = NodeId(self.nodes.len() as u32);
+        let name = self.names.fresh(spec.name_hint.unwrap_or(spec.op_type));
+        let mut proto = NodeProto {
+            name: Some(name),
+            op_type: Some(spec.op_type.to_string()),
+            attribute: spec.attributes,
+            ..Default::default()
+        };
+        if !spec.domain.is_empty() {
+            proto.domain = Some(spec.domain.to_string());
+        }
+        if let Some(pass) = spec.pass {
+            proto.metadata_props.push(StringStringEntryProto {
+                key: Some(PASS_KEY.to_string()),
+                value: Some(pass.to_string()),
+            });
+        }
+        let outputs: Vec<Option<ValueId>> = spec
+            .output_hints
+            .iter()
+            .enumerate()
+            .map(|(slot, hint)| {
+                let name = self.names.fresh(hint);
+                Some(self.push_value(name, ValueDef::Node { node: id, slot }))
+            })
+            .collect();
+        for (slot, input) in spec.inputs.iter().enumerate() {
+            if let Some(v) = input {
+                self.values[v.0 as usize].uses.push(Use::Node { node: id, slot });
+            }
+        }
+        self.nodes.push(Node {
+            proto,
+            body,
+            inputs: spec.inputs.to_vec(),
+            outputs,
+            subgraphs: Vec::new(),
+            removed: false,
+        });
+        self.body_mut(body).nodes.push(id);
+        id
+    }
+
+    /// Output `slot` of `node`. Panics only on a slot the node never had (a pass bug).
+    pub fn output(&self, node: NodeId, slot: usize) -> ValueId {
+        self.node(node).outputs[slot].expect("node output slot is present")
+    }
+
+    /// Rewires input `slot` of `node` to `value` (or to nothing).
+    pub fn set_input(&mut self, node: NodeId, slot: usize, value: Option<ValueId>) {
+        if let Some(old) = self.node(node).inputs[slot] {
+            self.values[old.0 as usize].uses.retain(|u| *u != Use::Node { node, slot });
+        }
+        if let Some(new) = value {
+            self.values[new.0 as usize].uses.push(Use::Node { node, slot });
+        }
+        self.nodes[node.0 as usize].inputs[slot] = value;
+    }
+
+    /// Points every node use of `old` at `new`. Graph outputs keep `old` unless
+    /// `include_outputs`, because renaming a graph output changes the model's interface.
+    pub fn replace_all_uses(&mut self, old: ValueId, new: ValueId, include_outputs: bool) -> Result<(), IrError> {
+        let uses = self.value(old).uses.clone();
+        if !include_outputs && uses.iter().any(|u| matches!(u, Use::Output { .. })) {
+            return Err(IrError::GraphOutput(self.name(old).to_string()));
+        }
+        for u in uses {
+            match u {
+                Use::Node { node, slot } => self.set_input(node, slot, Some(new)),
+                Use::Output { body, index } => self.set_output(body, index, new),
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes output `index` of `body` carry `value`.
+    pub fn set_output(&mut self, body: BodyId, index: usize, value: ValueId) {
+        let old = self.body(body).outputs[index].0;
+        self.values[old.0 as usize].uses.retain(|u| *u != Use::Output { body, index });
+        self.values[value.0 as usize].uses.push(Use::Output { body, index });
+        self.body_mut(body).outputs[index].0 = value;
+    }
+
+    /// Removes a node whose outputs are all unused. Its inputs lose this use.
+    pub fn remove_node(&mut self, node: NodeId) -> Result<(), IrError> {
+        if let Some(used) = self.node(node).outputs.iter().flatten().find(|v| !self.uses(**v).is_empty()) {
+            return Err(IrError::StillUsed {
+                node: self.node(node).proto.name().to_string(),
+                value: self.name(*used).to_string(),
+            });
+        }
+        for slot in 0..self.node(node).inputs.len() {
+            self.set_input(node, slot, None);
+        }
+        self.nodes[node.0 as usize].removed = true;
+        let body = self.node(node).body;
+        self.body_mut(body).nodes.retain(|n| *n != node);
+        Ok(())
+    }
+
+    /// Removes a graph input (and its initializer) that nothing uses any more.
+    pub fn remove_input(&mut self, v: ValueId) -> Result<(), IrError> {
+        if !self.uses(v).is_empty() {
+            return Err(IrError::StillUsed { node: "<graph input>".into(), value: self.name(v).to_string() });
+        }
+        let body = self.defining_body(v);
+        let b = self.body_mut(body);
+        b.inputs.retain(|(id, _)| *id != v);
+        b.initializers.retain(|(id, _)| *id != v);
+        b.value_info.retain(|(id, _)| *id != v);
+        Ok(())
+    }
+
+    /// Ensures `domain` is imported at least at `version`.
+    pub fn require_opset(&mut self, domain: &str, version: i64) {
+        let wanted = normalize_domain(domain);
+        match self.header.opset_import.iter_mut().find(|o| normalize_domain(o.domain()) == wanted) {
+            Some(o) if o.version() >= version => {}
+            Some(o) => o.version = Some(version),
+            None => self.header.opset_import.push(crate::proto::OperatorSetIdProto {
+                domain: Some(domain.to_string()),
+                version: Some(version),
+            }),
+        }
+    }
+}
+
+/// What a pass says about a node it adds.
+pub struct NodeSpec<'a> {
+    pub op_type: &'a str,
+    pub domain: &'a str,
+    pub inputs: &'a [Option<ValueId>],
+    pub output_hints: &'a [&'a str],
+    pub attributes: Vec<AttributeProto>,
+    pub name_hint: Option<&'a str>,
+    pub pass: Option<&'a str>,
+}
+
+/// "" and "ai.onnx" name the same domain.
+pub fn normalize_domain(domain: &str) -> &str {
+    if domain == "ai.onnx" {
+        ""
+    } else {
+        domain
+    }
+}
+
+/// A tensor `TypeProto` with a static shape.
+pub fn tensor_type(elem_type: i32, dims: &[i64]) -> TypeProto {
+    use crate::proto::{tensor_shape_proto::{dimension::Value as Dim, Dimension}, type_proto, TensorShapeProto};
+    TypeProto {
+        value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+            elem_type: Some(elem_type),
+            shape: Some(TensorShapeProto {
+                dim: dims
+                    .iter()
+                    .map(|d| Dimension { value: Some(Dim::DimValue(*d)), denotation: None })
+                    .collect(),
+            }),
+        })),
+        denotation: None,
+    }
+}
