@@ -5,7 +5,10 @@
 //! passes rewrite the graph, and [`ir`] exports it back losslessly.
 
 pub mod checkpoint;
+pub mod inspect;
 pub mod ir;
 pub mod model;
+pub mod ops;
 pub mod proto;
 pub mod runtime;
+pub mod signature;

@@ -16,10 +16,25 @@ pub(super) fn export(model: &Model) -> ModelProto {
 fn export_body(model: &Model, body: BodyId) -> GraphProto {
     let b = model.body(body);
     let mut graph = b.rest.clone();
-    graph.node = topological_order(model, body).into_iter().map(|n| export_node(model, n)).collect();
-    graph.input = b.inputs.iter().map(|(v, info)| named(info, model.name(*v))).collect();
-    graph.output = b.outputs.iter().map(|(v, info)| named(info, model.name(*v))).collect();
-    graph.value_info = b.value_info.iter().map(|(v, info)| named(info, model.name(*v))).collect();
+    graph.node = topological_order(model, body)
+        .into_iter()
+        .map(|n| export_node(model, n))
+        .collect();
+    graph.input = b
+        .inputs
+        .iter()
+        .map(|(v, info)| named(info, model.name(*v)))
+        .collect();
+    graph.output = b
+        .outputs
+        .iter()
+        .map(|(v, info)| named(info, model.name(*v)))
+        .collect();
+    graph.value_info = b
+        .value_info
+        .iter()
+        .map(|(v, info)| named(info, model.name(*v)))
+        .collect();
     graph.initializer = b
         .initializers
         .iter()
@@ -31,7 +46,11 @@ fn export_body(model: &Model, body: BodyId) -> GraphProto {
             t
         })
         .collect();
-    graph.sparse_initializer = b.sparse_initializers.iter().map(|(_, t)| t.clone()).collect();
+    graph.sparse_initializer = b
+        .sparse_initializers
+        .iter()
+        .map(|(_, t)| t.clone())
+        .collect();
     graph
 }
 
@@ -46,7 +65,8 @@ fn named(info: &crate::proto::ValueInfoProto, name: &str) -> crate::proto::Value
 fn export_node(model: &Model, id: NodeId) -> NodeProto {
     let node = model.node(id);
     let mut proto = node.proto.clone();
-    let name_of = |v: &Option<super::ValueId>| v.map(|v| model.name(v).to_string()).unwrap_or_default();
+    let name_of =
+        |v: &Option<super::ValueId>| v.map(|v| model.name(v).to_string()).unwrap_or_default();
     proto.input = node.inputs.iter().map(name_of).collect();
     proto.output = node.outputs.iter().map(name_of).collect();
     for sub in &node.subgraphs {
@@ -82,7 +102,10 @@ pub(crate) fn topological_order(model: &Model, body: BodyId) -> Vec<NodeId> {
             dependents[d].push(i);
         }
     }
-    let mut ready: BinaryHeap<Reverse<usize>> = (0..nodes.len()).filter(|i| pending[*i] == 0).map(Reverse).collect();
+    let mut ready: BinaryHeap<Reverse<usize>> = (0..nodes.len())
+        .filter(|i| pending[*i] == 0)
+        .map(Reverse)
+        .collect();
     let mut order = Vec::with_capacity(nodes.len());
     let mut emitted = vec![false; nodes.len()];
     while let Some(Reverse(i)) = ready.pop() {

@@ -7,7 +7,9 @@
 
 use std::collections::HashMap;
 
-use super::{Body, BodyId, Model, NameAuthority, Node, NodeId, SubgraphRef, Use, Value, ValueDef, ValueId};
+use super::{
+    Body, BodyId, Model, NameAuthority, Node, NodeId, SubgraphRef, Use, Value, ValueDef, ValueId,
+};
 use crate::proto::{GraphProto, ModelProto};
 
 pub(super) fn import(mut proto: ModelProto) -> Model {
@@ -36,7 +38,11 @@ impl Importer {
     fn new_value(&mut self, name: &str, def: ValueDef) -> ValueId {
         let id = ValueId(self.model.values.len() as u32);
         self.model.names.reserve(name);
-        self.model.values.push(Value { name: name.to_string(), def, uses: Vec::new() });
+        self.model.values.push(Value {
+            name: name.to_string(),
+            def,
+            uses: Vec::new(),
+        });
         id
     }
 
@@ -44,7 +50,9 @@ impl Importer {
     /// still gets its own value, so the verifier can report it; lookups see the first).
     fn define(&mut self, body: BodyId, name: &str, def: ValueDef) -> ValueId {
         let v = self.new_value(name, def);
-        self.scopes[body.0 as usize].entry(name.to_string()).or_insert(v);
+        self.scopes[body.0 as usize]
+            .entry(name.to_string())
+            .or_insert(v);
         v
     }
 
@@ -59,9 +67,18 @@ impl Importer {
         self.define(body, name, ValueDef::Undefined { body })
     }
 
-    fn import_body(&mut self, mut graph: GraphProto, parent: Option<BodyId>, owner: Option<NodeId>) -> BodyId {
+    fn import_body(
+        &mut self,
+        mut graph: GraphProto,
+        parent: Option<BodyId>,
+        owner: Option<NodeId>,
+    ) -> BodyId {
         let body = BodyId(self.model.bodies.len() as u32);
-        self.model.bodies.push(Body { parent, owner, ..Default::default() });
+        self.model.bodies.push(Body {
+            parent,
+            owner,
+            ..Default::default()
+        });
         self.scopes.push(HashMap::new());
 
         let inputs = std::mem::take(&mut graph.input);
@@ -79,7 +96,10 @@ impl Importer {
         let mut b_inits = Vec::with_capacity(initializers.len());
         for tensor in initializers {
             // An initializer named like a graph input is that input's default value.
-            let as_input = b_inputs.iter().find(|(v, _)| self.model.values[v.0 as usize].name == tensor.name()).map(|(v, _)| *v);
+            let as_input = b_inputs
+                .iter()
+                .find(|(v, _)| self.model.values[v.0 as usize].name == tensor.name())
+                .map(|(v, _)| *v);
             let v = match as_input {
                 Some(v) if !b_inits.iter().any(|(i, _)| *i == v) => v,
                 _ => self.define(body, tensor.name(), ValueDef::Initializer { body }),
@@ -88,7 +108,11 @@ impl Importer {
         }
         let mut b_sparse = Vec::with_capacity(sparse.len());
         for tensor in sparse {
-            let name = tensor.values.as_ref().map(|t| t.name().to_string()).unwrap_or_default();
+            let name = tensor
+                .values
+                .as_ref()
+                .map(|t| t.name().to_string())
+                .unwrap_or_default();
             let v = self.define(body, &name, ValueDef::SparseInitializer { body });
             b_sparse.push((v, tensor));
         }
@@ -109,10 +133,20 @@ impl Importer {
             let outputs = output_names
                 .iter()
                 .enumerate()
-                .map(|(slot, name)| (!name.is_empty()).then(|| self.define(body, name, ValueDef::Node { node: id, slot })))
+                .map(|(slot, name)| {
+                    (!name.is_empty())
+                        .then(|| self.define(body, name, ValueDef::Node { node: id, slot }))
+                })
                 .collect();
             let input_names = std::mem::take(&mut proto.input);
-            self.model.nodes.push(Node { proto, body, inputs: Vec::new(), outputs, subgraphs: Vec::new(), removed: false });
+            self.model.nodes.push(Node {
+                proto,
+                body,
+                inputs: Vec::new(),
+                outputs,
+                subgraphs: Vec::new(),
+                removed: false,
+            });
             node_ids.push(id);
             pending.push((id, input_names));
         }
@@ -125,7 +159,9 @@ impl Importer {
                 .collect();
             for (slot, v) in inputs.iter().enumerate() {
                 if let Some(v) = v {
-                    self.model.values[v.0 as usize].uses.push(Use::Node { node: id, slot });
+                    self.model.values[v.0 as usize]
+                        .uses
+                        .push(Use::Node { node: id, slot });
                 }
             }
             self.model.nodes[id.0 as usize].inputs = inputs;
@@ -138,11 +174,19 @@ impl Importer {
                 let many = std::mem::take(&mut attr.graphs);
                 if let Some(g) = single {
                     let sub = self.import_body(g, Some(body), Some(id));
-                    subgraphs.push(SubgraphRef { attribute, element: None, body: sub });
+                    subgraphs.push(SubgraphRef {
+                        attribute,
+                        element: None,
+                        body: sub,
+                    });
                 }
                 for (element, g) in many.into_iter().enumerate() {
                     let sub = self.import_body(g, Some(body), Some(id));
-                    subgraphs.push(SubgraphRef { attribute, element: Some(element), body: sub });
+                    subgraphs.push(SubgraphRef {
+                        attribute,
+                        element: Some(element),
+                        body: sub,
+                    });
                 }
             }
             self.model.nodes[id.0 as usize].subgraphs = subgraphs;
@@ -151,7 +195,9 @@ impl Importer {
         let mut b_outputs = Vec::with_capacity(outputs.len());
         for (index, info) in outputs.into_iter().enumerate() {
             let v = self.resolve(body, info.name());
-            self.model.values[v.0 as usize].uses.push(Use::Output { body, index });
+            self.model.values[v.0 as usize]
+                .uses
+                .push(Use::Output { body, index });
             b_outputs.push((v, info));
         }
         let mut b_value_info = Vec::with_capacity(value_info.len());

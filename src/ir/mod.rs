@@ -134,7 +134,9 @@ pub struct Model {
 pub enum IrError {
     #[error("cannot remove node {node}: its output '{value}' is still used")]
     StillUsed { node: String, value: String },
-    #[error("value '{0}' is a graph output; replacing its uses needs the explicit graph-output policy")]
+    #[error(
+        "value '{0}' is a graph output; replacing its uses needs the explicit graph-output policy"
+    )]
     GraphOutput(String),
     #[error("no value named '{0}' is visible in this scope")]
     UnknownValue(String),
@@ -191,12 +193,18 @@ impl Model {
 
     /// Live nodes of a body, in their current order.
     pub fn body_nodes(&self, b: BodyId) -> impl Iterator<Item = NodeId> + '_ {
-        self.body(b).nodes.iter().copied().filter(|n| !self.node(*n).removed)
+        self.body(b)
+            .nodes
+            .iter()
+            .copied()
+            .filter(|n| !self.node(*n).removed)
     }
 
     /// Every live node of the model, bodies included.
     pub fn all_nodes(&self) -> impl Iterator<Item = NodeId> + '_ {
-        (0..self.nodes.len() as u32).map(NodeId).filter(|n| !self.node(*n).removed)
+        (0..self.nodes.len() as u32)
+            .map(NodeId)
+            .filter(|n| !self.node(*n).removed)
     }
 
     /// Resolves `name` in `body`, then in its enclosing scopes.
@@ -280,14 +288,18 @@ impl Model {
             .find(|(id, _)| *id == v)
             .and_then(|(_, vi)| vi.r#type.clone());
         declared.or_else(|| {
-            self.initializer(v).map(|t| tensor_type(t.data_type(), &t.dims))
+            self.initializer(v)
+                .map(|t| tensor_type(t.data_type(), &t.dims))
         })
     }
 
     /// The initializer backing `v`, if any.
     pub fn initializer(&self, v: ValueId) -> Option<&TensorProto> {
         let body = self.body(self.defining_body(v));
-        body.initializers.iter().find(|(id, _)| *id == v).map(|(_, t)| t)
+        body.initializers
+            .iter()
+            .find(|(id, _)| *id == v)
+            .map(|(_, t)| t)
     }
 
     /// The main graph's input values, in order.
@@ -314,12 +326,21 @@ impl Model {
 
     fn push_value(&mut self, name: String, def: ValueDef) -> ValueId {
         let id = ValueId(self.values.len() as u32);
-        self.values.push(Value { name, def, uses: Vec::new() });
+        self.values.push(Value {
+            name,
+            def,
+            uses: Vec::new(),
+        });
         id
     }
 
     /// A new initializer in `body` under a fresh name derived from `hint`.
-    pub fn add_initializer(&mut self, body: BodyId, hint: &str, mut tensor: TensorProto) -> ValueId {
+    pub fn add_initializer(
+        &mut self,
+        body: BodyId,
+        hint: &str,
+        mut tensor: TensorProto,
+    ) -> ValueId {
         let name = self.names.fresh(hint);
         tensor.name = Some(name.clone());
         let v = self.push_value(name, ValueDef::Initializer { body });
@@ -338,7 +359,11 @@ impl Model {
     ) -> ValueId {
         let name = self.names.fresh(name);
         let v = self.push_value(name.clone(), ValueDef::Input { body });
-        let info = ValueInfoProto { name: Some(name.clone()), r#type: Some(ty), ..Default::default() };
+        let info = ValueInfoProto {
+            name: Some(name.clone()),
+            r#type: Some(ty),
+            ..Default::default()
+        };
         self.body_mut(body).inputs.push((v, info));
         if let Some(mut t) = default {
             t.name = Some(name);
@@ -349,11 +374,17 @@ impl Model {
 
     /// Appends `v` to the outputs of `body`, declared with `ty`.
     pub fn add_output(&mut self, body: BodyId, v: ValueId, ty: Option<TypeProto>) {
-        let info = ValueInfoProto { name: Some(self.name(v).to_string()), r#type: ty, ..Default::default() };
+        let info = ValueInfoProto {
+            name: Some(self.name(v).to_string()),
+            r#type: ty,
+            ..Default::default()
+        };
         let b = self.body_mut(body);
         let index = b.outputs.len();
         b.outputs.push((v, info));
-        self.values[v.0 as usize].uses.push(Use::Output { body, index });
+        self.values[v.0 as usize]
+            .uses
+            .push(Use::Output { body, index });
     }
 
     /// Records (or replaces) the declared type of an intermediate value.
@@ -364,7 +395,14 @@ impl Model {
         if let Some((_, vi)) = b.value_info.iter_mut().find(|(id, _)| *id == v) {
             vi.r#type = Some(ty);
         } else {
-            b.value_info.push((v, ValueInfoProto { name: Some(name), r#type: Some(ty), ..Default::default() }));
+            b.value_info.push((
+                v,
+                ValueInfoProto {
+                    name: Some(name),
+                    r#type: Some(ty),
+                    ..Default::default()
+                },
+            ));
         }
     }
 
@@ -399,7 +437,9 @@ impl Model {
             .collect();
         for (slot, input) in spec.inputs.iter().enumerate() {
             if let Some(v) = input {
-                self.values[v.0 as usize].uses.push(Use::Node { node: id, slot });
+                self.values[v.0 as usize]
+                    .uses
+                    .push(Use::Node { node: id, slot });
             }
         }
         self.nodes.push(Node {
@@ -422,17 +462,26 @@ impl Model {
     /// Rewires input `slot` of `node` to `value` (or to nothing).
     pub fn set_input(&mut self, node: NodeId, slot: usize, value: Option<ValueId>) {
         if let Some(old) = self.node(node).inputs[slot] {
-            self.values[old.0 as usize].uses.retain(|u| *u != Use::Node { node, slot });
+            self.values[old.0 as usize]
+                .uses
+                .retain(|u| *u != Use::Node { node, slot });
         }
         if let Some(new) = value {
-            self.values[new.0 as usize].uses.push(Use::Node { node, slot });
+            self.values[new.0 as usize]
+                .uses
+                .push(Use::Node { node, slot });
         }
         self.nodes[node.0 as usize].inputs[slot] = value;
     }
 
     /// Points every node use of `old` at `new`. Graph outputs keep `old` unless
     /// `include_outputs`, because renaming a graph output changes the model's interface.
-    pub fn replace_all_uses(&mut self, old: ValueId, new: ValueId, include_outputs: bool) -> Result<(), IrError> {
+    pub fn replace_all_uses(
+        &mut self,
+        old: ValueId,
+        new: ValueId,
+        include_outputs: bool,
+    ) -> Result<(), IrError> {
         let uses = self.value(old).uses.clone();
         if !include_outputs && uses.iter().any(|u| matches!(u, Use::Output { .. })) {
             return Err(IrError::GraphOutput(self.name(old).to_string()));
@@ -449,14 +498,24 @@ impl Model {
     /// Makes output `index` of `body` carry `value`.
     pub fn set_output(&mut self, body: BodyId, index: usize, value: ValueId) {
         let old = self.body(body).outputs[index].0;
-        self.values[old.0 as usize].uses.retain(|u| *u != Use::Output { body, index });
-        self.values[value.0 as usize].uses.push(Use::Output { body, index });
+        self.values[old.0 as usize]
+            .uses
+            .retain(|u| *u != Use::Output { body, index });
+        self.values[value.0 as usize]
+            .uses
+            .push(Use::Output { body, index });
         self.body_mut(body).outputs[index].0 = value;
     }
 
     /// Removes a node whose outputs are all unused. Its inputs lose this use.
     pub fn remove_node(&mut self, node: NodeId) -> Result<(), IrError> {
-        if let Some(used) = self.node(node).outputs.iter().flatten().find(|v| !self.uses(**v).is_empty()) {
+        if let Some(used) = self
+            .node(node)
+            .outputs
+            .iter()
+            .flatten()
+            .find(|v| !self.uses(**v).is_empty())
+        {
             return Err(IrError::StillUsed {
                 node: self.node(node).proto.name().to_string(),
                 value: self.name(*used).to_string(),
@@ -474,7 +533,10 @@ impl Model {
     /// Removes a graph input (and its initializer) that nothing uses any more.
     pub fn remove_input(&mut self, v: ValueId) -> Result<(), IrError> {
         if !self.uses(v).is_empty() {
-            return Err(IrError::StillUsed { node: "<graph input>".into(), value: self.name(v).to_string() });
+            return Err(IrError::StillUsed {
+                node: "<graph input>".into(),
+                value: self.name(v).to_string(),
+            });
         }
         let body = self.defining_body(v);
         let b = self.body_mut(body);
@@ -487,13 +549,21 @@ impl Model {
     /// Ensures `domain` is imported at least at `version`.
     pub fn require_opset(&mut self, domain: &str, version: i64) {
         let wanted = normalize_domain(domain);
-        match self.header.opset_import.iter_mut().find(|o| normalize_domain(o.domain()) == wanted) {
+        match self
+            .header
+            .opset_import
+            .iter_mut()
+            .find(|o| normalize_domain(o.domain()) == wanted)
+        {
             Some(o) if o.version() >= version => {}
             Some(o) => o.version = Some(version),
-            None => self.header.opset_import.push(crate::proto::OperatorSetIdProto {
-                domain: Some(domain.to_string()),
-                version: Some(version),
-            }),
+            None => self
+                .header
+                .opset_import
+                .push(crate::proto::OperatorSetIdProto {
+                    domain: Some(domain.to_string()),
+                    version: Some(version),
+                }),
         }
     }
 }
@@ -520,14 +590,20 @@ pub fn normalize_domain(domain: &str) -> &str {
 
 /// A tensor `TypeProto` with a static shape.
 pub fn tensor_type(elem_type: i32, dims: &[i64]) -> TypeProto {
-    use crate::proto::{tensor_shape_proto::{dimension::Value as Dim, Dimension}, type_proto, TensorShapeProto};
+    use crate::proto::{
+        tensor_shape_proto::{dimension::Value as Dim, Dimension},
+        type_proto, TensorShapeProto,
+    };
     TypeProto {
         value: Some(type_proto::Value::TensorType(type_proto::Tensor {
             elem_type: Some(elem_type),
             shape: Some(TensorShapeProto {
                 dim: dims
                     .iter()
-                    .map(|d| Dimension { value: Some(Dim::DimValue(*d)), denotation: None })
+                    .map(|d| Dimension {
+                        value: Some(Dim::DimValue(*d)),
+                        denotation: None,
+                    })
                     .collect(),
             }),
         })),

@@ -9,8 +9,8 @@ use std::fmt::Write;
 
 use super::{BodyId, Model, NodeId, PASS_KEY};
 use crate::proto::{
-    attribute_proto::AttributeType, tensor_shape_proto::dimension::Value as Dim, type_proto, AttributeProto,
-    TensorProto, TypeProto,
+    attribute_proto::AttributeType, tensor_shape_proto::dimension::Value as Dim, type_proto,
+    AttributeProto, TensorProto, TypeProto,
 };
 
 /// The whole model: header, main graph, subgraphs inline.
@@ -22,7 +22,12 @@ pub fn print_model(model: &Model) -> String {
         .iter()
         .map(|o| format!("\"{}\" : {}", o.domain(), o.version()))
         .collect();
-    let _ = writeln!(out, "<\n  ir_version: {},\n  opset_import: [{}]\n>", model.header.ir_version(), opsets.join(", "));
+    let _ = writeln!(
+        out,
+        "<\n  ir_version: {},\n  opset_import: [{}]\n>",
+        model.header.ir_version(),
+        opsets.join(", ")
+    );
     print_body(model, BodyId::MAIN, 0, &mut out);
     out
 }
@@ -31,11 +36,28 @@ fn print_body(model: &Model, body: BodyId, indent: usize, out: &mut String) {
     let pad = "  ".repeat(indent);
     let b = model.body(body);
     let name = b.rest.name();
-    let inputs: Vec<String> = b.inputs.iter().map(|(v, info)| typed(info.r#type.as_ref(), model.name(*v))).collect();
-    let outputs: Vec<String> = b.outputs.iter().map(|(v, info)| typed(info.r#type.as_ref(), model.name(*v))).collect();
-    let _ = writeln!(out, "{name} ({}) => ({})", inputs.join(", "), outputs.join(", "));
+    let inputs: Vec<String> = b
+        .inputs
+        .iter()
+        .map(|(v, info)| typed(info.r#type.as_ref(), model.name(*v)))
+        .collect();
+    let outputs: Vec<String> = b
+        .outputs
+        .iter()
+        .map(|(v, info)| typed(info.r#type.as_ref(), model.name(*v)))
+        .collect();
+    let _ = writeln!(
+        out,
+        "{name} ({}) => ({})",
+        inputs.join(", "),
+        outputs.join(", ")
+    );
     if !b.initializers.is_empty() {
-        let inits: Vec<String> = b.initializers.iter().map(|(v, t)| initializer(t, model.name(*v))).collect();
+        let inits: Vec<String> = b
+            .initializers
+            .iter()
+            .map(|(v, t)| initializer(t, model.name(*v)))
+            .collect();
         let _ = writeln!(out, "{pad}<{}>", inits.join(", "));
     }
     let _ = writeln!(out, "{pad}{{");
@@ -48,21 +70,27 @@ fn print_body(model: &Model, body: BodyId, indent: usize, out: &mut String) {
 fn print_node(model: &Model, n: NodeId, indent: usize, out: &mut String) {
     let pad = "  ".repeat(indent);
     let node = model.node(n);
-    let name_of = |v: &Option<super::ValueId>| v.map(|v| model.name(v).to_string()).unwrap_or_default();
+    let name_of =
+        |v: &Option<super::ValueId>| v.map(|v| model.name(v).to_string()).unwrap_or_default();
     let outputs: Vec<String> = node.outputs.iter().map(name_of).collect();
     let inputs: Vec<String> = node.inputs.iter().map(name_of).collect();
     let op = match node.proto.domain() {
         "" | "ai.onnx" => node.proto.op_type().to_string(),
         domain => format!("{domain}.{}", node.proto.op_type()),
     };
-    let mut attrs: Vec<(usize, &AttributeProto)> = node.proto.attribute.iter().enumerate().collect();
+    let mut attrs: Vec<(usize, &AttributeProto)> =
+        node.proto.attribute.iter().enumerate().collect();
     attrs.sort_by(|a, b| a.1.name().cmp(b.1.name()));
     let plain: Vec<String> = attrs
         .iter()
         .filter(|(i, _)| !node.subgraphs.iter().any(|s| s.attribute == *i))
         .map(|(_, a)| format!("{} = {}", a.name(), attribute_value(a)))
         .collect();
-    let attr_text = if plain.is_empty() { String::new() } else { format!(" <{}>", plain.join(", ")) };
+    let attr_text = if plain.is_empty() {
+        String::new()
+    } else {
+        format!(" <{}>", plain.join(", "))
+    };
     let pass = node
         .proto
         .metadata_props
@@ -70,7 +98,12 @@ fn print_node(model: &Model, n: NodeId, indent: usize, out: &mut String) {
         .find(|p| p.key() == PASS_KEY)
         .map(|p| format!("  # {}", p.value()))
         .unwrap_or_default();
-    let _ = writeln!(out, "{pad}{} = {op}{attr_text} ({}){pass}", outputs.join(", "), inputs.join(", "));
+    let _ = writeln!(
+        out,
+        "{pad}{} = {op}{attr_text} ({}){pass}",
+        outputs.join(", "),
+        inputs.join(", ")
+    );
     for (i, a) in attrs {
         for sub in node.subgraphs.iter().filter(|s| s.attribute == i) {
             let label = match sub.element {
@@ -95,9 +128,18 @@ fn attribute_value(a: &AttributeProto) -> String {
         AttributeType::Tensor => a.t.as_ref().map(|t| initializer(t, "")).unwrap_or_default(),
         AttributeType::Floats => list(a.floats.iter().map(|f| float(*f)).collect()),
         AttributeType::Ints => list(a.ints.iter().map(|i| i.to_string()).collect()),
-        AttributeType::Strings => list(a.strings.iter().map(|s| format!("{:?}", String::from_utf8_lossy(s))).collect()),
+        AttributeType::Strings => list(
+            a.strings
+                .iter()
+                .map(|s| format!("{:?}", String::from_utf8_lossy(s)))
+                .collect(),
+        ),
         AttributeType::Tensors => list(a.tensors.iter().map(|t| initializer(t, "")).collect()),
-        AttributeType::TypeProto => a.tp.as_ref().map(|t| type_text(Some(t))).unwrap_or_default(),
+        AttributeType::TypeProto => {
+            a.tp.as_ref()
+                .map(|t| type_text(Some(t)))
+                .unwrap_or_default()
+        }
         other => format!("<{}>", other.as_str_name()),
     }
 }
@@ -113,7 +155,9 @@ fn typed(ty: Option<&TypeProto>, name: &str) -> String {
 
 /// ONNX text syntax for a type: `float[N,16]`, `int64`, `seq(float[3])`.
 pub fn type_text(ty: Option<&TypeProto>) -> String {
-    let Some(value) = ty.and_then(|t| t.value.as_ref()) else { return "?".into() };
+    let Some(value) = ty.and_then(|t| t.value.as_ref()) else {
+        return "?".into();
+    };
     match value {
         type_proto::Value::TensorType(t) => {
             let elem = elem_type_name(t.elem_type());
@@ -135,9 +179,17 @@ pub fn type_text(ty: Option<&TypeProto>) -> String {
             }
         }
         type_proto::Value::SequenceType(s) => format!("seq({})", type_text(s.elem_type.as_deref())),
-        type_proto::Value::OptionalType(o) => format!("optional({})", type_text(o.elem_type.as_deref())),
-        type_proto::Value::MapType(m) => format!("map({}, {})", elem_type_name(m.key_type()), type_text(m.value_type.as_deref())),
-        type_proto::Value::SparseTensorType(t) => format!("sparse_tensor({})", elem_type_name(t.elem_type())),
+        type_proto::Value::OptionalType(o) => {
+            format!("optional({})", type_text(o.elem_type.as_deref()))
+        }
+        type_proto::Value::MapType(m) => format!(
+            "map({}, {})",
+            elem_type_name(m.key_type()),
+            type_text(m.value_type.as_deref())
+        ),
+        type_proto::Value::SparseTensorType(t) => {
+            format!("sparse_tensor({})", elem_type_name(t.elem_type()))
+        }
         type_proto::Value::OpaqueType(o) => format!("opaque({}.{})", o.domain(), o.name()),
     }
 }
@@ -182,9 +234,20 @@ fn initializer(t: &TensorProto, name: &str) -> String {
     let shape = if t.dims.is_empty() {
         String::new()
     } else {
-        format!("[{}]", t.dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(","))
+        format!(
+            "[{}]",
+            t.dims
+                .iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        )
     };
-    let head = if name.is_empty() { format!("{elem}{shape}") } else { format!("{elem}{shape} {name}") };
+    let head = if name.is_empty() {
+        format!("{elem}{shape}")
+    } else {
+        format!("{elem}{shape} {name}")
+    };
     match small_values(t) {
         Some(values) => format!("{head} = {{{}}}", values.join(", ")),
         None => head,
@@ -200,17 +263,33 @@ fn small_values(t: &TensorProto) -> Option<Vec<String>> {
     let raw = t.raw_data();
     let chunks = |size: usize| raw.chunks_exact(size).take(count as usize);
     let values: Vec<String> = match D::try_from(t.data_type()).ok()? {
-        D::Float if !raw.is_empty() => chunks(4).map(|c| float(f32::from_le_bytes(bytes(c)))).collect(),
+        D::Float if !raw.is_empty() => chunks(4)
+            .map(|c| float(f32::from_le_bytes(bytes(c))))
+            .collect(),
         D::Float => t.float_data.iter().map(|f| float(*f)).collect(),
-        D::Double if !raw.is_empty() => chunks(8).map(|c| format!("{:?}", f64::from_le_bytes(bytes(c)))).collect(),
+        D::Double if !raw.is_empty() => chunks(8)
+            .map(|c| format!("{:?}", f64::from_le_bytes(bytes(c))))
+            .collect(),
         D::Double => t.double_data.iter().map(|f| format!("{f:?}")).collect(),
-        D::Int64 if !raw.is_empty() => chunks(8).map(|c| i64::from_le_bytes(bytes(c)).to_string()).collect(),
+        D::Int64 if !raw.is_empty() => chunks(8)
+            .map(|c| i64::from_le_bytes(bytes(c)).to_string())
+            .collect(),
         D::Int64 => t.int64_data.iter().map(|i| i.to_string()).collect(),
-        D::Int32 if !raw.is_empty() => chunks(4).map(|c| i32::from_le_bytes(bytes(c)).to_string()).collect(),
-        D::Bool if !raw.is_empty() => raw.iter().take(count as usize).map(|b| (*b != 0).to_string()).collect(),
+        D::Int32 if !raw.is_empty() => chunks(4)
+            .map(|c| i32::from_le_bytes(bytes(c)).to_string())
+            .collect(),
+        D::Bool if !raw.is_empty() => raw
+            .iter()
+            .take(count as usize)
+            .map(|b| (*b != 0).to_string())
+            .collect(),
         D::Int32 | D::Bool => t.int32_data.iter().map(|i| i.to_string()).collect(),
-        D::Float16 if !raw.is_empty() => chunks(2).map(|c| float(half::f16::from_le_bytes(bytes(c)).to_f32())).collect(),
-        D::Bfloat16 if !raw.is_empty() => chunks(2).map(|c| float(half::bf16::from_le_bytes(bytes(c)).to_f32())).collect(),
+        D::Float16 if !raw.is_empty() => chunks(2)
+            .map(|c| float(half::f16::from_le_bytes(bytes(c)).to_f32()))
+            .collect(),
+        D::Bfloat16 if !raw.is_empty() => chunks(2)
+            .map(|c| float(half::bf16::from_le_bytes(bytes(c)).to_f32()))
+            .collect(),
         _ => return None,
     };
     (values.len() == count as usize).then_some(values)

@@ -39,7 +39,12 @@ pub struct VerifyErrors(pub Vec<VerifyError>);
 
 impl fmt::Display for VerifyErrors {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "the graph fails verification ({} error{}):", self.0.len(), if self.0.len() == 1 { "" } else { "s" })?;
+        write!(
+            f,
+            "the graph fails verification ({} error{}):",
+            self.0.len(),
+            if self.0.len() == 1 { "" } else { "s" }
+        )?;
         for e in &self.0 {
             write!(f, "\n  {e}")?;
         }
@@ -51,7 +56,10 @@ impl fmt::Display for VerifyErrors {
 pub const STATE_KEY: &str = "onnx_ga.state";
 
 pub fn verify(model: &Model) -> Result<(), VerifyErrors> {
-    let mut v = Verifier { model, errors: Vec::new() };
+    let mut v = Verifier {
+        model,
+        errors: Vec::new(),
+    };
     v.definitions();
     v.use_lists();
     v.acyclic();
@@ -123,13 +131,21 @@ impl Verifier<'_> {
 
     fn live_values(&self) -> impl Iterator<Item = ValueId> + '_ {
         let m = self.model;
-        (0..m.values.len() as u32).map(ValueId).filter(move |v| match m.value(*v).def {
-            ValueDef::Node { node, .. } => !m.node(node).removed,
-            ValueDef::Input { body } => m.body(body).inputs.iter().any(|(id, _)| id == v),
-            ValueDef::Initializer { body } => m.body(body).initializers.iter().any(|(id, _)| id == v),
-            ValueDef::SparseInitializer { body } => m.body(body).sparse_initializers.iter().any(|(id, _)| id == v),
-            ValueDef::Undefined { .. } => !m.uses(*v).is_empty(),
-        })
+        (0..m.values.len() as u32)
+            .map(ValueId)
+            .filter(move |v| match m.value(*v).def {
+                ValueDef::Node { node, .. } => !m.node(node).removed,
+                ValueDef::Input { body } => m.body(body).inputs.iter().any(|(id, _)| id == v),
+                ValueDef::Initializer { body } => {
+                    m.body(body).initializers.iter().any(|(id, _)| id == v)
+                }
+                ValueDef::SparseInitializer { body } => m
+                    .body(body)
+                    .sparse_initializers
+                    .iter()
+                    .any(|(id, _)| id == v),
+                ValueDef::Undefined { .. } => !m.uses(*v).is_empty(),
+            })
     }
 
     /// Invariant 1.
@@ -145,7 +161,11 @@ impl Verifier<'_> {
                     }
                     _ if !m.is_within(node.body, m.defining_body(v)) => self.at_node(
                         n,
-                        format!("input {slot} '{}' is defined in {}, which is not visible here", m.name(v), body_path(m, m.defining_body(v))),
+                        format!(
+                            "input {slot} '{}' is defined in {}, which is not visible here",
+                            m.name(v),
+                            body_path(m, m.defining_body(v))
+                        ),
                     ),
                     _ => {}
                 }
@@ -158,13 +178,21 @@ impl Verifier<'_> {
             }
             for (index, (v, _)) in m.body(body).outputs.iter().enumerate() {
                 if let ValueDef::Undefined { .. } = m.value(*v).def {
-                    self.at_body(body, format!("output {index} '{}'", m.name(*v)), "is not defined by any node, graph input or initializer".into());
+                    self.at_body(
+                        body,
+                        format!("output {index} '{}'", m.name(*v)),
+                        "is not defined by any node, graph input or initializer".into(),
+                    );
                 }
             }
             let mut seen_init = HashSet::new();
             for (v, _) in &m.body(body).initializers {
                 if !seen_init.insert(*v) {
-                    self.at_body(body, format!("initializer '{}'", m.name(*v)), "appears twice".into());
+                    self.at_body(
+                        body,
+                        format!("initializer '{}'", m.name(*v)),
+                        "appears twice".into(),
+                    );
                 }
             }
         }
@@ -177,14 +205,23 @@ impl Verifier<'_> {
             for (slot, input) in m.node(n).inputs.iter().enumerate() {
                 if let Some(v) = input {
                     if !m.uses(*v).contains(&Use::Node { node: n, slot }) {
-                        self.at_node(n, format!("input {slot} '{}' is missing from that value's use list", m.name(*v)));
+                        self.at_node(
+                            n,
+                            format!(
+                                "input {slot} '{}' is missing from that value's use list",
+                                m.name(*v)
+                            ),
+                        );
                     }
                 }
             }
             for (slot, output) in m.node(n).outputs.iter().enumerate() {
                 if let Some(v) = output {
                     if m.value(*v).def != (ValueDef::Node { node: n, slot }) {
-                        self.at_node(n, format!("output {slot} '{}' names another definition", m.name(*v)));
+                        self.at_node(
+                            n,
+                            format!("output {slot} '{}' names another definition", m.name(*v)),
+                        );
                     }
                 }
             }
@@ -194,13 +231,20 @@ impl Verifier<'_> {
             for u in m.uses(v) {
                 let consistent = match *u {
                     Use::Node { node, slot } => {
-                        !m.node(node).removed && m.node(node).inputs.get(slot).copied().flatten() == Some(v)
+                        !m.node(node).removed
+                            && m.node(node).inputs.get(slot).copied().flatten() == Some(v)
                     }
-                    Use::Output { body, index } => m.body(body).outputs.get(index).map(|(o, _)| *o) == Some(v),
+                    Use::Output { body, index } => {
+                        m.body(body).outputs.get(index).map(|(o, _)| *o) == Some(v)
+                    }
                 };
                 if !consistent {
                     let body = m.defining_body(v);
-                    self.at_body(body, format!("value '{}'", m.name(v)), format!("use list names {u:?}, which does not read it"));
+                    self.at_body(
+                        body,
+                        format!("value '{}'", m.name(v)),
+                        format!("use list names {u:?}, which does not read it"),
+                    );
                 }
             }
         }
@@ -212,14 +256,21 @@ impl Verifier<'_> {
         for b in 0..m.bodies.len() as u32 {
             let body = BodyId(b);
             let order = super::export::topological_order(m, body);
-            let position: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+            let position: HashMap<NodeId, usize> =
+                order.iter().enumerate().map(|(i, n)| (*n, i)).collect();
             for (i, n) in order.iter().enumerate() {
                 let late = super::export::node_reads(m, *n)
                     .into_iter()
                     .filter_map(|v| m.producer(v))
                     .find(|(p, _)| position.get(p).is_some_and(|pos| *pos >= i));
                 if let Some((p, _)) = late {
-                    self.at_node(*n, format!("is part of a cycle (it reads an output of '{}')", node_label(m, p)));
+                    self.at_node(
+                        *n,
+                        format!(
+                            "is part of a cycle (it reads an output of '{}')",
+                            node_label(m, p)
+                        ),
+                    );
                 }
             }
         }
@@ -240,7 +291,10 @@ impl Verifier<'_> {
                     self.at_body(
                         body,
                         format!("value '{name}'"),
-                        format!("is defined again (first defined in {})", body_path(m, m.defining_body(*other))),
+                        format!(
+                            "is defined again (first defined in {})",
+                            body_path(m, m.defining_body(*other))
+                        ),
                     );
                 }
                 _ => {
@@ -266,7 +320,10 @@ impl Verifier<'_> {
         for n in m.all_nodes().collect::<Vec<_>>() {
             let domain = m.node(n).proto.domain();
             if m.opset(domain).is_none() {
-                self.at_node(n, format!("domain '{domain}' is not declared in opset_import"));
+                self.at_node(
+                    n,
+                    format!("domain '{domain}' is not declared in opset_import"),
+                );
             }
         }
     }
@@ -280,31 +337,58 @@ impl Verifier<'_> {
                 continue;
             }
             let branch = |name: &str| {
-                node.subgraphs.iter().find(|s| node.proto.attribute[s.attribute].name() == name && s.element.is_none()).map(|s| s.body)
+                node.subgraphs
+                    .iter()
+                    .find(|s| {
+                        node.proto.attribute[s.attribute].name() == name && s.element.is_none()
+                    })
+                    .map(|s| s.body)
             };
-            let (Some(then_b), Some(else_b)) = (branch("then_branch"), branch("else_branch")) else {
-                self.at_node(n, "If needs both a then_branch and an else_branch graph attribute".into());
+            let (Some(then_b), Some(else_b)) = (branch("then_branch"), branch("else_branch"))
+            else {
+                self.at_node(
+                    n,
+                    "If needs both a then_branch and an else_branch graph attribute".into(),
+                );
                 continue;
             };
             for (label, b) in [("then_branch", then_b), ("else_branch", else_b)] {
                 if !m.body(b).inputs.is_empty() {
-                    self.at_node(n, format!("{label} declares {} inputs; If branches take none", m.body(b).inputs.len()));
+                    self.at_node(
+                        n,
+                        format!(
+                            "{label} declares {} inputs; If branches take none",
+                            m.body(b).inputs.len()
+                        ),
+                    );
                 }
                 let outputs = m.body(b).outputs.len();
                 if outputs != node.outputs.len() {
-                    self.at_node(n, format!("{label} has {outputs} outputs but the If node has {}", node.outputs.len()));
+                    self.at_node(
+                        n,
+                        format!(
+                            "{label} has {outputs} outputs but the If node has {}",
+                            node.outputs.len()
+                        ),
+                    );
                 }
             }
             let then_outs = &m.body(then_b).outputs;
             let else_outs = &m.body(else_b).outputs;
             for (i, ((tv, ti), (ev, ei))) in then_outs.iter().zip(else_outs).enumerate() {
-                let t = elem_type(ti.r#type.as_ref()).or_else(|| elem_type(m.value_type(*tv).as_ref()));
-                let e = elem_type(ei.r#type.as_ref()).or_else(|| elem_type(m.value_type(*ev).as_ref()));
+                let t =
+                    elem_type(ti.r#type.as_ref()).or_else(|| elem_type(m.value_type(*tv).as_ref()));
+                let e =
+                    elem_type(ei.r#type.as_ref()).or_else(|| elem_type(m.value_type(*ev).as_ref()));
                 if let (Some(t), Some(e)) = (t, e) {
                     if t != e {
                         self.at_node(
                             n,
-                            format!("branch output {i}: then_branch gives {} but else_branch gives {}", crate::ir::print::elem_type_name(t), crate::ir::print::elem_type_name(e)),
+                            format!(
+                                "branch output {i}: then_branch gives {} but else_branch gives {}",
+                                crate::ir::print::elem_type_name(t),
+                                crate::ir::print::elem_type_name(e)
+                            ),
                         );
                     }
                 }
@@ -312,10 +396,17 @@ impl Verifier<'_> {
         }
         for n in m.all_nodes().collect::<Vec<_>>() {
             for (i, attr) in m.node(n).proto.attribute.iter().enumerate() {
-                let graph_typed = matches!(attr.r#type(), AttributeType::Graph | AttributeType::Graphs);
+                let graph_typed =
+                    matches!(attr.r#type(), AttributeType::Graph | AttributeType::Graphs);
                 let has_body = m.node(n).subgraphs.iter().any(|s| s.attribute == i);
                 if graph_typed && !has_body && attr.ref_attr_name.is_none() {
-                    self.at_node(n, format!("attribute '{}' is declared as a graph but holds none", attr.name()));
+                    self.at_node(
+                        n,
+                        format!(
+                            "attribute '{}' is declared as a graph but holds none",
+                            attr.name()
+                        ),
+                    );
                 }
             }
         }
@@ -324,12 +415,22 @@ impl Verifier<'_> {
     /// Invariant 7.
     fn state_pairs(&mut self) {
         let m = self.model;
-        let Some(entry) = m.header.metadata_props.iter().find(|p| p.key() == STATE_KEY) else { return };
+        let Some(entry) = m
+            .header
+            .metadata_props
+            .iter()
+            .find(|p| p.key() == STATE_KEY)
+        else {
+            return;
+        };
         let parsed: Result<Vec<serde_json::Value>, _> = serde_json::from_str(entry.value());
         let entries = match parsed {
             Ok(entries) => entries,
             Err(e) => {
-                self.errors.push(VerifyError { location: format!("metadata '{STATE_KEY}'"), message: format!("is not a JSON array: {e}") });
+                self.errors.push(VerifyError {
+                    location: format!("metadata '{STATE_KEY}'"),
+                    message: format!("is not a JSON array: {e}"),
+                });
                 return;
             }
         };
@@ -342,16 +443,28 @@ impl Verifier<'_> {
             let output = e.get("output").and_then(|x| x.as_str()).unwrap_or("");
             let location = format!("state '{input}'");
             if !inputs.contains(input) {
-                self.errors.push(VerifyError { location: location.clone(), message: "is not a graph input".into() });
+                self.errors.push(VerifyError {
+                    location: location.clone(),
+                    message: "is not a graph input".into(),
+                });
             }
             if !outputs.contains(output) {
-                self.errors.push(VerifyError { location: location.clone(), message: format!("its next value '{output}' is not a graph output") });
+                self.errors.push(VerifyError {
+                    location: location.clone(),
+                    message: format!("its next value '{output}' is not a graph output"),
+                });
             }
             if !seen_in.insert(input.to_string()) {
-                self.errors.push(VerifyError { location: location.clone(), message: "appears twice in the state manifest".into() });
+                self.errors.push(VerifyError {
+                    location: location.clone(),
+                    message: "appears twice in the state manifest".into(),
+                });
             }
             if !seen_out.insert(output.to_string()) {
-                self.errors.push(VerifyError { location, message: format!("output '{output}' is the next value of two states") });
+                self.errors.push(VerifyError {
+                    location,
+                    message: format!("output '{output}' is the next value of two states"),
+                });
             }
         }
     }
