@@ -976,12 +976,27 @@ mod fb {
         fn run_verifier(v: &mut Verifier, pos: usize) -> Result<(), InvalidFlatbuffer> {
             v.visit_table(pos)?
                 .visit_field::<Str>("name", TENSOR_NAME, false)?
-                .visit_field::<ForwardsUOffset<Vector<i64>>>("dims", TENSOR_DIMS, false)?
+                .visit_field::<ForwardsUOffset<DimsVector>>("dims", TENSOR_DIMS, false)?
                 .visit_field::<i32>("data_type", TENSOR_DATA_TYPE, false)?
                 .visit_field::<ForwardsUOffset<Vector<u8>>>("raw_data", TENSOR_RAW_DATA, false)?
                 .visit_field::<i64>("external_data_offset", TENSOR_EXTERNAL_DATA_OFFSET, false)?
                 .finish();
             Ok(())
+        }
+    }
+
+    /// Verifies `Tensor.dims` (`[int64]`) like FlatBuffers' C++ verifier, which ONNX Runtime
+    /// uses: the length prefix must be 4-aligned and the elements inside the buffer, but the
+    /// elements need not be 8-aligned. ONNX Runtime 1.19.2 writes nominal checkpoints whose
+    /// empty `dims` vectors are not 8-aligned, which the `flatbuffers` crate's own `Vector<i64>`
+    /// check rejects. Reading is alignment-independent (`read_scalar_at` copies bytes).
+    struct DimsVector;
+
+    impl Verifiable for DimsVector {
+        fn run_verifier(v: &mut Verifier, pos: usize) -> Result<(), InvalidFlatbuffer> {
+            let len = v.get_uoffset(pos)? as usize;
+            let start = pos.saturating_add(flatbuffers::SIZE_UOFFSET);
+            v.range_in_buffer(start, len.saturating_mul(core::mem::size_of::<i64>()))
         }
     }
 

@@ -12,3 +12,7 @@ pub mod ops;
 pub mod proto;
 pub mod runtime;
 pub mod signature;
+pub mod passes;
+pub mod state;
+pub mod data;
+pub mod engine;

@@ -14,6 +14,7 @@
 //! whose `parent` is the body of the node that owns it. Names resolve from the inner scope
 //! outwards, as ONNX does.
 
+pub mod builder;
 mod export;
 mod import;
 mod names;
@@ -495,6 +496,25 @@ impl Model {
         Ok(())
     }
 
+    /// Moves every use of `old` (graph outputs included) to `new`, and gives `new` the name
+    /// of `old` when `old` was a graph output, so the model's interface keeps its names.
+    /// `old` is left unused under a fresh name, ready for its node's removal.
+    pub fn replace_value(&mut self, old: ValueId, new: ValueId) {
+        let was_output = self.uses(old).iter().any(|u| matches!(u, Use::Output { .. }));
+        let _ = self.replace_all_uses(old, new, true);
+        if was_output {
+            let old_name = std::mem::take(&mut self.values[old.0 as usize].name);
+            let retired = self.names.fresh(&format!("{old_name}_replaced"));
+            self.values[old.0 as usize].name = retired;
+            self.values[new.0 as usize].name = old_name;
+        }
+    }
+
+    /// True when `name` is (or was) held by something in this model.
+    pub fn has_name(&self, name: &str) -> bool {
+        self.names.is_taken(name)
+    }
+
     /// Makes output `index` of `body` carry `value`.
     pub fn set_output(&mut self, body: BodyId, index: usize, value: ValueId) {
         let old = self.body(body).outputs[index].0;
@@ -526,7 +546,10 @@ impl Model {
         }
         self.nodes[node.0 as usize].removed = true;
         let body = self.node(node).body;
-        self.body_mut(body).nodes.retain(|n| *n != node);
+        let outputs: Vec<ValueId> = self.node(node).outputs.iter().flatten().copied().collect();
+        let b = self.body_mut(body);
+        b.nodes.retain(|n| *n != node);
+        b.value_info.retain(|(v, _)| !outputs.contains(v));
         Ok(())
     }
 

@@ -53,7 +53,7 @@ impl fmt::Display for VerifyErrors {
 }
 
 /// The metadata key of the state manifest (written by the export of a rewritten step).
-pub const STATE_KEY: &str = "onnx_ga.state";
+pub use crate::state::STATE_KEY;
 
 pub fn verify(model: &Model) -> Result<(), VerifyErrors> {
     let mut v = Verifier {

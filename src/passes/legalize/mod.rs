@@ -1,0 +1,234 @@
+//! `legalize-ort`: lowers the ops that only ONNX Runtime's training build has to standard
+//! ONNX ops, so any maintained runtime runs ORT's training graphs. One file per op; each
+//! lowering reads like the op's math.
+//!
+//! Contract of a lowering: it emits standard nodes computing every used output of the node,
+//! moves the uses there ([`Lowering::replace`]) and leaves the node itself to this module,
+//! which removes it. An attribute value it does not implement is an error naming the node,
+//! the op and the attribute; a silently wrong graph is never an option.
+
+mod adamw_optimizer;
+mod batch_norm_grad;
+mod batch_norm_internal;
+mod conv_grad;
+mod fused_matmul;
+mod gelu;
+mod gelu_grad;
+mod in_place_accumulator;
+mod layer_norm_grad;
+mod max_pool_grad;
+mod relu_grad;
+mod scale;
+mod sgd_optimizer;
+mod sigmoid_grad;
+mod softmax_cross_entropy_loss_grad;
+mod softmax_grad;
+
+use super::{Pass, PassContext, PassError, PassOptions, PassReport};
+use crate::ir::builder::{Builder, NodeAttributes};
+use crate::ir::{Model, NodeId, ValueId};
+
+pub const PASS: &str = "legalize-ort";
+
+type LowerFn = fn(&mut Lowering<'_, '_>, NodeId) -> Result<(), PassError>;
+
+/// (domain, op_type, lowering). ORT registers MaxPoolGrad in the default domain.
+const LOWERINGS: &[(&str, &str, LowerFn)] = &[
+    ("com.microsoft", "InPlaceAccumulatorV2", in_place_accumulator::lower),
+    ("com.microsoft", "ReluGrad", relu_grad::lower),
+    ("com.microsoft", "SigmoidGrad", sigmoid_grad::lower),
+    ("com.microsoft", "GeluGrad", gelu_grad::lower),
+    ("com.microsoft", "SoftmaxGrad_13", softmax_grad::lower),
+    ("com.microsoft", "Scale", scale::lower),
+    ("com.microsoft", "SoftmaxCrossEntropyLossGrad", softmax_cross_entropy_loss_grad::lower),
+    ("", "MaxPoolGrad", max_pool_grad::lower),
+    ("com.microsoft", "ConvGrad", conv_grad::lower),
+    ("com.microsoft", "BatchNormInternal", batch_norm_internal::lower),
+    ("com.microsoft", "BatchNormalizationGrad", batch_norm_grad::lower),
+    ("com.microsoft", "LayerNormalizationGrad", layer_norm_grad::lower),
+    ("com.microsoft", "AdamWOptimizer", adamw_optimizer::lower),
+    ("com.microsoft", "SGDOptimizerV2", sgd_optimizer::lower),
+];
+
+/// Ops standard ONNX Runtime has but other engines lack; lowered only when asked.
+const OPTIONAL_LOWERINGS: &[(&str, &str, &str, LowerFn)] = &[
+    ("fused-matmul", "com.microsoft", "FusedMatMul", fused_matmul::lower),
+    ("gelu", "com.microsoft", "Gelu", gelu::lower),
+];
+
+#[derive(Clone, Debug, Default)]
+pub struct LegalizeOrt {
+    /// Also lower com.microsoft FusedMatMul (standard ORT has it; tract does not).
+    pub fused_matmul: bool,
+    /// Also lower com.microsoft Gelu.
+    pub gelu: bool,
+}
+
+impl LegalizeOrt {
+    pub fn from_options(options: &PassOptions) -> Result<Self, PassError> {
+        options.only(&["fused-matmul", "gelu"])?;
+        Ok(LegalizeOrt {
+            fused_matmul: options.parse("fused-matmul")?.unwrap_or(false),
+            gelu: options.parse("gelu")?.unwrap_or(false),
+        })
+    }
+
+    fn lowering_for(&self, domain: &str, op: &str) -> Option<LowerFn> {
+        let domain = crate::ir::normalize_domain(domain);
+        LOWERINGS
+            .iter()
+            .find(|(d, o, _)| *d == domain && *o == op)
+            .map(|(_, _, f)| *f)
+            .or_else(|| {
+                OPTIONAL_LOWERINGS
+                    .iter()
+                    .filter(|(option, ..)| match *option {
+                        "fused-matmul" => self.fused_matmul,
+                        "gelu" => self.gelu,
+                        _ => false,
+                    })
+                    .find(|(_, d, o, _)| *d == domain && *o == op)
+                    .map(|(.., f)| *f)
+            })
+    }
+}
+
+impl Pass for LegalizeOrt {
+    fn name(&self) -> &'static str {
+        PASS
+    }
+
+    fn spec(&self) -> String {
+        let mut options = Vec::new();
+        if self.fused_matmul {
+            options.push("fused-matmul=true");
+        }
+        if self.gelu {
+            options.push("gelu=true");
+        }
+        if options.is_empty() {
+            PASS.to_string()
+        } else {
+            format!("{PASS}({})", options.join(","))
+        }
+    }
+
+    fn run(&mut self, model: &mut Model, cx: &mut PassContext<'_>) -> Result<PassReport, PassError> {
+        let mut report = PassReport::default();
+        let targets: Vec<NodeId> = model.all_nodes().collect();
+        for node in targets {
+            let proto = &model.node(node).proto;
+            let (domain, op) = (proto.domain().to_string(), proto.op_type().to_string());
+            let Some(lower) = self.lowering_for(&domain, &op) else {
+                if crate::ops::is_training_only(&domain, &op) || crate::ir::normalize_domain(&domain) == "com.microsoft" && !standard_com_microsoft(&op) {
+                    return Err(node_error(model, node, "no lowering to standard ONNX exists for this op".into()));
+                }
+                continue;
+            };
+            let body = model.node(node).body;
+            let mut lowering = Lowering { b: Builder::new(model, body, PASS), state: &mut cx.state };
+            lower(&mut lowering, node)?;
+            report.added += lowering.b.added;
+            model.remove_node(node).map_err(|e| node_error(model, node, format!("lowering left an output in use: {e}")))?;
+            report.removed += 1;
+            report.changed = true;
+        }
+        // A lowering can orphan producers (e.g. a flag nobody reads); drop what is dead.
+        report.removed += super::dce::eliminate_dead_code(model);
+        drop_unused_opsets(model);
+        Ok(report)
+    }
+}
+
+/// com.microsoft ops that the standard ONNX Runtime build registers (contrib ops used by
+/// ORT's training graphs for the forward pass).
+fn standard_com_microsoft(op: &str) -> bool {
+    matches!(
+        op,
+        "FusedMatMul" | "Gelu" | "FastGelu" | "BiasGelu" | "QuickGelu" | "SkipLayerNormalization" | "LayerNormalization"
+            | "SimplifiedLayerNormalization" | "Attention" | "MultiHeadAttention" | "BiasDropout" | "BitmaskDropout"
+            | "BiasSoftmax" | "Trilu" | "Range" | "Inverse" | "FusedConv" | "FusedGemm" | "TransposeMatMul" | "Rfft"
+            | "Irfft" | "SoftmaxCrossEntropyLoss"
+    )
+}
+
+/// Declares only the opset domains still used (the main domain always stays).
+fn drop_unused_opsets(model: &mut Model) {
+    let used: std::collections::HashSet<String> =
+        model.all_nodes().map(|n| crate::ir::normalize_domain(model.node(n).proto.domain()).to_string()).collect();
+    let function_domains: Vec<String> = model.header.functions.iter().map(|f| f.domain().to_string()).collect();
+    model.header.opset_import.retain(|o| {
+        let d = crate::ir::normalize_domain(o.domain());
+        d.is_empty() || used.contains(d) || function_domains.iter().any(|f| f == d)
+    });
+}
+
+pub(crate) fn node_error(model: &Model, node: NodeId, message: String) -> PassError {
+    let p = &model.node(node).proto;
+    let op = if p.domain().is_empty() { p.op_type().to_string() } else { format!("{}::{}", p.domain(), p.op_type()) };
+    PassError::Node { pass: PASS.into(), node: p.name().to_string(), op, message }
+}
+
+/// What a lowering works with: a builder in the node's body, and the state manifest (for
+/// state that a lowering makes explicit: accumulation buffers, BatchNorm running statistics).
+pub struct Lowering<'m, 'c> {
+    pub b: Builder<'m>,
+    pub state: &'c mut Vec<crate::state::StateEntry>,
+}
+
+impl Lowering<'_, '_> {
+    pub fn model(&self) -> &Model {
+        self.b.model
+    }
+
+    /// Input `slot` of `node`, or an error naming it when absent.
+    pub fn input(&self, node: NodeId, slot: usize) -> Result<ValueId, PassError> {
+        self.model()
+            .node(node)
+            .inputs
+            .get(slot)
+            .copied()
+            .flatten()
+            .ok_or_else(|| node_error(self.model(), node, format!("input {slot} is required but absent")))
+    }
+
+    /// Input `slot` of `node` when present.
+    pub fn optional_input(&self, node: NodeId, slot: usize) -> Option<ValueId> {
+        self.model().node(node).inputs.get(slot).copied().flatten()
+    }
+
+    /// Output `slot` of `node` when present and used.
+    pub fn used_output(&self, node: NodeId, slot: usize) -> Option<ValueId> {
+        self.model().node(node).outputs.get(slot).copied().flatten().filter(|v| !self.model().uses(*v).is_empty())
+    }
+
+    /// Moves the uses of output `slot` of `node` to `value` (keeping a graph output's name).
+    pub fn replace(&mut self, node: NodeId, slot: usize, value: ValueId) {
+        if let Some(old) = self.model().node(node).outputs.get(slot).copied().flatten() {
+            self.b.model.replace_value(old, value);
+        }
+    }
+
+    pub fn int_attr(&self, node: NodeId, name: &str, default: i64) -> Result<i64, PassError> {
+        let v = self.model().node(node).proto.attr_int(name).map_err(|m| node_error(self.model(), node, m))?;
+        Ok(v.unwrap_or(default))
+    }
+
+    pub fn float_attr(&self, node: NodeId, name: &str, default: f32) -> Result<f32, PassError> {
+        let v = self.model().node(node).proto.attr_float(name).map_err(|m| node_error(self.model(), node, m))?;
+        Ok(v.unwrap_or(default))
+    }
+
+    pub fn ints_attr(&self, node: NodeId, name: &str) -> Result<Option<Vec<i64>>, PassError> {
+        self.model().node(node).proto.attr_ints(name).map_err(|m| node_error(self.model(), node, m))
+    }
+
+    pub fn string_attr(&self, node: NodeId, name: &str) -> Result<Option<String>, PassError> {
+        self.model().node(node).proto.attr_string(name).map_err(|m| node_error(self.model(), node, m))
+    }
+
+    /// An error about an attribute value outside what the lowering implements.
+    pub fn unsupported(&self, node: NodeId, attribute: &str, detail: String) -> PassError {
+        node_error(self.model(), node, format!("attribute '{attribute}': {detail} is not supported by the lowering"))
+    }
+}

@@ -1,0 +1,193 @@
+//! Passes and the pipeline that runs them.
+//!
+//! A pass rewrites the IR in place and reports what it did. The pipeline runs passes in
+//! order and, when asked (always in tests and debug builds), verifies the graph after each
+//! one, naming the pass in any error. A pipeline can be written as a spec string:
+//! `legalize-ort,grad-accum(steps=4,normalize=mean),optimizer(kind=adamw,lr=0.01),dce`.
+
+pub mod dce;
+pub mod legalize;
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use crate::checkpoint::Checkpoint;
+use crate::ir::{verify, Model};
+use crate::signature::TrainingSignature;
+
+/// What a pass needs besides the graph.
+pub struct PassContext<'a> {
+    pub signature: &'a mut TrainingSignature,
+    pub checkpoint: Option<&'a Checkpoint>,
+    /// State pairs created so far (graph input -> graph output carrying its next value).
+    pub state: Vec<crate::state::StateEntry>,
+}
+
+/// What a pass did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PassReport {
+    pub changed: bool,
+    pub added: usize,
+    pub removed: usize,
+    pub notes: Vec<String>,
+}
+
+impl fmt::Display for PassReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if !self.changed {
+            return write!(f, "unchanged");
+        }
+        write!(f, "changed, +{} nodes, -{} nodes", self.added, self.removed)?;
+        for note in &self.notes {
+            write!(f, "; {note}")?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PassError {
+    /// A node the pass cannot handle: names the node, the op and the reason.
+    #[error("{pass}: node '{node}' ({op}): {message}")]
+    Node { pass: String, node: String, op: String, message: String },
+    #[error("{pass}: {message}")]
+    Other { pass: String, message: String },
+    #[error("after pass {pass}: {errors}")]
+    Verify { pass: String, errors: verify::VerifyErrors },
+    #[error("pipeline spec '{spec}': {message}")]
+    Spec { spec: String, message: String },
+}
+
+pub trait Pass {
+    /// The name used in pipeline specs and provenance stamps.
+    fn name(&self) -> &'static str;
+    /// The spec of this pass with its options, e.g. `grad-accum(steps=4,normalize=mean)`.
+    fn spec(&self) -> String {
+        self.name().to_string()
+    }
+    fn run(&mut self, model: &mut Model, cx: &mut PassContext<'_>) -> Result<PassReport, PassError>;
+}
+
+/// Options of one pass in a spec string: `name(key=value,...)`.
+#[derive(Clone, Debug, Default)]
+pub struct PassOptions {
+    pub pass: String,
+    values: BTreeMap<String, String>,
+}
+
+impl PassOptions {
+    fn error(&self, message: String) -> PassError {
+        PassError::Spec { spec: self.pass.clone(), message }
+    }
+
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.values.get(key).map(String::as_str)
+    }
+
+    pub fn parse<T: std::str::FromStr>(&self, key: &str) -> Result<Option<T>, PassError> {
+        self.get(key)
+            .map(|v| v.parse::<T>().map_err(|_| self.error(format!("option {key}={v} is not a valid value"))))
+            .transpose()
+    }
+
+    /// Fails on options the pass does not know, so a typo never silently does nothing.
+    pub fn only(&self, known: &[&str]) -> Result<(), PassError> {
+        match self.values.keys().find(|k| !known.contains(&k.as_str())) {
+            Some(k) => Err(self.error(format!("unknown option '{k}' (known: {})", known.join(", ")))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Splits `a,b(x=1,y=2),c` at top-level commas and parses each pass's options.
+pub fn parse_spec(spec: &str) -> Result<Vec<PassOptions>, PassError> {
+    let err = |message: String| PassError::Spec { spec: spec.to_string(), message };
+    let mut parts = Vec::new();
+    let mut depth = 0i32;
+    let mut current = String::new();
+    for c in spec.chars() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            _ => {}
+        }
+        if depth < 0 {
+            return Err(err("unbalanced ')'".into()));
+        }
+        if c == ',' && depth == 0 {
+            parts.push(std::mem::take(&mut current));
+        } else {
+            current.push(c);
+        }
+    }
+    if depth != 0 {
+        return Err(err("unbalanced '('".into()));
+    }
+    parts.push(current);
+    parts
+        .into_iter()
+        .map(|p| p.trim().to_string())
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (name, args) = match p.split_once('(') {
+                Some((name, rest)) => {
+                    let args = rest.strip_suffix(')').ok_or_else(|| err(format!("'{p}' does not end in ')'")))?;
+                    (name.trim().to_string(), args.to_string())
+                }
+                None => (p.clone(), String::new()),
+            };
+            let mut values = BTreeMap::new();
+            for kv in args.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                let (k, v) = kv.split_once('=').ok_or_else(|| err(format!("option '{kv}' of {name} is not key=value")))?;
+                values.insert(k.trim().to_string(), v.trim().to_string());
+            }
+            Ok(PassOptions { pass: name, values })
+        })
+        .collect()
+}
+
+/// Builds a pass from its options.
+pub fn make_pass(options: &PassOptions) -> Result<Box<dyn Pass>, PassError> {
+    match options.pass.as_str() {
+        "legalize-ort" => Ok(Box::new(legalize::LegalizeOrt::from_options(options)?)),
+        "dce" => {
+            options.only(&[])?;
+            Ok(Box::new(dce::DeadCodeElimination))
+        }
+        other => Err(PassError::Spec {
+            spec: other.to_string(),
+            message: "unknown pass (known: legalize-ort, dce)".into(),
+        }),
+    }
+}
+
+/// An ordered list of passes.
+pub struct Pipeline {
+    pub passes: Vec<Box<dyn Pass>>,
+    /// Verify after every pass (on in tests and debug builds; `--verify` in release).
+    pub verify_each: bool,
+}
+
+impl Pipeline {
+    pub fn parse(spec: &str) -> Result<Pipeline, PassError> {
+        let passes = parse_spec(spec)?.iter().map(make_pass).collect::<Result<Vec<_>, _>>()?;
+        Ok(Pipeline { passes, verify_each: cfg!(debug_assertions) })
+    }
+
+    /// The canonical spec of the whole pipeline.
+    pub fn spec(&self) -> String {
+        self.passes.iter().map(|p| p.spec()).collect::<Vec<_>>().join(",")
+    }
+
+    pub fn run(&mut self, model: &mut Model, cx: &mut PassContext<'_>) -> Result<Vec<(String, PassReport)>, PassError> {
+        let mut reports = Vec::new();
+        for pass in &mut self.passes {
+            let report = pass.run(model, cx)?;
+            if self.verify_each {
+                verify::verify(model).map_err(|errors| PassError::Verify { pass: pass.spec(), errors })?;
+            }
+            reports.push((pass.spec(), report));
+        }
+        Ok(reports)
+    }
+}

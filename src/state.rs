@@ -1,0 +1,35 @@
+//! The state manifest: which graph inputs are state, which output carries each one's next
+//! value, and what role it plays. Recorded in the model's metadata (`onnx_ga.state`) so any
+//! host can drive the training loop without knowing our naming.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    Param,
+    Frozen,
+    Accumulator,
+    Moment,
+    MicroStep,
+    OptStep,
+    WeightSum,
+    LossScale,
+    GrowthTracker,
+    BnStat,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StateEntry {
+    pub input: String,
+    pub output: String,
+    pub role: Role,
+    /// The parameter an accumulator, moment or bn_stat belongs to.
+    pub param: Option<String>,
+}
+
+pub const STATE_KEY: &str = "onnx_ga.state";
+pub const DATA_INPUTS_KEY: &str = "onnx_ga.data_inputs";
+pub const LOSS_KEY: &str = "onnx_ga.loss";
+pub const PIPELINE_KEY: &str = "onnx_ga.pipeline";
+pub const VERSION_KEY: &str = "onnx_ga.version";
