@@ -23,10 +23,9 @@ pub fn run_ort(model: &ModelProto, inputs: &BTreeMap<String, Tensor>) -> BTreeMa
     let mut session = OrtSession::new(model, &SessionOptions::default()).unwrap_or_else(|e| panic!("session: {e}"));
     let feeds: Vec<(&str, &Tensor)> = session
         .input_names
-        .clone()
         .iter()
-        .filter_map(|n| inputs.get(n).map(|t| (n.as_str(), t)))
-        .map(|(n, t)| (inputs.get_key_value(n).unwrap().0.as_str(), t))
+        .filter_map(|n| inputs.get_key_value(n))
+        .map(|(n, t)| (n.as_str(), t))
         .collect();
     session.run(&feeds).unwrap_or_else(|e| panic!("run: {e}")).into_iter().collect()
 }
