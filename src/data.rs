@@ -89,32 +89,58 @@ impl Tensor {
     /// Reads an initializer (raw or typed storage) into a host tensor.
     pub fn from_tensor_proto(t: &crate::proto::TensorProto) -> Result<Tensor, String> {
         use crate::proto::tensor_proto::DataType as D;
-        let shape: Vec<usize> = t.dims.iter().map(|d| usize::try_from(*d).map_err(|_| format!("negative dimension {d}"))).collect::<Result<_, _>>()?;
+        let shape: Vec<usize> = t
+            .dims
+            .iter()
+            .map(|d| usize::try_from(*d).map_err(|_| format!("negative dimension {d}")))
+            .collect::<Result<_, _>>()?;
         let count: usize = shape.iter().product();
         let raw = t.raw_data();
-        fn build<T: Clone>(shape: &[usize], values: Vec<T>, count: usize) -> Result<ArrayD<T>, String> {
+        fn build<T: Clone>(
+            shape: &[usize],
+            values: Vec<T>,
+            count: usize,
+        ) -> Result<ArrayD<T>, String> {
             if values.len() != count {
-                return Err(format!("holds {} values for shape {shape:?} ({count} elements)", values.len()));
+                return Err(format!(
+                    "holds {} values for shape {shape:?} ({count} elements)",
+                    values.len()
+                ));
             }
             ArrayD::from_shape_vec(IxDyn(shape), values).map_err(|e| e.to_string())
         }
         macro_rules! le {
             ($ty:ty, $n:expr) => {
-                raw.chunks_exact($n).map(|c| <$ty>::from_le_bytes(c.try_into().expect("chunk size"))).collect::<Vec<$ty>>()
+                raw.chunks_exact($n)
+                    .map(|c| <$ty>::from_le_bytes(c.try_into().expect("chunk size")))
+                    .collect::<Vec<$ty>>()
             };
         }
         Ok(match D::try_from(t.data_type()) {
             Ok(D::Float) if t.raw_data.is_some() => Tensor::F32(build(&shape, le!(f32, 4), count)?),
             Ok(D::Float) => Tensor::F32(build(&shape, t.float_data.clone(), count)?),
-            Ok(D::Double) if t.raw_data.is_some() => Tensor::F64(build(&shape, le!(f64, 8), count)?),
+            Ok(D::Double) if t.raw_data.is_some() => {
+                Tensor::F64(build(&shape, le!(f64, 8), count)?)
+            }
             Ok(D::Double) => Tensor::F64(build(&shape, t.double_data.clone(), count)?),
             Ok(D::Int64) if t.raw_data.is_some() => Tensor::I64(build(&shape, le!(i64, 8), count)?),
             Ok(D::Int64) => Tensor::I64(build(&shape, t.int64_data.clone(), count)?),
             Ok(D::Int32) if t.raw_data.is_some() => Tensor::I32(build(&shape, le!(i32, 4), count)?),
             Ok(D::Int32) => Tensor::I32(build(&shape, t.int32_data.clone(), count)?),
-            Ok(D::Bool) if t.raw_data.is_some() => Tensor::Bool(build(&shape, raw.iter().map(|b| *b != 0).collect(), count)?),
-            Ok(D::Bool) => Tensor::Bool(build(&shape, t.int32_data.iter().map(|b| *b != 0).collect(), count)?),
-            _ => return Err(format!("element type {} is not supported on the host", crate::ir::print::elem_type_name(t.data_type()))),
+            Ok(D::Bool) if t.raw_data.is_some() => {
+                Tensor::Bool(build(&shape, raw.iter().map(|b| *b != 0).collect(), count)?)
+            }
+            Ok(D::Bool) => Tensor::Bool(build(
+                &shape,
+                t.int32_data.iter().map(|b| *b != 0).collect(),
+                count,
+            )?),
+            _ => {
+                return Err(format!(
+                    "element type {} is not supported on the host",
+                    crate::ir::print::elem_type_name(t.data_type())
+                ))
+            }
         })
     }
 }
@@ -122,7 +148,10 @@ impl Tensor {
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
     #[error("{}: cannot open: {source}", path.display())]
-    Open { path: PathBuf, source: std::io::Error },
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{}: not a readable .npz archive: {message}", path.display())]
     Archive { path: PathBuf, message: String },
     #[error("{}: array '{name}' has an element type we cannot read (float32, float64, int64, int32, bool are supported)", path.display())]
@@ -133,8 +162,14 @@ pub enum DataError {
 
 /// Reads every array of an `.npz` file, by name.
 pub fn read_npz(path: &Path) -> Result<BTreeMap<String, Tensor>, DataError> {
-    let file = File::open(path).map_err(|source| DataError::Open { path: path.to_path_buf(), source })?;
-    let archive = |e: &dyn std::fmt::Display| DataError::Archive { path: path.to_path_buf(), message: e.to_string() };
+    let file = File::open(path).map_err(|source| DataError::Open {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let archive = |e: &dyn std::fmt::Display| DataError::Archive {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    };
     let mut npz = NpzReader::new(BufReader::new(file)).map_err(|e| archive(&e))?;
     let mut out = BTreeMap::new();
     for name in npz.names().map_err(|e| archive(&e))? {
@@ -149,7 +184,10 @@ pub fn read_npz(path: &Path) -> Result<BTreeMap<String, Tensor>, DataError> {
         } else if let Ok(a) = npz.by_name::<ndarray::OwnedRepr<i32>, IxDyn>(&name) {
             Tensor::I32(a)
         } else {
-            return Err(DataError::ElementType { path: path.to_path_buf(), name });
+            return Err(DataError::ElementType {
+                path: path.to_path_buf(),
+                name,
+            });
         };
         out.insert(name, tensor);
     }
@@ -157,9 +195,18 @@ pub fn read_npz(path: &Path) -> Result<BTreeMap<String, Tensor>, DataError> {
 }
 
 /// Writes arrays to an `.npz` file atomically (never a partial file at `path`).
-pub fn write_npz<'a>(path: &Path, arrays: impl IntoIterator<Item = (&'a str, &'a Tensor)>) -> Result<(), DataError> {
-    let err = |e: &dyn std::fmt::Display| DataError::Write { path: path.to_path_buf(), message: e.to_string() };
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+pub fn write_npz<'a>(
+    path: &Path,
+    arrays: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
+) -> Result<(), DataError> {
+    let err = |e: &dyn std::fmt::Display| DataError::Write {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    };
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     let tmp = tempfile::NamedTempFile::new_in(dir).map_err(|e| err(&e))?;
     {
         let mut npz = NpzWriter::new(tmp.as_file());

@@ -30,12 +30,12 @@ pub fn report(graph: &TrainingGraph) -> Report<'_> {
     let mut count = ParameterCount::default();
     for p in &signature.params {
         if p.trainable {
-            count.trainable += p.element_count();
+            count.trainable = count.trainable.saturating_add(p.element_count());
         } else {
-            count.frozen += p.element_count();
+            count.frozen = count.frozen.saturating_add(p.element_count());
         }
     }
-    count.total = count.trainable + count.frozen;
+    count.total = count.trainable.saturating_add(count.frozen);
     let ops = op_counts(&graph.model);
     let training_only_ops = ops
         .iter()

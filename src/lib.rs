@@ -5,14 +5,16 @@
 //! passes rewrite the graph, and [`ir`] exports it back losslessly.
 
 pub mod checkpoint;
+pub mod data;
+pub mod engine;
 pub mod inspect;
 pub mod ir;
 pub mod model;
 pub mod ops;
+pub mod passes;
 pub mod proto;
 pub mod runtime;
 pub mod signature;
-pub mod passes;
 pub mod state;
-pub mod data;
-pub mod engine;
+pub mod step;
+pub mod train;

@@ -23,6 +23,94 @@ struct Cli {
 enum Command {
     /// Show what a training graph contains: data, loss, seed, parameters, optimizer, ops.
     Inspect(InspectArgs),
+    /// Rewrite a training graph into one self-contained training step.
+    Rewrite(RewriteArgs),
+    /// Train a rewritten step graph: one run per micro-batch, state fed back.
+    Train(TrainArgs),
+}
+
+#[derive(Args)]
+struct RewriteArgs {
+    /// An ONNX Runtime training artifacts folder or an .onnx gradient graph.
+    path: PathBuf,
+    /// Where to write the step model.
+    #[arg(short, long)]
+    output: PathBuf,
+    /// Micro-steps per optimizer step (the window K).
+    #[arg(long, default_value_t = 1)]
+    accum_steps: i64,
+    /// How the window's gradient is normalised: mean, sum, weighted or weighted=INPUT.
+    #[arg(long, default_value = "mean")]
+    normalize: String,
+    /// The optimizer (default: the one in optimizer_model.onnx).
+    #[arg(long, value_parser = ["sgd", "momentum", "nesterov", "adam", "adamw"])]
+    optimizer: Option<String>,
+    /// Learning rate (an initializer-backed input of the step; a host may change it).
+    #[arg(long)]
+    lr: Option<f32>,
+    #[arg(long)]
+    weight_decay: Option<f32>,
+    #[arg(long)]
+    beta1: Option<f32>,
+    #[arg(long)]
+    beta2: Option<f32>,
+    #[arg(long)]
+    eps: Option<f32>,
+    /// Momentum factor of the momentum and nesterov optimizers.
+    #[arg(long)]
+    momentum: Option<f32>,
+    /// How the window's update is applied: an If (default) or Where selects.
+    #[arg(long, default_value = "if", value_parser = ["if", "where"])]
+    apply: String,
+    /// A full pipeline spec instead of the one the options above build, e.g.
+    /// `legalize-ort` alone or `grad-accum(steps=4),optimizer(kind=sgd,lr=0.1),legalize-ort,dce`.
+    #[arg(long)]
+    pipeline: Option<String>,
+    /// Verify the graph after every pass (always on in debug builds).
+    #[arg(long)]
+    verify: bool,
+    #[command(flatten)]
+    roles: RoleArgs,
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    /// A step model written by `onnx-ga rewrite`.
+    model: PathBuf,
+    /// An .npz with one array per data input, named like it; the first axis is samples.
+    #[arg(long)]
+    data: PathBuf,
+    /// Samples per micro-step.
+    #[arg(long)]
+    micro_batch: usize,
+    /// Micro-steps to run.
+    #[arg(long)]
+    steps: u64,
+    #[arg(long, default_value = "ort", value_parser = ["ort"])]
+    engine: String,
+    #[arg(long, default_value = "cpu", value_parser = ["cpu"])]
+    device: String,
+    /// Intra-op threads (0: ONNX Runtime decides).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Start from a state file written by --save-state.
+    #[arg(long)]
+    init_state: Option<PathBuf>,
+    /// Write every state tensor here at the end (atomically).
+    #[arg(long)]
+    save_state: Option<PathBuf>,
+    /// Write one JSON line per micro-step here (step, loss, applied, scale).
+    #[arg(long)]
+    metrics: Option<PathBuf>,
+    /// Apply the optimizer on the last micro-step even if its window is not full.
+    #[arg(long)]
+    flush: bool,
+    /// Micro-steps already taken before this run (sets where sampling resumes).
+    #[arg(long, default_value_t = 0)]
+    start_step: u64,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
 }
 
 #[derive(Args)]
@@ -115,6 +203,8 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<(), Failure> {
     match cli.command {
         Command::Inspect(args) => inspect(args),
+        Command::Rewrite(args) => rewrite(args),
+        Command::Train(args) => train(args),
     }
 }
 
@@ -135,5 +225,151 @@ fn inspect(args: InspectArgs) -> Result<(), Failure> {
             print!("{}", onnx_ga::ir::print::print_model(&graph.model));
         }
     }
+    Ok(())
+}
+
+/// A command-line usage problem found after parsing.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct UsageError(String);
+
+fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
+    if args.path.is_file() && onnx_ga::model::same_file(&args.path, &args.output) {
+        return Err(UsageError(format!(
+            "{}: refusing to overwrite the input model",
+            args.output.display()
+        ))
+        .into());
+    }
+    let spec = match &args.pipeline {
+        Some(spec) => spec.clone(),
+        None => {
+            if args.accum_steps < 1 {
+                return Err(UsageError(format!(
+                    "--accum-steps {}: must be at least 1",
+                    args.accum_steps
+                ))
+                .into());
+            }
+            let normalize = args.normalize.replacen('=', ":", 1);
+            let mut optimizer = Vec::new();
+            if let Some(kind) = &args.optimizer {
+                optimizer.push(format!("kind={kind}"));
+            }
+            let floats = [
+                ("lr", args.lr),
+                ("weight_decay", args.weight_decay),
+                ("beta1", args.beta1),
+                ("beta2", args.beta2),
+                ("eps", args.eps),
+                ("momentum", args.momentum),
+            ];
+            for (name, value) in floats {
+                if let Some(v) = value {
+                    optimizer.push(format!("{name}={v}"));
+                }
+            }
+            let optimizer = if optimizer.is_empty() {
+                "optimizer".to_string()
+            } else {
+                format!("optimizer({})", optimizer.join(","))
+            };
+            format!(
+                "grad-accum(steps={},normalize={normalize},apply={}),{optimizer},legalize-ort,dce",
+                args.accum_steps, args.apply
+            )
+        }
+    };
+    let graph = signature::open(&args.path, &args.roles.roles())?;
+    let step = onnx_ga::step::build_step(graph, &spec, args.verify)?;
+    onnx_ga::model::save_model(&step.model.to_proto(), &args.output)?;
+    for (pass, report) in &step.reports {
+        eprintln!("{pass}: {report}");
+    }
+    eprintln!(
+        "wrote {} ({} state pairs, data inputs: {}, loss: {})",
+        args.output.display(),
+        step.manifest.state.len(),
+        step.manifest.data_inputs.join(", "),
+        step.manifest.loss
+    );
+    Ok(())
+}
+
+fn train(args: TrainArgs) -> Result<(), Failure> {
+    use onnx_ga::train::{micro_batch, Trainer};
+    if args.micro_batch == 0 {
+        return Err(UsageError("--micro-batch must be at least 1".into()).into());
+    }
+    let model = onnx_ga::model::load_model_with_data(&args.model)?;
+    let options = onnx_ga::engine::ort::SessionOptions {
+        threads: args.threads,
+        optimize: true,
+    };
+    let mut trainer = Trainer::new(&model, &options).map_err(|e| match e {
+        onnx_ga::train::TrainError::Step(s) => {
+            anyhow::Error::new(s).context(format!("{}", args.model.display()))
+        }
+        other => anyhow::Error::new(other),
+    })?;
+    let data = onnx_ga::data::read_npz(&args.data)?;
+    let samples = trainer.check_data(&data, &args.data)?;
+    if let Some(path) = &args.init_state {
+        trainer.load_state(path)?;
+    }
+    let bar = if args.quiet {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(args.steps)
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} micro-steps {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut lines = String::new();
+    let mut windows = 0u64;
+    for i in 0..args.steps {
+        let step_index = args.start_step + i;
+        let batch = micro_batch(&data, samples, args.micro_batch, step_index);
+        let flush = args.flush && i + 1 == args.steps;
+        let mut metrics = trainer.step(&batch, flush)?;
+        metrics.step = step_index + 1;
+        if metrics.applied {
+            windows += 1;
+        }
+        let scale = metrics
+            .scale
+            .map(|s| format!(" scale {s}"))
+            .unwrap_or_default();
+        bar.set_message(format!("loss {:.5} windows {windows}{scale}", metrics.loss));
+        bar.inc(1);
+        lines.push_str(&serde_json::to_string(&metrics)?);
+        lines.push('\n');
+    }
+    bar.finish();
+    if let Some(path) = &args.metrics {
+        write_atomically(path, lines.as_bytes())?;
+    }
+    if let Some(path) = &args.save_state {
+        trainer.save_state(path)?;
+    }
+    let last = lines.lines().last().unwrap_or("{}");
+    eprintln!(
+        "trained {} micro-steps, {windows} optimizer steps; last: {last}",
+        args.steps
+    );
+    Ok(())
+}
+
+/// Writes a file through a temporary file in the same folder and a rename.
+fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
+    use std::io::Write;
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
+    tmp.write_all(bytes)?;
+    tmp.persist(path)?;
     Ok(())
 }

@@ -32,20 +32,39 @@ const ORT_BUFFER_SUFFIX: &str = "_grad.accumulation.buffer";
 /// ORT names the backward seed of loss `l` `l` + this suffix.
 const ORT_SEED_SUFFIX: &str = "_grad";
 
+/// Why a training graph could not be opened. Every message names the file (or folder).
+///
+/// `Model` and `Checkpoint` show the inner error's message, which already includes its
+/// cause, and deliberately report no `source()`: a caller printing the whole chain (as
+/// `anyhow`'s `{:#}` does) would otherwise repeat the cause.
 #[derive(Debug, thiserror::Error)]
 pub enum SignatureError {
-    #[error(transparent)]
-    Model(#[from] ModelError),
-    #[error(transparent)]
-    Checkpoint(#[from] CheckpointError),
+    #[error("{0}")]
+    Model(ModelError),
+    #[error("{0}")]
+    Checkpoint(CheckpointError),
     #[error("{}: not found", path.display())]
     NotFound { path: PathBuf },
     #[error("{}: not an ONNX Runtime training artifacts folder: {TRAINING_MODEL} is missing", path.display())]
     NoTrainingModel { path: PathBuf },
+    #[error("{}: is a folder, not a file", path.display())]
+    NotAFile { path: PathBuf },
     #[error("{}: the artifacts folder has no '{CHECKPOINT}' file (parameters are fed from it)", path.display())]
     NoCheckpoint { path: PathBuf },
     #[error("{}: {message}", file.display())]
     Inconsistent { file: PathBuf, message: String },
+}
+
+impl From<ModelError> for SignatureError {
+    fn from(e: ModelError) -> Self {
+        SignatureError::Model(e)
+    }
+}
+
+impl From<CheckpointError> for SignatureError {
+    fn from(e: CheckpointError) -> Self {
+        SignatureError::Checkpoint(e)
+    }
 }
 
 fn inconsistent(file: &Path, message: String) -> SignatureError {
@@ -124,8 +143,12 @@ pub struct Param {
 }
 
 impl Param {
+    /// Elements of the parameter (0 for unknown dims, saturating for absurd ones).
     pub fn element_count(&self) -> u64 {
-        self.dims.iter().map(|d| (*d).max(0) as u64).product()
+        self.dims
+            .iter()
+            .map(|d| (*d).max(0) as u64)
+            .fold(1u64, u64::saturating_mul)
     }
 }
 
@@ -242,6 +265,11 @@ pub fn open(path: &Path, roles: &ExplicitRoles) -> Result<TrainingGraph, Signatu
 
 fn open_artifacts(dir: &Path) -> Result<TrainingGraph, SignatureError> {
     let training_path = dir.join(TRAINING_MODEL);
+    if training_path.is_dir() {
+        return Err(SignatureError::NotAFile {
+            path: training_path,
+        });
+    }
     if !training_path.is_file() {
         return Err(SignatureError::NoTrainingModel {
             path: dir.to_path_buf(),
@@ -253,9 +281,20 @@ fn open_artifacts(dir: &Path) -> Result<TrainingGraph, SignatureError> {
             path: dir.to_path_buf(),
         });
     }
+    // ORT's checkpoint is one file; a folder there is a mistake, not "no checkpoint".
+    if checkpoint_path.is_dir() {
+        return Err(SignatureError::NotAFile {
+            path: checkpoint_path,
+        });
+    }
     let model = Model::from_proto(crate::model::load_model_with_data(&training_path)?);
     let checkpoint = crate::checkpoint::read_checkpoint(&checkpoint_path)?;
     let optimizer_path = dir.join(OPTIMIZER_MODEL);
+    if optimizer_path.is_dir() {
+        return Err(SignatureError::NotAFile {
+            path: optimizer_path,
+        });
+    }
     let optimizer_model = if optimizer_path.is_file() {
         Some(crate::model::load_model(&optimizer_path)?)
     } else {
@@ -528,17 +567,26 @@ fn ort_optimizer(
         n.domain() == "com.microsoft" && matches!(n.op_type(), "AdamWOptimizer" | "SGDOptimizerV2")
     };
     let node = graph.node.iter().find(known).ok_or_else(|| {
-        let ops: Vec<String> = graph
+        let ops: std::collections::BTreeSet<String> = graph
             .node
             .iter()
-            .map(|n| format!("{}::{}", n.domain(), n.op_type()))
+            .map(|n| {
+                let domain = crate::ir::normalize_domain(n.domain());
+                let domain = if domain.is_empty() { "ai.onnx" } else { domain };
+                format!("{domain}::{}", n.op_type())
+            })
             .collect();
+        let ops: Vec<String> = ops.into_iter().collect();
         inconsistent(
             file,
-            format!(
-                "no AdamWOptimizer or SGDOptimizerV2 node (found: {})",
-                ops.join(", ")
-            ),
+            if ops.is_empty() {
+                "no AdamWOptimizer or SGDOptimizerV2 node (the graph has no nodes)".into()
+            } else {
+                format!(
+                    "no AdamWOptimizer or SGDOptimizerV2 node (found: {})",
+                    ops.join(", ")
+                )
+            },
         )
     })?;
     let float = |name: &str, default: f32| -> Result<f32, SignatureError> {

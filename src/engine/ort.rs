@@ -10,7 +10,10 @@ use crate::data::Tensor;
 use crate::proto::ModelProto;
 
 fn ort_err(context: &str) -> impl Fn(::ort::Error) -> EngineError + '_ {
-    move |e| EngineError::Ort { context: context.to_string(), message: e.to_string() }
+    move |e| EngineError::Ort {
+        context: context.to_string(),
+        message: e.to_string(),
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -23,7 +26,10 @@ pub struct SessionOptions {
 
 impl Default for SessionOptions {
     fn default() -> Self {
-        SessionOptions { threads: 1, optimize: true }
+        SessionOptions {
+            threads: 1,
+            optimize: true,
+        }
     }
 }
 
@@ -43,19 +49,45 @@ impl OrtSession {
     pub fn from_bytes(bytes: &[u8], options: &SessionOptions) -> Result<OrtSession, EngineError> {
         let mut builder = crate::runtime::session_builder()?;
         if options.threads > 0 {
-            builder = builder.with_intra_threads(options.threads).map_err(|e| ort_err("threads")(e.into()))?;
+            builder = builder
+                .with_intra_threads(options.threads)
+                .map_err(|e| ort_err("threads")(e.into()))?;
         }
-        let level = if options.optimize { GraphOptimizationLevel::All } else { GraphOptimizationLevel::Disable };
-        builder = builder.with_optimization_level(level).map_err(|e| ort_err("optimization level")(e.into()))?;
-        let session = builder.commit_from_memory(bytes).map_err(ort_err("loading the model"))?;
-        let input_names = session.inputs().iter().map(|i| i.name().to_string()).collect();
-        let output_names = session.outputs().iter().map(|o| o.name().to_string()).collect();
-        Ok(OrtSession { session, input_names, output_names })
+        let level = if options.optimize {
+            GraphOptimizationLevel::All
+        } else {
+            GraphOptimizationLevel::Disable
+        };
+        builder = builder
+            .with_optimization_level(level)
+            .map_err(|e| ort_err("optimization level")(e.into()))?;
+        let session = builder
+            .commit_from_memory(bytes)
+            .map_err(ort_err("loading the model"))?;
+        let input_names = session
+            .inputs()
+            .iter()
+            .map(|i| i.name().to_string())
+            .collect();
+        let output_names = session
+            .outputs()
+            .iter()
+            .map(|o| o.name().to_string())
+            .collect();
+        Ok(OrtSession {
+            session,
+            input_names,
+            output_names,
+        })
     }
 
     /// Runs the model once; returns every output by name, in the model's output order.
-    pub fn run(&mut self, inputs: &[(&str, &Tensor)]) -> Result<Vec<(String, Tensor)>, EngineError> {
-        let mut feeds: Vec<(Cow<'_, str>, SessionInputValue<'_>)> = Vec::with_capacity(inputs.len());
+    pub fn run(
+        &mut self,
+        inputs: &[(&str, &Tensor)],
+    ) -> Result<Vec<(String, Tensor)>, EngineError> {
+        let mut feeds: Vec<(Cow<'_, str>, SessionInputValue<'_>)> =
+            Vec::with_capacity(inputs.len());
         for (name, tensor) in inputs {
             feeds.push((Cow::Owned(name.to_string()), to_ort(name, tensor)?.into()));
         }
@@ -69,7 +101,10 @@ impl OrtSession {
 }
 
 fn to_ort(name: &str, tensor: &Tensor) -> Result<DynValue, EngineError> {
-    let err = |e: ::ort::Error| EngineError::Input { name: name.to_string(), message: e.to_string() };
+    let err = |e: ::ort::Error| EngineError::Input {
+        name: name.to_string(),
+        message: e.to_string(),
+    };
     Ok(match tensor {
         Tensor::F32(a) => OrtTensor::from_array(a.clone()).map_err(err)?.into_dyn(),
         Tensor::F64(a) => OrtTensor::from_array(a.clone()).map_err(err)?.into_dyn(),
@@ -80,17 +115,40 @@ fn to_ort(name: &str, tensor: &Tensor) -> Result<DynValue, EngineError> {
 }
 
 fn from_ort(name: &str, value: &::ort::value::DynValueRef<'_>) -> Result<Tensor, EngineError> {
-    let err = |e: ::ort::Error| EngineError::Output { name: name.to_string(), message: e.to_string() };
+    let err = |e: ::ort::Error| EngineError::Output {
+        name: name.to_string(),
+        message: e.to_string(),
+    };
     let ty = match value.dtype() {
         ValueType::Tensor { ty, .. } => *ty,
-        other => return Err(EngineError::Output { name: name.to_string(), message: format!("is a {other:?}, not a tensor") }),
+        other => {
+            return Err(EngineError::Output {
+                name: name.to_string(),
+                message: format!("is a {other:?}, not a tensor"),
+            })
+        }
     };
     Ok(match ty {
-        TensorElementType::Float32 => Tensor::F32(value.try_extract_array::<f32>().map_err(err)?.to_owned()),
-        TensorElementType::Float64 => Tensor::F64(value.try_extract_array::<f64>().map_err(err)?.to_owned()),
-        TensorElementType::Int64 => Tensor::I64(value.try_extract_array::<i64>().map_err(err)?.to_owned()),
-        TensorElementType::Int32 => Tensor::I32(value.try_extract_array::<i32>().map_err(err)?.to_owned()),
-        TensorElementType::Bool => Tensor::Bool(value.try_extract_array::<bool>().map_err(err)?.to_owned()),
-        other => return Err(EngineError::Output { name: name.to_string(), message: format!("element type {other:?} is not supported on the host") }),
+        TensorElementType::Float32 => {
+            Tensor::F32(value.try_extract_array::<f32>().map_err(err)?.to_owned())
+        }
+        TensorElementType::Float64 => {
+            Tensor::F64(value.try_extract_array::<f64>().map_err(err)?.to_owned())
+        }
+        TensorElementType::Int64 => {
+            Tensor::I64(value.try_extract_array::<i64>().map_err(err)?.to_owned())
+        }
+        TensorElementType::Int32 => {
+            Tensor::I32(value.try_extract_array::<i32>().map_err(err)?.to_owned())
+        }
+        TensorElementType::Bool => {
+            Tensor::Bool(value.try_extract_array::<bool>().map_err(err)?.to_owned())
+        }
+        other => {
+            return Err(EngineError::Output {
+                name: name.to_string(),
+                message: format!("element type {other:?} is not supported on the host"),
+            })
+        }
     })
 }

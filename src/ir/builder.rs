@@ -2,7 +2,9 @@
 //! node, and keeps count for the pass report.
 
 use super::{BodyId, Model, NodeId, NodeSpec, ValueId};
-use crate::proto::{attribute_proto::AttributeType, tensor_proto::DataType, AttributeProto, TensorProto};
+use crate::proto::{
+    attribute_proto::AttributeType, tensor_proto::DataType, AttributeProto, TensorProto,
+};
 
 pub struct Builder<'m> {
     pub model: &'m mut Model,
@@ -14,11 +16,22 @@ pub struct Builder<'m> {
 
 impl<'m> Builder<'m> {
     pub fn new(model: &'m mut Model, body: BodyId, pass: &'static str) -> Self {
-        Builder { model, body, pass, added: 0 }
+        Builder {
+            model,
+            body,
+            pass,
+            added: 0,
+        }
     }
 
     /// A node with one output named from `hint`.
-    pub fn op(&mut self, op_type: &str, inputs: &[ValueId], attributes: Vec<AttributeProto>, hint: &str) -> ValueId {
+    pub fn op(
+        &mut self,
+        op_type: &str,
+        inputs: &[ValueId],
+        attributes: Vec<AttributeProto>,
+        hint: &str,
+    ) -> ValueId {
         let inputs: Vec<Option<ValueId>> = inputs.iter().copied().map(Some).collect();
         let node = self.node(op_type, "", &inputs, &[hint], attributes);
         self.model.output(node, 0)
@@ -51,17 +64,20 @@ impl<'m> Builder<'m> {
 
     /// A float32 scalar initializer.
     pub fn scalar_f32(&mut self, hint: &str, value: f32) -> ValueId {
-        self.model.add_initializer(self.body, hint, tensor_f32(&[], &[value]))
+        self.model
+            .add_initializer(self.body, hint, tensor_f32(&[], &[value]))
     }
 
     /// An int64 initializer of shape `[values.len()]`.
     pub fn ints(&mut self, hint: &str, values: &[i64]) -> ValueId {
-        self.model.add_initializer(self.body, hint, tensor_i64(&[values.len() as i64], values))
+        self.model
+            .add_initializer(self.body, hint, tensor_i64(&[values.len() as i64], values))
     }
 
     /// An int64 scalar initializer.
     pub fn scalar_i64(&mut self, hint: &str, value: i64) -> ValueId {
-        self.model.add_initializer(self.body, hint, tensor_i64(&[], &[value]))
+        self.model
+            .add_initializer(self.body, hint, tensor_i64(&[], &[value]))
     }
 }
 
@@ -69,6 +85,15 @@ pub fn tensor_f32(dims: &[i64], values: &[f32]) -> TensorProto {
     TensorProto {
         dims: dims.to_vec(),
         data_type: Some(DataType::Float as i32),
+        raw_data: Some(values.iter().flat_map(|v| v.to_le_bytes()).collect()),
+        ..Default::default()
+    }
+}
+
+pub fn tensor_f64(dims: &[i64], values: &[f64]) -> TensorProto {
+    TensorProto {
+        dims: dims.to_vec(),
+        data_type: Some(DataType::Double as i32),
         raw_data: Some(values.iter().flat_map(|v| v.to_le_bytes()).collect()),
         ..Default::default()
     }
@@ -93,15 +118,30 @@ pub fn tensor_bool(dims: &[i64], values: &[bool]) -> TensorProto {
 }
 
 pub fn attr_int(name: &str, value: i64) -> AttributeProto {
-    AttributeProto { name: Some(name.into()), r#type: Some(AttributeType::Int as i32), i: Some(value), ..Default::default() }
+    AttributeProto {
+        name: Some(name.into()),
+        r#type: Some(AttributeType::Int as i32),
+        i: Some(value),
+        ..Default::default()
+    }
 }
 
 pub fn attr_float(name: &str, value: f32) -> AttributeProto {
-    AttributeProto { name: Some(name.into()), r#type: Some(AttributeType::Float as i32), f: Some(value), ..Default::default() }
+    AttributeProto {
+        name: Some(name.into()),
+        r#type: Some(AttributeType::Float as i32),
+        f: Some(value),
+        ..Default::default()
+    }
 }
 
 pub fn attr_ints(name: &str, values: &[i64]) -> AttributeProto {
-    AttributeProto { name: Some(name.into()), r#type: Some(AttributeType::Ints as i32), ints: values.to_vec(), ..Default::default() }
+    AttributeProto {
+        name: Some(name.into()),
+        r#type: Some(AttributeType::Ints as i32),
+        ints: values.to_vec(),
+        ..Default::default()
+    }
 }
 
 pub fn attr_string(name: &str, value: &str) -> AttributeProto {
@@ -114,7 +154,12 @@ pub fn attr_string(name: &str, value: &str) -> AttributeProto {
 }
 
 pub fn attr_tensor(name: &str, value: TensorProto) -> AttributeProto {
-    AttributeProto { name: Some(name.into()), r#type: Some(AttributeType::Tensor as i32), t: Some(value), ..Default::default() }
+    AttributeProto {
+        name: Some(name.into()),
+        r#type: Some(AttributeType::Tensor as i32),
+        t: Some(value),
+        ..Default::default()
+    }
 }
 
 /// Typed attribute reads on a node. `None` when absent; `Err` text when present with
@@ -128,18 +173,31 @@ pub trait NodeAttributes {
         typed(self.attr(name), name, AttributeType::Float, |a| a.f())
     }
     fn attr_ints(&self, name: &str) -> Result<Option<Vec<i64>>, String> {
-        typed(self.attr(name), name, AttributeType::Ints, |a| a.ints.clone())
+        typed(self.attr(name), name, AttributeType::Ints, |a| {
+            a.ints.clone()
+        })
     }
     fn attr_string(&self, name: &str) -> Result<Option<String>, String> {
-        typed(self.attr(name), name, AttributeType::String, |a| String::from_utf8_lossy(a.s()).into_owned())
+        typed(self.attr(name), name, AttributeType::String, |a| {
+            String::from_utf8_lossy(a.s()).into_owned()
+        })
     }
 }
 
-fn typed<T>(attr: Option<&AttributeProto>, name: &str, want: AttributeType, get: impl Fn(&AttributeProto) -> T) -> Result<Option<T>, String> {
+fn typed<T>(
+    attr: Option<&AttributeProto>,
+    name: &str,
+    want: AttributeType,
+    get: impl Fn(&AttributeProto) -> T,
+) -> Result<Option<T>, String> {
     match attr {
         None => Ok(None),
         Some(a) if a.r#type() == want => Ok(Some(get(a))),
-        Some(a) => Err(format!("attribute '{name}' is {:?}, expected {:?}", a.r#type(), want)),
+        Some(a) => Err(format!(
+            "attribute '{name}' is {:?}, expected {:?}",
+            a.r#type(),
+            want
+        )),
     }
 }
 

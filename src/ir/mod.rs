@@ -500,7 +500,10 @@ impl Model {
     /// of `old` when `old` was a graph output, so the model's interface keeps its names.
     /// `old` is left unused under a fresh name, ready for its node's removal.
     pub fn replace_value(&mut self, old: ValueId, new: ValueId) {
-        let was_output = self.uses(old).iter().any(|u| matches!(u, Use::Output { .. }));
+        let was_output = self
+            .uses(old)
+            .iter()
+            .any(|u| matches!(u, Use::Output { .. }));
         let _ = self.replace_all_uses(old, new, true);
         if was_output {
             let old_name = std::mem::take(&mut self.values[old.0 as usize].name);
@@ -513,6 +516,76 @@ impl Model {
     /// True when `name` is (or was) held by something in this model.
     pub fn has_name(&self, name: &str) -> bool {
         self.names.is_taken(name)
+    }
+
+    /// Removes output `index` of `body`; later outputs move up by one.
+    pub fn remove_output(&mut self, body: BodyId, index: usize) {
+        let (v, _) = self.body_mut(body).outputs.remove(index);
+        self.values[v.0 as usize]
+            .uses
+            .retain(|u| *u != Use::Output { body, index });
+        for value in &mut self.values {
+            for u in &mut value.uses {
+                if let Use::Output { body: b, index: i } = u {
+                    if *b == body && *i > index {
+                        *i -= 1;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Adds one more output to `node` (for `If`, whose outputs grow with its branches).
+    pub fn add_node_output(&mut self, node: NodeId, hint: &str) -> ValueId {
+        let slot = self.node(node).outputs.len();
+        let name = self.names.fresh(hint);
+        let v = self.push_value(name, ValueDef::Node { node, slot });
+        self.nodes[node.0 as usize].outputs.push(Some(v));
+        v
+    }
+
+    /// Creates an empty subgraph body owned by `node` as graph attribute `attribute_name`.
+    pub fn add_subgraph(&mut self, node: NodeId, attribute_name: &str) -> BodyId {
+        let body = BodyId(self.bodies.len() as u32);
+        let parent = self.node(node).body;
+        let graph_name = self.names.fresh(&format!(
+            "{}_{attribute_name}",
+            self.node(node).proto.name()
+        ));
+        self.bodies.push(Body {
+            parent: Some(parent),
+            owner: Some(node),
+            rest: crate::proto::GraphProto {
+                name: Some(graph_name),
+                ..Default::default()
+            },
+            ..Default::default()
+        });
+        let n = &mut self.nodes[node.0 as usize];
+        let attribute = n.proto.attribute.len();
+        n.proto.attribute.push(AttributeProto {
+            name: Some(attribute_name.to_string()),
+            r#type: Some(crate::proto::attribute_proto::AttributeType::Graph as i32),
+            ..Default::default()
+        });
+        n.subgraphs.push(SubgraphRef {
+            attribute,
+            element: None,
+            body,
+        });
+        body
+    }
+
+    /// Gives `value` the initializer `tensor` (renamed to the value's name): a graph input
+    /// then has a default, so a run that does not feed it uses this value.
+    pub fn set_initializer(&mut self, value: ValueId, mut tensor: TensorProto) {
+        tensor.name = Some(self.name(value).to_string());
+        let body = self.defining_body(value);
+        let b = self.body_mut(body);
+        match b.initializers.iter_mut().find(|(v, _)| *v == value) {
+            Some((_, t)) => *t = tensor,
+            None => b.initializers.push((value, tensor)),
+        }
     }
 
     /// Makes output `index` of `body` carry `value`.

@@ -70,8 +70,12 @@ fn print_body(model: &Model, body: BodyId, indent: usize, out: &mut String) {
 fn print_node(model: &Model, n: NodeId, indent: usize, out: &mut String) {
     let pad = "  ".repeat(indent);
     let node = model.node(n);
-    let name_of =
-        |v: &Option<super::ValueId>| v.map(|v| model.name(v).to_string()).unwrap_or_default();
+    // An omitted optional input or output is the empty name, written `""` as ONNX's own
+    // printer does (a bare gap would read as a stray comma).
+    let name_of = |v: &Option<super::ValueId>| match v {
+        Some(v) if !model.name(*v).is_empty() => model.name(*v).to_string(),
+        _ => "\"\"".to_string(),
+    };
     let outputs: Vec<String> = node.outputs.iter().map(name_of).collect();
     let inputs: Vec<String> = node.inputs.iter().map(name_of).collect();
     let op = match node.proto.domain() {
@@ -256,7 +260,8 @@ fn initializer(t: &TensorProto, name: &str) -> String {
 
 fn small_values(t: &TensorProto) -> Option<Vec<String>> {
     use crate::proto::tensor_proto::DataType as D;
-    let count: i64 = t.dims.iter().product();
+    // Checked: a hostile file's dims must not overflow (a panic in debug builds).
+    let count = t.dims.iter().try_fold(1i64, |acc, d| acc.checked_mul(*d))?;
     if !(0..=8).contains(&count) || !t.external_data.is_empty() {
         return None;
     }

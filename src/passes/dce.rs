@@ -11,9 +11,17 @@ impl Pass for DeadCodeElimination {
         "dce"
     }
 
-    fn run(&mut self, model: &mut Model, _cx: &mut PassContext<'_>) -> Result<PassReport, PassError> {
+    fn run(
+        &mut self,
+        model: &mut Model,
+        _cx: &mut PassContext<'_>,
+    ) -> Result<PassReport, PassError> {
         let removed = eliminate_dead_code(model);
-        Ok(PassReport { changed: removed > 0, removed, ..Default::default() })
+        Ok(PassReport {
+            changed: removed > 0,
+            removed,
+            ..Default::default()
+        })
     }
 }
 
@@ -24,7 +32,14 @@ pub fn eliminate_dead_code(model: &mut Model) -> usize {
     loop {
         let dead: Vec<_> = model
             .all_nodes()
-            .filter(|n| model.node(*n).outputs.iter().flatten().all(|v| model.uses(*v).is_empty()))
+            .filter(|n| {
+                model
+                    .node(*n)
+                    .outputs
+                    .iter()
+                    .flatten()
+                    .all(|v| model.uses(*v).is_empty())
+            })
             .collect();
         if dead.is_empty() {
             break;
@@ -45,8 +60,14 @@ pub fn eliminate_dead_code(model: &mut Model) -> usize {
             .map(|(v, _)| *v)
             .filter(|v| !inputs.contains(v) && model.uses(*v).is_empty())
             .collect();
-        model.body_mut(body).initializers.retain(|(v, _)| !unused.contains(v));
-        model.body_mut(body).value_info.retain(|(v, _)| !unused.contains(v));
+        model
+            .body_mut(body)
+            .initializers
+            .retain(|(v, _)| !unused.contains(v));
+        model
+            .body_mut(body)
+            .value_info
+            .retain(|(v, _)| !unused.contains(v));
     }
     removed
 }

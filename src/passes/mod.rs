@@ -5,8 +5,11 @@
 //! one, naming the pass in any error. A pipeline can be written as a spec string:
 //! `legalize-ort,grad-accum(steps=4,normalize=mean),optimizer(kind=adamw,lr=0.01),dce`.
 
+pub mod apply;
 pub mod dce;
+pub mod grad_accum;
 pub mod legalize;
+pub mod optimizer;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -21,6 +24,19 @@ pub struct PassContext<'a> {
     pub checkpoint: Option<&'a Checkpoint>,
     /// State pairs created so far (graph input -> graph output carrying its next value).
     pub state: Vec<crate::state::StateEntry>,
+    /// The apply region, once grad-accum has made it.
+    pub apply: Option<apply::ApplyRegion>,
+}
+
+impl<'a> PassContext<'a> {
+    pub fn new(signature: &'a mut TrainingSignature, checkpoint: Option<&'a Checkpoint>) -> Self {
+        PassContext {
+            signature,
+            checkpoint,
+            state: Vec::new(),
+            apply: None,
+        }
+    }
 }
 
 /// What a pass did.
@@ -49,11 +65,19 @@ impl fmt::Display for PassReport {
 pub enum PassError {
     /// A node the pass cannot handle: names the node, the op and the reason.
     #[error("{pass}: node '{node}' ({op}): {message}")]
-    Node { pass: String, node: String, op: String, message: String },
+    Node {
+        pass: String,
+        node: String,
+        op: String,
+        message: String,
+    },
     #[error("{pass}: {message}")]
     Other { pass: String, message: String },
     #[error("after pass {pass}: {errors}")]
-    Verify { pass: String, errors: verify::VerifyErrors },
+    Verify {
+        pass: String,
+        errors: verify::VerifyErrors,
+    },
     #[error("pipeline spec '{spec}': {message}")]
     Spec { spec: String, message: String },
 }
@@ -65,7 +89,8 @@ pub trait Pass {
     fn spec(&self) -> String {
         self.name().to_string()
     }
-    fn run(&mut self, model: &mut Model, cx: &mut PassContext<'_>) -> Result<PassReport, PassError>;
+    fn run(&mut self, model: &mut Model, cx: &mut PassContext<'_>)
+        -> Result<PassReport, PassError>;
 }
 
 /// Options of one pass in a spec string: `name(key=value,...)`.
@@ -77,7 +102,10 @@ pub struct PassOptions {
 
 impl PassOptions {
     fn error(&self, message: String) -> PassError {
-        PassError::Spec { spec: self.pass.clone(), message }
+        PassError::Spec {
+            spec: self.pass.clone(),
+            message,
+        }
     }
 
     pub fn get(&self, key: &str) -> Option<&str> {
@@ -86,14 +114,20 @@ impl PassOptions {
 
     pub fn parse<T: std::str::FromStr>(&self, key: &str) -> Result<Option<T>, PassError> {
         self.get(key)
-            .map(|v| v.parse::<T>().map_err(|_| self.error(format!("option {key}={v} is not a valid value"))))
+            .map(|v| {
+                v.parse::<T>()
+                    .map_err(|_| self.error(format!("option {key}={v} is not a valid value")))
+            })
             .transpose()
     }
 
     /// Fails on options the pass does not know, so a typo never silently does nothing.
     pub fn only(&self, known: &[&str]) -> Result<(), PassError> {
         match self.values.keys().find(|k| !known.contains(&k.as_str())) {
-            Some(k) => Err(self.error(format!("unknown option '{k}' (known: {})", known.join(", ")))),
+            Some(k) => Err(self.error(format!(
+                "unknown option '{k}' (known: {})",
+                known.join(", ")
+            ))),
             None => Ok(()),
         }
     }
@@ -101,7 +135,10 @@ impl PassOptions {
 
 /// Splits `a,b(x=1,y=2),c` at top-level commas and parses each pass's options.
 pub fn parse_spec(spec: &str) -> Result<Vec<PassOptions>, PassError> {
-    let err = |message: String| PassError::Spec { spec: spec.to_string(), message };
+    let err = |message: String| PassError::Spec {
+        spec: spec.to_string(),
+        message,
+    };
     let mut parts = Vec::new();
     let mut depth = 0i32;
     let mut current = String::new();
@@ -131,14 +168,18 @@ pub fn parse_spec(spec: &str) -> Result<Vec<PassOptions>, PassError> {
         .map(|p| {
             let (name, args) = match p.split_once('(') {
                 Some((name, rest)) => {
-                    let args = rest.strip_suffix(')').ok_or_else(|| err(format!("'{p}' does not end in ')'")))?;
+                    let args = rest
+                        .strip_suffix(')')
+                        .ok_or_else(|| err(format!("'{p}' does not end in ')'")))?;
                     (name.trim().to_string(), args.to_string())
                 }
                 None => (p.clone(), String::new()),
             };
             let mut values = BTreeMap::new();
             for kv in args.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-                let (k, v) = kv.split_once('=').ok_or_else(|| err(format!("option '{kv}' of {name} is not key=value")))?;
+                let (k, v) = kv
+                    .split_once('=')
+                    .ok_or_else(|| err(format!("option '{kv}' of {name} is not key=value")))?;
                 values.insert(k.trim().to_string(), v.trim().to_string());
             }
             Ok(PassOptions { pass: name, values })
@@ -150,13 +191,15 @@ pub fn parse_spec(spec: &str) -> Result<Vec<PassOptions>, PassError> {
 pub fn make_pass(options: &PassOptions) -> Result<Box<dyn Pass>, PassError> {
     match options.pass.as_str() {
         "legalize-ort" => Ok(Box::new(legalize::LegalizeOrt::from_options(options)?)),
+        "grad-accum" => Ok(Box::new(grad_accum::GradAccum::from_options(options)?)),
+        "optimizer" => Ok(Box::new(optimizer::Optimizer::from_options(options)?)),
         "dce" => {
             options.only(&[])?;
             Ok(Box::new(dce::DeadCodeElimination))
         }
         other => Err(PassError::Spec {
             spec: other.to_string(),
-            message: "unknown pass (known: legalize-ort, dce)".into(),
+            message: "unknown pass (known: grad-accum, optimizer, legalize-ort, dce)".into(),
         }),
     }
 }
@@ -170,23 +213,46 @@ pub struct Pipeline {
 
 impl Pipeline {
     pub fn parse(spec: &str) -> Result<Pipeline, PassError> {
-        let passes = parse_spec(spec)?.iter().map(make_pass).collect::<Result<Vec<_>, _>>()?;
-        Ok(Pipeline { passes, verify_each: cfg!(debug_assertions) })
+        let passes = parse_spec(spec)?
+            .iter()
+            .map(make_pass)
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Pipeline {
+            passes,
+            verify_each: cfg!(debug_assertions),
+        })
     }
 
     /// The canonical spec of the whole pipeline.
     pub fn spec(&self) -> String {
-        self.passes.iter().map(|p| p.spec()).collect::<Vec<_>>().join(",")
+        self.passes
+            .iter()
+            .map(|p| p.spec())
+            .collect::<Vec<_>>()
+            .join(",")
     }
 
-    pub fn run(&mut self, model: &mut Model, cx: &mut PassContext<'_>) -> Result<Vec<(String, PassReport)>, PassError> {
+    pub fn run(
+        &mut self,
+        model: &mut Model,
+        cx: &mut PassContext<'_>,
+    ) -> Result<Vec<(String, PassReport)>, PassError> {
         let mut reports = Vec::new();
         for pass in &mut self.passes {
             let report = pass.run(model, cx)?;
             if self.verify_each {
-                verify::verify(model).map_err(|errors| PassError::Verify { pass: pass.spec(), errors })?;
+                verify::verify(model).map_err(|errors| PassError::Verify {
+                    pass: pass.spec(),
+                    errors,
+                })?;
             }
             reports.push((pass.spec(), report));
+        }
+        if cx.apply.as_ref().is_some_and(|a| !a.optimized) {
+            return Err(PassError::Other {
+                pass: "pipeline".into(),
+                message: "grad-accum made an apply region but no optimizer pass filled it; add optimizer(...)".into(),
+            });
         }
         Ok(reports)
     }

@@ -34,25 +34,50 @@ type LowerFn = fn(&mut Lowering<'_, '_>, NodeId) -> Result<(), PassError>;
 
 /// (domain, op_type, lowering). ORT registers MaxPoolGrad in the default domain.
 const LOWERINGS: &[(&str, &str, LowerFn)] = &[
-    ("com.microsoft", "InPlaceAccumulatorV2", in_place_accumulator::lower),
+    (
+        "com.microsoft",
+        "InPlaceAccumulatorV2",
+        in_place_accumulator::lower,
+    ),
     ("com.microsoft", "ReluGrad", relu_grad::lower),
     ("com.microsoft", "SigmoidGrad", sigmoid_grad::lower),
     ("com.microsoft", "GeluGrad", gelu_grad::lower),
     ("com.microsoft", "SoftmaxGrad_13", softmax_grad::lower),
     ("com.microsoft", "Scale", scale::lower),
-    ("com.microsoft", "SoftmaxCrossEntropyLossGrad", softmax_cross_entropy_loss_grad::lower),
+    (
+        "com.microsoft",
+        "SoftmaxCrossEntropyLossGrad",
+        softmax_cross_entropy_loss_grad::lower,
+    ),
     ("", "MaxPoolGrad", max_pool_grad::lower),
     ("com.microsoft", "ConvGrad", conv_grad::lower),
-    ("com.microsoft", "BatchNormInternal", batch_norm_internal::lower),
-    ("com.microsoft", "BatchNormalizationGrad", batch_norm_grad::lower),
-    ("com.microsoft", "LayerNormalizationGrad", layer_norm_grad::lower),
+    (
+        "com.microsoft",
+        "BatchNormInternal",
+        batch_norm_internal::lower,
+    ),
+    (
+        "com.microsoft",
+        "BatchNormalizationGrad",
+        batch_norm_grad::lower,
+    ),
+    (
+        "com.microsoft",
+        "LayerNormalizationGrad",
+        layer_norm_grad::lower,
+    ),
     ("com.microsoft", "AdamWOptimizer", adamw_optimizer::lower),
     ("com.microsoft", "SGDOptimizerV2", sgd_optimizer::lower),
 ];
 
 /// Ops standard ONNX Runtime has but other engines lack; lowered only when asked.
 const OPTIONAL_LOWERINGS: &[(&str, &str, &str, LowerFn)] = &[
-    ("fused-matmul", "com.microsoft", "FusedMatMul", fused_matmul::lower),
+    (
+        "fused-matmul",
+        "com.microsoft",
+        "FusedMatMul",
+        fused_matmul::lower,
+    ),
     ("gelu", "com.microsoft", "Gelu", gelu::lower),
 ];
 
@@ -113,23 +138,39 @@ impl Pass for LegalizeOrt {
         }
     }
 
-    fn run(&mut self, model: &mut Model, cx: &mut PassContext<'_>) -> Result<PassReport, PassError> {
+    fn run(
+        &mut self,
+        model: &mut Model,
+        cx: &mut PassContext<'_>,
+    ) -> Result<PassReport, PassError> {
         let mut report = PassReport::default();
         let targets: Vec<NodeId> = model.all_nodes().collect();
         for node in targets {
             let proto = &model.node(node).proto;
             let (domain, op) = (proto.domain().to_string(), proto.op_type().to_string());
             let Some(lower) = self.lowering_for(&domain, &op) else {
-                if crate::ops::is_training_only(&domain, &op) || crate::ir::normalize_domain(&domain) == "com.microsoft" && !standard_com_microsoft(&op) {
-                    return Err(node_error(model, node, "no lowering to standard ONNX exists for this op".into()));
+                if crate::ops::is_training_only(&domain, &op)
+                    || crate::ir::normalize_domain(&domain) == "com.microsoft"
+                        && !standard_com_microsoft(&op)
+                {
+                    return Err(node_error(
+                        model,
+                        node,
+                        "no lowering to standard ONNX exists for this op".into(),
+                    ));
                 }
                 continue;
             };
             let body = model.node(node).body;
-            let mut lowering = Lowering { b: Builder::new(model, body, PASS), state: &mut cx.state };
+            let mut lowering = Lowering {
+                b: Builder::new(model, body, PASS),
+                state: &mut cx.state,
+            };
             lower(&mut lowering, node)?;
             report.added += lowering.b.added;
-            model.remove_node(node).map_err(|e| node_error(model, node, format!("lowering left an output in use: {e}")))?;
+            model.remove_node(node).map_err(|e| {
+                node_error(model, node, format!("lowering left an output in use: {e}"))
+            })?;
             report.removed += 1;
             report.changed = true;
         }
@@ -145,18 +186,43 @@ impl Pass for LegalizeOrt {
 fn standard_com_microsoft(op: &str) -> bool {
     matches!(
         op,
-        "FusedMatMul" | "Gelu" | "FastGelu" | "BiasGelu" | "QuickGelu" | "SkipLayerNormalization" | "LayerNormalization"
-            | "SimplifiedLayerNormalization" | "Attention" | "MultiHeadAttention" | "BiasDropout" | "BitmaskDropout"
-            | "BiasSoftmax" | "Trilu" | "Range" | "Inverse" | "FusedConv" | "FusedGemm" | "TransposeMatMul" | "Rfft"
-            | "Irfft" | "SoftmaxCrossEntropyLoss"
+        "FusedMatMul"
+            | "Gelu"
+            | "FastGelu"
+            | "BiasGelu"
+            | "QuickGelu"
+            | "SkipLayerNormalization"
+            | "LayerNormalization"
+            | "SimplifiedLayerNormalization"
+            | "Attention"
+            | "MultiHeadAttention"
+            | "BiasDropout"
+            | "BitmaskDropout"
+            | "BiasSoftmax"
+            | "Trilu"
+            | "Range"
+            | "Inverse"
+            | "FusedConv"
+            | "FusedGemm"
+            | "TransposeMatMul"
+            | "Rfft"
+            | "Irfft"
+            | "SoftmaxCrossEntropyLoss"
     )
 }
 
 /// Declares only the opset domains still used (the main domain always stays).
 fn drop_unused_opsets(model: &mut Model) {
-    let used: std::collections::HashSet<String> =
-        model.all_nodes().map(|n| crate::ir::normalize_domain(model.node(n).proto.domain()).to_string()).collect();
-    let function_domains: Vec<String> = model.header.functions.iter().map(|f| f.domain().to_string()).collect();
+    let used: std::collections::HashSet<String> = model
+        .all_nodes()
+        .map(|n| crate::ir::normalize_domain(model.node(n).proto.domain()).to_string())
+        .collect();
+    let function_domains: Vec<String> = model
+        .header
+        .functions
+        .iter()
+        .map(|f| f.domain().to_string())
+        .collect();
     model.header.opset_import.retain(|o| {
         let d = crate::ir::normalize_domain(o.domain());
         d.is_empty() || used.contains(d) || function_domains.iter().any(|f| f == d)
@@ -165,8 +231,17 @@ fn drop_unused_opsets(model: &mut Model) {
 
 pub(crate) fn node_error(model: &Model, node: NodeId, message: String) -> PassError {
     let p = &model.node(node).proto;
-    let op = if p.domain().is_empty() { p.op_type().to_string() } else { format!("{}::{}", p.domain(), p.op_type()) };
-    PassError::Node { pass: PASS.into(), node: p.name().to_string(), op, message }
+    let op = if p.domain().is_empty() {
+        p.op_type().to_string()
+    } else {
+        format!("{}::{}", p.domain(), p.op_type())
+    };
+    PassError::Node {
+        pass: PASS.into(),
+        node: p.name().to_string(),
+        op,
+        message,
+    }
 }
 
 /// What a lowering works with: a builder in the node's body, and the state manifest (for
@@ -189,7 +264,13 @@ impl Lowering<'_, '_> {
             .get(slot)
             .copied()
             .flatten()
-            .ok_or_else(|| node_error(self.model(), node, format!("input {slot} is required but absent")))
+            .ok_or_else(|| {
+                node_error(
+                    self.model(),
+                    node,
+                    format!("input {slot} is required but absent"),
+                )
+            })
     }
 
     /// Input `slot` of `node` when present.
@@ -199,7 +280,13 @@ impl Lowering<'_, '_> {
 
     /// Output `slot` of `node` when present and used.
     pub fn used_output(&self, node: NodeId, slot: usize) -> Option<ValueId> {
-        self.model().node(node).outputs.get(slot).copied().flatten().filter(|v| !self.model().uses(*v).is_empty())
+        self.model()
+            .node(node)
+            .outputs
+            .get(slot)
+            .copied()
+            .flatten()
+            .filter(|v| !self.model().uses(*v).is_empty())
     }
 
     /// Moves the uses of output `slot` of `node` to `value` (keeping a graph output's name).
@@ -210,25 +297,47 @@ impl Lowering<'_, '_> {
     }
 
     pub fn int_attr(&self, node: NodeId, name: &str, default: i64) -> Result<i64, PassError> {
-        let v = self.model().node(node).proto.attr_int(name).map_err(|m| node_error(self.model(), node, m))?;
+        let v = self
+            .model()
+            .node(node)
+            .proto
+            .attr_int(name)
+            .map_err(|m| node_error(self.model(), node, m))?;
         Ok(v.unwrap_or(default))
     }
 
     pub fn float_attr(&self, node: NodeId, name: &str, default: f32) -> Result<f32, PassError> {
-        let v = self.model().node(node).proto.attr_float(name).map_err(|m| node_error(self.model(), node, m))?;
+        let v = self
+            .model()
+            .node(node)
+            .proto
+            .attr_float(name)
+            .map_err(|m| node_error(self.model(), node, m))?;
         Ok(v.unwrap_or(default))
     }
 
     pub fn ints_attr(&self, node: NodeId, name: &str) -> Result<Option<Vec<i64>>, PassError> {
-        self.model().node(node).proto.attr_ints(name).map_err(|m| node_error(self.model(), node, m))
+        self.model()
+            .node(node)
+            .proto
+            .attr_ints(name)
+            .map_err(|m| node_error(self.model(), node, m))
     }
 
     pub fn string_attr(&self, node: NodeId, name: &str) -> Result<Option<String>, PassError> {
-        self.model().node(node).proto.attr_string(name).map_err(|m| node_error(self.model(), node, m))
+        self.model()
+            .node(node)
+            .proto
+            .attr_string(name)
+            .map_err(|m| node_error(self.model(), node, m))
     }
 
     /// An error about an attribute value outside what the lowering implements.
     pub fn unsupported(&self, node: NodeId, attribute: &str, detail: String) -> PassError {
-        node_error(self.model(), node, format!("attribute '{attribute}': {detail} is not supported by the lowering"))
+        node_error(
+            self.model(),
+            node,
+            format!("attribute '{attribute}': {detail} is not supported by the lowering"),
+        )
     }
 }

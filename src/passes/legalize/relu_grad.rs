@@ -5,5 +5,9 @@ use crate::ir::NodeId;
 use crate::passes::PassError;
 
 pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassError> {
-    Err(node_error(l.model(), node, "lowering not implemented yet".into()))
+    Err(node_error(
+        l.model(),
+        node,
+        "lowering not implemented yet".into(),
+    ))
 }

@@ -1,0 +1,484 @@
+//! `grad-accum(steps=K, normalize=mean|sum|weighted[=INPUT], apply=if|where)`: turns a
+//! gradient graph into one micro-step of a K-micro-step window.
+//!
+//! Per micro-step i of a window (state in brackets):
+//!
+//! ```text
+//! count     = [micro_step] + 1
+//! acc_p'    = [acc_p] + w_i * g_p           (w_i = 1 unless weighted)
+//! wsum'     = [weight_sum] + w_i            (weighted only)
+//! apply     = count >= K  or  flush
+//! if apply:  G_p = acc_p' / denom           (mean: count, weighted: wsum', sum: 1)
+//!            optimizer(p, G_p) ... ; acc_p, micro_step, weight_sum <- 0 ; opt_step += 1
+//! else:      acc_p <- acc_p' ; micro_step <- count ; everything else unchanged
+//! ```
+//!
+//! `mean` divides by the micro-steps actually accumulated, so a window flushed early is
+//! still an average. `weighted` makes uneven micro-batches and ignored labels exact: with a
+//! mean-reduced loss, w_i * g_i is the micro-batch's *sum* gradient, and dividing by the
+//! window's total weight gives the gradient of the whole window's mean loss.
+//!
+//! ONNX Runtime's own accumulation machinery (InPlaceAccumulatorV2, its buffers and
+//! `lazy_reset_grad`) is removed: the accumulators here replace it.
+
+use super::apply::{ApplyMode, ApplyRegion};
+use super::{Pass, PassContext, PassError, PassOptions, PassReport};
+use crate::ir::builder::{
+    attr_int, attr_tensor, tensor_bool, tensor_f32, tensor_i64, Builder, NodeAttributes,
+};
+use crate::ir::{BodyId, Model, ValueId};
+use crate::proto::tensor_proto::DataType;
+use crate::state::Role;
+
+pub const PASS: &str = "grad-accum";
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Normalize {
+    Mean,
+    Sum,
+    /// Weighted by a data input (`Some(name)`), or by the count of non-ignored labels of
+    /// the mean-reduced SoftmaxCrossEntropyLoss that produces the loss (`None`).
+    Weighted(Option<String>),
+}
+
+#[derive(Clone, Debug)]
+pub struct GradAccum {
+    pub steps: i64,
+    pub normalize: Normalize,
+    pub apply: ApplyMode,
+}
+
+impl GradAccum {
+    pub fn from_options(options: &PassOptions) -> Result<Self, PassError> {
+        options.only(&["steps", "normalize", "apply"])?;
+        let spec_error = |message: String| PassError::Spec {
+            spec: PASS.into(),
+            message,
+        };
+        let steps: i64 = options.parse("steps")?.unwrap_or(1);
+        if steps < 1 {
+            return Err(spec_error(format!("steps={steps}: must be at least 1")));
+        }
+        let normalize = match options.get("normalize").unwrap_or("mean") {
+            "mean" => Normalize::Mean,
+            "sum" => Normalize::Sum,
+            "weighted" => Normalize::Weighted(None),
+            other => match other.strip_prefix("weighted:") {
+                Some(input) => Normalize::Weighted(Some(input.to_string())),
+                None => {
+                    return Err(spec_error(format!(
+                        "normalize={other}: expected mean, sum, weighted or weighted:INPUT"
+                    )))
+                }
+            },
+        };
+        let apply = match options.get("apply").unwrap_or("if") {
+            "if" => ApplyMode::If,
+            "where" => ApplyMode::Where,
+            other => return Err(spec_error(format!("apply={other}: expected if or where"))),
+        };
+        Ok(GradAccum {
+            steps,
+            normalize,
+            apply,
+        })
+    }
+}
+
+fn fail(message: String) -> PassError {
+    PassError::Other {
+        pass: PASS.into(),
+        message,
+    }
+}
+
+impl Pass for GradAccum {
+    fn name(&self) -> &'static str {
+        PASS
+    }
+
+    fn spec(&self) -> String {
+        let normalize = match &self.normalize {
+            Normalize::Mean => "mean".to_string(),
+            Normalize::Sum => "sum".to_string(),
+            Normalize::Weighted(None) => "weighted".to_string(),
+            Normalize::Weighted(Some(input)) => format!("weighted:{input}"),
+        };
+        let apply = match self.apply {
+            ApplyMode::If => "if",
+            ApplyMode::Where => "where",
+        };
+        format!(
+            "{PASS}(steps={},normalize={normalize},apply={apply})",
+            self.steps
+        )
+    }
+
+    fn run(
+        &mut self,
+        model: &mut Model,
+        cx: &mut PassContext<'_>,
+    ) -> Result<PassReport, PassError> {
+        if cx.apply.is_some() {
+            return Err(fail(
+                "the graph already has an apply region (grad-accum runs once)".into(),
+            ));
+        }
+        if cx.state.iter().any(|s| s.role == Role::Accumulator) {
+            return Err(fail(
+                "ORT's accumulators were already legalized; run grad-accum before legalize-ort"
+                    .into(),
+            ));
+        }
+        let nodes_before = model.all_nodes().count();
+        let removed = remove_ort_accumulation(model, cx)?;
+        let main = BodyId::MAIN;
+
+        let trainable: Vec<(String, String, i32, Vec<i64>)> = cx
+            .signature
+            .trainable()
+            .map(|p| {
+                (
+                    p.name.clone(),
+                    p.grad.clone().unwrap_or_default(),
+                    p.elem_type,
+                    p.dims.clone(),
+                )
+            })
+            .collect();
+        if trainable.is_empty() {
+            return Err(fail(
+                "the training signature has no trainable parameters".into(),
+            ));
+        }
+
+        // Control inputs a host may change between windows.
+        let k = model.add_input(
+            main,
+            "ga.accum_steps",
+            crate::ir::tensor_type(DataType::Int64 as i32, &[]),
+            Some(tensor_i64(&[], &[self.steps])),
+        );
+        let flush = model.add_input(
+            main,
+            "ga.flush",
+            crate::ir::tensor_type(DataType::Bool as i32, &[]),
+            Some(tensor_bool(&[], &[false])),
+        );
+
+        let micro_step = ApplyRegion::state_input(model, "ga.micro_step", tensor_i64(&[], &[0]));
+        let opt_step = ApplyRegion::state_input(model, "ga.opt_step", tensor_i64(&[], &[0]));
+        let (count, apply) = {
+            let mut b = Builder::new(model, main, PASS);
+            let one = b.scalar_i64("ga.one", 1);
+            let count = b.op("Add", &[micro_step, one], vec![], "ga.count");
+            let full = b.op("GreaterOrEqual", &[count, k], vec![], "ga.window_full");
+            let apply = b.op("Or", &[full, flush], vec![], "ga.apply");
+            (count, apply)
+        };
+        let weight = match &self.normalize {
+            Normalize::Weighted(source) => Some(micro_batch_weight(model, cx, source.as_deref())?),
+            _ => None,
+        };
+
+        let mut region = ApplyRegion::create(model, self.apply, apply, opt_step);
+
+        // Counters and the weight sum.
+        let micro_slot = region.route(
+            model,
+            micro_step,
+            count,
+            Role::MicroStep,
+            None,
+            &mut cx.state,
+        );
+        let zero_i64 = region.builder(model, PASS).scalar_i64("ga.zero_steps", 0);
+        region.set_next(model, &micro_slot, zero_i64);
+        let opt_slot = region.route(
+            model,
+            opt_step,
+            opt_step,
+            Role::OptStep,
+            None,
+            &mut cx.state,
+        );
+        region.set_next(model, &opt_slot, region.step);
+
+        let denominator = match &self.normalize {
+            Normalize::Mean => Some(region.builder(model, PASS).op(
+                "Cast",
+                &[count],
+                vec![attr_int("to", DataType::Float as i64)],
+                "ga.micro_steps_f",
+            )),
+            Normalize::Sum => None,
+            Normalize::Weighted(_) => {
+                let weight = weight.expect("weighted has a weight");
+                let weight_sum =
+                    ApplyRegion::state_input(model, "ga.weight_sum", tensor_f32(&[], &[0.0]));
+                let new_sum = Builder::new(model, main, PASS).op(
+                    "Add",
+                    &[weight_sum, weight],
+                    vec![],
+                    "ga.weight_sum_new",
+                );
+                let slot = region.route(
+                    model,
+                    weight_sum,
+                    new_sum,
+                    Role::WeightSum,
+                    None,
+                    &mut cx.state,
+                );
+                let zero = region
+                    .builder(model, PASS)
+                    .scalar_f32("ga.zero_weight", 0.0);
+                region.set_next(model, &slot, zero);
+                Some(new_sum)
+            }
+        };
+
+        for (name, grad_name, elem_type, dims) in trainable {
+            let param = model
+                .lookup(main, &name)
+                .ok_or_else(|| fail(format!("parameter '{name}' is not a value of the graph")))?;
+            let grad = model.lookup(main, &grad_name).ok_or_else(|| {
+                fail(format!(
+                    "gradient '{grad_name}' of parameter '{name}' is not a value of the graph"
+                ))
+            })?;
+            if elem_type != DataType::Float as i32 {
+                return Err(fail(format!(
+                    "parameter '{name}' is not float32; fp32 master parameters are required"
+                )));
+            }
+            let zeros = tensor_f32(
+                &dims,
+                &vec![0.0; dims.iter().product::<i64>().max(0) as usize],
+            );
+            let acc = ApplyRegion::state_input(model, &format!("ga.acc.{name}"), zeros);
+            let contribution = match weight {
+                Some(w) => Builder::new(model, main, PASS).op(
+                    "Mul",
+                    &[grad, w],
+                    vec![],
+                    &format!("{name}.weighted_grad"),
+                ),
+                None => grad,
+            };
+            let acc_new = Builder::new(model, main, PASS).op(
+                "Add",
+                &[acc, contribution],
+                vec![],
+                &format!("ga.acc.{name}.sum"),
+            );
+            let acc_slot = region.route(
+                model,
+                acc,
+                acc_new,
+                Role::Accumulator,
+                Some(&name),
+                &mut cx.state,
+            );
+            let mut b = region.builder(model, PASS);
+            let shape = b.ints(&format!("ga.shape.{name}"), &dims);
+            let zeroed = b.op(
+                "ConstantOfShape",
+                &[shape],
+                vec![attr_tensor("value", tensor_f32(&[1], &[0.0]))],
+                &format!("ga.acc.{name}.zero"),
+            );
+            let normalized = match denominator {
+                Some(d) => b.op("Div", &[acc_new, d], vec![], &format!("{name}.window_grad")),
+                None => acc_new,
+            };
+            region.set_next(model, &acc_slot, zeroed);
+            let slot = region.route(model, param, param, Role::Param, Some(&name), &mut cx.state);
+            region.params.push(super::apply::ApplyParam {
+                name,
+                value: param,
+                grad: normalized,
+                slot,
+                elem_type,
+                dims,
+            });
+        }
+
+        // The `applied` metric is the apply flag itself.
+        let applied_out =
+            Builder::new(model, main, PASS).op("Identity", &[apply], vec![], "ga.applied");
+        model.add_output(
+            main,
+            applied_out,
+            Some(crate::ir::tensor_type(DataType::Bool as i32, &[])),
+        );
+
+        let added = model.all_nodes().count() + removed - nodes_before;
+        cx.apply = Some(region);
+        Ok(PassReport {
+            changed: true,
+            added,
+            removed,
+            notes: vec![format!("{} state pairs", cx.state.len())],
+        })
+    }
+}
+
+/// Removes ORT's accumulation buffers, their InPlaceAccumulatorV2 nodes and flag outputs,
+/// and `lazy_reset_grad`. Returns the number of nodes removed.
+fn remove_ort_accumulation(
+    model: &mut Model,
+    cx: &mut PassContext<'_>,
+) -> Result<usize, PassError> {
+    let main = BodyId::MAIN;
+    let mut removed = 0;
+    let accumulations: Vec<_> = cx
+        .signature
+        .params
+        .iter()
+        .filter_map(|p| p.accumulation.clone())
+        .collect();
+    for acc in &accumulations {
+        if let Some(index) = model
+            .main()
+            .outputs
+            .iter()
+            .position(|(v, _)| model.name(*v) == acc.flag_output)
+        {
+            model.remove_output(main, index);
+        }
+        let node = model
+            .all_nodes()
+            .find(|n| model.node(*n).proto.name() == acc.node);
+        if let Some(node) = node {
+            model
+                .remove_node(node)
+                .map_err(|e| fail(format!("cannot remove ORT accumulator '{}': {e}", acc.node)))?;
+            removed += 1;
+        }
+        if let Some(buffer) = model.lookup(main, &acc.buffer_input) {
+            model
+                .remove_input(buffer)
+                .map_err(|e| fail(format!("ORT buffer '{}': {e}", acc.buffer_input)))?;
+        }
+    }
+    if let Some(reset) = cx.signature.lazy_reset_grad.clone() {
+        if let Some(v) = model.lookup(main, &reset) {
+            model
+                .remove_input(v)
+                .map_err(|e| fail(format!("'{reset}': {e}")))?;
+        }
+    }
+    for p in &mut cx.signature.params {
+        p.accumulation = None;
+    }
+    cx.signature.lazy_reset_grad = None;
+    Ok(removed)
+}
+
+/// The weight w_i of this micro-batch, as a float32 scalar in the main graph.
+fn micro_batch_weight(
+    model: &mut Model,
+    cx: &mut PassContext<'_>,
+    source: Option<&str>,
+) -> Result<ValueId, PassError> {
+    let main = BodyId::MAIN;
+    if let Some(input) = source {
+        let v = model.lookup(main, input).ok_or_else(|| {
+            fail(format!(
+                "weight input '{input}' is not a value of the graph"
+            ))
+        })?;
+        let mut b = Builder::new(model, main, PASS);
+        let f = b.op(
+            "Cast",
+            &[v],
+            vec![attr_int("to", DataType::Float as i64)],
+            "ga.weight_f",
+        );
+        return Ok(b.op(
+            "ReduceSum",
+            &[f],
+            vec![attr_int("keepdims", 0)],
+            "ga.weight",
+        ));
+    }
+    // The count of labels that the mean-reduced cross entropy averages over.
+    let loss = cx.signature.loss.clone();
+    let loss_value = model
+        .lookup(main, &loss)
+        .ok_or_else(|| fail(format!("loss '{loss}' not found")))?;
+    let Some((node, 0)) = model.producer(loss_value) else {
+        return Err(fail(format!("normalize=weighted without an input needs the loss '{loss}' to be output 0 of a SoftmaxCrossEntropyLoss; name a weight input instead (normalize=weighted:INPUT)")));
+    };
+    let proto = model.node(node).proto.clone();
+    if proto.op_type() != "SoftmaxCrossEntropyLoss" {
+        return Err(fail(format!(
+            "normalize=weighted without an input counts labels of a SoftmaxCrossEntropyLoss, but the loss comes from {} ('{}'); name a weight input (normalize=weighted:INPUT)",
+            proto.op_type(),
+            proto.name()
+        )));
+    }
+    let reduction = proto
+        .attr_string("reduction")
+        .map_err(fail)?
+        .unwrap_or_else(|| "mean".into());
+    if reduction != "mean" {
+        return Err(fail(format!(
+            "SoftmaxCrossEntropyLoss '{}' has reduction={reduction}; in-graph weights need mean",
+            proto.name()
+        )));
+    }
+    let labels = model.node(node).inputs[1]
+        .ok_or_else(|| fail("SoftmaxCrossEntropyLoss without labels".into()))?;
+    let class_weights = model.node(node).inputs.get(2).copied().flatten();
+    let ignore_index = proto.attr_int("ignore_index").map_err(fail)?;
+    let mut b = Builder::new(model, main, PASS);
+    // Per-label weight: the class weight of the label (1 without weights), 0 when ignored.
+    let mut per_label = match class_weights {
+        Some(w) => {
+            // Gather needs a valid index even for ignored labels: clamp them to 0 first.
+            let safe = match ignore_index {
+                Some(ii) => {
+                    let ignore = b.scalar_i64("ga.ignore_index", ii);
+                    let is_ignored = b.op("Equal", &[labels, ignore], vec![], "ga.label_ignored");
+                    let zero = b.scalar_i64("ga.zero_label", 0);
+                    b.op(
+                        "Where",
+                        &[is_ignored, zero, labels],
+                        vec![],
+                        "ga.safe_labels",
+                    )
+                }
+                None => labels,
+            };
+            b.op("Gather", &[w, safe], vec![], "ga.label_weight")
+        }
+        None => {
+            let shape = b.op("Shape", &[labels], vec![], "ga.labels_shape");
+            b.op(
+                "ConstantOfShape",
+                &[shape],
+                vec![attr_tensor("value", tensor_f32(&[1], &[1.0]))],
+                "ga.label_one",
+            )
+        }
+    };
+    if let Some(ii) = ignore_index {
+        let ignore = b.scalar_i64("ga.ignore_index", ii);
+        let kept = b.op("Equal", &[labels, ignore], vec![], "ga.label_is_ignored");
+        let zero = b.scalar_f32("ga.zero_weight_f", 0.0);
+        per_label = b.op(
+            "Where",
+            &[kept, zero, per_label],
+            vec![],
+            "ga.label_weight_kept",
+        );
+    }
+    Ok(b.op(
+        "ReduceSum",
+        &[per_label],
+        vec![attr_int("keepdims", 0)],
+        "ga.weight",
+    ))
+}

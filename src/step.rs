@@ -1,0 +1,138 @@
+//! Building the training step: run the pipeline over a training graph, give every state
+//! input its initial value, and record the state manifest in the model's metadata.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ir::{verify, BodyId, Model};
+use crate::passes::{PassContext, PassError, PassReport, Pipeline};
+use crate::proto::{ModelProto, StringStringEntryProto};
+use crate::signature::TrainingGraph;
+use crate::state::{self, StateEntry};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    #[error(transparent)]
+    Pass(#[from] PassError),
+    #[error("parameter '{0}' has no initial value: the graph has no initializer for it and there is no checkpoint")]
+    NoInitialValue(String),
+    #[error(transparent)]
+    Verify(#[from] verify::VerifyErrors),
+    #[error("{0}")]
+    NotAStep(String),
+}
+
+/// What a host needs to drive a rewritten step, read from (and written to) its metadata.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub state: Vec<StateEntry>,
+    pub data_inputs: Vec<String>,
+    pub loss: String,
+    pub pipeline: String,
+    pub version: String,
+}
+
+impl Manifest {
+    /// Reads the manifest of a rewritten step model.
+    pub fn from_model(model: &ModelProto) -> Result<Manifest, StepError> {
+        let get = |key: &str| {
+            model
+                .metadata_props
+                .iter()
+                .find(|p| p.key() == key)
+                .map(|p| p.value().to_string())
+                .ok_or_else(|| StepError::NotAStep(format!("metadata '{key}' is missing: not a step graph written by `onnx-ga rewrite`")))
+        };
+        let json = |key: &str, text: String| {
+            StepError::NotAStep(format!("metadata '{key}' is not valid: {text}"))
+        };
+        let state_text = get(state::STATE_KEY)?;
+        let data_text = get(state::DATA_INPUTS_KEY)?;
+        Ok(Manifest {
+            state: serde_json::from_str(&state_text)
+                .map_err(|e| json(state::STATE_KEY, e.to_string()))?,
+            data_inputs: serde_json::from_str(&data_text)
+                .map_err(|e| json(state::DATA_INPUTS_KEY, e.to_string()))?,
+            loss: get(state::LOSS_KEY)?,
+            pipeline: get(state::PIPELINE_KEY).unwrap_or_default(),
+            version: get(state::VERSION_KEY).unwrap_or_default(),
+        })
+    }
+
+    fn write(&self, model: &mut Model) {
+        let entries = [
+            (
+                state::STATE_KEY,
+                serde_json::to_string(&self.state).expect("state serializes"),
+            ),
+            (
+                state::DATA_INPUTS_KEY,
+                serde_json::to_string(&self.data_inputs).expect("names serialize"),
+            ),
+            (state::LOSS_KEY, self.loss.clone()),
+            (state::PIPELINE_KEY, self.pipeline.clone()),
+            (state::VERSION_KEY, self.version.clone()),
+        ];
+        for (key, value) in entries {
+            model.header.metadata_props.retain(|p| p.key() != key);
+            model.header.metadata_props.push(StringStringEntryProto {
+                key: Some(key.into()),
+                value: Some(value),
+            });
+        }
+    }
+}
+
+/// A rewritten training step.
+pub struct Step {
+    pub model: Model,
+    pub manifest: Manifest,
+    pub reports: Vec<(String, PassReport)>,
+}
+
+/// Runs `spec` over `graph` and finishes the step model.
+pub fn build_step(graph: TrainingGraph, spec: &str, verify_each: bool) -> Result<Step, StepError> {
+    let TrainingGraph {
+        mut model,
+        mut signature,
+        checkpoint,
+        ..
+    } = graph;
+    let mut pipeline = Pipeline::parse(spec)?;
+    pipeline.verify_each |= verify_each;
+    let (reports, state) = {
+        let mut cx = PassContext::new(&mut signature, checkpoint.as_ref());
+        let reports = pipeline.run(&mut model, &mut cx)?;
+        (reports, std::mem::take(&mut cx.state))
+    };
+
+    // Initial values: the checkpoint's, else the graph's own initializer.
+    for p in &signature.params {
+        let Some(v) = model.lookup(BodyId::MAIN, &p.name) else {
+            continue;
+        };
+        match checkpoint.as_ref().and_then(|c| c.parameter(&p.name)) {
+            Some(t) => model.set_initializer(v, t.to_tensor_proto()),
+            None if model.initializer(v).is_some() => {}
+            None => return Err(StepError::NoInitialValue(p.name.clone())),
+        }
+    }
+
+    let manifest = Manifest {
+        state,
+        data_inputs: signature
+            .data_inputs
+            .iter()
+            .map(|d| d.name.clone())
+            .collect(),
+        loss: signature.loss.clone(),
+        pipeline: pipeline.spec(),
+        version: env!("CARGO_PKG_VERSION").to_string(),
+    };
+    manifest.write(&mut model);
+    verify::verify(&model)?;
+    Ok(Step {
+        model,
+        manifest,
+        reports,
+    })
+}
