@@ -249,6 +249,12 @@ pub struct TrainingGraph {
     pub optimizer_model: Option<ModelProto>,
 }
 
+/// The parameter whose ORT accumulation buffer is named `buffer` (`p` for
+/// `p_grad.accumulation.buffer`), if the name follows ORT's convention.
+pub fn ort_param_of_buffer(buffer: &str) -> Option<&str> {
+    buffer.strip_suffix(ORT_BUFFER_SUFFIX)
+}
+
 /// Opens an artifacts folder or a single `.onnx` file.
 pub fn open(path: &Path, roles: &ExplicitRoles) -> Result<TrainingGraph, SignatureError> {
     if !path.exists() {
@@ -326,7 +332,13 @@ fn open_artifacts(dir: &Path) -> Result<TrainingGraph, SignatureError> {
 }
 
 fn open_file(file: &Path, roles: &ExplicitRoles) -> Result<TrainingGraph, SignatureError> {
-    let model = Model::from_proto(crate::model::load_model_with_data(file)?);
+    from_model(crate::model::load_model_with_data(file)?, roles, file)
+}
+
+/// The signature of an in-memory gradient graph; `origin` names it in errors.
+pub fn from_model(proto: ModelProto, roles: &ExplicitRoles, origin: &Path) -> Result<TrainingGraph, SignatureError> {
+    let file = origin;
+    let model = Model::from_proto(proto);
     let has_ort_accumulators = model.all_nodes().any(|n| is_ort_accumulator(&model, n));
     let signature = if roles.grads.is_empty() && has_ort_accumulators {
         let mut s = ort_signature(&model, file, None)?;

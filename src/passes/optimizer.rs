@@ -81,6 +81,27 @@ fn fail(message: String) -> PassError {
     }
 }
 
+impl Resolved {
+    /// The hyperparameters that matter for this kind, for reports.
+    pub fn describe(&self) -> String {
+        let mut text = format!("{} lr={}", self.kind.as_str(), self.lr);
+        if self.weight_decay != 0.0 {
+            text.push_str(&format!(" weight_decay={}", self.weight_decay));
+        }
+        match self.kind {
+            Kind::Sgd => {}
+            Kind::Momentum | Kind::Nesterov => text.push_str(&format!(" momentum={}", self.momentum)),
+            Kind::Adam | Kind::AdamW => {
+                text.push_str(&format!(" beta1={} beta2={} eps={:e} correct_bias={}", self.beta1, self.beta2, self.eps, self.correct_bias));
+                if self.kind == Kind::AdamW {
+                    text.push_str(&format!(" adam_mode={}", self.adam_mode));
+                }
+            }
+        }
+        text
+    }
+}
+
 impl Optimizer {
     pub fn from_options(options: &PassOptions) -> Result<Self, PassError> {
         options.only(&[
@@ -450,17 +471,7 @@ impl Pass for Optimizer {
             changed: true,
             added: model.all_nodes().count().saturating_sub(nodes_before),
             removed: 0,
-            notes: vec![format!(
-                "{} lr={} wd={} beta1={} beta2={} eps={:e} adam_mode={} correct_bias={}",
-                hp.kind.as_str(),
-                hp.lr,
-                hp.weight_decay,
-                hp.beta1,
-                hp.beta2,
-                hp.eps,
-                hp.adam_mode,
-                hp.correct_bias
-            )],
+            notes: vec![hp.describe()],
         })
     }
 }
