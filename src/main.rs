@@ -194,7 +194,15 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure { code, error }) => {
-            eprintln!("error: {error:#}");
+            // Each cause once: several library errors already include their source's text.
+            let mut message = error.to_string();
+            for cause in error.chain().skip(1) {
+                let text = cause.to_string();
+                if !message.contains(&text) {
+                    message = format!("{message}: {text}");
+                }
+            }
+            eprintln!("error: {message}");
             ExitCode::from(code)
         }
     }

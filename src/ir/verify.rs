@@ -148,6 +148,24 @@ impl Verifier<'_> {
             })
     }
 
+    /// Why a used name has no definition in scope: none at all, or one in a scope that
+    /// cannot be seen from here (a sibling or nested subgraph).
+    fn why_undefined(&self, v: ValueId) -> String {
+        let m = self.model;
+        let elsewhere = self.live_values().find(|d| {
+            *d != v
+                && m.name(*d) == m.name(v)
+                && !matches!(m.value(*d).def, ValueDef::Undefined { .. })
+        });
+        match elsewhere {
+            Some(d) => format!(
+                "is defined in {}, which is not visible here",
+                body_path(m, m.defining_body(d))
+            ),
+            None => "is not defined by any node, graph input or initializer".into(),
+        }
+    }
+
     /// Invariant 1.
     fn definitions(&mut self) {
         let m = self.model;
@@ -157,7 +175,8 @@ impl Verifier<'_> {
                 let Some(v) = *input else { continue };
                 match m.value(v).def {
                     ValueDef::Undefined { .. } => {
-                        self.at_node(n, format!("input {slot} '{}' is not defined by any node, graph input or initializer", m.name(v)));
+                        let why = self.why_undefined(v);
+                        self.at_node(n, format!("input {slot} '{}' {why}", m.name(v)));
                     }
                     _ if !m.is_within(node.body, m.defining_body(v)) => self.at_node(
                         n,
@@ -178,11 +197,8 @@ impl Verifier<'_> {
             }
             for (index, (v, _)) in m.body(body).outputs.iter().enumerate() {
                 if let ValueDef::Undefined { .. } = m.value(*v).def {
-                    self.at_body(
-                        body,
-                        format!("output {index} '{}'", m.name(*v)),
-                        "is not defined by any node, graph input or initializer".into(),
-                    );
+                    let why = self.why_undefined(*v);
+                    self.at_body(body, format!("output {index} '{}'", m.name(*v)), why);
                 }
             }
             let mut seen_init = HashSet::new();
@@ -250,28 +266,57 @@ impl Verifier<'_> {
         }
     }
 
-    /// Invariant 3.
+    /// Invariant 3. Each cycle (strongly connected set of nodes) is reported once, at its
+    /// first node, with one closed path through it; nodes that merely depend on a cycle are
+    /// not blamed.
     fn acyclic(&mut self) {
         let m = self.model;
         for b in 0..m.bodies.len() as u32 {
             let body = BodyId(b);
-            let order = super::export::topological_order(m, body);
-            let position: HashMap<NodeId, usize> =
-                order.iter().enumerate().map(|(i, n)| (*n, i)).collect();
-            for (i, n) in order.iter().enumerate() {
-                let late = super::export::node_reads(m, *n)
-                    .into_iter()
-                    .filter_map(|v| m.producer(v))
-                    .find(|(p, _)| position.get(p).is_some_and(|pos| *pos >= i));
-                if let Some((p, _)) = late {
-                    self.at_node(
-                        *n,
-                        format!(
-                            "is part of a cycle (it reads an output of '{}')",
-                            node_label(m, p)
-                        ),
-                    );
+            if m.body(body).owner.is_some_and(|o| m.node(o).removed) {
+                continue;
+            }
+            let nodes: Vec<NodeId> = m.body_nodes(body).collect();
+            let index: HashMap<NodeId, usize> =
+                nodes.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+            // reads[i]: the nodes of this body whose outputs node i reads (captures included).
+            let reads: Vec<Vec<usize>> = nodes
+                .iter()
+                .map(|n| {
+                    let mut r: Vec<usize> = super::export::node_reads(m, *n)
+                        .into_iter()
+                        .filter_map(|v| m.producer(v))
+                        .filter_map(|(p, _)| index.get(&p).copied())
+                        .collect();
+                    r.sort_unstable();
+                    r.dedup();
+                    r
+                })
+                .collect();
+            for mut component in strongly_connected(&reads) {
+                let first = *component.iter().min().expect("components are not empty");
+                if component.len() == 1 && !reads[first].contains(&first) {
+                    continue;
                 }
+                component.sort_unstable();
+                let path = cycle_through(first, &reads, &component);
+                const SHOWN: usize = 12;
+                let mut names: Vec<String> = path
+                    .iter()
+                    .take(SHOWN)
+                    .map(|i| format!("'{}'", node_label(m, nodes[*i])))
+                    .collect();
+                if path.len() > SHOWN {
+                    names.push("...".into());
+                }
+                names.push(format!("'{}'", node_label(m, nodes[first])));
+                self.at_node(
+                    nodes[first],
+                    format!(
+                        "is part of a cycle: {} (each node reads an output of the one before)",
+                        names.join(" -> ")
+                    ),
+                );
             }
         }
     }
@@ -282,20 +327,27 @@ impl Verifier<'_> {
         let mut first: HashMap<&str, ValueId> = HashMap::new();
         for v in self.live_values().collect::<Vec<_>>() {
             let name = m.name(v);
-            if name.is_empty() {
+            // A use without a definition is no definition; `definitions` reports it.
+            if name.is_empty() || matches!(m.value(v).def, ValueDef::Undefined { .. }) {
                 continue;
             }
             match first.get(name) {
                 Some(other) if *other != v => {
+                    let message =
+                        format!("is already defined by {}", describe_definition(m, *other));
                     let body = m.defining_body(v);
-                    self.at_body(
-                        body,
-                        format!("value '{name}'"),
-                        format!(
-                            "is defined again (first defined in {})",
-                            body_path(m, m.defining_body(*other))
-                        ),
-                    );
+                    match m.value(v).def {
+                        ValueDef::Node { node, slot } => {
+                            self.at_node(node, format!("output {slot} '{name}' {message}"));
+                        }
+                        ValueDef::Input { .. } => {
+                            self.at_body(body, format!("input '{name}'"), message)
+                        }
+                        ValueDef::Initializer { .. } => {
+                            self.at_body(body, format!("initializer '{name}'"), message)
+                        }
+                        _ => self.at_body(body, format!("value '{name}'"), message),
+                    }
                 }
                 _ => {
                     first.insert(name, v);
@@ -468,6 +520,113 @@ impl Verifier<'_> {
             }
         }
     }
+}
+
+/// Where `v` is defined, for messages: `node 'n1' (Add) in main`, `a graph input of main`.
+fn describe_definition(m: &Model, v: ValueId) -> String {
+    let body = body_path(m, m.defining_body(v));
+    match m.value(v).def {
+        ValueDef::Node { node, .. } => format!(
+            "node '{}' ({}) in {body}",
+            node_label(m, node),
+            m.node(node).proto.op_type()
+        ),
+        ValueDef::Input { .. } => format!("a graph input of {body}"),
+        ValueDef::Initializer { .. } => format!("an initializer of {body}"),
+        ValueDef::SparseInitializer { .. } => format!("a sparse initializer of {body}"),
+        ValueDef::Undefined { .. } => format!("an undefined use in {body}"),
+    }
+}
+
+/// Strongly connected components of the graph `edges` (Tarjan, iterative so a long chain
+/// cannot overflow the stack).
+fn strongly_connected(edges: &[Vec<usize>]) -> Vec<Vec<usize>> {
+    const UNSEEN: usize = usize::MAX;
+    let n = edges.len();
+    let mut index = vec![UNSEEN; n];
+    let mut low = vec![0; n];
+    let mut on_stack = vec![false; n];
+    let mut stack = Vec::new();
+    let mut components = Vec::new();
+    let mut next = 0;
+    for root in 0..n {
+        if index[root] != UNSEEN {
+            continue;
+        }
+        // (node, position in its edge list)
+        let mut work = vec![(root, 0usize)];
+        index[root] = next;
+        low[root] = next;
+        next += 1;
+        stack.push(root);
+        on_stack[root] = true;
+        while let Some(&mut (v, ref mut at)) = work.last_mut() {
+            if let Some(&w) = edges[v].get(*at) {
+                *at += 1;
+                if index[w] == UNSEEN {
+                    index[w] = next;
+                    low[w] = next;
+                    next += 1;
+                    stack.push(w);
+                    on_stack[w] = true;
+                    work.push((w, 0));
+                } else if on_stack[w] {
+                    low[v] = low[v].min(index[w]);
+                }
+                continue;
+            }
+            work.pop();
+            if let Some(&(parent, _)) = work.last() {
+                low[parent] = low[parent].min(low[v]);
+            }
+            if low[v] == index[v] {
+                let mut component = Vec::new();
+                while let Some(w) = stack.pop() {
+                    on_stack[w] = false;
+                    component.push(w);
+                    if w == v {
+                        break;
+                    }
+                }
+                components.push(component);
+            }
+        }
+    }
+    components
+}
+
+/// A shortest closed path from `start` back to itself inside `component` (sorted), in data
+/// flow order: `start`, then a node reading `start`'s output, and so on (the closing
+/// `start` is left to the caller).
+fn cycle_through(start: usize, reads: &[Vec<usize>], component: &[usize]) -> Vec<usize> {
+    // Breadth-first along "reads" edges from `start`; `read_by[w] = u` means u reads w.
+    let mut read_by: HashMap<usize, usize> = HashMap::new();
+    let mut queue = std::collections::VecDeque::from([start]);
+    let mut last = None;
+    'search: while let Some(u) = queue.pop_front() {
+        for &w in &reads[u] {
+            if component.binary_search(&w).is_err() {
+                continue;
+            }
+            if w == start {
+                // `u` reads `start`: the cycle closes.
+                last = Some(u);
+                break 'search;
+            }
+            if let std::collections::hash_map::Entry::Vacant(e) = read_by.entry(w) {
+                e.insert(u);
+                queue.push_back(w);
+            }
+        }
+    }
+    // start -> last -> (the node reading last) -> ... -> (the node start reads) -> start.
+    let mut flow = vec![start];
+    let mut at = last.unwrap_or(start);
+    while at != start {
+        flow.push(at);
+        at = read_by[&at];
+    }
+    flow
 }
 
 fn elem_type(ty: Option<&crate::proto::TypeProto>) -> Option<i32> {

@@ -1,0 +1,106 @@
+//! Our outputs in other tools' hands: every rewritten step and every legalized graph passes
+//! `onnx.checker.check_model(full_check=True)` (onnx 1.23.2) and loads in Python
+//! onnxruntime 1.31.1, from `.venv-ort` (scripts/install-ort.sh).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::root;
+use onnx_ga::signature::{self, ExplicitRoles};
+
+const MODELS: [&str; 6] = [
+    "mlp_ce_adamw",
+    "mlp_mse_sgd",
+    "cnn_bn",
+    "transformer_block",
+    "bce_logits",
+    "l1_loss",
+];
+
+/// The venv's python, or None (a failure under CI=true).
+fn python() -> Option<PathBuf> {
+    let python = root().join(onnx_ga::runtime::VENV_DIR).join("bin/python");
+    if python.exists() {
+        return Some(python);
+    }
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "{} is missing under CI: run scripts/install-ort.sh",
+        python.display()
+    );
+    eprintln!(
+        "SKIPPED: {} not found (run scripts/install-ort.sh)",
+        python.display()
+    );
+    None
+}
+
+const CHECK: &str = r#"
+import sys, onnx, onnxruntime as ort
+for path in sys.argv[1:]:
+    onnx.checker.check_model(path, full_check=True)
+    ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    print("ok", path)
+"#;
+
+fn check_with_python(files: &[PathBuf]) {
+    let Some(python) = python() else { return };
+    let out = Command::new(python)
+        .arg("-c")
+        .arg(CHECK)
+        .args(files)
+        .output()
+        .expect("run python");
+    assert!(
+        out.status.success(),
+        "onnx.checker / onnxruntime rejected a model:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn write(dir: &Path, name: &str, spec: &str, model: &str) -> PathBuf {
+    let graph = signature::open(
+        &root().join("graphs").join(model),
+        &ExplicitRoles::default(),
+    )
+    .unwrap();
+    let step = onnx_ga::step::build_step(graph, spec, true)
+        .unwrap_or_else(|e| panic!("{model} {spec}: {e}"));
+    let path = dir.join(format!("{model}.{name}.onnx"));
+    onnx_ga::model::save_model(&step.model.to_proto(), &path).unwrap();
+    path
+}
+
+#[test]
+fn rewritten_steps_pass_onnx_checker_and_load_in_onnxruntime() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut files = Vec::new();
+    for model in MODELS {
+        files.push(write(
+            dir.path(),
+            "step_if",
+            "grad-accum(steps=4),optimizer(lr=0.01),legalize-ort,dce",
+            model,
+        ));
+        files.push(write(
+            dir.path(),
+            "step_where",
+            "grad-accum(steps=4,apply=where),optimizer(lr=0.01),legalize-ort,dce",
+            model,
+        ));
+    }
+    check_with_python(&files);
+}
+
+#[test]
+fn legalized_graphs_pass_onnx_checker_and_load_in_onnxruntime() {
+    let dir = tempfile::tempdir().unwrap();
+    let files: Vec<PathBuf> = MODELS
+        .iter()
+        .map(|m| write(dir.path(), "legalized", "legalize-ort", m))
+        .collect();
+    check_with_python(&files);
+}
