@@ -1,60 +1,111 @@
 //! Facts about operators: which ones only ONNX Runtime's (deprecated) training build has.
 
-/// Ops emitted by ONNX Runtime's training tooling (gradient builder, optimizers, loss
-/// blocks) that the standard ONNX Runtime 1.31 build does not register. The first 14 were
-/// measured on our generated graphs (DESIGN.md section 6); the rest come from ORT's
-/// training op definitions.
+/// Ops that ONNX Runtime's training tooling emits (the gradient builder, the optimizer and
+/// accumulation graphs of on-device training, the training graph transformers, ORTModule)
+/// and that the standard ONNX Runtime 1.31.1 build does not register: each was checked by
+/// loading a one-node model into a standard 1.31.1 session. Sources: onnxruntime's
+/// `orttraining/orttraining/core/graph/gradient_builder.cc`, `gradient_builder_base.cc`
+/// and `training_op_defs.cc`. docs/legalize-ops.md lists them with the forward op each
+/// comes from and whether `legalize-ort` lowers it.
 const TRAINING_ONLY: &[(&str, &str)] = &[
-    ("com.microsoft", "InPlaceAccumulatorV2"),
+    // Activation gradients.
     ("com.microsoft", "ReluGrad"),
     ("com.microsoft", "SigmoidGrad"),
-    ("com.microsoft", "GeluGrad"),
-    ("com.microsoft", "SoftmaxGrad_13"),
-    ("com.microsoft", "Scale"),
-    ("com.microsoft", "SoftmaxCrossEntropyLossGrad"),
-    ("com.microsoft", "LayerNormalizationGrad"),
-    ("com.microsoft", "ConvGrad"),
-    ("com.microsoft", "BatchNormInternal"),
-    ("com.microsoft", "BatchNormalizationGrad"),
-    ("com.microsoft", "AdamWOptimizer"),
-    ("com.microsoft", "SGDOptimizerV2"),
-    ("", "MaxPoolGrad"),
-    ("", "AveragePoolGrad"),
-    ("com.microsoft", "InPlaceAccumulator"),
-    ("com.microsoft", "ZeroGradient"),
     ("com.microsoft", "TanhGrad"),
+    ("com.microsoft", "LeakyReluGrad"),
+    ("com.microsoft", "GeluGrad"),
     ("com.microsoft", "FastGeluGrad"),
     ("com.microsoft", "BiasGeluGrad_dX"),
     ("com.microsoft", "BiasFastGeluGrad_dX"),
     ("com.microsoft", "QuickGeluGrad"),
-    ("com.microsoft", "LeakyReluGrad"),
+    // Softmax and losses.
     ("com.microsoft", "SoftmaxGrad"),
+    ("com.microsoft", "SoftmaxGrad_13"),
     ("com.microsoft", "LogSoftmaxGrad"),
     ("com.microsoft", "LogSoftmaxGrad_13"),
+    ("com.microsoft", "SoftmaxCrossEntropyLossGrad"),
     ("com.microsoft", "SoftmaxCrossEntropyLossInternal"),
     ("com.microsoft", "SoftmaxCrossEntropyLossInternalGrad"),
+    ("com.microsoft", "NegativeLogLikelihoodLossInternal"),
+    ("com.microsoft", "NegativeLogLikelihoodLossInternal2"),
+    ("com.microsoft", "SoftmaxCrossEntropy"),
     ("com.microsoft", "SoftmaxCrossEntropyGrad"),
-    ("com.microsoft", "SparseSoftmaxCrossEntropyGrad"),
-    ("com.microsoft", "ConvTransposeGrad"),
+    ("", "SparseSoftmaxCrossEntropy"),
+    ("", "SparseSoftmaxCrossEntropyGrad"),
+    ("com.microsoft", "BiasSoftmaxDropout"),
+    ("com.microsoft", "SoftmaxDropoutGrad"),
+    // Normalisation.
+    ("com.microsoft", "LayerNormalizationGrad"),
     ("com.microsoft", "SimplifiedLayerNormalizationGrad"),
     ("com.microsoft", "InvertibleLayerNormalizationGrad"),
+    ("com.microsoft", "BatchNormInternal"),
+    ("com.microsoft", "BatchNormalizationGrad"),
+    // Convolution and pooling.
+    ("com.microsoft", "ConvGrad"),
+    ("com.microsoft", "ConvTransposeGrad"),
+    ("", "MaxPoolGrad"),
+    ("", "AveragePoolGrad"),
+    ("com.microsoft", "ResizeGrad"),
+    // Dropout.
     ("com.microsoft", "DropoutGrad"),
     ("com.microsoft", "BitmaskDropoutGrad"),
+    ("com.microsoft", "BiasDropout"),
+    ("com.microsoft", "BitmaskDropout"),
+    // Gather, slice, split, concat.
     ("com.microsoft", "GatherGrad"),
     ("com.microsoft", "GatherElementsGrad"),
     ("com.microsoft", "GatherNDGrad"),
-    ("com.microsoft", "ReduceSumTraining"),
+    ("com.microsoft", "ShrunkenGather"),
     ("com.microsoft", "SliceGrad"),
-    ("com.microsoft", "SplitTraining"),
     ("com.microsoft", "ConcatTraining"),
+    ("com.microsoft", "SplitTraining"),
+    ("com.microsoft", "PadAndUnflatten"),
+    ("com.microsoft", "FlattenAndUnpad"),
+    // Arithmetic, reductions, broadcasting.
+    ("com.microsoft", "Scale"),
+    ("com.microsoft", "DivGrad"),
+    ("com.microsoft", "ReduceSumTraining"),
     ("com.microsoft", "BroadcastGradientArgs"),
+    ("com.microsoft", "ScaledSum"),
+    ("com.microsoft", "BatchScale"),
+    ("com.microsoft", "View"),
+    // Recurrent nets, quantisation-aware training.
+    ("com.microsoft", "LSTMTraining"),
+    ("com.microsoft", "LSTMGrad"),
+    ("com.microsoft", "GRUTraining"),
+    ("com.microsoft", "GRUGrad"),
+    ("com.microsoft", "FakeQuant"),
+    ("com.microsoft", "FakeQuantGrad"),
+    // Accumulation and optimizers.
+    ("com.microsoft", "InPlaceAccumulatorV2"),
+    ("com.microsoft", "InPlaceAccumulator"),
+    ("com.microsoft", "ZeroGradient"),
+    ("com.microsoft", "AdamWOptimizer"),
+    ("com.microsoft", "SGDOptimizerV2"),
     ("com.microsoft", "AdamOptimizer"),
     ("com.microsoft", "SGDOptimizer"),
     ("com.microsoft", "LambOptimizer"),
     ("com.microsoft", "InplaceClipGradNorm"),
+    ("com.microsoft", "ReduceAllL2"),
+    ("com.microsoft", "IsFinite"),
+    ("com.microsoft", "All"),
+    ("com.microsoft", "MixedPrecisionScale"),
+    // Distributed training, ORTModule, control.
+    ("com.microsoft", "NcclAllReduce"),
+    ("com.microsoft", "NcclAllGather"),
+    ("com.microsoft", "NcclReduceScatter"),
+    ("com.microsoft", "Send"),
+    ("com.microsoft", "Recv"),
+    ("com.microsoft", "MegatronF"),
+    ("com.microsoft", "MegatronG"),
     ("com.microsoft", "YieldOp"),
     ("com.microsoft", "PythonOp"),
     ("com.microsoft", "PythonOpGrad"),
+    ("com.microsoft", "Group"),
+    ("com.microsoft", "PassThrough"),
+    ("com.microsoft", "RecordEvent"),
+    ("com.microsoft", "WaitEvent"),
+    ("org.pytorch.aten", "ATen"),
 ];
 
 /// True when standard (non-training) ONNX Runtime cannot run `domain::op_type`.

@@ -11,18 +11,32 @@ mod adamw_optimizer;
 mod batch_norm_grad;
 mod batch_norm_internal;
 mod conv_grad;
+mod div_grad;
+mod dropout_grad;
+mod fast_gelu_grad;
 mod fused_matmul;
+mod gather_grad;
 mod gelu;
 mod gelu_grad;
 mod in_place_accumulator;
 mod layer_norm_grad;
+mod leaky_relu_grad;
+mod log_softmax_grad;
 mod max_pool_grad;
+mod quick_gelu_grad;
 mod relu_grad;
 mod scale;
 mod sgd_optimizer;
 mod sigmoid_grad;
 mod softmax_cross_entropy_loss_grad;
 mod softmax_grad;
+mod tanh_grad;
+mod util;
+
+/// Optimizer updates for per-parameter tensors (the optimizer pass lowers ORT's
+/// optimizer_model.onnx, whose sequences are graph inputs, with these).
+pub use adamw_optimizer::{lower_adamw_for_params, AdamW, AdamWNext, AdamWSlots};
+pub use sgd_optimizer::lower_sgd_for_params;
 
 use super::{Pass, PassContext, PassError, PassOptions, PassReport};
 use crate::ir::builder::{Builder, NodeAttributes};
@@ -68,6 +82,43 @@ const LOWERINGS: &[(&str, &str, LowerFn)] = &[
     ),
     ("com.microsoft", "AdamWOptimizer", adamw_optimizer::lower),
     ("com.microsoft", "SGDOptimizerV2", sgd_optimizer::lower),
+    // Beyond the ops of our generated graphs: what ORT's gradient builder emits for other
+    // common forward ops (docs/legalize-ops.md has the full list with its status).
+    ("com.microsoft", "TanhGrad", tanh_grad::lower),
+    ("com.microsoft", "LeakyReluGrad", leaky_relu_grad::lower),
+    ("com.microsoft", "BiasGeluGrad_dX", gelu_grad::lower_bias),
+    ("com.microsoft", "FastGeluGrad", fast_gelu_grad::lower),
+    (
+        "com.microsoft",
+        "BiasFastGeluGrad_dX",
+        fast_gelu_grad::lower_bias,
+    ),
+    ("com.microsoft", "QuickGeluGrad", quick_gelu_grad::lower),
+    ("com.microsoft", "SoftmaxGrad", softmax_grad::lower_v1),
+    (
+        "com.microsoft",
+        "LogSoftmaxGrad",
+        log_softmax_grad::lower_v1,
+    ),
+    (
+        "com.microsoft",
+        "LogSoftmaxGrad_13",
+        log_softmax_grad::lower,
+    ),
+    ("com.microsoft", "DropoutGrad", dropout_grad::lower),
+    ("com.microsoft", "GatherGrad", gather_grad::lower),
+    (
+        "com.microsoft",
+        "GatherElementsGrad",
+        gather_grad::lower_elements,
+    ),
+    ("com.microsoft", "GatherNDGrad", gather_grad::lower_nd),
+    ("com.microsoft", "DivGrad", div_grad::lower),
+    (
+        "com.microsoft",
+        "SimplifiedLayerNormalizationGrad",
+        layer_norm_grad::lower_simplified,
+    ),
 ];
 
 /// Ops standard ONNX Runtime has but other engines lack; lowered only when asked.
@@ -145,6 +196,7 @@ impl Pass for LegalizeOrt {
     ) -> Result<PassReport, PassError> {
         let mut report = PassReport::default();
         let targets: Vec<NodeId> = model.all_nodes().collect();
+        let mut constants = util::Constants::default();
         for node in targets {
             let proto = &model.node(node).proto;
             let (domain, op) = (proto.domain().to_string(), proto.op_type().to_string());
@@ -165,6 +217,7 @@ impl Pass for LegalizeOrt {
             let mut lowering = Lowering {
                 b: Builder::new(model, body, PASS),
                 state: &mut cx.state,
+                constants: &mut constants,
             };
             lower(&mut lowering, node)?;
             report.added += lowering.b.added;
@@ -249,6 +302,8 @@ pub(crate) fn node_error(model: &Model, node: NodeId, message: String) -> PassEr
 pub struct Lowering<'m, 'c> {
     pub b: Builder<'m>,
     pub state: &'c mut Vec<crate::state::StateEntry>,
+    /// Constants minted in this run of the pass, shared between lowerings.
+    pub constants: &'c mut util::Constants,
 }
 
 impl Lowering<'_, '_> {

@@ -1,0 +1,329 @@
+//! What several lowerings share: element types and static shapes of values, typed scalar
+//! constants (one initializer per value and body, however many lowerings ask for it), and
+//! the few ops whose signature changed across opsets (`ReduceSum` and `Unsqueeze` take
+//! their axes as an input from opset 13, `ReduceMean` from 18).
+
+use std::collections::HashMap;
+
+use super::{node_error, Lowering};
+use crate::ir::builder::{attr_int, attr_ints, tensor_i64};
+use crate::ir::{BodyId, Model, NodeId, ValueId};
+use crate::passes::PassError;
+use crate::proto::{tensor_proto::DataType, type_proto, AttributeProto, TensorProto};
+
+pub(super) const FLOAT: i32 = DataType::Float as i32;
+pub(super) const DOUBLE: i32 = DataType::Double as i32;
+pub(super) const FLOAT16: i32 = DataType::Float16 as i32;
+pub(super) const BFLOAT16: i32 = DataType::Bfloat16 as i32;
+pub(super) const INT64: i32 = DataType::Int64 as i32;
+pub(super) const INT32: i32 = DataType::Int32 as i32;
+pub(super) const BOOL: i32 = DataType::Bool as i32;
+
+/// Constants minted during one run of the pass, keyed by body, element type, dims and
+/// bytes, so that e.g. every `ReluGrad` of a graph compares against the same `0.0`.
+#[derive(Default)]
+pub struct Constants {
+    minted: HashMap<(BodyId, i32, Vec<i64>, Vec<u8>), ValueId>,
+}
+
+/// Little-endian bytes of `value` as ONNX element type `elem`, for the float types.
+pub(super) fn float_bytes(elem: i32, value: f64) -> Option<Vec<u8>> {
+    Some(match elem {
+        FLOAT => (value as f32).to_le_bytes().to_vec(),
+        DOUBLE => value.to_le_bytes().to_vec(),
+        FLOAT16 => half::f16::from_f64(value).to_le_bytes().to_vec(),
+        BFLOAT16 => half::bf16::from_f64(value).to_le_bytes().to_vec(),
+        _ => return None,
+    })
+}
+
+fn is_float(elem: i32) -> bool {
+    matches!(elem, FLOAT | DOUBLE | FLOAT16 | BFLOAT16)
+}
+
+/// The element type of `v` when the model declares it or a short walk up its producers
+/// determines it (training graphs declare most but not all intermediate values).
+pub(super) fn elem_type(model: &Model, v: ValueId) -> Option<i32> {
+    elem_type_within(model, v, 16)
+}
+
+fn elem_type_within(model: &Model, v: ValueId, depth: usize) -> Option<i32> {
+    if let Some(type_proto::Value::TensorType(t)) = model.value_type(v).and_then(|t| t.value) {
+        if let Some(e) = t.elem_type.filter(|e| *e != 0) {
+            return Some(e);
+        }
+    }
+    if depth == 0 {
+        return None;
+    }
+    let (node, slot) = model.producer(v)?;
+    let n = model.node(node);
+    let input = |i: usize| {
+        n.inputs
+            .get(i)
+            .copied()
+            .flatten()
+            .and_then(|x| elem_type_within(model, x, depth - 1))
+    };
+    let attr = |name: &str| n.proto.attribute.iter().find(|a| a.name() == name);
+    match (n.proto.domain(), n.proto.op_type(), slot) {
+        (_, "Shape" | "Size" | "NonZero" | "ArgMax" | "ArgMin", 0) => Some(INT64),
+        (_, "TopK", 1) => Some(INT64),
+        (_, "Cast", 0) => attr("to").map(|a| a.i() as i32),
+        (
+            _,
+            "Equal" | "Greater" | "GreaterOrEqual" | "Less" | "LessOrEqual" | "Not" | "And" | "Or"
+            | "Xor" | "IsNaN" | "IsInf",
+            0,
+        ) => Some(BOOL),
+        (_, "Constant", 0) => attr("value")
+            .and_then(|a| a.t.as_ref())
+            .map(|t| t.data_type()),
+        (_, "ConstantOfShape", 0) => Some(
+            attr("value")
+                .and_then(|a| a.t.as_ref())
+                .map(|t| t.data_type())
+                .unwrap_or(FLOAT),
+        ),
+        (_, "Where", 0) => input(1).or_else(|| input(2)),
+        // Gradient ops whose output 0 has the type of their dY input (input 0) or, for the
+        // gather/scatter family, of their update input (input 2).
+        ("com.microsoft", "GatherGrad" | "GatherNDGrad", 0) => input(2),
+        (_, "InPlaceAccumulatorV2", 0) => Some(BOOL),
+        // Everything else we meet in training graphs propagates the type of input 0.
+        (_, _, 0) => input(0),
+        _ => None,
+    }
+}
+
+/// The declared dims of `v` (`None` for a symbolic dim), when its rank is known.
+pub(super) fn dims(model: &Model, v: ValueId) -> Option<Vec<Option<i64>>> {
+    use crate::proto::tensor_shape_proto::dimension::Value as Dim;
+    match model.value_type(v).and_then(|t| t.value) {
+        Some(type_proto::Value::TensorType(t)) => t.shape.map(|s| {
+            s.dim
+                .iter()
+                .map(|d| match d.value {
+                    Some(Dim::DimValue(x)) => Some(x),
+                    _ => None,
+                })
+                .collect()
+        }),
+        _ => None,
+    }
+}
+
+/// The constant value of `v` when it is an initializer that is not a graph input (a graph
+/// input's initializer is only a default the caller may override).
+pub(super) fn constant(model: &Model, v: ValueId) -> Option<&TensorProto> {
+    let body = model.defining_body(v);
+    if model.body(body).inputs.iter().any(|(i, _)| *i == v) {
+        return None;
+    }
+    model.initializer(v)
+}
+
+/// The single element of a constant scalar (or one-element) float, integer or bool tensor.
+pub(super) fn constant_scalar(model: &Model, v: ValueId) -> Option<f64> {
+    let t = constant(model, v)?;
+    if t.dims.iter().product::<i64>() != 1 {
+        return None;
+    }
+    let raw = t.raw_data.as_deref();
+    match t.data_type() {
+        FLOAT => raw
+            .and_then(|r| r.get(..4))
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64)
+            .or_else(|| t.float_data.first().map(|x| *x as f64)),
+        DOUBLE => raw
+            .and_then(|r| r.get(..8))
+            .map(|b| f64::from_le_bytes(b.try_into().unwrap()))
+            .or_else(|| t.double_data.first().copied()),
+        INT64 => raw
+            .and_then(|r| r.get(..8))
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f64)
+            .or_else(|| t.int64_data.first().map(|x| *x as f64)),
+        INT32 => raw
+            .and_then(|r| r.get(..4))
+            .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as f64)
+            .or_else(|| t.int32_data.first().map(|x| *x as f64)),
+        BOOL => raw
+            .and_then(|r| r.first())
+            .map(|b| (*b != 0) as u8 as f64)
+            .or_else(|| t.int32_data.first().map(|x| (*x != 0) as u8 as f64)),
+        _ => None,
+    }
+}
+
+impl Lowering<'_, '_> {
+    /// The version of the default (ai.onnx) opset the model imports.
+    pub fn onnx_opset(&self) -> i64 {
+        self.model().opset("").unwrap_or(1)
+    }
+
+    /// The element type of `v`, if known.
+    pub fn elem_type(&self, v: ValueId) -> Option<i32> {
+        elem_type(self.model(), v)
+    }
+
+    /// The float element type the lowering of `node` computes in: that of `v`, float32 when
+    /// the model does not say (fp32 graphs are the norm; a wrong guess fails at load time in
+    /// the runtime's type check, never silently). Integer types are an error.
+    pub fn float_type(&self, node: NodeId, v: ValueId) -> Result<i32, PassError> {
+        match self.elem_type(v) {
+            None => Ok(FLOAT),
+            Some(e) if is_float(e) => Ok(e),
+            Some(e) => Err(node_error(
+                self.model(),
+                node,
+                format!(
+                    "input '{}' has element type {}, expected a float type",
+                    self.model().name(v),
+                    crate::ir::print::elem_type_name(e)
+                ),
+            )),
+        }
+    }
+
+    /// The rank of `v`, if declared.
+    pub fn rank(&self, v: ValueId) -> Option<usize> {
+        dims(self.model(), v).map(|d| d.len())
+    }
+
+    /// An initializer holding `tensor`, shared with every other request for the same value in
+    /// this body.
+    pub fn constant(&mut self, hint: &str, tensor: TensorProto) -> ValueId {
+        let key = (
+            self.b.body,
+            tensor.data_type(),
+            tensor.dims.clone(),
+            tensor.raw_data.clone().unwrap_or_default(),
+        );
+        if let Some(v) = self.constants.minted.get(&key) {
+            return *v;
+        }
+        let v = self.b.model.add_initializer(self.b.body, hint, tensor);
+        self.constants.minted.insert(key, v);
+        v
+    }
+
+    /// A scalar of float type `elem` (shared, see [`Lowering::constant`]).
+    pub fn scalar(&mut self, hint: &str, elem: i32, value: f64) -> ValueId {
+        let raw = float_bytes(elem, value).unwrap_or_else(|| (value as f32).to_le_bytes().to_vec());
+        let elem = if is_float(elem) { elem } else { FLOAT };
+        let tensor = TensorProto {
+            data_type: Some(elem),
+            raw_data: Some(raw),
+            ..Default::default()
+        };
+        self.constant(hint, tensor)
+    }
+
+    /// A 1-D int64 constant (axes, shapes), shared like every constant.
+    pub fn int64s(&mut self, hint: &str, values: &[i64]) -> ValueId {
+        self.constant(hint, tensor_i64(&[values.len() as i64], values))
+    }
+
+    /// A node of the default domain with one output.
+    pub fn op(
+        &mut self,
+        op_type: &str,
+        inputs: &[ValueId],
+        attributes: Vec<AttributeProto>,
+        hint: &str,
+    ) -> ValueId {
+        self.b.op(op_type, inputs, attributes, hint)
+    }
+
+    /// `x` as element type `to`; `x` itself when it already has that type.
+    pub fn cast(&mut self, x: ValueId, to: i32, hint: &str) -> ValueId {
+        if self.elem_type(x) == Some(to) {
+            return x;
+        }
+        self.op("Cast", &[x], vec![attr_int("to", to as i64)], hint)
+    }
+
+    /// `ReduceSum`/`ReduceMean` over `axes`, in the form the model's opset wants.
+    pub fn reduce(
+        &mut self,
+        op: &str,
+        x: ValueId,
+        axes: &[i64],
+        keepdims: bool,
+        hint: &str,
+    ) -> ValueId {
+        let axes_as_input = match op {
+            "ReduceSum" => self.onnx_opset() >= 13,
+            _ => self.onnx_opset() >= 18,
+        };
+        let keep = attr_int("keepdims", keepdims as i64);
+        if axes_as_input {
+            let a = self.int64s(&axes_name(axes), axes);
+            self.op(op, &[x, a], vec![keep], hint)
+        } else {
+            self.op(op, &[x], vec![attr_ints("axes", axes), keep], hint)
+        }
+    }
+
+    /// `Unsqueeze(x, axes)` in the form the model's opset wants.
+    pub fn unsqueeze(&mut self, x: ValueId, axes: &[i64], hint: &str) -> ValueId {
+        if self.onnx_opset() >= 13 {
+            let a = self.int64s(&axes_name(axes), axes);
+            self.op("Unsqueeze", &[x, a], vec![], hint)
+        } else {
+            self.op("Unsqueeze", &[x], vec![attr_ints("axes", axes)], hint)
+        }
+    }
+
+    /// The axes `[axis, rank)` that an op "normalising from `axis` on" reduces over: written
+    /// with negative numbers when `axis` is negative, so the rank need not be known.
+    pub fn trailing_axes(
+        &self,
+        node: NodeId,
+        axis: i64,
+        x: ValueId,
+    ) -> Result<Vec<i64>, PassError> {
+        if axis < 0 {
+            return Ok((axis..0).collect());
+        }
+        let rank = self.rank(x).ok_or_else(|| {
+            node_error(
+                self.model(),
+                node,
+                format!(
+                    "attribute 'axis' = {axis} needs the rank of '{}', which the model does not declare",
+                    self.model().name(x)
+                ),
+            )
+        })? as i64;
+        if axis >= rank {
+            return Err(self.unsupported(node, "axis", format!("{axis} for a rank-{rank} input")));
+        }
+        Ok((axis..rank).collect())
+    }
+}
+
+/// Bytes per element of the float and integer types the lowerings emit.
+pub(super) fn elem_size(elem: i32) -> usize {
+    match elem {
+        DOUBLE | INT64 => 8,
+        FLOAT | INT32 => 4,
+        FLOAT16 | BFLOAT16 => 2,
+        _ => 1,
+    }
+}
+
+/// `axes_0_1`, `axes_m1`: the name of an axes constant, readable in a printed graph.
+fn axes_name(axes: &[i64]) -> String {
+    let parts: Vec<String> = axes
+        .iter()
+        .map(|a| {
+            if *a < 0 {
+                format!("m{}", -a)
+            } else {
+                a.to_string()
+            }
+        })
+        .collect();
+    format!("axes_{}", parts.join("_"))
+}
