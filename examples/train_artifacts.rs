@@ -11,13 +11,21 @@ use onnx_ga::signature::{self, ExplicitRoles};
 use onnx_ga::train::{micro_batch, Trainer};
 
 fn main() -> anyhow::Result<()> {
-    let folder = PathBuf::from(std::env::args().nth(1).unwrap_or_else(|| "graphs/mlp_ce_adamw".into()));
+    let folder = PathBuf::from(
+        std::env::args()
+            .nth(1)
+            .unwrap_or_else(|| "graphs/mlp_ce_adamw".into()),
+    );
     let (k, batch, windows) = (4u64, 8usize, 8u64);
 
     let graph = signature::open(&folder, &ExplicitRoles::default())?;
     let spec = format!("grad-accum(steps={k},normalize=mean),optimizer(lr=0.01),legalize-ort,dce");
     let step = onnx_ga::step::build_step(graph, &spec, false)?;
-    println!("{} state tensors; pipeline {}", step.manifest.state.len(), step.manifest.pipeline);
+    println!(
+        "{} state tensors; pipeline {}",
+        step.manifest.state.len(),
+        step.manifest.pipeline
+    );
 
     let mut trainer = Trainer::new(&step.model.to_proto(), &SessionOptions::default())?;
     let data = onnx_ga::data::read_npz(&folder.join("data.npz"))?;
@@ -27,7 +35,10 @@ fn main() -> anyhow::Result<()> {
         let m = trainer.step(&micro_batch(&data, samples, batch, i), false)?;
         window_loss += m.loss / k as f32;
         if m.applied {
-            println!("window {:2}: mean micro-batch loss {window_loss:.5}", (i + 1) / k);
+            println!(
+                "window {:2}: mean micro-batch loss {window_loss:.5}",
+                (i + 1) / k
+            );
             window_loss = 0.0;
         }
     }

@@ -336,7 +336,11 @@ fn open_file(file: &Path, roles: &ExplicitRoles) -> Result<TrainingGraph, Signat
 }
 
 /// The signature of an in-memory gradient graph; `origin` names it in errors.
-pub fn from_model(proto: ModelProto, roles: &ExplicitRoles, origin: &Path) -> Result<TrainingGraph, SignatureError> {
+pub fn from_model(
+    proto: ModelProto,
+    roles: &ExplicitRoles,
+    origin: &Path,
+) -> Result<TrainingGraph, SignatureError> {
     let file = origin;
     let model = Model::from_proto(proto);
     let has_ort_accumulators = model.all_nodes().any(|n| is_ort_accumulator(&model, n));

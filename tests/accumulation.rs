@@ -17,12 +17,17 @@ use onnx_ga::train::{micro_batch, Trainer};
 
 /// Rewrites a shipped artifacts folder with `spec`.
 fn rewrite(model: &str, spec: &str) -> ModelProto {
-    let graph = signature::open(&root().join("graphs").join(model), &ExplicitRoles::default()).unwrap_or_else(|e| panic!("{model}: {e}"));
+    let graph = signature::open(
+        &root().join("graphs").join(model),
+        &ExplicitRoles::default(),
+    )
+    .unwrap_or_else(|e| panic!("{model}: {e}"));
     rewrite_graph(graph, spec)
 }
 
 fn rewrite_graph(graph: signature::TrainingGraph, spec: &str) -> ModelProto {
-    let step = onnx_ga::step::build_step(graph, spec, true).unwrap_or_else(|e| panic!("{spec}: {e}"));
+    let step =
+        onnx_ga::step::build_step(graph, spec, true).unwrap_or_else(|e| panic!("{spec}: {e}"));
     step.model.to_proto()
 }
 
@@ -31,7 +36,14 @@ fn data(model: &str) -> BTreeMap<String, Tensor> {
 }
 
 fn trainer(step: &ModelProto) -> Trainer {
-    Trainer::new(step, &SessionOptions { threads: 1, optimize: true }).unwrap_or_else(|e| panic!("{e}"))
+    Trainer::new(
+        step,
+        &SessionOptions {
+            threads: 1,
+            optimize: true,
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Runs `steps` micro-steps of `batch` samples, the fixtures' sampling.
@@ -39,7 +51,8 @@ fn train(step: &ModelProto, data: &BTreeMap<String, Tensor>, batch: usize, steps
     let mut t = trainer(step);
     let samples = t.check_data(data, Path::new("data.npz")).unwrap();
     for i in 0..steps {
-        t.step(&micro_batch(data, samples, batch, i), false).unwrap();
+        t.step(&micro_batch(data, samples, batch, i), false)
+            .unwrap();
     }
     t
 }
@@ -47,8 +60,13 @@ fn train(step: &ModelProto, data: &BTreeMap<String, Tensor>, batch: usize, steps
 fn assert_params_match(model: &str, t: &Trainer, reference: &BTreeMap<String, Tensor>, atol: f64) {
     let mut compared = 0;
     for (key, expected) in reference {
-        let Some(name) = key.strip_prefix("param/") else { continue };
-        let actual = t.state().get(name).unwrap_or_else(|| panic!("{model}: no state '{name}'"));
+        let Some(name) = key.strip_prefix("param/") else {
+            continue;
+        };
+        let actual = t
+            .state()
+            .get(name)
+            .unwrap_or_else(|| panic!("{model}: no state '{name}'"));
         assert_close(&format!("{model} {name}"), actual, expected, 0.0, atol);
         compared += 1;
     }
@@ -106,11 +124,39 @@ fn cnn_batchnorm_matches_ort_micro_batch_loop() {
     let model = "cnn_bn";
     let step = rewrite(model, &adamw_or_sgd_spec(4, "mean"));
     let t = train(&step, &data(model), 8, 32);
-    let reference = read_npz(&root().join("fixtures").join(model).join("run_accum_div.npz"));
+    let mut reference = read_npz(
+        &root()
+            .join("fixtures")
+            .join(model)
+            .join("run_accum_div.npz"),
+    );
+    // conv.bias feeds the BatchNorm, so its gradient is mathematically zero (|g| ~ 2e-8 of
+    // rounding noise) and AdamW's m / (sqrt(v) + eps) turns noise into lr-sized steps: two
+    // correct implementations drift apart there (measured 4.2e-5). Checked loosely, apart.
+    let bias = reference.remove("param/conv.bias").unwrap();
+    assert_close(
+        "cnn_bn conv.bias (noise-driven)",
+        &t.state()["conv.bias"],
+        &bias,
+        0.0,
+        1e-3,
+    );
     assert_params_match(model, &t, &reference, 2e-6);
     for (key, expected) in &reference {
         if let Some(name) = key.strip_prefix("frozen/") {
-            assert_close(&format!("{model} running stat {name}"), &t.state()[name], expected, 0.0, 2e-6);
+            assert_close(
+                &format!("{model} running stat {name}"),
+                &t.state()[name],
+                expected,
+                0.0,
+                // The running mean of conv(x) + conv.bias carries conv.bias's drift (above);
+                // the running variance does not see a shift.
+                if name.ends_with("running_mean") {
+                    1e-4
+                } else {
+                    2e-6
+                },
+            );
         }
     }
 }
@@ -132,12 +178,21 @@ fn sum_equals_ort_accumulation_loop() {
 /// The MLP with cross entropy, its loss made to ignore label -1.
 fn mlp_with_ignore_index() -> signature::TrainingGraph {
     use onnx_ga::ir::builder::attr_int;
-    let mut graph = signature::open(&root().join("graphs/mlp_ce_adamw"), &ExplicitRoles::default()).unwrap();
+    let mut graph = signature::open(
+        &root().join("graphs/mlp_ce_adamw"),
+        &ExplicitRoles::default(),
+    )
+    .unwrap();
     let nodes: Vec<_> = graph.model.all_nodes().collect();
     for n in nodes {
         let op = graph.model.node(n).proto.op_type().to_string();
         if op == "SoftmaxCrossEntropyLoss" || op == "SoftmaxCrossEntropyLossGrad" {
-            graph.model.node_mut(n).proto.attribute.push(attr_int("ignore_index", -1));
+            graph
+                .model
+                .node_mut(n)
+                .proto
+                .attribute
+                .push(attr_int("ignore_index", -1));
         }
     }
     graph
@@ -169,17 +224,33 @@ fn weighted_uneven_micro_batches_with_ignored_labels_equal_full_batch() {
         let mut window_rows = Vec::new();
         for size in sizes {
             let rows: Vec<usize> = (start..start + size).map(|r| r % 64).collect();
-            let batch = data.iter().map(|(k, v)| (k.clone(), v.rows(&rows))).collect();
+            let batch = data
+                .iter()
+                .map(|(k, v)| (k.clone(), v.rows(&rows)))
+                .collect();
             let m = accumulated.step(&batch, false).unwrap();
             window_rows.extend(rows);
             start += size;
-            assert_eq!(m.applied, window_rows.len() == 32, "applies exactly at the window's end");
+            assert_eq!(
+                m.applied,
+                window_rows.len() == 32,
+                "applies exactly at the window's end"
+            );
         }
-        let batch = data.iter().map(|(k, v)| (k.clone(), v.rows(&window_rows))).collect();
+        let batch = data
+            .iter()
+            .map(|(k, v)| (k.clone(), v.rows(&window_rows)))
+            .collect();
         assert!(whole.step(&batch, false).unwrap().applied);
     }
     for name in ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"] {
-        assert_close(name, &accumulated.state()[name], &whole.state()[name], 0.0, 2e-6);
+        assert_close(
+            name,
+            &accumulated.state()[name],
+            &whole.state()[name],
+            0.0,
+            2e-6,
+        );
     }
 }
 
@@ -203,13 +274,19 @@ fn flush_applies_a_partial_window_as_its_mean() {
     let rows32: Vec<usize> = (0..32).collect();
     let rows16: Vec<usize> = (32..48).collect();
     for rows in [rows32, rows16] {
-        let batch = data.iter().map(|(k, v)| (k.clone(), v.rows(&rows))).collect();
+        let batch = data
+            .iter()
+            .map(|(k, v)| (k.clone(), v.rows(&rows)))
+            .collect();
         b.step(&batch, false).unwrap();
     }
     for name in ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"] {
         assert_close(name, &a.state()[name], &b.state()[name], 0.0, 1e-6);
     }
-    assert_eq!(a.state()["ga.micro_step"], Tensor::I64(ndarray::arr0(0).into_dyn()));
+    assert_eq!(
+        a.state()["ga.micro_step"],
+        Tensor::I64(ndarray::arr0(0).into_dyn())
+    );
 }
 
 /// N steps, save, M more from the saved state: bit-identical to N+M straight, also when N
@@ -232,5 +309,9 @@ fn resume_is_bit_identical_mid_window() {
     for i in 6..14u64 {
         resumed.step(&micro_batch(&data, 64, 8, i), false).unwrap();
     }
-    assert_eq!(straight.state(), resumed.state(), "resumed state differs from the straight run");
+    assert_eq!(
+        straight.state(),
+        resumed.state(),
+        "resumed state differs from the straight run"
+    );
 }

@@ -6,7 +6,6 @@ use std::path::{Path, PathBuf};
 use onnx_ga::ir::Model;
 use onnx_ga::proto::ModelProto;
 
-
 fn onnx_files(dir: &Path, out: &mut Vec<PathBuf>) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;

@@ -24,11 +24,17 @@ const W0: [f32; 2] = [0.5, -0.25];
 fn linear_regression() -> ModelProto {
     let header = ModelProto {
         ir_version: Some(8),
-        opset_import: vec![OperatorSetIdProto { domain: Some(String::new()), version: Some(17) }],
+        opset_import: vec![OperatorSetIdProto {
+            domain: Some(String::new()),
+            version: Some(17),
+        }],
         producer_name: Some("onnx-ga tests".into()),
         ..Default::default()
     };
-    let mut model = Model::from_proto(ModelProto { graph: Some(Default::default()), ..header });
+    let mut model = Model::from_proto(ModelProto {
+        graph: Some(Default::default()),
+        ..header
+    });
     model.body_mut(BodyId::MAIN).rest.name = Some("linear_regression".into());
     let main = BodyId::MAIN;
     let float = 1; // TensorProto.FLOAT
@@ -38,7 +44,9 @@ fn linear_regression() -> ModelProto {
             for (d, name) in t.shape.as_mut().unwrap().dim.iter_mut().zip(dims) {
                 d.value = Some(match name.parse::<i64>() {
                     Ok(v) => onnx_ga::proto::tensor_shape_proto::dimension::Value::DimValue(v),
-                    Err(_) => onnx_ga::proto::tensor_shape_proto::dimension::Value::DimParam(name.to_string()),
+                    Err(_) => onnx_ga::proto::tensor_shape_proto::dimension::Value::DimParam(
+                        name.to_string(),
+                    ),
                 });
             }
         }
@@ -48,7 +56,12 @@ fn linear_regression() -> ModelProto {
     let t = model.add_input(main, "t", sym(&["N", "1"]), None);
     // Per-sample weights for normalize=weighted:sample_weight (the loss itself ignores them).
     model.add_input(main, "sample_weight", sym(&["N"]), None);
-    let w = model.add_input(main, "W", tensor_type(float, &[2, 1]), Some(tensor_f32(&[2, 1], &W0)));
+    let w = model.add_input(
+        main,
+        "W",
+        tensor_type(float, &[2, 1]),
+        Some(tensor_f32(&[2, 1], &W0)),
+    );
     let mut b = Builder::new(&mut model, main, "test");
     let seed = b.scalar_f32("loss_grad", 1.0);
     let y = b.op("MatMul", &[x, w], vec![], "y");
@@ -72,11 +85,20 @@ fn linear_regression() -> ModelProto {
 }
 
 fn roles() -> ExplicitRoles {
-    ExplicitRoles { loss: Some("loss".into()), seed: Some("loss_grad".into()), grads: vec![("W".into(), "W_grad".into())] }
+    ExplicitRoles {
+        loss: Some("loss".into()),
+        seed: Some("loss_grad".into()),
+        grads: vec![("W".into(), "W_grad".into())],
+    }
 }
 
 fn rewrite(spec: &str) -> onnx_ga::step::Step {
-    let graph = signature::from_model(linear_regression(), &roles(), Path::new("linear_regression.onnx")).unwrap();
+    let graph = signature::from_model(
+        linear_regression(),
+        &roles(),
+        Path::new("linear_regression.onnx"),
+    )
+    .unwrap();
     onnx_ga::step::build_step(graph, spec, true).unwrap_or_else(|e| panic!("{spec}: {e}"))
 }
 
@@ -88,7 +110,16 @@ fn snapshot(name: &str, spec: &str) {
     }
     doc.push_str("\n## State\n");
     for s in &step.manifest.state {
-        doc.push_str(&format!("{:?} {} -> {}{}\n", s.role, s.input, s.output, s.param.as_ref().map(|p| format!(" (of {p})")).unwrap_or_default()));
+        doc.push_str(&format!(
+            "{:?} {} -> {}{}\n",
+            s.role,
+            s.input,
+            s.output,
+            s.param
+                .as_ref()
+                .map(|p| format!(" (of {p})"))
+                .unwrap_or_default()
+        ));
     }
     doc.push_str("\n## Graph\n");
     doc.push_str(&onnx_ga::ir::print::print_model(&step.model));
@@ -97,17 +128,26 @@ fn snapshot(name: &str, spec: &str) {
 
 #[test]
 fn snapshot_mean_sgd() {
-    snapshot("mean_sgd", "grad-accum(steps=2,normalize=mean),optimizer(kind=sgd,lr=0.1),dce");
+    snapshot(
+        "mean_sgd",
+        "grad-accum(steps=2,normalize=mean),optimizer(kind=sgd,lr=0.1),dce",
+    );
 }
 
 #[test]
 fn snapshot_sum_momentum() {
-    snapshot("sum_momentum", "grad-accum(steps=2,normalize=sum),optimizer(kind=momentum,lr=0.1,momentum=0.9),dce");
+    snapshot(
+        "sum_momentum",
+        "grad-accum(steps=2,normalize=sum),optimizer(kind=momentum,lr=0.1,momentum=0.9),dce",
+    );
 }
 
 #[test]
 fn snapshot_weighted_nesterov() {
-    snapshot("weighted_nesterov", "grad-accum(steps=2,normalize=weighted:sample_weight),optimizer(kind=nesterov,lr=0.1),dce");
+    snapshot(
+        "weighted_nesterov",
+        "grad-accum(steps=2,normalize=weighted:sample_weight),optimizer(kind=nesterov,lr=0.1),dce",
+    );
 }
 
 #[test]
@@ -117,14 +157,21 @@ fn snapshot_mean_adamw_where() {
 
 #[test]
 fn snapshot_mean_adam() {
-    snapshot("mean_adam", "grad-accum(steps=2,normalize=mean),optimizer(kind=adam,lr=0.1),dce");
+    snapshot(
+        "mean_adam",
+        "grad-accum(steps=2,normalize=mean),optimizer(kind=adam,lr=0.1),dce",
+    );
 }
 
 fn batch(x: Array2<f32>, t: Array2<f32>) -> std::collections::BTreeMap<String, Tensor> {
     let ones = Tensor::F32(ndarray::ArrayD::ones(vec![x.nrows()]));
-    [("x".to_string(), Tensor::F32(x.into_dyn())), ("t".to_string(), Tensor::F32(t.into_dyn())), ("sample_weight".to_string(), ones)]
-        .into_iter()
-        .collect()
+    [
+        ("x".to_string(), Tensor::F32(x.into_dyn())),
+        ("t".to_string(), Tensor::F32(t.into_dyn())),
+        ("sample_weight".to_string(), ones),
+    ]
+    .into_iter()
+    .collect()
 }
 
 /// Two micro-batches of 2 then apply: W - lr * 2/4 x^T (x W - t) over all 4 samples.
@@ -139,13 +186,41 @@ fn window_update_equals_closed_form() {
     let residual = x.dot(&w0) - &t;
     let expected: ArrayD<f32> = (&w0 - &(x.t().dot(&residual) * (0.1 * 2.0 / 4.0))).into_dyn();
     for apply in ["if", "where"] {
-        let step = rewrite(&format!("grad-accum(steps=2,normalize=mean,apply={apply}),optimizer(kind=sgd,lr=0.1),dce"));
+        let step = rewrite(&format!(
+            "grad-accum(steps=2,normalize=mean,apply={apply}),optimizer(kind=sgd,lr=0.1),dce"
+        ));
         let mut trainer = Trainer::new(&step.model.to_proto(), &SessionOptions::default()).unwrap();
-        let first = trainer.step(&batch(x.slice(ndarray::s![0..2, ..]).to_owned(), t.slice(ndarray::s![0..2, ..]).to_owned()), false).unwrap();
+        let first = trainer
+            .step(
+                &batch(
+                    x.slice(ndarray::s![0..2, ..]).to_owned(),
+                    t.slice(ndarray::s![0..2, ..]).to_owned(),
+                ),
+                false,
+            )
+            .unwrap();
         assert!(!first.applied);
-        assert_eq!(trainer.state()["W"], Tensor::F32(w0.clone().into_dyn()), "{apply}: W must not move before the window ends");
-        let second = trainer.step(&batch(x.slice(ndarray::s![2..4, ..]).to_owned(), t.slice(ndarray::s![2..4, ..]).to_owned()), false).unwrap();
+        assert_eq!(
+            trainer.state()["W"],
+            Tensor::F32(w0.clone().into_dyn()),
+            "{apply}: W must not move before the window ends"
+        );
+        let second = trainer
+            .step(
+                &batch(
+                    x.slice(ndarray::s![2..4, ..]).to_owned(),
+                    t.slice(ndarray::s![2..4, ..]).to_owned(),
+                ),
+                false,
+            )
+            .unwrap();
         assert!(second.applied);
-        assert_close(&format!("W ({apply})"), &trainer.state()["W"], &Tensor::F32(expected.clone()), 1e-6, 1e-7);
+        assert_close(
+            &format!("W ({apply})"),
+            &trainer.state()["W"],
+            &Tensor::F32(expected.clone()),
+            1e-6,
+            1e-7,
+        );
     }
 }

@@ -90,9 +90,14 @@ impl Resolved {
         }
         match self.kind {
             Kind::Sgd => {}
-            Kind::Momentum | Kind::Nesterov => text.push_str(&format!(" momentum={}", self.momentum)),
+            Kind::Momentum | Kind::Nesterov => {
+                text.push_str(&format!(" momentum={}", self.momentum))
+            }
             Kind::Adam | Kind::AdamW => {
-                text.push_str(&format!(" beta1={} beta2={} eps={:e} correct_bias={}", self.beta1, self.beta2, self.eps, self.correct_bias));
+                text.push_str(&format!(
+                    " beta1={} beta2={} eps={:e} correct_bias={}",
+                    self.beta1, self.beta2, self.eps, self.correct_bias
+                ));
                 if self.kind == Kind::AdamW {
                     text.push_str(&format!(" adam_mode={}", self.adam_mode));
                 }

@@ -20,14 +20,19 @@ pub fn ort_available() -> bool {
 
 /// Runs `model` once on ONNX Runtime (one thread) and returns its outputs by name.
 pub fn run_ort(model: &ModelProto, inputs: &BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor> {
-    let mut session = OrtSession::new(model, &SessionOptions::default()).unwrap_or_else(|e| panic!("session: {e}"));
+    let mut session = OrtSession::new(model, &SessionOptions::default())
+        .unwrap_or_else(|e| panic!("session: {e}"));
     let feeds: Vec<(&str, &Tensor)> = session
         .input_names
         .iter()
         .filter_map(|n| inputs.get_key_value(n))
         .map(|(n, t)| (n.as_str(), t))
         .collect();
-    session.run(&feeds).unwrap_or_else(|e| panic!("run: {e}")).into_iter().collect()
+    session
+        .run(&feeds)
+        .unwrap_or_else(|e| panic!("run: {e}"))
+        .into_iter()
+        .collect()
 }
 
 pub fn read_npz(path: &Path) -> BTreeMap<String, Tensor> {
@@ -39,10 +44,21 @@ pub fn read_npz(path: &Path) -> BTreeMap<String, Tensor> {
 pub fn assert_close(name: &str, actual: &Tensor, expected: &Tensor, rtol: f64, atol: f64) {
     assert_eq!(actual.shape(), expected.shape(), "{name}: shape");
     let (a, b): (Vec<f64>, Vec<f64>) = match (actual, expected) {
-        (Tensor::F32(a), Tensor::F32(b)) => (a.iter().map(|v| *v as f64).collect(), b.iter().map(|v| *v as f64).collect()),
-        (Tensor::F64(a), Tensor::F64(b)) => (a.iter().copied().collect(), b.iter().copied().collect()),
-        (Tensor::I64(a), Tensor::I64(b)) => (a.iter().map(|v| *v as f64).collect(), b.iter().map(|v| *v as f64).collect()),
-        (Tensor::Bool(a), Tensor::Bool(b)) => (a.iter().map(|v| *v as u8 as f64).collect(), b.iter().map(|v| *v as u8 as f64).collect()),
+        (Tensor::F32(a), Tensor::F32(b)) => (
+            a.iter().map(|v| *v as f64).collect(),
+            b.iter().map(|v| *v as f64).collect(),
+        ),
+        (Tensor::F64(a), Tensor::F64(b)) => {
+            (a.iter().copied().collect(), b.iter().copied().collect())
+        }
+        (Tensor::I64(a), Tensor::I64(b)) => (
+            a.iter().map(|v| *v as f64).collect(),
+            b.iter().map(|v| *v as f64).collect(),
+        ),
+        (Tensor::Bool(a), Tensor::Bool(b)) => (
+            a.iter().map(|v| *v as u8 as f64).collect(),
+            b.iter().map(|v| *v as u8 as f64).collect(),
+        ),
         _ => panic!("{name}: element types differ: {actual:?} vs {expected:?}"),
     };
     let mut worst: Option<(usize, f64, f64, f64)> = None;
