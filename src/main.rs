@@ -164,18 +164,38 @@ struct Failure {
     error: anyhow::Error,
 }
 
+/// Problems of the input (files, graphs, data, arguments) exit with 2; failures of the
+/// machinery (the runtime library, a run that ONNX Runtime rejects) with 1.
+fn is_input_error(error: &anyhow::Error) -> bool {
+    use onnx_ga::train::TrainError;
+    error.downcast_ref::<signature::SignatureError>().is_some()
+        || error.downcast_ref::<onnx_ga::model::ModelError>().is_some()
+        || error
+            .downcast_ref::<onnx_ga::checkpoint::CheckpointError>()
+            .is_some()
+        || error
+            .downcast_ref::<onnx_ga::ir::verify::VerifyErrors>()
+            .is_some()
+        || error.downcast_ref::<onnx_ga::step::StepError>().is_some()
+        || error.downcast_ref::<onnx_ga::passes::PassError>().is_some()
+        || error.downcast_ref::<onnx_ga::data::DataError>().is_some()
+        || error.downcast_ref::<UsageError>().is_some()
+        || matches!(
+            error.downcast_ref::<TrainError>(),
+            Some(
+                TrainError::BadData { .. }
+                    | TrainError::BadState { .. }
+                    | TrainError::Step(_)
+                    | TrainError::Data(_)
+            )
+        )
+}
+
 impl<E: Into<anyhow::Error>> From<E> for Failure {
     fn from(e: E) -> Self {
         let error = e.into();
         // Everything the library reports about files and graphs is a problem of the input.
-        let input_error = error.downcast_ref::<signature::SignatureError>().is_some()
-            || error.downcast_ref::<onnx_ga::model::ModelError>().is_some()
-            || error
-                .downcast_ref::<onnx_ga::checkpoint::CheckpointError>()
-                .is_some()
-            || error
-                .downcast_ref::<onnx_ga::ir::verify::VerifyErrors>()
-                .is_some();
+        let input_error = is_input_error(&error);
         Failure {
             code: if input_error { 2 } else { 1 },
             error,
