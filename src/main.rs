@@ -62,6 +62,10 @@ struct RewriteArgs {
     /// How the window's update is applied: an If (default) or Where selects.
     #[arg(long, default_value = "if", value_parser = ["if", "where"])]
     apply: String,
+    /// When BatchNorm running statistics move: once per window from pooled statistics, or
+    /// at every micro-step (ONNX Runtime's training build).
+    #[arg(long, default_value = "window", value_parser = ["window", "micro"])]
+    bn_stats: String,
     /// A full pipeline spec instead of the one the options above build, e.g.
     /// `legalize-ort` alone or `grad-accum(steps=4),optimizer(kind=sgd,lr=0.1),legalize-ort,dce`.
     #[arg(long)]
@@ -303,8 +307,8 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
                 format!("optimizer({})", optimizer.join(","))
             };
             format!(
-                "grad-accum(steps={},normalize={normalize},apply={}),{optimizer},legalize-ort,dce",
-                args.accum_steps, args.apply
+                "grad-accum(steps={},normalize={normalize},apply={},bn_stats={}),{optimizer},legalize-ort,dce",
+                args.accum_steps, args.apply, args.bn_stats
             )
         }
     };

@@ -85,7 +85,7 @@ pub struct TensorInfo {
 }
 
 impl TensorInfo {
-    fn of(name: &str, ty: Option<&TypeProto>) -> TensorInfo {
+    pub fn of(name: &str, ty: Option<&TypeProto>) -> TensorInfo {
         let (elem_type, shape) = tensor_parts(ty);
         TensorInfo {
             name: name.to_string(),

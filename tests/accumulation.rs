@@ -122,7 +122,7 @@ fn cnn_batchnorm_matches_ort_micro_batch_loop() {
         return;
     }
     let model = "cnn_bn";
-    let step = rewrite(model, &adamw_or_sgd_spec(4, "mean"));
+    let step = rewrite(model, "grad-accum(steps=4,normalize=mean,bn_stats=micro),optimizer(lr=0.01),legalize-ort,dce");
     let t = train(&step, &data(model), 8, 32);
     let mut reference = read_npz(
         &root()
@@ -159,6 +159,34 @@ fn cnn_batchnorm_matches_ort_micro_batch_loop() {
             );
         }
     }
+}
+
+/// With the default `bn_stats=window`, the running statistics move once per window from
+/// the pooled statistics of its micro-batches: after the first window (parameters still
+/// equal in both runs) exactly like one batch of 32, and nothing moves mid-window.
+#[test]
+fn cnn_window_pooled_running_stats_equal_full_batch() {
+    if !ort_available() {
+        return;
+    }
+    let model = "cnn_bn";
+    let data = data(model);
+    let accumulated = rewrite(model, &adamw_or_sgd_spec(4, "mean"));
+    let single = rewrite(model, &adamw_or_sgd_spec(1, "mean"));
+    let mut a = trainer(&accumulated);
+    let initial = a.state()["bn.running_mean"].clone();
+    for i in 0..4u64 {
+        a.step(&micro_batch(&data, 64, 8, i), false).unwrap();
+        if i < 3 {
+            assert_eq!(a.state()["bn.running_mean"], initial, "running mean moved mid-window");
+        }
+    }
+    let mut b = trainer(&single);
+    b.step(&micro_batch(&data, 64, 32, 0), false).unwrap();
+    for name in ["bn.running_mean", "bn.running_var"] {
+        assert_close(name, &a.state()[name], &b.state()[name], 1e-6, 1e-7);
+    }
+    assert_ne!(a.state()["bn.running_mean"], initial, "the window applied");
 }
 
 /// `sum` does not divide: it is ONNX Runtime's own accumulate loop.

@@ -24,6 +24,18 @@ pub enum ApplyMode {
     Where,
 }
 
+/// When BatchNorm running statistics move.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BnStats {
+    /// Once per window, from the window's pooled batch statistics (mean of means; mean of
+    /// variances plus variance of means): for equal micro-batches exactly the statistics of
+    /// the window as one batch.
+    Window,
+    /// At every micro-step from that micro-batch's statistics, as ONNX Runtime's training
+    /// build does (in place at each train_step).
+    Micro,
+}
+
 /// One trainable parameter as the region sees it.
 #[derive(Clone, Debug)]
 pub struct ApplyParam {
@@ -70,6 +82,9 @@ pub struct ApplyRegion {
     pub step: ValueId,
     /// Set by the optimizer pass; a region nobody optimised would train nothing.
     pub optimized: bool,
+    /// Micro-steps accumulated in this window, this one included (int64 scalar, main graph).
+    pub count: ValueId,
+    pub bn_stats: BnStats,
 }
 
 pub const PASS: &str = "grad-accum";
@@ -82,6 +97,8 @@ impl ApplyRegion {
         mode: ApplyMode,
         apply: ValueId,
         opt_step: ValueId,
+        count: ValueId,
+        bn_stats: BnStats,
     ) -> ApplyRegion {
         let main = BodyId::MAIN;
         let (body, if_node, else_body) = match mode {
@@ -108,6 +125,8 @@ impl ApplyRegion {
             opt_step,
             step,
             optimized: false,
+            count,
+            bn_stats,
         }
     }
 

@@ -21,7 +21,7 @@
 //! ONNX Runtime's own accumulation machinery (InPlaceAccumulatorV2, its buffers and
 //! `lazy_reset_grad`) is removed: the accumulators here replace it.
 
-use super::apply::{ApplyMode, ApplyRegion};
+use super::apply::{ApplyMode, ApplyRegion, BnStats};
 use super::{Pass, PassContext, PassError, PassOptions, PassReport};
 use crate::ir::builder::{
     attr_int, attr_tensor, tensor_bool, tensor_f32, tensor_i64, Builder, NodeAttributes,
@@ -46,11 +46,13 @@ pub struct GradAccum {
     pub steps: i64,
     pub normalize: Normalize,
     pub apply: ApplyMode,
+    /// When BatchNorm running statistics move (lowered by legalize-ort after this pass).
+    pub bn_stats: BnStats,
 }
 
 impl GradAccum {
     pub fn from_options(options: &PassOptions) -> Result<Self, PassError> {
-        options.only(&["steps", "normalize", "apply"])?;
+        options.only(&["steps", "normalize", "apply", "bn_stats"])?;
         let spec_error = |message: String| PassError::Spec {
             spec: PASS.into(),
             message,
@@ -77,10 +79,16 @@ impl GradAccum {
             "where" => ApplyMode::Where,
             other => return Err(spec_error(format!("apply={other}: expected if or where"))),
         };
+        let bn_stats = match options.get("bn_stats").unwrap_or("window") {
+            "window" => BnStats::Window,
+            "micro" => BnStats::Micro,
+            other => return Err(spec_error(format!("bn_stats={other}: expected window or micro"))),
+        };
         Ok(GradAccum {
             steps,
             normalize,
             apply,
+            bn_stats,
         })
     }
 }
@@ -108,10 +116,9 @@ impl Pass for GradAccum {
             ApplyMode::If => "if",
             ApplyMode::Where => "where",
         };
-        format!(
-            "{PASS}(steps={},normalize={normalize},apply={apply})",
-            self.steps
-        )
+        // bn_stats=window is the default and stays implicit.
+        let bn = if self.bn_stats == BnStats::Micro { ",bn_stats=micro" } else { "" };
+        format!("{PASS}(steps={},normalize={normalize},apply={apply}{bn})", self.steps)
     }
 
     fn run(
@@ -181,7 +188,7 @@ impl Pass for GradAccum {
             _ => None,
         };
 
-        let mut region = ApplyRegion::create(model, self.apply, apply, opt_step);
+        let mut region = ApplyRegion::create(model, self.apply, apply, opt_step, count, self.bn_stats);
 
         // Counters and the weight sum.
         let micro_slot = region.route(

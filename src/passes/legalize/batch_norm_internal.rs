@@ -31,6 +31,7 @@
 use super::{node_error, Lowering};
 use crate::ir::{BodyId, NodeId, ValueDef, ValueId};
 use crate::passes::PassError;
+use crate::passes::apply::{ApplyRegion, BnStats};
 use crate::state::{Role, StateEntry};
 
 pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassError> {
@@ -77,18 +78,89 @@ pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassEr
     let shift = l.op("Mul", &[stats.mean, gain], vec![], "shift");
     let shift = l.op("Sub", &[bias, shift], vec![], "shift");
     let y = super::batch_norm_grad::affine(l, x, gain, shift, scale, elem, "Y");
-    let keep = l.scalar("momentum", elem, momentum as f64);
-    let take = l.scalar("one_minus_momentum", elem, (1.0 - momentum) as f64);
-    let [next_mean, next_var] = [mean, var].map(|v| format!("{}.next", l.model().name(v)));
-    let running_mean = running(l, mean, stats.mean, keep, take, &next_mean);
-    let running_var = running(l, var, stats.var, keep, take, &next_var);
-
     l.replace(node, 0, y);
     l.replace(node, 3, stats.mean);
     l.replace(node, 4, inv_std);
-    for (slot, input, next) in [(1, mean, running_mean), (2, var, running_var)] {
-        l.replace(node, slot, next);
-        expose_state(l, input, next);
+    match l.apply.filter(|region| region.bn_stats == BnStats::Window) {
+        Some(region) => {
+            let region = region.clone();
+            pool_per_window(l, &region, node, [mean, var], &stats, momentum, elem)
+        }
+        None => {
+            let keep = l.scalar("momentum", elem, momentum as f64);
+            let take = l.scalar("one_minus_momentum", elem, (1.0 - momentum) as f64);
+            let [next_mean, next_var] = [mean, var].map(|v| format!("{}.next", l.model().name(v)));
+            let running_mean = running(l, mean, stats.mean, keep, take, &next_mean);
+            let running_var = running(l, var, stats.var, keep, take, &next_var);
+            for (slot, input, next) in [(1, mean, running_mean), (2, var, running_var)] {
+                l.replace(node, slot, next);
+                expose_state(l, input, next);
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Running statistics updated once per window from the window's pooled batch statistics:
+///
+/// ```text
+/// every micro-step:  S1 += mean_i ;  S2 += var_i + mean_i²          (state, zeroed per window)
+/// at the boundary:   mean = S1 / n ;  var = S2 / n - mean²           (n micro-steps)
+///                    running = momentum · running + (1 - momentum) · (mean, var)
+/// ```
+///
+/// For equal micro-batches this is exactly the window's batch mean and biased variance,
+/// so K micro-batches of B move the running statistics like one batch of K·B.
+fn pool_per_window(
+    l: &mut Lowering<'_, '_>,
+    region: &ApplyRegion,
+    node: NodeId,
+    [mean, var]: [ValueId; 2],
+    stats: &BatchStats,
+    momentum: f32,
+    elem: i32,
+) -> Result<(), PassError> {
+    let main = BodyId::MAIN;
+    let channels = match l.model().value_type(mean).map(|t| crate::signature::TensorInfo::of("", Some(&t)).shape) {
+        Some(shape) if shape.len() == 1 && shape[0].parse::<i64>().is_ok() => shape[0].parse::<i64>().unwrap_or(0),
+        _ => {
+            return Err(node_error(
+                l.model(),
+                node,
+                format!("running statistic '{}' has no static [C] shape, needed to pool it per window", l.model().name(mean)),
+            ))
+        }
+    };
+    let mean_sq = l.op("Mul", &[stats.mean, stats.mean], vec![], "batch_mean_sq");
+    let second_moment = l.op("Add", &[stats.var, mean_sq], vec![], "batch_second_moment");
+    let zeros = crate::ir::builder::tensor_f32(&[channels], &vec![0.0; channels as usize]);
+    let mut sums = Vec::new();
+    for (stat, contribution, what) in [(mean, stats.mean, "mean_sum"), (var, second_moment, "second_moment_sum")] {
+        let name = format!("ga.bn.{}.{what}", l.model().name(stat));
+        let input = ApplyRegion::state_input(l.b.model, &name, zeros.clone());
+        let total = crate::ir::builder::Builder::new(l.b.model, main, super::PASS).op("Add", &[input, contribution], vec![], &format!("{name}.new"));
+        let slot = region.route(l.b.model, input, total, Role::BnStat, Some(&l.model().name(stat).to_string()), l.state);
+        let b = region.builder(l.b.model, super::PASS);
+        let zero = b.model.add_initializer(b.body, &format!("{name}.zero"), zeros.clone());
+        region.set_next(l.b.model, &slot, zero);
+        sums.push(total);
+    }
+    let mut b = region.builder(l.b.model, super::PASS);
+    let n = b.op("Cast", &[region.count], vec![crate::ir::builder::attr_int("to", elem as i64)], "bn_micro_steps");
+    let pooled_mean = b.op("Div", &[sums[0], n], vec![], "bn_window_mean");
+    let second = b.op("Div", &[sums[1], n], vec![], "bn_window_second_moment");
+    let pooled_mean_sq = b.op("Mul", &[pooled_mean, pooled_mean], vec![], "bn_window_mean_sq");
+    let pooled_var = b.op("Sub", &[second, pooled_mean_sq], vec![], "bn_window_var");
+    let keep = b.scalar_f32("bn_momentum", momentum);
+    let take = b.scalar_f32("bn_one_minus_momentum", 1.0 - momentum);
+    for (stat, pooled) in [(mean, pooled_mean), (var, pooled_var)] {
+        let name = l.model().name(stat).to_string();
+        let mut b = region.builder(l.b.model, super::PASS);
+        let old = b.op("Mul", &[stat, keep], vec![], &format!("{name}.running_old"));
+        let new = b.op("Mul", &[pooled, take], vec![], &format!("{name}.running_window"));
+        let next = b.op("Add", &[old, new], vec![], &format!("{name}.running_next"));
+        let slot = region.route(l.b.model, stat, stat, Role::BnStat, Some(&name), l.state);
+        region.set_next(l.b.model, &slot, next);
     }
     Ok(())
 }

@@ -218,6 +218,7 @@ impl Pass for LegalizeOrt {
                 b: Builder::new(model, body, PASS),
                 state: &mut cx.state,
                 constants: &mut constants,
+                apply: cx.apply.as_ref(),
             };
             lower(&mut lowering, node)?;
             report.added += lowering.b.added;
@@ -304,6 +305,8 @@ pub struct Lowering<'m, 'c> {
     pub state: &'c mut Vec<crate::state::StateEntry>,
     /// Constants minted in this run of the pass, shared between lowerings.
     pub constants: &'c mut util::Constants,
+    /// The apply region, when grad-accum ran first (BatchNorm statistics may pool per window).
+    pub apply: Option<&'c crate::passes::apply::ApplyRegion>,
 }
 
 impl Lowering<'_, '_> {
