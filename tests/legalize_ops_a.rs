@@ -352,8 +352,8 @@ fn an_unsupported_attribute_value_is_an_error_naming_node_op_and_attribute() {
     }
 }
 
-/// The generated training graphs whose training-only ops are all lowered here (all but
-/// cnn_bn: SoftmaxCrossEntropyLossGrad, ReluGrad, SigmoidGrad, InPlaceAccumulatorV2, and in
+/// Every generated training graph (cnn_bn's ConvGrad, MaxPoolGrad and BatchNorm ops are
+/// lowered in their own files; the others use SoftmaxCrossEntropyLossGrad, ReluGrad, SigmoidGrad, InPlaceAccumulatorV2, and in
 /// the transformer block LayerNormalizationGrad, SoftmaxGrad_13, GeluGrad, Scale,
 /// FusedMatMul), legalized alone and run on standard ONNX Runtime for one step from the
 /// checkpoint with zero buffers and `lazy_reset_grad` set: the loss and every buffer's next
@@ -367,6 +367,7 @@ fn legalized_training_graphs_give_the_training_builds_gradients() {
         "bce_logits",
         "l1_loss",
         "transformer_block",
+        "cnn_bn",
     ] {
         let dir = root().join("graphs").join(name);
         let graph = onnx_ga::signature::open(&dir, &onnx_ga::signature::ExplicitRoles::default())
@@ -400,6 +401,9 @@ fn legalized_training_graphs_give_the_training_builds_gradients() {
         for p in checkpoint.parameters() {
             feeds.insert(p.name.clone(), Tensor::F32(p.to_array_f32().unwrap()));
         }
+        // Accumulation buffers start at zero; BatchNorm statistics (bn_stat state) are
+        // frozen parameters, already fed from the checkpoint.
+        cx.state.retain(|e| e.role == onnx_ga::state::Role::Accumulator);
         for entry in &cx.state {
             let param = &feeds[entry.param.as_ref().unwrap()];
             feeds.insert(
@@ -430,11 +434,14 @@ fn legalized_training_graphs_give_the_training_builds_gradients() {
             let param = entry.param.as_ref().unwrap();
             let expected = &reference[&format!("grad/{param}")];
             worst = worst.max(errors(&got[&entry.output], expected).0);
+            // A conv bias feeding a BatchNorm has a mathematically zero gradient (its
+            // values are rounding noise, ~1e-8): compared absolutely.
+            let rtol = if name == "cnn_bn" && param == "conv.bias" { 0.0 } else { 1e-5 };
             assert_close(
                 &format!("{name}/grad/{param}"),
                 &got[&entry.output],
                 expected,
-                1e-5,
+                rtol,
                 1e-6,
             );
         }
