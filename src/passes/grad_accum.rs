@@ -82,7 +82,11 @@ impl GradAccum {
         let bn_stats = match options.get("bn_stats").unwrap_or("window") {
             "window" => BnStats::Window,
             "micro" => BnStats::Micro,
-            other => return Err(spec_error(format!("bn_stats={other}: expected window or micro"))),
+            other => {
+                return Err(spec_error(format!(
+                    "bn_stats={other}: expected window or micro"
+                )))
+            }
         };
         Ok(GradAccum {
             steps,
@@ -117,8 +121,15 @@ impl Pass for GradAccum {
             ApplyMode::Where => "where",
         };
         // bn_stats=window is the default and stays implicit.
-        let bn = if self.bn_stats == BnStats::Micro { ",bn_stats=micro" } else { "" };
-        format!("{PASS}(steps={},normalize={normalize},apply={apply}{bn})", self.steps)
+        let bn = if self.bn_stats == BnStats::Micro {
+            ",bn_stats=micro"
+        } else {
+            ""
+        };
+        format!(
+            "{PASS}(steps={},normalize={normalize},apply={apply}{bn})",
+            self.steps
+        )
     }
 
     fn run(
@@ -188,7 +199,8 @@ impl Pass for GradAccum {
             _ => None,
         };
 
-        let mut region = ApplyRegion::create(model, self.apply, apply, opt_step, count, self.bn_stats);
+        let mut region =
+            ApplyRegion::create(model, self.apply, apply, opt_step, count, self.bn_stats);
 
         // Counters and the weight sum.
         let micro_slot = region.route(

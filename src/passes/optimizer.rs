@@ -17,8 +17,9 @@
 //! training build to float rounding.
 
 use super::apply::ApplyRegion;
+use super::legalize::{lower_adamw_for_params, AdamW, AdamWSlots};
 use super::{Pass, PassContext, PassError, PassOptions, PassReport};
-use crate::ir::builder::{attr_int, tensor_f32, Builder};
+use crate::ir::builder::{tensor_f32, Builder};
 use crate::ir::{BodyId, Model, ValueId};
 use crate::proto::tensor_proto::DataType;
 use crate::signature::OptimizerSpec;
@@ -283,10 +284,13 @@ impl Pass for Optimizer {
             crate::ir::tensor_type(DataType::Float as i32, &[]),
             Some(tensor_f32(&[], &[hp.lr])),
         );
-        let scalars = WindowScalars::emit(model, &region, &hp, lr);
+        if matches!(hp.kind, Kind::Adam | Kind::AdamW) {
+            adam_family(model, &region, &hp, lr, cx)?;
+        }
         for i in 0..region.params.len() {
             let p = region.params[i].clone();
             let next = match hp.kind {
+                Kind::Adam | Kind::AdamW => continue,
                 Kind::Sgd => {
                     let mut b = region.builder(model, PASS);
                     let g = with_l2(&mut b, &hp, p.grad, p.value, &p.name);
@@ -346,127 +350,6 @@ impl Pass for Optimizer {
                     region.set_next(model, &buf.1, buf_next);
                     next
                 }
-                Kind::Adam | Kind::AdamW => {
-                    let m = moment(model, &region, &p, "m", cx);
-                    let v = moment(model, &region, &p, "v", cx);
-                    let mut b = region.builder(model, PASS);
-                    let g = if hp.kind == Kind::Adam {
-                        with_l2(&mut b, &hp, p.grad, p.value, &p.name)
-                    } else {
-                        p.grad
-                    };
-                    let (m_next, v_next) = adam_moments(&mut b, &scalars, g, m.0, v.0, &p.name);
-                    let decoupled = hp.kind == Kind::AdamW && hp.weight_decay != 0.0;
-                    let next = if hp.kind == Kind::AdamW && hp.adam_mode == 1 {
-                        // Hugging Face: bias correction folded into the learning rate, decay after.
-                        let sqrt_v = b.op("Sqrt", &[v_next], vec![], &format!("{}.sqrt_v", p.name));
-                        let denom = b.op(
-                            "Add",
-                            &[sqrt_v, scalars.eps],
-                            vec![],
-                            &format!("{}.denom", p.name),
-                        );
-                        let scaled = b.op(
-                            "Mul",
-                            &[scalars.lr_corrected, m_next],
-                            vec![],
-                            &format!("{}.scaled_m", p.name),
-                        );
-                        let step = b.op(
-                            "Div",
-                            &[scaled, denom],
-                            vec![],
-                            &format!("{}.adam_step", p.name),
-                        );
-                        let stepped = b.op(
-                            "Sub",
-                            &[p.value, step],
-                            vec![],
-                            &format!("{}.adam_updated", p.name),
-                        );
-                        if decoupled {
-                            let decay = b.op(
-                                "Mul",
-                                &[scalars.lr_wd, stepped],
-                                vec![],
-                                &format!("{}.decay", p.name),
-                            );
-                            b.op(
-                                "Sub",
-                                &[stepped, decay],
-                                vec![],
-                                &format!("{}.updated", p.name),
-                            )
-                        } else {
-                            stepped
-                        }
-                    } else {
-                        // PyTorch (AdamW adam_mode 0, and Adam): decay first, then the
-                        // bias-corrected step.
-                        let start = if decoupled {
-                            let wl = b.op(
-                                "Mul",
-                                &[p.value, lr],
-                                vec![],
-                                &format!("{}.decay_lr", p.name),
-                            );
-                            let decay = b.op(
-                                "Mul",
-                                &[wl, scalars.wd],
-                                vec![],
-                                &format!("{}.decay", p.name),
-                            );
-                            b.op(
-                                "Sub",
-                                &[p.value, decay],
-                                vec![],
-                                &format!("{}.decayed", p.name),
-                            )
-                        } else {
-                            p.value
-                        };
-                        let v_hat = b.op(
-                            "Div",
-                            &[v_next, scalars.c2],
-                            vec![],
-                            &format!("{}.v_hat", p.name),
-                        );
-                        let sqrt_v = b.op("Sqrt", &[v_hat], vec![], &format!("{}.sqrt_v", p.name));
-                        let denom = b.op(
-                            "Add",
-                            &[sqrt_v, scalars.eps],
-                            vec![],
-                            &format!("{}.denom", p.name),
-                        );
-                        let scaled = b.op(
-                            "Mul",
-                            &[lr, m_next],
-                            vec![],
-                            &format!("{}.scaled_m", p.name),
-                        );
-                        let corrected = b.op(
-                            "Mul",
-                            &[scalars.c1, denom],
-                            vec![],
-                            &format!("{}.corrected_denom", p.name),
-                        );
-                        let step = b.op(
-                            "Div",
-                            &[scaled, corrected],
-                            vec![],
-                            &format!("{}.adam_step", p.name),
-                        );
-                        b.op(
-                            "Sub",
-                            &[start, step],
-                            vec![],
-                            &format!("{}.updated", p.name),
-                        )
-                    };
-                    region.set_next(model, &m.1, m_next);
-                    region.set_next(model, &v.1, v_next);
-                    next
-                }
             };
             region.set_next(model, &p.slot, next);
         }
@@ -515,102 +398,64 @@ fn moment(
     (input, slot)
 }
 
-/// Per-window scalars shared by every parameter's update.
-struct WindowScalars {
-    b1: ValueId,
-    one_minus_b1: ValueId,
-    b2: ValueId,
-    one_minus_b2: ValueId,
-    eps: ValueId,
-    wd: ValueId,
-    /// lr * wd (adam_mode 1 decay).
-    lr_wd: ValueId,
-    /// 1 - b1^t (1 without bias correction).
-    c1: ValueId,
-    /// 1 - b2^t (1 without bias correction).
-    c2: ValueId,
-    /// lr * sqrt(c2) / c1.
-    lr_corrected: ValueId,
-}
-
-impl WindowScalars {
-    fn emit(model: &mut Model, region: &ApplyRegion, hp: &Resolved, lr: ValueId) -> WindowScalars {
+/// Adam and AdamW through the one implementation of ONNX Runtime's AdamW update
+/// ([`lower_adamw_for_params`]): AdamW as configured; Adam as PyTorch's, i.e. the
+/// gradient with L2 (G + wd p) and no decoupled decay.
+fn adam_family(
+    model: &mut Model,
+    region: &ApplyRegion,
+    hp: &Resolved,
+    lr: ValueId,
+    cx: &mut PassContext<'_>,
+) -> Result<(), PassError> {
+    let mut slots = Vec::new();
+    let mut moment_slots = Vec::new();
+    for p in &region.params {
+        let m = moment(model, region, p, "m", cx);
+        let v = moment(model, region, p, "v", cx);
         let mut b = region.builder(model, PASS);
-        let b1 = b.scalar_f32("ga.beta1", hp.beta1);
-        // 1 - beta in float32, as ORT's kernel computes it (1 - 0.999f is not 0.001f).
-        let one_minus_b1 = b.scalar_f32("ga.one_minus_beta1", 1.0f32 - hp.beta1);
-        let b2 = b.scalar_f32("ga.beta2", hp.beta2);
-        let one_minus_b2 = b.scalar_f32("ga.one_minus_beta2", 1.0f32 - hp.beta2);
-        let eps = b.scalar_f32("ga.eps", hp.eps);
-        let wd = b.scalar_f32("ga.wd", hp.weight_decay);
-        let lr_wd = b.op("Mul", &[lr, wd], vec![], "ga.lr_wd");
-        let (c1, c2) = if hp.correct_bias && matches!(hp.kind, Kind::Adam | Kind::AdamW) {
-            // c = 1 - beta^t with the power in double, then float (std::pow(float, int64)).
-            let t = b.op(
-                "Cast",
-                &[region.step],
-                vec![attr_int("to", DataType::Double as i64)],
-                "ga.t_f64",
-            );
-            let one = b.scalar_f32("ga.one_f32", 1.0);
-            let mut correction = |beta: f32, hint: &str| {
-                let beta64 = b.model.add_initializer(
-                    b.body,
-                    &format!("{hint}_base"),
-                    crate::ir::builder::tensor_f64(&[], &[beta as f64]),
-                );
-                let power = b.op("Pow", &[beta64, t], vec![], &format!("{hint}_pow"));
-                let power32 = b.op(
-                    "Cast",
-                    &[power],
-                    vec![attr_int("to", DataType::Float as i64)],
-                    &format!("{hint}_pow_f32"),
-                );
-                b.op("Sub", &[one, power32], vec![], hint)
-            };
-            (correction(hp.beta1, "ga.c1"), correction(hp.beta2, "ga.c2"))
+        let grad = if hp.kind == Kind::Adam {
+            with_l2(&mut b, hp, p.grad, p.value, &p.name)
         } else {
-            let one = b.scalar_f32("ga.no_correction", 1.0);
-            (one, one)
+            p.grad
         };
-        let sqrt_c2 = b.op("Sqrt", &[c2], vec![], "ga.sqrt_c2");
-        let lr_sqrt_c2 = b.op("Mul", &[lr, sqrt_c2], vec![], "ga.lr_sqrt_c2");
-        let lr_corrected = b.op("Div", &[lr_sqrt_c2, c1], vec![], "ga.lr_corrected");
-        WindowScalars {
-            b1,
-            one_minus_b1,
-            b2,
-            one_minus_b2,
-            eps,
-            wd,
-            lr_wd,
-            c1,
-            c2,
-            lr_corrected,
-        }
+        slots.push(AdamWSlots {
+            param: p.value,
+            grad,
+            m: m.0,
+            v: v.0,
+        });
+        moment_slots.push((m.1, v.1));
     }
-}
-
-/// m' = b1 m + (1-b1) g;  v' = b2 v + ((1-b2) g) g   (ORT's evaluation order)
-fn adam_moments(
-    b: &mut Builder<'_>,
-    s: &WindowScalars,
-    g: ValueId,
-    m: ValueId,
-    v: ValueId,
-    name: &str,
-) -> (ValueId, ValueId) {
-    let m_decayed = b.op("Mul", &[s.b1, m], vec![], &format!("{name}.m_decayed"));
-    let m_in = b.op("Mul", &[s.one_minus_b1, g], vec![], &format!("{name}.m_in"));
-    let m_next = b.op("Add", &[m_decayed, m_in], vec![], &format!("{name}.m_new"));
-    let v_decayed = b.op("Mul", &[s.b2, v], vec![], &format!("{name}.v_decayed"));
-    let g_scaled = b.op(
-        "Mul",
-        &[s.one_minus_b2, g],
-        vec![],
-        &format!("{name}.v_in_half"),
-    );
-    let v_in = b.op("Mul", &[g_scaled, g], vec![], &format!("{name}.v_in"));
-    let v_next = b.op("Add", &[v_decayed, v_in], vec![], &format!("{name}.v_new"));
-    (m_next, v_next)
+    let adamw = AdamW {
+        beta1: hp.beta1,
+        beta2: hp.beta2,
+        epsilon: hp.eps,
+        weight_decay: if hp.kind == Kind::AdamW {
+            hp.weight_decay
+        } else {
+            0.0
+        },
+        correct_bias: hp.correct_bias,
+        // PyTorch's Adam is AdamW mode 0 without decay; without bias correction both modes
+        // are the same update, and ORT only implements that case in mode 1.
+        adam_mode: if hp.kind == Kind::Adam {
+            if hp.correct_bias {
+                0
+            } else {
+                1
+            }
+        } else {
+            hp.adam_mode
+        },
+    };
+    let mut b = region.builder(model, PASS);
+    let next = lower_adamw_for_params(&mut b, &adamw, lr, region.step, None, &slots)
+        .map_err(|(attribute, detail)| fail(format!("{attribute}: {detail} is not supported")))?;
+    for ((p, n), (m_slot, v_slot)) in region.params.iter().zip(next).zip(moment_slots) {
+        region.set_next(model, &p.slot, n.param);
+        region.set_next(model, &m_slot, n.m);
+        region.set_next(model, &v_slot, n.v);
+    }
+    Ok(())
 }

@@ -30,8 +30,8 @@
 
 use super::{node_error, Lowering};
 use crate::ir::{BodyId, NodeId, ValueDef, ValueId};
-use crate::passes::PassError;
 use crate::passes::apply::{ApplyRegion, BnStats};
+use crate::passes::PassError;
 use crate::state::{Role, StateEntry};
 
 pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassError> {
@@ -121,35 +121,70 @@ fn pool_per_window(
     elem: i32,
 ) -> Result<(), PassError> {
     let main = BodyId::MAIN;
-    let channels = match l.model().value_type(mean).map(|t| crate::signature::TensorInfo::of("", Some(&t)).shape) {
-        Some(shape) if shape.len() == 1 && shape[0].parse::<i64>().is_ok() => shape[0].parse::<i64>().unwrap_or(0),
-        _ => {
-            return Err(node_error(
+    let channels =
+        match l
+            .model()
+            .value_type(mean)
+            .map(|t| crate::signature::TensorInfo::of("", Some(&t)).shape)
+        {
+            Some(shape) if shape.len() == 1 && shape[0].parse::<i64>().is_ok() => {
+                shape[0].parse::<i64>().unwrap_or(0)
+            }
+            _ => return Err(node_error(
                 l.model(),
                 node,
-                format!("running statistic '{}' has no static [C] shape, needed to pool it per window", l.model().name(mean)),
-            ))
-        }
-    };
+                format!(
+                    "running statistic '{}' has no static [C] shape, needed to pool it per window",
+                    l.model().name(mean)
+                ),
+            )),
+        };
     let mean_sq = l.op("Mul", &[stats.mean, stats.mean], vec![], "batch_mean_sq");
     let second_moment = l.op("Add", &[stats.var, mean_sq], vec![], "batch_second_moment");
     let zeros = crate::ir::builder::tensor_f32(&[channels], &vec![0.0; channels as usize]);
     let mut sums = Vec::new();
-    for (stat, contribution, what) in [(mean, stats.mean, "mean_sum"), (var, second_moment, "second_moment_sum")] {
+    for (stat, contribution, what) in [
+        (mean, stats.mean, "mean_sum"),
+        (var, second_moment, "second_moment_sum"),
+    ] {
         let name = format!("ga.bn.{}.{what}", l.model().name(stat));
         let input = ApplyRegion::state_input(l.b.model, &name, zeros.clone());
-        let total = crate::ir::builder::Builder::new(l.b.model, main, super::PASS).op("Add", &[input, contribution], vec![], &format!("{name}.new"));
-        let slot = region.route(l.b.model, input, total, Role::BnStat, Some(&l.model().name(stat).to_string()), l.state);
+        let total = crate::ir::builder::Builder::new(l.b.model, main, super::PASS).op(
+            "Add",
+            &[input, contribution],
+            vec![],
+            &format!("{name}.new"),
+        );
+        let slot = region.route(
+            l.b.model,
+            input,
+            total,
+            Role::BnStat,
+            Some(&l.model().name(stat).to_string()),
+            l.state,
+        );
         let b = region.builder(l.b.model, super::PASS);
-        let zero = b.model.add_initializer(b.body, &format!("{name}.zero"), zeros.clone());
+        let zero = b
+            .model
+            .add_initializer(b.body, &format!("{name}.zero"), zeros.clone());
         region.set_next(l.b.model, &slot, zero);
         sums.push(total);
     }
     let mut b = region.builder(l.b.model, super::PASS);
-    let n = b.op("Cast", &[region.count], vec![crate::ir::builder::attr_int("to", elem as i64)], "bn_micro_steps");
+    let n = b.op(
+        "Cast",
+        &[region.count],
+        vec![crate::ir::builder::attr_int("to", elem as i64)],
+        "bn_micro_steps",
+    );
     let pooled_mean = b.op("Div", &[sums[0], n], vec![], "bn_window_mean");
     let second = b.op("Div", &[sums[1], n], vec![], "bn_window_second_moment");
-    let pooled_mean_sq = b.op("Mul", &[pooled_mean, pooled_mean], vec![], "bn_window_mean_sq");
+    let pooled_mean_sq = b.op(
+        "Mul",
+        &[pooled_mean, pooled_mean],
+        vec![],
+        "bn_window_mean_sq",
+    );
     let pooled_var = b.op("Sub", &[second, pooled_mean_sq], vec![], "bn_window_var");
     let keep = b.scalar_f32("bn_momentum", momentum);
     let take = b.scalar_f32("bn_one_minus_momentum", 1.0 - momentum);
@@ -157,7 +192,12 @@ fn pool_per_window(
         let name = l.model().name(stat).to_string();
         let mut b = region.builder(l.b.model, super::PASS);
         let old = b.op("Mul", &[stat, keep], vec![], &format!("{name}.running_old"));
-        let new = b.op("Mul", &[pooled, take], vec![], &format!("{name}.running_window"));
+        let new = b.op(
+            "Mul",
+            &[pooled, take],
+            vec![],
+            &format!("{name}.running_window"),
+        );
         let next = b.op("Add", &[old, new], vec![], &format!("{name}.running_next"));
         let slot = region.route(l.b.model, stat, stat, Role::BnStat, Some(&name), l.state);
         region.set_next(l.b.model, &slot, next);
