@@ -204,3 +204,57 @@ fn describe_source(source: &crate::signature::Source) -> String {
         ),
     }
 }
+
+/// `inspect --agc`: each trainable parameter's AGC units (from the ONNX op that consumes it
+/// in the forward pass) and whether AGC clips it, as the `agc` pass would with `selection`.
+pub fn agc_plan(
+    graph: &TrainingGraph,
+    selection: &crate::passes::agc::Selection,
+) -> Result<crate::passes::agc::Plan, String> {
+    crate::passes::agc::plan(&graph.model, &graph.signature, selection)
+}
+
+/// The text form of [`agc_plan`].
+pub fn render_agc_text(plan: &crate::passes::agc::Plan) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "agc units (a unit is clipped when ||G_u|| > clip * max(||W_u||, eps)):"
+    );
+    if plan.final_layer.is_empty() {
+        let _ = writeln!(out, "  final layer: (none found)");
+    }
+    for f in &plan.final_layer {
+        let _ = writeln!(out, "  final layer: {f}");
+    }
+    let width = plan.params.iter().map(|p| p.name.len()).max().unwrap_or(0);
+    for p in &plan.params {
+        let dims = format!(
+            "[{}]",
+            p.dims
+                .iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        let status = match &p.excluded {
+            None => "clipped".to_string(),
+            Some(why) => format!("not clipped ({why})"),
+        };
+        let units = match p.unit_count {
+            1 => "1 unit".to_string(),
+            n => format!("{n} units"),
+        };
+        let _ = writeln!(
+            out,
+            "  {:width$}  {dims:12} {:14} {units:>9}  {status}; {}",
+            p.name,
+            p.units.describe(),
+            p.rule
+        );
+        if let Some(note) = &p.note {
+            let _ = writeln!(out, "  {:width$}  note: {note}", "");
+        }
+    }
+    out
+}

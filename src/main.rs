@@ -73,6 +73,15 @@ struct RewriteArgs {
     /// Verify the graph after every pass (always on in debug builds).
     #[arg(long)]
     verify: bool,
+    /// Adaptive gradient clipping of the window's gradient with this clip factor: each unit
+    /// is scaled down to ||G_u|| <= CLIP * max(||W_u||, eps) (the paper's default is 0.01).
+    #[arg(long, value_name = "CLIP")]
+    agc: Option<f32>,
+    /// AGC's floor on the weight norm (default 1e-3).
+    #[arg(long, value_name = "E", requires = "agc")]
+    agc_eps: Option<f32>,
+    #[command(flatten)]
+    agc_select: AgcSelectArgs,
     #[command(flatten)]
     roles: RoleArgs,
 }
@@ -127,6 +136,11 @@ struct InspectArgs {
     /// Also print the graph in ONNX textual syntax.
     #[arg(long)]
     graph: bool,
+    /// Also print each trainable parameter's AGC units and whether AGC clips it.
+    #[arg(long)]
+    agc: bool,
+    #[command(flatten)]
+    agc_select: AgcSelectArgs,
     #[command(flatten)]
     roles: RoleArgs,
 }
@@ -152,6 +166,71 @@ impl RoleArgs {
             seed: self.seed.clone(),
             grads: self.grads.clone(),
         }
+    }
+}
+
+/// Which parameters AGC clips (`rewrite --agc`, `inspect --agc`).
+#[derive(Args)]
+struct AgcSelectArgs {
+    /// Clip the final layer too (excluded by default, as in the paper).
+    #[arg(long, requires = "agc")]
+    agc_include_final: bool,
+    /// Do not clip the parameters matching this glob (`*`, `?`); repeatable.
+    #[arg(long, value_name = "GLOB", requires = "agc")]
+    agc_exclude: Vec<String>,
+    /// NAME=AXES: take the norm of parameter NAME over AXES (comma-separated, or `all`)
+    /// instead of the units derived from its consumer; repeatable.
+    #[arg(long, value_name = "NAME=AXES", requires = "agc")]
+    agc_axes: Vec<String>,
+}
+
+impl AgcSelectArgs {
+    /// The options of the `agc` pass spec, without clip and eps.
+    fn spec_options(&self) -> Result<Vec<String>, UsageError> {
+        let bad = |what: &str, text: &str| {
+            UsageError(format!(
+                "{what} '{text}': ',', ';', '(' and ')' cannot be used in a pipeline spec"
+            ))
+        };
+        let mut options = Vec::new();
+        if self.agc_include_final {
+            options.push("include_final=true".to_string());
+        }
+        for glob in &self.agc_exclude {
+            if glob.contains([',', ';', '(', ')']) {
+                return Err(bad("--agc-exclude", glob));
+            }
+        }
+        if !self.agc_exclude.is_empty() {
+            options.push(format!("exclude={}", self.agc_exclude.join(";")));
+        }
+        let mut axes = Vec::new();
+        for item in &self.agc_axes {
+            let Some((name, list)) = item.rsplit_once('=') else {
+                return Err(UsageError(format!(
+                    "--agc-axes '{item}': expected NAME=AXES, e.g. conv.weight=1,2,3 or fc.weight=all"
+                )));
+            };
+            if name.is_empty() || name.contains([',', ';', '(', ')']) {
+                return Err(bad("--agc-axes", item));
+            }
+            axes.push(format!("{name}:{}", list.replace(',', "/")));
+        }
+        if !axes.is_empty() {
+            let text = axes.join(";");
+            onnx_ga::passes::agc::parse_axes_overrides(&text)
+                .map_err(|e| UsageError(format!("--agc-axes: {e}")))?;
+            options.push(format!("axes={text}"));
+        }
+        Ok(options)
+    }
+
+    fn selection(&self) -> Result<onnx_ga::passes::agc::Selection, UsageError> {
+        let spec = format!("agc({})", self.spec_options()?.join(","));
+        let parsed = onnx_ga::passes::parse_spec(&spec).map_err(|e| UsageError(e.to_string()))?;
+        Ok(onnx_ga::passes::agc::Agc::from_options(&parsed[0])
+            .map_err(|e| UsageError(e.to_string()))?
+            .selection)
     }
 }
 
@@ -243,8 +322,18 @@ fn run(cli: Cli) -> Result<(), Failure> {
 fn inspect(args: InspectArgs) -> Result<(), Failure> {
     let graph = signature::open(&args.path, &args.roles.roles())?;
     let report = onnx_ga::inspect::report(&graph);
+    let agc = match args.agc {
+        true => Some(
+            onnx_ga::inspect::agc_plan(&graph, &args.agc_select.selection()?)
+                .map_err(|e| UsageError(format!("--agc: {e}")))?,
+        ),
+        false => None,
+    };
     if args.json {
         let mut value = serde_json::to_value(&report)?;
+        if let Some(plan) = &agc {
+            value["agc"] = serde_json::to_value(plan)?;
+        }
         if args.graph {
             value["graph"] =
                 serde_json::Value::String(onnx_ga::ir::print::print_model(&graph.model));
@@ -252,6 +341,9 @@ fn inspect(args: InspectArgs) -> Result<(), Failure> {
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
         print!("{}", onnx_ga::inspect::render_text(&report));
+        if let Some(plan) = &agc {
+            print!("{}", onnx_ga::inspect::render_agc_text(plan));
+        }
         if args.graph {
             println!();
             print!("{}", onnx_ga::ir::print::print_model(&graph.model));
@@ -271,6 +363,12 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
             "{}: refusing to overwrite the input model",
             args.output.display()
         ))
+        .into());
+    }
+    if args.pipeline.is_some() && args.agc.is_some() {
+        return Err(UsageError(
+            "--agc builds its pass into the default pipeline; with --pipeline add agc(clip=...) there instead".into(),
+        )
         .into());
     }
     let spec = match &args.pipeline {
@@ -305,6 +403,18 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
                 "optimizer".to_string()
             } else {
                 format!("optimizer({})", optimizer.join(","))
+            };
+            // AGC right before the optimizer: after normalisation (and unscaling).
+            let optimizer = match args.agc {
+                Some(clip) => {
+                    let mut agc = vec![format!("clip={clip}")];
+                    if let Some(eps) = args.agc_eps {
+                        agc.push(format!("eps={eps}"));
+                    }
+                    agc.extend(args.agc_select.spec_options()?);
+                    format!("agc({}),{optimizer}", agc.join(","))
+                }
+                None => optimizer,
             };
             format!(
                 "grad-accum(steps={},normalize={normalize},apply={},bn_stats={}),{optimizer},legalize-ort,dce",

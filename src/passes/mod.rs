@@ -5,10 +5,12 @@
 //! one, naming the pass in any error. A pipeline can be written as a spec string:
 //! `legalize-ort,grad-accum(steps=4,normalize=mean),optimizer(kind=adamw,lr=0.01),dce`.
 
+pub mod agc;
 pub mod apply;
 pub mod dce;
 pub mod grad_accum;
 pub mod legalize;
+pub mod loss_scale;
 pub mod optimizer;
 
 use std::collections::BTreeMap;
@@ -193,13 +195,15 @@ pub fn make_pass(options: &PassOptions) -> Result<Box<dyn Pass>, PassError> {
         "legalize-ort" => Ok(Box::new(legalize::LegalizeOrt::from_options(options)?)),
         "grad-accum" => Ok(Box::new(grad_accum::GradAccum::from_options(options)?)),
         "optimizer" => Ok(Box::new(optimizer::Optimizer::from_options(options)?)),
+        "agc" => Ok(Box::new(agc::Agc::from_options(options)?)),
+        "loss-scale" => Ok(Box::new(loss_scale::LossScale::from_options(options)?)),
         "dce" => {
             options.only(&[])?;
             Ok(Box::new(dce::DeadCodeElimination))
         }
         other => Err(PassError::Spec {
             spec: other.to_string(),
-            message: "unknown pass (known: grad-accum, optimizer, legalize-ort, dce)".into(),
+            message: "unknown pass (known: grad-accum, agc, loss-scale, optimizer, legalize-ort, dce)".into(),
         }),
     }
 }
