@@ -32,7 +32,8 @@ use onnx_ga::step::Manifest;
 use onnx_ga::train::{micro_batch, Trainer};
 
 const LR: f32 = 0.01;
-const COLUMNS: [&str; 4] = ["floor", "step_if", "step_where", "host"];
+/// `step_tract`: step If on tract (pure Rust; one thread whatever T says).
+const COLUMNS: [&str; 5] = ["floor", "step_if", "step_where", "host", "step_tract"];
 /// State kept as ORT values (no host copies), one thread: the floor, step If, and the two
 /// variants of step If that answer whether the non-applying `If` costs.
 const DIAG_COLUMNS: [&str; 5] = [
@@ -562,6 +563,13 @@ fn run_cell(
                 &p.step_where
             };
             let mut t = Trainer::new(model, &options(threads))?;
+            measure(o.k, o.warm, o.cell, |i| {
+                Ok(t.step(&batches[(i % nb) as usize], false)?.applied)
+            })
+        }
+        "step_tract" => {
+            let engine = onnx_ga::engine::EngineKind::Tract;
+            let mut t = Trainer::with_engine(&p.step_if, engine, &options(threads))?;
             measure(o.k, o.warm, o.cell, |i| {
                 Ok(t.step(&batches[(i % nb) as usize], false)?.applied)
             })
@@ -1407,12 +1415,15 @@ fn report(records: &[Record]) -> String {
         machine(),
         t.rounds.len()
     );
-    let _ = writeln!(s, "| model | B | T | floor | step If | step Where | host loop | ORT API | If/floor | Where/floor | host/floor | If/ORT API |");
-    let _ = writeln!(s, "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|");
+    let _ = writeln!(s, "| model | B | T | floor | step If | step Where | host loop | ORT API | If/floor | Where/floor | host/floor | If/ORT API | tract (T=1) | tract/If |");
+    let _ = writeln!(
+        s,
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
+    );
     for k in &keys {
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             k.0,
             k.1,
             k.2,
@@ -1425,6 +1436,8 @@ fn report(records: &[Record]) -> String {
             fmt_ratio(t.ratio(k, ("step_where", per), ("floor", per))),
             fmt_ratio(t.ratio(k, ("host", per), ("floor", per))),
             fmt_ratio(t.ratio(k, ("step_if", per), ("ort_api", per))),
+            fmt(t.med(k, "step_tract", per)),
+            fmt_ratio(t.ratio(k, ("step_tract", per), ("step_if", per))),
         );
     }
     let _ = writeln!(s, "\nSingle micro-steps (us, medians as above): non-applying and applying (the K-th). ORT API: train_step, and train_step + optimizer.step + lazy_reset_grad. Last column: the mean over windows instead of the median (the tail: preemption, thread-pool wake-ups).\n");

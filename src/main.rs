@@ -24,7 +24,7 @@ enum Command {
     /// Show what a training graph contains: data, loss, seed, parameters, optimizer, ops.
     Inspect(InspectArgs),
     /// Rewrite a training graph into one self-contained training step.
-    Rewrite(RewriteArgs),
+    Rewrite(Box<RewriteArgs>),
     /// Train a rewritten step graph: one run per micro-batch, state fed back.
     Train(TrainArgs),
 }
@@ -82,6 +82,25 @@ struct RewriteArgs {
     agc_eps: Option<f32>,
     #[command(flatten)]
     agc_select: AgcSelectArgs,
+    /// Compute precision: fp16 and bf16 compute forward and backward in half precision with
+    /// fp32 master weights and accumulators (the precision pass, after legalize-ort).
+    #[arg(long, default_value = "fp32", value_parser = ["fp32", "fp16", "bf16"])]
+    precision: String,
+    /// Loss scaling: dynamic, static:S or none (default: dynamic with fp16, else none).
+    #[arg(long, value_name = "dynamic|static:S|none")]
+    loss_scale: Option<String>,
+    /// Initial scale of dynamic loss scaling (default 65536).
+    #[arg(long, value_name = "S")]
+    loss_scale_init: Option<f32>,
+    /// Finite windows (optimizer steps) between growths of the scale (default 2000).
+    #[arg(long, value_name = "N")]
+    loss_scale_interval: Option<i64>,
+    /// Consecutive overflowing windows before the scale backs off (default 1).
+    #[arg(long, value_name = "H")]
+    loss_scale_hysteresis: Option<i64>,
+    /// The engine the step is for: tract also lowers the ops tract lacks (lower-for-tract).
+    #[arg(long, default_value = "ort", value_parser = ["ort", "tract"])]
+    engine: String,
     #[command(flatten)]
     roles: RoleArgs,
 }
@@ -99,11 +118,13 @@ struct TrainArgs {
     /// Micro-steps to run.
     #[arg(long)]
     steps: u64,
-    #[arg(long, default_value = "ort", value_parser = ["ort"])]
+    /// The engine: ONNX Runtime, tract (pure Rust), or auto: ONNX Runtime when its library
+    /// is found, else tract.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "ort", "tract"])]
     engine: String,
     #[arg(long, default_value = "cpu", value_parser = ["cpu"])]
     device: String,
-    /// Intra-op threads (0: ONNX Runtime decides).
+    /// Intra-op threads of ONNX Runtime (0: it decides); tract runs on one thread.
     #[arg(long, default_value_t = 1)]
     threads: usize,
     /// Start from a state file written by --save-state.
@@ -314,7 +335,7 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<(), Failure> {
     match cli.command {
         Command::Inspect(args) => inspect(args),
-        Command::Rewrite(args) => rewrite(args),
+        Command::Rewrite(args) => rewrite(*args),
         Command::Train(args) => train(args),
     }
 }
@@ -357,6 +378,61 @@ fn inspect(args: InspectArgs) -> Result<(), Failure> {
 #[error("{0}")]
 struct UsageError(String);
 
+/// The `loss-scale(...)` pass of `--precision` and `--loss-scale*`, if any.
+fn loss_scale_spec(args: &RewriteArgs) -> Result<Option<String>, UsageError> {
+    if args.pipeline.is_some() && args.precision != "fp32" {
+        return Err(UsageError(format!(
+            "--precision builds its pass into the default pipeline; with --pipeline add precision(dtype={}) there instead",
+            args.precision
+        )));
+    }
+    let tuning = args.loss_scale_init.is_some()
+        || args.loss_scale_interval.is_some()
+        || args.loss_scale_hysteresis.is_some();
+    if args.pipeline.is_some() && (args.loss_scale.is_some() || tuning) {
+        return Err(UsageError(
+            "--loss-scale builds its pass into the default pipeline; with --pipeline add loss-scale(...) there instead".into(),
+        ));
+    }
+    let default = if args.precision == "fp16" {
+        "dynamic"
+    } else {
+        "none"
+    };
+    let mode = args.loss_scale.as_deref().unwrap_or(default);
+    if tuning && mode != "dynamic" {
+        return Err(UsageError(format!(
+            "--loss-scale-init, --loss-scale-interval and --loss-scale-hysteresis tune dynamic loss scaling, but --loss-scale is {mode}"
+        )));
+    }
+    match mode {
+        "none" => Ok(None),
+        "dynamic" => {
+            let mut options = Vec::new();
+            if let Some(v) = args.loss_scale_init {
+                options.push(format!("init={v:e}"));
+            }
+            if let Some(v) = args.loss_scale_interval {
+                options.push(format!("interval={v}"));
+            }
+            if let Some(v) = args.loss_scale_hysteresis {
+                options.push(format!("hysteresis={v}"));
+            }
+            Ok(Some(if options.is_empty() {
+                "loss-scale".to_string()
+            } else {
+                format!("loss-scale({})", options.join(","))
+            }))
+        }
+        other => match other.strip_prefix("static:").map(str::parse::<f32>) {
+            Some(Ok(s)) => Ok(Some(format!("loss-scale(static={s:e})"))),
+            _ => Err(UsageError(format!(
+                "--loss-scale {other}: expected dynamic, static:S (S a number) or none"
+            ))),
+        },
+    }
+}
+
 fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
     if args.path.is_file() && onnx_ga::model::same_file(&args.path, &args.output) {
         return Err(UsageError(format!(
@@ -365,6 +441,7 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
         ))
         .into());
     }
+    let loss_scale = loss_scale_spec(&args)?;
     if args.pipeline.is_some() && args.agc.is_some() {
         return Err(UsageError(
             "--agc builds its pass into the default pipeline; with --pipeline add agc(clip=...) there instead".into(),
@@ -416,11 +493,24 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
                 }
                 None => optimizer,
             };
+            // Loss scaling right after grad-accum: AGC and the optimizer see unscaled gradients.
+            let loss_scale = loss_scale.map(|l| format!("{l},")).unwrap_or_default();
+            // Half precision once only standard ops are left (after legalize-ort).
+            let precision = match args.precision.as_str() {
+                "fp32" => String::new(),
+                half => format!("precision(dtype={half}),"),
+            };
             format!(
-                "grad-accum(steps={},normalize={normalize},apply={},bn_stats={}),{optimizer},legalize-ort,dce",
+                "grad-accum(steps={},normalize={normalize},apply={},bn_stats={}),{loss_scale}{optimizer},legalize-ort,{precision}dce",
                 args.accum_steps, args.apply, args.bn_stats
             )
         }
+    };
+    let spec = match args.engine.as_str() {
+        "tract" if !spec.contains(onnx_ga::passes::lower_for_tract::PASS) => {
+            format!("{spec},{}", onnx_ga::passes::lower_for_tract::PASS)
+        }
+        _ => spec,
     };
     let graph = signature::open(&args.path, &args.roles.roles())?;
     let step = onnx_ga::step::build_step(graph, &spec, args.verify)?;
@@ -448,7 +538,13 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         threads: args.threads,
         optimize: true,
     };
-    let mut trainer = Trainer::new(&model, &options).map_err(|e| match e {
+    let requested: onnx_ga::engine::EngineKind = args.engine.parse().map_err(UsageError)?;
+    let (engine, why) = requested.resolve();
+    match requested {
+        onnx_ga::engine::EngineKind::Auto => eprintln!("engine: {engine} ({why})"),
+        _ => eprintln!("engine: {engine}"),
+    }
+    let mut trainer = Trainer::with_engine(&model, engine, &options).map_err(|e| match e {
         onnx_ga::train::TrainError::Step(s) => {
             anyhow::Error::new(s).context(format!("{}", args.model.display()))
         }

@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use crate::data::Tensor;
-use crate::engine::ort::{OrtSession, SessionOptions};
-use crate::engine::EngineError;
+use crate::engine::ort::SessionOptions;
+use crate::engine::{Engine, EngineError, EngineKind};
 use crate::proto::{type_proto, ModelProto};
 use crate::step::{Manifest, StepError};
 
@@ -51,7 +51,7 @@ struct InputDecl {
 }
 
 pub struct Trainer {
-    session: OrtSession,
+    session: Engine,
     pub manifest: Manifest,
     /// Current value of every state input, by input name.
     state: BTreeMap<String, Tensor>,
@@ -61,7 +61,18 @@ pub struct Trainer {
 }
 
 impl Trainer {
+    /// A trainer on ONNX Runtime.
     pub fn new(model: &ModelProto, options: &SessionOptions) -> Result<Trainer, TrainError> {
+        Self::with_engine(model, EngineKind::Ort, options)
+    }
+
+    /// A trainer on the given engine (`Auto` is resolved by [`EngineKind::resolve`]). The
+    /// state loop, metrics and state files are the same on every engine.
+    pub fn with_engine(
+        model: &ModelProto,
+        engine: EngineKind,
+        options: &SessionOptions,
+    ) -> Result<Trainer, TrainError> {
         let manifest = Manifest::from_model(model)?;
         let graph = model
             .graph
@@ -94,7 +105,7 @@ impl Trainer {
                 })?;
             data_decls.insert(name.clone(), decl(info.r#type.as_ref()));
         }
-        let session = OrtSession::new(model, options)?;
+        let session = Engine::new(engine, model, options)?;
         Ok(Trainer {
             session,
             manifest,
@@ -102,6 +113,11 @@ impl Trainer {
             data_decls,
             steps_done: 0,
         })
+    }
+
+    /// The engine that runs the steps.
+    pub fn engine(&self) -> EngineKind {
+        self.session.kind()
     }
 
     /// The current state, by state input name.

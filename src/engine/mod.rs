@@ -1,6 +1,12 @@
-//! Engines that run ONNX graphs: ONNX Runtime through the `ort` crate.
+//! Engines that run ONNX graphs: ONNX Runtime through the `ort` crate, and tract (pure Rust,
+//! the `tract` cargo feature, on by default). [`Engine`] is either, behind one `run`.
 
 pub mod ort;
+#[cfg(feature = "tract")]
+pub mod tract;
+
+use crate::data::Tensor;
+use crate::proto::ModelProto;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -8,8 +14,134 @@ pub enum EngineError {
     Runtime(#[from] crate::runtime::RuntimeError),
     #[error("ONNX Runtime: {context}: {message}")]
     Ort { context: String, message: String },
+    #[error("tract: {context}: {message}")]
+    Tract { context: String, message: String },
     #[error("input '{name}': {message}")]
     Input { name: String, message: String },
     #[error("output '{name}': {message}")]
     Output { name: String, message: String },
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+/// Which engine runs a model. `Auto` is resolved by [`EngineKind::resolve`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineKind {
+    Auto,
+    Ort,
+    Tract,
+}
+
+impl std::str::FromStr for EngineKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(EngineKind::Auto),
+            "ort" => Ok(EngineKind::Ort),
+            "tract" => Ok(EngineKind::Tract),
+            other => Err(format!("unknown engine '{other}' (auto, ort, tract)")),
+        }
+    }
+}
+
+impl std::fmt::Display for EngineKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            EngineKind::Auto => "auto",
+            EngineKind::Ort => "ort",
+            EngineKind::Tract => "tract",
+        })
+    }
+}
+
+impl EngineKind {
+    /// `Auto` becomes ONNX Runtime when its library is found and loads, tract otherwise
+    /// (ONNX Runtime when this build has no tract, so its error says how to install it).
+    /// Returns the engine and why it was chosen, for the user.
+    pub fn resolve(self) -> (EngineKind, String) {
+        match self {
+            EngineKind::Auto => match crate::runtime::init_onnxruntime() {
+                Ok(path) => (
+                    EngineKind::Ort,
+                    format!("ONNX Runtime found at {}", path.display()),
+                ),
+                Err(e) if cfg!(feature = "tract") => {
+                    let first = e.to_string();
+                    let first = first.lines().next().unwrap_or_default().to_string();
+                    (
+                        EngineKind::Tract,
+                        format!("ONNX Runtime not available: {first}"),
+                    )
+                }
+                Err(_) => (
+                    EngineKind::Ort,
+                    "this build has no tract (cargo feature `tract`)".into(),
+                ),
+            },
+            other => (other, "asked for".into()),
+        }
+    }
+}
+
+/// A session of either engine over one model.
+pub enum Engine {
+    Ort(ort::OrtSession),
+    #[cfg(feature = "tract")]
+    Tract(tract::TractSession),
+}
+
+impl Engine {
+    /// A session of `kind` (`Auto` resolved first) for `model`. For tract, the ops it lacks
+    /// are lowered in memory first (`lower-for-tract`).
+    pub fn new(
+        kind: EngineKind,
+        model: &ModelProto,
+        options: &ort::SessionOptions,
+    ) -> Result<Engine, EngineError> {
+        match kind.resolve().0 {
+            EngineKind::Ort | EngineKind::Auto => {
+                Ok(Engine::Ort(ort::OrtSession::new(model, options)?))
+            }
+            #[cfg(feature = "tract")]
+            EngineKind::Tract => {
+                let session = if crate::passes::lower_for_tract::needs_lowering(model) {
+                    let lowered =
+                        crate::passes::lower_for_tract::lower_model(model).map_err(|e| {
+                            EngineError::Tract {
+                                context: "lowering the ops tract lacks".into(),
+                                message: e.to_string(),
+                            }
+                        })?;
+                    tract::TractSession::new(&lowered, options)?
+                } else {
+                    tract::TractSession::new(model, options)?
+                };
+                Ok(Engine::Tract(session))
+            }
+            #[cfg(not(feature = "tract"))]
+            EngineKind::Tract => Err(EngineError::Unavailable(
+                "this build has no tract engine (build with the cargo feature `tract`)".into(),
+            )),
+        }
+    }
+
+    pub fn kind(&self) -> EngineKind {
+        match self {
+            Engine::Ort(_) => EngineKind::Ort,
+            #[cfg(feature = "tract")]
+            Engine::Tract(_) => EngineKind::Tract,
+        }
+    }
+
+    /// Runs the model once; returns every output by name, in the model's output order.
+    pub fn run(
+        &mut self,
+        inputs: &[(&str, &Tensor)],
+    ) -> Result<Vec<(String, Tensor)>, EngineError> {
+        match self {
+            Engine::Ort(s) => s.run(inputs),
+            #[cfg(feature = "tract")]
+            Engine::Tract(s) => s.run(inputs),
+        }
+    }
 }

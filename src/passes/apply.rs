@@ -55,6 +55,8 @@ pub struct ApplyParam {
 #[derive(Clone, Debug)]
 pub struct StateSlot {
     pub input: ValueId,
+    /// The state's role: [`ApplyRegion::gate`] holds back `Param`, `Moment` and `OptStep`.
+    pub role: Role,
     target: SlotTarget,
 }
 
@@ -85,6 +87,12 @@ pub struct ApplyRegion {
     /// Micro-steps accumulated in this window, this one included (int64 scalar, main graph).
     pub count: ValueId,
     pub bn_stats: BnStats,
+    /// Whether the window's update may happen (bool scalar in `body`), set by `loss-scale`
+    /// through [`set_gate`](Self::set_gate). When set, parameters, optimizer moments and
+    /// the optimizer-step counter take their next value only if it is true, else keep their
+    /// old one bit for bit; accumulators, micro-step counter, weight sum and BatchNorm
+    /// statistics reset or move as on any window. `None`: no gating, graphs unchanged.
+    pub gate: Option<ValueId>,
 }
 
 pub const PASS: &str = "grad-accum";
@@ -127,6 +135,7 @@ impl ApplyRegion {
             optimized: false,
             count,
             bn_stats,
+            gate: None,
         }
     }
 
@@ -189,12 +198,19 @@ impl ApplyRegion {
             role,
             param: param.map(str::to_string),
         });
-        StateSlot { input, target }
+        StateSlot {
+            input,
+            role,
+            target,
+        }
     }
 
     /// Sets the value a routed state takes when the window applies (`next` lives in
     /// [`body`](Self::body)).
+    /// Under a [`gate`](Self::gate), a `Param`, `Moment` or `OptStep` slot gets
+    /// `Where(gate, next, input)` instead.
     pub fn set_next(&self, model: &mut Model, slot: &StateSlot, next: ValueId) {
+        let next = self.gated(model, slot, next);
         match slot.target {
             SlotTarget::ThenOutput(index) => {
                 let placeholder = model.body(self.body).outputs[index].0;
@@ -204,6 +220,96 @@ impl ApplyRegion {
                 }
             }
             SlotTarget::WhereInput(node) => model.set_input(node, 1, Some(next)),
+        }
+    }
+
+    /// `next`, or `Where(gate, next, input)` for a gated role under a gate.
+    fn gated(&self, model: &mut Model, slot: &StateSlot, next: ValueId) -> ValueId {
+        match self.gate {
+            Some(gate) if matches!(slot.role, Role::Param | Role::Moment | Role::OptStep) => {
+                let hint = format!("{}.if_finite", model.name(slot.input));
+                Builder::new(model, self.body, "loss-scale").op(
+                    "Where",
+                    &[gate, next, slot.input],
+                    vec![],
+                    &hint,
+                )
+            }
+            _ => next,
+        }
+    }
+
+    /// Gates the window's update on `gate` (bool scalar in `body`); see
+    /// [`gate`](Self::gate). Call it before the optimizer fills the region: states routed
+    /// and set after it are gated by [`set_next`](Self::set_next); of those set before, the
+    /// optimizer-step counter (recorded in `state`) is gated here.
+    pub fn set_gate(&mut self, model: &mut Model, gate: ValueId, state: &[StateEntry]) {
+        assert!(
+            self.gate.is_none() && !self.optimized,
+            "set_gate: once, before the optimizer"
+        );
+        self.gate = Some(gate);
+        for entry in state.iter().filter(|e| e.role == Role::OptStep) {
+            let (Some(input), Some(output)) = (
+                model.lookup(BodyId::MAIN, &entry.input),
+                model.lookup(BodyId::MAIN, &entry.output),
+            ) else {
+                continue;
+            };
+            let Some((node, index)) = model.producer(output) else {
+                continue;
+            };
+            let (target, current) = match self.mode {
+                ApplyMode::If if Some(node) == self.if_node => (
+                    SlotTarget::ThenOutput(index),
+                    model.body(self.body).outputs[index].0,
+                ),
+                ApplyMode::Where => match model.node(node).inputs.get(1).copied().flatten() {
+                    Some(current) => (SlotTarget::WhereInput(node), current),
+                    None => continue,
+                },
+                _ => continue,
+            };
+            let slot = StateSlot {
+                input,
+                role: entry.role,
+                target,
+            };
+            let next = self.gated(model, &slot, current);
+            match slot.target {
+                SlotTarget::ThenOutput(index) => model.set_output(self.body, index, next),
+                SlotTarget::WhereInput(node) => model.set_input(node, 1, Some(next)),
+            }
+        }
+    }
+
+    /// Brings a bool `flag` of `body` out to the main graph as `apply and flag` (false on
+    /// micro-steps that do not apply). Not state; for metrics such as `ga.applied`.
+    pub fn export_flag(&self, model: &mut Model, flag: ValueId, hint: &str) -> ValueId {
+        match self.mode {
+            ApplyMode::If => {
+                let (if_node, else_body) = (
+                    self.if_node.expect("If region"),
+                    self.else_body.expect("If region"),
+                );
+                let ty = Some(tensor_type(
+                    crate::proto::tensor_proto::DataType::Bool as i32,
+                    &[],
+                ));
+                let out = model.add_node_output(if_node, hint);
+                let kept = Builder::new(model, else_body, PASS).op(
+                    "Identity",
+                    &[self.apply],
+                    vec![],
+                    &format!("{hint}.kept"),
+                );
+                model.add_output(else_body, kept, ty.clone());
+                model.add_output(self.body, flag, ty);
+                out
+            }
+            ApplyMode::Where => {
+                Builder::new(model, BodyId::MAIN, PASS).op("And", &[self.apply, flag], vec![], hint)
+            }
         }
     }
 

@@ -11,7 +11,9 @@ pub mod dce;
 pub mod grad_accum;
 pub mod legalize;
 pub mod loss_scale;
+pub mod lower_for_tract;
 pub mod optimizer;
+pub mod precision;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -197,13 +199,18 @@ pub fn make_pass(options: &PassOptions) -> Result<Box<dyn Pass>, PassError> {
         "optimizer" => Ok(Box::new(optimizer::Optimizer::from_options(options)?)),
         "agc" => Ok(Box::new(agc::Agc::from_options(options)?)),
         "loss-scale" => Ok(Box::new(loss_scale::LossScale::from_options(options)?)),
+        "precision" => Ok(Box::new(precision::Precision::from_options(options)?)),
+        "lower-for-tract" => {
+            options.only(&[])?;
+            Ok(Box::new(lower_for_tract::LowerForTract))
+        }
         "dce" => {
             options.only(&[])?;
             Ok(Box::new(dce::DeadCodeElimination))
         }
         other => Err(PassError::Spec {
             spec: other.to_string(),
-            message: "unknown pass (known: grad-accum, agc, loss-scale, optimizer, legalize-ort, dce)".into(),
+            message: "unknown pass (known: grad-accum, agc, loss-scale, optimizer, legalize-ort, precision, lower-for-tract, dce)".into(),
         }),
     }
 }

@@ -10,6 +10,7 @@
 mod adamw_optimizer;
 mod batch_norm_grad;
 mod batch_norm_internal;
+mod batch_normalization;
 mod conv_grad;
 mod div_grad;
 mod dropout_grad;
@@ -28,6 +29,7 @@ mod relu_grad;
 mod scale;
 mod sgd_optimizer;
 mod sigmoid_grad;
+mod softmax_cross_entropy_loss;
 mod softmax_cross_entropy_loss_grad;
 mod softmax_grad;
 mod tanh_grad;
@@ -130,6 +132,24 @@ const OPTIONAL_LOWERINGS: &[(&str, &str, &str, LowerFn)] = &[
         fused_matmul::lower,
     ),
     ("gelu", "com.microsoft", "Gelu", gelu::lower),
+    (
+        "batch-norm",
+        "",
+        "BatchNormalization",
+        batch_normalization::lower,
+    ),
+    (
+        "sce",
+        "",
+        "SoftmaxCrossEntropyLoss",
+        softmax_cross_entropy_loss::lower,
+    ),
+    (
+        "nll",
+        "",
+        "NegativeLogLikelihoodLoss",
+        softmax_cross_entropy_loss::lower_nll,
+    ),
 ];
 
 #[derive(Clone, Debug, Default)]
@@ -138,14 +158,23 @@ pub struct LegalizeOrt {
     pub fused_matmul: bool,
     /// Also lower com.microsoft Gelu.
     pub gelu: bool,
+    /// Also lower inference-mode BatchNormalization (standard; tract needs constant params).
+    pub batch_norm: bool,
+    /// Also lower the forward SoftmaxCrossEntropyLoss (standard ONNX; tract lacks it).
+    pub sce: bool,
+    /// Also lower the forward NegativeLogLikelihoodLoss (standard ONNX; tract lacks it).
+    pub nll: bool,
 }
 
 impl LegalizeOrt {
     pub fn from_options(options: &PassOptions) -> Result<Self, PassError> {
-        options.only(&["fused-matmul", "gelu"])?;
+        options.only(&["fused-matmul", "gelu", "batch-norm", "sce", "nll"])?;
         Ok(LegalizeOrt {
             fused_matmul: options.parse("fused-matmul")?.unwrap_or(false),
             gelu: options.parse("gelu")?.unwrap_or(false),
+            batch_norm: options.parse("batch-norm")?.unwrap_or(false),
+            sce: options.parse("sce")?.unwrap_or(false),
+            nll: options.parse("nll")?.unwrap_or(false),
         })
     }
 
@@ -161,6 +190,9 @@ impl LegalizeOrt {
                     .filter(|(option, ..)| match *option {
                         "fused-matmul" => self.fused_matmul,
                         "gelu" => self.gelu,
+                        "batch-norm" => self.batch_norm,
+                        "sce" => self.sce,
+                        "nll" => self.nll,
                         _ => false,
                     })
                     .find(|(_, d, o, _)| *d == domain && *o == op)
@@ -182,6 +214,15 @@ impl Pass for LegalizeOrt {
         if self.gelu {
             options.push("gelu=true");
         }
+        if self.batch_norm {
+            options.push("batch-norm=true");
+        }
+        if self.sce {
+            options.push("sce=true");
+        }
+        if self.nll {
+            options.push("nll=true");
+        }
         if options.is_empty() {
             PASS.to_string()
         } else {
@@ -193,6 +234,20 @@ impl Pass for LegalizeOrt {
         &mut self,
         model: &mut Model,
         cx: &mut PassContext<'_>,
+    ) -> Result<PassReport, PassError> {
+        self.lower_model(model, PASS, &mut cx.state, cx.apply.as_ref())
+    }
+}
+
+impl LegalizeOrt {
+    /// The pass's work, for passes that reuse these lowerings (`lower-for-tract`): new nodes
+    /// are stamped with `stamp`; `state` receives state that a lowering makes explicit.
+    pub fn lower_model(
+        &self,
+        model: &mut Model,
+        stamp: &'static str,
+        state: &mut Vec<crate::state::StateEntry>,
+        apply: Option<&crate::passes::apply::ApplyRegion>,
     ) -> Result<PassReport, PassError> {
         let mut report = PassReport::default();
         let targets: Vec<NodeId> = model.all_nodes().collect();
@@ -215,10 +270,10 @@ impl Pass for LegalizeOrt {
             };
             let body = model.node(node).body;
             let mut lowering = Lowering {
-                b: Builder::new(model, body, PASS),
-                state: &mut cx.state,
+                b: Builder::new(model, body, stamp),
+                state: &mut *state,
                 constants: &mut constants,
-                apply: cx.apply.as_ref(),
+                apply,
             };
             lower(&mut lowering, node)?;
             report.added += lowering.b.added;

@@ -146,7 +146,7 @@ pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassEr
 }
 
 /// w: each sample's class weight (1 without weights), 0 where its label is ignored.
-fn sample_weights(
+pub(super) fn sample_weights(
     l: &mut Lowering<'_, '_>,
     label: ValueId,
     label_type: i32,
@@ -182,7 +182,7 @@ fn sample_weights(
 }
 
 /// A scalar of integer type `elem` (int64 or int32).
-fn int_scalar(l: &mut Lowering<'_, '_>, hint: &str, elem: i32, value: i64) -> ValueId {
+pub(super) fn int_scalar(l: &mut Lowering<'_, '_>, hint: &str, elem: i32, value: i64) -> ValueId {
     let tensor = if elem == INT32 {
         TensorProto {
             data_type: Some(INT32),

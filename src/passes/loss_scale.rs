@@ -1,0 +1,508 @@
+//! `loss-scale(init=65536,growth=2,backoff=0.5,interval=2000,min=1,hysteresis=1)` and
+//! `loss-scale(static=S)`: window-granular loss scaling with PyTorch GradScaler's semantics
+//! (DESIGN.md section 5) and DeepSpeed's hysteresis as an option. Runs after `grad-accum`
+//! and before `optimizer` (and before anything else that reads the window's gradient).
+//!
+//! ```text
+//! every micro-step:  seed' = seed * S                 (S frozen within the window)
+//!                    acc_p += scaled gradient          (grad-accum's fp32 accumulators)
+//! at the boundary:   G_p  = G_p / S                    (the window's normalised gradient)
+//!                    ok   = isfinite(all G_p)          (one reduction: sum_p ReduceSum(G_p * 0))
+//!   ok:      update parameters and moments; opt_step += 1; tracker += 1;
+//!            tracker == interval: S <- min(S * growth, FLT_MAX), tracker <- 0
+//!   not ok:  parameters, moments and opt_step keep their values (bit for bit);
+//!            S <- max(S * backoff, min), tracker <- 0            (hysteresis=1)
+//!   both:    accumulators, micro_step and weight_sum reset as every window does
+//! ```
+//!
+//! The check multiplies every unscaled gradient by 0 and sums: a finite element gives 0,
+//! an inf or NaN gives NaN, so `IsNaN` of the total is exact for inf and NaN and cannot be
+//! fooled by a sum of large finite values overflowing.
+//!
+//! State (all routed through the apply region, so it changes only at a window boundary):
+//!
+//! - `ga.loss_scale` (float32 scalar, role `loss_scale`): S.
+//! - `ga.loss_scale.tracker` (int64 scalar, role `growth_tracker`): GradScaler's growth
+//!   tracker, the finite windows since the last growth or backoff. With `hysteresis=H > 1`
+//!   the same counter also holds the run of non-finite windows as a negative number: a
+//!   non-finite window makes it `-b` (b = consecutive non-finite windows); S backs off when
+//!   b reaches H, and from then on at every further consecutive non-finite window (the
+//!   counter stays at `-(H-1)`), until a finite window starts a new finite run at 1. That
+//!   is DeepSpeed's `consecutive_hysteresis=true`; with H = 1 the counter is never negative
+//!   and this is GradScaler exactly.
+//!
+//! The static form multiplies by the constant S and divides it out again; it has no state
+//! and never changes S, but still skips a non-finite window (as DeepSpeed's static scaler
+//! does). A power-of-two S is exact: training is bit-identical to no scaling.
+//!
+//! The skip works through [`ApplyRegion::set_gate`]: the parameters, moments and the
+//! optimizer-step counter that later passes route keep their old values unless `ok`. The
+//! `ga.applied` output becomes false on a skipped window and `ga.skipped` is true there.
+//!
+//! Unlike GradScaler the scale is capped at the float32 maximum when it grows (as flax's
+//! DynamicScale), so it can never become inf and stick there; and a non-finite window at
+//! the minimum scale skips without aborting (DeepSpeed raises there).
+
+use super::apply::ApplyRegion;
+use super::{Pass, PassContext, PassError, PassOptions, PassReport};
+use crate::ir::builder::{attr_int, tensor_f32, tensor_i64, Builder};
+use crate::ir::{BodyId, Model, ValueId};
+use crate::proto::{tensor_proto::DataType, type_proto};
+use crate::state::Role;
+
+pub const PASS: &str = "loss-scale";
+
+/// Dynamic scaling hyperparameters (GradScaler's names and defaults, plus `min` and
+/// DeepSpeed's `hysteresis`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Dynamic {
+    pub init: f32,
+    pub growth: f32,
+    pub backoff: f32,
+    /// Finite windows (optimizer steps) between growths.
+    pub interval: i64,
+    pub min: f32,
+    /// Consecutive non-finite windows before the first backoff.
+    pub hysteresis: i64,
+}
+
+impl Default for Dynamic {
+    fn default() -> Self {
+        Dynamic {
+            init: 65536.0,
+            growth: 2.0,
+            backoff: 0.5,
+            interval: 2000,
+            min: 1.0,
+            hysteresis: 1,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum LossScale {
+    Dynamic(Dynamic),
+    Static(f32),
+}
+
+const DYNAMIC_OPTIONS: [&str; 6] = ["init", "growth", "backoff", "interval", "min", "hysteresis"];
+
+fn spec_error(message: String) -> PassError {
+    PassError::Spec {
+        spec: PASS.into(),
+        message,
+    }
+}
+
+fn fail(message: String) -> PassError {
+    PassError::Other {
+        pass: PASS.into(),
+        message,
+    }
+}
+
+/// A float for a spec string: plain for ordinary magnitudes, exponent form for huge or tiny
+/// ones (both parse back to the same f32).
+fn number(v: f32) -> String {
+    if v != 0.0 && !(1e-4..1e7).contains(&v.abs()) {
+        format!("{v:e}")
+    } else {
+        format!("{v}")
+    }
+}
+
+impl LossScale {
+    pub fn from_options(options: &PassOptions) -> Result<Self, PassError> {
+        let mut known = DYNAMIC_OPTIONS.to_vec();
+        known.push("static");
+        options.only(&known)?;
+        if let Some(s) = options.parse::<f32>("static")? {
+            if let Some(k) = DYNAMIC_OPTIONS.iter().find(|k| options.get(k).is_some()) {
+                return Err(spec_error(format!(
+                    "static={} fixes the scale; option {k} is for dynamic scaling only",
+                    options.get("static").unwrap_or_default()
+                )));
+            }
+            if !(s.is_finite() && s > 0.0) {
+                return Err(spec_error(format!(
+                    "static={s}: the scale must be positive and finite"
+                )));
+            }
+            return Ok(LossScale::Static(s));
+        }
+        let d = Dynamic::default();
+        let d = Dynamic {
+            init: options.parse("init")?.unwrap_or(d.init),
+            growth: options.parse("growth")?.unwrap_or(d.growth),
+            backoff: options.parse("backoff")?.unwrap_or(d.backoff),
+            interval: options.parse("interval")?.unwrap_or(d.interval),
+            min: options.parse("min")?.unwrap_or(d.min),
+            hysteresis: options.parse("hysteresis")?.unwrap_or(d.hysteresis),
+        };
+        let positive = |name: &str, v: f32| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(spec_error(format!(
+                    "{name}={v}: must be positive and finite"
+                )))
+            }
+        };
+        positive("init", d.init)?;
+        positive("min", d.min)?;
+        positive("backoff", d.backoff)?;
+        if !(d.growth.is_finite() && d.growth >= 1.0) {
+            return Err(spec_error(format!(
+                "growth={}: must be at least 1",
+                d.growth
+            )));
+        }
+        if d.backoff > 1.0 {
+            return Err(spec_error(format!(
+                "backoff={}: must be at most 1",
+                d.backoff
+            )));
+        }
+        if d.interval < 1 {
+            return Err(spec_error(format!(
+                "interval={}: must be at least 1",
+                d.interval
+            )));
+        }
+        if d.hysteresis < 1 {
+            return Err(spec_error(format!(
+                "hysteresis={}: must be at least 1",
+                d.hysteresis
+            )));
+        }
+        Ok(LossScale::Dynamic(d))
+    }
+}
+
+impl Pass for LossScale {
+    fn name(&self) -> &'static str {
+        PASS
+    }
+
+    fn spec(&self) -> String {
+        match self {
+            LossScale::Static(s) => format!("{PASS}(static={})", number(*s)),
+            LossScale::Dynamic(d) => format!(
+                "{PASS}(init={},growth={},backoff={},interval={},min={},hysteresis={})",
+                number(d.init),
+                number(d.growth),
+                number(d.backoff),
+                d.interval,
+                number(d.min),
+                d.hysteresis
+            ),
+        }
+    }
+
+    fn run(
+        &mut self,
+        model: &mut Model,
+        cx: &mut PassContext<'_>,
+    ) -> Result<PassReport, PassError> {
+        let Some(mut region) = cx.apply.take() else {
+            return Err(fail(
+                "no apply region: run grad-accum before loss-scale".into(),
+            ));
+        };
+        let result = self.scale(model, cx, &mut region);
+        cx.apply = Some(region);
+        result
+    }
+}
+
+impl LossScale {
+    fn scale(
+        &self,
+        model: &mut Model,
+        cx: &mut PassContext<'_>,
+        region: &mut ApplyRegion,
+    ) -> Result<PassReport, PassError> {
+        if region.optimized {
+            return Err(fail(
+                "the apply region already has an optimizer; run loss-scale before optimizer (it decides whether the update happens)".into(),
+            ));
+        }
+        if region.gate.is_some() {
+            return Err(fail(
+                "the apply region is already gated (loss-scale runs once)".into(),
+            ));
+        }
+        let main = BodyId::MAIN;
+        let seed_name = cx.signature.seed.clone().ok_or_else(|| {
+            fail("the training signature has no backward seed to scale; name the scalar initializer that seeds the backward pass (--seed)".into())
+        })?;
+        let seed = model.lookup(main, &seed_name).ok_or_else(|| {
+            fail(format!(
+                "the backward seed '{seed_name}' is not a value of the graph"
+            ))
+        })?;
+        let seed_type = match model.value_type(seed).and_then(|t| t.value) {
+            Some(type_proto::Value::TensorType(t)) => t.elem_type(),
+            _ => DataType::Float as i32,
+        };
+        let seed_uses: Vec<_> = model
+            .uses(seed)
+            .iter()
+            .filter_map(|u| match u {
+                crate::ir::Use::Node { node, slot } => Some((*node, *slot)),
+                crate::ir::Use::Output { .. } => None,
+            })
+            .collect();
+        if seed_uses.is_empty() {
+            return Err(fail(format!(
+                "the backward seed '{seed_name}' feeds nothing; there is no backward pass to scale"
+            )));
+        }
+        let nodes_before = model.all_nodes().count();
+        let state_before = cx.state.len();
+
+        // S: state for dynamic scaling, a constant for static.
+        let scale = match self {
+            LossScale::Dynamic(d) => {
+                ApplyRegion::state_input(model, "ga.loss_scale", tensor_f32(&[], &[d.init]))
+            }
+            LossScale::Static(s) => {
+                model.add_initializer(main, "ga.loss_scale", tensor_f32(&[], &[*s]))
+            }
+        };
+
+        // Every micro-step: the seed times S.
+        {
+            let mut b = Builder::new(model, main, PASS);
+            let s = if seed_type == DataType::Float as i32 {
+                scale
+            } else {
+                b.op(
+                    "Cast",
+                    &[scale],
+                    vec![attr_int("to", seed_type as i64)],
+                    "ga.loss_scale_cast",
+                )
+            };
+            let scaled = b.op("Mul", &[seed, s], vec![], &format!("{seed_name}.scaled"));
+            for (node, slot) in seed_uses {
+                model.set_input(node, slot, Some(scaled));
+            }
+        }
+
+        // At the boundary: unscale, then one finiteness check over every gradient.
+        let mut checks = Vec::with_capacity(region.params.len());
+        {
+            let mut b = region.builder(model, PASS);
+            let zero = b.scalar_f32("ga.loss_scale.zero", 0.0);
+            for p in &mut region.params {
+                let unscaled = b.op(
+                    "Div",
+                    &[p.grad, scale],
+                    vec![],
+                    &format!("{}.unscaled_grad", p.name),
+                );
+                let zeroed = b.op(
+                    "Mul",
+                    &[unscaled, zero],
+                    vec![],
+                    &format!("{}.finite_probe", p.name),
+                );
+                checks.push(b.op(
+                    "ReduceSum",
+                    &[zeroed],
+                    vec![attr_int("keepdims", 0)],
+                    &format!("{}.finite_sum", p.name),
+                ));
+                p.grad = unscaled;
+            }
+        }
+        let ok = {
+            let mut b = region.builder(model, PASS);
+            let total = match checks.as_slice() {
+                [one] => *one,
+                many => b.op("Sum", many, vec![], "ga.loss_scale.probe"),
+            };
+            let bad = b.op("IsNaN", &[total], vec![], "ga.loss_scale.nonfinite");
+            b.op("Not", &[bad], vec![], "ga.loss_scale.finite")
+        };
+        region.set_gate(model, ok, &cx.state);
+
+        if let LossScale::Dynamic(d) = self {
+            let tracker =
+                ApplyRegion::state_input(model, "ga.loss_scale.tracker", tensor_i64(&[], &[0]));
+            let (scale_next, tracker_next) = dynamic_update(model, region, d, ok, scale, tracker);
+            let slot = region.route(model, scale, scale, Role::LossScale, None, &mut cx.state);
+            region.set_next(model, &slot, scale_next);
+            let slot = region.route(
+                model,
+                tracker,
+                tracker,
+                Role::GrowthTracker,
+                None,
+                &mut cx.state,
+            );
+            region.set_next(model, &slot, tracker_next);
+        }
+
+        // Metrics: `ga.applied` is true only when the update happened; `ga.skipped` marks a
+        // window boundary whose update was dropped.
+        let applied = region.export_flag(model, ok, "ga.applied_finite");
+        let bool_type = Some(crate::ir::tensor_type(DataType::Bool as i32, &[]));
+        let metric = model
+            .main()
+            .outputs
+            .iter()
+            .map(|(v, _)| *v)
+            .find(|v| model.name(*v) == "ga.applied")
+            .and_then(|v| model.producer(v));
+        match metric {
+            Some((node, 0)) if model.node(node).proto.op_type() == "Identity" => {
+                model.set_input(node, 0, Some(applied));
+            }
+            _ => {
+                let out = Builder::new(model, main, PASS).op(
+                    "Identity",
+                    &[applied],
+                    vec![],
+                    "ga.applied",
+                );
+                model.add_output(main, out, bool_type.clone());
+            }
+        }
+        let skipped = Builder::new(model, main, PASS).op(
+            "Xor",
+            &[region.apply, applied],
+            vec![],
+            "ga.skipped",
+        );
+        model.add_output(main, skipped, bool_type);
+
+        let mut notes = vec![match self {
+            LossScale::Static(s) => format!("static scale {}", number(*s)),
+            LossScale::Dynamic(d) => format!(
+                "dynamic scale from {}, x{} every {} finite windows, x{} after {} non-finite, min {}",
+                number(d.init),
+                number(d.growth),
+                d.interval,
+                number(d.backoff),
+                d.hysteresis,
+                number(d.min)
+            ),
+        }];
+        notes.push(format!(
+            "gradients of {} parameter{} unscaled and checked",
+            region.params.len(),
+            if region.params.len() == 1 { "" } else { "s" }
+        ));
+        if cx.state.len() > state_before {
+            notes.push(format!("{} state pairs", cx.state.len() - state_before));
+        }
+        Ok(PassReport {
+            changed: true,
+            added: model.all_nodes().count().saturating_sub(nodes_before),
+            removed: 0,
+            notes,
+        })
+    }
+}
+
+/// Next S and tracker at a window boundary, inside the region's body.
+fn dynamic_update(
+    model: &mut Model,
+    region: &ApplyRegion,
+    d: &Dynamic,
+    ok: ValueId,
+    scale: ValueId,
+    tracker: ValueId,
+) -> (ValueId, ValueId) {
+    let mut b = region.builder(model, PASS);
+    let one = b.scalar_i64("ga.loss_scale.one", 1);
+    let zero = b.scalar_i64("ga.loss_scale.zero_windows", 0);
+
+    // Finite: tracker += 1 (a run of non-finite windows, negative, ends: it restarts at 1);
+    // grow at `interval`, capped at the float32 maximum.
+    let run = if d.hysteresis > 1 {
+        b.op("Max", &[tracker, zero], vec![], "ga.loss_scale.finite_run")
+    } else {
+        tracker
+    };
+    let counted = b.op("Add", &[run, one], vec![], "ga.loss_scale.tracker_inc");
+    let interval = b.scalar_i64("ga.loss_scale.interval", d.interval);
+    let grow = b.op(
+        "GreaterOrEqual",
+        &[counted, interval],
+        vec![],
+        "ga.loss_scale.grow",
+    );
+    let growth = b.scalar_f32("ga.loss_scale.growth", d.growth);
+    let grown = b.op("Mul", &[scale, growth], vec![], "ga.loss_scale.grown");
+    let cap = b.scalar_f32("ga.loss_scale.max", f32::MAX);
+    let grown = b.op("Min", &[grown, cap], vec![], "ga.loss_scale.grown_capped");
+    let scale_finite = b.op(
+        "Where",
+        &[grow, grown, scale],
+        vec![],
+        "ga.loss_scale.if_finite",
+    );
+    let tracker_finite = b.op(
+        "Where",
+        &[grow, zero, counted],
+        vec![],
+        "ga.loss_scale.tracker_if_finite",
+    );
+
+    // Non-finite: back off (not below min), after `hysteresis` consecutive such windows.
+    let backoff = b.scalar_f32("ga.loss_scale.backoff", d.backoff);
+    let reduced = b.op("Mul", &[scale, backoff], vec![], "ga.loss_scale.reduced");
+    let min = b.scalar_f32("ga.loss_scale.min", d.min);
+    let backed_off = b.op("Max", &[reduced, min], vec![], "ga.loss_scale.backed_off");
+    let (scale_bad, tracker_bad) = if d.hysteresis > 1 {
+        let negated = b.op("Neg", &[tracker], vec![], "ga.loss_scale.neg_tracker");
+        let bad_before = b.op("Max", &[negated, zero], vec![], "ga.loss_scale.bad_run");
+        let bad = b.op(
+            "Add",
+            &[bad_before, one],
+            vec![],
+            "ga.loss_scale.bad_run_inc",
+        );
+        let hysteresis = b.scalar_i64("ga.loss_scale.hysteresis", d.hysteresis);
+        let spent = b.op(
+            "GreaterOrEqual",
+            &[bad, hysteresis],
+            vec![],
+            "ga.loss_scale.hysteresis_spent",
+        );
+        let scale_bad = b.op(
+            "Where",
+            &[spent, backed_off, scale],
+            vec![],
+            "ga.loss_scale.if_nonfinite",
+        );
+        let kept_run = b.scalar_i64("ga.loss_scale.spent_run", -(d.hysteresis - 1));
+        let neg_bad = b.op("Neg", &[bad], vec![], "ga.loss_scale.neg_bad_run");
+        let tracker_bad = b.op(
+            "Where",
+            &[spent, kept_run, neg_bad],
+            vec![],
+            "ga.loss_scale.tracker_if_nonfinite",
+        );
+        (scale_bad, tracker_bad)
+    } else {
+        (backed_off, zero)
+    };
+
+    let scale_next = b.op(
+        "Where",
+        &[ok, scale_finite, scale_bad],
+        vec![],
+        "ga.loss_scale.updated",
+    );
+    let tracker_next = b.op(
+        "Where",
+        &[ok, tracker_finite, tracker_bad],
+        vec![],
+        "ga.loss_scale.tracker_updated",
+    );
+    (scale_next, tracker_next)
+}
