@@ -229,12 +229,7 @@ fn from_tract(name: &str, value: &TractTensor) -> Result<Tensor, EngineError> {
     fn convert<T: tract_onnx::prelude::Datum>(
         v: &TractTensor,
     ) -> anyhow::Result<ndarray::ArrayD<T>> {
-        let view = v.to_plain_array_view::<T>()?;
-        let data: Vec<T> = view.iter().cloned().collect();
-        Ok(ndarray::ArrayD::from_shape_vec(
-            ndarray::IxDyn(v.shape()),
-            data,
-        )?)
+        Ok(v.to_plain_array_view::<T>()?.to_owned())
     }
     let err = |e: anyhow::Error| EngineError::Output {
         name: name.to_string(),
