@@ -619,8 +619,8 @@ fn linear_regression_scaled_window_matches_closed_form() {
 }
 
 /// `rewrite --loss-scale ...` puts loss-scale(...) between grad-accum and the optimizer;
-/// `--precision fp16|bf16` is refused as not implemented rather than ignored; bad
-/// combinations are usage errors (exit 2).
+/// `--precision fp16` adds dynamic scaling by default and precision(...) after legalize-ort;
+/// bad combinations are usage errors (exit 2).
 #[test]
 fn cli_rewrite_loss_scale_flags() {
     let dir = tempfile::tempdir().unwrap();
@@ -651,7 +651,7 @@ fn cli_rewrite_loss_scale_flags() {
             .unwrap()
             .pipeline
     };
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 6] = [
         (&[], "apply=if),optimizer(lr=0.01),"),
         (
             &["--loss-scale", "dynamic", "--loss-scale-init", "1024", "--loss-scale-interval", "3", "--loss-scale-hysteresis", "2"],
@@ -659,6 +659,14 @@ fn cli_rewrite_loss_scale_flags() {
         ),
         (&["--loss-scale", "static:128", "--agc", "0.01"], "apply=if),loss-scale(static=128),agc("),
         (&["--precision", "fp32", "--loss-scale", "none"], "apply=if),optimizer(lr=0.01),"),
+        (
+            &["--precision", "fp16"],
+            "apply=if),loss-scale(init=65536,growth=2,backoff=0.5,interval=2000,min=1,hysteresis=1),optimizer(lr=0.01),legalize-ort,precision(dtype=fp16),",
+        ),
+        (
+            &["--precision", "bf16"],
+            "apply=if),optimizer(lr=0.01),legalize-ort,precision(dtype=bf16),",
+        ),
     ];
     for (extra, expected) in cases {
         let o = run(extra);
@@ -670,11 +678,10 @@ fn cli_rewrite_loss_scale_flags() {
         let p = pipeline();
         assert!(p.contains(expected), "{extra:?}: pipeline {p}");
     }
-    let refused: [(&[&str], &str); 6] = [
-        (&["--precision", "fp16"], "not implemented"),
+    let refused: [(&[&str], &str); 5] = [
         (
-            &["--precision", "bf16", "--loss-scale", "none"],
-            "not implemented",
+            &["--pipeline", "grad-accum,optimizer", "--precision", "bf16"],
+            "add precision(dtype=bf16) there instead",
         ),
         (&["--loss-scale", "static:x"], "expected dynamic, static:S"),
         (&["--loss-scale-init", "8"], "but --loss-scale is none"),

@@ -5,10 +5,11 @@
 //! Engines (docs/precision.md): ONNX Runtime's CPU provider runs fp16 steps, but it has no
 //! fp16 kernel for Gemm, MatMul, Conv, Relu, Mul, ... and computes those in float32 between
 //! casts it inserts, then removes the cast pairs, so its fp16 run is (nearly) a float32 run;
-//! it has no bf16 kernels at all. tract has no bf16 and fails on fp16 Gemm with a bias. The
-//! numeric comparison therefore runs on ONNX's reference evaluator (onnx 1.23.2, numpy
-//! float16 and ml_dtypes bfloat16: every node's output is rounded to the half type), from
-//! `.venv-ort` (scripts/install-ort.sh); it is skipped without it (a failure under CI=true).
+//! it has no bf16 kernels at all. tract has no bf16 and fails on an fp16 Gemm with a bias;
+//! it runs the CNN in fp16 with Gemm kept float32. The numeric comparison of both types
+//! therefore runs on ONNX's reference evaluator (onnx 1.23.2, numpy float16 and ml_dtypes
+//! bfloat16: every node's output is rounded to the half type), from `.venv-ort`
+//! (scripts/install-ort.sh); it is skipped without it (a failure under CI=true).
 
 mod common;
 
@@ -104,7 +105,12 @@ fn pass_of(n: &onnx_ga::proto::NodeProto) -> Option<&str> {
 
 fn cast_to(n: &onnx_ga::proto::NodeProto) -> Option<i32> {
     (n.op_type() == "Cast")
-        .then(|| n.attribute.iter().find(|a| a.name() == "to").map(|a| a.i() as i32))
+        .then(|| {
+            n.attribute
+                .iter()
+                .find(|a| a.name() == "to")
+                .map(|a| a.i() as i32)
+        })
         .flatten()
 }
 
@@ -140,8 +146,18 @@ fn interface_and_apply_region_stay_float32() {
                 let g = m.graph.as_ref().unwrap();
                 for sub in subgraphs(g) {
                     for n in &sub.node {
-                        assert_ne!(pass_of(n), Some("precision"), "{what}: {} in a branch", n.name());
-                        assert_ne!(cast_to(n), Some(half), "{what}: half cast {} in a branch", n.name());
+                        assert_ne!(
+                            pass_of(n),
+                            Some("precision"),
+                            "{what}: {} in a branch",
+                            n.name()
+                        );
+                        assert_ne!(
+                            cast_to(n),
+                            Some(half),
+                            "{what}: half cast {} in a branch",
+                            n.name()
+                        );
                     }
                     assert!(
                         sub.initializer.iter().all(|t| t.data_type() != half),
@@ -154,14 +170,28 @@ fn interface_and_apply_region_stay_float32() {
                         *casts.entry(n.input[0].as_str()).or_default() += 1;
                     }
                 }
-                for p in step.manifest.state.iter().filter(|s| s.role == onnx_ga::state::Role::Param) {
-                    assert!(casts.get(p.input.as_str()).copied().unwrap_or(0) <= 1, "{what}: {} cast twice", p.input);
+                for p in step
+                    .manifest
+                    .state
+                    .iter()
+                    .filter(|s| s.role == onnx_ga::state::Role::Param)
+                {
+                    assert!(
+                        casts.get(p.input.as_str()).copied().unwrap_or(0) <= 1,
+                        "{what}: {} cast twice",
+                        p.input
+                    );
                 }
                 for d in &step.manifest.data_inputs {
-                    assert!(casts.get(d.as_str()).copied().unwrap_or(0) <= 1, "{what}: {d} cast twice");
+                    assert!(
+                        casts.get(d.as_str()).copied().unwrap_or(0) <= 1,
+                        "{what}: {d} cast twice"
+                    );
                 }
                 assert!(
-                    step.reports.iter().any(|(p, r)| p.starts_with("precision") && r.changed),
+                    step.reports
+                        .iter()
+                        .any(|(p, r)| p.starts_with("precision") && r.changed),
                     "{what}: the pass changed nothing"
                 );
             }
@@ -203,7 +233,11 @@ fn mlp_casts_are_where_the_design_puts_them() {
     want.sort();
     assert_eq!(got, want);
     // Every accumulator reads float32: a cast, or a float32 ReduceSum (through Identity).
-    for n in g.node.iter().filter(|n| n.output[0].starts_with("ga.acc.") && n.output[0].ends_with(".sum")) {
+    for n in g
+        .node
+        .iter()
+        .filter(|n| n.output[0].starts_with("ga.acc.") && n.output[0].ends_with(".sum"))
+    {
         let grad = &n.input[1];
         let producer = g.node.iter().find(|p| p.output.contains(grad)).unwrap();
         match producer.op_type() {
@@ -215,7 +249,10 @@ fn mlp_casts_are_where_the_design_puts_them() {
     // The relu mask is made in half (its Cast retargeted), the zero it compares with converted.
     let mask = g.node.iter().find(|n| n.output[0] == "relu_mask").unwrap();
     assert_eq!(cast_to(mask), Some(FLOAT16));
-    assert!(g.initializer.iter().any(|t| t.name() == "zero.fp16" && t.data_type() == FLOAT16));
+    assert!(g
+        .initializer
+        .iter()
+        .any(|t| t.name() == "zero.fp16" && t.data_type() == FLOAT16));
 }
 
 #[test]
@@ -227,23 +264,48 @@ fn spec_options_and_keep_list() {
             .map(|p| p.spec())
             .map_err(|e| e.to_string())
     };
-    assert_eq!(parse("precision(dtype=fp16)").unwrap(), "precision(dtype=fp16)");
-    assert_eq!(parse("precision(dtype=bfloat16)").unwrap(), "precision(dtype=bf16)");
-    assert_eq!(parse("precision(dtype=fp16,keep=none)").unwrap(), "precision(dtype=fp16,keep=none)");
-    assert_eq!(parse("precision(dtype=fp16,keep=Exp;Softmax)").unwrap(), "precision(dtype=fp16,keep=Exp;Softmax)");
+    assert_eq!(
+        parse("precision(dtype=fp16)").unwrap(),
+        "precision(dtype=fp16)"
+    );
+    assert_eq!(
+        parse("precision(dtype=bfloat16)").unwrap(),
+        "precision(dtype=bf16)"
+    );
+    assert_eq!(
+        parse("precision(dtype=fp16,keep=none)").unwrap(),
+        "precision(dtype=fp16,keep=none)"
+    );
+    assert_eq!(
+        parse("precision(dtype=fp16,keep=Exp;Softmax)").unwrap(),
+        "precision(dtype=fp16,keep=Exp;Softmax)"
+    );
     let edited = parse("precision(dtype=fp16,keep=+Tanh;-Exp)").unwrap();
-    assert!(edited.contains("Tanh") && !edited.contains("Exp;") && edited.contains("ReduceSum"), "{edited}");
+    let listed: Vec<&str> = edited.split(['=', ';', ')']).collect();
+    assert!(
+        listed.contains(&"Tanh") && !listed.contains(&"Exp") && listed.contains(&"ReduceSum"),
+        "{edited}"
+    );
     // Canonical specs parse back to themselves.
     assert_eq!(parse(&edited).unwrap(), edited);
-    assert!(parse("precision").unwrap_err().contains("dtype=fp16 or dtype=bf16 is required"));
-    assert!(parse("precision(dtype=fp8)").unwrap_err().contains("expected fp16 or bf16"));
-    assert!(parse("precision(dtype=fp16,keep=Exp;+Log)").unwrap_err().contains("not both"));
-    assert!(parse("precision(dtype=fp16,keep=Ex p)").unwrap_err().contains("not an op type"));
-    assert!(parse("precision(dtype=fp16,cast=all)").unwrap_err().contains("unknown option 'cast'"));
+    assert!(parse("precision")
+        .unwrap_err()
+        .contains("dtype=fp16 or dtype=bf16 is required"));
+    assert!(parse("precision(dtype=fp8)")
+        .unwrap_err()
+        .contains("expected fp16 or bf16"));
+    assert!(parse("precision(dtype=fp16,keep=Exp;+Log)")
+        .unwrap_err()
+        .contains("not both"));
+    assert!(parse("precision(dtype=fp16,keep=Ex p)")
+        .unwrap_err()
+        .contains("not an op type"));
+    assert!(parse("precision(dtype=fp16,cast=all)")
+        .unwrap_err()
+        .contains("unknown option 'cast'"));
 }
 
-/// `keep` decides: Exp off the block list puts the SCE gradient's Exp in half; Gemm on it
-/// keeps every Gemm float32.
+/// `keep` decides: an empty list puts the loss in half; Gemm on it keeps every Gemm float32.
 #[test]
 fn keep_overrides_the_block_list() {
     let half_ops = |m: &ModelProto, op: &str| {
@@ -263,9 +325,31 @@ fn keep_overrides_the_block_list() {
     let default = rewrite("mlp_ce_adamw", &spec("if", "", "precision(dtype=fp16),"));
     assert_eq!(half_ops(&default, "Exp"), 0);
     assert_eq!(half_ops(&default, "Gemm"), 5);
-    let no_exp = rewrite("mlp_ce_adamw", &spec("if", "", "precision(dtype=fp16,keep=-Exp),"));
-    assert_eq!(half_ops(&no_exp, "Exp"), 1);
-    let gemm = rewrite("mlp_ce_adamw", &spec("if", "", "precision(dtype=fp16,keep=+Gemm),"));
+    // Exp alone off the list stays float32: it reads the float32 loss's log-probabilities.
+    let no_exp = rewrite(
+        "mlp_ce_adamw",
+        &spec("if", "", "precision(dtype=fp16,keep=-Exp),"),
+    );
+    assert_eq!(half_ops(&no_exp, "Exp"), 0);
+    // With an empty list the loss itself computes in half: no cast of the logits back.
+    let logits_cast = |m: &ModelProto| {
+        m.graph
+            .as_ref()
+            .unwrap()
+            .node
+            .iter()
+            .any(|n| cast_to(n) == Some(FLOAT) && n.input[0] == "logits")
+    };
+    assert!(logits_cast(&default));
+    let none = rewrite(
+        "mlp_ce_adamw",
+        &spec("if", "", "precision(dtype=fp16,keep=none),"),
+    );
+    assert!(!logits_cast(&none));
+    let gemm = rewrite(
+        "mlp_ce_adamw",
+        &spec("if", "", "precision(dtype=fp16,keep=+Gemm),"),
+    );
     assert_eq!(half_ops(&gemm, "Gemm"), 0);
 }
 
@@ -273,11 +357,32 @@ fn keep_overrides_the_block_list() {
 /// only, and says so.
 #[test]
 fn misplaced_precision_is_a_clear_error() {
-    let before_optimizer = try_build("mlp_ce_adamw", "grad-accum(steps=4),precision(dtype=fp16),optimizer(lr=0.01),legalize-ort").err().unwrap();
-    assert!(before_optimizer.contains("run precision after grad-accum"), "{before_optimizer}");
-    let before_legalize = try_build("cnn_bn", "grad-accum(steps=4),optimizer(lr=0.01),precision(dtype=fp16),legalize-ort").err().unwrap();
-    assert!(before_legalize.contains("run legalize-ort before precision"), "{before_legalize}");
-    let twice = try_build("mlp_ce_adamw", &spec("if", "", "precision(dtype=fp16),precision(dtype=bf16),")).err().unwrap();
+    let before_optimizer = try_build(
+        "mlp_ce_adamw",
+        "grad-accum(steps=4),precision(dtype=fp16),optimizer(lr=0.01),legalize-ort",
+    )
+    .err()
+    .unwrap();
+    assert!(
+        before_optimizer.contains("run precision after grad-accum"),
+        "{before_optimizer}"
+    );
+    let before_legalize = try_build(
+        "cnn_bn",
+        "grad-accum(steps=4),optimizer(lr=0.01),precision(dtype=fp16),legalize-ort",
+    )
+    .err()
+    .unwrap();
+    assert!(
+        before_legalize.contains("run legalize-ort before precision"),
+        "{before_legalize}"
+    );
+    let twice = try_build(
+        "mlp_ce_adamw",
+        &spec("if", "", "precision(dtype=fp16),precision(dtype=bf16),"),
+    )
+    .err()
+    .unwrap();
     assert!(twice.contains("is already float16"), "{twice}");
 }
 
@@ -307,18 +412,25 @@ fn cli_builds_the_precision_pipeline() {
     let out = Command::new(env!("CARGO_BIN_EXE_onnx-ga"))
         .args(["rewrite", graphs.to_str().unwrap(), "-o"])
         .arg(dir.path().join("x.onnx"))
-        .args(["--pipeline", "grad-accum(steps=4),optimizer(lr=0.01),legalize-ort", "--precision", "fp16"])
+        .args([
+            "--pipeline",
+            "grad-accum(steps=4),optimizer(lr=0.01),legalize-ort",
+            "--precision",
+            "fp16",
+        ])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("add precision(dtype=fp16) there instead"));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("add precision(dtype=fp16) there instead")
+    );
 }
 
 // ---- snapshots ----------------------------------------------------------------------------
 
 /// The linear regression graph of tests/rewrite_snapshots.rs: y = x W, d = y - t,
 /// loss = mean(d^2), W_grad = x^T (seed * 2 d / N).
-fn linear_regression() -> ModelProto {
+fn linear_regression(outputs: &[&str]) -> ModelProto {
     let header = ModelProto {
         ir_version: Some(8),
         opset_import: vec![onnx_ga::proto::OperatorSetIdProto {
@@ -370,15 +482,19 @@ fn linear_regression() -> ModelProto {
     let xt = b.op("Transpose", &[x], vec![], "x_t");
     let _w_grad = b.op("MatMul", &[xt, dy], vec![], "W_grad");
     model.add_output(main, loss, Some(tensor_type(FLOAT, &[])));
+    for name in outputs {
+        let v = model.lookup(main, name).unwrap();
+        model.add_output(main, v, None);
+    }
     for n in model.all_nodes().collect::<Vec<_>>() {
         model.node_mut(n).proto.metadata_props.clear();
     }
     model.to_proto()
 }
 
-fn snapshot(name: &str, spec: &str) {
+fn linear_regression_step(outputs: &[&str], spec: &str) -> onnx_ga::step::Step {
     let graph = signature::from_model(
-        linear_regression(),
+        linear_regression(outputs),
         &ExplicitRoles {
             loss: Some("loss".into()),
             seed: Some("loss_grad".into()),
@@ -387,7 +503,11 @@ fn snapshot(name: &str, spec: &str) {
         Path::new("linear_regression.onnx"),
     )
     .unwrap();
-    let step = onnx_ga::step::build_step(graph, spec, true).unwrap_or_else(|e| panic!("{spec}: {e}"));
+    onnx_ga::step::build_step(graph, spec, true).unwrap_or_else(|e| panic!("{spec}: {e}"))
+}
+
+fn snapshot(name: &str, spec: &str) {
+    let step = linear_regression_step(&[], spec);
     let mut doc = format!("## Pipeline\n{}\n\n## Report\n", step.manifest.pipeline);
     for (pass, report) in &step.reports {
         doc.push_str(&format!("{pass}: {report}\n"));
@@ -419,7 +539,10 @@ fn python() -> Option<PathBuf> {
         "{} is missing under CI: run scripts/install-ort.sh",
         python.display()
     );
-    eprintln!("SKIPPED: {} not found (run scripts/install-ort.sh)", python.display());
+    eprintln!(
+        "SKIPPED: {} not found (run scripts/install-ort.sh)",
+        python.display()
+    );
     None
 }
 
@@ -472,7 +595,14 @@ fn reference_train(
         let path = dir.path().join(format!("{i}.onnx"));
         onnx_ga::model::save_model(model, &path).unwrap();
         args.push(path.display().to_string());
-        args.push(root().join("graphs").join(graph).join("data.npz").display().to_string());
+        args.push(
+            root()
+                .join("graphs")
+                .join(graph)
+                .join("data.npz")
+                .display()
+                .to_string(),
+        );
         args.push(steps.to_string());
         args.push(BATCH.to_string());
         args.push(dir.path().join(format!("{i}.npz")).display().to_string());
@@ -524,8 +654,10 @@ fn initial_state(step: &ModelProto) -> BTreeMap<String, Tensor> {
 }
 
 /// Tolerances of the numeric checks, per dtype: parameters after 8 windows (relative to how
-/// far float32 training moved them) and the first window's accumulated gradients (relative
-/// to their norm). Measured values are in docs/precision.md.
+/// far float32 training moved them) and the first micro-step's gradients (relative to their
+/// norm; one micro-step, because a later one can flip a ReLU whose input is near zero, a
+/// legitimate jump: the MLP's third micro-batch does that in bf16, 5.5e-2). Measured values
+/// are in docs/precision.md.
 struct Tolerance {
     params: f64,
     grads: f64,
@@ -537,7 +669,7 @@ const FP16: Tolerance = Tolerance {
 };
 const BF16: Tolerance = Tolerance {
     params: 0.15,
-    grads: 1.5e-2,
+    grads: 1e-2,
 };
 
 /// fp16 and bf16 rewrites of `model` against float32, all on the reference evaluator.
@@ -545,13 +677,20 @@ const BF16: Tolerance = Tolerance {
 /// exact, so this isolates the rounding of half compute); bf16 none (the CLI default).
 fn half_trains_like_fp32(model: &str) {
     let fp32 = rewrite(model, &spec("if", "", ""));
-    let fp16 = rewrite(model, &spec("if", "loss-scale(init=1024),", "precision(dtype=fp16),"));
+    let fp16 = rewrite(
+        model,
+        &spec("if", "loss-scale(init=1024),", "precision(dtype=fp16),"),
+    );
     let bf16 = rewrite(model, &spec("if", "", "precision(dtype=bf16),"));
-    let jobs = [(model, "fp32", &fp32), (model, "fp16", &fp16), (model, "bf16", &bf16)];
+    let jobs = [
+        (model, "fp32", &fp32),
+        (model, "fp16", &fp16),
+        (model, "bf16", &bf16),
+    ];
     let Some(trained) = reference_train(&jobs, STEPS) else {
         return;
     };
-    let Some(first_window) = reference_train(&jobs, 3) else {
+    let Some(first_step) = reference_train(&jobs, 1) else {
         return;
     };
     let initial = initial_state(&fp32);
@@ -563,10 +702,9 @@ fn half_trains_like_fp32(model: &str) {
         .map(|s| s.input.clone())
         .collect();
     for (i, (dtype, tol)) in [("fp16", FP16), ("bf16", BF16)].into_iter().enumerate() {
-        let (half, half_window) = (&trained[i + 1], &first_window[i + 1]);
+        let (half, half_step) = (&trained[i + 1], &first_step[i + 1]);
         assert_eq!(
-            half["ga.opt_step"],
-            trained[0]["ga.opt_step"],
+            half["ga.opt_step"], trained[0]["ga.opt_step"],
             "{model} {dtype}: every window applied"
         );
         let scale = match half.get("ga.loss_scale") {
@@ -581,24 +719,38 @@ fn half_trains_like_fp32(model: &str) {
                 .map(|(a, b)| a - b)
                 .collect();
             let rel = relative(&half[p], &trained[0][p], &moved);
-            // Gradients: the first window's accumulation (3 micro-steps), unscaled.
+            // Gradients: the first micro-step's (its accumulator), unscaled.
             let acc = format!("ga.acc.{p}");
-            let reference = f64s(&first_window[0][&acc]);
-            let got: Vec<f64> = f64s(&half_window[&acc]).iter().map(|g| g / scale).collect();
+            let reference = f64s(&first_step[0][&acc]);
+            let got: Vec<f64> = f64s(&half_step[&acc]).iter().map(|g| g / scale).collect();
             let grad_rel = norm(got.iter().zip(&reference).map(|(a, b)| a - b))
                 / norm(reference.iter().copied());
             eprintln!(
-                "{model} {dtype} {p}: params |diff|/|moved| {rel:.3e}, first-window gradient relative error {grad_rel:.3e}"
+                "{model} {dtype} {p}: params |diff|/|moved| {rel:.3e}, first gradient relative error {grad_rel:.3e}"
             );
             if model == "cnn_bn" && p == "conv.bias" {
                 // conv.bias feeds BatchNorm: its gradient is mathematically zero and float32
                 // training moves it by noise alone (|moved| 5e-5); AdamW turns noise into
                 // lr-sized steps, so only its absolute drift is bounded (as in accumulation.rs).
-                assert_close(&format!("{model} {dtype} {p}"), &half[p], &trained[0][p], 0.0, 1e-3);
+                assert_close(
+                    &format!("{model} {dtype} {p}"),
+                    &half[p],
+                    &trained[0][p],
+                    0.0,
+                    1e-3,
+                );
                 continue;
             }
-            assert!(rel <= tol.params, "{model} {dtype} {p}: parameters {rel:.3e} > {}", tol.params);
-            assert!(grad_rel <= tol.grads, "{model} {dtype} {p}: gradient {grad_rel:.3e} > {}", tol.grads);
+            assert!(
+                rel <= tol.params,
+                "{model} {dtype} {p}: parameters {rel:.3e} > {}",
+                tol.params
+            );
+            assert!(
+                grad_rel <= tol.grads,
+                "{model} {dtype} {p}: gradient {grad_rel:.3e} > {}",
+                tol.grads
+            );
         }
     }
 }
@@ -614,7 +766,8 @@ fn cnn_fp16_and_bf16_train_like_fp32() {
 }
 
 /// The CLI's fp16 default (dynamic scaling from 65536) meets a real fp16 overflow in the
-/// CNN: the fc weight gradient (up to 8 * 3 * 8192) exceeds 65504 in the first window. That
+/// CNN: the fc weight gradient (the scaled loss gradient, up to 8e3, times pooled
+/// activations up to 3.8, summed over 8 samples) exceeds 65504 in the first window. That
 /// window is skipped, the scale halves, and the next seven windows apply.
 #[test]
 fn fp16_default_scale_backs_off_on_a_real_overflow() {
@@ -622,8 +775,14 @@ fn fp16_default_scale_backs_off_on_a_real_overflow() {
     let Some(trained) = reference_train(&[("cnn_bn", "fp16", &step)], STEPS) else {
         return;
     };
-    assert_eq!(trained[0]["ga.opt_step"], Tensor::I64(ndarray::arr0(7i64).into_dyn()));
-    assert_eq!(trained[0]["ga.loss_scale"], Tensor::F32(ndarray::arr0(32768f32).into_dyn()));
+    assert_eq!(
+        trained[0]["ga.opt_step"],
+        Tensor::I64(ndarray::arr0(7i64).into_dyn())
+    );
+    assert_eq!(
+        trained[0]["ga.loss_scale"],
+        Tensor::F32(ndarray::arr0(32768f32).into_dyn())
+    );
 }
 
 /// The reference evaluator is ONNX Runtime to float32 rounding on the float32 steps, so the
@@ -642,7 +801,11 @@ fn reference_evaluator_matches_onnx_runtime_in_fp32() {
         for (name, value) in t.state() {
             if let (Tensor::F32(_), Some(r)) = (value, reference[0].get(name)) {
                 // conv.bias (and the running mean it shifts) move by noise: see above.
-                let atol = if name.contains("conv.bias") || name.contains("running_mean") { 1e-3 } else { 2e-6 };
+                let atol = if name.contains("conv.bias") || name.contains("running_mean") {
+                    1e-3
+                } else {
+                    2e-6
+                };
                 assert_close(&format!("{model} {name}"), value, r, 0.0, atol);
             }
         }
@@ -651,31 +814,57 @@ fn reference_evaluator_matches_onnx_runtime_in_fp32() {
 
 fn ort_train(step: &ModelProto, model: &str) -> Trainer {
     let data = read_npz(&root().join("graphs").join(model).join("data.npz"));
-    let mut t = Trainer::new(step, &SessionOptions { threads: 1, optimize: true })
-        .unwrap_or_else(|e| panic!("{model}: {e}"));
+    let mut t = Trainer::new(
+        step,
+        &SessionOptions {
+            threads: 1,
+            optimize: true,
+        },
+    )
+    .unwrap_or_else(|e| panic!("{model}: {e}"));
     let samples = t.check_data(&data, Path::new("data.npz")).unwrap();
     for i in 0..STEPS {
-        let m = t.step(&micro_batch(&data, samples, BATCH, i), false).unwrap();
+        let m = t
+            .step(&micro_batch(&data, samples, BATCH, i), false)
+            .unwrap();
         assert!(m.loss.is_finite(), "{model}: loss {}", m.loss);
     }
     t
 }
 
-/// ONNX Runtime's CPU provider loads and trains the fp16 steps of every model (with its
-/// float32 fallback for the ops it lacks fp16 kernels for), within the tolerance of float32.
+/// ONNX Runtime's CPU provider loads and trains the fp16 steps of every model, and the MLP
+/// and CNN end within the tolerance of float32. It lacks fp16 kernels for the compute ops
+/// and runs them in float32 between casts it inserts and then fuses away, so this run is
+/// (nearly) float32: measured |diff|/|moved| 0 for the MLP (bit-identical), at most
+/// 1.6e-4 for the CNN.
 #[test]
 fn onnx_runtime_cpu_trains_fp16_steps() {
     if !ort_available() {
         return;
     }
     for model in ["mlp_ce_adamw", "cnn_bn"] {
-        let fp32 = ort_train(&rewrite(model, &spec("if", "", "")), model);
-        let fp16 = ort_train(&rewrite(model, &spec("if", "loss-scale(init=1024),", "precision(dtype=fp16),")), model);
+        let fp32_step = rewrite(model, &spec("if", "", ""));
+        let initial = initial_state(&fp32_step);
+        let fp32 = ort_train(&fp32_step, model);
+        let fp16 = ort_train(
+            &rewrite(
+                model,
+                &spec("if", "loss-scale(init=1024),", "precision(dtype=fp16),"),
+            ),
+            model,
+        );
         for (name, value) in fp32.state() {
-            if name.starts_with("ga.") {
+            if name.starts_with("ga.") || name.contains("running") || name == "conv.bias" {
                 continue;
             }
-            assert_close(&format!("{model} {name}"), &fp16.state()[name], value, 0.0, 0.02);
+            let moved: Vec<f64> = f64s(value)
+                .iter()
+                .zip(f64s(&initial[name]))
+                .map(|(a, b)| a - b)
+                .collect();
+            let rel = relative(&fp16.state()[name], value, &moved);
+            eprintln!("{model} fp16 on ONNX Runtime CPU {name}: |diff|/|moved| {rel:.3e}");
+            assert!(rel <= FP16.params, "{model} {name}: {rel:.3e}");
         }
     }
     for model in MODELS {
@@ -697,7 +886,10 @@ fn onnx_runtime_cpu_lacks_bf16_kernels() {
         panic!("ONNX Runtime loaded a bf16 step: update docs/precision.md");
     };
     let e = e.to_string();
-    assert!(e.contains("Could not find an implementation for Gemm"), "{e}");
+    assert!(
+        e.contains("Could not find an implementation for Gemm"),
+        "{e}"
+    );
 }
 
 /// Every fp16 and bf16 step passes onnx.checker with full type inference, and in the typed
@@ -712,7 +904,8 @@ fn steps_type_check_and_place_precision() {
         for apply in ["if", "where"] {
             for precision in ["fp16", "bf16"] {
                 let path = dir.path().join(format!("{model}.{apply}.{precision}.onnx"));
-                onnx_ga::model::save_model(&rewrite(model, &cli_spec(apply, precision)), &path).unwrap();
+                onnx_ga::model::save_model(&rewrite(model, &cli_spec(apply, precision)), &path)
+                    .unwrap();
                 files.push(path);
             }
         }
@@ -753,11 +946,108 @@ for path in sys.argv[1:]:
             assert floats and all(types[i] in HALF for i in floats), (path, n.name, floats)
     print("ok", path)
 "#;
-    let out = Command::new(python).arg("-c").arg(CHECK).args(&files).output().unwrap();
+    let out = Command::new(python)
+        .arg("-c")
+        .arg(CHECK)
+        .args(&files)
+        .output()
+        .unwrap();
     assert!(
         out.status.success(),
         "{}\n{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// fp16 on tract, whose fp16 Conv and MatMul kernels compute in half for real: the CNN with
+/// Gemm kept float32 (tract cannot type an fp16 Gemm with a bias, below) trains 8 windows
+/// within the tolerance of its float32 run on tract. Measured |diff|/|moved|: conv.weight
+/// 6.9e-2 (the reference evaluator: 6.8e-2), the others at most 4e-3.
+#[cfg(feature = "tract")]
+#[test]
+fn tract_trains_fp16_cnn_like_fp32() {
+    use onnx_ga::engine::EngineKind;
+    let model = "cnn_bn";
+    let data = read_npz(&root().join("graphs").join(model).join("data.npz"));
+    let train = |step: &ModelProto| {
+        let mut t = Trainer::with_engine(step, EngineKind::Tract, &SessionOptions::default())
+            .unwrap_or_else(|e| panic!("{e}"));
+        let samples = t.check_data(&data, Path::new("data.npz")).unwrap();
+        for i in 0..STEPS {
+            t.step(&micro_batch(&data, samples, BATCH, i), false)
+                .unwrap();
+        }
+        t
+    };
+    let fp32_step = rewrite(model, &spec("if", "", ""));
+    let initial = initial_state(&fp32_step);
+    let fp32 = train(&fp32_step);
+    let fp16 = train(&rewrite(
+        model,
+        &spec(
+            "if",
+            "loss-scale(init=1024),",
+            "precision(dtype=fp16,keep=+Gemm),",
+        ),
+    ));
+    for (name, value) in fp32.state() {
+        if name.starts_with("ga.") || name.contains("running") || name == "conv.bias" {
+            continue;
+        }
+        let moved: Vec<f64> = f64s(value)
+            .iter()
+            .zip(f64s(&initial[name]))
+            .map(|(a, b)| a - b)
+            .collect();
+        let rel = relative(&fp16.state()[name], value, &moved);
+        eprintln!("{model} fp16 on tract {name}: |diff|/|moved| {rel:.3e}");
+        assert!(rel <= FP16.params, "{model} {name}: {rel:.3e}");
+    }
+}
+
+/// tract-onnx 0.23 expands Gemm into a product and `beta * C` with a float32 beta, so an
+/// fp16 Gemm with a bias fails to type ("expected F16 got F32"). docs/precision.md says
+/// so; when this test fails, tract (or lower-for-tract) handles it and the docs need
+/// updating.
+#[cfg(feature = "tract")]
+#[test]
+fn tract_cannot_type_an_fp16_gemm_with_bias() {
+    use onnx_ga::engine::EngineKind;
+    let step = rewrite("mlp_ce_adamw", &cli_spec("if", "fp16"));
+    let data = read_npz(&root().join("graphs/mlp_ce_adamw/data.npz"));
+    let result = Trainer::with_engine(&step, EngineKind::Tract, &SessionOptions::default())
+        .and_then(|mut t| t.step(&micro_batch(&data, 64, BATCH, 0), false));
+    let Err(e) = result else {
+        panic!("tract ran an fp16 Gemm with a bias: update docs/precision.md");
+    };
+    let e = e.to_string();
+    assert!(e.contains("Gemm") && e.contains("F16"), "{e}");
+}
+
+/// A graph output computed in half (the prediction `y`, listed twice) keeps its name and
+/// float32 type: a cast takes both, and the half value is renamed.
+#[test]
+fn a_half_graph_output_keeps_its_name_and_float32() {
+    let step = linear_regression_step(
+        &["y", "y"],
+        "grad-accum(steps=2),optimizer(kind=sgd,lr=0.1),precision(dtype=fp16),dce",
+    );
+    let m = step.model.to_proto();
+    let g = m.graph.as_ref().unwrap();
+    let outputs: Vec<&str> = g.output.iter().map(|o| o.name()).collect();
+    assert_eq!(
+        outputs.iter().filter(|o| **o == "y").count(),
+        2,
+        "{outputs:?}"
+    );
+    let y = g
+        .node
+        .iter()
+        .find(|n| n.output.iter().any(|o| o == "y"))
+        .unwrap();
+    assert_eq!(cast_to(y), Some(FLOAT));
+    assert_eq!(y.input[0], "y.fp16");
+    let matmul = g.node.iter().find(|n| n.output[0] == "y.fp16").unwrap();
+    assert_eq!(matmul.op_type(), "MatMul");
 }

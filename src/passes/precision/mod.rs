@@ -38,9 +38,9 @@
 //!    layer norms), and the range-sensitive pointwise ops Exp, Log, Pow, Sqrt, Reciprocal
 //!    and Softplus.
 //! 3. An op whose ONNX schema at the model's opset does not admit the half type stays
-//!    float32 (e.g. with bf16 at opset 17: Conv, MaxPool, ConstantOfShape, OneHot; the table
-//!    is generated from onnx's schemas, [`schema`]). Other domains: only com.microsoft
-//!    FusedMatMul, Gelu and FastGelu may go half.
+//!    float32 (e.g. with bf16 at opset 17: Conv, MaxPool, ConstantOfShape, OneHot; the
+//!    table is generated from onnx's schemas by `scripts/precision-schema.py`). Other
+//!    domains: only com.microsoft FusedMatMul, Gelu and FastGelu may go half.
 //! 4. The matrix products, MatMul, Gemm, Conv, ConvTranspose, Einsum and FusedMatMul,
 //!    compute in half.
 //! 5. Every other op follows its float inputs (type promotion): float32 if any of them is
@@ -55,17 +55,19 @@
 //! pieces: once a blocked op produces a float32 value, the elementwise ops reading it are
 //! float32 too, up to the next matrix product. In the backward pass the gradient starts
 //! from the float32 seed, so it flows in float32 back through the loss's elementwise ops
-//! (as autocast's float32 loss functions do) and turns half at the first matrix product. So the lowered SoftmaxCrossEntropyLoss
-//! gradient (`Exp(log_prob) - onehot`, times `dy / N`), the softmax and log-softmax
-//! gradients (their `ReduceSum` and `Exp`), and the BatchNorm and LayerNorm lowerings and
-//! gradients (built on `ReduceMean`, `ReduceSum`, `Sqrt`, `Reciprocal`) all stay float32;
-//! the weight gradient of a following MatMul/Gemm/Conv is computed in half and cast to
-//! float32 for its accumulator. Everything between a normalisation and the next matrix
-//! product (the CNN's Relu and MaxPool after BatchNorm) stays float32 as well.
+//! (as autocast's float32 loss functions do) and turns half at the first matrix product.
+//! So the lowered SoftmaxCrossEntropyLoss gradient (`Exp(log_prob) - onehot`, times
+//! `dy / N`), the softmax and log-softmax gradients (their `ReduceSum` and `Exp`), and the
+//! BatchNorm and LayerNorm lowerings and gradients (built on `ReduceMean`, `ReduceSum`,
+//! `Sqrt`, `Reciprocal`) all stay float32; the weight gradient of a following
+//! MatMul/Gemm/Conv is computed in half and cast to float32 for its accumulator. Everything
+//! between a normalisation and the next matrix product (the CNN's Relu and MaxPool after
+//! BatchNorm) stays float32 as well.
 //!
-//! A cast sits wherever a value's precision differs from what its reader computes in:
-//! `inspect --graph` and the snapshots show them as nodes ending `# precision`. Stale
-//! `value_info` element types are updated.
+//! A cast sits wherever a value's precision differs from what its reader computes in; the
+//! printed graph ([`crate::ir::print`], as `inspect --graph` prints it, and the snapshots)
+//! shows each as a node ending `# precision`. Stale `value_info` element types are updated.
+//! docs/precision.md has the engines' half-precision support and measured differences.
 //!
 //! # Options
 //!
@@ -245,18 +247,14 @@ pub fn parse_keep(text: Option<&str>) -> Result<BTreeSet<String>, PassError> {
     if tokens.is_empty() || tokens == ["none"] {
         return Ok(BTreeSet::new());
     }
-    let signed = tokens
-        .iter()
-        .filter(|t| t.starts_with(['+', '-']))
-        .count();
+    let signed = tokens.iter().filter(|t| t.starts_with(['+', '-'])).count();
     if signed != 0 && signed != tokens.len() {
         return Err(spec_error(format!(
             "keep={text}: either list the ops to keep float32 (A;B) or edit the default list (+A;-B), not both"
         )));
     }
-    let valid = |op: &str| {
-        !op.is_empty() && op.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
-    };
+    let valid =
+        |op: &str| !op.is_empty() && op.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
     let mut keep = if signed == 0 {
         BTreeSet::new()
     } else {
@@ -268,9 +266,7 @@ pub fn parse_keep(text: Option<&str>) -> Result<BTreeSet<String>, PassError> {
             None => (true, token.strip_prefix('+').unwrap_or(token)),
         };
         if !valid(op) {
-            return Err(spec_error(format!(
-                "keep={text}: '{op}' is not an op type"
-            )));
+            return Err(spec_error(format!("keep={text}: '{op}' is not an op type")));
         }
         if add {
             keep.insert(op.to_string());
@@ -601,11 +597,7 @@ impl<'a> Analysis<'a> {
                 .flatten()
                 .and_then(|v| self.elem.get(&v).copied())
         };
-        let dtype = |default: Option<i32>| {
-            attr(p, "dtype")
-                .map(|a| a.i() as i32)
-                .or(default)
-        };
+        let dtype = |default: Option<i32>| attr(p, "dtype").map(|a| a.i() as i32).or(default);
         match (p.op_type(), slot) {
             ("Cast", 0) => attr(p, "to").map(|a| a.i() as i32),
             ("CastLike", 0) => input(1),
@@ -636,16 +628,17 @@ impl<'a> Analysis<'a> {
                 .subgraphs
                 .first()
                 .and_then(|sub| self.model.body(sub.body).outputs.get(s))
-                .and_then(|(v, info)| {
-                    match info.r#type.as_ref().and_then(|t| t.value.as_ref()) {
-                        Some(type_proto::Value::TensorType(t)) => {
-                            t.elem_type.filter(|e| *e != 0)
-                        }
+                .and_then(
+                    |(v, info)| match info.r#type.as_ref().and_then(|t| t.value.as_ref()) {
+                        Some(type_proto::Value::TensorType(t)) => t.elem_type.filter(|e| *e != 0),
                         _ => declared_elem(self.model, *v),
-                    }
-                }),
+                    },
+                ),
             (
-                "Split" | "BatchNormalization" | "LayerNormalization" | "SoftmaxCrossEntropyLoss"
+                "Split"
+                | "BatchNormalization"
+                | "LayerNormalization"
+                | "SoftmaxCrossEntropyLoss"
                 | "NegativeLogLikelihoodLoss",
                 _,
             ) => input(0),
@@ -701,14 +694,9 @@ impl<'a> Analysis<'a> {
             return Mode::Fixed(Prec::F32, Why::NoHalfType);
         }
         // A float value of unknown type would keep float32 under a half node.
-        let unknown_input = node
-            .inputs
-            .iter()
-            .enumerate()
-            .any(|(slot, v)| {
-                v.is_some_and(|v| !self.elem.contains_key(&v))
-                    && !any_type_slot(self.model, n, slot)
-            });
+        let unknown_input = node.inputs.iter().enumerate().any(|(slot, v)| {
+            v.is_some_and(|v| !self.elem.contains_key(&v)) && !any_type_slot(self.model, n, slot)
+        });
         let unknown_output = node
             .outputs
             .iter()
@@ -922,9 +910,8 @@ impl Rewriter<'_> {
         let constant = matches!(self.model.value(v).def, ValueDef::Initializer { body } if body == BodyId::MAIN);
         let c = match (p, constant.then(|| self.model.initializer(v)).flatten()) {
             (Prec::Half, Some(t)) => {
-                let (t, overflowed) = tensor_to_half(t, self.dtype).map_err(|m| {
-                    fail(format!("constant '{}' {m}", self.model.name(v)))
-                })?;
+                let (t, overflowed) = tensor_to_half(t, self.dtype)
+                    .map_err(|m| fail(format!("constant '{}' {m}", self.model.name(v))))?;
                 self.constants += 1;
                 self.overflowed += overflowed;
                 self.model.add_initializer(BodyId::MAIN, &hint, t)
@@ -1064,13 +1051,22 @@ fn rewrite(model: &mut Model, dtype: HalfType, plan: Plan) -> Result<PassReport,
                     r.model.set_output(body, index, c);
                 }
                 Use::Output { body, index } => {
-                    // A graph output keeps its name and float32 type: the cast takes both.
+                    // A graph output keeps its name and float32 type: the cast takes both
+                    // (once, should the value be listed as an output twice).
+                    let renamed = r.converted.contains_key(&(v, Prec::F32))
+                        && r.model
+                            .body(body)
+                            .outputs
+                            .iter()
+                            .any(|(o, _)| r.converted.get(&(v, Prec::F32)) == Some(o));
                     let c = r.convert(v, Prec::F32)?;
                     r.model.set_output(body, index, c);
-                    let name = r.model.name(v).to_string();
-                    let retired = r.model.names.fresh(&format!("{name}.{}", dtype.as_str()));
-                    r.model.values[v.0 as usize].name = retired;
-                    r.model.values[c.0 as usize].name = name;
+                    if !renamed {
+                        let name = r.model.name(v).to_string();
+                        let retired = r.model.names.fresh(&format!("{name}.{}", dtype.as_str()));
+                        r.model.values[v.0 as usize].name = retired;
+                        r.model.values[c.0 as usize].name = name;
+                    }
                 }
                 Use::Node { .. } => {}
             }
@@ -1094,10 +1090,7 @@ fn rewrite(model: &mut Model, dtype: HalfType, plan: Plan) -> Result<PassReport,
             .map(|w| counts.get(&(p, *w)).copied().unwrap_or(0))
             .sum()
     };
-    let half_nodes = count(
-        Prec::Half,
-        &[Why::HalfOp, Why::Promoted, Why::Weak],
-    );
+    let half_nodes = count(Prec::Half, &[Why::HalfOp, Why::Promoted, Why::Weak]);
     let kept = count(Prec::F32, &[Why::Keep]);
     let promoted = count(Prec::F32, &[Why::Promoted, Why::Weak]);
     let no_type = count(Prec::F32, &[Why::NoHalfType, Why::UnknownType]);
