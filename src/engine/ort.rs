@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 
 use ::ort::session::{builder::GraphOptimizationLevel, Session, SessionInputValue};
-use ::ort::value::{DynValue, Tensor as OrtTensor, TensorElementType, ValueType};
+use ::ort::value::{Tensor as OrtTensor, TensorElementType, TensorRef, ValueType};
 
 use super::EngineError;
 use crate::data::Tensor;
@@ -89,7 +89,7 @@ impl OrtSession {
         let mut feeds: Vec<(Cow<'_, str>, SessionInputValue<'_>)> =
             Vec::with_capacity(inputs.len());
         for (name, tensor) in inputs {
-            feeds.push((Cow::Owned(name.to_string()), to_ort(name, tensor)?.into()));
+            feeds.push((Cow::Owned(name.to_string()), to_ort(name, tensor)?));
         }
         let outputs = self.session.run(feeds).map_err(ort_err("run"))?;
         let mut result = Vec::with_capacity(outputs.len());
@@ -100,17 +100,32 @@ impl OrtSession {
     }
 }
 
-fn to_ort(name: &str, tensor: &Tensor) -> Result<DynValue, EngineError> {
+/// The tensor as a session input. Contiguous host arrays (all of ours in practice) are
+/// lent to ONNX Runtime without a copy; anything else is copied into standard layout.
+fn to_ort<'a>(name: &str, tensor: &'a Tensor) -> Result<SessionInputValue<'a>, EngineError> {
     let err = |e: ::ort::Error| EngineError::Input {
         name: name.to_string(),
         message: e.to_string(),
     };
+    macro_rules! lend {
+        ($a:expr) => {
+            if $a.is_standard_layout() {
+                SessionInputValue::from(TensorRef::from_array_view($a).map_err(err)?.into_dyn())
+            } else {
+                SessionInputValue::from(
+                    OrtTensor::from_array($a.as_standard_layout().into_owned())
+                        .map_err(err)?
+                        .into_dyn(),
+                )
+            }
+        };
+    }
     Ok(match tensor {
-        Tensor::F32(a) => OrtTensor::from_array(a.clone()).map_err(err)?.into_dyn(),
-        Tensor::F64(a) => OrtTensor::from_array(a.clone()).map_err(err)?.into_dyn(),
-        Tensor::I64(a) => OrtTensor::from_array(a.clone()).map_err(err)?.into_dyn(),
-        Tensor::I32(a) => OrtTensor::from_array(a.clone()).map_err(err)?.into_dyn(),
-        Tensor::Bool(a) => OrtTensor::from_array(a.clone()).map_err(err)?.into_dyn(),
+        Tensor::F32(a) => lend!(a),
+        Tensor::F64(a) => lend!(a),
+        Tensor::I64(a) => lend!(a),
+        Tensor::I32(a) => lend!(a),
+        Tensor::Bool(a) => lend!(a),
     })
 }
 
