@@ -729,7 +729,7 @@ impl Pass for Agc {
                 .collect();
             options.push(format!("axes={}", items.join(";")));
         }
-        format!("{PASS}({})", options.join(","))
+        super::spec_text(PASS, &options)
     }
 
     fn run(

@@ -97,6 +97,16 @@ pub trait Pass {
         -> Result<PassReport, PassError>;
 }
 
+/// The spec text of a pass: `name`, or `name(a=1,b=2)` when it has options.
+pub fn spec_text<S: AsRef<str>>(name: &str, options: &[S]) -> String {
+    if options.is_empty() {
+        name.to_string()
+    } else {
+        let options: Vec<&str> = options.iter().map(AsRef::as_ref).collect();
+        format!("{name}({})", options.join(","))
+    }
+}
+
 /// Options of one pass in a spec string: `name(key=value,...)`.
 #[derive(Clone, Debug, Default)]
 pub struct PassOptions {

@@ -255,11 +255,7 @@ impl Pass for Optimizer {
         if let Some(c) = self.correct_bias {
             options.push(format!("correct_bias={c}"));
         }
-        if options.is_empty() {
-            PASS.to_string()
-        } else {
-            format!("{PASS}({})", options.join(","))
-        }
+        super::spec_text(PASS, &options)
     }
 
     fn run(

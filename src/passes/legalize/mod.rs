@@ -223,11 +223,7 @@ impl Pass for LegalizeOrt {
         if self.nll {
             options.push("nll=true");
         }
-        if options.is_empty() {
-            PASS.to_string()
-        } else {
-            format!("{PASS}({})", options.join(","))
-        }
+        crate::passes::spec_text(PASS, &options)
     }
 
     fn run(
