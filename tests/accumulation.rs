@@ -122,7 +122,10 @@ fn cnn_batchnorm_matches_ort_micro_batch_loop() {
         return;
     }
     let model = "cnn_bn";
-    let step = rewrite(model, "grad-accum(steps=4,normalize=mean,bn_stats=micro),optimizer(lr=0.01),legalize-ort,dce");
+    let step = rewrite(
+        model,
+        "grad-accum(steps=4,normalize=mean,bn_stats=micro),optimizer(lr=0.01),legalize-ort,dce",
+    );
     let t = train(&step, &data(model), 8, 32);
     let mut reference = read_npz(
         &root()
@@ -178,7 +181,11 @@ fn cnn_window_pooled_running_stats_equal_full_batch() {
     for i in 0..4u64 {
         a.step(&micro_batch(&data, 64, 8, i), false).unwrap();
         if i < 3 {
-            assert_eq!(a.state()["bn.running_mean"], initial, "running mean moved mid-window");
+            assert_eq!(
+                a.state()["bn.running_mean"],
+                initial,
+                "running mean moved mid-window"
+            );
         }
     }
     let mut b = trainer(&single);

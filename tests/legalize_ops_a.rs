@@ -403,7 +403,8 @@ fn legalized_training_graphs_give_the_training_builds_gradients() {
         }
         // Accumulation buffers start at zero; BatchNorm statistics (bn_stat state) are
         // frozen parameters, already fed from the checkpoint.
-        cx.state.retain(|e| e.role == onnx_ga::state::Role::Accumulator);
+        cx.state
+            .retain(|e| e.role == onnx_ga::state::Role::Accumulator);
         for entry in &cx.state {
             let param = &feeds[entry.param.as_ref().unwrap()];
             feeds.insert(
@@ -436,7 +437,11 @@ fn legalized_training_graphs_give_the_training_builds_gradients() {
             worst = worst.max(errors(&got[&entry.output], expected).0);
             // A conv bias feeding a BatchNorm has a mathematically zero gradient (its
             // values are rounding noise, ~1e-8): compared absolutely.
-            let rtol = if name == "cnn_bn" && param == "conv.bias" { 0.0 } else { 1e-5 };
+            let rtol = if name == "cnn_bn" && param == "conv.bias" {
+                0.0
+            } else {
+                1e-5
+            };
             assert_close(
                 &format!("{name}/grad/{param}"),
                 &got[&entry.output],

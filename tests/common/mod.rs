@@ -64,7 +64,9 @@ pub fn assert_close(name: &str, actual: &Tensor, expected: &Tensor, rtol: f64, a
     let mut worst: Option<(usize, f64, f64, f64)> = None;
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
         let excess = (x - y).abs() - (atol + rtol * y.abs());
-        if !(excess <= 0.0) && worst.is_none_or(|w| excess > w.3 || excess.is_nan()) {
+        if (excess.is_nan() || excess > 0.0)
+            && worst.is_none_or(|w| excess > w.3 || excess.is_nan())
+        {
             worst = Some((i, *x, *y, excess));
         }
     }

@@ -121,24 +121,25 @@ fn pool_per_window(
     elem: i32,
 ) -> Result<(), PassError> {
     let main = BodyId::MAIN;
-    let channels =
-        match l
-            .model()
-            .value_type(mean)
-            .map(|t| crate::signature::TensorInfo::of("", Some(&t)).shape)
-        {
-            Some(shape) if shape.len() == 1 && shape[0].parse::<i64>().is_ok() => {
-                shape[0].parse::<i64>().unwrap_or(0)
-            }
-            _ => return Err(node_error(
+    let channels = match l
+        .model()
+        .value_type(mean)
+        .map(|t| crate::signature::TensorInfo::of("", Some(&t)).shape)
+    {
+        Some(shape) if shape.len() == 1 && shape[0].parse::<i64>().is_ok() => {
+            shape[0].parse::<i64>().unwrap_or(0)
+        }
+        _ => {
+            return Err(node_error(
                 l.model(),
                 node,
                 format!(
                     "running statistic '{}' has no static [C] shape, needed to pool it per window",
                     l.model().name(mean)
                 ),
-            )),
-        };
+            ))
+        }
+    };
     let mean_sq = l.op("Mul", &[stats.mean, stats.mean], vec![], "batch_mean_sq");
     let second_moment = l.op("Add", &[stats.var, mean_sq], vec![], "batch_second_moment");
     let zeros = crate::ir::builder::tensor_f32(&[channels], &vec![0.0; channels as usize]);
@@ -155,12 +156,13 @@ fn pool_per_window(
             vec![],
             &format!("{name}.new"),
         );
+        let stat_name = l.model().name(stat).to_string();
         let slot = region.route(
             l.b.model,
             input,
             total,
             Role::BnStat,
-            Some(&l.model().name(stat).to_string()),
+            Some(&stat_name),
             l.state,
         );
         let b = region.builder(l.b.model, super::PASS);
