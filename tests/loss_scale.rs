@@ -15,9 +15,7 @@ use std::path::Path;
 use common::{assert_close, ort_available, read_npz, root};
 use onnx_ga::data::Tensor;
 use onnx_ga::engine::ort::SessionOptions;
-use onnx_ga::ir::builder::{attr_int, tensor_f32, Builder};
-use onnx_ga::ir::{tensor_type, BodyId, Model};
-use onnx_ga::proto::{ModelProto, OperatorSetIdProto};
+use onnx_ga::proto::ModelProto;
 use onnx_ga::signature::{self, ExplicitRoles};
 use onnx_ga::state::Role;
 use onnx_ga::train::{micro_batch, StepMetrics, Trainer};
@@ -448,68 +446,12 @@ fn misplaced_or_unseeded_loss_scale_is_an_error() {
 // The linear regression graph of tests/rewrite_snapshots.rs: y = x W, loss = mean((y-t)^2),
 // its backward pass seeded by the scalar initializer `loss_grad`.
 
-const W0: [f32; 2] = [0.5, -0.25];
-
 fn linear_regression() -> ModelProto {
-    let header = ModelProto {
-        ir_version: Some(8),
-        opset_import: vec![OperatorSetIdProto {
-            domain: Some(String::new()),
-            version: Some(17),
-        }],
-        producer_name: Some("onnx-ga tests".into()),
-        ..Default::default()
-    };
-    let mut model = Model::from_proto(ModelProto {
-        graph: Some(Default::default()),
-        ..header
-    });
-    model.body_mut(BodyId::MAIN).rest.name = Some("linear_regression".into());
-    let main = BodyId::MAIN;
-    let float = 1;
-    let batch = |cols: i64| {
-        let mut ty = tensor_type(float, &[0, cols]);
-        if let Some(onnx_ga::proto::type_proto::Value::TensorType(t)) = &mut ty.value {
-            t.shape.as_mut().unwrap().dim[0].value =
-                Some(onnx_ga::proto::tensor_shape_proto::dimension::Value::DimParam("N".into()));
-        }
-        ty
-    };
-    let x = model.add_input(main, "x", batch(2), None);
-    let t = model.add_input(main, "t", batch(1), None);
-    let w = model.add_input(
-        main,
-        "W",
-        tensor_type(float, &[2, 1]),
-        Some(tensor_f32(&[2, 1], &W0)),
-    );
-    let mut b = Builder::new(&mut model, main, "test");
-    let seed = b.scalar_f32("loss_grad", 1.0);
-    let y = b.op("MatMul", &[x, w], vec![], "y");
-    let d = b.op("Sub", &[y, t], vec![], "d");
-    let sq = b.op("Mul", &[d, d], vec![], "d2");
-    let loss = b.op("ReduceMean", &[sq], vec![attr_int("keepdims", 0)], "loss");
-    let two = b.scalar_f32("two", 2.0);
-    let size = b.op("Size", &[d], vec![], "n");
-    let n = b.op("Cast", &[size], vec![attr_int("to", 1)], "n_f");
-    let scale = b.op("Div", &[two, n], vec![], "two_over_n");
-    let seeded = b.op("Mul", &[seed, scale], vec![], "dloss_scale");
-    let dy = b.op("Mul", &[d, seeded], vec![], "y_grad");
-    let xt = b.op("Transpose", &[x], vec![], "x_t");
-    let _w_grad = b.op("MatMul", &[xt, dy], vec![], "W_grad");
-    model.add_output(main, loss, Some(tensor_type(float, &[])));
-    for n in model.all_nodes().collect::<Vec<_>>() {
-        model.node_mut(n).proto.metadata_props.clear();
-    }
-    model.to_proto()
+    common::linear_regression(false, &[])
 }
 
 fn roles() -> ExplicitRoles {
-    ExplicitRoles {
-        loss: Some("loss".into()),
-        seed: Some("loss_grad".into()),
-        grads: vec![("W".into(), "W_grad".into())],
-    }
+    common::linear_regression_roles()
 }
 
 fn snapshot(name: &str, spec: &str) {

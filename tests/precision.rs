@@ -20,8 +20,7 @@ use std::process::Command;
 use common::{assert_close, ort_available, read_npz, root};
 use onnx_ga::data::Tensor;
 use onnx_ga::engine::ort::SessionOptions;
-use onnx_ga::ir::builder::{attr_int, tensor_f32, Builder};
-use onnx_ga::ir::{tensor_type, BodyId, Model, PASS_KEY};
+use onnx_ga::ir::PASS_KEY;
 use onnx_ga::proto::{tensor_proto::DataType, type_proto, GraphProto, ModelProto};
 use onnx_ga::signature::{self, ExplicitRoles};
 use onnx_ga::train::{micro_batch, Trainer};
@@ -428,68 +427,9 @@ fn cli_builds_the_precision_pipeline() {
 
 // ---- snapshots ----------------------------------------------------------------------------
 
-/// The linear regression graph of tests/rewrite_snapshots.rs: y = x W, d = y - t,
-/// loss = mean(d^2), W_grad = x^T (seed * 2 d / N).
+/// The linear regression graph of tests/common, exposing `outputs` too.
 fn linear_regression(outputs: &[&str]) -> ModelProto {
-    let header = ModelProto {
-        ir_version: Some(8),
-        opset_import: vec![onnx_ga::proto::OperatorSetIdProto {
-            domain: Some(String::new()),
-            version: Some(17),
-        }],
-        producer_name: Some("onnx-ga tests".into()),
-        ..Default::default()
-    };
-    let mut model = Model::from_proto(ModelProto {
-        graph: Some(Default::default()),
-        ..header
-    });
-    model.body_mut(BodyId::MAIN).rest.name = Some("linear_regression".into());
-    let main = BodyId::MAIN;
-    let sym = |dims: &[&str]| {
-        use onnx_ga::proto::tensor_shape_proto::dimension::Value as Dim;
-        let mut ty = tensor_type(FLOAT, &vec![0; dims.len()]);
-        if let Some(type_proto::Value::TensorType(t)) = &mut ty.value {
-            for (d, name) in t.shape.as_mut().unwrap().dim.iter_mut().zip(dims) {
-                d.value = Some(match name.parse::<i64>() {
-                    Ok(v) => Dim::DimValue(v),
-                    Err(_) => Dim::DimParam(name.to_string()),
-                });
-            }
-        }
-        ty
-    };
-    let x = model.add_input(main, "x", sym(&["N", "2"]), None);
-    let t = model.add_input(main, "t", sym(&["N", "1"]), None);
-    let w = model.add_input(
-        main,
-        "W",
-        tensor_type(FLOAT, &[2, 1]),
-        Some(tensor_f32(&[2, 1], &[0.5, -0.25])),
-    );
-    let mut b = Builder::new(&mut model, main, "test");
-    let seed = b.scalar_f32("loss_grad", 1.0);
-    let y = b.op("MatMul", &[x, w], vec![], "y");
-    let d = b.op("Sub", &[y, t], vec![], "d");
-    let sq = b.op("Mul", &[d, d], vec![], "d2");
-    let loss = b.op("ReduceMean", &[sq], vec![attr_int("keepdims", 0)], "loss");
-    let two = b.scalar_f32("two", 2.0);
-    let size = b.op("Size", &[d], vec![], "n");
-    let n = b.op("Cast", &[size], vec![attr_int("to", 1)], "n_f");
-    let scale = b.op("Div", &[two, n], vec![], "two_over_n");
-    let seeded = b.op("Mul", &[seed, scale], vec![], "dloss_scale");
-    let dy = b.op("Mul", &[d, seeded], vec![], "y_grad");
-    let xt = b.op("Transpose", &[x], vec![], "x_t");
-    let _w_grad = b.op("MatMul", &[xt, dy], vec![], "W_grad");
-    model.add_output(main, loss, Some(tensor_type(FLOAT, &[])));
-    for name in outputs {
-        let v = model.lookup(main, name).unwrap();
-        model.add_output(main, v, None);
-    }
-    for n in model.all_nodes().collect::<Vec<_>>() {
-        model.node_mut(n).proto.metadata_props.clear();
-    }
-    model.to_proto()
+    common::linear_regression(false, outputs)
 }
 
 fn linear_regression_step(outputs: &[&str], spec: &str) -> onnx_ga::step::Step {

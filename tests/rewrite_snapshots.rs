@@ -13,83 +13,18 @@ use common::{assert_close, ort_available};
 use ndarray::{array, Array2, ArrayD};
 use onnx_ga::data::Tensor;
 use onnx_ga::engine::ort::SessionOptions;
-use onnx_ga::ir::builder::{attr_int, tensor_f32, Builder};
-use onnx_ga::ir::{tensor_type, BodyId, Model};
-use onnx_ga::proto::{ModelProto, OperatorSetIdProto};
+use onnx_ga::proto::ModelProto;
 use onnx_ga::signature::{self, ExplicitRoles};
 use onnx_ga::train::Trainer;
 
-const W0: [f32; 2] = [0.5, -0.25];
+use common::LINEAR_REGRESSION_W0 as W0;
 
 fn linear_regression() -> ModelProto {
-    let header = ModelProto {
-        ir_version: Some(8),
-        opset_import: vec![OperatorSetIdProto {
-            domain: Some(String::new()),
-            version: Some(17),
-        }],
-        producer_name: Some("onnx-ga tests".into()),
-        ..Default::default()
-    };
-    let mut model = Model::from_proto(ModelProto {
-        graph: Some(Default::default()),
-        ..header
-    });
-    model.body_mut(BodyId::MAIN).rest.name = Some("linear_regression".into());
-    let main = BodyId::MAIN;
-    let float = 1; // TensorProto.FLOAT
-    let sym = |dims: &[&str]| {
-        let mut ty = tensor_type(float, &vec![0; dims.len()]);
-        if let Some(onnx_ga::proto::type_proto::Value::TensorType(t)) = &mut ty.value {
-            for (d, name) in t.shape.as_mut().unwrap().dim.iter_mut().zip(dims) {
-                d.value = Some(match name.parse::<i64>() {
-                    Ok(v) => onnx_ga::proto::tensor_shape_proto::dimension::Value::DimValue(v),
-                    Err(_) => onnx_ga::proto::tensor_shape_proto::dimension::Value::DimParam(
-                        name.to_string(),
-                    ),
-                });
-            }
-        }
-        ty
-    };
-    let x = model.add_input(main, "x", sym(&["N", "2"]), None);
-    let t = model.add_input(main, "t", sym(&["N", "1"]), None);
-    // Per-sample weights for normalize=weighted:sample_weight (the loss itself ignores them).
-    model.add_input(main, "sample_weight", sym(&["N"]), None);
-    let w = model.add_input(
-        main,
-        "W",
-        tensor_type(float, &[2, 1]),
-        Some(tensor_f32(&[2, 1], &W0)),
-    );
-    let mut b = Builder::new(&mut model, main, "test");
-    let seed = b.scalar_f32("loss_grad", 1.0);
-    let y = b.op("MatMul", &[x, w], vec![], "y");
-    let d = b.op("Sub", &[y, t], vec![], "d");
-    let sq = b.op("Mul", &[d, d], vec![], "d2");
-    let loss = b.op("ReduceMean", &[sq], vec![attr_int("keepdims", 0)], "loss");
-    let two = b.scalar_f32("two", 2.0);
-    let size = b.op("Size", &[d], vec![], "n");
-    let n = b.op("Cast", &[size], vec![attr_int("to", 1)], "n_f");
-    let scale = b.op("Div", &[two, n], vec![], "two_over_n");
-    let seeded = b.op("Mul", &[seed, scale], vec![], "dloss_scale");
-    let dy = b.op("Mul", &[d, seeded], vec![], "y_grad");
-    let xt = b.op("Transpose", &[x], vec![], "x_t");
-    let _w_grad = b.op("MatMul", &[xt, dy], vec![], "W_grad");
-    model.add_output(main, loss, Some(tensor_type(float, &[])));
-    // Provenance stamps of the hand-built graph would clutter the snapshots.
-    for n in model.all_nodes().collect::<Vec<_>>() {
-        model.node_mut(n).proto.metadata_props.clear();
-    }
-    model.to_proto()
+    common::linear_regression(true, &[])
 }
 
 fn roles() -> ExplicitRoles {
-    ExplicitRoles {
-        loss: Some("loss".into()),
-        seed: Some("loss_grad".into()),
-        grads: vec![("W".into(), "W_grad".into())],
-    }
+    common::linear_regression_roles()
 }
 
 fn rewrite(spec: &str) -> onnx_ga::step::Step {

@@ -74,3 +74,92 @@ pub fn assert_close(name: &str, actual: &Tensor, expected: &Tensor, rtol: f64, a
         panic!("{name}: element {i}: got {x:e}, expected {y:e} (|diff| {:e}, rtol {rtol:e}, atol {atol:e})", (x - y).abs());
     }
 }
+
+/// W's initial value in [`linear_regression`].
+pub const LINEAR_REGRESSION_W0: [f32; 2] = [0.5, -0.25];
+
+/// A tiny hand-written gradient graph: y = x W, d = y - t, loss = mean(d²), and its backward
+/// pass seeded by the scalar initializer `loss_grad`: dL/dy = seed · 2 d / N,
+/// W_grad = xᵀ dL/dy. With `sample_weight`, an input `sample_weight: float[N]` that the loss
+/// ignores (for `normalize=weighted:sample_weight`); `extra_outputs` names values to expose.
+pub fn linear_regression(sample_weight: bool, extra_outputs: &[&str]) -> ModelProto {
+    use onnx_ga::ir::builder::{attr_int, tensor_f32, Builder};
+    use onnx_ga::ir::{tensor_type, BodyId, Model};
+    use onnx_ga::proto::tensor_shape_proto::dimension::Value as Dim;
+    use onnx_ga::proto::{type_proto, OperatorSetIdProto};
+
+    let header = ModelProto {
+        ir_version: Some(8),
+        opset_import: vec![OperatorSetIdProto {
+            domain: Some(String::new()),
+            version: Some(17),
+        }],
+        producer_name: Some("onnx-ga tests".into()),
+        ..Default::default()
+    };
+    let mut model = Model::from_proto(ModelProto {
+        graph: Some(Default::default()),
+        ..header
+    });
+    model.body_mut(BodyId::MAIN).rest.name = Some("linear_regression".into());
+    let main = BodyId::MAIN;
+    let float = 1; // TensorProto.FLOAT
+    let sym = |dims: &[&str]| {
+        let mut ty = tensor_type(float, &vec![0; dims.len()]);
+        if let Some(type_proto::Value::TensorType(t)) = &mut ty.value {
+            for (d, name) in t.shape.as_mut().unwrap().dim.iter_mut().zip(dims) {
+                d.value = Some(match name.parse::<i64>() {
+                    Ok(v) => Dim::DimValue(v),
+                    Err(_) => Dim::DimParam(name.to_string()),
+                });
+            }
+        }
+        ty
+    };
+    let x = model.add_input(main, "x", sym(&["N", "2"]), None);
+    let t = model.add_input(main, "t", sym(&["N", "1"]), None);
+    if sample_weight {
+        model.add_input(main, "sample_weight", sym(&["N"]), None);
+    }
+    let w = model.add_input(
+        main,
+        "W",
+        tensor_type(float, &[2, 1]),
+        Some(tensor_f32(&[2, 1], &LINEAR_REGRESSION_W0)),
+    );
+    let mut b = Builder::new(&mut model, main, "test");
+    let seed = b.scalar_f32("loss_grad", 1.0);
+    let y = b.op("MatMul", &[x, w], vec![], "y");
+    let d = b.op("Sub", &[y, t], vec![], "d");
+    let sq = b.op("Mul", &[d, d], vec![], "d2");
+    let loss = b.op("ReduceMean", &[sq], vec![attr_int("keepdims", 0)], "loss");
+    let two = b.scalar_f32("two", 2.0);
+    let size = b.op("Size", &[d], vec![], "n");
+    let n = b.op("Cast", &[size], vec![attr_int("to", 1)], "n_f");
+    let scale = b.op("Div", &[two, n], vec![], "two_over_n");
+    let seeded = b.op("Mul", &[seed, scale], vec![], "dloss_scale");
+    let dy = b.op("Mul", &[d, seeded], vec![], "y_grad");
+    let xt = b.op("Transpose", &[x], vec![], "x_t");
+    let _w_grad = b.op("MatMul", &[xt, dy], vec![], "W_grad");
+    model.add_output(main, loss, Some(tensor_type(float, &[])));
+    for name in extra_outputs {
+        let v = model
+            .lookup(main, name)
+            .expect("extra output names a value");
+        model.add_output(main, v, None);
+    }
+    // Provenance stamps of the hand-built graph would clutter the snapshots.
+    for n in model.all_nodes().collect::<Vec<_>>() {
+        model.node_mut(n).proto.metadata_props.clear();
+    }
+    model.to_proto()
+}
+
+/// The roles of [`linear_regression`].
+pub fn linear_regression_roles() -> onnx_ga::signature::ExplicitRoles {
+    onnx_ga::signature::ExplicitRoles {
+        loss: Some("loss".into()),
+        seed: Some("loss_grad".into()),
+        grads: vec![("W".into(), "W_grad".into())],
+    }
+}
