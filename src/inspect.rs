@@ -198,6 +198,14 @@ fn describe_source(source: &crate::signature::Source) -> String {
             "ONNX Runtime training graph {} (no checkpoint: frozen parameters count as data)",
             file.display()
         ),
+        Source::Step {
+            file,
+            pipeline,
+            state_pairs,
+        } => format!(
+            "onnx-ga training step {} ({state_pairs} state pairs; pipeline {pipeline})",
+            file.display()
+        ),
         Source::Plain { file } => format!(
             "gradient graph {} (roles given on the command line)",
             file.display()

@@ -205,6 +205,12 @@ pub enum Source {
     Plain {
         file: PathBuf,
     },
+    /// A step written by `onnx-ga rewrite`: roles come from its state manifest.
+    Step {
+        file: PathBuf,
+        pipeline: String,
+        state_pairs: usize,
+    },
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -342,6 +348,14 @@ pub fn from_model(
     origin: &Path,
 ) -> Result<TrainingGraph, SignatureError> {
     let file = origin;
+    if roles.grads.is_empty()
+        && proto
+            .metadata_props
+            .iter()
+            .any(|p| p.key() == crate::state::STATE_KEY)
+    {
+        return step_signature(proto, file);
+    }
     let model = Model::from_proto(proto);
     let has_ort_accumulators = model.all_nodes().any(|n| is_ort_accumulator(&model, n));
     let signature = if roles.grads.is_empty() && has_ort_accumulators {
@@ -352,6 +366,74 @@ pub fn from_model(
         s
     } else {
         plain_signature(&model, file, roles)?
+    };
+    Ok(TrainingGraph {
+        model,
+        signature,
+        checkpoint: None,
+        optimizer_model: None,
+    })
+}
+
+/// The signature of a rewritten step, from its state manifest: parameters are the `param`
+/// (trainable) and `frozen` states. Such a graph is not rewritten again (inspect only).
+fn step_signature(proto: ModelProto, file: &Path) -> Result<TrainingGraph, SignatureError> {
+    let manifest =
+        crate::step::Manifest::from_model(&proto).map_err(|e| inconsistent(file, e.to_string()))?;
+    let model = Model::from_proto(proto);
+    let main = model.main();
+    let declared = |name: &str| {
+        main.inputs
+            .iter()
+            .find(|(v, _)| model.name(*v) == name)
+            .map(|(_, info)| info.r#type.clone())
+    };
+    let mut data_inputs = Vec::new();
+    for name in &manifest.data_inputs {
+        let ty = declared(name).ok_or_else(|| {
+            inconsistent(
+                file,
+                format!("data input '{name}' of the manifest is not a graph input"),
+            )
+        })?;
+        data_inputs.push(TensorInfo::of(name, ty.as_ref()));
+    }
+    let mut params = Vec::new();
+    for entry in &manifest.state {
+        let trainable = match entry.role {
+            crate::state::Role::Param => true,
+            crate::state::Role::Frozen => false,
+            _ => continue,
+        };
+        let ty = declared(&entry.input).ok_or_else(|| {
+            inconsistent(
+                file,
+                format!(
+                    "state '{}' of the manifest is not a graph input",
+                    entry.input
+                ),
+            )
+        })?;
+        params.push(param_from_type(
+            &entry.input,
+            ty.as_ref(),
+            trainable,
+            None,
+            None,
+        ));
+    }
+    let signature = TrainingSignature {
+        source: Source::Step {
+            file: file.to_path_buf(),
+            pipeline: manifest.pipeline.clone(),
+            state_pairs: manifest.state.len(),
+        },
+        data_inputs,
+        loss: manifest.loss.clone(),
+        seed: None,
+        params,
+        lazy_reset_grad: None,
+        optimizer: None,
     };
     Ok(TrainingGraph {
         model,

@@ -354,3 +354,37 @@ fn rewrite_refuses_to_overwrite_its_input() {
     assert!(stderr(&out).contains("refusing to overwrite the input"));
     assert_eq!(std::fs::read(&model).unwrap(), before);
 }
+
+#[test]
+fn inspect_reads_a_rewritten_step_from_its_manifest() {
+    let dir = tempfile::tempdir().unwrap();
+    let step = dir.path().join("step.onnx");
+    let graphs = root().join("graphs/mlp_ce_adamw");
+    let out = onnx_ga(&[
+        "rewrite",
+        graphs.to_str().unwrap(),
+        "-o",
+        step.to_str().unwrap(),
+        "--accum-steps",
+        "4",
+        "--lr",
+        "0.01",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = onnx_ga(&["inspect", step.to_str().unwrap(), "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["signature"]["source"]["kind"], "step");
+    assert_eq!(report["signature"]["loss"], "onnx::loss::2");
+    assert_eq!(
+        report["parameter_count"]["trainable"], 874,
+        "the MLP's 874 parameters"
+    );
+    let data: Vec<&str> = report["signature"]["data_inputs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(data, ["input", "labels"]);
+}
