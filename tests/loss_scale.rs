@@ -433,6 +433,12 @@ fn misplaced_or_unseeded_loss_scale_is_an_error() {
         "grad-accum,loss-scale(backoff=2),optimizer(kind=sgd,lr=0.1)",
     );
     assert!(e.contains("backoff=2"), "{e}");
+    // AGC before loss scaling would clip scaled gradients.
+    let e = err(
+        lr(),
+        "grad-accum,agc(clip=0.01,include_final=true),loss-scale,optimizer(kind=sgd,lr=0.1)",
+    );
+    assert!(e.contains("run loss-scale before agc"), "{e}");
     let unseeded = ExplicitRoles {
         seed: None,
         ..roles()

@@ -811,6 +811,7 @@ impl Pass for Agc {
             );
             clipped.push(format!("{} {}", p.name, units.units.describe()));
         }
+        region.clipped = true;
         cx.apply = Some(region);
         let mut report_notes = vec![format!(
             "clip={} eps={:e}; clipped {}: {}",

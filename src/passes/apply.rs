@@ -93,6 +93,9 @@ pub struct ApplyRegion {
     /// old one bit for bit; accumulators, micro-step counter, weight sum and BatchNorm
     /// statistics reset or move as on any window. `None`: no gating, graphs unchanged.
     pub gate: Option<ValueId>,
+    /// Set by `agc` once it has clipped gradients: loss scaling must unscale before that,
+    /// or AGC would clip scaled gradients.
+    pub clipped: bool,
 }
 
 pub const PASS: &str = "grad-accum";
@@ -133,6 +136,7 @@ impl ApplyRegion {
             opt_step,
             step,
             optimized: false,
+            clipped: false,
             count,
             bn_stats,
             gate: None,

@@ -232,6 +232,11 @@ impl LossScale {
                 "the apply region is already gated (loss-scale runs once)".into(),
             ));
         }
+        if region.clipped {
+            return Err(fail(
+                "agc already clipped the gradients; run loss-scale before agc (it unscales them first)".into(),
+            ));
+        }
         let main = BodyId::MAIN;
         let seed_name = cx.signature.seed.clone().ok_or_else(|| {
             fail("the training signature has no backward seed to scale; name the scalar initializer that seeds the backward pass (--seed)".into())
