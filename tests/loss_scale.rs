@@ -463,25 +463,7 @@ fn roles() -> ExplicitRoles {
 fn snapshot(name: &str, spec: &str) {
     let graph = signature::from_model(linear_regression(), &roles(), Path::new("lr.onnx")).unwrap();
     let step = onnx_ga::step::build_step(graph, spec, true).unwrap_or_else(|e| panic!("{e}"));
-    let mut doc = format!("## Pipeline\n{}\n\n## Report\n", step.manifest.pipeline);
-    for (pass, report) in &step.reports {
-        doc.push_str(&format!("{pass}: {report}\n"));
-    }
-    doc.push_str("\n## State\n");
-    for s in &step.manifest.state {
-        doc.push_str(&format!(
-            "{:?} {} -> {}{}\n",
-            s.role,
-            s.input,
-            s.output,
-            s.param
-                .as_ref()
-                .map(|p| format!(" (of {p})"))
-                .unwrap_or_default()
-        ));
-    }
-    doc.push_str("\n## Graph\n");
-    doc.push_str(&onnx_ga::ir::print::print_model(&step.model));
+    let doc = common::step_document(&step);
     insta::assert_snapshot!(name, doc);
 }
 

@@ -358,19 +358,7 @@ fn rewrite_refuses_to_overwrite_its_input() {
 #[test]
 fn inspect_reads_a_rewritten_step_from_its_manifest() {
     let dir = tempfile::tempdir().unwrap();
-    let step = dir.path().join("step.onnx");
-    let graphs = root().join("graphs/mlp_ce_adamw");
-    let out = onnx_ga(&[
-        "rewrite",
-        graphs.to_str().unwrap(),
-        "-o",
-        step.to_str().unwrap(),
-        "--accum-steps",
-        "4",
-        "--lr",
-        "0.01",
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let step = rewritten(dir.path());
     let out = onnx_ga(&["inspect", step.to_str().unwrap(), "--json"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

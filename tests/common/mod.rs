@@ -163,3 +163,26 @@ pub fn linear_regression_roles() -> onnx_ga::signature::ExplicitRoles {
         grads: vec![("W".into(), "W_grad".into())],
     }
 }
+
+/// A rewritten step as a snapshot document: pipeline, pass reports, state pairs, graph.
+pub fn step_document(step: &onnx_ga::step::Step) -> String {
+    let mut doc = format!("## Pipeline\n{}\n\n## Report\n", step.manifest.pipeline);
+    for (pass, report) in &step.reports {
+        doc.push_str(&format!("{pass}: {report}\n"));
+    }
+    doc.push_str("\n## State\n");
+    for s in &step.manifest.state {
+        let param = s
+            .param
+            .as_ref()
+            .map(|p| format!(" (of {p})"))
+            .unwrap_or_default();
+        doc.push_str(&format!(
+            "{:?} {} -> {}{param}\n",
+            s.role, s.input, s.output
+        ));
+    }
+    doc.push_str("\n## Graph\n");
+    doc.push_str(&onnx_ga::ir::print::print_model(&step.model));
+    doc
+}
