@@ -359,6 +359,7 @@ fn options(threads: usize) -> SessionOptions {
     SessionOptions {
         threads,
         optimize: true,
+        ..Default::default()
     }
 }
 
@@ -665,8 +666,8 @@ fn check(prepared: &[Prepared], o: &Opts) -> Result<Vec<String>> {
         let mut worst = "";
         for (_, name, ..) in &host.params {
             let h = host.param(name).and_then(Tensor::as_f32).unwrap();
-            let a = t_if.state()[name].as_f32().unwrap();
-            let w = t_where.state()[name].as_f32().unwrap();
+            let a = t_if.state().unwrap()[name].as_f32().unwrap();
+            let w = t_where.state().unwrap()[name].as_f32().unwrap();
             let sp = split.value(name)?;
             let init = p.initializer(name).unwrap();
             let init = init.as_f32().unwrap();

@@ -15,6 +15,7 @@ pub mod passes;
 pub mod proto;
 pub mod runtime;
 pub mod signature;
+pub mod split;
 pub mod state;
 pub mod step;
 pub mod train;

@@ -122,8 +122,14 @@ struct TrainArgs {
     /// is found, else tract.
     #[arg(long, default_value = "auto", value_parser = ["auto", "ort", "tract"])]
     engine: String,
-    #[arg(long, default_value = "cpu", value_parser = ["cpu"])]
+    /// Where ONNX Runtime runs: cpu, or cuda / cuda:N (needs an ONNX Runtime built with
+    /// CUDA). State stays on the device between micro-steps.
+    #[arg(long, default_value = "cpu")]
     device: String,
+    /// Run the exported graph as is, its apply `If` included, instead of one specialised
+    /// graph per branch (the default; same results, faster).
+    #[arg(long)]
+    no_split: bool,
     /// Intra-op threads of ONNX Runtime (0: it decides); tract runs on one thread.
     #[arg(long, default_value_t = 1)]
     threads: usize,
@@ -534,17 +540,34 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         return Err(UsageError("--micro-batch must be at least 1".into()).into());
     }
     let model = onnx_ga::model::load_model_with_data(&args.model)?;
-    let options = onnx_ga::engine::ort::SessionOptions {
-        threads: args.threads,
-        optimize: true,
-    };
+    let device: onnx_ga::engine::ort::Device = args.device.parse().map_err(UsageError)?;
     let requested: onnx_ga::engine::EngineKind = args.engine.parse().map_err(UsageError)?;
+    let requested = match (requested, device) {
+        (_, onnx_ga::engine::ort::Device::Cpu) => requested,
+        (onnx_ga::engine::EngineKind::Tract, _) => {
+            return Err(UsageError(format!(
+                "--device {device}: tract runs on the CPU only (use --engine ort)"
+            ))
+            .into())
+        }
+        // A GPU means ONNX Runtime: falling back to tract would silently train on the CPU.
+        _ => onnx_ga::engine::EngineKind::Ort,
+    };
     let (engine, why) = requested.resolve();
     match requested {
         onnx_ga::engine::EngineKind::Auto => eprintln!("engine: {engine} ({why})"),
-        _ => eprintln!("engine: {engine}"),
+        _ => eprintln!("engine: {engine} on {device}"),
     }
-    let mut trainer = Trainer::with_engine(&model, engine, &options).map_err(|e| match e {
+    let options = onnx_ga::train::TrainOptions {
+        engine,
+        session: onnx_ga::engine::ort::SessionOptions {
+            threads: args.threads,
+            optimize: true,
+            device,
+        },
+        split: !args.no_split,
+    };
+    let mut trainer = Trainer::with_options(&model, &options).map_err(|e| match e {
         onnx_ga::train::TrainError::Step(s) => {
             anyhow::Error::new(s).context(format!("{}", args.model.display()))
         }

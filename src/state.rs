@@ -33,3 +33,18 @@ pub const DATA_INPUTS_KEY: &str = "onnx_ga.data_inputs";
 pub const LOSS_KEY: &str = "onnx_ga.loss";
 pub const PIPELINE_KEY: &str = "onnx_ga.pipeline";
 pub const VERSION_KEY: &str = "onnx_ga.version";
+pub const APPLY_KEY: &str = "onnx_ga.apply";
+
+/// What decides whether a micro-step applies the window, for steps whose apply region is
+/// an `If`: `apply = micro_step + 1 >= steps or flush`, where `micro_step` is the state of
+/// role `micro_step`. A host that knows this can run a specialised graph per branch
+/// ([`crate::split`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApplyTrigger {
+    /// The main-graph `If` node of the apply region.
+    pub node: String,
+    /// The int64 input holding K.
+    pub steps: String,
+    /// The bool input forcing the apply.
+    pub flush: String,
+}

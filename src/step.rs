@@ -29,6 +29,8 @@ pub struct Manifest {
     pub loss: String,
     pub pipeline: String,
     pub version: String,
+    /// When the step's apply region is an `If`: what decides its branch.
+    pub apply: Option<state::ApplyTrigger>,
 }
 
 impl Manifest {
@@ -55,6 +57,13 @@ impl Manifest {
             loss: get(state::LOSS_KEY)?,
             pipeline: get(state::PIPELINE_KEY).unwrap_or_default(),
             version: get(state::VERSION_KEY).unwrap_or_default(),
+            apply: match get(state::APPLY_KEY) {
+                Ok(text) => Some(
+                    serde_json::from_str(&text)
+                        .map_err(|e| json(state::APPLY_KEY, e.to_string()))?,
+                ),
+                Err(_) => None,
+            },
         })
     }
 
@@ -72,6 +81,16 @@ impl Manifest {
             (state::PIPELINE_KEY, self.pipeline.clone()),
             (state::VERSION_KEY, self.version.clone()),
         ];
+        model
+            .header
+            .metadata_props
+            .retain(|p| p.key() != state::APPLY_KEY);
+        if let Some(trigger) = &self.apply {
+            model.header.metadata_props.push(StringStringEntryProto {
+                key: Some(state::APPLY_KEY.into()),
+                value: Some(serde_json::to_string(trigger).expect("trigger serializes")),
+            });
+        }
         for (key, value) in entries {
             model.header.metadata_props.retain(|p| p.key() != key);
             model.header.metadata_props.push(StringStringEntryProto {
@@ -99,11 +118,18 @@ pub fn build_step(graph: TrainingGraph, spec: &str, verify_each: bool) -> Result
     } = graph;
     let mut pipeline = Pipeline::parse(spec)?;
     pipeline.verify_each |= verify_each;
-    let (reports, state) = {
+    let (reports, state, region) = {
         let mut cx = PassContext::new(&mut signature, checkpoint.as_ref());
         let reports = pipeline.run(&mut model, &mut cx)?;
-        (reports, std::mem::take(&mut cx.state))
+        (reports, std::mem::take(&mut cx.state), cx.apply.take())
     };
+    let apply = region.and_then(|r| {
+        Some(state::ApplyTrigger {
+            node: model.node(r.if_node?).proto.name().to_string(),
+            steps: model.name(r.window_size?).to_string(),
+            flush: model.name(r.flush?).to_string(),
+        })
+    });
 
     // Initial values: the checkpoint's, else the graph's own initializer.
     for p in &signature.params {
@@ -127,6 +153,7 @@ pub fn build_step(graph: TrainingGraph, spec: &str, verify_each: bool) -> Result
         loss: signature.loss.clone(),
         pipeline: pipeline.spec(),
         version: env!("CARGO_PKG_VERSION").to_string(),
+        apply,
     };
     manifest.write(&mut model);
     verify::verify(&model)?;

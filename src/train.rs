@@ -1,12 +1,13 @@
 //! The training loop over a rewritten step: one engine run per micro-batch, the state
 //! outputs fed back as the next run's state inputs.
 
-use std::collections::BTreeMap;
+use std::cell::OnceCell;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 use crate::data::Tensor;
 use crate::engine::ort::SessionOptions;
-use crate::engine::{Engine, EngineError, EngineKind};
+use crate::engine::{Engine, EngineError, EngineKind, Held};
 use crate::proto::{type_proto, ModelProto};
 use crate::step::{Manifest, StepError};
 
@@ -50,11 +51,55 @@ struct InputDecl {
     dims: Vec<Option<i64>>,
 }
 
+/// How a [`Trainer`] runs its step.
+#[derive(Clone, Debug)]
+pub struct TrainOptions {
+    pub engine: EngineKind,
+    pub session: SessionOptions,
+    /// Run a step with an `If` apply region as two specialised graphs, one per branch
+    /// ([`crate::split`]): no `If` and no copies of unchanged state per micro-step. Off runs
+    /// the exported graph as is (same results).
+    pub split: bool,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        TrainOptions {
+            engine: EngineKind::Ort,
+            session: SessionOptions::default(),
+            split: true,
+        }
+    }
+}
+
+/// The sessions that run the step.
+enum Runner {
+    /// The exported step graph as is.
+    Whole(Engine),
+    /// One session per branch of the apply `If`; the host picks by the recorded trigger.
+    Split {
+        accumulate: Box<Engine>,
+        apply: Box<Engine>,
+        /// State inputs each specialisation leaves unchanged (it has no output for them).
+        unchanged_on_accumulate: BTreeSet<String>,
+        unchanged_on_apply: BTreeSet<String>,
+        /// K, from the step's initializer.
+        window_size: i64,
+        /// The micro-step counter the graph holds, mirrored on the host so that no state
+        /// is read back to decide the branch.
+        micro_step: i64,
+        micro_step_input: String,
+    },
+}
+
 pub struct Trainer {
-    session: Engine,
+    runner: Runner,
+    kind: EngineKind,
     pub manifest: Manifest,
-    /// Current value of every state input, by input name.
-    state: BTreeMap<String, Tensor>,
+    /// Current value of every state input, by input name, where the engine computed it.
+    state: BTreeMap<String, Held>,
+    /// The state on the host, made when asked for and dropped at the next step.
+    host_state: OnceCell<BTreeMap<String, Tensor>>,
     data_decls: BTreeMap<String, InputDecl>,
     /// Micro-steps run so far.
     pub steps_done: u64,
@@ -73,26 +118,38 @@ impl Trainer {
         engine: EngineKind,
         options: &SessionOptions,
     ) -> Result<Trainer, TrainError> {
+        Self::with_options(
+            model,
+            &TrainOptions {
+                engine,
+                session: options.clone(),
+                ..TrainOptions::default()
+            },
+        )
+    }
+
+    pub fn with_options(model: &ModelProto, options: &TrainOptions) -> Result<Trainer, TrainError> {
         let manifest = Manifest::from_model(model)?;
         let graph = model
             .graph
             .as_ref()
             .ok_or_else(|| TrainError::Model("the model has no graph".into()))?;
-        let mut state = BTreeMap::new();
-        for entry in &manifest.state {
+        let initial = |name: &str| -> Result<Tensor, TrainError> {
             let init = graph
                 .initializer
                 .iter()
-                .find(|t| t.name() == entry.input)
+                .find(|t| t.name() == name)
                 .ok_or_else(|| {
                     TrainError::Model(format!(
-                        "state input '{}' has no initializer holding its initial value",
-                        entry.input
+                        "input '{name}' has no initializer holding its initial value"
                     ))
                 })?;
-            let value = Tensor::from_tensor_proto(init)
-                .map_err(|m| TrainError::Model(format!("state '{}': {m}", entry.input)))?;
-            state.insert(entry.input.clone(), value);
+            Tensor::from_tensor_proto(init)
+                .map_err(|m| TrainError::Model(format!("initializer '{name}': {m}")))
+        };
+        let mut state = BTreeMap::new();
+        for entry in &manifest.state {
+            state.insert(entry.input.clone(), initial(&entry.input)?);
         }
         let mut data_decls = BTreeMap::new();
         for name in &manifest.data_inputs {
@@ -105,11 +162,43 @@ impl Trainer {
                 })?;
             data_decls.insert(name.clone(), decl(info.r#type.as_ref()));
         }
-        let session = Engine::new(engine, model, options)?;
+        let kind = options.engine.resolve().0;
+        let split = match options.split {
+            true => crate::split::split_step(model, &manifest, &[APPLIED])
+                .map_err(|e| TrainError::Model(format!("splitting the step: {e}")))?,
+            false => None,
+        };
+        let micro_step_input = crate::split::micro_step_input(&manifest).map(str::to_string);
+        let runner = match (split, micro_step_input) {
+            (Some(split), Some(micro_step_input)) => {
+                let window_size = scalar_i64(&initial(&split.trigger.steps)?).ok_or_else(|| {
+                    TrainError::Model(format!("'{}' is not an int64 scalar", split.trigger.steps))
+                })?;
+                let micro_step = scalar_i64(&state[&micro_step_input]).ok_or_else(|| {
+                    TrainError::Model(format!("'{micro_step_input}' is not an int64 scalar"))
+                })?;
+                Runner::Split {
+                    accumulate: Box::new(Engine::new(
+                        kind,
+                        &split.accumulate.model,
+                        &options.session,
+                    )?),
+                    apply: Box::new(Engine::new(kind, &split.apply.model, &options.session)?),
+                    unchanged_on_accumulate: split.accumulate.unchanged,
+                    unchanged_on_apply: split.apply.unchanged,
+                    window_size,
+                    micro_step,
+                    micro_step_input,
+                }
+            }
+            _ => Runner::Whole(Engine::new(kind, model, &options.session)?),
+        };
         Ok(Trainer {
-            session,
+            runner,
+            kind,
             manifest,
-            state,
+            host_state: OnceCell::from(state.clone()),
+            state: state.into_iter().map(|(k, v)| (k, Held::Host(v))).collect(),
             data_decls,
             steps_done: 0,
         })
@@ -117,12 +206,25 @@ impl Trainer {
 
     /// The engine that runs the steps.
     pub fn engine(&self) -> EngineKind {
-        self.session.kind()
+        self.kind
     }
 
-    /// The current state, by state input name.
-    pub fn state(&self) -> &BTreeMap<String, Tensor> {
-        &self.state
+    /// Whether the step runs as two specialised graphs ([`crate::split`]).
+    pub fn is_split(&self) -> bool {
+        matches!(self.runner, Runner::Split { .. })
+    }
+
+    /// The current state, by state input name, copied to the host (once per step, on the
+    /// first call after it).
+    pub fn state(&self) -> Result<&BTreeMap<String, Tensor>, TrainError> {
+        if let Some(state) = self.host_state.get() {
+            return Ok(state);
+        }
+        let mut host = BTreeMap::new();
+        for (name, value) in &self.state {
+            host.insert(name.clone(), value.to_host(name)?);
+        }
+        Ok(self.host_state.get_or_init(|| host))
     }
 
     /// Replaces the state with values read from an `.npz` written by [`save_state`].
@@ -132,7 +234,7 @@ impl Trainer {
             file: path.to_path_buf(),
             message,
         };
-        for (name, current) in &self.state {
+        for (name, current) in self.state()? {
             let value = loaded
                 .get(name)
                 .ok_or_else(|| bad(format!("state '{name}' is missing")))?;
@@ -149,13 +251,26 @@ impl Trainer {
         if let Some(extra) = loaded.keys().find(|k| !self.state.contains_key(*k)) {
             return Err(bad(format!("'{extra}' is not a state of this model")));
         }
-        self.state = loaded;
+        if let Runner::Split {
+            micro_step,
+            micro_step_input,
+            ..
+        } = &mut self.runner
+        {
+            *micro_step = scalar_i64(&loaded[micro_step_input.as_str()])
+                .ok_or_else(|| bad(format!("'{micro_step_input}' is not an int64 scalar")))?;
+        }
+        self.state = loaded
+            .iter()
+            .map(|(k, v)| (k.clone(), Held::Host(v.clone())))
+            .collect();
+        self.host_state = OnceCell::from(loaded);
         Ok(())
     }
 
     /// Writes every state tensor under its state input name, atomically.
     pub fn save_state(&self, path: &Path) -> Result<(), TrainError> {
-        crate::data::write_npz(path, self.state.iter().map(|(k, v)| (k.as_str(), v)))?;
+        crate::data::write_npz(path, self.state()?.iter().map(|(k, v)| (k.as_str(), v)))?;
         Ok(())
     }
 
@@ -226,48 +341,92 @@ impl Trainer {
         batch: &BTreeMap<String, Tensor>,
         flush: bool,
     ) -> Result<StepMetrics, TrainError> {
-        let flush_value = Tensor::Bool(ndarray::arr0(true).into_dyn());
-        let mut feeds: Vec<(&str, &Tensor)> =
-            Vec::with_capacity(batch.len() + self.state.len() + 1);
+        let mut host: Vec<(&str, &Tensor)> = Vec::with_capacity(batch.len() + 1);
         for name in &self.manifest.data_inputs {
             let t = batch
                 .get(name)
                 .ok_or_else(|| TrainError::Model(format!("batch lacks data input '{name}'")))?;
-            feeds.push((name, t));
+            host.push((name, t));
         }
-        for (name, value) in &self.state {
-            feeds.push((name, value));
-        }
+        let held: Vec<(&str, &Held)> = self.state.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let flush_value = Tensor::Bool(ndarray::arr0(true).into_dyn());
         if flush {
-            feeds.push(("ga.flush", &flush_value));
+            // Both runners: the apply specialisation still computes its `applied` flag
+            // from it.
+            let name = self
+                .manifest
+                .apply
+                .as_ref()
+                .map_or("ga.flush", |t| &t.flush);
+            host.push((name, &flush_value));
         }
-        let outputs = self.session.run(&feeds)?;
-        let mut by_name: BTreeMap<String, Tensor> = outputs.into_iter().collect();
+        let (outputs, applied, unchanged) = match &mut self.runner {
+            Runner::Whole(engine) => {
+                let outputs: BTreeMap<String, Held> =
+                    engine.run_held(&host, &held)?.into_iter().collect();
+                let applied = applied_flag(&outputs)?.unwrap_or(false);
+                (outputs, applied, None)
+            }
+            Runner::Split {
+                accumulate,
+                apply,
+                unchanged_on_accumulate,
+                unchanged_on_apply,
+                window_size,
+                micro_step,
+                ..
+            } => {
+                let applies = crate::split::applies(*micro_step, *window_size, flush);
+                let (engine, unchanged) = match applies {
+                    true => (apply, &*unchanged_on_apply),
+                    false => (accumulate, &*unchanged_on_accumulate),
+                };
+                let outputs: BTreeMap<String, Held> =
+                    engine.run_held(&host, &held)?.into_iter().collect();
+                *micro_step = if applies { 0 } else { *micro_step + 1 };
+                // The window ended; whether it updated (loss scaling may skip it) the
+                // graph says.
+                let applied = applies && applied_flag(&outputs)?.unwrap_or(true);
+                (outputs, applied, Some(unchanged.clone()))
+            }
+        };
+        drop(held);
+        let mut outputs = outputs;
         for entry in &self.manifest.state {
-            let next = by_name.remove(&entry.output).ok_or_else(|| {
-                TrainError::Model(format!(
-                    "the run did not produce state output '{}'",
-                    entry.output
-                ))
-            })?;
-            self.state.insert(entry.input.clone(), next);
+            match outputs.remove(&entry.output) {
+                Some(next) => {
+                    self.state.insert(entry.input.clone(), next);
+                }
+                None if unchanged.as_ref().is_some_and(|u| u.contains(&entry.input)) => {}
+                None => {
+                    return Err(TrainError::Model(format!(
+                        "the run did not produce state output '{}'",
+                        entry.output
+                    )))
+                }
+            }
         }
-        let loss = scalar_f32(by_name.get(&self.manifest.loss)).ok_or_else(|| {
+        self.host_state = OnceCell::new();
+        let loss_missing = || {
             TrainError::Model(format!(
                 "loss output '{}' missing or not a float scalar",
                 self.manifest.loss
             ))
-        })?;
-        let applied = match by_name.get("ga.applied") {
-            Some(Tensor::Bool(a)) => a.iter().next().copied().unwrap_or(false),
-            _ => false,
         };
-        let scale = self
+        let loss = outputs
+            .get(&self.manifest.loss)
+            .ok_or_else(loss_missing)?
+            .to_host(&self.manifest.loss)?;
+        let loss = scalar_f32(Some(&loss)).ok_or_else(loss_missing)?;
+        let scale = match self
             .manifest
             .state
             .iter()
             .find(|e| e.role == crate::state::Role::LossScale)
-            .and_then(|e| scalar_f32(self.state.get(&e.input)));
+        {
+            Some(e) => scalar_f32(Some(&self.state[&e.input].to_host(&e.input)?)),
+            None => None,
+        };
         self.steps_done += 1;
         Ok(StepMetrics {
             step: self.steps_done,
@@ -275,6 +434,27 @@ impl Trainer {
             applied,
             scale,
         })
+    }
+}
+
+/// The output carrying the apply flag (the `applied` metric).
+const APPLIED: &str = "ga.applied";
+
+/// The `applied` output, when the step has one.
+fn applied_flag(outputs: &BTreeMap<String, Held>) -> Result<Option<bool>, TrainError> {
+    Ok(match outputs.get(APPLIED) {
+        Some(v) => Some(matches!(
+            v.to_host(APPLIED)?,
+            Tensor::Bool(a) if a.iter().next() == Some(&true)
+        )),
+        None => None,
+    })
+}
+
+fn scalar_i64(t: &Tensor) -> Option<i64> {
+    match t {
+        Tensor::I64(a) if a.len() == 1 => a.iter().next().copied(),
+        _ => None,
     }
 }
 

@@ -41,6 +41,7 @@ fn trainer(step: &ModelProto) -> Trainer {
         &SessionOptions {
             threads: 1,
             optimize: true,
+            ..Default::default()
         },
     )
     .unwrap_or_else(|e| panic!("{e}"))
@@ -65,6 +66,7 @@ fn assert_params_match(model: &str, t: &Trainer, reference: &BTreeMap<String, Te
         };
         let actual = t
             .state()
+            .unwrap()
             .get(name)
             .unwrap_or_else(|| panic!("{model}: no state '{name}'"));
         assert_close(&format!("{model} {name}"), actual, expected, 0.0, atol);
@@ -139,7 +141,7 @@ fn cnn_batchnorm_matches_ort_micro_batch_loop() {
     let bias = reference.remove("param/conv.bias").unwrap();
     assert_close(
         "cnn_bn conv.bias (noise-driven)",
-        &t.state()["conv.bias"],
+        &t.state().unwrap()["conv.bias"],
         &bias,
         0.0,
         1e-3,
@@ -149,7 +151,7 @@ fn cnn_batchnorm_matches_ort_micro_batch_loop() {
         if let Some(name) = key.strip_prefix("frozen/") {
             assert_close(
                 &format!("{model} running stat {name}"),
-                &t.state()[name],
+                &t.state().unwrap()[name],
                 expected,
                 0.0,
                 // The running mean of conv(x) + conv.bias carries conv.bias's drift (above);
@@ -177,12 +179,12 @@ fn cnn_window_pooled_running_stats_equal_full_batch() {
     let accumulated = rewrite(model, &adamw_or_sgd_spec(4, "mean"));
     let single = rewrite(model, &adamw_or_sgd_spec(1, "mean"));
     let mut a = trainer(&accumulated);
-    let initial = a.state()["bn.running_mean"].clone();
+    let initial = a.state().unwrap()["bn.running_mean"].clone();
     for i in 0..4u64 {
         a.step(&micro_batch(&data, 64, 8, i), false).unwrap();
         if i < 3 {
             assert_eq!(
-                a.state()["bn.running_mean"],
+                a.state().unwrap()["bn.running_mean"],
                 initial,
                 "running mean moved mid-window"
             );
@@ -191,9 +193,19 @@ fn cnn_window_pooled_running_stats_equal_full_batch() {
     let mut b = trainer(&single);
     b.step(&micro_batch(&data, 64, 32, 0), false).unwrap();
     for name in ["bn.running_mean", "bn.running_var"] {
-        assert_close(name, &a.state()[name], &b.state()[name], 1e-6, 1e-7);
+        assert_close(
+            name,
+            &a.state().unwrap()[name],
+            &b.state().unwrap()[name],
+            1e-6,
+            1e-7,
+        );
     }
-    assert_ne!(a.state()["bn.running_mean"], initial, "the window applied");
+    assert_ne!(
+        a.state().unwrap()["bn.running_mean"],
+        initial,
+        "the window applied"
+    );
 }
 
 /// `sum` does not divide: it is ONNX Runtime's own accumulate loop.
@@ -281,8 +293,8 @@ fn weighted_uneven_micro_batches_with_ignored_labels_equal_full_batch() {
     for name in ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"] {
         assert_close(
             name,
-            &accumulated.state()[name],
-            &whole.state()[name],
+            &accumulated.state().unwrap()[name],
+            &whole.state().unwrap()[name],
             0.0,
             2e-6,
         );
@@ -316,10 +328,16 @@ fn flush_applies_a_partial_window_as_its_mean() {
         b.step(&batch, false).unwrap();
     }
     for name in ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"] {
-        assert_close(name, &a.state()[name], &b.state()[name], 0.0, 1e-6);
+        assert_close(
+            name,
+            &a.state().unwrap()[name],
+            &b.state().unwrap()[name],
+            0.0,
+            1e-6,
+        );
     }
     assert_eq!(
-        a.state()["ga.micro_step"],
+        a.state().unwrap()["ga.micro_step"],
         Tensor::I64(ndarray::arr0(0).into_dyn())
     );
 }
@@ -345,8 +363,8 @@ fn resume_is_bit_identical_mid_window() {
         resumed.step(&micro_batch(&data, 64, 8, i), false).unwrap();
     }
     assert_eq!(
-        straight.state(),
-        resumed.state(),
+        straight.state().unwrap(),
+        resumed.state().unwrap(),
         "resumed state differs from the straight run"
     );
 }

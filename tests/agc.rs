@@ -381,6 +381,7 @@ fn trainer(step: &ModelProto) -> Trainer {
         &SessionOptions {
             threads: 1,
             optimize: true,
+            ..Default::default()
         },
     )
     .unwrap_or_else(|e| panic!("{e}"))
@@ -409,7 +410,7 @@ fn clipped_gradients(
         .map(|l| {
             (
                 l.name.to_string(),
-                f32s(&t.state()[&format!("ga.momentum.{}", l.name)]),
+                f32s(&t.state().unwrap()[&format!("ga.momentum.{}", l.name)]),
             )
         })
         .collect()
@@ -492,7 +493,7 @@ fn inactive_clipping_is_bit_identical_to_no_agc() {
             for _ in 0..2 {
                 t.step(&w.batch, false).unwrap();
             }
-            t.state().clone()
+            t.state().unwrap().clone()
         };
         let plain = run("");
         let clipped = run("agc(clip=1e6,include_final=true),");
@@ -754,10 +755,13 @@ fn accumulated_agc_equals_full_batch_agc() {
         let plain = train(&build(open(model), &spec(1, "", lr)), &data, 32, 8);
         let mut effect: f64 = 0.0;
         for p in open(model).signature.trainable() {
-            let (a, f) = (&accumulated.state()[&p.name], &full.state()[&p.name]);
+            let (a, f) = (
+                &accumulated.state().unwrap()[&p.name],
+                &full.state().unwrap()[&p.name],
+            );
             assert_close(&format!("{model} {}", p.name), a, f, 0.0, 2e-6);
             let diff = max_abs_diff(a, f);
-            let moved = max_abs_diff(f, &plain.state()[&p.name]);
+            let moved = max_abs_diff(f, &plain.state().unwrap()[&p.name]);
             eprintln!(
                 "{model} {}: |K=4 - K=1| {diff:.1e}, AGC effect {moved:.1e}",
                 p.name

@@ -49,6 +49,7 @@ fn trainer(step: &ModelProto) -> Trainer {
         &SessionOptions {
             threads: 1,
             optimize: true,
+            ..Default::default()
         },
     )
     .unwrap_or_else(|e| panic!("{e}"))
@@ -60,19 +61,19 @@ fn by_role(t: &Trainer, role: Role) -> BTreeMap<String, Tensor> {
         .state
         .iter()
         .filter(|e| e.role == role)
-        .map(|e| (e.input.clone(), t.state()[&e.input].clone()))
+        .map(|e| (e.input.clone(), t.state().unwrap()[&e.input].clone()))
         .collect()
 }
 
 fn scalar_f32(t: &Trainer, name: &str) -> f32 {
-    match &t.state()[name] {
+    match &t.state().unwrap()[name] {
         Tensor::F32(a) => a.iter().copied().next().unwrap(),
         other => panic!("{name}: {other:?}"),
     }
 }
 
 fn scalar_i64(t: &Trainer, name: &str) -> i64 {
-    match &t.state()[name] {
+    match &t.state().unwrap()[name] {
         Tensor::I64(a) => a.iter().copied().next().unwrap(),
         other => panic!("{name}: {other:?}"),
     }
@@ -376,7 +377,7 @@ fn static_scale_is_unscaled_exactly() {
                     assert_close(
                         &format!("{what} {name}"),
                         &value,
-                        &reference.state()[&name],
+                        &reference.state().unwrap()[&name],
                         0.0,
                         1e-6,
                     );
@@ -540,12 +541,16 @@ fn linear_regression_scaled_window_matches_closed_form() {
         s.step(b, false).unwrap();
         p.step(b, false).unwrap();
     }
-    assert_eq!(s.state()["W"], p.state()["W"], "S = 2^20 is exact");
-    let w = s.state()["W"].clone();
+    assert_eq!(
+        s.state().unwrap()["W"],
+        p.state().unwrap()["W"],
+        "S = 2^20 is exact"
+    );
+    let w = s.state().unwrap()["W"].clone();
     s.step(&b1, false).unwrap();
     let m = s.step(&bad, false).unwrap();
     assert_eq!((m.applied, m.scale), (false, Some(524288.0)));
-    assert_eq!(s.state()["W"], w);
+    assert_eq!(s.state().unwrap()["W"], w);
 }
 
 /// `rewrite --loss-scale ...` puts loss-scale(...) between grad-accum and the optimizer;

@@ -118,7 +118,7 @@ fn window_update_equals_closed_form() {
             .unwrap();
         assert!(!first.applied);
         assert_eq!(
-            trainer.state()["W"],
+            trainer.state().unwrap()["W"],
             Tensor::F32(w0.clone().into_dyn()),
             "{apply}: W must not move before the window ends"
         );
@@ -134,7 +134,7 @@ fn window_update_equals_closed_form() {
         assert!(second.applied);
         assert_close(
             &format!("W ({apply})"),
-            &trainer.state()["W"],
+            &trainer.state().unwrap()["W"],
             &Tensor::F32(expected.clone()),
             1e-6,
             1e-7,

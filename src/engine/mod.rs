@@ -83,6 +83,23 @@ impl EngineKind {
     }
 }
 
+/// A value an engine keeps between runs (the training state): in ONNX Runtime's memory, on
+/// its device, or on the host (tract; and any value before its first run).
+pub enum Held {
+    Ort(::ort::value::DynValue),
+    Host(Tensor),
+}
+
+impl Held {
+    /// The value on the host (a copy).
+    pub fn to_host(&self, name: &str) -> Result<Tensor, EngineError> {
+        match self {
+            Held::Ort(v) => ort::held_to_host(name, v),
+            Held::Host(t) => Ok(t.clone()),
+        }
+    }
+}
+
 /// A session of either engine over one model.
 pub enum Engine {
     Ort(ort::OrtSession),
@@ -130,6 +147,52 @@ impl Engine {
             Engine::Ort(_) => EngineKind::Ort,
             #[cfg(feature = "tract")]
             Engine::Tract(_) => EngineKind::Tract,
+        }
+    }
+
+    /// Runs the model once on `host` inputs and `held` ones (outputs of earlier runs, kept
+    /// where the engine computed them); returns every output, held, in the model's output
+    /// order. Feeding outputs back this way never copies state through the host.
+    pub fn run_held(
+        &mut self,
+        host: &[(&str, &Tensor)],
+        held: &[(&str, &Held)],
+    ) -> Result<Vec<(String, Held)>, EngineError> {
+        match self {
+            Engine::Ort(s) => {
+                let mut host_feeds: Vec<(&str, &Tensor)> = host.to_vec();
+                let mut ort_feeds = Vec::with_capacity(held.len());
+                for (name, value) in held {
+                    match value {
+                        Held::Ort(v) => ort_feeds.push((*name, v)),
+                        Held::Host(t) => host_feeds.push((*name, t)),
+                    }
+                }
+                Ok(s.run_held(&host_feeds, &ort_feeds)?
+                    .into_iter()
+                    .map(|(name, v)| (name, Held::Ort(v)))
+                    .collect())
+            }
+            #[cfg(feature = "tract")]
+            Engine::Tract(s) => {
+                let mut feeds: Vec<(&str, &Tensor)> = host.to_vec();
+                for (name, value) in held {
+                    match value {
+                        Held::Host(t) => feeds.push((*name, t)),
+                        Held::Ort(_) => {
+                            return Err(EngineError::Input {
+                                name: name.to_string(),
+                                message: "is an ONNX Runtime value; tract takes host tensors"
+                                    .into(),
+                            })
+                        }
+                    }
+                }
+                Ok(s.run(&feeds)?
+                    .into_iter()
+                    .map(|(name, t)| (name, Held::Host(t)))
+                    .collect())
+            }
         }
     }
 

@@ -1,9 +1,20 @@
-//! ONNX Runtime sessions over our host tensors.
+//! ONNX Runtime sessions: over host tensors ([`OrtSession::run`]), and over values that stay
+//! in ONNX Runtime's memory between runs ([`OrtSession::run_held`], what the trainer uses so
+//! that state never visits the host).
+//!
+//! On the CPU a held value is simply the previous run's output, fed back as an input. On
+//! CUDA the run goes through an `IoBinding`: state inputs are bound where they already live
+//! (device memory), every output is bound to the device, and ONNX Runtime allocates each
+//! output fresh from its device arena, so a state's old and new buffers alternate
+//! (ping-pong) without a copy to the host and without aliasing an input that the same run
+//! still reads. Only data inputs (host arrays) cross to the device, once per run.
 
 use std::borrow::Cow;
+use std::str::FromStr;
 
+use ::ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
 use ::ort::session::{builder::GraphOptimizationLevel, Session, SessionInputValue};
-use ::ort::value::{Tensor as OrtTensor, TensorElementType, TensorRef, ValueType};
+use ::ort::value::{DynValue, Tensor as OrtTensor, TensorElementType, TensorRef, ValueType};
 
 use super::EngineError;
 use crate::data::Tensor;
@@ -16,12 +27,47 @@ fn ort_err(context: &str) -> impl Fn(::ort::Error) -> EngineError + '_ {
     }
 }
 
+/// Where ONNX Runtime runs a session.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Device {
+    #[default]
+    Cpu,
+    /// The CUDA execution provider on this GPU (needs an ONNX Runtime built with CUDA, such
+    /// as the `onnxruntime-gpu` package).
+    Cuda(i32),
+}
+
+impl FromStr for Device {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            other => match other.strip_prefix("cuda:").map(str::parse::<i32>) {
+                Some(Ok(id)) if id >= 0 => Ok(Device::Cuda(id)),
+                _ => Err(format!("unknown device '{other}' (cpu, cuda, cuda:N)")),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(id) => write!(f, "cuda:{id}"),
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct SessionOptions {
     /// Intra-op threads; 0 lets ONNX Runtime choose.
     pub threads: usize,
     /// Graph optimizations (on by default; tests of exact kernels may turn them off).
     pub optimize: bool,
+    /// Where the session runs (ONNX Runtime only; tract runs on the CPU).
+    pub device: Device,
 }
 
 impl Default for SessionOptions {
@@ -29,13 +75,17 @@ impl Default for SessionOptions {
         SessionOptions {
             threads: 1,
             optimize: true,
+            device: Device::Cpu,
         }
     }
 }
 
-/// One ONNX Runtime session on the CPU.
+/// One ONNX Runtime session.
 pub struct OrtSession {
     session: Session,
+    device: Device,
+    /// Device memory for outputs bound on CUDA; `None` on the CPU.
+    device_memory: Option<MemoryInfo<'static>>,
     pub input_names: Vec<String>,
     pub output_names: Vec<String>,
 }
@@ -61,6 +111,32 @@ impl OrtSession {
         builder = builder
             .with_optimization_level(level)
             .map_err(|e| ort_err("optimization level")(e.into()))?;
+        let device_memory = match options.device {
+            Device::Cpu => None,
+            Device::Cuda(id) => {
+                builder = builder
+                    .with_execution_providers([::ort::ep::CUDA::default()
+                        .with_device_id(id)
+                        .build()
+                        .error_on_failure()])
+                    .map_err(|e| {
+                        EngineError::Unavailable(format!(
+                            "the CUDA execution provider (device {id}) is not available: {e}. \
+                         It needs an ONNX Runtime built with CUDA (the onnxruntime-gpu package; \
+                         point ORT_DYLIB_PATH at its libonnxruntime) and a visible GPU"
+                        ))
+                    })?;
+                Some(
+                    MemoryInfo::new(
+                        AllocationDevice::CUDA,
+                        id,
+                        AllocatorType::Device,
+                        MemoryType::Default,
+                    )
+                    .map_err(ort_err("CUDA memory info"))?,
+                )
+            }
+        };
         let session = builder
             .commit_from_memory(bytes)
             .map_err(ort_err("loading the model"))?;
@@ -76,6 +152,8 @@ impl OrtSession {
             .collect();
         Ok(OrtSession {
             session,
+            device: options.device,
+            device_memory,
             input_names,
             output_names,
         })
@@ -98,6 +176,118 @@ impl OrtSession {
         }
         Ok(result)
     }
+}
+
+impl OrtSession {
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Runs the model once with `host` inputs (host arrays, lent without a copy on the CPU)
+    /// and `held` inputs (values an earlier run produced, wherever they live). Returns every
+    /// output as an ONNX Runtime value on the session's device, in the model's output order.
+    pub fn run_held(
+        &mut self,
+        host: &[(&str, &Tensor)],
+        held: &[(&str, &DynValue)],
+    ) -> Result<Vec<(String, DynValue)>, EngineError> {
+        let Some(memory) = &self.device_memory else {
+            let mut feeds: Vec<(Cow<'_, str>, SessionInputValue<'_>)> =
+                Vec::with_capacity(host.len() + held.len());
+            for (name, tensor) in host {
+                feeds.push((Cow::Borrowed(*name), to_ort(name, tensor)?));
+            }
+            for (name, value) in held {
+                feeds.push((Cow::Borrowed(*name), SessionInputValue::from(*value)));
+            }
+            let mut outputs = self.session.run(feeds).map_err(ort_err("run"))?;
+            return take_outputs(&self.output_names, |name| outputs.remove(name));
+        };
+        // A fresh binding per run: binding every output anew makes ONNX Runtime allocate it
+        // from the device arena instead of reusing last run's buffer, which is this run's
+        // state input (reuse would alias an input the run still reads).
+        let mut binding = self
+            .session
+            .create_binding()
+            .map_err(ort_err("IoBinding"))?;
+        for (name, tensor) in host {
+            // Owned host tensors: binding copies them to the device once.
+            let value = to_owned_ort(name, tensor)?;
+            binding
+                .bind_input(*name, &value)
+                .map_err(ort_err(&format!("binding input '{name}'")))?;
+        }
+        for (name, value) in held {
+            binding
+                .bind_input(*name, *value)
+                .map_err(ort_err(&format!("binding input '{name}'")))?;
+        }
+        for name in &self.output_names {
+            binding
+                .bind_output_to_device(name.as_str(), memory)
+                .map_err(ort_err(&format!("binding output '{name}'")))?;
+        }
+        let mut outputs = self.session.run_binding(&binding).map_err(ort_err("run"))?;
+        take_outputs(&self.output_names, |name| outputs.remove(name))
+    }
+}
+
+fn take_outputs(
+    names: &[String],
+    mut take: impl FnMut(&str) -> Option<DynValue>,
+) -> Result<Vec<(String, DynValue)>, EngineError> {
+    names
+        .iter()
+        .map(|name| {
+            take(name)
+                .map(|v| (name.clone(), v))
+                .ok_or_else(|| EngineError::Output {
+                    name: name.clone(),
+                    message: "the run did not return it".into(),
+                })
+        })
+        .collect()
+}
+
+/// A held value copied to the host (from the device first when it lives there).
+pub fn held_to_host(name: &str, value: &DynValue) -> Result<Tensor, EngineError> {
+    let err = |message: String| EngineError::Output {
+        name: name.to_string(),
+        message,
+    };
+    let tensor = value
+        .view()
+        .downcast::<::ort::value::DynTensorValueType>()
+        .map_err(|e| err(e.to_string()))?;
+    if tensor.memory_info().is_cpu_accessible() {
+        return from_ort(name, &value.view());
+    }
+    let copied = tensor
+        .to(AllocationDevice::CPU, 0)
+        .map_err(|e| err(format!("copying to the host: {e}")))?;
+    from_ort(name, &copied.into_dyn().view())
+}
+
+/// A host tensor as a value ONNX Runtime owns (a copy).
+pub fn to_owned_ort(name: &str, tensor: &Tensor) -> Result<DynValue, EngineError> {
+    let err = |e: ::ort::Error| EngineError::Input {
+        name: name.to_string(),
+        message: e.to_string(),
+    };
+    macro_rules! own {
+        ($a:expr) => {
+            OrtTensor::from_array($a.as_standard_layout().into_owned())
+                .map_err(err)?
+                .into_dyn()
+        };
+    }
+    Ok(match tensor {
+        Tensor::F32(a) => own!(a),
+        Tensor::F64(a) => own!(a),
+        Tensor::I64(a) => own!(a),
+        Tensor::I32(a) => own!(a),
+        Tensor::Bool(a) => own!(a),
+    })
 }
 
 /// The tensor as a session input. Contiguous host arrays (all of ours in practice) are

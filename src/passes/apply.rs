@@ -96,6 +96,11 @@ pub struct ApplyRegion {
     /// Set by `agc` once it has clipped gradients: loss scaling must unscale before that,
     /// or AGC would clip scaled gradients.
     pub clipped: bool,
+    /// The inputs that decide `apply` together with the micro-step counter: K (int64) and
+    /// the flush flag (bool). Recorded in the manifest so that a host can tell, before a
+    /// run, which branch it takes (see [`crate::split`]).
+    pub window_size: Option<ValueId>,
+    pub flush: Option<ValueId>,
 }
 
 pub const PASS: &str = "grad-accum";
@@ -140,6 +145,8 @@ impl ApplyRegion {
             count,
             bn_stats,
             gate: None,
+            window_size: None,
+            flush: None,
         }
     }
 

@@ -201,6 +201,8 @@ impl Pass for GradAccum {
 
         let mut region =
             ApplyRegion::create(model, self.apply, apply, opt_step, count, self.bn_stats);
+        region.window_size = Some(k);
+        region.flush = Some(flush);
 
         // Counters and the weight sum.
         let micro_slot = region.route(
