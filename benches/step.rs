@@ -7,12 +7,12 @@
 //!   process, then the table (no ORT-API column) and the host-loop check;
 //! - `--round N --out FILE`: one round of every Rust column for every configuration, appended
 //!   to FILE as JSON lines (benches/run.sh alternates these with Python rounds);
-//! - `--check`: the host loop, step If, step Where and the two-graph split train to the
-//!   same parameters (the split bit-identically to step If);
+//! - `--check`: the host loop, the step (split), step If and step Where train to the same
+//!   parameters (the split bit-identically to step If);
 //! - `--report DIR`: the markdown tables from DIR/*.jsonl.
 //!
 //! Options: `--models a,b` `--batches 8,32` `--threads 1,2` `--k 4` `--cell-ms 120`
-//! `--warm-ms 15` `--rounds 3` `--no-diag` (skip the ORT-value columns v_*).
+//! `--warm-ms 15` `--rounds 3`.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -25,23 +25,24 @@ use serde::{Deserialize, Serialize};
 
 use onnx_ga::data::{read_npz, Tensor};
 use onnx_ga::engine::ort::{OrtSession, SessionOptions};
+use onnx_ga::engine::{Engine, EngineKind, Held};
 use onnx_ga::proto::ModelProto;
 use onnx_ga::signature::{self, ExplicitRoles, OptimizerSpec};
 use onnx_ga::state::Role;
 use onnx_ga::step::Manifest;
-use onnx_ga::train::{micro_batch, Trainer};
+use onnx_ga::train::{micro_batch, TrainOptions, Trainer};
 
 const LR: f32 = 0.01;
-/// `step_tract`: step If on tract (pure Rust; one thread whatever T says).
-const COLUMNS: [&str; 5] = ["floor", "step_if", "step_where", "host", "step_tract"];
-/// State kept as ORT values (no host copies), one thread: the floor, step If, and the two
-/// variants of step If that answer whether the non-applying `If` costs.
-const DIAG_COLUMNS: [&str; 5] = [
-    "v_floor",
-    "v_step_if",
-    "v_if_inlined",
-    "v_acc_only",
-    "v_split",
+/// `step`: the Trainer as shipped (an `If` step runs as its two specialisations, see
+/// src/split.rs). `step_if`: the same exported graph run whole, its `If` included.
+/// `step_tract`: `step` on tract (pure Rust; one thread whatever T says).
+const COLUMNS: [&str; 6] = [
+    "floor",
+    "step",
+    "step_if",
+    "step_where",
+    "host",
+    "step_tract",
 ];
 
 fn root() -> PathBuf {
@@ -63,8 +64,6 @@ struct Opts {
     out: Option<PathBuf>,
     report: Option<PathBuf>,
     check: bool,
-    /// Run the ORT-value diagnostic columns (v_*) at one thread.
-    diag: bool,
 }
 
 fn parse_opts() -> Result<Opts> {
@@ -84,7 +83,6 @@ fn parse_opts() -> Result<Opts> {
         out: None,
         report: None,
         check: false,
-        diag: true,
     };
     let mut args = std::env::args().skip(1);
     fn list<T: std::str::FromStr>(v: Option<String>, what: &str) -> Result<Vec<T>> {
@@ -115,7 +113,6 @@ fn parse_opts() -> Result<Opts> {
             "--out" => o.out = Some(PathBuf::from(one::<String>(args.next(), "--out")?)),
             "--report" => o.report = Some(PathBuf::from(one::<String>(args.next(), "--report")?)),
             "--check" => o.check = true,
-            "--no-diag" => o.diag = false,
             // libtest-style filters and flags that `cargo bench` may forward: ignore.
             other if other.starts_with('-') => eprintln!("step bench: ignoring option {other}"),
             _ => {}
@@ -369,8 +366,9 @@ fn options(threads: usize) -> SessionOptions {
 /// accumulation buffers (fed back) and BN statistics (fed back); `lazy_reset_grad` true on
 /// the first micro-step of each window, as ORT's own loop does.
 struct FloorLoop {
-    session: OrtSession,
-    state: BTreeMap<String, Tensor>,
+    session: Engine,
+    /// The state kept as ONNX Runtime values, as the Trainer keeps it.
+    state: BTreeMap<String, Held>,
     /// output name -> input name it feeds back.
     back: Vec<(String, String)>,
     data_inputs: Vec<String>,
@@ -381,8 +379,12 @@ struct FloorLoop {
 impl FloorLoop {
     fn new(p: &Prepared, threads: usize, k: u64) -> Result<FloorLoop> {
         Ok(FloorLoop {
-            session: OrtSession::new(&p.floor, &options(threads))?,
-            state: p.floor_state(true)?,
+            session: Engine::new(EngineKind::Ort, &p.floor, &options(threads))?,
+            state: p
+                .floor_state(true)?
+                .into_iter()
+                .map(|(k, v)| (k, Held::Host(v)))
+                .collect(),
             back: p
                 .floor_manifest
                 .state
@@ -396,19 +398,20 @@ impl FloorLoop {
     }
 
     fn step(&mut self, batch: &BTreeMap<String, Tensor>, i: u64) -> Result<bool> {
-        self.state.insert(
-            self.lazy_reset.clone(),
-            Tensor::Bool(ndarray::arr1(&[i.is_multiple_of(self.k)]).into_dyn()),
-        );
-        let mut feeds: Vec<(&str, &Tensor)> = Vec::with_capacity(self.state.len() + 2);
+        let reset = Tensor::Bool(ndarray::arr1(&[i.is_multiple_of(self.k)]).into_dyn());
+        let mut host: Vec<(&str, &Tensor)> = Vec::with_capacity(self.data_inputs.len() + 1);
         for name in &self.data_inputs {
-            feeds.push((name, &batch[name]));
+            host.push((name, &batch[name]));
         }
-        for (name, value) in &self.state {
-            feeds.push((name, value));
-        }
-        let outputs = self.session.run(&feeds)?;
-        let mut by_name: BTreeMap<String, Tensor> = outputs.into_iter().collect();
+        host.push((&self.lazy_reset, &reset));
+        let held: Vec<(&str, &Held)> = self
+            .state
+            .iter()
+            .filter(|(name, _)| **name != self.lazy_reset)
+            .map(|(k, v)| (k.as_str(), v))
+            .collect();
+        let outputs = self.session.run_held(&host, &held)?;
+        let mut by_name: BTreeMap<String, Held> = outputs.into_iter().collect();
         for (out, input) in &self.back {
             let v = by_name
                 .remove(out)
@@ -557,31 +560,32 @@ fn run_cell(
             let mut l = HostLoop::new(p, threads, o.k)?;
             measure(o.k, o.warm, o.cell, |i| l.step(&batches[(i % nb) as usize]))
         }
-        "step_if" | "step_where" => {
-            let model = if column == "step_if" {
-                &p.step_if
-            } else {
+        "step" | "step_if" | "step_where" => {
+            let model = if column == "step_where" {
                 &p.step_where
+            } else {
+                &p.step_if
             };
-            let mut t = Trainer::new(model, &options(threads))?;
+            let options = TrainOptions {
+                session: options(threads),
+                split: column == "step",
+                ..TrainOptions::default()
+            };
+            let mut t = Trainer::with_options(model, &options)?;
             measure(o.k, o.warm, o.cell, |i| {
                 Ok(t.step(&batches[(i % nb) as usize], false)?.applied)
             })
         }
         "step_tract" => {
-            let engine = onnx_ga::engine::EngineKind::Tract;
-            let mut t = Trainer::with_engine(&p.step_if, engine, &options(threads))?;
+            let options = TrainOptions {
+                engine: onnx_ga::engine::EngineKind::Tract,
+                session: options(threads),
+                ..TrainOptions::default()
+            };
+            let mut t = Trainer::with_options(&p.step_if, &options)?;
             measure(o.k, o.warm, o.cell, |i| {
                 Ok(t.step(&batches[(i % nb) as usize], false)?.applied)
             })
-        }
-        "v_split" => {
-            let mut l = SplitLoop::new(p, batch, threads)?;
-            measure(o.k, o.warm, o.cell, |i| l.step(i))
-        }
-        v if v.starts_with("v_") => {
-            let mut l = value_loop(p, v, batch, threads, o.k)?;
-            measure(o.k, o.warm, o.cell, |i| l.step(i))
         }
         other => bail!("unknown column {other}"),
     }
@@ -595,10 +599,7 @@ fn round(prepared: &[Prepared], r: usize, o: &Opts) -> Result<Vec<Record>> {
     for p in prepared {
         for &batch in &o.batches {
             for &threads in &o.threads {
-                let mut columns: Vec<&str> = COLUMNS.to_vec();
-                if o.diag && threads == 1 {
-                    columns.extend(DIAG_COLUMNS);
-                }
+                let columns: Vec<&str> = COLUMNS.to_vec();
                 for j in 0..columns.len() {
                     let column = columns[(j + r + c) % columns.len()];
                     let m = run_cell(p, column, batch, threads, o)
@@ -646,15 +647,22 @@ fn check(prepared: &[Prepared], o: &Opts) -> Result<Vec<String>> {
         let batches = p.batches(8);
         let steps = 3 * o.k;
         let mut host = HostLoop::new(p, 1, o.k)?;
-        let mut t_if = Trainer::new(&p.step_if, &options(1))?;
+        let whole = TrainOptions {
+            split: false,
+            ..TrainOptions::default()
+        };
+        let mut t_if = Trainer::with_options(&p.step_if, &whole)?;
         let mut t_where = Trainer::new(&p.step_where, &options(1))?;
-        let mut split = SplitLoop::new(p, 8, 1)?;
+        let mut split = Trainer::new(&p.step_if, &options(1))?;
+        if !split.is_split() || t_if.is_split() {
+            bail!("{}: the step does not split", p.name);
+        }
         for i in 0..steps {
             let b = &batches[(i as usize) % batches.len()];
             let h = host.step(b)?;
             let a = t_if.step(b, false)?.applied;
             let w = t_where.step(b, false)?.applied;
-            let sp = split.step(i)?;
+            let sp = split.step(b, false)?.applied;
             if h != a || a != w || a != sp || a != (i % o.k == o.k - 1) {
                 bail!(
                     "{}: micro-step {i}: applied host={h} If={a} Where={w} split={sp}",
@@ -668,14 +676,14 @@ fn check(prepared: &[Prepared], o: &Opts) -> Result<Vec<String>> {
             let h = host.param(name).and_then(Tensor::as_f32).unwrap();
             let a = t_if.state().unwrap()[name].as_f32().unwrap();
             let w = t_where.state().unwrap()[name].as_f32().unwrap();
-            let sp = split.value(name)?;
+            let sp = split.state().unwrap()[name].as_f32().unwrap();
             let init = p.initializer(name).unwrap();
             let init = init.as_f32().unwrap();
             Zip::from(h)
                 .and(a)
                 .and(w)
                 .and(init)
-                .and(&sp)
+                .and(sp)
                 .for_each(|h, a, w, i, sp| {
                     if (h - a).abs() > d_if {
                         worst = name.as_str();
@@ -698,602 +706,6 @@ fn check(prepared: &[Prepared], o: &Opts) -> Result<Vec<String>> {
         }
     }
     Ok(lines)
-}
-
-// ----------------------------------------------------------------------------- state kept as ORT values
-
-/// Diagnostic variants of step If, for the question whether the non-applying `If` costs.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Variant {
-    /// The apply `If` replaced by its else branch (Identity nodes) in the main graph: same
-    /// inputs and outputs, never applies. Against step If: the cost of the `If` itself.
-    Inlined,
-    /// The apply `If` removed, and with it every output that only passes state through
-    /// unchanged (parameters, moments, optimizer step): accumulate-only. This is the
-    /// per-micro-step graph of a two-graph split (accumulate every micro-step, apply once).
-    AccumulateOnly,
-}
-
-/// Names a node reads, including those its subgraphs read from outer scopes.
-fn node_uses(n: &onnx_ga::proto::NodeProto, out: &mut std::collections::HashSet<String>) {
-    for i in n.input.iter().filter(|i| !i.is_empty()) {
-        out.insert(i.clone());
-    }
-    for a in &n.attribute {
-        for g in a.g.iter().chain(a.graphs.iter()) {
-            for sn in &g.node {
-                node_uses(sn, out);
-            }
-            for o in &g.output {
-                out.insert(o.name().to_string());
-            }
-        }
-    }
-}
-
-/// The variant, and for every output the `If` produced from an outer value without
-/// change in its else branch: (outer value, output).
-fn variant(
-    step: &ModelProto,
-    manifest: &Manifest,
-    v: Variant,
-) -> Result<(ModelProto, Vec<(String, String)>)> {
-    let mut m = step.clone();
-    let g = m.graph.as_mut().ok_or_else(|| anyhow!("no graph"))?;
-    let pos = g
-        .node
-        .iter()
-        .enumerate()
-        .filter(|(_, n)| n.op_type() == "If")
-        .max_by_key(|(_, n)| n.output.len())
-        .map(|(i, _)| i)
-        .ok_or_else(|| anyhow!("step If has no If node"))?;
-    let node = g.node.remove(pos);
-    let else_g = node
-        .attribute
-        .iter()
-        .find(|a| a.name() == "else_branch")
-        .and_then(|a| a.g.clone())
-        .ok_or_else(|| anyhow!("If without else branch"))?;
-    let mut inlined = Vec::new();
-    let mut aliases = Vec::new();
-    let mut dropped = std::collections::HashSet::new();
-    for (j, out) in node.output.iter().enumerate() {
-        let else_out = else_g
-            .output
-            .get(j)
-            .map(|o| o.name().to_string())
-            .unwrap_or_default();
-        let src = else_g
-            .node
-            .iter()
-            .find(|n| n.output.first() == Some(&else_out) && n.op_type() == "Identity")
-            .map(|n| n.input[0].clone())
-            .ok_or_else(|| {
-                anyhow!("else output '{else_out}' is not an Identity of an outer value")
-            })?;
-        let unchanged = manifest
-            .state
-            .iter()
-            .any(|e| &e.output == out && e.input == src);
-        aliases.push((src.clone(), out.clone()));
-        if v == Variant::AccumulateOnly && unchanged {
-            dropped.insert(out.clone());
-            continue;
-        }
-        inlined.push(onnx_ga::proto::NodeProto {
-            op_type: Some("Identity".into()),
-            name: Some(format!("bench_inlined_else_{j}")),
-            input: vec![src],
-            output: vec![out.clone()],
-            ..Default::default()
-        });
-    }
-    g.node.splice(pos..pos, inlined);
-    g.output.retain(|o| !dropped.contains(o.name()));
-    // Dead code: nodes are in topological order, so one backward sweep.
-    let mut needed: std::collections::HashSet<String> =
-        g.output.iter().map(|o| o.name().to_string()).collect();
-    let mut keep = vec![false; g.node.len()];
-    for (i, n) in g.node.iter().enumerate().rev() {
-        if n.output.iter().any(|o| needed.contains(o)) {
-            keep[i] = true;
-            node_uses(n, &mut needed);
-        }
-    }
-    let mut it = keep.into_iter();
-    g.node.retain(|_| it.next().unwrap());
-    g.input.retain(|i| needed.contains(i.name()));
-    g.initializer.retain(|t| needed.contains(t.name()));
-    Ok((m, aliases))
-}
-
-/// The apply half of a two-graph split: the apply `If`'s then branch as a graph of its own.
-/// Its inputs are the outer values the branch reads: state and initializer-backed inputs
-/// of the step under their names, and values the accumulate graph computes (the new
-/// accumulator sums, the micro-step count) under their step-graph names; its outputs are
-/// the `If`'s outputs.
-fn apply_graph(step: &ModelProto, aliases: &[(String, String)]) -> Result<ModelProto> {
-    use onnx_ga::proto::{GraphProto, ValueInfoProto};
-    let g = step.graph.as_ref().ok_or_else(|| anyhow!("no graph"))?;
-    let node = g
-        .node
-        .iter()
-        .filter(|n| n.op_type() == "If")
-        .max_by_key(|n| n.output.len())
-        .ok_or_else(|| anyhow!("step If has no If node"))?;
-    let then_g = node
-        .attribute
-        .iter()
-        .find(|a| a.name() == "then_branch")
-        .and_then(|a| a.g.clone())
-        .ok_or_else(|| anyhow!("If without then branch"))?;
-    // Then-branch outputs take the If's output names: renamed where a node makes them, an
-    // Identity where the branch passes an initializer or outer value out directly.
-    let made: std::collections::HashSet<String> = then_g
-        .node
-        .iter()
-        .flat_map(|n| n.output.iter().cloned())
-        .collect();
-    let mut rename: BTreeMap<String, String> = BTreeMap::new();
-    let mut nodes = then_g.node.clone();
-    for (o, target) in then_g
-        .output
-        .iter()
-        .map(|o| o.name().to_string())
-        .zip(node.output.iter().cloned())
-    {
-        if made.contains(&o) {
-            rename.insert(o, target);
-        } else {
-            nodes.push(onnx_ga::proto::NodeProto {
-                op_type: Some("Identity".into()),
-                name: Some(format!("bench_apply_out_{target}")),
-                input: vec![o],
-                output: vec![target],
-                ..Default::default()
-            });
-        }
-    }
-    for n in &mut nodes {
-        for x in n.output.iter_mut().chain(n.input.iter_mut()) {
-            if let Some(r) = rename.get(x) {
-                *x = r.clone();
-            }
-        }
-    }
-    let mut produced: std::collections::HashSet<String> = nodes
-        .iter()
-        .flat_map(|n| n.output.iter().cloned())
-        .collect();
-    produced.extend(then_g.initializer.iter().map(|t| t.name().to_string()));
-    let mut used = std::collections::HashSet::new();
-    for n in &nodes {
-        node_uses(n, &mut used);
-    }
-    let mut outer: Vec<String> = used.into_iter().filter(|u| !produced.contains(u)).collect();
-    outer.sort();
-    let mut inputs: Vec<ValueInfoProto> = Vec::new();
-    let mut initializer = then_g.initializer.clone();
-    for name in &outer {
-        let init = g.initializer.iter().find(|t| t.name() == name);
-        if let Some(i) = g.input.iter().find(|i| i.name() == name) {
-            inputs.push(i.clone());
-            initializer.extend(init.cloned());
-        } else if let Some(init) = init {
-            initializer.push(init.clone());
-        } else if let Some((_, out)) = aliases.iter().find(|(src, _)| src == name) {
-            let mut vi = g
-                .output
-                .iter()
-                .find(|o| o.name() == out)
-                .cloned()
-                .ok_or_else(|| anyhow!("no output '{out}'"))?;
-            vi.name = Some(name.clone());
-            inputs.push(vi);
-        } else {
-            bail!("the apply branch reads '{name}', which the accumulate graph does not output");
-        }
-    }
-    let outputs: Vec<ValueInfoProto> = node
-        .output
-        .iter()
-        .map(|o| {
-            g.output
-                .iter()
-                .find(|x| x.name() == o)
-                .cloned()
-                .ok_or_else(|| anyhow!("If output '{o}' is not a graph output"))
-        })
-        .collect::<Result<_>>()?;
-    let mut m = step.clone();
-    m.metadata_props.clear();
-    m.graph = Some(GraphProto {
-        name: Some("apply".into()),
-        node: nodes,
-        input: inputs,
-        output: outputs,
-        initializer,
-        ..Default::default()
-    });
-    Ok(m)
-}
-
-/// The Trainer's loop with the state kept as ONNX Runtime values: each output value is fed
-/// as the next run's input as is (no host copy in or out), data converted once up front.
-/// What IoBinding ping-pong buffers give on CUDA, here on CPU.
-struct ValueLoop {
-    session: ort::session::Session,
-    batches: Vec<Vec<(String, ort::value::DynValue)>>,
-    /// (input, output, current value)
-    state: Vec<(String, String, ort::value::DynValue)>,
-    consts: Vec<(String, ort::value::DynValue)>,
-    /// The floor's `lazy_reset_grad`: (input, true, false).
-    reset: Option<(String, ort::value::DynValue, ort::value::DynValue)>,
-    k: u64,
-}
-
-fn to_ort(t: &Tensor) -> Result<ort::value::DynValue> {
-    Ok(match t {
-        Tensor::F32(a) => ort::value::Tensor::from_array(a.clone())?.into_dyn(),
-        Tensor::F64(a) => ort::value::Tensor::from_array(a.clone())?.into_dyn(),
-        Tensor::I64(a) => ort::value::Tensor::from_array(a.clone())?.into_dyn(),
-        Tensor::I32(a) => ort::value::Tensor::from_array(a.clone())?.into_dyn(),
-        Tensor::Bool(a) => ort::value::Tensor::from_array(a.clone())?.into_dyn(),
-    })
-}
-
-impl ValueLoop {
-    /// `pairs`: state (input, output) pairs; `initial`: every input's starting value.
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        model: &ModelProto,
-        threads: usize,
-        k: u64,
-        data: &[BTreeMap<String, Tensor>],
-        data_inputs: &[String],
-        pairs: &[(String, String)],
-        initial: &BTreeMap<String, Tensor>,
-        reset: Option<&str>,
-    ) -> Result<ValueLoop> {
-        let g = model.graph.as_ref().unwrap();
-        let inputs: Vec<&str> = g.input.iter().map(|i| i.name()).collect();
-        let outputs: Vec<&str> = g.output.iter().map(|o| o.name()).collect();
-        let mut state = Vec::new();
-        let mut consts = Vec::new();
-        for name in inputs
-            .iter()
-            .filter(|n| !data_inputs.iter().any(|d| d == *n) && Some(**n) != reset)
-        {
-            let Some(value) = initial.get(*name) else {
-                continue;
-            }; // initializer default
-            match pairs
-                .iter()
-                .find(|(i, o)| i == name && outputs.contains(&o.as_str()))
-            {
-                Some((i, o)) => state.push((i.clone(), o.clone(), to_ort(value)?)),
-                None => consts.push((name.to_string(), to_ort(value)?)),
-            }
-        }
-        let reset = match reset {
-            Some(r) => Some((
-                r.to_string(),
-                to_ort(&Tensor::Bool(ndarray::arr1(&[true]).into_dyn()))?,
-                to_ort(&Tensor::Bool(ndarray::arr1(&[false]).into_dyn()))?,
-            )),
-            None => None,
-        };
-        let batches = data
-            .iter()
-            .map(|b| {
-                data_inputs
-                    .iter()
-                    .map(|n| Ok((n.clone(), to_ort(&b[n])?)))
-                    .collect::<Result<Vec<_>>>()
-            })
-            .collect::<Result<_>>()?;
-        let mut builder = onnx_ga::runtime::session_builder()?;
-        builder = builder
-            .with_intra_threads(threads)
-            .map_err(|e| anyhow!("{e}"))?;
-        builder = builder
-            .with_optimization_level(ort::session::builder::GraphOptimizationLevel::All)
-            .map_err(|e| anyhow!("{e}"))?;
-        let session = builder.commit_from_memory(&onnx_ga::model::encode_model(model))?;
-        Ok(ValueLoop {
-            session,
-            batches,
-            state,
-            consts,
-            reset,
-            k,
-        })
-    }
-
-    fn step(&mut self, i: u64) -> Result<bool> {
-        use ort::session::SessionInputValue;
-        use std::borrow::Cow;
-        let b = &self.batches[(i % self.batches.len() as u64) as usize];
-        let mut feeds: Vec<(Cow<'_, str>, SessionInputValue<'_>)> =
-            Vec::with_capacity(b.len() + self.state.len() + self.consts.len() + 1);
-        for (n, v) in b.iter().chain(self.consts.iter()) {
-            feeds.push((Cow::Borrowed(n.as_str()), v.into()));
-        }
-        for (n, _, v) in &self.state {
-            feeds.push((Cow::Borrowed(n.as_str()), v.into()));
-        }
-        if let Some((n, t, f)) = &self.reset {
-            feeds.push((
-                Cow::Borrowed(n.as_str()),
-                if i.is_multiple_of(self.k) { t } else { f }.into(),
-            ));
-        }
-        let mut out = self.session.run(feeds)?;
-        let mut next = Vec::with_capacity(self.state.len());
-        for (_, o, _) in &self.state {
-            next.push(
-                out.remove(o.as_str())
-                    .ok_or_else(|| anyhow!("no output '{o}'"))?,
-            );
-        }
-        drop(out);
-        for (slot, v) in self.state.iter_mut().zip(next) {
-            slot.2 = v;
-        }
-        Ok(self.reset.is_none() && i % self.k == self.k - 1)
-    }
-}
-
-/// Fix candidate, a two-graph split: every micro-step runs the accumulate-only graph
-/// (`Variant::AccumulateOnly`); when it reports `ga.applied`, the apply graph
-/// ([`apply_graph`]) runs once on the new sums. State kept as ORT values, by index.
-struct SplitLoop {
-    acc: ort::session::Session,
-    apply: ort::session::Session,
-    batches: Vec<Vec<(String, ort::value::DynValue)>>,
-    names: Vec<String>,
-    values: Vec<ort::value::DynValue>,
-    acc_in: Vec<(String, usize)>,
-    acc_out: Vec<(String, usize)>,
-    apply_in: Vec<(String, usize)>,
-    apply_out: Vec<(String, usize)>,
-}
-
-fn session(model: &ModelProto, threads: usize) -> Result<ort::session::Session> {
-    let mut builder = onnx_ga::runtime::session_builder()?;
-    builder = builder
-        .with_intra_threads(threads)
-        .map_err(|e| anyhow!("{e}"))?;
-    builder = builder
-        .with_optimization_level(ort::session::builder::GraphOptimizationLevel::All)
-        .map_err(|e| anyhow!("{e}"))?;
-    Ok(builder.commit_from_memory(&onnx_ga::model::encode_model(model))?)
-}
-
-impl SplitLoop {
-    fn new(p: &Prepared, batch: usize, threads: usize) -> Result<SplitLoop> {
-        let manifest = Manifest::from_model(&p.step_if)?;
-        let (acc, aliases) = variant(&p.step_if, &manifest, Variant::AccumulateOnly)?;
-        let apply = apply_graph(&p.step_if, &aliases)?;
-        let g = p.step_if.graph.as_ref().unwrap();
-        let idx = |input: &str| manifest.state.iter().position(|e| e.input == input);
-        let idx_of_output = |output: &str| manifest.state.iter().position(|e| e.output == output);
-        let mut values = Vec::new();
-        for e in &manifest.state {
-            let init = g
-                .initializer
-                .iter()
-                .find(|t| t.name() == e.input)
-                .ok_or_else(|| anyhow!("no initializer for '{}'", e.input))?;
-            values.push(to_ort(
-                &Tensor::from_tensor_proto(init).map_err(|m| anyhow!(m))?,
-            )?);
-        }
-        let ins = |m: &ModelProto| -> Vec<String> {
-            m.graph
-                .as_ref()
-                .unwrap()
-                .input
-                .iter()
-                .map(|i| i.name().to_string())
-                .collect()
-        };
-        let outs = |m: &ModelProto| -> Vec<String> {
-            m.graph
-                .as_ref()
-                .unwrap()
-                .output
-                .iter()
-                .map(|i| i.name().to_string())
-                .collect()
-        };
-        let acc_in = ins(&acc)
-            .into_iter()
-            .filter_map(|n| idx(&n).map(|i| (n, i)))
-            .collect();
-        let acc_out = outs(&acc)
-            .into_iter()
-            .filter_map(|n| idx_of_output(&n).map(|i| (n, i)))
-            .collect();
-        let mut apply_in = Vec::new();
-        for n in ins(&apply) {
-            if let Some(i) = idx(&n) {
-                apply_in.push((n, i));
-            } else if let Some(i) = aliases
-                .iter()
-                .find(|(src, _)| *src == n)
-                .and_then(|(_, out)| idx_of_output(out))
-            {
-                apply_in.push((n, i));
-            }
-        }
-        let apply_out = outs(&apply)
-            .into_iter()
-            .filter_map(|n| idx_of_output(&n).map(|i| (n, i)))
-            .collect();
-        let batches = p
-            .batches(batch)
-            .iter()
-            .map(|b| {
-                manifest
-                    .data_inputs
-                    .iter()
-                    .map(|n| Ok((n.clone(), to_ort(&b[n])?)))
-                    .collect::<Result<Vec<_>>>()
-            })
-            .collect::<Result<_>>()?;
-        Ok(SplitLoop {
-            acc: session(&acc, threads)?,
-            apply: session(&apply, threads)?,
-            batches,
-            names: manifest.state.iter().map(|e| e.input.clone()).collect(),
-            values,
-            acc_in,
-            acc_out,
-            apply_in,
-            apply_out,
-        })
-    }
-
-    fn run(
-        session: &mut ort::session::Session,
-        values: &mut [ort::value::DynValue],
-        data: &[(String, ort::value::DynValue)],
-        ins: &[(String, usize)],
-        outs: &[(String, usize)],
-    ) -> Result<bool> {
-        use ort::session::SessionInputValue;
-        use std::borrow::Cow;
-        let mut feeds: Vec<(Cow<'_, str>, SessionInputValue<'_>)> =
-            Vec::with_capacity(data.len() + ins.len());
-        for (n, v) in data {
-            feeds.push((Cow::Borrowed(n.as_str()), v.into()));
-        }
-        for (n, i) in ins {
-            feeds.push((Cow::Borrowed(n.as_str()), (&values[*i]).into()));
-        }
-        let mut out = session.run(feeds)?;
-        let applied = match out.get("ga.applied") {
-            Some(v) => v
-                .try_extract_array::<bool>()?
-                .iter()
-                .next()
-                .copied()
-                .unwrap_or(false),
-            None => false,
-        };
-        let mut next = Vec::with_capacity(outs.len());
-        for (o, i) in outs {
-            next.push((
-                *i,
-                out.remove(o.as_str())
-                    .ok_or_else(|| anyhow!("no output '{o}'"))?,
-            ));
-        }
-        drop(out);
-        for (i, v) in next {
-            values[i] = v;
-        }
-        Ok(applied)
-    }
-
-    /// A float state value, by state input name.
-    fn value(&self, name: &str) -> Result<ArrayD<f32>> {
-        let i = self
-            .names
-            .iter()
-            .position(|n| n == name)
-            .ok_or_else(|| anyhow!("no state '{name}'"))?;
-        Ok(self.values[i].try_extract_array::<f32>()?.to_owned())
-    }
-
-    fn step(&mut self, i: u64) -> Result<bool> {
-        let b = &self.batches[(i % self.batches.len() as u64) as usize];
-        let applied = Self::run(
-            &mut self.acc,
-            &mut self.values,
-            b,
-            &self.acc_in,
-            &self.acc_out,
-        )?;
-        if applied {
-            Self::run(
-                &mut self.apply,
-                &mut self.values,
-                &[],
-                &self.apply_in,
-                &self.apply_out,
-            )?;
-        }
-        Ok(applied)
-    }
-}
-
-/// The ORT-value loops: the floor, step If, and the two variants.
-fn value_loop(
-    p: &Prepared,
-    column: &str,
-    batch: usize,
-    threads: usize,
-    k: u64,
-) -> Result<ValueLoop> {
-    let data = p.batches(batch);
-    let data_inputs = &p.floor_manifest.data_inputs;
-    if column == "v_floor" {
-        let pairs: Vec<(String, String)> = p
-            .floor_manifest
-            .state
-            .iter()
-            .map(|e| (e.input.clone(), e.output.clone()))
-            .collect();
-        return ValueLoop::new(
-            &p.floor,
-            threads,
-            k,
-            &data,
-            data_inputs,
-            &pairs,
-            &p.floor_state(true)?,
-            Some(&p.lazy_reset),
-        );
-    }
-    let manifest = Manifest::from_model(&p.step_if)?;
-    let model = match column {
-        "v_step_if" => p.step_if.clone(),
-        "v_split" => bail!("v_split is a SplitLoop"),
-        "v_if_inlined" => variant(&p.step_if, &manifest, Variant::Inlined)?.0,
-        "v_acc_only" => variant(&p.step_if, &manifest, Variant::AccumulateOnly)?.0,
-        other => bail!("unknown column {other}"),
-    };
-    let g = p.step_if.graph.as_ref().unwrap();
-    let mut initial = BTreeMap::new();
-    for e in &manifest.state {
-        let init = g
-            .initializer
-            .iter()
-            .find(|t| t.name() == e.input)
-            .ok_or_else(|| anyhow!("no initializer for '{}'", e.input))?;
-        initial.insert(
-            e.input.clone(),
-            Tensor::from_tensor_proto(init).map_err(|m| anyhow!(m))?,
-        );
-    }
-    let pairs: Vec<(String, String)> = manifest
-        .state
-        .iter()
-        .map(|e| (e.input.clone(), e.output.clone()))
-        .collect();
-    ValueLoop::new(
-        &model,
-        threads,
-        k,
-        &data,
-        data_inputs,
-        &pairs,
-        &initial,
-        None,
-    )
 }
 
 // ----------------------------------------------------------------------------- report
@@ -1366,21 +778,6 @@ impl Table<'_> {
             .collect();
         median(&mut v)
     }
-
-    /// Median over rounds of the per-round difference a - b.
-    fn diff(
-        &self,
-        k: &Key,
-        a: (&str, fn(&Record) -> Option<f64>),
-        b: (&str, fn(&Record) -> Option<f64>),
-    ) -> Option<f64> {
-        let mut v: Vec<f64> = self
-            .rounds
-            .iter()
-            .filter_map(|&r| Some(a.1(self.cell(k, a.0, r)?)? - b.1(self.cell(k, b.0, r)?)?))
-            .collect();
-        median(&mut v)
-    }
 }
 
 fn per(x: &Record) -> Option<f64> {
@@ -1416,7 +813,35 @@ fn report(records: &[Record]) -> String {
         machine(),
         t.rounds.len()
     );
-    let _ = writeln!(s, "| model | B | T | floor | step If | step Where | host loop | ORT API | If/floor | Where/floor | host/floor | If/ORT API | tract (T=1) | tract/If |");
+    let _ = writeln!(s, "| model | B | T | floor | step | step If | step Where | host loop | ORT API | step/floor | If/floor | Where/floor | host/floor | step/ORT API | tract (T=1) | tract/step |");
+    let _ = writeln!(
+        s,
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
+    );
+    for k in &keys {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            k.0,
+            k.1,
+            k.2,
+            fmt(t.med(k, "floor", per)),
+            fmt(t.med(k, "step", per)),
+            fmt(t.med(k, "step_if", per)),
+            fmt(t.med(k, "step_where", per)),
+            fmt(t.med(k, "host", per)),
+            fmt(t.med(k, "ort_api", per)),
+            fmt_ratio(t.ratio(k, ("step", per), ("floor", per))),
+            fmt_ratio(t.ratio(k, ("step_if", per), ("floor", per))),
+            fmt_ratio(t.ratio(k, ("step_where", per), ("floor", per))),
+            fmt_ratio(t.ratio(k, ("host", per), ("floor", per))),
+            fmt_ratio(t.ratio(k, ("step", per), ("ort_api", per))),
+            fmt(t.med(k, "step_tract", per)),
+            fmt_ratio(t.ratio(k, ("step_tract", per), ("step", per))),
+        );
+    }
+    let _ = writeln!(s, "\nSingle micro-steps (us, medians as above): non-applying and applying (the K-th). ORT API: train_step, and train_step + optimizer.step + lazy_reset_grad. Last column: the mean over windows instead of the median (the tail: preemption, thread-pool wake-ups).\n");
+    let _ = writeln!(s, "| model | B | T | floor | step non-applying | step applying | step non-applying / floor | If non-applying | If applying | host non-applying | host applying | ORT API train_step | ORT API applying | mean per step: floor / step / ORT API |");
     let _ = writeln!(
         s,
         "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
@@ -1424,78 +849,24 @@ fn report(records: &[Record]) -> String {
     for k in &keys {
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
-            k.0,
-            k.1,
-            k.2,
-            fmt(t.med(k, "floor", per)),
-            fmt(t.med(k, "step_if", per)),
-            fmt(t.med(k, "step_where", per)),
-            fmt(t.med(k, "host", per)),
-            fmt(t.med(k, "ort_api", per)),
-            fmt_ratio(t.ratio(k, ("step_if", per), ("floor", per))),
-            fmt_ratio(t.ratio(k, ("step_where", per), ("floor", per))),
-            fmt_ratio(t.ratio(k, ("host", per), ("floor", per))),
-            fmt_ratio(t.ratio(k, ("step_if", per), ("ort_api", per))),
-            fmt(t.med(k, "step_tract", per)),
-            fmt_ratio(t.ratio(k, ("step_tract", per), ("step_if", per))),
-        );
-    }
-    let _ = writeln!(s, "\nSingle micro-steps (us, medians as above): non-applying and applying (the K-th). ORT API: train_step, and train_step + optimizer.step + lazy_reset_grad. Last column: the mean over windows instead of the median (the tail: preemption, thread-pool wake-ups).\n");
-    let _ = writeln!(s, "| model | B | T | floor | If non-applying | If applying | If non-applying / floor | Where non-applying | host non-applying | host applying | ORT API train_step | ORT API applying | mean per step: floor / If / ORT API |");
-    let _ = writeln!(s, "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|");
-    for k in &keys {
-        let _ = writeln!(
-            s,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} / {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} / {} |",
             k.0,
             k.1,
             k.2,
             fmt(t.med(k, "floor", na)),
+            fmt(t.med(k, "step", na)),
+            fmt(t.med(k, "step", ap)),
+            fmt_ratio(t.ratio(k, ("step", na), ("floor", na))),
             fmt(t.med(k, "step_if", na)),
             fmt(t.med(k, "step_if", ap)),
-            fmt_ratio(t.ratio(k, ("step_if", na), ("floor", na))),
-            fmt(t.med(k, "step_where", na)),
             fmt(t.med(k, "host", na)),
             fmt(t.med(k, "host", ap)),
             fmt(t.med(k, "ort_api", na)),
             fmt(t.med(k, "ort_api", ap)),
             fmt(t.med(k, "floor", mean)),
-            fmt(t.med(k, "step_if", mean)),
+            fmt(t.med(k, "step", mean)),
             fmt(t.med(k, "ort_api", mean)),
         );
-    }
-    let diag: Vec<&Key> = keys
-        .iter()
-        .filter(|k| t.med(k, "v_step_if", na).is_some())
-        .collect();
-    if !diag.is_empty() {
-        let _ = writeln!(s, "\nState kept as ORT values (each output value fed back as the next input, no host copy), one thread, us per micro-step. `If inlined`: step If with the apply `If` replaced by its else-branch Identities in the main graph (never applies). `acc-only`: the `If` and every pass-through output (parameters, moments, optimizer step) removed. `split`: acc-only every micro-step plus the apply branch as a graph of its own on the K-th (trains bit-identically to step If).\n");
-        let _ = writeln!(s, "| model | B | floor | step If | If non-applying | If applying | If inlined | acc-only | split | If/floor | split/floor | `If` node: If non-applying − inlined | pass-through outputs: inlined − acc-only | host copies: Trainer − ORT values (If non-applying) |");
-        let _ = writeln!(
-            s,
-            "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
-        );
-        for k in diag {
-            let _ = writeln!(
-                s,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
-                k.0,
-                k.1,
-                fmt(t.med(k, "v_floor", per)),
-                fmt(t.med(k, "v_step_if", per)),
-                fmt(t.med(k, "v_step_if", na)),
-                fmt(t.med(k, "v_step_if", ap)),
-                fmt(t.med(k, "v_if_inlined", per)),
-                fmt(t.med(k, "v_acc_only", per)),
-                fmt(t.med(k, "v_split", per)),
-                fmt_ratio(t.ratio(k, ("v_step_if", per), ("v_floor", per))),
-                fmt_ratio(t.ratio(k, ("v_split", per), ("v_floor", per))),
-                fmt(t.diff(k, ("v_step_if", na), ("v_if_inlined", per))),
-                fmt(t.diff(k, ("v_if_inlined", per), ("v_acc_only", per))),
-                fmt(t.diff(k, ("step_if", na), ("v_step_if", na))),
-            );
-        }
     }
     s
 }
