@@ -376,3 +376,100 @@ fn inspect_reads_a_rewritten_step_from_its_manifest() {
         .collect();
     assert_eq!(data, ["input", "labels"]);
 }
+
+/// Trains 10 micro-steps (two windows and a half) with `extra` flags; returns the exit
+/// status, stderr and the saved state, if any.
+fn train_saving(
+    dir: &Path,
+    step: &Path,
+    tag: &str,
+    extra: &[&str],
+) -> (Output, Option<std::collections::BTreeMap<String, Tensor>>) {
+    let state = dir.join(format!("state-{tag}.npz"));
+    let data = root().join("graphs/mlp_ce_adamw/data.npz");
+    let mut args = train_args(step, &data, &["--save-state", state.to_str().unwrap()]);
+    args.iter_mut()
+        .skip_while(|a| *a != "--steps")
+        .nth(1)
+        .map(|n| *n = "10".into());
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = onnx_ga(&args);
+    let saved = state
+        .exists()
+        .then(|| onnx_ga::data::read_npz(&state).unwrap());
+    (out, saved)
+}
+
+#[test]
+fn no_split_trains_bit_identically_to_the_split_default() {
+    if !ort_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let step = rewritten(dir.path());
+    let (out, split) = train_saving(dir.path(), &step, "split", &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let (out, whole) = train_saving(dir.path(), &step, "whole", &["--no-split"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let (split, whole) = (split.unwrap(), whole.unwrap());
+    assert_eq!(split.len(), whole.len());
+    for (name, value) in &whole {
+        assert_eq!(&split[name], value, "state '{name}'");
+    }
+    assert_eq!(
+        split["ga.micro_step"],
+        Tensor::I64(ndarray::arr0(2).into_dyn()),
+        "10 micro-steps with K=4 end 2 into the third window"
+    );
+}
+
+/// On a machine whose ONNX Runtime has CUDA and a GPU this is the GPU check: CUDA training
+/// must match the CPU's. Everywhere else `--device cuda` must fail before training, clearly,
+/// with nothing written.
+#[test]
+fn device_cuda_trains_like_the_cpu_or_fails_clearly() {
+    if !ort_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let step = rewritten(dir.path());
+    let (out, cpu) = train_saving(dir.path(), &step, "cpu", &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let before = listing(dir.path());
+    let (out, cuda) = train_saving(dir.path(), &step, "cuda", &["--device", "cuda"]);
+    let err = stderr(&out);
+    assert!(!err.contains("panicked"), "{err}");
+    if out.status.success() {
+        let (cpu, cuda) = (cpu.unwrap(), cuda.expect("state written"));
+        for (name, value) in &cpu {
+            common::assert_close(name, &cuda[name], value, 1e-4, 1e-5);
+        }
+        eprintln!("--device cuda trained like the CPU");
+    } else {
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains("CUDA execution provider"), "{err}");
+        assert!(err.contains("onnxruntime-gpu"), "{err}");
+        assert!(listing(dir.path()) == before, "nothing may be written");
+    }
+}
+
+#[test]
+fn unknown_or_impossible_devices() {
+    bad_train(
+        |dir, step| {
+            let data = root().join("graphs/mlp_ce_adamw/data.npz");
+            let _ = dir;
+            train_args(step, &data, &["--device", "tpu"])
+        },
+        &["unknown device 'tpu'", "cpu, cuda, cuda:N"],
+    );
+    bad_train(
+        |dir, step| {
+            let data = root().join("graphs/mlp_ce_adamw/data.npz");
+            let _ = dir;
+            train_args(step, &data, &["--device", "cuda:1", "--engine", "tract"])
+        },
+        &["--device cuda:1", "tract runs on the CPU only"],
+    );
+}

@@ -121,9 +121,10 @@ impl OrtSession {
                         .error_on_failure()])
                     .map_err(|e| {
                         EngineError::Unavailable(format!(
-                            "the CUDA execution provider (device {id}) is not available: {e}. \
+                            "the CUDA execution provider (device {id}) is not available: {}. \
                          It needs an ONNX Runtime built with CUDA (the onnxruntime-gpu package; \
-                         point ORT_DYLIB_PATH at its libonnxruntime) and a visible GPU"
+                         point ORT_DYLIB_PATH at its libonnxruntime) and a visible GPU",
+                            e.to_string().trim_end_matches('.')
                         ))
                     })?;
                 Some(
