@@ -388,10 +388,9 @@ fn train_saving(
     let state = dir.join(format!("state-{tag}.npz"));
     let data = root().join("graphs/mlp_ce_adamw/data.npz");
     let mut args = train_args(step, &data, &["--save-state", state.to_str().unwrap()]);
-    args.iter_mut()
-        .skip_while(|a| *a != "--steps")
-        .nth(1)
-        .map(|n| *n = "10".into());
+    if let Some(n) = args.iter_mut().skip_while(|a| *a != "--steps").nth(1) {
+        *n = "10".into();
+    }
     args.extend(extra.iter().map(|s| s.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = onnx_ga(&args);
