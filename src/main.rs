@@ -564,6 +564,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             threads: args.threads,
             optimize: true,
             device,
+            ..Default::default()
         },
         split: !args.no_split,
     };

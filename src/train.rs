@@ -169,7 +169,7 @@ impl Trainer {
             false => None,
         };
         let micro_step_input = crate::split::micro_step_input(&manifest).map(str::to_string);
-        let runner = match (split, micro_step_input) {
+        let mut runner = match (split, micro_step_input) {
             (Some(split), Some(micro_step_input)) => {
                 let window_size = scalar_i64(&initial(&split.trigger.steps)?).ok_or_else(|| {
                     TrainError::Model(format!("'{}' is not an int64 scalar", split.trigger.steps))
@@ -193,6 +193,16 @@ impl Trainer {
             }
             _ => Runner::Whole(Engine::new(kind, model, &options.session)?),
         };
+        let host_outputs = [manifest.loss.as_str(), APPLIED];
+        match &mut runner {
+            Runner::Whole(engine) => engine.set_host_outputs(&host_outputs),
+            Runner::Split {
+                accumulate, apply, ..
+            } => {
+                accumulate.set_host_outputs(&host_outputs);
+                apply.set_host_outputs(&host_outputs);
+            }
+        }
         Ok(Trainer {
             runner,
             kind,

@@ -233,3 +233,40 @@ fn split_runs_on_tract_too() {
         common::assert_close(name, &on_tract.state().unwrap()[name], value, 1e-5, 1e-6);
     }
 }
+
+/// The IoBinding path that `--device cuda` takes (state bound where it lives, outputs bound
+/// to device memory, the loss to host memory), run on the CPU: it must train exactly like
+/// plain runs, split and whole.
+#[test]
+fn io_binding_path_trains_bit_identically() {
+    if !ort_available() {
+        return;
+    }
+    for model in ["mlp_ce_adamw", "cnn_bn"] {
+        let data = read_npz(&root().join("graphs").join(model).join("data.npz"));
+        let step = rewrite(
+            model,
+            "grad-accum(steps=4),loss-scale(init=65536,interval=2),optimizer(lr=0.01),legalize-ort,dce",
+        );
+        for split in [true, false] {
+            let bound_options = TrainOptions {
+                split,
+                session: onnx_ga::engine::ort::SessionOptions {
+                    io_binding: true,
+                    ..Default::default()
+                },
+                ..TrainOptions::default()
+            };
+            let mut bound = Trainer::with_options(&step, &bound_options).unwrap();
+            let mut plain = trainer(&step, split);
+            let m_bound = run(&mut bound, &data, 11, &[9]);
+            let m_plain = run(&mut plain, &data, 11, &[9]);
+            assert_eq!(m_bound, m_plain, "{model} split={split}: metrics");
+            assert_eq!(
+                bound.state().unwrap(),
+                plain.state().unwrap(),
+                "{model} split={split}: state"
+            );
+        }
+    }
+}

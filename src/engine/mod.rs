@@ -150,6 +150,14 @@ impl Engine {
         }
     }
 
+    /// Names outputs the host reads every run (ONNX Runtime then returns them in CPU memory
+    /// even when the session runs on a GPU).
+    pub fn set_host_outputs(&mut self, names: &[&str]) {
+        if let Engine::Ort(s) = self {
+            s.set_host_outputs(names);
+        }
+    }
+
     /// Runs the model once on `host` inputs and `held` ones (outputs of earlier runs, kept
     /// where the engine computed them); returns every output, held, in the model's output
     /// order. Feeding outputs back this way never copies state through the host.

@@ -68,6 +68,9 @@ pub struct SessionOptions {
     pub optimize: bool,
     /// Where the session runs (ONNX Runtime only; tract runs on the CPU).
     pub device: Device,
+    /// Run held values through an `IoBinding` even on the CPU (on CUDA always). The CPU
+    /// needs none; this exists so that the path CUDA takes is tested where there is no GPU.
+    pub io_binding: bool,
 }
 
 impl Default for SessionOptions {
@@ -76,6 +79,7 @@ impl Default for SessionOptions {
             threads: 1,
             optimize: true,
             device: Device::Cpu,
+            io_binding: false,
         }
     }
 }
@@ -84,8 +88,11 @@ impl Default for SessionOptions {
 pub struct OrtSession {
     session: Session,
     device: Device,
-    /// Device memory for outputs bound on CUDA; `None` on the CPU.
+    /// Where bound outputs go (device memory on CUDA); `None`: no IoBinding, plain runs.
     device_memory: Option<MemoryInfo<'static>>,
+    /// Outputs the host reads every run (the loss, flags): bound to CPU memory, so that only
+    /// they cross from the device.
+    host_outputs: std::collections::HashSet<String>,
     pub input_names: Vec<String>,
     pub output_names: Vec<String>,
 }
@@ -112,6 +119,7 @@ impl OrtSession {
             .with_optimization_level(level)
             .map_err(|e| ort_err("optimization level")(e.into()))?;
         let device_memory = match options.device {
+            Device::Cpu if options.io_binding => Some(MemoryInfo::default()),
             Device::Cpu => None,
             Device::Cuda(id) => {
                 builder = builder
@@ -155,6 +163,7 @@ impl OrtSession {
             session,
             device: options.device,
             device_memory,
+            host_outputs: Default::default(),
             input_names,
             output_names,
         })
@@ -182,6 +191,12 @@ impl OrtSession {
 impl OrtSession {
     pub fn device(&self) -> Device {
         self.device
+    }
+
+    /// Names outputs the host reads every run; [`run_held`](Self::run_held) returns them in
+    /// CPU memory (on the CPU nothing changes).
+    pub fn set_host_outputs(&mut self, names: &[&str]) {
+        self.host_outputs = names.iter().map(|n| n.to_string()).collect();
     }
 
     /// Runs the model once with `host` inputs (host arrays, lent without a copy on the CPU)
@@ -223,9 +238,14 @@ impl OrtSession {
                 .bind_input(*name, *value)
                 .map_err(ort_err(&format!("binding input '{name}'")))?;
         }
+        let host_memory = MemoryInfo::default();
         for name in &self.output_names {
+            let to = match self.host_outputs.contains(name) {
+                true => &host_memory,
+                false => memory,
+            };
             binding
-                .bind_output_to_device(name.as_str(), memory)
+                .bind_output_to_device(name.as_str(), to)
                 .map_err(ort_err(&format!("binding output '{name}'")))?;
         }
         let mut outputs = self.session.run_binding(&binding).map_err(ort_err("run"))?;
