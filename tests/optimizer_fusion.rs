@@ -12,8 +12,11 @@ use onnx_ga::signature::{self, ExplicitRoles};
 use onnx_ga::train::{micro_batch, Trainer};
 
 fn rewrite(model: &str, spec: &str) -> ModelProto {
-    let graph = signature::open(&root().join("graphs").join(model), &ExplicitRoles::default())
-        .unwrap_or_else(|e| panic!("{model}: {e}"));
+    let graph = signature::open(
+        &root().join("graphs").join(model),
+        &ExplicitRoles::default(),
+    )
+    .unwrap_or_else(|e| panic!("{model}: {e}"));
     onnx_ga::step::build_step(graph, spec, true)
         .unwrap_or_else(|e| panic!("{model} {spec}: {e}"))
         .model

@@ -483,7 +483,7 @@ fn adam_family(
         .iter()
         .enumerate()
         .filter(|(i, _)| !small.contains(i))
-        .map(|(_, s)| s.clone())
+        .map(|(_, s)| *s)
         .collect();
     let dims: Vec<Vec<i64>> = small
         .iter()
