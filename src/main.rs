@@ -59,6 +59,10 @@ struct RewriteArgs {
     /// Momentum factor of the momentum and nesterov optimizers.
     #[arg(long)]
     momentum: Option<f32>,
+    /// Adam/AdamW: parameters of at most N elements are updated together as one flat
+    /// tensor (fewer ops, same numbers); 0 updates every tensor on its own. Default 1024.
+    #[arg(long, value_name = "N")]
+    fuse_small: Option<i64>,
     /// How the window's update is applied: an If (default) or Where selects.
     #[arg(long, default_value = "if", value_parser = ["if", "where"])]
     apply: String,
@@ -481,6 +485,9 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
                 if let Some(v) = value {
                     optimizer.push(format!("{name}={v}"));
                 }
+            }
+            if let Some(n) = args.fuse_small {
+                optimizer.push(format!("fuse_small={n}"));
             }
             let optimizer = if optimizer.is_empty() {
                 "optimizer".to_string()

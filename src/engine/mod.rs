@@ -153,8 +153,11 @@ impl Engine {
     /// Names outputs the host reads every run (ONNX Runtime then returns them in CPU memory
     /// even when the session runs on a GPU).
     pub fn set_host_outputs(&mut self, names: &[&str]) {
-        if let Engine::Ort(s) = self {
-            s.set_host_outputs(names);
+        match self {
+            Engine::Ort(s) => s.set_host_outputs(names),
+            // tract returns every output on the host.
+            #[cfg(feature = "tract")]
+            Engine::Tract(_) => {}
         }
     }
 

@@ -19,6 +19,7 @@ mod fused_matmul;
 mod gather_grad;
 mod gelu;
 mod gelu_grad;
+mod gemm_half;
 mod in_place_accumulator;
 mod layer_norm_grad;
 mod leaky_relu_grad;
@@ -38,6 +39,8 @@ mod util;
 /// Optimizer updates for per-parameter tensors (the optimizer pass lowers ORT's
 /// optimizer_model.onnx, whose sequences are graph inputs, with these).
 pub use adamw_optimizer::{lower_adamw_for_params, AdamW, AdamWNext, AdamWSlots};
+/// float16 `Gemm` to `MatMul` and half-typed elementwise ops, for tract (`lower-for-tract`).
+pub use gemm_half::{is_half_gemm, lower_half_gemms};
 pub use sgd_optimizer::lower_sgd_for_params;
 
 use super::{Pass, PassContext, PassError, PassOptions, PassReport};
