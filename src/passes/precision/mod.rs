@@ -919,12 +919,21 @@ impl Rewriter<'_> {
             _ => {
                 self.casts += 1;
                 let to = self.elem(p) as i64;
-                Builder::new(self.model, BodyId::MAIN, PASS).op(
+                let cast = Builder::new(self.model, BodyId::MAIN, PASS).op(
                     "Cast",
                     &[v],
                     vec![attr_int("to", to)],
                     &hint,
-                )
+                );
+                // The cast keeps its source's shape: declare it, so that later lowerings
+                // that need a rank (FusedMatMul's transposes for tract) find it.
+                if let Some(mut ty) = self.model.value_type(v) {
+                    if let Some(crate::proto::type_proto::Value::TensorType(t)) = &mut ty.value {
+                        t.elem_type = Some(to as i32);
+                        self.model.set_value_type(cast, ty);
+                    }
+                }
+                cast
             }
         };
         self.converted.insert((v, p), c);
