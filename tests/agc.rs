@@ -666,14 +666,7 @@ fn units_through_transpose_disagreement_and_overrides() {
 
 // ---- the generated models -----------------------------------------------------------------
 
-const MODELS: [&str; 6] = [
-    "mlp_ce_adamw",
-    "mlp_mse_sgd",
-    "cnn_bn",
-    "transformer_block",
-    "bce_logits",
-    "l1_loss",
-];
+const MODELS: [&str; 6] = common::SHIPPED_GRAPHS;
 
 fn open(model: &str) -> TrainingGraph {
     signature::open(

@@ -23,15 +23,7 @@ use onnx_ga::train::{micro_batch, StepMetrics, Trainer};
 const MLP: &str = "mlp_ce_adamw";
 
 fn rewrite(model: &str, spec: &str) -> ModelProto {
-    let graph = signature::open(
-        &root().join("graphs").join(model),
-        &ExplicitRoles::default(),
-    )
-    .unwrap_or_else(|e| panic!("{model}: {e}"));
-    onnx_ga::step::build_step(graph, spec, true)
-        .unwrap_or_else(|e| panic!("{spec}: {e}"))
-        .model
-        .to_proto()
+    common::rewrite_shipped(model, spec)
 }
 
 /// grad-accum with K=4, then `scaling` (may be empty), AdamW, legalized.

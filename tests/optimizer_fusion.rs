@@ -8,19 +8,10 @@ use std::path::Path;
 
 use common::{ort_available, read_npz, root};
 use onnx_ga::proto::ModelProto;
-use onnx_ga::signature::{self, ExplicitRoles};
 use onnx_ga::train::{micro_batch, Trainer};
 
 fn rewrite(model: &str, spec: &str) -> ModelProto {
-    let graph = signature::open(
-        &root().join("graphs").join(model),
-        &ExplicitRoles::default(),
-    )
-    .unwrap_or_else(|e| panic!("{model}: {e}"));
-    onnx_ga::step::build_step(graph, spec, true)
-        .unwrap_or_else(|e| panic!("{model} {spec}: {e}"))
-        .model
-        .to_proto()
+    common::rewrite_shipped(model, spec)
 }
 
 /// Ops of `type` anywhere in the model (the apply branch is a subgraph).

@@ -26,14 +26,7 @@ use onnx_ga::proto::{tensor_proto::DataType, type_proto, GraphProto, ModelProto}
 use onnx_ga::signature::{self, ExplicitRoles};
 use onnx_ga::train::{micro_batch, Trainer};
 
-const MODELS: [&str; 6] = [
-    "mlp_ce_adamw",
-    "mlp_mse_sgd",
-    "cnn_bn",
-    "transformer_block",
-    "bce_logits",
-    "l1_loss",
-];
+const MODELS: [&str; 6] = common::SHIPPED_GRAPHS;
 const FLOAT: i32 = DataType::Float as i32;
 const FLOAT16: i32 = DataType::Float16 as i32;
 const BFLOAT16: i32 = DataType::Bfloat16 as i32;

@@ -10,14 +10,7 @@ use std::process::Command;
 use common::root;
 use onnx_ga::signature::{self, ExplicitRoles};
 
-const MODELS: [&str; 6] = [
-    "mlp_ce_adamw",
-    "mlp_mse_sgd",
-    "cnn_bn",
-    "transformer_block",
-    "bce_logits",
-    "l1_loss",
-];
+const MODELS: [&str; 6] = common::SHIPPED_GRAPHS;
 
 /// The venv's python, or None (a failure under CI=true).
 fn python() -> Option<PathBuf> {

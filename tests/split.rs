@@ -12,29 +12,14 @@ use common::{ort_available, read_npz, root};
 use onnx_ga::data::Tensor;
 use onnx_ga::engine::EngineKind;
 use onnx_ga::proto::ModelProto;
-use onnx_ga::signature::{self, ExplicitRoles};
+use onnx_ga::signature;
 use onnx_ga::state::Role;
 use onnx_ga::train::{micro_batch, StepMetrics, TrainOptions, Trainer};
 
-const GRAPHS: [&str; 6] = [
-    "mlp_ce_adamw",
-    "mlp_mse_sgd",
-    "cnn_bn",
-    "transformer_block",
-    "bce_logits",
-    "l1_loss",
-];
+const GRAPHS: [&str; 6] = common::SHIPPED_GRAPHS;
 
 fn rewrite(model: &str, spec: &str) -> ModelProto {
-    let graph = signature::open(
-        &root().join("graphs").join(model),
-        &ExplicitRoles::default(),
-    )
-    .unwrap_or_else(|e| panic!("{model}: {e}"));
-    onnx_ga::step::build_step(graph, spec, true)
-        .unwrap_or_else(|e| panic!("{model} {spec}: {e}"))
-        .model
-        .to_proto()
+    common::rewrite_shipped(model, spec)
 }
 
 fn trainer(step: &ModelProto, split: bool) -> Trainer {

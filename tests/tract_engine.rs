@@ -24,14 +24,7 @@ use onnx_ga::signature::{self, ExplicitRoles};
 use onnx_ga::state::Role;
 use onnx_ga::train::{micro_batch, Trainer};
 
-const MODELS: [&str; 6] = [
-    "mlp_ce_adamw",
-    "mlp_mse_sgd",
-    "cnn_bn",
-    "transformer_block",
-    "bce_logits",
-    "l1_loss",
-];
+const MODELS: [&str; 6] = common::SHIPPED_GRAPHS;
 
 /// Parameters of the two engines after 8 windows: within this, max abs.
 const CROSS_ENGINE_ATOL: f64 = 1e-5;
@@ -51,15 +44,7 @@ fn noise_driven(model: &str, state: &str) -> Option<f64> {
 }
 
 fn rewrite(model: &str, spec: &str) -> ModelProto {
-    let graph = signature::open(
-        &root().join("graphs").join(model),
-        &ExplicitRoles::default(),
-    )
-    .unwrap_or_else(|e| panic!("{model}: {e}"));
-    onnx_ga::step::build_step(graph, spec, true)
-        .unwrap_or_else(|e| panic!("{model}: {spec}: {e}"))
-        .model
-        .to_proto()
+    common::rewrite_shipped(model, spec)
 }
 
 fn data(model: &str) -> BTreeMap<String, Tensor> {

@@ -186,3 +186,27 @@ pub fn step_document(step: &onnx_ga::step::Step) -> String {
     doc.push_str(&onnx_ga::ir::print::print_model(&step.model));
     doc
 }
+
+/// The six ONNX Runtime artifacts folders shipped under graphs/.
+pub const SHIPPED_GRAPHS: [&str; 6] = [
+    "mlp_ce_adamw",
+    "mlp_mse_sgd",
+    "cnn_bn",
+    "transformer_block",
+    "bce_logits",
+    "l1_loss",
+];
+
+/// Rewrites the shipped artifacts folder graphs/`model` with `spec`, verifying after every
+/// pass; panics naming both on failure.
+pub fn rewrite_shipped(model: &str, spec: &str) -> ModelProto {
+    let graph = onnx_ga::signature::open(
+        &root().join("graphs").join(model),
+        &onnx_ga::signature::ExplicitRoles::default(),
+    )
+    .unwrap_or_else(|e| panic!("{model}: {e}"));
+    onnx_ga::step::build_step(graph, spec, true)
+        .unwrap_or_else(|e| panic!("{model}: {spec}: {e}"))
+        .model
+        .to_proto()
+}
