@@ -259,11 +259,12 @@ enum Runner {
     Hand(Box<HandLoop>),
 }
 
-/// The variants: `trainer`, and `hand` (ONNX Runtime's defaults), `hand-noarena`,
+/// The variants: `trainer` (split, as shipped), `trainer-whole` (one session over the
+/// exported graph, `--no-split`), and `hand` (ONNX Runtime's defaults), `hand-noarena`,
 /// `hand-nopattern`, `hand-noarena-nopattern`.
 fn alloc(variant: &str) -> Result<Option<Alloc>> {
     Ok(match variant {
-        "trainer" => None,
+        "trainer" | "trainer-whole" => None,
         "hand" => Some(Alloc {
             arena: true,
             pattern: true,
@@ -287,7 +288,14 @@ fn alloc(variant: &str) -> Result<Option<Alloc>> {
 impl Runner {
     fn new(step: &ModelProto, k: usize, variant: &str) -> Result<Runner> {
         Ok(match alloc(variant)? {
-            None => Runner::Trainer(Box::new(Trainer::new(step, &options())?)),
+            None => {
+                let options = onnx_ga::train::TrainOptions {
+                    session: options(),
+                    split: variant != "trainer-whole",
+                    ..Default::default()
+                };
+                Runner::Trainer(Box::new(Trainer::with_options(step, &options)?))
+            }
             Some(a) => Runner::Hand(Box::new(HandLoop::new(step, k, a)?)),
         })
     }
@@ -672,6 +680,7 @@ fn machine() -> String {
 fn label(variant: &str) -> &str {
     match variant {
         "trainer" => "Trainer",
+        "trainer-whole" => "Trainer, whole graph (--no-split)",
         "hand" => "hand loop, ORT defaults",
         "hand-noarena" => "arena off",
         "hand-nopattern" => "mem pattern off",

@@ -314,6 +314,46 @@ pub fn session_builder() -> Result<SessionBuilder, RuntimeError> {
     Ok(Session::builder(environment()?)?)
 }
 
+/// Registers one CPU memory arena in the process-wide environment (once; later calls return
+/// the first result). Sessions built with the config entry `session.use_env_allocators`
+/// ([`SessionBuilder::with_env_allocators`]) then take their CPU memory from it instead of
+/// each growing an arena of its own: the trainer's two specialised sessions
+/// ([`crate::split`]) run one after the other, so sharing makes their peak the larger of the
+/// two instead of the sum.
+pub fn register_shared_cpu_arena() -> Result<(), RuntimeError> {
+    static REGISTERED: OnceLock<Result<(), String>> = OnceLock::new();
+    let env = environment()?;
+    REGISTERED
+        .get_or_init(|| {
+            use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
+            use ort::AsPointer;
+            let info = MemoryInfo::new(
+                AllocationDevice::CPU,
+                0,
+                AllocatorType::Arena,
+                MemoryType::Default,
+            )
+            .map_err(|e| e.to_string())?;
+            // SAFETY: both pointers are live for the call (the environment is 'static, the
+            // memory info outlives it); a null arena config asks for ONNX Runtime's
+            // defaults; the returned status is consumed by `result_from_status`.
+            unsafe {
+                let status = (ort::api().CreateAndRegisterAllocator)(
+                    env.ptr().cast_mut(),
+                    info.ptr(),
+                    std::ptr::null(),
+                );
+                ort::Error::result_from_status(status)
+            }
+            .map_err(|e| e.to_string())
+        })
+        .clone()
+        .map_err(|message| RuntimeError::Environment {
+            path: PathBuf::from("(shared CPU arena)"),
+            message,
+        })
+}
+
 /// ONNX Runtime's build-info string, e.g.
 /// `ORT Build Info: git-branch=rel-1.31.1, git-commit-id=..., build type=Release, ...`.
 pub fn onnxruntime_build_info() -> Result<&'static str, RuntimeError> {

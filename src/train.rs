@@ -177,13 +177,14 @@ impl Trainer {
                 let micro_step = scalar_i64(&state[&micro_step_input]).ok_or_else(|| {
                     TrainError::Model(format!("'{micro_step_input}' is not an int64 scalar"))
                 })?;
+                // The two sessions run one after the other: one CPU arena serves both.
+                let session = SessionOptions {
+                    shared_arena: true,
+                    ..options.session.clone()
+                };
                 Runner::Split {
-                    accumulate: Box::new(Engine::new(
-                        kind,
-                        &split.accumulate.model,
-                        &options.session,
-                    )?),
-                    apply: Box::new(Engine::new(kind, &split.apply.model, &options.session)?),
+                    accumulate: Box::new(Engine::new(kind, &split.accumulate.model, &session)?),
+                    apply: Box::new(Engine::new(kind, &split.apply.model, &session)?),
                     unchanged_on_accumulate: split.accumulate.unchanged,
                     unchanged_on_apply: split.apply.unchanged,
                     window_size,

@@ -71,6 +71,10 @@ pub struct SessionOptions {
     /// Run held values through an `IoBinding` even on the CPU (on CUDA always). The CPU
     /// needs none; this exists so that the path CUDA takes is tested where there is no GPU.
     pub io_binding: bool,
+    /// Take CPU memory from the one arena registered in the environment
+    /// ([`crate::runtime::register_shared_cpu_arena`]) instead of an arena per session: the
+    /// trainer sets it so that its two specialised sessions share their activation memory.
+    pub shared_arena: bool,
 }
 
 impl Default for SessionOptions {
@@ -80,6 +84,7 @@ impl Default for SessionOptions {
             optimize: true,
             device: Device::Cpu,
             io_binding: false,
+            shared_arena: false,
         }
     }
 }
@@ -118,6 +123,12 @@ impl OrtSession {
         builder = builder
             .with_optimization_level(level)
             .map_err(|e| ort_err("optimization level")(e.into()))?;
+        if options.shared_arena {
+            crate::runtime::register_shared_cpu_arena()?;
+            builder = builder
+                .with_env_allocators()
+                .map_err(|e| ort_err("shared arena")(e.into()))?;
+        }
         let device_memory = match options.device {
             Device::Cpu if options.io_binding => Some(MemoryInfo::default()),
             Device::Cpu => None,
