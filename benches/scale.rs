@@ -1,0 +1,420 @@
+//! How the step's cost over its gradient graph scales with model size, where the shipped
+//! graphs (a few hundred parameters) cannot tell: a two-layer MLP of width W, from 64 to
+//! 2048 (8 K to 8.4 M parameters), written as a plain gradient graph, rewritten with
+//! `grad-accum(steps=4),optimizer(kind=adamw),dce` and run on ONNX Runtime, one thread.
+//! See benches/README.md ("Scaling with model size") for what it showed.
+//!
+//! Columns, interleaved in rounds (the order rotates per round):
+//! - `floor`: the gradient graph alone, parameters held in ONNX Runtime, gradients dropped;
+//! - `step`: the Trainer as shipped (the two specialisations of the `If`, src/split.rs);
+//! - `step If`: the exported graph run whole (`--no-split`): its else-branch copies every
+//!   parameter and both AdamW moments into the `If`'s outputs on every micro-step.
+//!
+//! `cargo bench --bench scale` measures; run without `--bench` (as `cargo test
+//! --all-targets` does) it only checks, at the smallest width, that step and step If train
+//! to bit-identical parameters. Options: `--widths 64,256,1024,2048` `--batch 32`
+//! `--rounds 3` `--cell-ms 400`.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Result};
+use ndarray::ArrayD;
+
+use onnx_ga::data::Tensor;
+use onnx_ga::engine::ort::SessionOptions;
+use onnx_ga::engine::{Engine, EngineKind, Held};
+use onnx_ga::ir::builder::{attr_int, tensor_f32, tensor_i64, Builder};
+use onnx_ga::ir::{tensor_type, BodyId, Model};
+use onnx_ga::proto::ModelProto;
+use onnx_ga::train::{TrainOptions, Trainer};
+
+const K: u64 = 4;
+const FLOAT: i32 = 1;
+
+struct Opts {
+    widths: Vec<i64>,
+    batch: usize,
+    rounds: usize,
+    cell: Duration,
+    bench: bool,
+}
+
+fn parse_opts() -> Result<Opts> {
+    let mut o = Opts {
+        widths: vec![64, 256, 1024, 2048],
+        batch: 32,
+        rounds: 3,
+        cell: Duration::from_millis(400),
+        bench: false,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut value = |what: &str| args.next().ok_or_else(|| anyhow!("{what} needs a value"));
+        match a.as_str() {
+            "--bench" => o.bench = true,
+            "--widths" => {
+                o.widths = value("--widths")?
+                    .split(',')
+                    .map(|w| w.trim().parse().map_err(|_| anyhow!("--widths: bad '{w}'")))
+                    .collect::<Result<_>>()?
+            }
+            "--batch" => o.batch = value("--batch")?.parse()?,
+            "--rounds" => o.rounds = value("--rounds")?.parse()?,
+            "--cell-ms" => o.cell = Duration::from_millis(value("--cell-ms")?.parse()?),
+            other if other.starts_with('-') => eprintln!("scale bench: ignoring {other}"),
+            _ => {}
+        }
+    }
+    Ok(o)
+}
+
+/// Deterministic values in [-scale, scale) (xorshift): the bench needs no RNG crate.
+fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+/// The gradient graph of `loss = mean((relu(x W1 + b1) W2 + b2 - t)^2)` for x, t of width
+/// `w` and a hidden layer of width `w`, its backward pass written out and seeded by the
+/// scalar initializer `loss_grad`. Returns the model and the (parameter, gradient) pairs.
+fn mlp_gradient_graph(w: i64) -> (ModelProto, Vec<(String, String)>) {
+    let mut model = Model::from_proto(ModelProto {
+        ir_version: Some(8),
+        opset_import: vec![onnx_ga::proto::OperatorSetIdProto {
+            domain: Some(String::new()),
+            version: Some(17),
+        }],
+        producer_name: Some("onnx-ga scale bench".into()),
+        graph: Some(Default::default()),
+        ..Default::default()
+    });
+    let main = BodyId::MAIN;
+    let batch_type = |cols: i64| {
+        let mut ty = tensor_type(FLOAT, &[0, cols]);
+        if let Some(onnx_ga::proto::type_proto::Value::TensorType(t)) = &mut ty.value {
+            t.shape.as_mut().unwrap().dim[0].value =
+                Some(onnx_ga::proto::tensor_shape_proto::dimension::Value::DimParam("N".into()));
+        }
+        ty
+    };
+    let x = model.add_input(main, "x", batch_type(w), None);
+    let t = model.add_input(main, "t", batch_type(w), None);
+    let scale = 1.0 / (w as f32).sqrt();
+    let mut param = |name: &str, dims: &[i64], seed: u64| {
+        let n = dims.iter().product::<i64>() as usize;
+        let init = tensor_f32(dims, &values(seed, n, scale));
+        model.add_input(main, name, tensor_type(FLOAT, dims), Some(init))
+    };
+    let w1 = param("W1", &[w, w], 1);
+    let b1 = param("b1", &[w], 2);
+    let w2 = param("W2", &[w, w], 3);
+    let b2 = param("b2", &[w], 4);
+    let mut b = Builder::new(&mut model, main, "scale-bench");
+    // Forward.
+    let xw = b.op("MatMul", &[x, w1], vec![], "xW1");
+    let z = b.op("Add", &[xw, b1], vec![], "z");
+    let h = b.op("Relu", &[z], vec![], "h");
+    let hw = b.op("MatMul", &[h, w2], vec![], "hW2");
+    let y = b.op("Add", &[hw, b2], vec![], "y");
+    let d = b.op("Sub", &[y, t], vec![], "d");
+    let d2 = b.op("Mul", &[d, d], vec![], "d2");
+    let loss = b.op("ReduceMean", &[d2], vec![attr_int("keepdims", 0)], "loss");
+    // Backward: dL/dy = seed * 2 d / numel.
+    let seed = b.scalar_f32("loss_grad", 1.0);
+    let two = b.scalar_f32("two", 2.0);
+    let numel = b.op("Size", &[d], vec![], "numel");
+    let numel = b.op(
+        "Cast",
+        &[numel],
+        vec![attr_int("to", FLOAT as i64)],
+        "numel_f",
+    );
+    let factor = b.op("Div", &[two, numel], vec![], "two_over_numel");
+    let factor = b.op("Mul", &[seed, factor], vec![], "dy_factor");
+    let dy = b.op("Mul", &[d, factor], vec![], "dy");
+    let axis0 = b
+        .model
+        .add_initializer(main, "axis0", tensor_i64(&[1], &[0]));
+    let ht = b.op("Transpose", &[h], vec![], "h_t");
+    b.op("MatMul", &[ht, dy], vec![], "W2_grad");
+    b.op(
+        "ReduceSum",
+        &[dy, axis0],
+        vec![attr_int("keepdims", 0)],
+        "b2_grad",
+    );
+    let w2t = b.op("Transpose", &[w2], vec![], "W2_t");
+    let dh = b.op("MatMul", &[dy, w2t], vec![], "dh");
+    let zero = b.scalar_f32("zero", 0.0);
+    let active = b.op("Greater", &[z, zero], vec![], "active");
+    let dz = b.op("Where", &[active, dh, zero], vec![], "dz");
+    let xt = b.op("Transpose", &[x], vec![], "x_t");
+    b.op("MatMul", &[xt, dz], vec![], "W1_grad");
+    b.op(
+        "ReduceSum",
+        &[dz, axis0],
+        vec![attr_int("keepdims", 0)],
+        "b1_grad",
+    );
+    model.add_output(main, loss, Some(tensor_type(FLOAT, &[])));
+    let grads: Vec<(String, String)> = ["W1", "b1", "W2", "b2"]
+        .iter()
+        .map(|p| (p.to_string(), format!("{p}_grad")))
+        .collect();
+    (model.to_proto(), grads)
+}
+
+/// The gradient graph with every gradient as an output (the floor), and the step.
+struct Sized {
+    width: i64,
+    params: usize,
+    floor: ModelProto,
+    step: ModelProto,
+    /// Distinct micro-batches (x, t).
+    batches: Vec<BTreeMap<String, Tensor>>,
+}
+
+fn build(width: i64, batch: usize) -> Result<Sized> {
+    let (graph, grads) = mlp_gradient_graph(width);
+    let mut floor = graph.clone();
+    {
+        let g = floor.graph.as_mut().unwrap();
+        for (_, grad) in &grads {
+            g.output.push(onnx_ga::proto::ValueInfoProto {
+                name: Some(grad.clone()),
+                ..Default::default()
+            });
+        }
+    }
+    let roles = onnx_ga::signature::ExplicitRoles {
+        loss: Some("loss".into()),
+        seed: Some("loss_grad".into()),
+        grads: grads.clone(),
+    };
+    let training = onnx_ga::signature::from_model(graph, &roles, Path::new("mlp.onnx"))
+        .map_err(|e| anyhow!("width {width}: {e}"))?;
+    let step = onnx_ga::step::build_step(
+        training,
+        "grad-accum(steps=4),optimizer(kind=adamw,lr=0.001,weight_decay=0.01),dce",
+        false,
+    )
+    .map_err(|e| anyhow!("width {width}: {e}"))?;
+    let w = width as usize;
+    let batches = (0..2u64)
+        .map(|i| {
+            let x = ArrayD::from_shape_vec(vec![batch, w], values(100 + i, batch * w, 1.0));
+            let t = ArrayD::from_shape_vec(vec![batch, w], values(200 + i, batch * w, 1.0));
+            Ok(BTreeMap::from([
+                ("x".to_string(), Tensor::F32(x?)),
+                ("t".to_string(), Tensor::F32(t?)),
+            ]))
+        })
+        .collect::<Result<_>>()?;
+    Ok(Sized {
+        width,
+        params: 2 * w * w + 2 * w,
+        floor,
+        step: step.model.to_proto(),
+        batches,
+    })
+}
+
+fn session_options() -> SessionOptions {
+    SessionOptions {
+        threads: 1,
+        ..Default::default()
+    }
+}
+
+fn trainer(step: &ModelProto, split: bool) -> Result<Trainer> {
+    let options = TrainOptions {
+        session: session_options(),
+        split,
+        ..TrainOptions::default()
+    };
+    Ok(Trainer::with_options(step, &options)?)
+}
+
+/// Times in ms: the median over windows of (window time / K), and the medians of the
+/// non-applying and applying single micro-steps; after two warm-up windows.
+struct Measured {
+    per_step: f64,
+    nonapply: f64,
+    apply: Option<f64>,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// `step(i)` runs micro-step i and says whether it applied the window.
+fn measure(cell: Duration, mut step: impl FnMut(u64) -> Result<bool>) -> Result<Measured> {
+    let mut i = 0;
+    for _ in 0..2 * K {
+        step(i)?;
+        i += 1;
+    }
+    let (mut per_step, mut nonapply, mut apply) = (Vec::new(), Vec::new(), Vec::new());
+    let t0 = Instant::now();
+    while t0.elapsed() < cell || per_step.len() < 3 {
+        let mut window = 0.0;
+        for _ in 0..K {
+            let s = Instant::now();
+            let applied = step(i)?;
+            let ms = s.elapsed().as_secs_f64() * 1e3;
+            window += ms;
+            if applied {
+                apply.push(ms)
+            } else {
+                nonapply.push(ms)
+            }
+            i += 1;
+        }
+        per_step.push(window / K as f64);
+    }
+    Ok(Measured {
+        per_step: median(per_step),
+        nonapply: median(nonapply),
+        apply: (!apply.is_empty()).then(|| median(apply)),
+    })
+}
+
+fn run_cell(s: &Sized, column: &str, cell: Duration) -> Result<Measured> {
+    let nb = s.batches.len() as u64;
+    match column {
+        "floor" => {
+            let mut engine = Engine::new(EngineKind::Ort, &s.floor, &session_options())?;
+            let g = s.floor.graph.as_ref().unwrap();
+            let params: Vec<(String, Held)> = ["W1", "b1", "W2", "b2"]
+                .iter()
+                .map(|p| {
+                    let init = g.initializer.iter().find(|t| t.name() == *p).unwrap();
+                    let value = Tensor::from_tensor_proto(init).map_err(|m| anyhow!(m))?;
+                    let held = onnx_ga::engine::ort::to_owned_ort(p, &value)?;
+                    Ok((p.to_string(), Held::Ort(held)))
+                })
+                .collect::<Result<_>>()?;
+            measure(cell, |i| {
+                let batch = &s.batches[(i % nb) as usize];
+                let host: Vec<(&str, &Tensor)> =
+                    batch.iter().map(|(k, v)| (k.as_str(), v)).collect();
+                let held: Vec<(&str, &Held)> =
+                    params.iter().map(|(k, v)| (k.as_str(), v)).collect();
+                engine.run_held(&host, &held)?;
+                Ok(false)
+            })
+        }
+        "step" | "step_if" => {
+            let mut t = trainer(&s.step, column == "step")?;
+            measure(cell, |i| {
+                Ok(t.step(&s.batches[(i % nb) as usize], false)?.applied)
+            })
+        }
+        other => bail!("unknown column {other}"),
+    }
+}
+
+/// Step and step If train to the same parameters, bit for bit (3 windows).
+fn check(s: &Sized) -> Result<()> {
+    let mut split = trainer(&s.step, true)?;
+    let mut whole = trainer(&s.step, false)?;
+    if !split.is_split() {
+        bail!("width {}: the step did not split", s.width);
+    }
+    for i in 0..3 * K as usize {
+        let batch = &s.batches[i % s.batches.len()];
+        let (a, b) = (split.step(batch, false)?, whole.step(batch, false)?);
+        if a != b {
+            bail!("width {}: micro-step {i}: {a:?} vs {b:?}", s.width);
+        }
+    }
+    if split.state()? != whole.state()? {
+        bail!("width {}: the states differ after 3 windows", s.width);
+    }
+    println!(
+        "check width {}: step (split) and step If bit-identical after 3 windows: ok",
+        s.width
+    );
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let o = parse_opts()?;
+    onnx_ga::runtime::init_onnxruntime()?;
+    if !o.bench {
+        return check(&build(o.widths[0].min(64), 8)?);
+    }
+    let sized: Vec<Sized> = o
+        .widths
+        .iter()
+        .map(|&w| build(w, o.batch))
+        .collect::<Result<_>>()?;
+    check(&sized[0])?;
+    let columns = ["floor", "step", "step_if"];
+    // (width, column) -> per-round measurements
+    let mut cells: BTreeMap<(i64, &str), Vec<Measured>> = BTreeMap::new();
+    for r in 0..o.rounds {
+        let t = Instant::now();
+        for (j, s) in sized.iter().enumerate() {
+            for c in 0..columns.len() {
+                let column = columns[(c + r + j) % columns.len()];
+                let m = run_cell(s, column, o.cell)?;
+                cells.entry((s.width, column)).or_default().push(m);
+            }
+        }
+        eprintln!(
+            "scale bench: round {r} in {:.1} s",
+            t.elapsed().as_secs_f64()
+        );
+    }
+    let med = |w: i64, c: &str, f: fn(&Measured) -> Option<f64>| {
+        median(cells[&(w, c)].iter().filter_map(f).collect())
+    };
+    // Ratios per round, then the median: both sides of a ratio come from one round.
+    let ratio = |w: i64, a: &str, b: &str| {
+        let (a, b) = (&cells[&(w, a)], &cells[&(w, b)]);
+        median(
+            a.iter()
+                .zip(b)
+                .map(|(a, b)| a.per_step / b.per_step)
+                .collect(),
+        )
+    };
+    println!(
+        "\nTwo-layer MLP of width W (x, hidden and output W wide), B = {}, K = {K}, AdamW, one \
+         thread, {} rounds. ms per micro-step (median over windows of window time / K; \
+         medians over rounds); ratios are medians of per-round ratios.\n",
+        o.batch, o.rounds
+    );
+    println!("| W | parameters | state MiB | floor | step | step If | step/floor | If/floor | step non-applying | step applying | If non-applying |");
+    println!("|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|");
+    for s in &sized {
+        let w = s.width;
+        let per = |m: &Measured| Some(m.per_step);
+        // Parameters, accumulators and two moments, float32.
+        let state_mib = 4.0 * s.params as f64 * 4.0 / (1 << 20) as f64;
+        println!(
+            "| {w} | {} | {state_mib:.1} | {:.3} | {:.3} | {:.3} | {:.2} | {:.2} | {:.3} | {:.3} | {:.3} |",
+            s.params,
+            med(w, "floor", per),
+            med(w, "step", per),
+            med(w, "step_if", per),
+            ratio(w, "step", "floor"),
+            ratio(w, "step_if", "floor"),
+            med(w, "step", |m| Some(m.nonapply)),
+            med(w, "step", |m| m.apply),
+            med(w, "step_if", |m| Some(m.nonapply)),
+        );
+    }
+    Ok(())
+}
