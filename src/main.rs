@@ -134,6 +134,12 @@ struct TrainArgs {
     /// graph per branch (the default; same results, faster).
     #[arg(long)]
     no_split: bool,
+    /// Learning rate for this run (default: the one the step was rewritten with).
+    #[arg(long)]
+    lr: Option<f32>,
+    /// Micro-steps per window for this run (default: the step's K).
+    #[arg(long, value_name = "K")]
+    accum_steps: Option<i64>,
     /// Intra-op threads of ONNX Runtime (0: it decides); tract runs on one thread.
     #[arg(long, default_value_t = 1)]
     threads: usize,
@@ -581,6 +587,16 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         }
         other => anyhow::Error::new(other),
     })?;
+    if let Some(lr) = args.lr {
+        trainer
+            .set_learning_rate(lr)
+            .map_err(|e| UsageError(format!("--lr {lr}: {e}")))?;
+    }
+    if let Some(k) = args.accum_steps {
+        trainer
+            .set_accum_steps(k)
+            .map_err(|e| UsageError(format!("--accum-steps {k}: {e}")))?;
+    }
     let data = onnx_ga::data::read_npz(&args.data)?;
     let samples = trainer.check_data(&data, &args.data)?;
     if let Some(path) = &args.init_state {

@@ -48,3 +48,5 @@ pub struct ApplyTrigger {
     /// The bool input forcing the apply.
     pub flush: String,
 }
+
+pub const LEARNING_RATE_KEY: &str = "onnx_ga.learning_rate";

@@ -31,6 +31,8 @@ pub struct Manifest {
     pub version: String,
     /// When the step's apply region is an `If`: what decides its branch.
     pub apply: Option<state::ApplyTrigger>,
+    /// The float scalar input holding the learning rate (a host may schedule it).
+    pub learning_rate: Option<String>,
 }
 
 impl Manifest {
@@ -64,6 +66,7 @@ impl Manifest {
                 ),
                 Err(_) => None,
             },
+            learning_rate: get(state::LEARNING_RATE_KEY).ok(),
         })
     }
 
@@ -84,7 +87,13 @@ impl Manifest {
         model
             .header
             .metadata_props
-            .retain(|p| p.key() != state::APPLY_KEY);
+            .retain(|p| p.key() != state::APPLY_KEY && p.key() != state::LEARNING_RATE_KEY);
+        if let Some(name) = &self.learning_rate {
+            model.header.metadata_props.push(StringStringEntryProto {
+                key: Some(state::LEARNING_RATE_KEY.into()),
+                value: Some(name.clone()),
+            });
+        }
         if let Some(trigger) = &self.apply {
             model.header.metadata_props.push(StringStringEntryProto {
                 key: Some(state::APPLY_KEY.into()),
@@ -123,6 +132,10 @@ pub fn build_step(graph: TrainingGraph, spec: &str, verify_each: bool) -> Result
         let reports = pipeline.run(&mut model, &mut cx)?;
         (reports, std::mem::take(&mut cx.state), cx.apply.take())
     };
+    let learning_rate = region
+        .as_ref()
+        .and_then(|r| r.learning_rate)
+        .map(|v| model.name(v).to_string());
     let apply = region.and_then(|r| {
         Some(state::ApplyTrigger {
             node: model.node(r.if_node?).proto.name().to_string(),
@@ -154,6 +167,7 @@ pub fn build_step(graph: TrainingGraph, spec: &str, verify_each: bool) -> Result
         pipeline: pipeline.spec(),
         version: env!("CARGO_PKG_VERSION").to_string(),
         apply,
+        learning_rate,
     };
     manifest.write(&mut model);
     verify::verify(&model)?;

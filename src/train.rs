@@ -101,6 +101,10 @@ pub struct Trainer {
     /// The state on the host, made when asked for and dropped at the next step.
     host_state: OnceCell<BTreeMap<String, Tensor>>,
     data_decls: BTreeMap<String, InputDecl>,
+    /// Control inputs the host set (learning rate, K), fed on every run from then on.
+    controls: BTreeMap<String, Tensor>,
+    /// Every graph input of the step, to check a control's name against.
+    inputs: BTreeSet<String>,
     /// Micro-steps run so far.
     pub steps_done: u64,
 }
@@ -211,6 +215,8 @@ impl Trainer {
             host_state: OnceCell::from(state.clone()),
             state: state.into_iter().map(|(k, v)| (k, Held::Host(v))).collect(),
             data_decls,
+            controls: BTreeMap::new(),
+            inputs: graph.input.iter().map(|i| i.name().to_string()).collect(),
             steps_done: 0,
         })
     }
@@ -218,6 +224,51 @@ impl Trainer {
     /// The engine that runs the steps.
     pub fn engine(&self) -> EngineKind {
         self.kind
+    }
+
+    /// Sets the learning rate from the next micro-step on: the step's learning-rate input
+    /// (recorded in the manifest), whose initializer is only its default. For schedules.
+    pub fn set_learning_rate(&mut self, lr: f32) -> Result<(), TrainError> {
+        let name = self.manifest.learning_rate.clone().ok_or_else(|| {
+            TrainError::Model(
+                "the step records no learning-rate input (onnx_ga.learning_rate)".into(),
+            )
+        })?;
+        if !lr.is_finite() || lr < 0.0 {
+            return Err(TrainError::Model(format!(
+                "learning rate {lr}: must be finite and not negative"
+            )));
+        }
+        self.set_control(name, Tensor::F32(ndarray::arr0(lr).into_dyn()))
+    }
+
+    /// Sets K, the micro-steps per window, from the next micro-step on. The current window
+    /// applies as soon as it holds K micro-steps (`micro_step + 1 >= K`): setting K between
+    /// windows starts windows of the new size; setting it below the micro-steps already
+    /// accumulated applies at the next micro-step.
+    pub fn set_accum_steps(&mut self, k: i64) -> Result<(), TrainError> {
+        if k < 1 {
+            return Err(TrainError::Model(format!("K = {k}: must be at least 1")));
+        }
+        let name = self
+            .manifest
+            .apply
+            .as_ref()
+            .map_or("ga.accum_steps", |t| t.steps.as_str())
+            .to_string();
+        self.set_control(name, Tensor::I64(ndarray::arr0(k).into_dyn()))?;
+        if let Runner::Split { window_size, .. } = &mut self.runner {
+            *window_size = k;
+        }
+        Ok(())
+    }
+
+    fn set_control(&mut self, name: String, value: Tensor) -> Result<(), TrainError> {
+        if !self.inputs.contains(&name) {
+            return Err(TrainError::Model(format!("the step has no input '{name}'")));
+        }
+        self.controls.insert(name, value);
+        Ok(())
     }
 
     /// Whether the step runs as two specialised graphs ([`crate::split`]).
@@ -352,12 +403,16 @@ impl Trainer {
         batch: &BTreeMap<String, Tensor>,
         flush: bool,
     ) -> Result<StepMetrics, TrainError> {
-        let mut host: Vec<(&str, &Tensor)> = Vec::with_capacity(batch.len() + 1);
+        let mut host: Vec<(&str, &Tensor)> =
+            Vec::with_capacity(batch.len() + self.controls.len() + 1);
         for name in &self.manifest.data_inputs {
             let t = batch
                 .get(name)
                 .ok_or_else(|| TrainError::Model(format!("batch lacks data input '{name}'")))?;
             host.push((name, t));
+        }
+        for (name, value) in &self.controls {
+            host.push((name, value));
         }
         let held: Vec<(&str, &Held)> = self.state.iter().map(|(k, v)| (k.as_str(), v)).collect();
         let flush_value = Tensor::Bool(ndarray::arr0(true).into_dyn());

@@ -472,3 +472,68 @@ fn unknown_or_impossible_devices() {
         &["--device cuda:1", "tract runs on the CPU only"],
     );
 }
+
+#[test]
+fn train_overrides_k_and_the_learning_rate() {
+    if !ort_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let step = rewritten(dir.path());
+    let metrics = dir.path().join("m.jsonl");
+    let (out, state) = train_saving(
+        dir.path(),
+        &step,
+        "k2-lr0",
+        &[
+            "--accum-steps",
+            "2",
+            "--lr",
+            "0",
+            "--metrics",
+            metrics.to_str().unwrap(),
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let applied: Vec<bool> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["applied"] == true)
+        .collect();
+    assert_eq!(
+        applied,
+        [false, true].repeat(5),
+        "K = 2 from the command line"
+    );
+    let state = state.unwrap();
+    assert_eq!(
+        state["ga.opt_step"],
+        Tensor::I64(ndarray::arr0(5).into_dyn())
+    );
+    // lr 0: every parameter still holds its initial value.
+    let model = onnx_ga::model::load_model(&step).unwrap();
+    for init in &model.graph.as_ref().unwrap().initializer {
+        if ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"].contains(&init.name()) {
+            let initial = Tensor::from_tensor_proto(init).unwrap();
+            assert_eq!(state[init.name()], initial, "{}", init.name());
+        }
+    }
+}
+
+#[test]
+fn bad_overrides() {
+    bad_train(
+        |_, step| {
+            let data = root().join("graphs/mlp_ce_adamw/data.npz");
+            train_args(step, &data, &["--accum-steps", "0"])
+        },
+        &["--accum-steps 0", "at least 1"],
+    );
+    bad_train(
+        |_, step| {
+            let data = root().join("graphs/mlp_ce_adamw/data.npz");
+            train_args(step, &data, &["--lr=-1"])
+        },
+        &["--lr -1", "not negative"],
+    );
+}

@@ -101,6 +101,9 @@ pub struct ApplyRegion {
     /// run, which branch it takes (see [`crate::split`]).
     pub window_size: Option<ValueId>,
     pub flush: Option<ValueId>,
+    /// The float scalar input holding the learning rate, set by `optimizer`: recorded in the
+    /// manifest so that a host can schedule it.
+    pub learning_rate: Option<ValueId>,
 }
 
 pub const PASS: &str = "grad-accum";
@@ -147,6 +150,7 @@ impl ApplyRegion {
             gate: None,
             window_size: None,
             flush: None,
+            learning_rate: None,
         }
     }
 

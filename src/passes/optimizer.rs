@@ -366,6 +366,7 @@ impl Pass for Optimizer {
             region.set_next(model, &p.slot, next);
         }
         region.optimized = true;
+        region.learning_rate = Some(lr);
         cx.apply = Some(region);
         Ok(PassReport {
             changed: true,
