@@ -90,6 +90,26 @@ fn split_trains_bit_identically_on_every_shipped_graph() {
 }
 
 #[test]
+fn split_with_weighted_normalisation_trains_bit_identically() {
+    if !ort_available() {
+        return;
+    }
+    // The window's weight sum is one more state the branches route (counted in the graph
+    // from the labels of the cross-entropy graphs).
+    for model in ["mlp_ce_adamw", "transformer_block", "cnn_bn"] {
+        let data = read_npz(&root().join("graphs").join(model).join("data.npz"));
+        let spec = "grad-accum(steps=4,normalize=weighted),optimizer(lr=0.01),legalize-ort,dce";
+        let step = rewrite(model, spec);
+        let manifest = onnx_ga::step::Manifest::from_model(&step).unwrap();
+        assert!(
+            manifest.state.iter().any(|e| e.role == Role::WeightSum),
+            "{model}: a weight-sum state"
+        );
+        assert_same_training(&format!("{model} {spec}"), &step, &data);
+    }
+}
+
+#[test]
 fn split_skips_overflow_windows_like_the_whole_graph() {
     if !ort_available() {
         return;
