@@ -642,14 +642,7 @@ fn power_of_two_scales_are_exact_on_every_graph() {
     if !ort_available() {
         return;
     }
-    for model in [
-        "mlp_ce_adamw",
-        "mlp_mse_sgd",
-        "cnn_bn",
-        "transformer_block",
-        "bce_logits",
-        "l1_loss",
-    ] {
+    for model in common::SHIPPED_GRAPHS {
         let data = data(model);
         let run = |scaling: &str| {
             let step = rewrite(
