@@ -587,6 +587,14 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         }
         other => anyhow::Error::new(other),
     })?;
+    eprintln!(
+        "runs: {}",
+        if trainer.is_split() {
+            "one specialised graph per branch of the apply If (accumulate / apply)"
+        } else {
+            "the exported graph whole"
+        }
+    );
     if let Some(lr) = args.lr {
         trainer
             .set_learning_rate(lr)
