@@ -97,3 +97,64 @@ fn legalized_graphs_pass_onnx_checker_and_load_in_onnxruntime() {
         .collect();
     check_with_python(&files);
 }
+
+/// `examples/train_step.py` drives a rewritten step from Python onnxruntime with nothing but
+/// its manifest; after 4 windows its state equals the Rust trainer's (which runs the split),
+/// bit for bit, for a plain step and one with AGC and dynamic loss scaling.
+#[test]
+fn python_host_trains_a_step_like_the_rust_trainer() {
+    let Some(python) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let model = "transformer_block";
+    let data = root().join("graphs").join(model).join("data.npz");
+    for (name, spec) in [
+        ("plain", "grad-accum(steps=4),optimizer(lr=0.01),legalize-ort,dce"),
+        (
+            "scaled",
+            "grad-accum(steps=4),loss-scale(init=1024,interval=2),agc(clip=0.05),optimizer(lr=0.01),legalize-ort,dce",
+        ),
+    ] {
+        let step = write(dir.path(), name, spec, model);
+        let saved = dir.path().join(format!("{name}.python-state.npz"));
+        let out = Command::new(&python)
+            .arg(root().join("examples/train_step.py"))
+            .args([step.to_str().unwrap(), data.to_str().unwrap()])
+            .args(["--micro-batch", "8", "--steps", "16", "--save-state"])
+            .arg(&saved)
+            .output()
+            .expect("run python");
+        assert!(
+            out.status.success(),
+            "examples/train_step.py failed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(stdout.matches("window applied").count(), 4, "{stdout}");
+
+        let model_proto = onnx_ga::model::load_model(&step).unwrap();
+        let mut trainer = onnx_ga::train::Trainer::new(&model_proto, &Default::default()).unwrap();
+        assert!(trainer.is_split());
+        let batches = onnx_ga::data::read_npz(&data).unwrap();
+        let samples = trainer.check_data(&batches, &data).unwrap();
+        for i in 0..16 {
+            trainer
+                .step(&onnx_ga::train::micro_batch(&batches, samples, 8, i), false)
+                .unwrap();
+        }
+        let python_state = onnx_ga::data::read_npz(&saved).unwrap();
+        let rust_state = trainer.state().unwrap();
+        assert_eq!(python_state.len(), rust_state.len(), "{name}: state count");
+        for (key, value) in rust_state {
+            // Same runtime version, the same arithmetic: bit for bit (measured), although
+            // Python runs the graph whole and Rust its two specialisations.
+            common::assert_close(
+                &format!("{name} {key}"),
+                &python_state[key],
+                value,
+                0.0,
+                0.0,
+            );
+        }
+    }
+}

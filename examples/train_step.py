@@ -1,0 +1,70 @@
+"""Trains a step written by `onnx-ga rewrite` from Python, with nothing but onnxruntime and
+the step's own manifest: any host can drive the loop without knowing onnx-ga's naming.
+
+    python examples/train_step.py STEP.onnx DATA.npz --micro-batch 8 --steps 32 [--save-state S.npz]
+
+The manifest (model metadata) says which graph inputs are state, which output carries each
+one's next value, which inputs are data and which output is the loss. Micro-step i takes
+samples [i*B, (i+1)*B) of DATA.npz, wrapping around, as `onnx-ga train` does. This runs the
+exported graph whole (its apply `If` included); `onnx-ga train` runs the same graph as two
+specialisations and gets bit-identical results, faster.
+"""
+
+import argparse
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import numpy_helper
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("step")
+    p.add_argument("data")
+    p.add_argument("--micro-batch", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--save-state")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+
+    model = onnx.load(args.step)
+    meta = {e.key: e.value for e in model.metadata_props}
+    state_entries = json.loads(meta["onnx_ga.state"])
+    data_inputs = json.loads(meta["onnx_ga.data_inputs"])
+    loss_name = meta["onnx_ga.loss"]
+
+    # Initial state: the initializers of the state inputs.
+    initializers = {t.name: t for t in model.graph.initializer}
+    state = {e["input"]: numpy_helper.to_array(initializers[e["input"]]) for e in state_entries}
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = args.threads
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    outputs = [o.name for o in session.get_outputs()]
+
+    data = np.load(args.data)
+    samples = data[data_inputs[0]].shape[0]
+    window_losses = []
+    for i in range(args.steps):
+        start = (i * args.micro_batch) % samples
+        rows = [(start + j) % samples for j in range(args.micro_batch)]
+        feeds = {name: data[name][rows] for name in data_inputs}
+        feeds.update(state)
+        values = dict(zip(outputs, session.run(outputs, feeds)))
+        for e in state_entries:
+            state[e["input"]] = values[e["output"]]
+        window_losses.append(float(values[loss_name]))
+        if bool(values.get("ga.applied", False)):
+            print(f"micro-step {i + 1}: window applied, mean loss {np.mean(window_losses):.5f}")
+            window_losses = []
+
+    if args.save_state:
+        np.savez(args.save_state, **state)
+
+
+if __name__ == "__main__":
+    main()
