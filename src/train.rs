@@ -83,7 +83,7 @@ enum Runner {
         /// State inputs each specialisation leaves unchanged (it has no output for them).
         unchanged_on_accumulate: BTreeSet<String>,
         unchanged_on_apply: BTreeSet<String>,
-        /// K, from the step's initializer.
+        /// K: the step's initializer, or what [`Trainer::set_accum_steps`] set.
         window_size: i64,
         /// The micro-step counter the graph holds, mirrored on the host so that no state
         /// is read back to decide the branch.
@@ -132,6 +132,8 @@ impl Trainer {
         )
     }
 
+    /// A trainer with every option: engine, session options, and whether an `If` step runs
+    /// as its two specialisations (the default) or whole.
     pub fn with_options(model: &ModelProto, options: &TrainOptions) -> Result<Trainer, TrainError> {
         let manifest = Manifest::from_model(model)?;
         let graph = model
