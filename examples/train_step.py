@@ -1,13 +1,19 @@
 """Trains a step written by `onnx-ga rewrite` from Python, with nothing but onnxruntime and
 the step's own manifest: any host can drive the loop without knowing onnx-ga's naming.
 
-    python examples/train_step.py STEP.onnx DATA.npz --micro-batch 8 --steps 32 [--save-state S.npz]
+    python examples/train_step.py STEP.onnx DATA.npz --micro-batch 8 --steps 32 [--save-state S.npz] [--split]
 
 The manifest (model metadata) says which graph inputs are state, which output carries each
 one's next value, which inputs are data and which output is the loss. Micro-step i takes
-samples [i*B, (i+1)*B) of DATA.npz, wrapping around, as `onnx-ga train` does. This runs the
-exported graph whole (its apply `If` included); `onnx-ga train` runs the same graph as two
-specialisations and gets bit-identical results, faster.
+samples [i*B, (i+1)*B) of DATA.npz, wrapping around, as `onnx-ga train` does.
+
+By default this runs the exported graph whole, its apply `If` included. With --split it runs
+the two specialisations that `onnx-ga rewrite --split` writes next to the step
+(STEP.accumulate.onnx, STEP.apply.onnx), as `onnx-ga train` does: the accumulate graph while
+the window continues, the apply graph on the micro-step that completes it (the rule in the
+manifest's `onnx_ga.apply`: micro_step + 1 >= K or flush). The accumulate graph has no
+outputs for the state it leaves unchanged (`onnx_ga.unchanged`): the host keeps those values.
+Both ways give bit-identical results; the split is faster.
 """
 
 import argparse
@@ -27,6 +33,7 @@ def main():
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--save-state")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--split", action="store_true")
     args = p.parse_args()
 
     model = onnx.load(args.step)
@@ -41,10 +48,27 @@ def main():
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = args.threads
-    session = ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-    outputs = [o.name for o in session.get_outputs()]
+    options.log_severity_level = 3  # state inputs with initializers are intended: no warnings
+
+    def session(m):
+        s = ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return s, [o.name for o in s.get_outputs()]
+
+    if args.split:
+        base = args.step[: -len(".onnx")] if args.step.endswith(".onnx") else args.step
+        accumulate, apply = (onnx.load(f"{base}.{b}.onnx") for b in ("accumulate", "apply"))
+        unchanged = {
+            name: set(json.loads({e.key: e.value for e in m.metadata_props}["onnx_ga.unchanged"]))
+            for name, m in (("accumulate", accumulate), ("apply", apply))
+        }
+        runners = {"accumulate": session(accumulate), "apply": session(apply)}
+        trigger = json.loads(meta["onnx_ga.apply"])
+        k = int(numpy_helper.to_array(initializers[trigger["steps"]]))
+        counter = next(e["input"] for e in state_entries if e["role"] == "micro_step")
+        micro_step = int(state[counter])
+    else:
+        runners = {"whole": session(model)}
+        unchanged = {"whole": set()}
 
     data = np.load(args.data)
     samples = data[data_inputs[0]].shape[0]
@@ -54,9 +78,17 @@ def main():
         rows = [(start + j) % samples for j in range(args.micro_batch)]
         feeds = {name: data[name][rows] for name in data_inputs}
         feeds.update(state)
-        values = dict(zip(outputs, session.run(outputs, feeds)))
+        if args.split:
+            applies = micro_step + 1 >= k
+            which = "apply" if applies else "accumulate"
+            micro_step = 0 if applies else micro_step + 1
+        else:
+            which = "whole"
+        sess, outputs = runners[which]
+        values = dict(zip(outputs, sess.run(outputs, feeds)))
         for e in state_entries:
-            state[e["input"]] = values[e["output"]]
+            if e["input"] not in unchanged[which]:
+                state[e["input"]] = values[e["output"]]
         window_losses.append(float(values[loss_name]))
         if bool(values.get("ga.applied", False)):
             print(f"micro-step {i + 1}: window applied, mean loss {np.mean(window_losses):.5f}")

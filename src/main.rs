@@ -36,6 +36,11 @@ struct RewriteArgs {
     /// Where to write the step model.
     #[arg(short, long)]
     output: PathBuf,
+    /// Also write the step's two specialisations, OUT.accumulate.onnx and OUT.apply.onnx,
+    /// for hosts of their own (see examples/train_step.py): no apply `If`, no copies of
+    /// unchanged state. Needs `--apply if`.
+    #[arg(long)]
+    split: bool,
     /// Micro-steps per optimizer step (the window K).
     #[arg(long, default_value_t = 1)]
     accum_steps: i64,
@@ -533,7 +538,35 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
     };
     let graph = signature::open(&args.path, &args.roles.roles())?;
     let step = onnx_ga::step::build_step(graph, &spec, args.verify)?;
-    onnx_ga::model::save_model(&step.model.to_proto(), &args.output)?;
+    let proto = step.model.to_proto();
+    // Everything is computed before anything is written: no partial output on an error.
+    let mut files = vec![(args.output.clone(), proto.clone())];
+    if args.split {
+        let split = onnx_ga::split::split_step(&proto, &step.manifest, &["ga.applied"])
+            .map_err(anyhow::Error::new)?
+            .ok_or_else(|| {
+                UsageError(
+                    "--split: the step has no apply If (it was written with --apply where)".into(),
+                )
+            })?;
+        for (branch, s) in [("accumulate", &split.accumulate), ("apply", &split.apply)] {
+            let path = args.output.with_extension(format!("{branch}.onnx"));
+            let model = onnx_ga::split::standalone(s, &step.manifest, branch);
+            files.push((path, model));
+        }
+    }
+    for (path, _) in files.iter().skip(1) {
+        if args.path.is_file() && onnx_ga::model::same_file(&args.path, path) {
+            return Err(UsageError(format!(
+                "{}: refusing to overwrite the input model",
+                path.display()
+            ))
+            .into());
+        }
+    }
+    for (path, model) in &files {
+        onnx_ga::model::save_model(model, path)?;
+    }
     for (pass, report) in &step.reports {
         eprintln!("{pass}: {report}");
     }
@@ -544,6 +577,9 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
         step.manifest.data_inputs.join(", "),
         step.manifest.loss
     );
+    for (path, _) in files.iter().skip(1) {
+        eprintln!("wrote {}", path.display());
+    }
     Ok(())
 }
 

@@ -162,7 +162,7 @@ pub fn specialise(
     // missing by design): it carries no manifest.
     model
         .metadata_props
-        .retain(|p| !p.key().starts_with("onnx_ga."));
+        .retain(|p| !p.key().starts_with(crate::state::KEY_PREFIX));
     let mut ir = Model::from_proto(model);
     crate::passes::dce::eliminate_dead_code(&mut ir);
     crate::ir::verify::verify(&ir).map_err(|e| SplitError::Invalid {
@@ -315,6 +315,32 @@ fn rename_captures(graph: &mut GraphProto, rename: &BTreeMap<String, String>) {
             output.name = Some(new.clone());
         }
     }
+}
+
+/// A specialisation as a file of its own, for hosts other than ours (`rewrite --split`):
+/// the step's manifest, which branch it is (`accumulate` or `apply`) and the state inputs it
+/// leaves unchanged. Its state inputs have no initializers: the initial values are in the
+/// step itself. A host runs `accumulate` while `micro_step + 1 < K` and `apply` on the
+/// micro-step that completes the window, feeding each output back as its state input and
+/// keeping the unchanged ones.
+pub fn standalone(s: &Specialised, manifest: &Manifest, branch: &str) -> ModelProto {
+    let mut model = s.model.clone();
+    model.metadata_props.extend(manifest.metadata());
+    for (key, value) in [
+        (crate::state::SPECIALISATION_KEY, branch.to_string()),
+        (
+            crate::state::UNCHANGED_KEY,
+            serde_json::to_string(&s.unchanged).expect("names serialize"),
+        ),
+    ] {
+        model
+            .metadata_props
+            .push(crate::proto::StringStringEntryProto {
+                key: Some(key.into()),
+                value: Some(value),
+            });
+    }
+    model
 }
 
 /// Whether the host must apply on the coming micro-step, by the rule the graph computes

@@ -28,6 +28,8 @@ pub struct StateEntry {
     pub param: Option<String>,
 }
 
+/// Every metadata key of ours starts with it.
+pub const KEY_PREFIX: &str = "onnx_ga.";
 pub const STATE_KEY: &str = "onnx_ga.state";
 pub const DATA_INPUTS_KEY: &str = "onnx_ga.data_inputs";
 pub const LOSS_KEY: &str = "onnx_ga.loss";
@@ -50,3 +52,9 @@ pub struct ApplyTrigger {
 }
 
 pub const LEARNING_RATE_KEY: &str = "onnx_ga.learning_rate";
+
+/// In a specialisation written by `rewrite --split` ([`crate::split::standalone`]): which
+/// branch it is (`accumulate` or `apply`), and the state inputs it leaves unchanged (JSON
+/// list; it has no output for them).
+pub const SPECIALISATION_KEY: &str = "onnx_ga.specialisation";
+pub const UNCHANGED_KEY: &str = "onnx_ga.unchanged";

@@ -49,6 +49,12 @@ impl Manifest {
         let json = |key: &str, text: String| {
             StepError::NotAStep(format!("metadata '{key}' is not valid: {text}"))
         };
+        if let Ok(branch) = get(state::SPECIALISATION_KEY) {
+            return Err(StepError::NotAStep(format!(
+                "this is the '{branch}' specialisation of a step (written by `rewrite --split` \
+                 for hosts of their own); train or inspect the step itself"
+            )));
+        }
         let state_text = get(state::STATE_KEY)?;
         let data_text = get(state::DATA_INPUTS_KEY)?;
         Ok(Manifest {
@@ -70,8 +76,9 @@ impl Manifest {
         })
     }
 
-    fn write(&self, model: &mut Model) {
-        let entries = [
+    /// The manifest as metadata entries (key, value), in a fixed order.
+    pub fn metadata(&self) -> Vec<StringStringEntryProto> {
+        let mut entries = vec![
             (
                 state::STATE_KEY,
                 serde_json::to_string(&self.state).expect("state serializes"),
@@ -84,29 +91,27 @@ impl Manifest {
             (state::PIPELINE_KEY, self.pipeline.clone()),
             (state::VERSION_KEY, self.version.clone()),
         ];
-        model
-            .header
-            .metadata_props
-            .retain(|p| p.key() != state::APPLY_KEY && p.key() != state::LEARNING_RATE_KEY);
-        if let Some(name) = &self.learning_rate {
-            model.header.metadata_props.push(StringStringEntryProto {
-                key: Some(state::LEARNING_RATE_KEY.into()),
-                value: Some(name.clone()),
-            });
-        }
         if let Some(trigger) = &self.apply {
-            model.header.metadata_props.push(StringStringEntryProto {
-                key: Some(state::APPLY_KEY.into()),
-                value: Some(serde_json::to_string(trigger).expect("trigger serializes")),
-            });
+            let trigger = serde_json::to_string(trigger).expect("trigger serializes");
+            entries.push((state::APPLY_KEY, trigger));
         }
-        for (key, value) in entries {
-            model.header.metadata_props.retain(|p| p.key() != key);
-            model.header.metadata_props.push(StringStringEntryProto {
+        if let Some(name) = &self.learning_rate {
+            entries.push((state::LEARNING_RATE_KEY, name.clone()));
+        }
+        entries
+            .into_iter()
+            .map(|(key, value)| StringStringEntryProto {
                 key: Some(key.into()),
                 value: Some(value),
-            });
-        }
+            })
+            .collect()
+    }
+
+    /// Replaces the model's `onnx_ga.*` metadata with this manifest.
+    fn write(&self, model: &mut Model) {
+        let props = &mut model.header.metadata_props;
+        props.retain(|p| !p.key().starts_with(state::KEY_PREFIX));
+        props.extend(self.metadata());
     }
 }
 

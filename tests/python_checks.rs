@@ -99,8 +99,9 @@ fn legalized_graphs_pass_onnx_checker_and_load_in_onnxruntime() {
 }
 
 /// `examples/train_step.py` drives a rewritten step from Python onnxruntime with nothing but
-/// its manifest; after 4 windows its state equals the Rust trainer's (which runs the split),
-/// bit for bit, for a plain step and one with AGC and dynamic loss scaling.
+/// its manifest, whole or as the two specialisations `rewrite --split` writes (which pass
+/// onnx.checker too); after 4 windows its state equals the Rust trainer's bit for bit, for a
+/// plain step and one with AGC and dynamic loss scaling.
 #[test]
 fn python_host_trains_a_step_like_the_rust_trainer() {
     let Some(python) = python() else { return };
@@ -114,23 +115,37 @@ fn python_host_trains_a_step_like_the_rust_trainer() {
             "grad-accum(steps=4),loss-scale(init=1024,interval=2),agc(clip=0.05),optimizer(lr=0.01),legalize-ort,dce",
         ),
     ] {
-        let step = write(dir.path(), name, spec, model);
-        let saved = dir.path().join(format!("{name}.python-state.npz"));
-        let out = Command::new(&python)
-            .arg(root().join("examples/train_step.py"))
-            .args([step.to_str().unwrap(), data.to_str().unwrap()])
-            .args(["--micro-batch", "8", "--steps", "16", "--save-state"])
-            .arg(&saved)
+        // The step and its two specialisations, as `rewrite --split` writes them.
+        let step = dir.path().join(format!("{name}.onnx"));
+        let out = Command::new(env!("CARGO_BIN_EXE_onnx-ga"))
+            .args(["rewrite", root().join("graphs").join(model).to_str().unwrap()])
+            .args(["-o", step.to_str().unwrap(), "--split", "--pipeline", spec])
             .output()
-            .expect("run python");
-        assert!(
-            out.status.success(),
-            "examples/train_step.py failed:\n{}\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert_eq!(stdout.matches("window applied").count(), 4, "{stdout}");
+            .expect("run onnx-ga");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let specialisations = ["accumulate", "apply"].map(|b| step.with_extension(format!("{b}.onnx")));
+        check_with_python(&specialisations);
+        let run_python = |split: bool| {
+            let saved = dir.path().join(format!("{name}.python-{split}.npz"));
+            let out = Command::new(&python)
+                .arg(root().join("examples/train_step.py"))
+                .args([step.to_str().unwrap(), data.to_str().unwrap()])
+                .args(["--micro-batch", "8", "--steps", "16", "--save-state"])
+                .arg(&saved)
+                .args(split.then_some("--split"))
+                .output()
+                .expect("run python");
+            assert!(
+                out.status.success(),
+                "examples/train_step.py failed:\n{}\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert_eq!(stdout.matches("window applied").count(), 4, "{stdout}");
+            onnx_ga::data::read_npz(&saved).unwrap()
+        };
+        let (python_whole, python_split) = (run_python(false), run_python(true));
 
         let model_proto = onnx_ga::model::load_model(&step).unwrap();
         let mut trainer = onnx_ga::train::Trainer::new(&model_proto, &Default::default()).unwrap();
@@ -142,19 +157,20 @@ fn python_host_trains_a_step_like_the_rust_trainer() {
                 .step(&onnx_ga::train::micro_batch(&batches, samples, 8, i), false)
                 .unwrap();
         }
-        let python_state = onnx_ga::data::read_npz(&saved).unwrap();
         let rust_state = trainer.state().unwrap();
-        assert_eq!(python_state.len(), rust_state.len(), "{name}: state count");
-        for (key, value) in rust_state {
-            // Same runtime version, the same arithmetic: bit for bit (measured), although
-            // Python runs the graph whole and Rust its two specialisations.
-            common::assert_close(
-                &format!("{name} {key}"),
-                &python_state[key],
-                value,
-                0.0,
-                0.0,
-            );
+        for (host, python_state) in [("whole", &python_whole), ("split", &python_split)] {
+            assert_eq!(python_state.len(), rust_state.len(), "{name}: state count");
+            for (key, value) in rust_state {
+                // Same runtime version, the same arithmetic: bit for bit (measured),
+                // whichever graphs each host runs.
+                common::assert_close(
+                    &format!("{name} python {host} {key}"),
+                    &python_state[key],
+                    value,
+                    0.0,
+                    0.0,
+                );
+            }
         }
     }
 }

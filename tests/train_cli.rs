@@ -537,3 +537,66 @@ fn bad_overrides() {
         &["--lr -1", "not negative"],
     );
 }
+
+#[test]
+fn rewrite_split_writes_the_specialisations_that_train_refuses() {
+    if !ort_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let step = dir.path().join("step.onnx");
+    let graphs = root().join("graphs/mlp_ce_adamw");
+    let out = onnx_ga(&[
+        "rewrite",
+        graphs.to_str().unwrap(),
+        "-o",
+        step.to_str().unwrap(),
+        "--lr",
+        "0.01",
+        "--split",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let names: Vec<String> = listing(dir.path()).into_iter().map(|(n, _)| n).collect();
+    assert_eq!(
+        names,
+        ["step.accumulate.onnx", "step.apply.onnx", "step.onnx"]
+    );
+    // A specialisation is not a step to train: a clear error, nothing written.
+    bad_train(
+        |dir, _| {
+            let specialisation = dir.join("s.accumulate.onnx");
+            std::fs::copy(step.with_extension("accumulate.onnx"), &specialisation).unwrap();
+            let data = root().join("graphs/mlp_ce_adamw/data.npz");
+            train_args(&specialisation, &data, &["--save-state", "x.npz"])
+        },
+        &[
+            "'accumulate' specialisation",
+            "train or inspect the step itself",
+        ],
+    );
+}
+
+#[test]
+fn rewrite_split_of_a_where_step_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let step = dir.path().join("step.onnx");
+    let graphs = root().join("graphs/mlp_ce_adamw");
+    let out = onnx_ga(&[
+        "rewrite",
+        graphs.to_str().unwrap(),
+        "-o",
+        step.to_str().unwrap(),
+        "--lr",
+        "0.01",
+        "--apply",
+        "where",
+        "--split",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("--split: the step has no apply If"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(listing(dir.path()).is_empty(), "no partial output");
+}
