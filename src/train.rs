@@ -291,7 +291,7 @@ impl Trainer {
         Ok(self.host_state.get_or_init(|| host))
     }
 
-    /// Replaces the state with values read from an `.npz` written by [`save_state`].
+    /// Replaces the state with values read from an `.npz` written by [`save_state`](Self::save_state).
     pub fn load_state(&mut self, path: &Path) -> Result<(), TrainError> {
         let loaded = crate::data::read_npz(path)?;
         let bad = |message: String| TrainError::BadState {

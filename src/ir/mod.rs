@@ -8,7 +8,7 @@
 //!
 //! The IR is deliberately dumb and lossless: nodes keep their prost `NodeProto` (attributes,
 //! doc strings, metadata), initializers stay raw `TensorProto`s, and everything a pass does
-//! not touch is exported exactly as it was read ([`import`], [`export`]).
+//! not touch is exported exactly as it was read (the `import` and `export` modules).
 //!
 //! Scopes: body 0 is the main graph; every `GRAPH`/`GRAPHS` attribute becomes another body
 //! whose `parent` is the body of the node that owns it. Names resolve from the inner scope
