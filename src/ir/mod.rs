@@ -21,6 +21,7 @@ mod names;
 pub mod print;
 pub mod verify;
 
+pub(crate) use export::topological_order;
 pub use names::NameAuthority;
 
 use crate::proto::{

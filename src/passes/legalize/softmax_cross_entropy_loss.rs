@@ -96,10 +96,14 @@ fn log_softmax_axis1(
     ))
 }
 
-/// Output 0 of `node` (either loss op): the weighted negative log-likelihood of `log_prob`.
-fn nll(l: &mut Lowering<'_, '_>, node: NodeId, log_prob: ValueId) -> Result<(), PassError> {
-    let label = l.input(node, 1)?;
-    let weight = l.optional_input(node, 2);
+/// What the loss ops and `SoftmaxCrossEntropyLossGrad` read alike: `reduction` (mean, sum
+/// or none), `ignore_index` when the attribute is set, and the label's type (int64 or int32,
+/// else an error).
+pub(super) fn loss_attributes(
+    l: &mut Lowering<'_, '_>,
+    node: NodeId,
+    label: ValueId,
+) -> Result<(String, Option<i64>, i32), PassError> {
     let reduction = l
         .string_attr(node, "reduction")?
         .unwrap_or_else(|| "mean".into());
@@ -116,7 +120,6 @@ fn nll(l: &mut Lowering<'_, '_>, node: NodeId, log_prob: ValueId) -> Result<(), 
     let ignore_index = has_ignore
         .then(|| l.int_attr(node, "ignore_index", -1))
         .transpose()?;
-    let t = l.float_type(node, log_prob)?;
     let label_type = l.elem_type(label).unwrap_or(INT64);
     if label_type != INT64 && label_type != INT32 {
         return Err(super::node_error(
@@ -125,6 +128,15 @@ fn nll(l: &mut Lowering<'_, '_>, node: NodeId, log_prob: ValueId) -> Result<(), 
             "label must be int64 or int32".into(),
         ));
     }
+    Ok((reduction, ignore_index, label_type))
+}
+
+/// Output 0 of `node` (either loss op): the weighted negative log-likelihood of `log_prob`.
+fn nll(l: &mut Lowering<'_, '_>, node: NodeId, log_prob: ValueId) -> Result<(), PassError> {
+    let label = l.input(node, 1)?;
+    let weight = l.optional_input(node, 2);
+    let (reduction, ignore_index, label_type) = loss_attributes(l, node, label)?;
+    let t = l.float_type(node, log_prob)?;
 
     // The label to gather at: an ignored one may be out of range, so it reads class 0.
     let gather_label = match ignore_index {

@@ -31,29 +31,10 @@ use crate::proto::TensorProto;
 pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassError> {
     let (dy, log_prob, label) = (l.input(node, 0)?, l.input(node, 1)?, l.input(node, 2)?);
     let weight = l.optional_input(node, 3);
-    let reduction = l
-        .string_attr(node, "reduction")?
-        .unwrap_or_else(|| "mean".into());
-    if !matches!(reduction.as_str(), "mean" | "sum" | "none") {
-        return Err(l.unsupported(node, "reduction", format!("\"{reduction}\"")));
-    }
-    let has_ignore = l
-        .model()
-        .node(node)
-        .proto
-        .attribute
-        .iter()
-        .any(|a| a.name() == "ignore_index");
-    let ignore_index = l.int_attr(node, "ignore_index", -1)?;
+    let (reduction, ignore, label_type) =
+        super::softmax_cross_entropy_loss::loss_attributes(l, node, label)?;
+    let (has_ignore, ignore_index) = (ignore.is_some(), ignore.unwrap_or(-1));
     let t = l.float_type(node, log_prob)?;
-    let label_type = l.elem_type(label).unwrap_or(INT64);
-    if label_type != INT64 && label_type != INT32 {
-        return Err(super::node_error(
-            l.model(),
-            node,
-            "label must be int64 or int32".into(),
-        ));
-    }
 
     // dL: the gradient reaching each sample's loss, shaped to broadcast over the classes.
     let d_loss = if weight.is_none() && !has_ignore {

@@ -84,7 +84,7 @@
 
 mod schema;
 
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use super::{Pass, PassContext, PassError, PassOptions, PassReport};
 use crate::ir::builder::{attr_int, attr_tensor, Builder};
@@ -482,48 +482,6 @@ fn any_type_slot(model: &Model, node: NodeId, slot: usize) -> bool {
     }
 }
 
-/// Main-graph nodes in topological order (captures of subgraphs count as reads).
-fn topological(model: &Model) -> Vec<NodeId> {
-    let nodes: Vec<NodeId> = model.body_nodes(BodyId::MAIN).collect();
-    let index: HashMap<NodeId, usize> = nodes.iter().enumerate().map(|(i, n)| (*n, i)).collect();
-    let mut pending = vec![0usize; nodes.len()];
-    let mut dependents: Vec<Vec<usize>> = vec![Vec::new(); nodes.len()];
-    for (i, n) in nodes.iter().enumerate() {
-        let node = model.node(*n);
-        let mut reads: Vec<ValueId> = node.inputs.iter().flatten().copied().collect();
-        for sub in &node.subgraphs {
-            reads.extend(model.captures(sub.body));
-        }
-        let mut deps: Vec<usize> = reads
-            .into_iter()
-            .filter_map(|v| model.producer(v))
-            .filter_map(|(p, _)| index.get(&p).copied())
-            .filter(|p| *p != i)
-            .collect();
-        deps.sort_unstable();
-        deps.dedup();
-        pending[i] = deps.len();
-        for d in deps {
-            dependents[d].push(i);
-        }
-    }
-    let mut ready: VecDeque<usize> = (0..nodes.len()).filter(|i| pending[*i] == 0).collect();
-    let mut order = Vec::with_capacity(nodes.len());
-    let mut emitted = vec![false; nodes.len()];
-    while let Some(i) = ready.pop_front() {
-        order.push(nodes[i]);
-        emitted[i] = true;
-        for &d in &dependents[i] {
-            pending[d] -= 1;
-            if pending[d] == 0 {
-                ready.push_back(d);
-            }
-        }
-    }
-    order.extend((0..nodes.len()).filter(|i| !emitted[*i]).map(|i| nodes[i]));
-    order
-}
-
 impl<'a> Analysis<'a> {
     fn new(
         model: &'a Model,
@@ -537,7 +495,8 @@ impl<'a> Analysis<'a> {
             opset: model.opset("").unwrap_or(1),
             weak_inputs,
             seed,
-            order: topological(model),
+            // Captures of subgraphs count as reads.
+            order: crate::ir::topological_order(model, BodyId::MAIN),
             elem: HashMap::new(),
             class: HashMap::new(),
             mode: HashMap::new(),
