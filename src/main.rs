@@ -542,7 +542,7 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
     // Everything is computed before anything is written: no partial output on an error.
     let mut files = vec![(args.output.clone(), proto.clone())];
     if args.split {
-        let split = onnx_ga::split::split_step(&proto, &step.manifest, &["ga.applied"])
+        let split = onnx_ga::split::split_step(&proto, &step.manifest)
             .map_err(anyhow::Error::new)?
             .ok_or_else(|| {
                 UsageError(

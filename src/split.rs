@@ -61,13 +61,10 @@ pub struct SplitStep {
 
 /// Splits a step whose manifest records an `If` apply region; `None` for a step without one
 /// (`apply=where`, or written before the trigger was recorded), which runs as one graph.
-///
-/// `drop_on_accumulate` are outputs the host does not need when the window continues (the
-/// `applied` flag, false there by construction).
+/// The accumulate specialisation has no `applied` output: it is false there by construction.
 pub fn split_step(
     model: &ModelProto,
     manifest: &Manifest,
-    drop_on_accumulate: &[&str],
 ) -> Result<Option<SplitStep>, SplitError> {
     let Some(trigger) = manifest.apply.clone() else {
         return Ok(None);
@@ -77,7 +74,7 @@ pub fn split_step(
         manifest,
         &trigger.node,
         "else_branch",
-        drop_on_accumulate,
+        &[crate::state::APPLIED_OUTPUT],
     )?;
     let apply = specialise(model, manifest, &trigger.node, "then_branch", &[])?;
     Ok(Some(SplitStep {

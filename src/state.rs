@@ -28,6 +28,10 @@ pub struct StateEntry {
     pub param: Option<String>,
 }
 
+/// The bool output saying whether a micro-step updated the parameters (the `applied`
+/// metric): the window ended and, with loss scaling, its gradients were finite.
+pub const APPLIED_OUTPUT: &str = "ga.applied";
+
 /// Every metadata key of ours starts with it.
 pub const KEY_PREFIX: &str = "onnx_ga.";
 pub const STATE_KEY: &str = "onnx_ga.state";

@@ -9,6 +9,7 @@ use crate::data::Tensor;
 use crate::engine::ort::SessionOptions;
 use crate::engine::{Engine, EngineError, EngineKind, Held};
 use crate::proto::{type_proto, ModelProto};
+use crate::state::APPLIED_OUTPUT as APPLIED;
 use crate::step::{Manifest, StepError};
 
 #[derive(Debug, thiserror::Error)]
@@ -170,7 +171,7 @@ impl Trainer {
         }
         let kind = options.engine.resolve().0;
         let split = match options.split {
-            true => crate::split::split_step(model, &manifest, &[APPLIED])
+            true => crate::split::split_step(model, &manifest)
                 .map_err(|e| TrainError::Model(format!("splitting the step: {e}")))?,
             false => None,
         };
@@ -428,44 +429,52 @@ impl Trainer {
                 .map_or("ga.flush", |t| &t.flush);
             host.push((name, &flush_value));
         }
-        let (outputs, applied, unchanged) = match &mut self.runner {
-            Runner::Whole(engine) => {
-                let outputs: BTreeMap<String, Held> =
-                    engine.run_held(&host, &held)?.into_iter().collect();
-                let applied = applied_flag(&outputs)?.unwrap_or(false);
-                (outputs, applied, None)
-            }
+        // Which specialisation ran: `Some(applies)`, or `None` for the whole graph.
+        let (outputs, branch) = match &mut self.runner {
+            Runner::Whole(engine) => (engine.run_held(&host, &held)?, None),
             Runner::Split {
                 accumulate,
                 apply,
-                unchanged_on_accumulate,
-                unchanged_on_apply,
                 window_size,
                 micro_step,
                 ..
             } => {
                 let applies = crate::split::applies(*micro_step, *window_size, flush);
-                let (engine, unchanged) = match applies {
-                    true => (apply, &*unchanged_on_apply),
-                    false => (accumulate, &*unchanged_on_accumulate),
-                };
-                let outputs: BTreeMap<String, Held> =
-                    engine.run_held(&host, &held)?.into_iter().collect();
+                let engine = if applies { apply } else { accumulate };
+                let outputs = engine.run_held(&host, &held)?;
                 *micro_step = if applies { 0 } else { *micro_step + 1 };
-                // The window ended; whether it updated (loss scaling may skip it) the
-                // graph says.
-                let applied = applies && applied_flag(&outputs)?.unwrap_or(true);
-                (outputs, applied, Some(unchanged.clone()))
+                (outputs, Some(applies))
             }
         };
         drop(held);
-        let mut outputs = outputs;
+        let mut outputs: BTreeMap<String, Held> = outputs.into_iter().collect();
+        // When the window ended, whether it updated (loss scaling may skip it) the graph says.
+        let applied = match branch {
+            None => applied_flag(&outputs)?.unwrap_or(false),
+            Some(applies) => applies && applied_flag(&outputs)?.unwrap_or(true),
+        };
+        let unchanged = match (&self.runner, branch) {
+            (
+                Runner::Split {
+                    unchanged_on_apply, ..
+                },
+                Some(true),
+            ) => Some(unchanged_on_apply),
+            (
+                Runner::Split {
+                    unchanged_on_accumulate,
+                    ..
+                },
+                Some(false),
+            ) => Some(unchanged_on_accumulate),
+            _ => None,
+        };
         for entry in &self.manifest.state {
             match outputs.remove(&entry.output) {
                 Some(next) => {
                     self.state.insert(entry.input.clone(), next);
                 }
-                None if unchanged.as_ref().is_some_and(|u| u.contains(&entry.input)) => {}
+                None if unchanged.is_some_and(|u| u.contains(&entry.input)) => {}
                 None => {
                     return Err(TrainError::Model(format!(
                         "the run did not produce state output '{}'",
@@ -504,9 +513,6 @@ impl Trainer {
         })
     }
 }
-
-/// The output carrying the apply flag (the `applied` metric).
-const APPLIED: &str = "ga.applied";
 
 /// The `applied` output, when the step has one.
 fn applied_flag(outputs: &BTreeMap<String, Held>) -> Result<Option<bool>, TrainError> {

@@ -11,7 +11,6 @@ use std::path::Path;
 use common::{assert_close, ort_available, read_npz, root};
 use ndarray::{ArrayD, IxDyn};
 use onnx_ga::data::Tensor;
-use onnx_ga::engine::ort::SessionOptions;
 use onnx_ga::ir::builder::{attr_int, attr_ints, tensor_f32, Builder};
 use onnx_ga::ir::{tensor_type, BodyId, Model, ValueId};
 use onnx_ga::passes::agc::{self, Selection, Units};
@@ -376,15 +375,7 @@ fn build(graph: TrainingGraph, spec: &str) -> ModelProto {
 }
 
 fn trainer(step: &ModelProto) -> Trainer {
-    Trainer::new(
-        step,
-        &SessionOptions {
-            threads: 1,
-            optimize: true,
-            ..Default::default()
-        },
-    )
-    .unwrap_or_else(|e| panic!("{e}"))
+    common::trainer(step)
 }
 
 fn f32s(t: &Tensor) -> Vec<f32> {

@@ -8,6 +8,10 @@
 //!   trainable parameter, and `lazy_reset_grad`;
 //! - synthetic checkpoints built in this file with the `flatbuffers` builder, for each error.
 
+mod common;
+
+use common::root;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
@@ -20,18 +24,7 @@ use onnx_ga::proto::{tensor_shape_proto, type_proto, ModelProto};
 use prost::Message;
 use serde_json::Value;
 
-const MODELS: [&str; 6] = [
-    "mlp_ce_adamw",
-    "mlp_mse_sgd",
-    "cnn_bn",
-    "transformer_block",
-    "bce_logits",
-    "l1_loss",
-];
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+const MODELS: [&str; 6] = common::SHIPPED_GRAPHS;
 
 fn data_dir() -> PathBuf {
     root().join("tests/data/checkpoint")

@@ -7,6 +7,10 @@
 //! - a single `training_model.onnx` (no checkpoint) and a plain gradient graph with
 //!   `--loss/--seed/--grad`.
 
+mod common;
+
+use common::root;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -19,18 +23,7 @@ use onnx_ga::proto::{
 use prost::Message;
 use serde_json::Value;
 
-const MODELS: [&str; 6] = [
-    "mlp_ce_adamw",
-    "mlp_mse_sgd",
-    "cnn_bn",
-    "transformer_block",
-    "bce_logits",
-    "l1_loss",
-];
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+const MODELS: [&str; 6] = common::SHIPPED_GRAPHS;
 
 /// Runs `onnx-ga ARGS` in the crate root.
 fn onnx_ga(args: &[&str]) -> Output {

@@ -14,7 +14,6 @@ use std::path::Path;
 
 use common::{assert_close, ort_available, read_npz, root};
 use onnx_ga::data::Tensor;
-use onnx_ga::engine::ort::SessionOptions;
 use onnx_ga::proto::ModelProto;
 use onnx_ga::signature::{self, ExplicitRoles};
 use onnx_ga::state::Role;
@@ -36,15 +35,7 @@ fn data(model: &str) -> BTreeMap<String, Tensor> {
 }
 
 fn trainer(step: &ModelProto) -> Trainer {
-    Trainer::new(
-        step,
-        &SessionOptions {
-            threads: 1,
-            optimize: true,
-            ..Default::default()
-        },
-    )
-    .unwrap_or_else(|e| panic!("{e}"))
+    common::trainer(step)
 }
 
 /// The state of `role`, by input name.

@@ -173,7 +173,7 @@ fn snapshot_specialisations() {
     )
     .unwrap();
     let model = step.model.to_proto();
-    let split = onnx_ga::split::split_step(&model, &step.manifest, &["ga.applied"])
+    let split = onnx_ga::split::split_step(&model, &step.manifest)
         .unwrap()
         .expect("an If apply region");
     let mut doc = format!(

@@ -92,7 +92,6 @@ impl Default for SessionOptions {
 /// One ONNX Runtime session.
 pub struct OrtSession {
     session: Session,
-    device: Device,
     /// Where bound outputs go (device memory on CUDA); `None`: no IoBinding, plain runs.
     device_memory: Option<MemoryInfo<'static>>,
     /// Outputs the host reads every run (the loss, flags): bound to CPU memory, so that only
@@ -172,7 +171,6 @@ impl OrtSession {
             .collect();
         Ok(OrtSession {
             session,
-            device: options.device,
             device_memory,
             host_outputs: Default::default(),
             input_names,
@@ -200,10 +198,6 @@ impl OrtSession {
 }
 
 impl OrtSession {
-    pub fn device(&self) -> Device {
-        self.device
-    }
-
     /// Names outputs the host reads every run; [`run_held`](Self::run_held) returns them in
     /// CPU memory (on the CPU nothing changes).
     pub fn set_host_outputs(&mut self, names: &[&str]) {
@@ -334,11 +328,7 @@ fn to_ort<'a>(name: &str, tensor: &'a Tensor) -> Result<SessionInputValue<'a>, E
             if $a.is_standard_layout() {
                 SessionInputValue::from(TensorRef::from_array_view($a).map_err(err)?.into_dyn())
             } else {
-                SessionInputValue::from(
-                    OrtTensor::from_array($a.as_standard_layout().into_owned())
-                        .map_err(err)?
-                        .into_dyn(),
-                )
+                SessionInputValue::from(to_owned_ort(name, tensor)?)
             }
         };
     }

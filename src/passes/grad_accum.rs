@@ -326,8 +326,12 @@ impl Pass for GradAccum {
         }
 
         // The `applied` metric is the apply flag itself.
-        let applied_out =
-            Builder::new(model, main, PASS).op("Identity", &[apply], vec![], "ga.applied");
+        let applied_out = Builder::new(model, main, PASS).op(
+            "Identity",
+            &[apply],
+            vec![],
+            crate::state::APPLIED_OUTPUT,
+        );
         model.add_output(
             main,
             applied_out,

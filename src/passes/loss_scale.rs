@@ -359,7 +359,7 @@ impl LossScale {
             .outputs
             .iter()
             .map(|(v, _)| *v)
-            .find(|v| model.name(*v) == "ga.applied")
+            .find(|v| model.name(*v) == crate::state::APPLIED_OUTPUT)
             .and_then(|v| model.producer(v));
         match metric {
             Some((node, 0)) if model.node(node).proto.op_type() == "Identity" => {
@@ -370,7 +370,7 @@ impl LossScale {
                     "Identity",
                     &[applied],
                     vec![],
-                    "ga.applied",
+                    crate::state::APPLIED_OUTPUT,
                 );
                 model.add_output(main, out, bool_type.clone());
             }

@@ -210,3 +210,9 @@ pub fn rewrite_shipped(model: &str, spec: &str) -> ModelProto {
         .model
         .to_proto()
 }
+
+/// A trainer on ONNX Runtime with the default options (one thread, the split runner);
+/// panics with the error.
+pub fn trainer(step: &ModelProto) -> onnx_ga::train::Trainer {
+    onnx_ga::train::Trainer::new(step, &SessionOptions::default()).unwrap_or_else(|e| panic!("{e}"))
+}
