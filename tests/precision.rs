@@ -15,7 +15,7 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use common::{assert_close, ort_available, read_npz, root};
@@ -462,24 +462,6 @@ fn snapshot_fp16_dynamic_sgd() {
 
 // ---- numerics ---------------------------------------------------------------------------
 
-/// The venv's python, or None (a failure under CI=true).
-fn python() -> Option<PathBuf> {
-    let python = root().join(onnx_ga::runtime::VENV_DIR).join("bin/python");
-    if python.exists() {
-        return Some(python);
-    }
-    assert!(
-        std::env::var("CI").as_deref() != Ok("true"),
-        "{} is missing under CI: run scripts/install-ort.sh",
-        python.display()
-    );
-    eprintln!(
-        "SKIPPED: {} not found (run scripts/install-ort.sh)",
-        python.display()
-    );
-    None
-}
-
 /// Trains step models on ONNX's reference evaluator: per job `model data steps batch out`,
 /// the fixtures' sampling (micro-step i takes rows [i*B, (i+1)*B) mod samples), the state
 /// fed back, the final state saved to `out`.
@@ -522,7 +504,7 @@ fn reference_train(
     models: &[(&str, &str, &ModelProto)],
     steps: u64,
 ) -> Option<Vec<BTreeMap<String, Tensor>>> {
-    let python = python()?;
+    let python = common::python()?;
     let dir = tempfile::tempdir().unwrap();
     let mut args = Vec::new();
     for (i, (graph, _, model)) in models.iter().enumerate() {
@@ -832,7 +814,9 @@ fn onnx_runtime_cpu_lacks_bf16_kernels() {
 /// and the matrix products in half (bf16 Conv excepted: opset 17 has no bf16 Conv).
 #[test]
 fn steps_type_check_and_place_precision() {
-    let Some(python) = python() else { return };
+    let Some(python) = common::python() else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     let mut files = Vec::new();
     for model in MODELS {

@@ -12,24 +12,6 @@ use onnx_ga::signature::{self, ExplicitRoles};
 
 const MODELS: [&str; 6] = common::SHIPPED_GRAPHS;
 
-/// The venv's python, or None (a failure under CI=true).
-fn python() -> Option<PathBuf> {
-    let python = root().join(onnx_ga::runtime::VENV_DIR).join("bin/python");
-    if python.exists() {
-        return Some(python);
-    }
-    assert!(
-        std::env::var("CI").as_deref() != Ok("true"),
-        "{} is missing under CI: run scripts/install-ort.sh",
-        python.display()
-    );
-    eprintln!(
-        "SKIPPED: {} not found (run scripts/install-ort.sh)",
-        python.display()
-    );
-    None
-}
-
 const CHECK: &str = r#"
 import sys, onnx, onnxruntime as ort
 for path in sys.argv[1:]:
@@ -39,7 +21,9 @@ for path in sys.argv[1:]:
 "#;
 
 fn check_with_python(files: &[PathBuf]) {
-    let Some(python) = python() else { return };
+    let Some(python) = common::python() else {
+        return;
+    };
     let out = Command::new(python)
         .arg("-c")
         .arg(CHECK)
@@ -104,7 +88,9 @@ fn legalized_graphs_pass_onnx_checker_and_load_in_onnxruntime() {
 /// plain step and one with AGC and dynamic loss scaling.
 #[test]
 fn python_host_trains_a_step_like_the_rust_trainer() {
-    let Some(python) = python() else { return };
+    let Some(python) = common::python() else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     let model = "transformer_block";
     let data = root().join("graphs").join(model).join("data.npz");

@@ -216,3 +216,22 @@ pub fn rewrite_shipped(model: &str, spec: &str) -> ModelProto {
 pub fn trainer(step: &ModelProto) -> onnx_ga::train::Trainer {
     onnx_ga::train::Trainer::new(step, &SessionOptions::default()).unwrap_or_else(|e| panic!("{e}"))
 }
+
+/// The Python of `.venv-ort` (onnx and onnxruntime, from scripts/install-ort.sh), or `None`
+/// when it is missing: a skip, which says so, or a failure under `CI=true`.
+pub fn python() -> Option<PathBuf> {
+    let python = root().join(onnx_ga::runtime::VENV_DIR).join("bin/python");
+    if python.exists() {
+        return Some(python);
+    }
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "{} is missing under CI: run scripts/install-ort.sh",
+        python.display()
+    );
+    eprintln!(
+        "SKIPPED: {} not found (run scripts/install-ort.sh)",
+        python.display()
+    );
+    None
+}
