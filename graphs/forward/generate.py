@@ -1,0 +1,675 @@
+"""Forward ONNX models exported from real PyTorch models, and torch reference runs on them.
+
+Writes, per model NAME (torch_mlp, torch_cnn, torch_cnn_nobn, torch_gpt):
+
+  graphs/forward/NAME/dynamo.onnx   torch.onnx.export(dynamo=True, optimize=False), batch dynamic
+  graphs/forward/NAME/legacy.onnx   torch.onnx.export(dynamo=False, training=TRAINING,
+                                    do_constant_folding=False, opset 17), batch dynamic
+  graphs/forward/NAME/data.npz      64 samples: the model input (`x` or `idx`) and `labels`
+  fixtures/forward/NAME/...         torch autograd gradients and torch optimizer runs, all
+                                    starting from the initializer values in the .onnx files,
+                                    keyed by ONNX initializer name; meta.json describes them.
+
+Run through graphs/forward/regen.sh (creates .venv-torch from requirements.txt).
+  generate.py                 all models
+  generate.py torch_cnn ...   only the named models
+Everything is seeded and single-threaded; .npz files are written byte-deterministically.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import io
+import json
+import math
+import os
+import platform
+import sys
+import warnings
+import zipfile
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import onnxscript
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from onnx import numpy_helper
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GRAPHS = os.path.join(ROOT, "graphs", "forward")
+FIXTURES = os.path.join(ROOT, "fixtures", "forward")
+
+N_SAMPLES = 64
+GRAD_SAMPLES = 8
+STEPS = 8
+LEGACY_OPSET = 17
+EXPORT_BATCH = 4  # example batch given to both exporters (legacy's trace moves BN stats with it)
+SGD = dict(lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, foreach=False)
+ADAMW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, foreach=False)
+IGNORE_INDEX = -100
+
+torch.set_num_threads(1)
+torch.use_deterministic_algorithms(True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class CNN(nn.Module):
+    """conv-BN-ReLU-maxpool, one residual block (conv-BN-ReLU + skip), spatial mean, linear.
+    With bn=False the BatchNorms are gone and the convs have biases."""
+
+    def __init__(self, bn: bool):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=not bn)
+        self.bn1 = nn.BatchNorm2d(8) if bn else nn.Identity()
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=not bn)
+        self.bn2 = nn.BatchNorm2d(8) if bn else nn.Identity()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        h = h + F.relu(self.bn2(self.conv2(h)))
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+class CausalSelfAttention(nn.Module):
+    """nanoGPT's attention, the explicit (non-flash) path."""
+
+    def __init__(self, d: int, n_head: int, block: int):
+        super().__init__()
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+        self.n_head = n_head
+        self.n_embd = d
+        self.register_buffer("bias", torch.tril(torch.ones(block, block)).view(1, 1, block, block))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        y = att @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class GPTMLP(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, n_head: int, block: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(d, n_head, block)
+        self.ln_2 = nn.LayerNorm(d)
+        self.mlp = GPTMLP(d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """nanoGPT layout and names; torch default initialisation; no dropout; untied lm_head."""
+
+    def __init__(self, vocab=32, block=8, d=16, n_head=2, n_layer=2):
+        super().__init__()
+        self.block_size = block
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(vocab, d),
+                wpe=nn.Embedding(block, d),
+                h=nn.ModuleList([Block(d, n_head, block) for _ in range(n_layer)]),
+                ln_f=nn.LayerNorm(d),
+            )
+        )
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        b, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for blk in self.transformer.h:
+            x = blk(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def make_data_mlp(rng):
+    return {
+        "x": rng.standard_normal((N_SAMPLES, 16)).astype(np.float32),
+        "labels": rng.integers(0, 10, size=N_SAMPLES).astype(np.int64),
+    }
+
+
+def make_data_cnn(rng):
+    return {
+        "x": rng.standard_normal((N_SAMPLES, 3, 8, 8)).astype(np.float32),
+        "labels": rng.integers(0, 4, size=N_SAMPLES).astype(np.int64),
+    }
+
+
+def make_data_gpt(rng):
+    seq = rng.integers(0, 32, size=(N_SAMPLES, 9)).astype(np.int64)
+    idx, labels = seq[:, :8].copy(), seq[:, 1:].copy()
+    pads = rng.integers(0, 5, size=N_SAMPLES)  # 0..4 trailing padded positions per row
+    for r, p in enumerate(pads):
+        if p:
+            labels[r, 8 - p:] = IGNORE_INDEX
+            idx[r, 8 - p:] = 0  # pad token; causal, so it only reaches ignored positions
+    return {"idx": idx, "labels": labels}
+
+
+MODELS = {
+    "torch_mlp": dict(make=MLP, seed=0, input="x", data=make_data_mlp, batch=32, runs=True,
+                      desc="Linear(16,32) -> ReLU -> Linear(32,10)"),
+    "torch_cnn": dict(make=lambda: CNN(bn=True), seed=1, input="x", data=make_data_cnn,
+                      batch=32, runs=False,
+                      desc="Conv2d(3,8,3,p=1,no bias) -> BatchNorm2d -> ReLU -> MaxPool2d(2) -> "
+                           "h + ReLU(BatchNorm2d(Conv2d(8,8,3,p=1,no bias)(h))) -> mean(H,W) -> Linear(8,4)"),
+    "torch_cnn_nobn": dict(make=lambda: CNN(bn=False), seed=2, input="x", data=make_data_cnn,
+                           batch=32, runs=True,
+                           desc="torch_cnn without BatchNorm, convs with bias"),
+    "torch_gpt": dict(make=GPT, seed=3, input="idx", data=make_data_gpt, batch=16, runs=True,
+                      desc="nanoGPT-style decoder: vocab 32, T=8, d 16, 2 heads, 2 layers, pre-LN, "
+                           "wte + wpe(arange(T)), causal masked_fill(-inf) from a tril buffer, "
+                           "GELU(erf) MLP 4d, ln_f, lm_head (no bias, untied), no dropout"),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def save_npz(path: str, arrays: dict) -> None:
+    """np.savez-compatible (uncompressed, `<key>.npy` members in insertion order), with fixed
+    member timestamps so that regenerated files are byte-identical."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
+        for key, arr in arrays.items():
+            buf = io.BytesIO()
+            a = np.asarray(arr)  # (np.ascontiguousarray would make a scalar 1-d)
+            if not a.flags.c_contiguous:
+                a = a.copy(order="C")
+            np.lib.format.write_array(buf, a, allow_pickle=False)
+            info = zipfile.ZipInfo(f"{key}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.external_attr = 0o644 << 16
+            zf.writestr(info, buf.getvalue())
+
+
+def loss_fn(logits, labels):
+    """Mean cross-entropy over all non-ignored positions; classes on the last axis."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="mean")
+
+
+def op_counts(model: onnx.ModelProto) -> dict:
+    c = collections.Counter(
+        (n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}")
+        for n in model.graph.node
+    )
+    return dict(sorted(c.items()))
+
+
+def strip_stack_traces(model: onnx.ModelProto) -> int:
+    """Drop the dynamo exporter's per-node `pkg.torch.onnx.stack_trace` metadata: it holds the
+    absolute paths of this script and of the venv's torch (so the bytes would depend on where
+    the repo lives) and is most of the file. Semantics are untouched."""
+    n = 0
+    for node in model.graph.node:
+        keep = [p for p in node.metadata_props if p.key != "pkg.torch.onnx.stack_trace"]
+        n += len(node.metadata_props) - len(keep)
+        del node.metadata_props[:]
+        node.metadata_props.extend(keep)
+    return n
+
+
+def export_dynamo(model, example, input_name, path):
+    m = copy.deepcopy(model).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = torch.onnx.export(
+            m, (example,), dynamo=True, optimize=False, verbose=False,
+            input_names=[input_name], output_names=["logits"],
+            dynamic_shapes={input_name: {0: torch.export.Dim("batch")}},
+        )
+    proto = prog.model_proto
+    stripped = strip_stack_traces(proto)
+    onnx.save_model(proto, path, save_as_external_data=False)
+    return {"exported_from": "model.eval() (deep copy)", "stack_trace_metadata_stripped": stripped}
+
+
+def export_legacy(model, example, input_name, path):
+    m = copy.deepcopy(model)  # TRAINING export runs the BN trace in train mode: moves stats
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            m, (example,), path, dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
+            do_constant_folding=False, opset_version=LEGACY_OPSET,
+            input_names=[input_name], output_names=["logits"],
+            dynamic_axes={input_name: {0: "batch"}, "logits": {0: "batch"}},
+        )
+    return {"exported_from": "deep copy, training=TrainingMode.TRAINING"}
+
+
+def onnx_initializers(path) -> dict:
+    m = onnx.load(path)
+    return {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+
+
+def map_state(model: nn.Module, inits: dict):
+    """torch state name -> ONNX initializer name. Names are expected to survive; anything not
+    found by name is matched by unique value (and recorded)."""
+    sd = model.state_dict()
+    params = dict(model.named_parameters())
+    mapping, by_value = {}, {}
+    for tname, t in sd.items():
+        if tname in inits and tuple(inits[tname].shape) == tuple(t.shape):
+            mapping[tname] = tname
+            continue
+        if tname.endswith("num_batches_tracked"):
+            continue
+        hits = [o for o, a in inits.items()
+                if a.shape == tuple(t.shape) and a.dtype == t.detach().numpy().dtype
+                and np.array_equal(a, t.detach().numpy()) and o not in mapping.values()]
+        if len(hits) == 1:
+            mapping[tname] = by_value[tname] = hits[0]
+        elif tname in params:
+            raise SystemExit(f"parameter {tname} has no initializer by name or unique value")
+    return mapping, by_value
+
+
+def load_state_from_onnx(make, seed, mapping, inits):
+    torch.manual_seed(seed)
+    model = make()
+    sd = model.state_dict()
+    for tname, oname in mapping.items():
+        sd[tname] = torch.from_numpy(inits[oname].copy())
+    model.load_state_dict(sd)
+    return model
+
+
+def trainable(model, mapping):
+    return [(mapping[n], p) for n, p in model.named_parameters()]
+
+
+def to_inputs(data, sl, input_name, dtype=torch.float32):
+    x = torch.from_numpy(data[input_name][sl])
+    if x.is_floating_point():
+        x = x.to(dtype)
+    return x, torch.from_numpy(data["labels"][sl])
+
+
+def grads_ref(model, mapping, data, input_name, dtype):
+    m = copy.deepcopy(model)
+    if dtype == torch.float64:
+        m = m.double()
+    m.train()
+    x, y = to_inputs(data, slice(0, GRAD_SAMPLES), input_name, dtype)
+    loss = loss_fn(m(x), y)
+    loss.backward()
+    out = {"loss": loss.detach().numpy()}
+    for oname, p in trainable(m, mapping):
+        out[oname] = p.grad.detach().numpy()
+    return out
+
+
+def run_full(model, mapping, data, input_name, opt_name, batch):
+    m = copy.deepcopy(model).train()
+    params = [p for _, p in m.named_parameters()]
+    opt = torch.optim.SGD(params, **SGD) if opt_name == "sgd" else torch.optim.AdamW(params, **ADAMW)
+    losses = []
+    for t in range(STEPS):
+        idx = (np.arange(batch) + batch * t) % N_SAMPLES
+        x, y = to_inputs(data, idx, input_name)
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(m(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {o: p.detach().numpy().copy() for o, p in trainable(m, mapping)}, losses
+
+
+def run_micro_sgd(model, mapping, data, input_name, k=4, micro=8):
+    m = copy.deepcopy(model).train()
+    opt = torch.optim.SGD([p for _, p in m.named_parameters()], **SGD)
+    window = k * micro
+    opt.zero_grad(set_to_none=True)
+    for t in range(STEPS):
+        for j in range(k):
+            idx = (np.arange(micro) + window * t + micro * j) % N_SAMPLES
+            x, y = to_inputs(data, idx, input_name)
+            (loss_fn(m(x), y) / k).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    params = {o: p.detach().numpy().copy() for o, p in trainable(m, mapping)}
+    stats, tracked = {}, {}
+    for n, b in m.named_buffers():
+        if n.endswith("running_mean") or n.endswith("running_var"):
+            stats[mapping[n]] = b.detach().numpy().copy()
+        elif n.endswith("num_batches_tracked"):
+            tracked[n] = int(b)
+    return params, stats, tracked
+
+
+def ort_forward_check(path, model, data, input_name, bn_training_mode):
+    """ORT logits vs torch logits with the file's state, on batches of 8 and 64. A BatchNorm in
+    inference form is compared with torch eval(), in training form with torch train()."""
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    worst = 0.0
+    for n in (8, N_SAMPLES):
+        x = data[input_name][:n]
+        got = sess.run(["logits"], {input_name: x})[0]
+        m = copy.deepcopy(model)
+        m.train() if bn_training_mode else m.eval()
+        with torch.no_grad():
+            want = m(torch.from_numpy(x)).numpy()
+        if got.shape != want.shape:
+            raise SystemExit(f"{path}: ORT shape {got.shape} != torch {want.shape}")
+        worst = max(worst, float(np.max(np.abs(got - want))))
+    if worst > 1e-5:
+        raise SystemExit(f"{path}: ORT forward differs from torch by {worst:.3g}")
+    return {"batches": [8, N_SAMPLES], "torch_mode": "train" if bn_training_mode else "eval",
+            "max_abs_diff": worst}
+
+
+def bn_forms(model: onnx.ModelProto):
+    forms = set()
+    for n in model.graph.node:
+        if n.op_type == "BatchNormalization":
+            tm = [a.i for a in n.attribute if a.name == "training_mode"]
+            forms.add(f"training_mode={tm[0] if tm else 0}, outputs={len([o for o in n.output if o])}")
+    return sorted(forms)
+
+
+def probe_dynamo_train_mode(model, example, input_name, data):
+    """Export a train() copy with dynamo as well (not saved): which BatchNormalization form."""
+    m = copy.deepcopy(model).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = torch.onnx.export(
+            m, (example,), dynamo=True, optimize=False, verbose=False,
+            input_names=[input_name], output_names=["logits"],
+            dynamic_shapes={input_name: {0: torch.export.Dim("batch")}},
+        )
+    proto = prog.model_proto
+    moved = any(not torch.equal(a, b) for a, b in zip(m.buffers(), model.buffers()))
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = data[input_name][:8]
+    got = sess.run(["logits"], {input_name: x})[0]
+    diffs = {}
+    for mode in ("train", "eval"):
+        mm = copy.deepcopy(model)
+        getattr(mm, mode)()
+        with torch.no_grad():
+            diffs[mode] = float(np.max(np.abs(got - mm(torch.from_numpy(x)).numpy())))
+    return {"bn_forms": bn_forms(proto), "op_counts": op_counts(proto),
+            "torch_buffers_moved_by_export": moved,
+            "ort_logits_max_abs_diff_vs_torch": diffs}
+
+
+def versions():
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "onnx": onnx.__version__,
+        "onnxscript": onnxscript.__version__,
+        "onnxruntime": ort.__version__,
+        "numpy": np.__version__,
+    }
+
+
+def shape_of(value_info):
+    dims = []
+    for d in value_info.type.tensor_type.shape.dim:
+        dims.append(d.dim_param if d.HasField("dim_param") else d.dim_value)
+    return dims
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def generate(name: str, spec: dict) -> dict:
+    gdir, fdir = os.path.join(GRAPHS, name), os.path.join(FIXTURES, name)
+    os.makedirs(gdir, exist_ok=True)
+    os.makedirs(fdir, exist_ok=True)
+    for d in (fdir,):
+        for f in os.listdir(d):
+            os.remove(os.path.join(d, f))
+    inp = spec["input"]
+
+    rng = np.random.default_rng(1000 + spec["seed"])
+    data = spec["data"](rng)
+    save_npz(os.path.join(gdir, "data.npz"), data)
+
+    torch.manual_seed(spec["seed"])
+    ref = spec["make"]()
+    ref_state = copy.deepcopy(ref.state_dict())
+    example = torch.from_numpy(data[inp][:EXPORT_BATCH])
+
+    exports, states, failures = {}, {}, {}
+    for kind, fn in (("dynamo", export_dynamo), ("legacy", export_legacy)):
+        path = os.path.join(gdir, f"{kind}.onnx")
+        try:
+            info = fn(ref, example, inp, path)
+        except Exception as e:  # recorded, the other export goes on
+            failures[kind] = f"{type(e).__name__}: {e}"
+            if os.path.exists(path):
+                os.remove(path)
+            continue
+        assert all(torch.equal(v, ref.state_dict()[k]) for k, v in ref_state.items()), \
+            "export moved the reference model's state"
+        proto = onnx.load(path)
+        inits = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
+        assert not any(i.data_location == onnx.TensorProto.EXTERNAL for i in proto.graph.initializer)
+        mapping, by_value = map_state(ref, inits)
+        model = load_state_from_onnx(spec["make"], spec["seed"], mapping, inits)
+        params = dict(ref.named_parameters())
+        bufs = dict(ref.named_buffers())
+        rev = {o: t for t, o in mapping.items()}
+        init_list = []
+        for i in proto.graph.initializer:
+            t = rev.get(i.name)
+            kind_of = "parameter" if t in params else ("buffer" if t in bufs else "other")
+            init_list.append({"name": i.name, "shape": list(i.dims),
+                              "dtype": onnx.TensorProto.DataType.Name(i.data_type),
+                              "kind": kind_of, **({"torch_name": t} if t and t != i.name else {})})
+        changed = sorted(t for t, o in mapping.items()
+                         if not np.array_equal(inits[o], ref_state[t].numpy()))
+        bn_train = any(f.startswith("training_mode=1") for f in bn_forms(proto))
+        info.update({
+            "file": f"graphs/forward/{name}/{kind}.onnx",
+            "bytes": os.path.getsize(path),
+            "ir_version": proto.ir_version,
+            "opset": {(o.domain or "ai.onnx"): o.version for o in proto.opset_import},
+            "inputs": {v.name: shape_of(v) for v in proto.graph.input},
+            "outputs": {v.name: shape_of(v) for v in proto.graph.output},
+            "op_counts": op_counts(proto),
+            "nodes": len(proto.graph.node),
+            "batchnorm": bn_forms(proto),
+            "initializers": init_list,
+            "torch_names_not_surviving": ({t: o for t, o in by_value.items()} or None),
+            "torch_state_missing_from_file": sorted(set(ref_state) - set(mapping)),
+            "initializers_differing_from_torch_model": changed,
+            "ort_forward_check": ort_forward_check(path, model, data, inp, bn_train),
+        })
+        if name == "torch_cnn" and kind == "legacy":
+            # is the file's running stats exactly one momentum update from the example batch?
+            m = copy.deepcopy(ref).train()
+            with torch.no_grad():
+                m(example)
+            one = all(np.array_equal(inits[mapping[n]], b.numpy()) for n, b in m.named_buffers()
+                      if n in mapping)
+            info["running_stats_are_one_train_forward_of_example_batch"] = one
+        exports[kind] = info
+        states[kind] = (model, mapping)
+        print(f"  {kind}: {info['bytes']} B, opset {info['opset']}, {info['nodes']} nodes, "
+              f"ORT max|diff| {info['ort_forward_check']['max_abs_diff']:.2e} "
+              f"({info['ort_forward_check']['torch_mode']})")
+        print(f"    ops: {info['op_counts']}")
+        if info["batchnorm"]:
+            print(f"    BatchNormalization: {info['batchnorm']}")
+        if changed:
+            print(f"    initializers differing from the torch model: {changed}")
+
+    if not states:
+        raise SystemExit(f"{name}: both exports failed: {failures}")
+
+    # one reference set when both files hold the same values, else one per export
+    def same(a, b):
+        (ma, mpa), (mb, mpb) = a, b
+        sa, sb = ma.state_dict(), mb.state_dict()
+        return mpa == mpb and all(torch.equal(sa[k], sb[k]) for k in mpa)
+
+    kinds = list(states)
+    shared = len(kinds) == 1 or same(states[kinds[0]], states[kinds[1]])
+    ref_sets = {"": states[kinds[0]]} if shared else {f"{k}_": states[k] for k in kinds}
+
+    refs = {}
+    for prefix, (model, mapping) in ref_sets.items():
+        files = {}
+        g32 = grads_ref(model, mapping, data, inp, torch.float32)
+        g64 = grads_ref(model, mapping, data, inp, torch.float64)
+        save_npz(os.path.join(fdir, f"{prefix}grads.npz"), g32)
+        save_npz(os.path.join(fdir, f"{prefix}grads64.npz"), g64)
+        files["grads"] = f"{prefix}grads.npz"
+        files["grads64"] = f"{prefix}grads64.npz"
+        files["loss_first8"] = float(g32["loss"])
+        files["loss_first8_float64"] = float(g64["loss"])
+        if spec["runs"]:
+            for opt_name in ("sgd", "adamw"):
+                params, losses = run_full(model, mapping, data, inp, opt_name, spec["batch"])
+                save_npz(os.path.join(fdir, f"{prefix}run_{opt_name}.npz"), params)
+                files[f"run_{opt_name}"] = f"{prefix}run_{opt_name}.npz"
+                files[f"run_{opt_name}_losses"] = losses
+        if name == "torch_cnn":
+            params, stats, tracked = run_micro_sgd(model, mapping, data, inp)
+            save_npz(os.path.join(fdir, f"{prefix}run_micro_sgd.npz"), params)
+            save_npz(os.path.join(fdir, f"{prefix}running_stats.npz"), stats)
+            files["run_micro_sgd"] = f"{prefix}run_micro_sgd.npz"
+            files["running_stats"] = f"{prefix}running_stats.npz"
+            files["num_batches_tracked_after"] = tracked
+        refs[(prefix.rstrip("_") or "both")] = files
+
+    model, mapping = states[kinds[0]]
+    param_names = [(mapping[n], list(p.shape)) for n, p in model.named_parameters()]
+    x_arr = data[inp]
+    meta = {
+        "model": name,
+        "description": spec["desc"],
+        "versions": versions(),
+        "input": {"name": inp, "dtype": str(x_arr.dtype), "shape": ["N", *x_arr.shape[1:]]},
+        "output": {"name": "logits", "shape": ["N", *list(model.eval()(torch.from_numpy(
+            x_arr[:1])).shape[1:])]},
+        "labels": {"name": "labels", "dtype": "int64", "shape": ["N", *data["labels"].shape[1:]]},
+        "parameters": {n: s for n, s in param_names},
+        "buffers": {mapping.get(n, n): list(b.shape) for n, b in model.named_buffers()
+                    if not n.endswith("num_batches_tracked")},
+        "loss": {"fn": "cross-entropy", "reduction": "mean", "class_axis": -1,
+                 "ignore_index": IGNORE_INDEX,
+                 "normalisation": "divided by the number of non-ignored labels in the batch",
+                 "torch": "F.cross_entropy(logits.reshape(-1, C), labels.reshape(-1), "
+                          "ignore_index=-100, reduction='mean')"},
+        "data": {"file": f"graphs/forward/{name}/data.npz", "samples": N_SAMPLES,
+                 "arrays": {k: [str(v.dtype), list(v.shape)] for k, v in data.items()},
+                 "seed": f"numpy default_rng({1000 + spec['seed']})"},
+        "torch_init_seed": spec["seed"],
+        "export_example_input": f"data.npz {inp}[0:{EXPORT_BATCH}]",
+        "exports": exports,
+        "export_failures": failures or None,
+        "references_per_export": not shared,
+        "references_note": (
+            "references start from the initializer values read back from the .onnx file(s), "
+            "loaded into the torch model by name; the torch model is in train() mode"
+        ),
+        "grads": {"samples": f"[0, {GRAD_SAMPLES})", "mode": "train()",
+                  "keys": "'loss' (scalar, mean CE) and, per trainable parameter, its gradient keyed "
+                          "by ONNX initializer name",
+                  "dtypes": {"grads.npz": "float32", "grads64.npz": "float64 (model.double())"}},
+        "references": refs,
+    }
+    if data["labels"].ndim == 2:
+        meta["data"]["non_ignored_labels_first8"] = int((data["labels"][:GRAD_SAMPLES] != IGNORE_INDEX).sum())
+        meta["data"]["padded_positions_per_row"] = (data["labels"] == IGNORE_INDEX).sum(1).tolist()
+    if spec["runs"]:
+        b = spec["batch"]
+        meta["runs"] = {
+            "steps": STEPS, "batch": b,
+            "sampling": f"step t (0-based) takes samples (arange({b}) + {b}*t) mod {N_SAMPLES}",
+            "sgd": {"torch": "torch.optim.SGD", **SGD},
+            "adamw": {"torch": "torch.optim.AdamW", **{k: list(v) if isinstance(v, tuple) else v
+                                                      for k, v in ADAMW.items()}},
+            "keys": "trainable parameters after the last step, by ONNX initializer name",
+        }
+        if data["labels"].ndim == 2:
+            meta["runs"]["non_ignored_labels_per_step"] = [
+                int((data["labels"][(np.arange(b) + b * t) % N_SAMPLES] != IGNORE_INDEX).sum())
+                for t in range(STEPS)]
+        if name == "torch_gpt":
+            meta["runs"]["note"] = ("full batch of 16 sequences (not 32) per step; "
+                                    "K=4 micro-batches of 4 sequences is the matching accumulation")
+    else:
+        meta["runs"] = {"skipped": "BatchNorm: K micro-batches cannot equal one full batch "
+                                   "(batch statistics differ); see micro"}
+    if name == "torch_cnn":
+        meta["micro"] = {
+            "windows": STEPS, "K": 4, "micro_batch": 8,
+            "sampling": "window t, micro-batch j takes samples (arange(8) + 32*t + 8*j) mod 64",
+            "loop": "per micro-batch: (mean CE / K).backward() accumulating .grad; after the K-th: "
+                    "optimizer.step(), optimizer.zero_grad()",
+            "sgd": {"torch": "torch.optim.SGD", **SGD},
+            "bn": {"momentum_torch": 0.1, "eps": 1e-5},
+        }
+        meta["micro"]["running_stats"] = (
+            "torch updates BatchNorm running stats at every micro-step (each train() forward), "
+            "32 updates over 8 windows: running = 0.9 * running + 0.1 * batch_stat, the variance "
+            "unbiased (n / (n - 1)) with n = 8*8*8 = 512 for bn1 and n = 8*4*4 = 128 for bn2; "
+            "the normalisation itself uses the biased variance. ONNX momentum attribute = 0.9.")
+        meta["dynamo_export_of_train_mode_model"] = probe_dynamo_train_mode(ref, example, inp, data)
+        print("  probe, dynamo export of the model in train():",
+              json.dumps({k: v for k, v in meta["dynamo_export_of_train_mode_model"].items()
+                         if k != "op_counts"}))
+    with open(os.path.join(fdir, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1, sort_keys=False)
+        f.write("\n")
+    return meta
+
+
+def main(argv):
+    names = argv or list(MODELS)
+    for n in names:
+        if n not in MODELS:
+            raise SystemExit(f"unknown model {n}; known: {', '.join(MODELS)}")
+    print("versions:", versions())
+    for n in names:
+        print(f"{n}:")
+        generate(n, MODELS[n])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
