@@ -203,13 +203,8 @@ pub fn write_npz<'a>(
         path: path.to_path_buf(),
         message: e.to_string(),
     };
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let tmp = tempfile::NamedTempFile::new_in(dir).map_err(|e| err(&e))?;
-    {
-        let mut npz = NpzWriter::new(tmp.as_file());
+    crate::atomic::write_with(path, |file| {
+        let mut npz = NpzWriter::new(file);
         for (name, t) in arrays {
             match t {
                 Tensor::F32(a) => npz.add_array(name, a),
@@ -218,10 +213,10 @@ pub fn write_npz<'a>(
                 Tensor::I32(a) => npz.add_array(name, a),
                 Tensor::Bool(a) => npz.add_array(name, a),
             }
-            .map_err(|e| err(&e))?;
+            .map_err(std::io::Error::other)?;
         }
-        npz.finish().map_err(|e| err(&e))?;
-    }
-    tmp.persist(path).map_err(|e| err(&e))?;
-    Ok(())
+        npz.finish().map_err(std::io::Error::other)?;
+        Ok(())
+    })
+    .map_err(|e| err(&e))
 }

@@ -4,6 +4,7 @@
 //! graph over it, [`signature`] finds the training roles (loss, seed, parameters, gradients),
 //! passes rewrite the graph, and [`ir`] exports it back losslessly.
 
+pub mod atomic;
 pub mod checkpoint;
 pub mod data;
 pub mod engine;

@@ -822,44 +822,35 @@ pub fn save_model_with_external_data(
     };
 
     let mut out = model.clone();
-    let mut data = tempfile::Builder::new()
-        .prefix(".onnx-ga-data-")
-        .suffix(".tmp")
-        .tempfile_in(&dir)
-        .map_err(write_err)?;
-    let mut writer = io::BufWriter::new(data.as_file_mut());
-    let mut pos: u64 = 0;
-    for_each_tensor_mut(&mut out, true, &mut |t, _| {
-        let big = t
-            .raw_data
-            .as_ref()
-            .is_some_and(|r| r.len() >= size_threshold_bytes);
-        if !big {
-            return Ok(());
-        }
-        let raw = t.raw_data.take().unwrap_or_default();
-        let offset = pos.div_ceil(EXTERNAL_DATA_ALIGNMENT) * EXTERNAL_DATA_ALIGNMENT;
-        io::copy(&mut io::repeat(0).take(offset - pos), &mut writer)?;
-        writer.write_all(&raw)?;
-        pos = offset + raw.len() as u64;
-        let entry = |k: &str, v: String| StringStringEntryProto {
-            key: Some(k.to_string()),
-            value: Some(v),
-        };
-        t.external_data = vec![
-            entry("location", data_file_name.to_string()),
-            entry("offset", offset.to_string()),
-            entry("length", raw.len().to_string()),
-        ];
-        t.data_location = Some(DataLocation::External as i32);
-        Ok(())
+    crate::atomic::write_with(&data_path, |writer| {
+        let mut pos: u64 = 0;
+        for_each_tensor_mut(&mut out, true, &mut |t, _| {
+            let big = t
+                .raw_data
+                .as_ref()
+                .is_some_and(|r| r.len() >= size_threshold_bytes);
+            if !big {
+                return Ok(());
+            }
+            let raw = t.raw_data.take().unwrap_or_default();
+            let offset = pos.div_ceil(EXTERNAL_DATA_ALIGNMENT) * EXTERNAL_DATA_ALIGNMENT;
+            io::copy(&mut io::repeat(0).take(offset - pos), writer)?;
+            writer.write_all(&raw)?;
+            pos = offset + raw.len() as u64;
+            let entry = |k: &str, v: String| StringStringEntryProto {
+                key: Some(k.to_string()),
+                value: Some(v),
+            };
+            t.external_data = vec![
+                entry("location", data_file_name.to_string()),
+                entry("offset", offset.to_string()),
+                entry("length", raw.len().to_string()),
+            ];
+            t.data_location = Some(DataLocation::External as i32);
+            Ok(())
+        })
     })
     .map_err(write_err)?;
-    writer.flush().map_err(write_err)?;
-    drop(writer);
-    data.as_file().sync_all().map_err(write_err)?;
-    set_default_permissions(data.path(), &data_path);
-    data.persist(&data_path).map_err(|e| write_err(e.error))?;
 
     write_atomically(path, &encode_model(&out))
 }
@@ -891,41 +882,8 @@ fn model_dir(path: &Path) -> PathBuf {
 }
 
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
-    let write_err = |source: io::Error| ModelError::Write {
+    crate::atomic::write(path, bytes).map_err(|source| ModelError::Write {
         path: path.to_path_buf(),
         source,
-    };
-    if path.is_dir() {
-        return Err(write_err(io::Error::other("is a directory")));
-    }
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".onnx-ga-")
-        .suffix(".tmp")
-        .tempfile_in(model_dir(path))
-        .map_err(write_err)?;
-    tmp.write_all(bytes).map_err(write_err)?;
-    tmp.as_file().sync_all().map_err(write_err)?;
-    set_default_permissions(tmp.path(), path);
-    tmp.persist(path).map_err(|e| write_err(e.error))?;
-    Ok(())
-}
-
-/// Temporary files are created 0600; give the result the permissions of the file it
-/// replaces, or 0644 for a new file. Best effort.
-fn set_default_permissions(tmp: &Path, target: &Path) {
-    let perms = match fs::metadata(target) {
-        Ok(m) => m.permissions(),
-        Err(_) => {
-            #[cfg(unix)]
-            {
-                use std::os::unix::fs::PermissionsExt;
-                fs::Permissions::from_mode(0o644)
-            }
-            #[cfg(not(unix))]
-            {
-                return;
-            }
-        }
-    };
-    let _ = fs::set_permissions(tmp, perms);
+    })
 }
