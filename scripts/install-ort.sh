@@ -4,12 +4,13 @@
 # Creates a virtual environment at <repo>/.venv-ort holding the PyPI wheels
 #   onnxruntime==1.31.1   (ships onnxruntime/capi/libonnxruntime.so.1.31.1, the C API ort loads)
 #   onnx==1.23.2          (onnx.checker, used by tests)
+#   safetensors==0.8.0    (reads the .safetensors state files `train --save-state` writes, in tests)
 # and prints the absolute path of the shared library as the LAST line on stdout, so
 #   export ORT_DYLIB_PATH="$(bash scripts/install-ort.sh | tail -n1)"
 # works. Progress goes to stderr. onnx_ga::runtime::find_onnxruntime() finds this venv on its
 # own, so exporting ORT_DYLIB_PATH is optional.
 #
-# Idempotent: when the venv already has both packages at these versions, nothing is installed.
+# Idempotent: when the venv already has these packages at these versions, nothing is installed.
 #
 # Environment overrides:
 #   PYTHON          interpreter to build the venv with (default: python3.11, then python3, then python)
@@ -19,6 +20,7 @@ set -euo pipefail
 
 ORT_VERSION="1.31.1"
 ONNX_VERSION="1.23.2"
+SAFETENSORS_VERSION="0.8.0"
 
 log() { printf 'install-ort: %s\n' "$*" >&2; }
 die() { printf 'install-ort: error: %s\n' "$*" >&2; exit 1; }
@@ -56,12 +58,13 @@ venv_python() {
 # Prints "ok" when the venv has exactly the wanted versions.
 versions_ok() {
     local py="$1"
-    "$py" - "$ORT_VERSION" "$ONNX_VERSION" <<'EOF' 2>/dev/null
+    "$py" - "$ORT_VERSION" "$ONNX_VERSION" "$SAFETENSORS_VERSION" <<'EOF' 2>/dev/null
 import sys
 from importlib.metadata import version, PackageNotFoundError
-want_ort, want_onnx = sys.argv[1], sys.argv[2]
+want_ort, want_onnx, want_safetensors = sys.argv[1], sys.argv[2], sys.argv[3]
 try:
-    ok = version("onnxruntime") == want_ort and version("onnx") == want_onnx
+    ok = (version("onnxruntime") == want_ort and version("onnx") == want_onnx
+          and version("safetensors") == want_safetensors)
 except PackageNotFoundError:
     ok = False
 print("ok" if ok else "no")
@@ -97,7 +100,7 @@ if [[ "${ORT_FORCE:-0}" == "1" && -e "$venv" ]]; then
 fi
 
 if py="$(venv_python)" && [[ "$(versions_ok "$py")" == "ok" ]]; then
-    log "already installed: onnxruntime==$ORT_VERSION onnx==$ONNX_VERSION in $venv"
+    log "already installed: onnxruntime==$ORT_VERSION onnx==$ONNX_VERSION safetensors==$SAFETENSORS_VERSION in $venv"
 else
     # A venv without a working interpreter (half-created, or its base python was removed) is rebuilt.
     if [[ -e "$venv" ]] && ! { py="$(venv_python)" && "$py" -c 'pass' >/dev/null 2>&1; }; then
@@ -119,11 +122,11 @@ else
         fi
         py="$(venv_python)" || die "venv at $venv has no python"
     fi
-    log "installing onnxruntime==$ORT_VERSION onnx==$ONNX_VERSION into $venv"
+    log "installing onnxruntime==$ORT_VERSION onnx==$ONNX_VERSION safetensors==$SAFETENSORS_VERSION into $venv"
     "$py" -m pip install --disable-pip-version-check --quiet \
-        "onnxruntime==$ORT_VERSION" "onnx==$ONNX_VERSION" >&2 \
+        "onnxruntime==$ORT_VERSION" "onnx==$ONNX_VERSION" "safetensors==$SAFETENSORS_VERSION" >&2 \
         || die "pip install failed (is PyPI reachable? does a wheel exist for $("$py" -c 'import sys,platform; print(f"python {sys.version.split()[0]} on {platform.machine()}")')?)"
-    [[ "$(versions_ok "$py")" == "ok" ]] || die "installed, but versions do not match onnxruntime==$ORT_VERSION onnx==$ONNX_VERSION"
+    [[ "$(versions_ok "$py")" == "ok" ]] || die "installed, but versions do not match onnxruntime==$ORT_VERSION onnx==$ONNX_VERSION safetensors==$SAFETENSORS_VERSION"
 fi
 
 lib="$(library_path "$py")" || die "onnxruntime is installed but its shared library was not found"

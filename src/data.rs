@@ -1,5 +1,6 @@
-//! Host tensors and `.npz` files (NumPy archives): training data in, state and fixtures in
-//! and out. Writes are atomic: a temporary file in the target folder, then a rename.
+//! Host tensors and state files: `.npz` (NumPy archives) for training data, state and
+//! fixtures; `.safetensors` for state, by extension ([`read_state`], [`write_state`]). Writes
+//! are atomic: a temporary file in the target folder, then a rename.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -158,6 +159,16 @@ pub enum DataError {
     ElementType { path: PathBuf, name: String },
     #[error("{}: cannot write: {message}", path.display())]
     Write { path: PathBuf, message: String },
+    #[error("{}: unknown state file extension: state files are .npz or .safetensors", path.display())]
+    Extension { path: PathBuf },
+    #[error("{}: not a readable .safetensors file: {message}", path.display())]
+    Safetensors { path: PathBuf, message: String },
+    #[error("{}: tensor '{name}' is {dtype}, which we cannot read (F32, F64, I64, I32, BOOL are supported)", path.display())]
+    SafetensorsDtype {
+        path: PathBuf,
+        name: String,
+        dtype: String,
+    },
 }
 
 /// Reads every array of an `.npz` file, by name.
@@ -216,6 +227,163 @@ pub fn write_npz<'a>(
             .map_err(std::io::Error::other)?;
         }
         npz.finish().map_err(std::io::Error::other)?;
+        Ok(())
+    })
+    .map_err(|e| err(&e))
+}
+
+/// The two kinds of state file, told apart by extension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StateFormat {
+    Npz,
+    Safetensors,
+}
+
+impl StateFormat {
+    /// The format a state file's extension names (`.npz` or `.safetensors`, any case); any
+    /// other extension is an error naming the file.
+    pub fn of(path: &Path) -> Result<StateFormat, DataError> {
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        if ext.eq_ignore_ascii_case("npz") {
+            Ok(StateFormat::Npz)
+        } else if ext.eq_ignore_ascii_case("safetensors") {
+            Ok(StateFormat::Safetensors)
+        } else {
+            Err(DataError::Extension {
+                path: path.to_path_buf(),
+            })
+        }
+    }
+}
+
+/// Reads a state file, `.npz` or `.safetensors` by extension: every tensor, by name.
+pub fn read_state(path: &Path) -> Result<BTreeMap<String, Tensor>, DataError> {
+    match StateFormat::of(path)? {
+        StateFormat::Npz => read_npz(path),
+        StateFormat::Safetensors => read_safetensors(path),
+    }
+}
+
+/// Writes a state file, `.npz` or `.safetensors` by extension, atomically.
+pub fn write_state<'a>(
+    path: &Path,
+    tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
+) -> Result<(), DataError> {
+    match StateFormat::of(path)? {
+        StateFormat::Npz => write_npz(path, tensors),
+        StateFormat::Safetensors => write_safetensors(path, tensors),
+    }
+}
+
+/// Reads every tensor of a `.safetensors` file, by name. The `safetensors` crate checks the
+/// header against the bytes actually read (the data offsets must tile the rest of the file
+/// exactly, and each tensor's byte length must equal its shape times its element size), so
+/// nothing is allocated beyond the file's own size whatever the header claims.
+pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, Tensor>, DataError> {
+    use safetensors::tensor::Dtype;
+    let bytes = std::fs::read(path).map_err(|source| DataError::Open {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let bad = |message: String| DataError::Safetensors {
+        path: path.to_path_buf(),
+        message,
+    };
+    let file = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
+    let mut out = BTreeMap::new();
+    for (name, view) in file.iter() {
+        let data = view.data();
+        let shape = IxDyn(view.shape());
+        let array_err = |e: ndarray::ShapeError| bad(format!("tensor '{name}': {e}"));
+        macro_rules! le {
+            ($ty:ty, $variant:ident) => {{
+                let values: Vec<$ty> = data
+                    .chunks_exact(std::mem::size_of::<$ty>())
+                    .map(|c| <$ty>::from_le_bytes(c.try_into().expect("chunk size")))
+                    .collect();
+                Tensor::$variant(ArrayD::from_shape_vec(shape, values).map_err(array_err)?)
+            }};
+        }
+        let tensor = match view.dtype() {
+            Dtype::F32 => le!(f32, F32),
+            Dtype::F64 => le!(f64, F64),
+            Dtype::I64 => le!(i64, I64),
+            Dtype::I32 => le!(i32, I32),
+            Dtype::BOOL => Tensor::Bool(
+                ArrayD::from_shape_vec(shape, data.iter().map(|b| *b != 0).collect())
+                    .map_err(array_err)?,
+            ),
+            other => {
+                return Err(DataError::SafetensorsDtype {
+                    path: path.to_path_buf(),
+                    name: name.to_string(),
+                    dtype: format!("{other:?}"),
+                })
+            }
+        };
+        out.insert(name.to_string(), tensor);
+    }
+    Ok(out)
+}
+
+/// Writes tensors to a `.safetensors` file atomically (never a partial file at `path`),
+/// keyed by name, without `__metadata__`. The header is the `safetensors` crate's own
+/// (tensors ordered by element alignment, then name, as its serializer orders them); the
+/// data is streamed from the tensors, not copied into one buffer first.
+pub fn write_safetensors<'a>(
+    path: &Path,
+    tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
+) -> Result<(), DataError> {
+    use safetensors::tensor::{Dtype, Metadata, TensorInfo};
+    use std::io::Write;
+    let err = |e: &dyn std::fmt::Display| DataError::Write {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    };
+    let dtype = |t: &Tensor| match t {
+        Tensor::F32(_) => (Dtype::F32, 4),
+        Tensor::F64(_) => (Dtype::F64, 8),
+        Tensor::I64(_) => (Dtype::I64, 8),
+        Tensor::I32(_) => (Dtype::I32, 4),
+        Tensor::Bool(_) => (Dtype::BOOL, 1),
+    };
+    let mut items: Vec<(&str, &Tensor)> = tensors.into_iter().collect();
+    items.sort_by(|(a, ta), (b, tb)| dtype(tb).0.cmp(&dtype(ta).0).then(a.cmp(b)));
+    if let Some(w) = items.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(err(&format!("two tensors are named '{}'", w[0].0)));
+    }
+    let mut infos = Vec::with_capacity(items.len());
+    let mut offset = 0usize;
+    for (name, t) in &items {
+        let (dtype, width) = dtype(t);
+        let len = t.shape().iter().product::<usize>() * width;
+        infos.push((
+            name.to_string(),
+            TensorInfo {
+                dtype,
+                shape: t.shape().to_vec(),
+                data_offsets: (offset, offset + len),
+            },
+        ));
+        offset += len;
+    }
+    let metadata = Metadata::new(None, infos).map_err(|e| err(&e))?;
+    let mut header = serde_json::to_vec(&metadata).map_err(|e| err(&e))?;
+    // The format pads the header with spaces to a multiple of 8 bytes.
+    header.resize(header.len().next_multiple_of(8), b' ');
+
+    crate::atomic::write_with(path, |out| {
+        out.write_all(&(header.len() as u64).to_le_bytes())?;
+        out.write_all(&header)?;
+        for (_, t) in &items {
+            match t {
+                Tensor::F32(a) => a.iter().try_for_each(|v| out.write_all(&v.to_le_bytes())),
+                Tensor::F64(a) => a.iter().try_for_each(|v| out.write_all(&v.to_le_bytes())),
+                Tensor::I64(a) => a.iter().try_for_each(|v| out.write_all(&v.to_le_bytes())),
+                Tensor::I32(a) => a.iter().try_for_each(|v| out.write_all(&v.to_le_bytes())),
+                Tensor::Bool(a) => a.iter().try_for_each(|v| out.write_all(&[*v as u8])),
+            }?;
+        }
         Ok(())
     })
     .map_err(|e| err(&e))

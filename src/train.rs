@@ -292,9 +292,10 @@ impl Trainer {
         Ok(self.host_state.get_or_init(|| host))
     }
 
-    /// Replaces the state with values read from an `.npz` written by [`save_state`](Self::save_state).
+    /// Replaces the state with values read from a state file written by
+    /// [`save_state`](Self::save_state): `.npz` or `.safetensors`, by extension.
     pub fn load_state(&mut self, path: &Path) -> Result<(), TrainError> {
-        let loaded = crate::data::read_npz(path)?;
+        let loaded = crate::data::read_state(path)?;
         let bad = |message: String| TrainError::BadState {
             file: path.to_path_buf(),
             message,
@@ -333,9 +334,10 @@ impl Trainer {
         Ok(())
     }
 
-    /// Writes every state tensor under its state input name, atomically.
+    /// Writes every state tensor under its state input name, atomically: `.npz` or
+    /// `.safetensors`, by extension.
     pub fn save_state(&self, path: &Path) -> Result<(), TrainError> {
-        crate::data::write_npz(path, self.state()?.iter().map(|(k, v)| (k.as_str(), v)))?;
+        crate::data::write_state(path, self.state()?.iter().map(|(k, v)| (k.as_str(), v)))?;
         Ok(())
     }
 
