@@ -206,6 +206,18 @@ fn describe_source(source: &crate::signature::Source) -> String {
             "onnx-ga training step {} ({state_pairs} state pairs; pipeline {pipeline})",
             file.display()
         ),
+        Source::Forward {
+            file,
+            differentiated,
+        } => format!(
+            "forward model {}{}",
+            file.display(),
+            if *differentiated {
+                " (differentiated by autodiff)"
+            } else {
+                ""
+            }
+        ),
         Source::Plain { file } => format!(
             "gradient graph {} (roles given on the command line)",
             file.display()

@@ -205,6 +205,12 @@ pub enum Source {
     Plain {
         file: PathBuf,
     },
+    /// A forward model (no gradients yet): the `autodiff` pass builds its backward pass and
+    /// fills in the roles (`differentiated` once it has).
+    Forward {
+        file: PathBuf,
+        differentiated: bool,
+    },
     /// A step written by `onnx-ga rewrite`: roles come from its state manifest.
     Step {
         file: PathBuf,
@@ -373,6 +379,52 @@ pub fn from_model(
         checkpoint: None,
         optimizer_model: None,
     })
+}
+
+/// Whether `proto` is a forward model (neither an ORT training graph nor a written step).
+pub fn is_forward_model(proto: &ModelProto) -> bool {
+    let is_step = proto
+        .metadata_props
+        .iter()
+        .any(|p| p.key() == crate::state::STATE_KEY);
+    let has_ort_accumulators = proto.graph.as_ref().is_some_and(|g| {
+        g.node.iter().any(|n| {
+            crate::ir::normalize_domain(n.domain()) == ORT_ACCUMULATOR.0
+                && n.op_type() == ORT_ACCUMULATOR.1
+        })
+    });
+    !is_step && !has_ort_accumulators
+}
+
+/// A forward model to be differentiated by the `autodiff` pass: its inputs without
+/// initializers are data; loss and parameters are for the pass to find.
+pub fn forward(proto: ModelProto, origin: &Path) -> TrainingGraph {
+    let model = Model::from_proto(proto);
+    let main = model.main();
+    let data_inputs = main
+        .inputs
+        .iter()
+        .filter(|(v, _)| model.initializer(*v).is_none())
+        .map(|(v, info)| TensorInfo::of(model.name(*v), info.r#type.as_ref()))
+        .collect();
+    let signature = TrainingSignature {
+        source: Source::Forward {
+            file: origin.to_path_buf(),
+            differentiated: false,
+        },
+        data_inputs,
+        loss: String::new(),
+        seed: None,
+        params: Vec::new(),
+        lazy_reset_grad: None,
+        optimizer: None,
+    };
+    TrainingGraph {
+        model,
+        signature,
+        checkpoint: None,
+        optimizer_model: None,
+    }
 }
 
 /// The signature of a rewritten step, from its state manifest: parameters are the `param`

@@ -536,6 +536,53 @@ impl Model {
         }
     }
 
+    /// Output `slot` of `node`, created (named from `hint`) when the node omits it, e.g. the
+    /// optional `Mean` and `InvStdDev` outputs of a forward LayerNormalization that its
+    /// gradient reuses. Omitted slots before it stay omitted.
+    pub fn ensure_node_output(&mut self, node: NodeId, slot: usize, hint: &str) -> ValueId {
+        if let Some(Some(v)) = self.node(node).outputs.get(slot) {
+            return *v;
+        }
+        let name = self.names.fresh(hint);
+        let v = self.push_value(name, ValueDef::Node { node, slot });
+        let outputs = &mut self.nodes[node.0 as usize].outputs;
+        if outputs.len() <= slot {
+            outputs.resize(slot + 1, None);
+        }
+        outputs[slot] = Some(v);
+        v
+    }
+
+    /// Gives a node-defined value a new name (fresh from `hint`), e.g. `W_grad` for the sum
+    /// that ends up holding a parameter's gradient. Names of graph inputs and initializers
+    /// are the model's interface and stay.
+    pub fn rename(&mut self, v: ValueId, hint: &str) {
+        if matches!(self.value(v).def, ValueDef::Node { .. }) && self.name(v) != hint {
+            let name = self.names.fresh(hint);
+            self.values[v.0 as usize].name = name;
+        }
+    }
+
+    /// Turns the initializer `v` of the main graph into a graph input backed by that
+    /// initializer (the state convention: parameters are inputs with default values).
+    /// No-op for a value that already is an input.
+    pub fn promote_initializer_to_input(&mut self, v: ValueId) {
+        let ValueDef::Initializer { body } = self.value(v).def else {
+            return;
+        };
+        let Some(tensor) = self.initializer(v) else {
+            return;
+        };
+        let ty = tensor_type(tensor.data_type(), &tensor.dims);
+        let info = ValueInfoProto {
+            name: Some(self.name(v).to_string()),
+            r#type: Some(ty),
+            ..Default::default()
+        };
+        self.values[v.0 as usize].def = ValueDef::Input { body };
+        self.body_mut(body).inputs.push((v, info));
+    }
+
     /// Adds one more output to `node` (for `If`, whose outputs grow with its branches).
     pub fn add_node_output(&mut self, node: NodeId, hint: &str) -> ValueId {
         let slot = self.node(node).outputs.len();

@@ -7,9 +7,11 @@
 
 pub mod agc;
 pub mod apply;
+pub mod autodiff;
 pub mod dce;
 pub mod grad_accum;
 pub mod legalize;
+pub mod legalize_training;
 pub mod loss_scale;
 pub mod lower_for_tract;
 pub mod optimizer;
@@ -205,6 +207,10 @@ pub fn parse_spec(spec: &str) -> Result<Vec<PassOptions>, PassError> {
 pub fn make_pass(options: &PassOptions) -> Result<Box<dyn Pass>, PassError> {
     match options.pass.as_str() {
         "legalize-ort" => Ok(Box::new(legalize::LegalizeOrt::from_options(options)?)),
+        "legalize-training" => Ok(Box::new(
+            legalize_training::LegalizeTraining::from_options(options)?,
+        )),
+        "autodiff" => Ok(Box::new(autodiff::Autodiff::from_options(options)?)),
         "grad-accum" => Ok(Box::new(grad_accum::GradAccum::from_options(options)?)),
         "optimizer" => Ok(Box::new(optimizer::Optimizer::from_options(options)?)),
         "agc" => Ok(Box::new(agc::Agc::from_options(options)?)),
@@ -220,7 +226,7 @@ pub fn make_pass(options: &PassOptions) -> Result<Box<dyn Pass>, PassError> {
         }
         other => Err(PassError::Spec {
             spec: other.to_string(),
-            message: "unknown pass (known: grad-accum, agc, loss-scale, optimizer, legalize-ort, precision, lower-for-tract, dce)".into(),
+            message: "unknown pass (known: autodiff, grad-accum, agc, loss-scale, optimizer, legalize-ort, legalize-training, precision, lower-for-tract, dce)".into(),
         }),
     }
 }

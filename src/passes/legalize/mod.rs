@@ -248,8 +248,22 @@ impl LegalizeOrt {
         state: &mut Vec<crate::state::StateEntry>,
         apply: Option<&crate::passes::apply::ApplyRegion>,
     ) -> Result<PassReport, PassError> {
-        let mut report = PassReport::default();
         let targets: Vec<NodeId> = model.all_nodes().collect();
+        self.lower_nodes(model, stamp, state, apply, &targets)
+    }
+
+    /// [`lower_model`](Self::lower_model) restricted to `targets` (the autodiff lowers the
+    /// gradient ops it emitted this way, before the window exists).
+    pub fn lower_nodes(
+        &self,
+        model: &mut Model,
+        stamp: &'static str,
+        state: &mut Vec<crate::state::StateEntry>,
+        apply: Option<&crate::passes::apply::ApplyRegion>,
+        targets: &[NodeId],
+    ) -> Result<PassReport, PassError> {
+        let mut report = PassReport::default();
+        let targets = targets.to_vec();
         let mut constants = util::Constants::default();
         for node in targets {
             let proto = &model.node(node).proto;

@@ -1,0 +1,724 @@
+//! `autodiff(...)`: reverse-mode differentiation of a forward model, in standard ONNX ops.
+//!
+//! Input: a forward model (what `torch.onnx.export`, tf2onnx or onnx helper code write),
+//! parameters as initializers. Output: the gradient graph the rest of the pipeline trains:
+//! the model's inputs plus the labels, the loss as output 0, and per trainable parameter `p`
+//! a value `p_grad` (a graph output too when the pass runs alone), the backward seeded by
+//! a scalar initializer `<loss>_grad` = 1 (scaling it scales every gradient: grad-accum's
+//! 1/K and loss scaling use that).
+//!
+//! ```text
+//! normalise   BatchNorm -> training form, Dropout -> training mode, SplitToSequence -> Split
+//! loss        L = loss_fn(Y, labels)                    (or --loss: the model's own scalar)
+//! select      P = float initializers L depends on, minus --freeze, within --trainable
+//! sweep       for each node n in reverse topological order, with dY_j = Σ of the
+//!             gradient contributions to its outputs:  dX_i += rule_n(dY)_i
+//!             for the inputs X_i that depend on some parameter
+//! ```
+//!
+//! Only nodes on a path from a parameter to the loss are differentiated; a gradient that
+//! reaches no parameter is never built. Shape computations (integer tensors, `Shape`,
+//! `Range`, comparisons) carry no gradient and are left alone. An op on such a path
+//! without a rule stops the pass with an error naming the node, the op and a parameter
+//! that needs it.
+
+mod loss_fn;
+mod normalize;
+pub mod rules;
+pub mod shapes;
+
+use std::collections::{HashMap, HashSet};
+
+pub use loss_fn::{LossFn, LossSpec};
+pub use normalize::DropoutMode;
+
+use super::{Pass, PassContext, PassError, PassOptions, PassReport};
+use crate::ir::builder::Builder;
+use crate::ir::{topological_order, BodyId, Model, NodeId, ValueDef, ValueId};
+use crate::proto::{tensor_proto::DataType, TensorProto};
+use crate::signature::{Param, Source, TensorInfo};
+use rules::{Grad, NON_DIFFERENTIABLE};
+use shapes::Shapes;
+
+pub const PASS: &str = "autodiff";
+
+/// What to differentiate.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Objective {
+    /// Append a loss function to a model output.
+    LossFn(LossSpec),
+    /// The model already computes a scalar loss: differentiate it.
+    Existing(String),
+}
+
+#[derive(Clone, Debug)]
+pub struct Autodiff {
+    pub objective: Objective,
+    /// `--freeze GLOB`: parameters kept constant.
+    pub freeze: Vec<String>,
+    /// `--trainable GLOB`: when given, only matching parameters train.
+    pub trainable: Vec<String>,
+    pub dropout: DropoutMode,
+    /// Expose every `p_grad` as a graph output (the gradient graph alone); off when later
+    /// passes consume the gradients.
+    pub grads_as_outputs: bool,
+}
+
+fn fail(message: String) -> PassError {
+    PassError::Other {
+        pass: PASS.into(),
+        message,
+    }
+}
+
+/// `|`-separated globs in a spec option (commas separate options).
+fn globs(options: &PassOptions, key: &str) -> Vec<String> {
+    options
+        .get(key)
+        .map(|v| {
+            v.split('|')
+                .filter(|s| !s.is_empty())
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+impl Autodiff {
+    pub fn from_options(options: &PassOptions) -> Result<Self, PassError> {
+        options.only(&[
+            "loss_fn",
+            "output",
+            "labels",
+            "class_axis",
+            "ignore_index",
+            "reduction",
+            "loss",
+            "freeze",
+            "trainable",
+            "dropout",
+            "grads",
+        ])?;
+        let spec_err = |message: String| PassError::Spec {
+            spec: options.pass.clone(),
+            message,
+        };
+        let objective = match (options.get("loss_fn"), options.get("loss")) {
+            (Some(_), Some(_)) => return Err(spec_err("give loss_fn or loss, not both".into())),
+            (None, Some(loss)) => Objective::Existing(loss.to_string()),
+            (Some(f), None) => {
+                let function = LossFn::parse(f).ok_or_else(|| {
+                    spec_err(format!("loss_fn={f}: expected cross-entropy, nll, mse, l1 or bce-logits"))
+                })?;
+                let sum = match options.get("reduction").unwrap_or("mean") {
+                    "mean" => false,
+                    "sum" => true,
+                    other => return Err(spec_err(format!("reduction={other}: expected mean or sum"))),
+                };
+                Objective::LossFn(LossSpec {
+                    function,
+                    output: options.get("output").map(str::to_string),
+                    labels: options.get("labels").unwrap_or("labels").to_string(),
+                    class_axis: options.parse("class_axis")?.unwrap_or(-1),
+                    ignore_index: options.parse("ignore_index")?,
+                    sum,
+                })
+            }
+            (None, None) => return Err(spec_err("needs loss_fn=... (a loss on a model output) or loss=NAME (the model's own scalar loss)".into())),
+        };
+        let dropout = match options.get("dropout").unwrap_or("train") {
+            "train" => DropoutMode::Train,
+            "off" => DropoutMode::Off,
+            other => return Err(spec_err(format!("dropout={other}: expected train or off"))),
+        };
+        let grads_as_outputs = match options.get("grads").unwrap_or("outputs") {
+            "outputs" => true,
+            "internal" => false,
+            other => {
+                return Err(spec_err(format!(
+                    "grads={other}: expected outputs or internal"
+                )))
+            }
+        };
+        Ok(Autodiff {
+            objective,
+            freeze: globs(options, "freeze"),
+            trainable: globs(options, "trainable"),
+            dropout,
+            grads_as_outputs,
+        })
+    }
+}
+
+impl Pass for Autodiff {
+    fn name(&self) -> &'static str {
+        PASS
+    }
+
+    fn spec(&self) -> String {
+        let mut o = Vec::new();
+        match &self.objective {
+            Objective::Existing(l) => o.push(format!("loss={l}")),
+            Objective::LossFn(s) => {
+                o.push(format!("loss_fn={}", s.function.as_str()));
+                if let Some(out) = &s.output {
+                    o.push(format!("output={out}"));
+                }
+                if s.labels != "labels" {
+                    o.push(format!("labels={}", s.labels));
+                }
+                if s.class_axis != -1 {
+                    o.push(format!("class_axis={}", s.class_axis));
+                }
+                if let Some(i) = s.ignore_index {
+                    o.push(format!("ignore_index={i}"));
+                }
+                if s.sum {
+                    o.push("reduction=sum".into());
+                }
+            }
+        }
+        if !self.freeze.is_empty() {
+            o.push(format!("freeze={}", self.freeze.join("|")));
+        }
+        if !self.trainable.is_empty() {
+            o.push(format!("trainable={}", self.trainable.join("|")));
+        }
+        if self.dropout == DropoutMode::Off {
+            o.push("dropout=off".into());
+        }
+        if !self.grads_as_outputs {
+            o.push("grads=internal".into());
+        }
+        super::spec_text(PASS, &o)
+    }
+
+    fn run(
+        &mut self,
+        model: &mut Model,
+        cx: &mut PassContext<'_>,
+    ) -> Result<PassReport, PassError> {
+        if cx.signature.params.iter().any(|p| p.trainable) {
+            return Err(fail(
+                "the input already is a gradient graph (it has trainable parameters with gradients); autodiff takes a forward model".into(),
+            ));
+        }
+        let nodes_before = model.all_nodes().count();
+        let differentiated = differentiate(model, self)?;
+        let mut report = PassReport {
+            changed: true,
+            ..Default::default()
+        };
+        report.notes.push(format!(
+            "{} trainable parameters ({} elements), loss '{}'",
+            differentiated.trainable.len(),
+            differentiated
+                .trainable
+                .iter()
+                .map(|p| p.element_count())
+                .sum::<u64>(),
+            differentiated.loss
+        ));
+        if !differentiated.frozen.is_empty() {
+            report
+                .notes
+                .push(format!("{} frozen", differentiated.frozen.len()));
+        }
+        let nodes_after = model.all_nodes().count();
+        report.added = nodes_after.saturating_sub(nodes_before);
+        update_signature(model, cx, &differentiated);
+        Ok(report)
+    }
+}
+
+/// What differentiation produced, in signature terms.
+pub struct Differentiated {
+    pub loss: String,
+    pub seed: String,
+    pub labels: Option<String>,
+    pub trainable: Vec<Param>,
+    /// BatchNorm running statistics and frozen parameters that are graph inputs.
+    pub frozen: Vec<Param>,
+}
+
+/// `spec` with the autodiff pass `autodiff` in front, or in place of a bare `autodiff`
+/// element. The gradients stay graph outputs only when autodiff is the whole pipeline.
+pub fn with_autodiff(spec: &str, autodiff: &str) -> Result<String, PassError> {
+    let parts = super::parse_spec(spec)?;
+    let others = parts.iter().filter(|p| p.pass != PASS).count();
+    let autodiff = if others > 0 {
+        let inner = autodiff.strip_prefix(PASS).unwrap_or("");
+        match inner.strip_prefix('(').and_then(|r| r.strip_suffix(')')) {
+            Some(opts) if !opts.is_empty() => format!("{PASS}({opts},grads=internal)"),
+            _ => format!("{PASS}(grads=internal)"),
+        }
+    } else {
+        // Alone, the gradient graph still gets legalize-ort: BatchNorm's training form
+        // lowers to standard ops (its running statistics become state outputs).
+        format!("{autodiff},{}", super::legalize::PASS)
+    };
+    let rest: Vec<String> = split_top_level(spec)
+        .into_iter()
+        .filter(|p| p.trim() != PASS && !p.trim().starts_with(&format!("{PASS}(")))
+        .collect();
+    Ok(std::iter::once(autodiff)
+        .chain(rest)
+        .collect::<Vec<_>>()
+        .join(","))
+}
+
+fn split_top_level(spec: &str) -> Vec<String> {
+    let mut parts = Vec::new();
+    let (mut depth, mut current) = (0i32, String::new());
+    for c in spec.chars() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            _ => {}
+        }
+        if c == ',' && depth == 0 {
+            parts.push(std::mem::take(&mut current));
+        } else {
+            current.push(c);
+        }
+    }
+    parts.push(current);
+    parts.into_iter().filter(|p| !p.trim().is_empty()).collect()
+}
+
+fn update_signature(model: &Model, cx: &mut PassContext<'_>, d: &Differentiated) {
+    let s = &mut *cx.signature;
+    s.loss = d.loss.clone();
+    s.seed = Some(d.seed.clone());
+    s.params = d.trainable.iter().chain(&d.frozen).cloned().collect();
+    let is_param = |name: &str| s.params.iter().any(|p| p.name == name);
+    let data: Vec<TensorInfo> = model
+        .main()
+        .inputs
+        .iter()
+        .filter(|(v, _)| model.initializer(*v).is_none() && !is_param(model.name(*v)))
+        .map(|(v, info)| TensorInfo::of(model.name(*v), info.r#type.as_ref()))
+        .collect();
+    s.data_inputs = data;
+    if let Source::Forward { differentiated, .. } = &mut s.source {
+        *differentiated = true;
+    }
+}
+
+fn is_float(elem: i32) -> bool {
+    elem == DataType::Float as i32
+        || elem == DataType::Double as i32
+        || elem == DataType::Float16 as i32
+        || elem == DataType::Bfloat16 as i32
+}
+
+/// Bytes per element of the numeric types.
+pub(crate) fn elem_size(elem: i32) -> usize {
+    match elem {
+        x if x == DataType::Double as i32 || x == DataType::Int64 as i32 => 8,
+        x if x == DataType::Float as i32 || x == DataType::Int32 as i32 => 4,
+        x if x == DataType::Float16 as i32 || x == DataType::Bfloat16 as i32 => 2,
+        _ => 1,
+    }
+}
+
+/// The single value of a one-element tensor, as f64 (floats, integers, bool).
+pub(crate) fn scalar_value(t: &TensorProto) -> Option<f64> {
+    if t.dims.iter().product::<i64>() != 1 {
+        return None;
+    }
+    let raw = t.raw_data.as_deref();
+    let dt = t.data_type();
+    let v = match dt {
+        x if x == DataType::Float as i32 => raw
+            .and_then(|r| r.get(..4))
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap_or([0; 4])) as f64)
+            .or_else(|| t.float_data.first().map(|x| *x as f64)),
+        x if x == DataType::Double as i32 => raw
+            .and_then(|r| r.get(..8))
+            .map(|b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+            .or_else(|| t.double_data.first().copied()),
+        x if x == DataType::Int64 as i32 => raw
+            .and_then(|r| r.get(..8))
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as f64)
+            .or_else(|| t.int64_data.first().map(|x| *x as f64)),
+        x if x == DataType::Int32 as i32 => raw
+            .and_then(|r| r.get(..4))
+            .map(|b| i32::from_le_bytes(b.try_into().unwrap_or([0; 4])) as f64)
+            .or_else(|| t.int32_data.first().map(|x| *x as f64)),
+        x if x == DataType::Bool as i32 => raw
+            .and_then(|r| r.first())
+            .map(|b| (*b != 0) as u8 as f64)
+            .or_else(|| t.int32_data.first().map(|x| (*x != 0) as u8 as f64)),
+        _ => None,
+    };
+    v
+}
+
+/// `*` matches any run of characters, `?` one character.
+pub fn glob_match(pattern: &str, name: &str) -> bool {
+    fn go(p: &[char], n: &[char]) -> bool {
+        match (p.first(), n.first()) {
+            (None, None) => true,
+            (Some('*'), _) => go(&p[1..], n) || (!n.is_empty() && go(p, &n[1..])),
+            (Some('?'), Some(_)) => go(&p[1..], &n[1..]),
+            (Some(a), Some(b)) if a == b => go(&p[1..], &n[1..]),
+            _ => false,
+        }
+    }
+    let p: Vec<char> = pattern.chars().collect();
+    let n: Vec<char> = name.chars().collect();
+    go(&p, &n)
+}
+
+fn param_of(model: &Model, v: ValueId, trainable: bool, grad: Option<String>) -> Param {
+    let t = model.initializer(v);
+    Param {
+        name: model.name(v).to_string(),
+        elem_type: t.map(|t| t.data_type()).unwrap_or(0),
+        dims: t.map(|t| t.dims.clone()).unwrap_or_default(),
+        trainable,
+        grad,
+        accumulation: None,
+    }
+}
+
+/// The whole transformation; see the module docs.
+pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differentiated, PassError> {
+    let main = BodyId::MAIN;
+    let normalized = normalize::normalize(model, options.dropout, PASS)?;
+    let mut shapes = Shapes::infer(model);
+
+    // The loss.
+    let (loss, labels) = match &options.objective {
+        Objective::LossFn(spec) => {
+            let (loss, labels) = loss_fn::append(model, spec, &shapes)?;
+            shapes = Shapes::infer(model);
+            (loss, Some(labels))
+        }
+        Objective::Existing(name) => (loss_fn::existing(model, name, &shapes)?, None),
+    };
+    let loss_name = model.name(loss).to_string();
+
+    // Candidates: float initializers (not BatchNorm statistics), named by the globs.
+    let candidates: Vec<ValueId> = model
+        .main()
+        .initializers
+        .iter()
+        .map(|(v, _)| *v)
+        .filter(|v| !normalized.bn_stats.contains(v))
+        .filter(|v| {
+            model
+                .initializer(*v)
+                .is_some_and(|t| is_float(t.data_type()))
+        })
+        .collect();
+    for glob in &options.freeze {
+        if !candidates.iter().any(|v| glob_match(glob, model.name(*v))) {
+            return Err(fail(format!(
+                "--freeze '{glob}' matches no floating-point initializer of the model"
+            )));
+        }
+    }
+    for glob in &options.trainable {
+        if !candidates.iter().any(|v| glob_match(glob, model.name(*v))) {
+            return Err(fail(format!(
+                "--trainable '{glob}' matches no floating-point initializer of the model"
+            )));
+        }
+    }
+    let selected: Vec<ValueId> = candidates
+        .iter()
+        .copied()
+        .filter(|v| {
+            let n = model.name(*v);
+            (options.trainable.is_empty() || options.trainable.iter().any(|g| glob_match(g, n)))
+                && !options.freeze.iter().any(|g| glob_match(g, n))
+        })
+        .collect();
+
+    let order = topological_order(model, main);
+    // Values the loss depends on differentiably (not through shape computations,
+    // comparisons or integer tensors).
+    let differentiable = |model: &Model, n: NodeId| {
+        let p = &model.node(n).proto;
+        let plain = p.domain().is_empty() || p.domain() == "ai.onnx";
+        !(plain && NON_DIFFERENTIABLE.contains(&p.op_type()))
+    };
+    let mut needed: HashSet<ValueId> = HashSet::from([loss]);
+    for &n in order.iter().rev() {
+        let node = model.node(n);
+        let reaches = node
+            .outputs
+            .iter()
+            .flatten()
+            .any(|v| needed.contains(v) && shapes.get(*v).elem.map(is_float).unwrap_or(true));
+        if reaches && differentiable(model, n) {
+            needed.extend(node.inputs.iter().flatten().copied());
+            for sub in &node.subgraphs {
+                needed.extend(model.captures(sub.body));
+            }
+        }
+    }
+    let params: Vec<ValueId> = selected
+        .iter()
+        .copied()
+        .filter(|v| needed.contains(v))
+        .collect();
+    if params.is_empty() {
+        return Err(fail(format!(
+            "the loss '{loss_name}' depends on no trainable parameter (candidates: {})",
+            if selected.is_empty() {
+                "none".to_string()
+            } else {
+                selected
+                    .iter()
+                    .map(|v| model.name(*v).to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
+        )));
+    }
+
+    // Values that depend on a parameter, each with one parameter it depends on (for errors).
+    let mut origin: HashMap<ValueId, ValueId> = params.iter().map(|p| (*p, *p)).collect();
+    for &n in &order {
+        let node = model.node(n);
+        let op = node.proto.op_type();
+        let Some(from) = node
+            .inputs
+            .iter()
+            .enumerate()
+            .filter(|(slot, _)| rules::carries_gradient(op, *slot))
+            .find_map(|(_, v)| v.and_then(|v| origin.get(&v).copied()))
+        else {
+            continue;
+        };
+        if !differentiable(model, n) {
+            continue;
+        }
+        for out in node.outputs.iter().flatten() {
+            let float = shapes.get(*out).elem.map(is_float).unwrap_or(true);
+            if float && needed.contains(out) {
+                origin.insert(*out, from);
+            }
+        }
+    }
+
+    // The seed: dL/dL = 1, shaped like the loss.
+    let loss_facts = shapes.get(loss);
+    let loss_elem = loss_facts.elem.unwrap_or(DataType::Float as i32);
+    let loss_dims: Vec<i64> = loss_facts.static_dims().unwrap_or_default();
+    let seed_tensor = {
+        let b = Builder::new(model, main, PASS);
+        let count = loss_dims.iter().product::<i64>().max(1) as usize;
+        let bytes: Vec<u8> = (0..count)
+            .flat_map(|_| match loss_elem {
+                x if x == DataType::Double as i32 => 1f64.to_le_bytes().to_vec(),
+                x if x == DataType::Float16 as i32 => half::f16::ONE.to_le_bytes().to_vec(),
+                x if x == DataType::Bfloat16 as i32 => half::bf16::ONE.to_le_bytes().to_vec(),
+                _ => 1f32.to_le_bytes().to_vec(),
+            })
+            .collect();
+        b.model.add_initializer(
+            main,
+            &format!("{loss_name}_grad"),
+            TensorProto {
+                dims: loss_dims.clone(),
+                data_type: Some(loss_elem),
+                raw_data: Some(bytes),
+                ..Default::default()
+            },
+        )
+    };
+    shapes.set(seed_tensor, loss_facts.clone());
+    let seed_name = model.name(seed_tensor).to_string();
+
+    // The sweep.
+    let mut contributions: HashMap<ValueId, Vec<ValueId>> =
+        HashMap::from([(loss, vec![seed_tensor])]);
+    let mut cx = Grad::new(Builder::new(model, main, PASS), &mut shapes);
+    for &n in order.iter().rev() {
+        let node = cx.model().node(n);
+        let outputs: Vec<Option<ValueId>> = node.outputs.clone();
+        let inputs: Vec<Option<ValueId>> = node.inputs.clone();
+        let (domain, op) = (
+            node.proto.domain().to_string(),
+            node.proto.op_type().to_string(),
+        );
+        if !outputs
+            .iter()
+            .flatten()
+            .any(|v| contributions.contains_key(v))
+        {
+            continue;
+        }
+        let wants: Vec<bool> = inputs
+            .iter()
+            .enumerate()
+            .map(|(slot, i)| {
+                rules::carries_gradient(&op, slot) && i.is_some_and(|v| origin.contains_key(&v))
+            })
+            .collect();
+        if !wants.iter().any(|w| *w) {
+            continue;
+        }
+        let dys: Vec<Option<ValueId>> = outputs
+            .iter()
+            .map(|o| o.and_then(|v| sum_contributions(&mut cx, v, contributions.remove(&v))))
+            .collect();
+        let Some(rule) = rules::rule_for(&domain, &op) else {
+            let param = inputs
+                .iter()
+                .flatten()
+                .find_map(|v| origin.get(v))
+                .map(|p| cx.model().name(*p).to_string())
+                .unwrap_or_default();
+            let op_name = if domain.is_empty() {
+                op.clone()
+            } else {
+                format!("{domain}::{op}")
+            };
+            return Err(rules::node_error(
+                cx.model(),
+                n,
+                format!("no gradient rule for {op_name}; parameter '{param}' needs the gradient through it (freeze it with --freeze, or file an issue)"),
+            ));
+        };
+        if !cx.model().node(n).subgraphs.is_empty() {
+            return Err(rules::node_error(
+                cx.model(),
+                n,
+                "differentiating through control flow (subgraphs) is not supported".into(),
+            ));
+        }
+        let grads = rule(&mut cx, n, &dys, &wants)?;
+        // A rule's gradient has its input's shape and type.
+        for (slot, g) in grads.iter().enumerate() {
+            if let (Some(g), Some(Some(x))) = (g, inputs.get(slot)) {
+                if cx.facts(*g) == shapes::Facts::default() {
+                    let f = cx.facts(*x);
+                    cx.shapes.set(*g, f);
+                }
+            }
+        }
+        for (slot, g) in grads.into_iter().enumerate() {
+            let (Some(g), true) = (g, wants.get(slot).copied().unwrap_or(false)) else {
+                continue;
+            };
+            let Some(input) = cx.model().node(n).inputs[slot] else {
+                continue;
+            };
+            contributions.entry(input).or_default().push(g);
+        }
+    }
+
+    // Parameter gradients: the sum of their contributions, named p_grad.
+    let mut trainable = Vec::new();
+    let mut grad_values = Vec::new();
+    for p in &params {
+        let Some(g) = sum_contributions(&mut cx, *p, contributions.remove(p)) else {
+            return Err(fail(format!(
+                "parameter '{}' got no gradient",
+                cx.model().name(*p)
+            )));
+        };
+        // A gradient that is a graph input or initializer itself (never in practice) or
+        // shared with another parameter gets its own named copy.
+        let g = if !matches!(cx.model().value(g).def, ValueDef::Node { .. })
+            || grad_values.contains(&g)
+        {
+            let hint = format!("{}_grad", cx.model().name(*p));
+            cx.op("Identity", &[g], vec![], &hint)
+        } else {
+            g
+        };
+        let name = format!("{}_grad", cx.model().name(*p));
+        cx.b.model.rename(g, &name);
+        grad_values.push(g);
+        trainable.push((*p, cx.model().name(g).to_string()));
+    }
+    drop(cx);
+    shapes::declare(model, &shapes);
+
+    // Interface: parameters become inputs backed by their initializers; outputs are the loss
+    // and the gradients (which keeps them alive until a later pass consumes them).
+    for (p, _) in &trainable {
+        model.promote_initializer_to_input(*p);
+    }
+    while !model.main().outputs.is_empty() {
+        model.remove_output(main, 0);
+    }
+    let loss_ty = crate::ir::tensor_type(loss_elem, &loss_dims);
+    model.add_output(main, loss, Some(loss_ty));
+    for ((p, _), g) in trainable.iter().zip(&grad_values) {
+        let t = model
+            .initializer(*p)
+            .map(|t| crate::ir::tensor_type(t.data_type(), &t.dims));
+        model.add_output(main, *g, t);
+    }
+
+    // Lower the gradient ops of ORT's vocabulary right away: what the pass writes is
+    // standard ONNX (BatchNormInternal waits for legalize-ort: its statistics become state
+    // in the window grad-accum makes).
+    lower_gradient_ops(model)?;
+    super::dce::eliminate_dead_code(model);
+    if !options.grads_as_outputs {
+        while model.main().outputs.len() > 1 {
+            model.remove_output(main, 1);
+        }
+    }
+
+    let trainable_params = trainable
+        .iter()
+        .map(|(p, g)| param_of(model, *p, true, Some(g.clone())))
+        .collect();
+    let frozen = normalized
+        .bn_stats
+        .iter()
+        .map(|v| param_of(model, *v, false, None))
+        .collect();
+    Ok(Differentiated {
+        loss: loss_name,
+        seed: seed_name,
+        labels: labels.map(|l| model.name(l).to_string()),
+        trainable: trainable_params,
+        frozen,
+    })
+}
+
+/// The sum of a value's gradient contributions (one Add per extra contribution, in the
+/// order the sweep made them).
+fn sum_contributions(
+    cx: &mut Grad<'_>,
+    v: ValueId,
+    parts: Option<Vec<ValueId>>,
+) -> Option<ValueId> {
+    let parts = parts?;
+    let mut iter = parts.into_iter();
+    let first = iter.next()?;
+    let hint = format!("{}_grad", cx.model().name(v));
+    Some(iter.fold(first, |acc, g| {
+        cx.op_like("Add", &[acc, g], vec![], &hint, v)
+    }))
+}
+
+/// Runs legalize-ort's lowerings over the gradient ops the rules emitted (everything but
+/// BatchNormInternal, whose running statistics need the window).
+fn lower_gradient_ops(model: &mut Model) -> Result<(), PassError> {
+    let pending: Vec<NodeId> = model
+        .all_nodes()
+        .filter(|n| {
+            let p = &model.node(*n).proto;
+            crate::ops::is_training_only(p.domain(), p.op_type())
+                && p.op_type() != "BatchNormInternal"
+        })
+        .collect();
+    if pending.is_empty() {
+        return Ok(());
+    }
+    let mut state = Vec::new();
+    super::legalize::LegalizeOrt::default()
+        .lower_nodes(model, PASS, &mut state, None, &pending)
+        .map(|_| ())
+}

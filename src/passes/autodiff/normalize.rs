@@ -1,0 +1,330 @@
+//! Forward normalisation before differentiation: the model a user exported for inference
+//! becomes the model they train.
+//!
+//! - **BatchNormalization -> training form.** Inference exports normalise with the running
+//!   statistics; training normalises with the batch's own. Every BatchNormalization becomes
+//!   `com.microsoft::BatchNormInternal(training_mode = 1)` (what ORT's training graphs have,
+//!   and what `legalize-ort` lowers to standard ops), its running statistics become graph
+//!   inputs backed by their initializers, and the lowering turns their update into
+//!   `bn_stat` state (per window or per micro-step, `--bn-stats`). Never ONNX's own
+//!   BatchNormalization in training mode on initializer statistics: ONNX Runtime 1.31 writes
+//!   its running outputs in place into those inputs and merges equal-valued initializers,
+//!   so zero/one statistics alias BN biases and weights (measured: a loss 4.1e-4 off and
+//!   drifting between runs).
+//! - **Dropout** gets `training_mode = true` (`--dropout train`, the default: the mask the
+//!   forward draws is reused by the backward), or is removed (`--dropout off`).
+//! - **SplitToSequence + SequenceAt** at constant positions (what the torch exporter writes
+//!   for `x.split(n)`) become one `Split`, so no sequence reaches the gradient.
+
+use crate::ir::builder::{attr_float, attr_int, tensor_bool, Builder, NodeAttributes};
+use crate::ir::{BodyId, Model, NodeId, Use, ValueId};
+use crate::passes::PassError;
+
+use super::rules::node_error;
+use super::shapes::constant_ints;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DropoutMode {
+    Train,
+    Off,
+}
+
+/// What normalisation changed, for the report.
+#[derive(Default)]
+pub struct Normalized {
+    /// Running statistics that became graph inputs (their update becomes `bn_stat` state).
+    pub bn_stats: Vec<ValueId>,
+    pub batch_norms: usize,
+    pub dropouts: usize,
+    pub splits: usize,
+}
+
+pub fn normalize(
+    model: &mut Model,
+    dropout: DropoutMode,
+    pass: &'static str,
+) -> Result<Normalized, PassError> {
+    let mut out = Normalized::default();
+    let nodes: Vec<NodeId> = model.body_nodes(BodyId::MAIN).collect();
+    for node in nodes {
+        let p = &model.node(node).proto;
+        if !p.domain().is_empty() && p.domain() != "ai.onnx" {
+            continue;
+        }
+        match p.op_type() {
+            "BatchNormalization" => {
+                batch_norm(model, node, pass, &mut out)?;
+                out.batch_norms += 1;
+            }
+            "Dropout" => {
+                dropout_node(model, node, dropout, pass)?;
+                out.dropouts += 1;
+            }
+            "SplitToSequence" => {
+                if split_to_sequence(model, node, pass)? {
+                    out.splits += 1;
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+fn batch_norm(
+    model: &mut Model,
+    node: NodeId,
+    pass: &'static str,
+    out: &mut Normalized,
+) -> Result<(), PassError> {
+    let n = model.node(node).clone();
+    let input = |i: usize| {
+        n.inputs
+            .get(i)
+            .copied()
+            .flatten()
+            .ok_or_else(|| node_error(model, node, format!("input {i} is required but absent")))
+    };
+    let (x, scale, bias, mean, var) = (input(0)?, input(1)?, input(2)?, input(3)?, input(4)?);
+    let epsilon = n.proto.attr_float("epsilon").ok().flatten().unwrap_or(1e-5);
+    let momentum = n.proto.attr_float("momentum").ok().flatten().unwrap_or(0.9);
+    for stat in [mean, var] {
+        if model.initializer(stat).is_none() {
+            return Err(node_error(
+                model,
+                node,
+                format!(
+                    "running statistic '{}' is not an initializer: the training form needs its initial value",
+                    model.name(stat)
+                ),
+            ));
+        }
+        model.promote_initializer_to_input(stat);
+        if !out.bn_stats.contains(&stat) {
+            out.bn_stats.push(stat);
+        }
+    }
+    let y_name = n.outputs[0]
+        .map(|v| model.name(v).to_string())
+        .unwrap_or_else(|| "bn".into());
+    let mut b = Builder::new(model, BodyId::MAIN, pass);
+    model_require_ms(b.model);
+    let hints = [
+        format!("{y_name}_train"),
+        format!("{y_name}_running_mean"),
+        format!("{y_name}_running_var"),
+        format!("{y_name}_saved_mean"),
+        format!("{y_name}_saved_inv_std"),
+    ];
+    let hints: Vec<&str> = hints.iter().map(String::as_str).collect();
+    let internal = b.node(
+        "BatchNormInternal",
+        "com.microsoft",
+        &[Some(x), Some(scale), Some(bias), Some(mean), Some(var)],
+        &hints,
+        vec![
+            attr_float("epsilon", epsilon),
+            attr_float("momentum", momentum),
+            attr_int("training_mode", 1),
+        ],
+    );
+    for slot in 0..3 {
+        if let Some(Some(old)) = n.outputs.get(slot) {
+            let new = model.output(internal, slot);
+            model.replace_value(*old, new);
+        }
+    }
+    model
+        .remove_node(node)
+        .map_err(|e| node_error(model, node, format!("could not replace the node: {e}")))
+}
+
+fn model_require_ms(model: &mut Model) {
+    model.require_opset("com.microsoft", 1);
+}
+
+fn dropout_node(
+    model: &mut Model,
+    node: NodeId,
+    mode: DropoutMode,
+    pass: &'static str,
+) -> Result<(), PassError> {
+    let opset = model.opset("").unwrap_or(1);
+    if opset < 12 {
+        return Err(node_error(model, node, format!("Dropout of opset {opset} (before 12 it has no training_mode input) is not supported")));
+    }
+    match mode {
+        DropoutMode::Off => {
+            let n = model.node(node).clone();
+            if n.outputs
+                .get(1)
+                .copied()
+                .flatten()
+                .is_some_and(|m| !model.uses(m).is_empty())
+            {
+                return Err(node_error(
+                    model,
+                    node,
+                    "--dropout off: the dropout mask is used by the model".into(),
+                ));
+            }
+            let x =
+                n.inputs[0].ok_or_else(|| node_error(model, node, "input 0 is absent".into()))?;
+            if let Some(Some(y)) = n.outputs.first() {
+                model.replace_value(*y, x);
+            }
+            model
+                .remove_node(node)
+                .map_err(|e| node_error(model, node, format!("could not remove the node: {e}")))
+        }
+        DropoutMode::Train => {
+            let t =
+                model.add_initializer(BodyId::MAIN, "dropout_training", tensor_bool(&[], &[true]));
+            let _ = pass;
+            let len = model.node(node).inputs.len();
+            if len < 3 {
+                // Inputs are positional: pad the optional ratio with "absent".
+                model.node_mut(node).inputs.resize(3, None);
+            }
+            model.set_input(node, 2, Some(t));
+            Ok(())
+        }
+    }
+}
+
+/// `SplitToSequence(X, split?; axis, keepdims)` read only by `SequenceAt` at constant
+/// positions becomes `Split` (plus `Squeeze` for `keepdims = 0`). Returns whether it did.
+fn split_to_sequence(
+    model: &mut Model,
+    node: NodeId,
+    pass: &'static str,
+) -> Result<bool, PassError> {
+    let n = model.node(node).clone();
+    let Some(Some(seq)) = n.outputs.first().copied() else {
+        return Ok(false);
+    };
+    let mut reads = Vec::new();
+    for u in model.uses(seq).to_vec() {
+        let Use::Node { node: at, slot: 0 } = u else {
+            return Ok(false);
+        };
+        let a = model.node(at);
+        if a.proto.op_type() != "SequenceAt" {
+            return Ok(false);
+        }
+        let Some(pos) = a
+            .inputs
+            .get(1)
+            .copied()
+            .flatten()
+            .and_then(|v| constant_ints(model, v))
+        else {
+            return Ok(false);
+        };
+        reads.push((at, pos.first().copied().unwrap_or(0)));
+    }
+    let x = n.inputs[0].ok_or_else(|| node_error(model, node, "input 0 is absent".into()))?;
+    let axis = n.proto.attr_int("axis").ok().flatten().unwrap_or(0);
+    let keepdims = n.proto.attr_int("keepdims").ok().flatten().unwrap_or(1);
+    let split = n.inputs.get(1).copied().flatten();
+    let shapes = super::shapes::Shapes::infer(model);
+    let dims = shapes.get(x).dims;
+    let rank = dims.as_ref().map(|d| d.len() as i64);
+    let a = match rank {
+        Some(r) if axis < 0 => axis + r,
+        _ => axis,
+    };
+    let total = dims
+        .as_ref()
+        .and_then(|d| d.get(a as usize))
+        .and_then(|d| d.known());
+    let sizes: Vec<i64> = match split {
+        None => match total {
+            Some(t) => vec![1; t as usize],
+            None => return Ok(false),
+        },
+        Some(s) => {
+            let Some(v) = constant_ints(model, s) else {
+                return Ok(false);
+            };
+            let scalar =
+                super::shapes::constant_tensor(model, s).is_some_and(|t| t.dims.is_empty());
+            if scalar {
+                // A scalar chunk size: equal parts of that size, the last one smaller.
+                let (Some(t), c) = (total, v[0]) else {
+                    return Ok(false);
+                };
+                if c <= 0 {
+                    return Ok(false);
+                }
+                let mut parts = vec![c; (t / c) as usize];
+                if t % c != 0 {
+                    parts.push(t % c);
+                }
+                parts
+            } else {
+                v
+            }
+        }
+    };
+    let mut b = Builder::new(model, BodyId::MAIN, pass);
+    let name = b.model.name(seq).to_string();
+    let hints: Vec<String> = (0..sizes.len()).map(|i| format!("{name}_{i}")).collect();
+    let hint_refs: Vec<&str> = hints.iter().map(String::as_str).collect();
+    let opset = b.model.opset("").unwrap_or(13);
+    let sizes_v = b.ints("split_sizes", &sizes);
+    let split_node = if opset >= 13 {
+        b.node(
+            "Split",
+            "",
+            &[Some(x), Some(sizes_v)],
+            &hint_refs,
+            vec![attr_int("axis", axis)],
+        )
+    } else {
+        b.node(
+            "Split",
+            "",
+            &[Some(x)],
+            &hint_refs,
+            vec![
+                attr_int("axis", axis),
+                crate::ir::builder::attr_ints("split", &sizes),
+            ],
+        )
+    };
+    for (at, pos) in reads {
+        let count = sizes.len() as i64;
+        let p = if pos < 0 { pos + count } else { pos };
+        if p < 0 || p >= count {
+            return Err(node_error(
+                b.model,
+                at,
+                format!("position {pos} is outside the {count} parts"),
+            ));
+        }
+        let mut part = b.model.output(split_node, p as usize);
+        if keepdims == 0 {
+            let axes = b.ints("squeeze_axes", &[axis]);
+            part = b.op(
+                "Squeeze",
+                &[part, axes],
+                vec![],
+                &format!("{name}_{p}_squeezed"),
+            );
+        }
+        let old = b.model.output(at, 0);
+        b.model.replace_value(old, part);
+        b.model
+            .remove_node(at)
+            .map_err(|e| node_error(model_of(&b), at, format!("{e}")))?;
+    }
+    b.model
+        .remove_node(node)
+        .map_err(|e| node_error(model_of(&b), node, format!("{e}")))?;
+    Ok(true)
+}
+
+fn model_of<'a>(b: &'a Builder<'_>) -> &'a Model {
+    b.model
+}

@@ -1,0 +1,233 @@
+//! Activations. Where a function's derivative is cheapest in terms of its output, the rule
+//! reads Y (no recomputation of the forward); ReLU, Sigmoid, Tanh, LeakyReLU and GELU use
+//! ONNX Runtime's gradient ops, whose lowerings (`passes/legalize/*_grad.rs`) hold the math.
+//!
+//! ```text
+//! Relu         dX = dY * (Y > 0)                       ReluGrad(dY, Y)
+//! Sigmoid      dX = dY * Y * (1 - Y)                   SigmoidGrad(dY, Y)
+//! Tanh         dX = dY * (1 - Y²)                      TanhGrad(dY, Y)
+//! LeakyRelu    dX = dY * (Y > 0 ? 1 : alpha)           LeakyReluGrad(dY, Y)
+//! Gelu         dX = dY * (Phi(X) + X phi(X))           GeluGrad(dY, X); tanh form: FastGeluGrad
+//! Elu          dX = dY * (X > 0 ? 1 : Y + alpha)
+//! HardSigmoid  dX = dY * (0 < Y < 1 ? alpha : 0)
+//! HardSwish    dX = dY * (X < -3 ? 0 : X > 3 ? 1 : X/3 + 1/2)      (PyTorch's convention at ±3)
+//! Softplus     dX = dY * sigmoid(X)
+//! Clip         dX = dY * (min <= X <= max)             (both bounds inclusive, as PyTorch)
+//! ```
+
+use super::{Grad, InputGrads};
+use crate::ir::builder::attr_float;
+use crate::ir::{NodeId, ValueId};
+use crate::passes::PassError;
+
+fn parts(
+    cx: &Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+) -> Result<(ValueId, ValueId, ValueId, String), PassError> {
+    let dy = dys[0].expect("a gradient for the output");
+    let x = cx.input(node, 0)?;
+    let y = cx.output(node, 0);
+    let hint = format!("{}_grad", cx.model().name(x));
+    Ok((dy, x, y, hint))
+}
+
+/// `Op(dY, input)` of ONNX Runtime's training vocabulary, lowered by legalize-ort.
+fn ort_grad(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    op: &str,
+    with_x: bool,
+    attrs: Vec<crate::proto::AttributeProto>,
+) -> Result<InputGrads, PassError> {
+    let (dy, x, y, hint) = parts(cx, node, dys)?;
+    let arg = if with_x { x } else { y };
+    let n = cx.ort_op(op, &[Some(dy), Some(arg)], &[&hint], attrs);
+    let dx = cx.output(n, 0);
+    let facts = cx.facts(x);
+    cx.shapes.set(dx, facts);
+    Ok(vec![Some(dx)])
+}
+
+pub fn relu(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    ort_grad(cx, node, dys, "ReluGrad", false, vec![])
+}
+
+pub fn sigmoid(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    ort_grad(cx, node, dys, "SigmoidGrad", false, vec![])
+}
+
+pub fn tanh(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    ort_grad(cx, node, dys, "TanhGrad", false, vec![])
+}
+
+pub fn leaky_relu(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    let alpha = cx.float_attr(node, "alpha", 0.01)?;
+    if alpha <= 0.0 {
+        // LeakyReluGrad reads the sign of Y, which is the sign of X only for alpha > 0.
+        return Err(cx.error(
+            node,
+            format!("attribute 'alpha' = {alpha}: the gradient rule needs alpha > 0"),
+        ));
+    }
+    ort_grad(
+        cx,
+        node,
+        dys,
+        "LeakyReluGrad",
+        false,
+        vec![attr_float("alpha", alpha)],
+    )
+}
+
+pub fn gelu(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    let approximate = cx
+        .string_attr(node, "approximate")?
+        .unwrap_or_else(|| "none".into());
+    match approximate.as_str() {
+        "none" => ort_grad(cx, node, dys, "GeluGrad", true, vec![]),
+        "tanh" => ort_grad(cx, node, dys, "FastGeluGrad", true, vec![]),
+        other => Err(cx.error(
+            node,
+            format!("attribute 'approximate' = '{other}' is not supported"),
+        )),
+    }
+}
+
+pub fn elu(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    let (dy, x, y, h) = parts(cx, node, dys)?;
+    let alpha = cx.float_attr(node, "alpha", 1.0)? as f64;
+    let zero = cx.scalar_like(node, x, 0.0)?;
+    let one = cx.scalar_like(node, x, 1.0)?;
+    let a = cx.scalar_like(node, x, alpha)?;
+    let pos = cx.op("Greater", &[x, zero], vec![], &h);
+    let neg_slope = cx.op_like("Add", &[y, a], vec![], &h, x);
+    let slope = cx.op_like("Where", &[pos, one, neg_slope], vec![], &h, x);
+    Ok(vec![Some(cx.op_like("Mul", &[dy, slope], vec![], &h, x))])
+}
+
+pub fn hard_sigmoid(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    let (dy, x, y, h) = parts(cx, node, dys)?;
+    let alpha = cx.float_attr(node, "alpha", 0.2)? as f64;
+    let zero = cx.scalar_like(node, x, 0.0)?;
+    let one = cx.scalar_like(node, x, 1.0)?;
+    let a = cx.scalar_like(node, x, alpha)?;
+    let above = cx.op("Greater", &[y, zero], vec![], &h);
+    let below = cx.op("Less", &[y, one], vec![], &h);
+    let inside = cx.op("And", &[above, below], vec![], &h);
+    let slope = cx.op_like("Where", &[inside, a, zero], vec![], &h, x);
+    Ok(vec![Some(cx.op_like("Mul", &[dy, slope], vec![], &h, x))])
+}
+
+pub fn hard_swish(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    let (dy, x, _, h) = parts(cx, node, dys)?;
+    let zero = cx.scalar_like(node, x, 0.0)?;
+    let one = cx.scalar_like(node, x, 1.0)?;
+    let three = cx.scalar_like(node, x, 3.0)?;
+    let minus_three = cx.scalar_like(node, x, -3.0)?;
+    let third = cx.scalar_like(node, x, 1.0 / 3.0)?;
+    let half = cx.scalar_like(node, x, 0.5)?;
+    let x3 = cx.op_like("Mul", &[x, third], vec![], &h, x);
+    let mid = cx.op_like("Add", &[x3, half], vec![], &h, x);
+    let high = cx.op("Greater", &[x, three], vec![], &h);
+    let upper = cx.op_like("Where", &[high, one, mid], vec![], &h, x);
+    let low = cx.op("Less", &[x, minus_three], vec![], &h);
+    let slope = cx.op_like("Where", &[low, zero, upper], vec![], &h, x);
+    Ok(vec![Some(cx.op_like("Mul", &[dy, slope], vec![], &h, x))])
+}
+
+pub fn softplus(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    let (dy, x, _, h) = parts(cx, node, dys)?;
+    let s = cx.op_like("Sigmoid", &[x], vec![], &h, x);
+    Ok(vec![Some(cx.op_like("Mul", &[dy, s], vec![], &h, x))])
+}
+
+pub fn clip(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let (dy, x, _, h) = parts(cx, node, dys)?;
+    if wants.iter().skip(1).any(|w| *w) {
+        return Err(cx.error(
+            node,
+            "the gradient with respect to Clip's bounds is not supported".into(),
+        ));
+    }
+    // Opset < 11 has the bounds as attributes.
+    let (lo, hi) = if cx.opset() < 11 {
+        let lo = cx.float_attr(node, "min", f32::MIN)? as f64;
+        let hi = cx.float_attr(node, "max", f32::MAX)? as f64;
+        (
+            Some(cx.scalar_like(node, x, lo)?),
+            Some(cx.scalar_like(node, x, hi)?),
+        )
+    } else {
+        (cx.opt_input(node, 1), cx.opt_input(node, 2))
+    };
+    let mut inside: Option<ValueId> = None;
+    if let Some(lo) = lo {
+        inside = Some(cx.op("GreaterOrEqual", &[x, lo], vec![], &h));
+    }
+    if let Some(hi) = hi {
+        let le = cx.op("LessOrEqual", &[x, hi], vec![], &h);
+        inside = Some(match inside {
+            Some(i) => cx.op("And", &[i, le], vec![], &h),
+            None => le,
+        });
+    }
+    let Some(inside) = inside else {
+        return Ok(vec![Some(dy)]);
+    };
+    let zero = cx.scalar_like(node, x, 0.0)?;
+    let mut out = vec![None; wants.len()];
+    out[0] = Some(cx.op_like("Where", &[inside, dy, zero], vec![], &h, x));
+    Ok(out)
+}

@@ -1,0 +1,523 @@
+//! Gradient rules: one per forward op (grouped by family, one file each), each opening with
+//! its math. A rule gets the forward node and the gradient of each of its outputs (`None`
+//! for an output nothing downstream differentiates) and returns the gradient of each input
+//! the sweep asks for (`wants`), already summed back to that input's shape where the op
+//! broadcasts.
+//!
+//! Vocabulary: rules emit standard ONNX ops, or one of the gradient ops of ONNX Runtime's
+//! training build whose lowering to standard ops `legalize-ort` already has (`ReluGrad`,
+//! `ConvGrad`, `MaxPoolGrad`, `LayerNormalizationGrad`, `SoftmaxCrossEntropyLossGrad`, ...).
+//! Those lowerings were checked against the training build's kernels, so the math of such
+//! an op lives in one place (its file under `passes/legalize/`) whichever front door the
+//! gradient graph came through; the autodiff pass lowers them before it returns, so what it
+//! writes is standard ONNX only.
+
+mod activation;
+mod conv;
+mod elementwise;
+mod loss;
+mod matmul;
+mod norm;
+mod pool;
+mod reduce;
+mod shape;
+mod softmax;
+
+use std::collections::HashMap;
+
+use super::shapes::{Dim, Facts, Shapes};
+use crate::ir::builder::{attr_int, attr_ints, tensor_i64, Builder, NodeAttributes};
+use crate::ir::{Model, NodeId, ValueId};
+use crate::passes::PassError;
+use crate::proto::{tensor_proto::DataType, AttributeProto, TensorProto};
+
+pub(super) const PASS: &str = super::PASS;
+
+/// Gradients of a node's inputs, by input slot.
+pub type InputGrads = Vec<Option<ValueId>>;
+
+/// `rule(cx, node, dY per output, wants per input)`.
+pub type RuleFn =
+    fn(&mut Grad<'_>, NodeId, &[Option<ValueId>], &[bool]) -> Result<InputGrads, PassError>;
+
+/// (op_type, rule) for the default domain.
+const RULES: &[(&str, RuleFn)] = &[
+    ("Add", elementwise::add),
+    ("Sub", elementwise::sub),
+    ("Mul", elementwise::mul),
+    ("Div", elementwise::div),
+    ("Neg", elementwise::neg),
+    ("Pow", elementwise::pow),
+    ("Sqrt", elementwise::sqrt),
+    ("Reciprocal", elementwise::reciprocal),
+    ("Exp", elementwise::exp),
+    ("Log", elementwise::log),
+    ("Abs", elementwise::abs),
+    ("Erf", elementwise::erf),
+    ("Sum", elementwise::sum),
+    ("Mean", elementwise::mean),
+    ("Min", elementwise::min_max),
+    ("Max", elementwise::min_max),
+    ("Where", elementwise::where_),
+    ("Relu", activation::relu),
+    ("Sigmoid", activation::sigmoid),
+    ("Tanh", activation::tanh),
+    ("LeakyRelu", activation::leaky_relu),
+    ("Elu", activation::elu),
+    ("Gelu", activation::gelu),
+    ("HardSigmoid", activation::hard_sigmoid),
+    ("HardSwish", activation::hard_swish),
+    ("Softplus", activation::softplus),
+    ("Clip", activation::clip),
+    ("MatMul", matmul::matmul),
+    ("Gemm", matmul::gemm_rule),
+    ("Conv", conv::conv),
+    ("MaxPool", pool::max_pool),
+    ("AveragePool", pool::average_pool),
+    ("GlobalAveragePool", pool::global_average_pool),
+    ("LayerNormalization", norm::layer_norm),
+    ("Softmax", softmax::softmax),
+    ("LogSoftmax", softmax::log_softmax),
+    ("ReduceSum", reduce::reduce_sum),
+    ("ReduceMean", reduce::reduce_mean),
+    ("ReduceSumSquare", reduce::reduce_sum_square),
+    ("ReduceL2", reduce::reduce_l2),
+    ("ReduceMax", reduce::reduce_max_min),
+    ("ReduceMin", reduce::reduce_max_min),
+    ("Reshape", shape::reshape_like),
+    ("Flatten", shape::reshape_like),
+    ("Squeeze", shape::reshape_like),
+    ("Unsqueeze", shape::reshape_like),
+    ("Identity", shape::identity),
+    ("Transpose", shape::transpose),
+    ("Expand", shape::expand),
+    ("Concat", shape::concat),
+    ("Split", shape::split),
+    ("Slice", shape::slice),
+    ("Pad", shape::pad),
+    ("Tile", shape::tile),
+    ("Cast", shape::cast),
+    ("CastLike", shape::cast),
+    ("Dropout", shape::dropout),
+    ("Gather", shape::gather),
+    ("GatherElements", shape::gather_elements),
+    ("SoftmaxCrossEntropyLoss", loss::softmax_cross_entropy),
+];
+
+/// Rules for ops outside the default domain.
+const DOMAIN_RULES: &[(&str, &str, RuleFn)] = &[
+    (
+        "com.microsoft",
+        "BatchNormInternal",
+        norm::batch_norm_internal,
+    ),
+    ("com.microsoft", "Gelu", activation::gelu),
+];
+
+/// Ops whose outputs carry no gradient: integer and boolean results, shape computations,
+/// piecewise-constant functions (zero derivative almost everywhere). Differentiation stops
+/// at them instead of failing.
+pub const NON_DIFFERENTIABLE: &[&str] = &[
+    "Shape",
+    "Size",
+    "Range",
+    "ConstantOfShape",
+    "Constant",
+    "Equal",
+    "Less",
+    "Greater",
+    "LessOrEqual",
+    "GreaterOrEqual",
+    "Not",
+    "And",
+    "Or",
+    "Xor",
+    "ArgMax",
+    "ArgMin",
+    "NonZero",
+    "Sign",
+    "Floor",
+    "Ceil",
+    "Round",
+    "IsNaN",
+    "IsInf",
+    "EyeLike",
+    "OneHot",
+    "RandomNormal",
+    "RandomUniform",
+    "RandomNormalLike",
+    "RandomUniformLike",
+    "Bernoulli",
+    "Multinomial",
+    "BitShift",
+    "Mod",
+    "Trilu",
+];
+
+/// Inputs that carry no gradient even when they are float tensors: `CastLike` takes only
+/// the element type of its second input (the torch exporter's `CastLike(0, x)` must not
+/// make a constant depend on the parameters behind `x`).
+pub fn carries_gradient(op: &str, slot: usize) -> bool {
+    !matches!((op, slot), ("CastLike", 1))
+}
+
+pub fn rule_for(domain: &str, op: &str) -> Option<RuleFn> {
+    let domain = crate::ir::normalize_domain(domain);
+    if domain.is_empty() {
+        RULES.iter().find(|(o, _)| *o == op).map(|(_, r)| *r)
+    } else {
+        DOMAIN_RULES
+            .iter()
+            .find(|(d, o, _)| *d == domain && *o == op)
+            .map(|(.., r)| *r)
+    }
+}
+
+/// The emitter the rules build with: a builder in the main graph stamped `autodiff`, the
+/// forward graph's shape facts, and constants shared by all rules.
+pub struct Grad<'m> {
+    pub b: Builder<'m>,
+    pub shapes: &'m mut Shapes,
+    constants: HashMap<(i32, Vec<i64>, Vec<u8>), ValueId>,
+    shape_of: HashMap<ValueId, ValueId>,
+}
+
+pub fn node_error(model: &Model, node: NodeId, message: String) -> PassError {
+    let p = &model.node(node).proto;
+    let op = if p.domain().is_empty() {
+        p.op_type().to_string()
+    } else {
+        format!("{}::{}", p.domain(), p.op_type())
+    };
+    PassError::Node {
+        pass: PASS.into(),
+        node: p.name().to_string(),
+        op,
+        message,
+    }
+}
+
+impl<'m> Grad<'m> {
+    pub fn new(b: Builder<'m>, shapes: &'m mut Shapes) -> Self {
+        Grad {
+            b,
+            shapes,
+            constants: HashMap::new(),
+            shape_of: HashMap::new(),
+        }
+    }
+
+    pub fn model(&self) -> &Model {
+        self.b.model
+    }
+
+    pub fn opset(&self) -> i64 {
+        self.model().opset("").unwrap_or(1)
+    }
+
+    pub fn error(&self, node: NodeId, message: String) -> PassError {
+        node_error(self.model(), node, message)
+    }
+
+    pub fn input(&self, node: NodeId, slot: usize) -> Result<ValueId, PassError> {
+        self.opt_input(node, slot)
+            .ok_or_else(|| self.error(node, format!("input {slot} is required but absent")))
+    }
+
+    pub fn opt_input(&self, node: NodeId, slot: usize) -> Option<ValueId> {
+        self.model().node(node).inputs.get(slot).copied().flatten()
+    }
+
+    pub fn output(&self, node: NodeId, slot: usize) -> ValueId {
+        self.model().output(node, slot)
+    }
+
+    pub fn int_attr(&self, node: NodeId, name: &str, default: i64) -> Result<i64, PassError> {
+        let v = self.model().node(node).proto.attr_int(name);
+        Ok(v.map_err(|m| self.error(node, m))?.unwrap_or(default))
+    }
+
+    pub fn float_attr(&self, node: NodeId, name: &str, default: f32) -> Result<f32, PassError> {
+        let v = self.model().node(node).proto.attr_float(name);
+        Ok(v.map_err(|m| self.error(node, m))?.unwrap_or(default))
+    }
+
+    pub fn ints_attr(&self, node: NodeId, name: &str) -> Result<Option<Vec<i64>>, PassError> {
+        let v = self.model().node(node).proto.attr_ints(name);
+        v.map_err(|m| self.error(node, m))
+    }
+
+    pub fn string_attr(&self, node: NodeId, name: &str) -> Result<Option<String>, PassError> {
+        let v = self.model().node(node).proto.attr_string(name);
+        v.map_err(|m| self.error(node, m))
+    }
+
+    /// The forward node's attributes, for a gradient op that takes the same ones.
+    pub fn attrs_of(&self, node: NodeId, keep: &[&str]) -> Vec<AttributeProto> {
+        self.model()
+            .node(node)
+            .proto
+            .attribute
+            .iter()
+            .filter(|a| keep.contains(&a.name()))
+            .cloned()
+            .collect()
+    }
+
+    pub fn facts(&self, v: ValueId) -> Facts {
+        self.shapes.get(v)
+    }
+
+    pub fn rank(&self, v: ValueId) -> Option<usize> {
+        self.facts(v).rank()
+    }
+
+    /// The element type of `v`, or an error naming the node and the value.
+    pub fn elem(&self, node: NodeId, v: ValueId) -> Result<i32, PassError> {
+        self.facts(v).elem.ok_or_else(|| {
+            self.error(
+                node,
+                format!(
+                    "the element type of '{}' is neither declared nor derivable",
+                    self.model().name(v)
+                ),
+            )
+        })
+    }
+
+    /// The rank of `v`, or an error naming the node and the value.
+    pub fn need_rank(&self, node: NodeId, v: ValueId) -> Result<usize, PassError> {
+        self.rank(v).ok_or_else(|| {
+            self.error(
+                node,
+                format!(
+                    "the rank of '{}' is neither declared nor derivable",
+                    self.model().name(v)
+                ),
+            )
+        })
+    }
+
+    /// A default-domain node with one output; its value gets the facts `like` has.
+    pub fn op(
+        &mut self,
+        op_type: &str,
+        inputs: &[ValueId],
+        attributes: Vec<AttributeProto>,
+        hint: &str,
+    ) -> ValueId {
+        self.b.op(op_type, inputs, attributes, hint)
+    }
+
+    /// The same, recording that the result has the shape and type of `like`.
+    pub fn op_like(
+        &mut self,
+        op_type: &str,
+        inputs: &[ValueId],
+        attributes: Vec<AttributeProto>,
+        hint: &str,
+        like: ValueId,
+    ) -> ValueId {
+        let v = self.b.op(op_type, inputs, attributes, hint);
+        let facts = self.facts(like);
+        self.shapes.set(v, facts);
+        v
+    }
+
+    /// An ONNX Runtime gradient op (lowered by `legalize-ort` before the pass returns).
+    pub fn ort_op(
+        &mut self,
+        op_type: &str,
+        inputs: &[Option<ValueId>],
+        output_hints: &[&str],
+        attributes: Vec<AttributeProto>,
+    ) -> NodeId {
+        self.b.model.require_opset("com.microsoft", 1);
+        self.b
+            .node(op_type, "com.microsoft", inputs, output_hints, attributes)
+    }
+
+    fn constant(&mut self, hint: &str, tensor: TensorProto) -> ValueId {
+        let key = (
+            tensor.data_type(),
+            tensor.dims.clone(),
+            tensor.raw_data.clone().unwrap_or_default(),
+        );
+        if let Some(v) = self.constants.get(&key) {
+            return *v;
+        }
+        let dims = tensor.dims.clone();
+        let elem = tensor.data_type();
+        let v = self.b.model.add_initializer(self.b.body, hint, tensor);
+        self.shapes.set(
+            v,
+            Facts {
+                elem: Some(elem),
+                dims: Some(dims.into_iter().map(Dim::Known).collect()),
+            },
+        );
+        self.constants.insert(key, v);
+        v
+    }
+
+    /// A scalar of element type `elem`.
+    pub fn scalar(&mut self, elem: i32, value: f64) -> ValueId {
+        let bytes = match elem {
+            x if x == DataType::Float as i32 => (value as f32).to_le_bytes().to_vec(),
+            x if x == DataType::Double as i32 => value.to_le_bytes().to_vec(),
+            x if x == DataType::Float16 as i32 => half::f16::from_f64(value).to_le_bytes().to_vec(),
+            x if x == DataType::Bfloat16 as i32 => {
+                half::bf16::from_f64(value).to_le_bytes().to_vec()
+            }
+            x if x == DataType::Int64 as i32 => (value as i64).to_le_bytes().to_vec(),
+            _ => (value as f32).to_le_bytes().to_vec(),
+        };
+        let hint = format!("c_{}", format!("{value}").replace(['.', '-'], "_"));
+        self.constant(
+            &hint,
+            TensorProto {
+                data_type: Some(elem),
+                raw_data: Some(bytes),
+                ..Default::default()
+            },
+        )
+    }
+
+    /// A scalar with the element type of `like`.
+    pub fn scalar_like(
+        &mut self,
+        node: NodeId,
+        like: ValueId,
+        value: f64,
+    ) -> Result<ValueId, PassError> {
+        let elem = self.elem(node, like)?;
+        Ok(self.scalar(elem, value))
+    }
+
+    /// An int64 vector constant.
+    pub fn ints(&mut self, values: &[i64]) -> ValueId {
+        let parts: Vec<String> = values
+            .iter()
+            .map(|a| {
+                if *a < 0 {
+                    format!("m{}", -a)
+                } else {
+                    a.to_string()
+                }
+            })
+            .collect();
+        let hint = format!("i_{}", parts.join("_"));
+        self.constant(&hint, tensor_i64(&[values.len() as i64], values))
+    }
+
+    /// `Shape(x)`, one node per value however many rules ask, or a constant when `x`'s
+    /// dims are all known.
+    pub fn shape_of(&mut self, x: ValueId) -> ValueId {
+        if let Some(dims) = self.facts(x).static_dims() {
+            return self.ints(&dims);
+        }
+        if let Some(s) = self.shape_of.get(&x) {
+            return *s;
+        }
+        let hint = format!("{}_shape", self.model().name(x));
+        let s = self.op("Shape", &[x], vec![], &hint);
+        self.shape_of.insert(x, s);
+        s
+    }
+
+    /// `ReduceSum`/`ReduceMean`/... over `axes`, in the form the opset wants (axes as an
+    /// input: ReduceSum from 13, the others from 18).
+    pub fn reduce(
+        &mut self,
+        op: &str,
+        x: ValueId,
+        axes: &[i64],
+        keepdims: bool,
+        hint: &str,
+    ) -> ValueId {
+        let as_input = if op == "ReduceSum" {
+            self.opset() >= 13
+        } else {
+            self.opset() >= 18
+        };
+        let keep = attr_int("keepdims", keepdims as i64);
+        if axes.is_empty() {
+            return self.op(op, &[x], vec![keep], hint);
+        }
+        if as_input {
+            let a = self.ints(axes);
+            self.op(op, &[x, a], vec![keep], hint)
+        } else {
+            self.op(op, &[x], vec![attr_ints("axes", axes), keep], hint)
+        }
+    }
+
+    pub fn unsqueeze(&mut self, x: ValueId, axes: &[i64], hint: &str) -> ValueId {
+        if self.opset() >= 13 {
+            let a = self.ints(axes);
+            self.op("Unsqueeze", &[x, a], vec![], hint)
+        } else {
+            self.op("Unsqueeze", &[x], vec![attr_ints("axes", axes)], hint)
+        }
+    }
+
+    /// `dy` (the gradient of a broadcast result `y`) summed back to the shape of `x`:
+    /// the leading axes `x` lacks are summed away, and so are the axes where `x` has size
+    /// 1 and `y` does not.
+    pub fn unbroadcast(
+        &mut self,
+        node: NodeId,
+        dy: ValueId,
+        y: ValueId,
+        x: ValueId,
+    ) -> Result<ValueId, PassError> {
+        let (fx, fy) = (self.facts(x), self.facts(y));
+        let (Some(dx), Some(dyd)) = (fx.dims.clone(), fy.dims.clone()) else {
+            if fx.dims.is_some() && fx.dims == fy.dims {
+                return Ok(dy);
+            }
+            return Err(self.error(
+                node,
+                format!(
+                    "summing the gradient of '{}' back to the shape of '{}' needs both ranks, which are neither declared nor derivable",
+                    self.model().name(y),
+                    self.model().name(x)
+                ),
+            ));
+        };
+        let lead = dyd.len().saturating_sub(dx.len());
+        let mut axes: Vec<i64> = (0..lead as i64).collect();
+        for (i, d) in dx.iter().enumerate() {
+            let j = i + lead;
+            let broadcast = *d == Dim::Known(1) && dyd.get(j) != Some(&Dim::Known(1));
+            if broadcast {
+                axes.push(j as i64);
+            }
+        }
+        if axes.is_empty() {
+            return Ok(dy);
+        }
+        let hint = format!("{}_grad", self.model().name(x));
+        // Only leading axes: one ReduceSum without keepdims gives x's shape exactly.
+        if axes.len() == lead {
+            let summed = self.reduce("ReduceSum", dy, &axes, false, &hint);
+            self.shapes.set(summed, fx);
+            return Ok(summed);
+        }
+        if lead == 0 {
+            let summed = self.reduce("ReduceSum", dy, &axes, true, &hint);
+            self.shapes.set(summed, fx);
+            return Ok(summed);
+        }
+        let summed = self.reduce("ReduceSum", dy, &axes, true, &format!("{hint}_sum"));
+        let shape = self.shape_of(x);
+        let out = self.op_like("Reshape", &[summed, shape], vec![], &hint, x);
+        Ok(out)
+    }
+
+    /// `Expand(dy_kept, Shape(x))`: a reduction's gradient spread back over `x`.
+    pub fn expand_to(&mut self, dy: ValueId, x: ValueId, hint: &str) -> ValueId {
+        let shape = self.shape_of(x);
+        self.op_like("Expand", &[dy, shape], vec![], hint, x)
+    }
+}

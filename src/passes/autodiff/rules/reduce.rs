@@ -1,0 +1,191 @@
+//! Reductions over `axes` (an attribute or a constant input, by opset). With `keepdims = 0`
+//! the gradient first gets the reduced axes back as size 1 (`dY_k`), then broadcasts:
+//!
+//! ```text
+//! ReduceSum         dX = Expand(dY_k, shape(X))
+//! ReduceMean        dX = Expand(dY_k / n, shape(X))          n = elements per reduced group
+//! ReduceSumSquare   dX = 2 X · dY_k
+//! ReduceL2          dX = X · dY_k / Y_k
+//! ReduceMax / Min   dX = dY_k / c · (X == Y_k)               c = how many tie for the extreme
+//! ```
+//!
+//! Ties of ReduceMax/Min share the gradient evenly, as PyTorch's `amax`/`amin` do.
+
+use super::{Grad, InputGrads};
+use crate::ir::builder::attr_int;
+use crate::ir::{NodeId, ValueId};
+use crate::passes::PassError;
+
+/// The reduced axes (non-negative) and whether the output kept them; `None` when the node
+/// reduces nothing (`noop_with_empty_axes` with no axes).
+fn reduced_axes(
+    cx: &Grad<'_>,
+    node: NodeId,
+    x: ValueId,
+) -> Result<Option<(Vec<i64>, bool)>, PassError> {
+    let rank = cx.need_rank(node, x)? as i64;
+    let keep = cx.int_attr(node, "keepdims", 1)? != 0;
+    let axes = match cx.ints_attr(node, "axes")? {
+        Some(a) => Some(a),
+        None => match cx.opt_input(node, 1) {
+            Some(v) => Some(
+                super::super::shapes::constant_ints(cx.model(), v).ok_or_else(|| {
+                    cx.error(
+                        node,
+                        format!("the axes input '{}' is not a constant", cx.model().name(v)),
+                    )
+                })?,
+            ),
+            None => None,
+        },
+    };
+    let axes = match axes {
+        Some(a) if !a.is_empty() => a,
+        _ if cx.int_attr(node, "noop_with_empty_axes", 0)? != 0 => return Ok(None),
+        _ => (0..rank).collect(),
+    };
+    let mut axes: Vec<i64> = axes
+        .iter()
+        .map(|a| if *a < 0 { a + rank } else { *a })
+        .collect();
+    axes.sort_unstable();
+    Ok(Some((axes, keep)))
+}
+
+/// dY and Y with the reduced axes present (size 1).
+fn kept(
+    cx: &mut Grad<'_>,
+    dy: ValueId,
+    y: ValueId,
+    axes: &[i64],
+    keep: bool,
+    hint: &str,
+) -> (ValueId, ValueId) {
+    if keep {
+        (dy, y)
+    } else {
+        (cx.unsqueeze(dy, axes, hint), cx.unsqueeze(y, axes, hint))
+    }
+}
+
+fn setup(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+) -> Result<(ValueId, ValueId, ValueId, String, Option<(Vec<i64>, bool)>), PassError> {
+    let dy = dys[0].expect("a gradient for the output");
+    let x = cx.input(node, 0)?;
+    let y = cx.output(node, 0);
+    let hint = format!("{}_grad", cx.model().name(x));
+    let axes = reduced_axes(cx, node, x)?;
+    Ok((dy, x, y, hint, axes))
+}
+
+pub fn reduce_sum(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let (dy, x, y, h, axes) = setup(cx, node, dys)?;
+    let mut out = vec![None; wants.len()];
+    out[0] = Some(match axes {
+        None => dy,
+        Some((axes, keep)) => {
+            let (dyk, _) = kept(cx, dy, y, &axes, keep, &h);
+            cx.expand_to(dyk, x, &h)
+        }
+    });
+    Ok(out)
+}
+
+pub fn reduce_mean(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let (dy, x, y, h, axes) = setup(cx, node, dys)?;
+    let mut out = vec![None; wants.len()];
+    out[0] = Some(match axes {
+        None => dy,
+        Some((axes, keep)) => {
+            let elem = cx.elem(node, x)?;
+            let dims = cx.facts(x).dims.unwrap_or_default();
+            let count: Option<i64> = axes
+                .iter()
+                .map(|a| dims.get(*a as usize).and_then(|d| d.known()))
+                .product();
+            let n = match count {
+                Some(c) => cx.scalar(elem, c as f64),
+                None => {
+                    let sx = cx.op("Size", &[x], vec![], &h);
+                    let sy = cx.op("Size", &[y], vec![], &h);
+                    let q = cx.op("Div", &[sx, sy], vec![], &h);
+                    cx.op("Cast", &[q], vec![attr_int("to", elem as i64)], &h)
+                }
+            };
+            let (dyk, _) = kept(cx, dy, y, &axes, keep, &h);
+            let scaled = cx.op("Div", &[dyk, n], vec![], &h);
+            cx.expand_to(scaled, x, &h)
+        }
+    });
+    Ok(out)
+}
+
+pub fn reduce_sum_square(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let (dy, x, y, h, axes) = setup(cx, node, dys)?;
+    let two = cx.scalar_like(node, x, 2.0)?;
+    let x2 = cx.op_like("Mul", &[x, two], vec![], &h, x);
+    let dyk = match axes {
+        None => dy,
+        Some((axes, keep)) => kept(cx, dy, y, &axes, keep, &h).0,
+    };
+    let mut out = vec![None; wants.len()];
+    out[0] = Some(cx.op_like("Mul", &[x2, dyk], vec![], &h, x));
+    Ok(out)
+}
+
+pub fn reduce_l2(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let (dy, x, y, h, axes) = setup(cx, node, dys)?;
+    let (dyk, yk) = match axes {
+        None => (dy, y),
+        Some((axes, keep)) => kept(cx, dy, y, &axes, keep, &h),
+    };
+    let q = cx.op("Div", &[dyk, yk], vec![], &h);
+    let mut out = vec![None; wants.len()];
+    out[0] = Some(cx.op_like("Mul", &[x, q], vec![], &h, x));
+    Ok(out)
+}
+
+pub fn reduce_max_min(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let (dy, x, y, h, axes) = setup(cx, node, dys)?;
+    let elem = cx.elem(node, x)?;
+    let mut out = vec![None; wants.len()];
+    let Some((axes, keep)) = axes else {
+        out[0] = Some(dy);
+        return Ok(out);
+    };
+    let (dyk, yk) = kept(cx, dy, y, &axes, keep, &h);
+    let hit = cx.op("Equal", &[x, yk], vec![], &h);
+    let mask = cx.op_like("Cast", &[hit], vec![attr_int("to", elem as i64)], &h, x);
+    let ties = cx.reduce("ReduceSum", mask, &axes, true, &h);
+    let share = cx.op("Div", &[dyk, ties], vec![], &h);
+    out[0] = Some(cx.op_like("Mul", &[mask, share], vec![], &h, x));
+    Ok(out)
+}

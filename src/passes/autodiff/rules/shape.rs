@@ -1,0 +1,477 @@
+//! Data movement: the gradient moves back the way the data came, reshaped, transposed,
+//! sliced or scattered into place.
+//!
+//! ```text
+//! Reshape/Flatten/Squeeze/Unsqueeze   dX = Reshape(dY, shape(X))
+//! Identity, Dropout(inference)        dX = dY
+//! Transpose(perm)                     dX = Transpose(dY, perm⁻¹)
+//! Expand                              dX = dY summed back to shape(X)
+//! Concat(axis)                        dXi = Split(dY, sizes of the Xi along axis)[i]
+//! Split(axis)                         dX = Concat(dYi, or zeros where Yi has no gradient)
+//! Slice (step 1)                      dX = Pad(dY, the rows the slice dropped, with 0)
+//! Pad (constant)                      dX = Slice(dY, pads_begin, pads_begin + shape(X))
+//! Tile(r)                             dX = ReduceSum(Reshape(dY, [r0, d0, r1, d1, ..]), axes 0, 2, ..)
+//! Cast / CastLike                     dX = Cast(dY, type of X)
+//! Dropout (training, mask M)          dX = dY · M / (1 - ratio)              DropoutGrad
+//! Gather(axis)                        dX = zeros(shape X), dY scatter-added at the indices  GatherGrad
+//! GatherElements(axis)                the same per element                  GatherElementsGrad
+//! ```
+
+use super::{Grad, InputGrads};
+use crate::ir::builder::{attr_int, attr_ints, attr_tensor};
+use crate::ir::{NodeId, ValueId};
+use crate::passes::PassError;
+
+fn dy0(dys: &[Option<ValueId>]) -> ValueId {
+    dys[0].expect("a gradient for the output")
+}
+
+fn hint(cx: &Grad<'_>, x: ValueId) -> String {
+    format!("{}_grad", cx.model().name(x))
+}
+
+fn first_only(n: usize, g: ValueId) -> InputGrads {
+    let mut out = vec![None; n];
+    out[0] = Some(g);
+    out
+}
+
+pub fn reshape_like(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let x = cx.input(node, 0)?;
+    let h = hint(cx, x);
+    let shape = cx.shape_of(x);
+    let g = cx.op_like("Reshape", &[dy0(dys), shape], vec![], &h, x);
+    Ok(first_only(wants.len(), g))
+}
+
+pub fn identity(
+    _: &mut Grad<'_>,
+    _: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    Ok(first_only(wants.len(), dy0(dys)))
+}
+
+pub fn transpose(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    let x = cx.input(node, 0)?;
+    let perm = match cx.ints_attr(node, "perm")? {
+        Some(p) => p,
+        None => (0..cx.need_rank(node, x)? as i64).rev().collect(),
+    };
+    let mut inverse = vec![0i64; perm.len()];
+    for (i, p) in perm.iter().enumerate() {
+        inverse[*p as usize] = i as i64;
+    }
+    let h = hint(cx, x);
+    Ok(vec![Some(cx.op_like(
+        "Transpose",
+        &[dy0(dys)],
+        vec![attr_ints("perm", &inverse)],
+        &h,
+        x,
+    ))])
+}
+
+pub fn expand(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let x = cx.input(node, 0)?;
+    let y = cx.output(node, 0);
+    let g = cx.unbroadcast(node, dy0(dys), y, x)?;
+    Ok(first_only(wants.len(), g))
+}
+
+fn axis_of(cx: &Grad<'_>, node: NodeId, x: ValueId, default: i64) -> Result<i64, PassError> {
+    let axis = cx.int_attr(node, "axis", default)?;
+    Ok(if axis < 0 {
+        axis + cx.need_rank(node, x)? as i64
+    } else {
+        axis
+    })
+}
+
+/// `Split(x, sizes; axis)` in the opset's form (sizes as an input from 13).
+fn split_by(
+    cx: &mut Grad<'_>,
+    x: ValueId,
+    sizes: ValueId,
+    static_sizes: Option<&[i64]>,
+    axis: i64,
+    hints: &[String],
+) -> NodeId {
+    let hints: Vec<&str> = hints.iter().map(String::as_str).collect();
+    if cx.opset() >= 13 {
+        cx.b.node(
+            "Split",
+            "",
+            &[Some(x), Some(sizes)],
+            &hints,
+            vec![attr_int("axis", axis)],
+        )
+    } else {
+        let s = static_sizes.unwrap_or_default();
+        cx.b.node(
+            "Split",
+            "",
+            &[Some(x)],
+            &hints,
+            vec![attr_int("axis", axis), attr_ints("split", s)],
+        )
+    }
+}
+
+pub fn concat(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let x0 = cx.input(node, 0)?;
+    let axis = axis_of(cx, node, x0, 0)?;
+    let inputs: Vec<ValueId> = (0..wants.len())
+        .map(|i| cx.input(node, i))
+        .collect::<Result<_, _>>()?;
+    let known: Option<Vec<i64>> = inputs
+        .iter()
+        .map(|x| {
+            cx.facts(*x)
+                .dims
+                .and_then(|d| d.get(axis as usize).and_then(|d| d.known()))
+        })
+        .collect();
+    let sizes = match &known {
+        Some(s) => cx.ints(s),
+        None if cx.opset() >= 13 => {
+            let idx = cx.ints(&[axis]);
+            let parts: Vec<ValueId> = inputs
+                .iter()
+                .map(|x| {
+                    let s = cx.shape_of(*x);
+                    cx.op("Gather", &[s, idx], vec![], "concat_sizes")
+                })
+                .collect();
+            cx.op("Concat", &parts, vec![attr_int("axis", 0)], "concat_sizes")
+        }
+        None => {
+            return Err(cx.error(
+                node,
+                "the sizes of the inputs along the axis must be known before opset 13".into(),
+            ))
+        }
+    };
+    let hints: Vec<String> = inputs.iter().map(|x| hint(cx, *x)).collect();
+    let s = split_by(cx, dy0(dys), sizes, known.as_deref(), axis, &hints);
+    let mut out = vec![None; wants.len()];
+    for (i, want) in wants.iter().enumerate() {
+        if *want {
+            let v = cx.output(s, i);
+            let f = cx.facts(inputs[i]);
+            cx.shapes.set(v, f);
+            out[i] = Some(v);
+        }
+    }
+    Ok(out)
+}
+
+pub fn split(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let x = cx.input(node, 0)?;
+    let axis = axis_of(cx, node, x, 0)?;
+    let elem = cx.elem(node, x)?;
+    let h = hint(cx, x);
+    let mut parts = Vec::new();
+    for (slot, dy) in dys.iter().enumerate() {
+        let Some(Some(y)) = cx.model().node(node).outputs.get(slot).copied() else {
+            return Err(cx.error(node, format!("output {slot} is omitted")));
+        };
+        parts.push(match dy {
+            Some(d) => *d,
+            None => {
+                let shape = cx.shape_of(y);
+                let zero = crate::proto::TensorProto {
+                    data_type: Some(elem),
+                    dims: vec![1],
+                    raw_data: Some(vec![0u8; super::super::elem_size(elem)]),
+                    ..Default::default()
+                };
+                cx.op_like(
+                    "ConstantOfShape",
+                    &[shape],
+                    vec![attr_tensor("value", zero)],
+                    &h,
+                    y,
+                )
+            }
+        });
+    }
+    let g = cx.op_like("Concat", &parts, vec![attr_int("axis", axis)], &h, x);
+    Ok(first_only(wants.len(), g))
+}
+
+pub fn slice(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let x = cx.input(node, 0)?;
+    if cx.opset() < 10 {
+        return Err(cx.error(
+            node,
+            "Slice before opset 10 (attributes) is not supported by the gradient rule".into(),
+        ));
+    }
+    let rank = cx.need_rank(node, x)?;
+    let constant = |cx: &Grad<'_>, slot: usize| -> Result<Option<Vec<i64>>, PassError> {
+        match cx.opt_input(node, slot) {
+            None => Ok(None),
+            Some(v) => super::super::shapes::constant_ints(cx.model(), v)
+                .map(Some)
+                .ok_or_else(|| {
+                    cx.error(
+                        node,
+                        format!("input {slot} ('{}') is not a constant", cx.model().name(v)),
+                    )
+                }),
+        }
+    };
+    let starts = constant(cx, 1)?.unwrap_or_default();
+    let ends = constant(cx, 2)?.unwrap_or_default();
+    let axes = constant(cx, 3)?.unwrap_or_else(|| (0..starts.len() as i64).collect());
+    let steps = constant(cx, 4)?.unwrap_or_else(|| vec![1; starts.len()]);
+    if steps.iter().any(|s| *s != 1) {
+        return Err(cx.error(
+            node,
+            "a Slice with steps other than 1 is not supported by the gradient rule".into(),
+        ));
+    }
+    let dims = cx.facts(x).dims.unwrap_or_default();
+    let mut pads = vec![0i64; 2 * rank];
+    for (j, axis) in axes.iter().enumerate() {
+        let a = if *axis < 0 { axis + rank as i64 } else { *axis } as usize;
+        let size = dims.get(a).and_then(|d| d.known());
+        let norm = |v: i64, size: i64| (if v < 0 { v + size } else { v }).clamp(0, size);
+        match size {
+            Some(size) => {
+                let (s, e) = (norm(starts[j], size), norm(ends[j], size));
+                pads[a] = s;
+                pads[a + rank] = (size - e.max(s)).max(0);
+            }
+            // Without the size only a slice that runs to the end is understood.
+            None if starts[j] >= 0 && ends[j] >= i32::MAX as i64 => pads[a] = starts[j],
+            None => {
+                return Err(cx.error(
+                    node,
+                    format!(
+                        "the size of axis {a} of '{}' must be known",
+                        cx.model().name(x)
+                    ),
+                ));
+            }
+        }
+    }
+    let h = hint(cx, x);
+    let p = cx.ints(&pads);
+    let g = cx.op_like("Pad", &[dy0(dys), p], vec![], &h, x);
+    Ok(first_only(wants.len(), g))
+}
+
+pub fn pad(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let x = cx.input(node, 0)?;
+    let mode = cx
+        .string_attr(node, "mode")?
+        .unwrap_or_else(|| "constant".into());
+    if mode != "constant" {
+        return Err(cx.error(
+            node,
+            format!("attribute 'mode' = {mode} is not supported by the gradient rule"),
+        ));
+    }
+    let rank = cx.need_rank(node, x)?;
+    let pads = match cx.ints_attr(node, "pads")? {
+        Some(p) => p,
+        None => {
+            let v = cx.input(node, 1)?;
+            super::super::shapes::constant_ints(cx.model(), v)
+                .ok_or_else(|| cx.error(node, "the pads input is not a constant".into()))?
+        }
+    };
+    let axes: Vec<i64> = match cx.opt_input(node, 3) {
+        Some(v) => super::super::shapes::constant_ints(cx.model(), v)
+            .ok_or_else(|| cx.error(node, "the axes input is not a constant".into()))?
+            .iter()
+            .map(|a| if *a < 0 { a + rank as i64 } else { *a })
+            .collect(),
+        None => (0..rank as i64).collect(),
+    };
+    let n = axes.len();
+    if pads.len() != 2 * n || pads.iter().any(|p| *p < 0) {
+        return Err(cx.error(
+            node,
+            "negative or malformed pads are not supported by the gradient rule".into(),
+        ));
+    }
+    let h = hint(cx, x);
+    let begins = cx.ints(&pads[..n]);
+    let shape = cx.shape_of(x);
+    let shape_at = if n == rank && axes.iter().enumerate().all(|(i, a)| *a == i as i64) {
+        shape
+    } else {
+        let idx = cx.ints(&axes);
+        cx.op("Gather", &[shape, idx], vec![], &h)
+    };
+    let ends = cx.op("Add", &[begins, shape_at], vec![], &h);
+    let axes_v = cx.ints(&axes);
+    let g = cx.op_like("Slice", &[dy0(dys), begins, ends, axes_v], vec![], &h, x);
+    Ok(first_only(wants.len(), g))
+}
+
+pub fn tile(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let x = cx.input(node, 0)?;
+    let reps_v = cx.input(node, 1)?;
+    let reps = super::super::shapes::constant_ints(cx.model(), reps_v)
+        .ok_or_else(|| cx.error(node, "the repeats input is not a constant".into()))?;
+    let dims = cx.facts(x).static_dims().ok_or_else(|| {
+        cx.error(
+            node,
+            format!("the dims of '{}' must be known", cx.model().name(x)),
+        )
+    })?;
+    let interleaved: Vec<i64> = reps.iter().zip(&dims).flat_map(|(r, d)| [*r, *d]).collect();
+    let axes: Vec<i64> = (0..dims.len() as i64).map(|i| 2 * i).collect();
+    let h = hint(cx, x);
+    let shape = cx.ints(&interleaved);
+    let r = cx.op("Reshape", &[dy0(dys), shape], vec![], &h);
+    let g = cx.reduce("ReduceSum", r, &axes, false, &h);
+    let f = cx.facts(x);
+    cx.shapes.set(g, f);
+    Ok(first_only(wants.len(), g))
+}
+
+pub fn cast(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let x = cx.input(node, 0)?;
+    let elem = cx.elem(node, x)?;
+    let h = hint(cx, x);
+    let g = cx.op_like(
+        "Cast",
+        &[dy0(dys)],
+        vec![attr_int("to", elem as i64)],
+        &h,
+        x,
+    );
+    Ok(first_only(wants.len(), g))
+}
+
+/// Whether a Dropout node drops at run time: its `training_mode` input is the constant true
+/// (the autodiff's normalisation sets it so for `--dropout train`).
+pub fn dropout_trains(cx: &Grad<'_>, node: NodeId) -> bool {
+    cx.opt_input(node, 2)
+        .and_then(|v| super::super::shapes::constant_tensor(cx.model(), v))
+        .and_then(super::super::scalar_value)
+        .is_some_and(|v| v != 0.0)
+}
+
+pub fn dropout(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    if !dropout_trains(cx, node) {
+        return identity(cx, node, dys, wants);
+    }
+    let x = cx.input(node, 0)?;
+    let y = cx.model().name(cx.output(node, 0)).to_string();
+    let mask = cx.b.model.ensure_node_output(node, 1, &format!("{y}_mask"));
+    let ratio = cx.opt_input(node, 1);
+    let h = hint(cx, x);
+    let g = cx.ort_op(
+        "DropoutGrad",
+        &[Some(dy0(dys)), Some(mask), ratio],
+        &[&h],
+        vec![],
+    );
+    let v = cx.output(g, 0);
+    let f = cx.facts(x);
+    cx.shapes.set(v, f);
+    Ok(first_only(wants.len(), v))
+}
+
+pub fn gather(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let x = cx.input(node, 0)?;
+    let indices = cx.input(node, 1)?;
+    let h = hint(cx, x);
+    let shape = cx.shape_of(x);
+    let attrs = cx.attrs_of(node, &["axis"]);
+    let g = cx.ort_op(
+        "GatherGrad",
+        &[Some(shape), Some(indices), Some(dy0(dys))],
+        &[&h],
+        attrs,
+    );
+    let v = cx.output(g, 0);
+    let f = cx.facts(x);
+    cx.shapes.set(v, f);
+    Ok(first_only(wants.len(), v))
+}
+
+pub fn gather_elements(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let x = cx.input(node, 0)?;
+    let indices = cx.input(node, 1)?;
+    let h = hint(cx, x);
+    let shape = cx.shape_of(x);
+    let attrs = cx.attrs_of(node, &["axis"]);
+    let g = cx.ort_op(
+        "GatherElementsGrad",
+        &[Some(dy0(dys)), Some(shape), Some(indices)],
+        &[&h],
+        attrs,
+    );
+    let v = cx.output(g, 0);
+    let f = cx.facts(x);
+    cx.shapes.set(v, f);
+    Ok(first_only(wants.len(), v))
+}

@@ -1,0 +1,61 @@
+//! Softmax and LogSoftmax, differentiated through their outputs:
+//!
+//! ```text
+//! Y = Softmax(X)      dX = Y * (dY - Σ_axis dY * Y)        SoftmaxGrad_13(dY, Y; axis)
+//! Y = LogSoftmax(X)   dX = dY - exp(Y) * Σ_axis dY         LogSoftmaxGrad_13(dY, Y; axis)
+//! ```
+//!
+//! Before opset 13 both ops normalise the input coerced to 2-D at `axis` (default 1);
+//! the version-1 gradient ops (`SoftmaxGrad`, `LogSoftmaxGrad`) have that meaning.
+
+use super::{Grad, InputGrads};
+use crate::ir::builder::attr_int;
+use crate::ir::{NodeId, ValueId};
+use crate::passes::PassError;
+
+fn through_output(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    op13: &str,
+    op1: &str,
+) -> Result<InputGrads, PassError> {
+    let dy = dys[0].expect("a gradient for the output");
+    let x = cx.input(node, 0)?;
+    let y = cx.output(node, 0);
+    let (op, default_axis) = if cx.opset() >= 13 {
+        (op13, -1)
+    } else {
+        (op1, 1)
+    };
+    let axis = cx.int_attr(node, "axis", default_axis)?;
+    let hint = format!("{}_grad", cx.model().name(x));
+    let g = cx.ort_op(
+        op,
+        &[Some(dy), Some(y)],
+        &[&hint],
+        vec![attr_int("axis", axis)],
+    );
+    let dx = cx.output(g, 0);
+    let f = cx.facts(x);
+    cx.shapes.set(dx, f);
+    Ok(vec![Some(dx)])
+}
+
+pub fn softmax(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    through_output(cx, node, dys, "SoftmaxGrad_13", "SoftmaxGrad")
+}
+
+pub fn log_softmax(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    through_output(cx, node, dys, "LogSoftmaxGrad_13", "LogSoftmaxGrad")
+}

@@ -1,0 +1,940 @@
+//! Static shape facts of the forward graph, as far as they can be known before running it:
+//! the rank of a value and each dimension as a number, a symbol (`batch`) or unknown.
+//!
+//! Why the autodiff needs them: the gradient of a broadcasting op must be summed back to
+//! the shape of each input (`Add(X[N,16], b[16])` gives `db = ReduceSum(dY, axes=[0])`),
+//! and which axes broadcast is a static question when ranks and the size-1 dimensions are
+//! known. Exporters declare most intermediate shapes (`value_info`), hand-built graphs often
+//! none, so the declared types are completed by a forward propagation over the ops models
+//! use. A dimension is never guessed: what cannot be derived stays unknown, and a rule that
+//! needs it says so (or falls back to a form computed at run time).
+
+use std::collections::HashMap;
+
+use crate::ir::builder::NodeAttributes;
+use crate::ir::{topological_order, BodyId, Model, NodeId, ValueDef, ValueId};
+use crate::proto::{tensor_proto::DataType, type_proto, TensorProto};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Dim {
+    Known(i64),
+    Symbol(String),
+    Unknown,
+}
+
+impl Dim {
+    pub fn known(&self) -> Option<i64> {
+        match self {
+            Dim::Known(d) => Some(*d),
+            _ => None,
+        }
+    }
+}
+
+/// Element type and dims of a value (either part may be unknown).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Facts {
+    pub elem: Option<i32>,
+    pub dims: Option<Vec<Dim>>,
+}
+
+impl Facts {
+    pub fn rank(&self) -> Option<usize> {
+        self.dims.as_ref().map(Vec::len)
+    }
+
+    /// Every dim as a number, when all are known.
+    pub fn static_dims(&self) -> Option<Vec<i64>> {
+        self.dims.as_ref()?.iter().map(Dim::known).collect()
+    }
+}
+
+/// Facts for every value of the main graph.
+#[derive(Default)]
+pub struct Shapes {
+    facts: HashMap<ValueId, Facts>,
+}
+
+impl Shapes {
+    pub fn get(&self, v: ValueId) -> Facts {
+        self.facts.get(&v).cloned().unwrap_or_default()
+    }
+
+    pub fn set(&mut self, v: ValueId, facts: Facts) {
+        self.facts.insert(v, facts);
+    }
+
+    /// Declared types, completed by propagation in topological order.
+    pub fn infer(model: &Model) -> Shapes {
+        let mut shapes = Shapes::default();
+        for v in 0..model.values.len() {
+            let v = ValueId(v as u32);
+            let declared = declared(model, v);
+            if declared != Facts::default() {
+                shapes.facts.insert(v, declared);
+            }
+        }
+        for node in topological_order(model, BodyId::MAIN) {
+            let inferred = infer_node(model, &shapes, node);
+            for (slot, facts) in inferred.into_iter().enumerate() {
+                let Some(Some(out)) = model.node(node).outputs.get(slot).copied() else {
+                    continue;
+                };
+                let merged = merge(shapes.get(out), facts);
+                shapes.facts.insert(out, merged);
+            }
+        }
+        shapes
+    }
+}
+
+/// Declared beats inferred where it says something; inferred fills what it leaves open.
+fn merge(declared: Facts, inferred: Facts) -> Facts {
+    let elem = declared.elem.or(inferred.elem);
+    let dims = match (declared.dims, inferred.dims) {
+        (Some(d), Some(i)) if d.len() == i.len() => Some(
+            d.into_iter()
+                .zip(i)
+                .map(|(d, i)| match d {
+                    Dim::Unknown => i,
+                    d => d,
+                })
+                .collect(),
+        ),
+        (Some(d), _) => Some(d),
+        (None, i) => i,
+    };
+    Facts { elem, dims }
+}
+
+fn declared(model: &Model, v: ValueId) -> Facts {
+    use crate::proto::tensor_shape_proto::dimension::Value as D;
+    if let Some(t) = model.initializer(v) {
+        return Facts {
+            elem: Some(t.data_type()),
+            dims: Some(t.dims.iter().map(|d| Dim::Known(*d)).collect()),
+        };
+    }
+    match model.value_type(v).and_then(|t| t.value) {
+        Some(type_proto::Value::TensorType(t)) => Facts {
+            elem: t.elem_type.filter(|e| *e != 0),
+            dims: t.shape.map(|s| {
+                s.dim
+                    .iter()
+                    .map(|d| match &d.value {
+                        Some(D::DimValue(x)) if *x >= 0 => Dim::Known(*x),
+                        Some(D::DimParam(p)) if !p.is_empty() => Dim::Symbol(p.clone()),
+                        _ => Dim::Unknown,
+                    })
+                    .collect()
+            }),
+        },
+        _ => Facts::default(),
+    }
+}
+
+/// The int64 values of a constant 1-D (or scalar) tensor: an initializer that is not a
+/// graph input, or a `Constant` node's value.
+///
+/// Small integer computations over constants (the shape arithmetic exporters write:
+/// `Reshape(Constant, Constant)`, `Concat` of unsqueezed scalars, `Cast`, `Gather` at a
+/// constant index, elementwise integer arithmetic) are folded here, as far as 16 nodes up.
+pub fn constant_ints(model: &Model, v: ValueId) -> Option<Vec<i64>> {
+    fold_ints(model, v, 16)
+}
+
+fn fold_ints(model: &Model, v: ValueId, depth: usize) -> Option<Vec<i64>> {
+    if let Some(t) = constant_tensor(model, v) {
+        return tensor_ints(t);
+    }
+    let ValueDef::Node { node, slot: 0 } = model.value(v).def else {
+        return None;
+    };
+    let n = model.node(node);
+    let p = &n.proto;
+    if !p.domain().is_empty() || depth == 0 {
+        return None;
+    }
+    let arg = |i: usize| {
+        n.inputs
+            .get(i)
+            .copied()
+            .flatten()
+            .and_then(|x| fold_ints(model, x, depth - 1))
+    };
+    match p.op_type() {
+        "Constant" => p
+            .attr("value_ints")
+            .map(|a| a.ints.clone())
+            .or_else(|| p.attr("value_int").map(|a| vec![a.i()])),
+        "Identity" | "Reshape" | "Unsqueeze" | "Squeeze" | "Flatten" => arg(0),
+        "Cast" => {
+            let to = p.attr_int("to").ok().flatten()?;
+            (to == DataType::Int64 as i64 || to == DataType::Int32 as i64)
+                .then(|| arg(0))
+                .flatten()
+        }
+        "Concat" => (0..n.inputs.len())
+            .map(arg)
+            .collect::<Option<Vec<_>>>()
+            .map(|v| v.concat()),
+        "Gather" => {
+            let (data, idx) = (arg(0)?, arg(1)?);
+            idx.iter()
+                .map(|i| {
+                    let i = if *i < 0 { i + data.len() as i64 } else { *i };
+                    data.get(i as usize).copied()
+                })
+                .collect()
+        }
+        "Add" | "Sub" | "Mul" | "Div" => {
+            let (a, b) = (arg(0)?, arg(1)?);
+            let len = a.len().max(b.len());
+            if !(a.len() == b.len() || a.len() == 1 || b.len() == 1) {
+                return None;
+            }
+            (0..len)
+                .map(|i| {
+                    let x = a[if a.len() == 1 { 0 } else { i }];
+                    let y = b[if b.len() == 1 { 0 } else { i }];
+                    match p.op_type() {
+                        "Add" => Some(x + y),
+                        "Sub" => Some(x - y),
+                        "Mul" => Some(x * y),
+                        _ => (y != 0).then(|| x.div_euclid(y)),
+                    }
+                })
+                .collect()
+        }
+        _ => None,
+    }
+}
+
+pub fn constant_tensor(model: &Model, v: ValueId) -> Option<&TensorProto> {
+    match model.value(v).def {
+        ValueDef::Initializer { .. } => model.initializer(v),
+        ValueDef::Node { node, .. } => {
+            let n = model.node(node);
+            if n.proto.op_type() == "Constant" && n.proto.domain().is_empty() {
+                n.proto.attr("value").and_then(|a| a.t.as_ref())
+            } else {
+                None
+            }
+        }
+        _ => None,
+    }
+}
+
+fn tensor_ints(t: &TensorProto) -> Option<Vec<i64>> {
+    let raw = t.raw_data.as_deref().unwrap_or(&[]);
+    match t.data_type() {
+        x if x == DataType::Int64 as i32 => Some(if raw.is_empty() {
+            t.int64_data.clone()
+        } else {
+            raw.chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                .collect()
+        }),
+        x if x == DataType::Int32 as i32 => Some(if raw.is_empty() {
+            t.int32_data.iter().map(|v| *v as i64).collect()
+        } else {
+            raw.chunks_exact(4)
+                .map(|c| i32::from_le_bytes(c.try_into().unwrap_or([0; 4])) as i64)
+                .collect()
+        }),
+        _ => None,
+    }
+}
+
+/// Ops whose (first) output has the shape and type of their first input.
+const SAME_AS_INPUT: &[&str] = &[
+    "Relu",
+    "LeakyRelu",
+    "Elu",
+    "Selu",
+    "Celu",
+    "Gelu",
+    "Sigmoid",
+    "HardSigmoid",
+    "HardSwish",
+    "Tanh",
+    "Softplus",
+    "Softsign",
+    "Exp",
+    "Log",
+    "Neg",
+    "Abs",
+    "Sqrt",
+    "Reciprocal",
+    "Erf",
+    "Sin",
+    "Cos",
+    "Sign",
+    "Floor",
+    "Ceil",
+    "Round",
+    "Identity",
+    "Softmax",
+    "LogSoftmax",
+    "Clip",
+    "Dropout",
+    "BatchNormalization",
+    "LayerNormalization",
+    "GroupNormalization",
+    "InstanceNormalization",
+    "IsNaN",
+    "IsInf",
+    "Not",
+    "Mish",
+    "Trilu",
+    "CumSum",
+];
+
+/// Elementwise ops with multidirectional (numpy) broadcasting.
+const BROADCASTING: &[&str] = &[
+    "Add",
+    "Sub",
+    "Mul",
+    "Div",
+    "Pow",
+    "Max",
+    "Min",
+    "Sum",
+    "Mean",
+    "Where",
+    "Equal",
+    "Less",
+    "Greater",
+    "LessOrEqual",
+    "GreaterOrEqual",
+    "And",
+    "Or",
+    "Xor",
+    "PRelu",
+    "Mod",
+];
+
+fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
+    let n = model.node(node);
+    let p = &n.proto;
+    if p.domain() == "com.microsoft" && p.op_type() == "BatchNormInternal" {
+        let x = n
+            .inputs
+            .first()
+            .copied()
+            .flatten()
+            .map(|v| shapes.get(v))
+            .unwrap_or_default();
+        return vec![x];
+    }
+    if !p.domain().is_empty() && p.domain() != "ai.onnx" {
+        return Vec::new();
+    }
+    let input = |i: usize| -> Facts {
+        n.inputs
+            .get(i)
+            .copied()
+            .flatten()
+            .map(|v| shapes.get(v))
+            .unwrap_or_default()
+    };
+    let int = |name: &str| p.attr_int(name).ok().flatten();
+    let ints = |name: &str| p.attr_ints(name).ok().flatten();
+    let op = p.op_type();
+    let x = input(0);
+    let with_dims = |elem: Option<i32>, dims: Option<Vec<Dim>>| Facts { elem, dims };
+    match op {
+        _ if SAME_AS_INPUT.contains(&op) => {
+            let mut out = vec![x.clone()];
+            if op == "Dropout" {
+                out.push(with_dims(Some(DataType::Bool as i32), x.dims.clone()));
+            }
+            out
+        }
+        _ if BROADCASTING.contains(&op) => {
+            let inputs: Vec<Facts> = (0..n.inputs.len()).map(input).collect();
+            let elem = match op {
+                "Equal" | "Less" | "Greater" | "LessOrEqual" | "GreaterOrEqual" | "And" | "Or"
+                | "Xor" => Some(DataType::Bool as i32),
+                "Where" => inputs.get(1).and_then(|f| f.elem),
+                _ => inputs.iter().find_map(|f| f.elem),
+            };
+            vec![with_dims(elem, broadcast(&inputs))]
+        }
+        "Cast" => vec![with_dims(int("to").map(|t| t as i32), x.dims)],
+        "CastLike" => vec![with_dims(input(1).elem, x.dims)],
+        "Shape" => {
+            // Opset 15 slices the shape with `start` and `end` (negative from the back).
+            let len = x.rank().map(|r| {
+                let r = r as i64;
+                let clamp = |v: i64| (if v < 0 { v + r } else { v }).clamp(0, r);
+                let start = clamp(int("start").unwrap_or(0));
+                let end = clamp(int("end").unwrap_or(r));
+                (end - start).max(0)
+            });
+            vec![with_dims(
+                Some(DataType::Int64 as i32),
+                len.map(|l| vec![Dim::Known(l)]),
+            )]
+        }
+        "Size" => vec![with_dims(Some(DataType::Int64 as i32), Some(Vec::new()))],
+        "MatMul" => vec![with_dims(x.elem, matmul(&x, &input(1)))],
+        "Gemm" => {
+            let (a, b) = (x.dims.clone(), input(1).dims);
+            let dims = match (a, b) {
+                (Some(a), Some(b)) if a.len() == 2 && b.len() == 2 => {
+                    let m = if int("transA") == Some(1) {
+                        &a[1]
+                    } else {
+                        &a[0]
+                    };
+                    let nn = if int("transB") == Some(1) {
+                        &b[0]
+                    } else {
+                        &b[1]
+                    };
+                    Some(vec![m.clone(), nn.clone()])
+                }
+                _ => None,
+            };
+            vec![with_dims(x.elem, dims)]
+        }
+        "Transpose" => {
+            let dims = x.dims.map(|d| {
+                let perm = ints("perm").unwrap_or_else(|| (0..d.len() as i64).rev().collect());
+                perm.iter()
+                    .map(|i| d.get(*i as usize).cloned().unwrap_or(Dim::Unknown))
+                    .collect()
+            });
+            vec![with_dims(x.elem, dims)]
+        }
+        "Reshape" => {
+            let target_v = n.inputs.get(1).copied().flatten();
+            let target = target_v.and_then(|v| constant_ints(model, v));
+            let dims = match target {
+                Some(t) => Some(reshape(x.dims.as_deref(), &t, int("allowzero") == Some(1))),
+                // A computed target: its length still gives the rank.
+                None => target_v
+                    .and_then(|v| shapes.get(v).static_dims())
+                    .and_then(|d| d.first().map(|r| vec![Dim::Unknown; (*r).max(0) as usize])),
+            };
+            vec![with_dims(x.elem, dims)]
+        }
+        "Flatten" => {
+            let dims = x.dims.map(|d| {
+                let axis = int("axis").unwrap_or(1);
+                let axis = if axis < 0 {
+                    axis + d.len() as i64
+                } else {
+                    axis
+                } as usize;
+                vec![
+                    product(&d[..axis.min(d.len())]),
+                    product(&d[axis.min(d.len())..]),
+                ]
+            });
+            vec![with_dims(x.elem, dims)]
+        }
+        "Unsqueeze" | "Squeeze" => {
+            let axes = ints("axes").or_else(|| {
+                n.inputs
+                    .get(1)
+                    .copied()
+                    .flatten()
+                    .and_then(|v| constant_ints(model, v))
+            });
+            let dims = x.dims.and_then(|d| squeeze_like(op, d, axes));
+            vec![with_dims(x.elem, dims)]
+        }
+        "Concat" => {
+            let inputs: Vec<Facts> = (0..n.inputs.len()).map(input).collect();
+            vec![with_dims(x.elem, concat(&inputs, int("axis").unwrap_or(0)))]
+        }
+        "ReduceSum" | "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceL2" | "ReduceL1"
+        | "ReduceSumSquare" | "ReduceProd" | "ReduceLogSumExp" => {
+            let axes = ints("axes").or_else(|| {
+                n.inputs
+                    .get(1)
+                    .copied()
+                    .flatten()
+                    .and_then(|v| constant_ints(model, v))
+            });
+            let keep = int("keepdims").unwrap_or(1) == 1;
+            let noop = int("noop_with_empty_axes").unwrap_or(0) == 1;
+            let dims = x.dims.and_then(|d| {
+                let rank = d.len() as i64;
+                let axes: Vec<i64> = match axes {
+                    Some(a) if !a.is_empty() => {
+                        a.iter().map(|a| (a + rank) % rank.max(1)).collect()
+                    }
+                    Some(_) | None if noop && n.inputs.get(1).copied().flatten().is_none() => {
+                        return Some(d)
+                    }
+                    None if n.inputs.get(1).copied().flatten().is_some() => return None,
+                    _ => (0..rank).collect(),
+                };
+                Some(
+                    d.into_iter()
+                        .enumerate()
+                        .filter_map(|(i, dim)| match (axes.contains(&(i as i64)), keep) {
+                            (true, true) => Some(Dim::Known(1)),
+                            (true, false) => None,
+                            (false, _) => Some(dim),
+                        })
+                        .collect(),
+                )
+            });
+            vec![with_dims(x.elem, dims)]
+        }
+        "GlobalAveragePool" | "GlobalMaxPool" => {
+            let dims = x.dims.map(|d| {
+                d.iter()
+                    .enumerate()
+                    .map(|(i, dim)| if i < 2 { dim.clone() } else { Dim::Known(1) })
+                    .collect()
+            });
+            vec![with_dims(x.elem, dims)]
+        }
+        "Conv" | "MaxPool" | "AveragePool" => {
+            let w = input(1);
+            let dims = x.dims.and_then(|d| {
+                let spatial = d.len().checked_sub(2)?;
+                let kernel: Vec<Option<i64>> = match op {
+                    "Conv" => match ints("kernel_shape") {
+                        Some(k) => k.into_iter().map(Some).collect(),
+                        None => w.dims.as_ref()?.iter().skip(2).map(Dim::known).collect(),
+                    },
+                    _ => ints("kernel_shape")?.into_iter().map(Some).collect(),
+                };
+                let strides = ints("strides").unwrap_or(vec![1; spatial]);
+                let dilations = ints("dilations").unwrap_or(vec![1; spatial]);
+                let pads = ints("pads").unwrap_or(vec![0; 2 * spatial]);
+                let auto_pad = p.attr_string("auto_pad").ok().flatten().unwrap_or_default();
+                let ceil = int("ceil_mode") == Some(1);
+                let channels = match op {
+                    "Conv" => w
+                        .dims
+                        .as_ref()
+                        .and_then(|w| w.first().cloned())
+                        .unwrap_or(Dim::Unknown),
+                    _ => d[1].clone(),
+                };
+                let mut out = vec![d[0].clone(), channels];
+                for i in 0..spatial {
+                    let size = d[i + 2].known();
+                    let k = kernel.get(i).copied().flatten();
+                    let (s, dl) = (
+                        strides.get(i).copied().unwrap_or(1),
+                        dilations.get(i).copied().unwrap_or(1),
+                    );
+                    let dim = match (size, k, auto_pad.as_str()) {
+                        (Some(h), _, "SAME_UPPER" | "SAME_LOWER") => Some((h + s - 1) / s),
+                        (Some(h), Some(k), "" | "NOTSET" | "VALID") => {
+                            let (b, e) = if auto_pad == "VALID" {
+                                (0, 0)
+                            } else {
+                                (
+                                    pads.get(i).copied().unwrap_or(0),
+                                    pads.get(i + spatial).copied().unwrap_or(0),
+                                )
+                            };
+                            let span = (k - 1) * dl + 1;
+                            let free = h + b + e - span;
+                            if free < 0 || s <= 0 {
+                                None
+                            } else if ceil {
+                                Some((free + s - 1) / s + 1)
+                            } else {
+                                Some(free / s + 1)
+                            }
+                        }
+                        _ => None,
+                    };
+                    out.push(dim.map(Dim::Known).unwrap_or(Dim::Unknown));
+                }
+                Some(out)
+            });
+            let mut out = vec![with_dims(x.elem, dims.clone())];
+            if op == "MaxPool" {
+                out.push(with_dims(Some(DataType::Int64 as i32), dims));
+            }
+            out
+        }
+        "Gather" => {
+            let idx = input(1);
+            let dims = match (x.dims, idx.dims) {
+                (Some(d), Some(i)) => {
+                    let axis = int("axis").unwrap_or(0);
+                    let axis = if axis < 0 {
+                        axis + d.len() as i64
+                    } else {
+                        axis
+                    } as usize;
+                    (axis < d.len()).then(|| {
+                        let mut out = d[..axis].to_vec();
+                        out.extend(i);
+                        out.extend_from_slice(&d[axis + 1..]);
+                        out
+                    })
+                }
+                _ => None,
+            };
+            vec![with_dims(x.elem, dims)]
+        }
+        "GatherElements" => vec![with_dims(x.elem, input(1).dims)],
+        "Range" => vec![with_dims(x.elem, Some(vec![Dim::Unknown]))],
+        "ConstantOfShape" => {
+            let t = p
+                .attr("value")
+                .and_then(|a| a.t.as_ref())
+                .map(|t| t.data_type());
+            let shape = n.inputs.first().copied().flatten();
+            let dims = shape.and_then(|v| match constant_ints(model, v) {
+                Some(c) => Some(c.into_iter().map(Dim::Known).collect()),
+                None => shapes
+                    .get(v)
+                    .static_dims()
+                    .and_then(|d| d.first().map(|r| vec![Dim::Unknown; *r as usize])),
+            });
+            vec![with_dims(t.or(Some(DataType::Float as i32)), dims)]
+        }
+        "Split" => {
+            let outputs = n.outputs.len();
+            let axis = int("axis").unwrap_or(0);
+            let sizes = ints("split").or_else(|| {
+                n.inputs
+                    .get(1)
+                    .copied()
+                    .flatten()
+                    .and_then(|v| constant_ints(model, v))
+            });
+            (0..outputs)
+                .map(|o| {
+                    let dims = x.dims.as_ref().and_then(|d| {
+                        let a = if axis < 0 {
+                            axis + d.len() as i64
+                        } else {
+                            axis
+                        } as usize;
+                        let total = d.get(a)?.known();
+                        let size = match &sizes {
+                            Some(s) => s.get(o).copied(),
+                            None => total
+                                .filter(|t| t % outputs as i64 == 0)
+                                .map(|t| t / outputs as i64),
+                        };
+                        let mut out = d.clone();
+                        out[a] = size.map(Dim::Known).unwrap_or(Dim::Unknown);
+                        Some(out)
+                    });
+                    with_dims(x.elem, dims)
+                })
+                .collect()
+        }
+        "Slice" => {
+            let c = |i: usize| {
+                n.inputs
+                    .get(i)
+                    .copied()
+                    .flatten()
+                    .and_then(|v| constant_ints(model, v))
+            };
+            let dims = x.dims.map(|d| {
+                let (Some(starts), Some(ends)) = (c(1), c(2)) else {
+                    return vec![Dim::Unknown; d.len()];
+                };
+                let rank = d.len() as i64;
+                let axes = c(3).unwrap_or_else(|| (0..starts.len() as i64).collect());
+                let steps = c(4).unwrap_or_else(|| vec![1; starts.len()]);
+                let mut out = d.clone();
+                for (j, axis) in axes.iter().enumerate() {
+                    let a = if *axis < 0 { axis + rank } else { *axis } as usize;
+                    let Some(size) = d.get(a).and_then(Dim::known) else {
+                        if a < out.len() {
+                            out[a] = Dim::Unknown;
+                        }
+                        continue;
+                    };
+                    out[a] =
+                        slice_len(size, starts[j], ends[j], steps.get(j).copied().unwrap_or(1))
+                            .map(Dim::Known)
+                            .unwrap_or(Dim::Unknown);
+                }
+                out
+            });
+            vec![with_dims(x.elem, dims)]
+        }
+        "Constant" => {
+            let t = p.attr("value").and_then(|a| a.t.as_ref());
+            vec![t
+                .map(|t| {
+                    with_dims(
+                        Some(t.data_type()),
+                        Some(t.dims.iter().map(|d| Dim::Known(*d)).collect()),
+                    )
+                })
+                .unwrap_or_default()]
+        }
+        "SoftmaxCrossEntropyLoss" | "NegativeLogLikelihoodLoss" => {
+            let reduction = p
+                .attr_string("reduction")
+                .ok()
+                .flatten()
+                .unwrap_or("mean".into());
+            let loss = if reduction == "none" {
+                input(1).dims
+            } else {
+                Some(Vec::new())
+            };
+            vec![with_dims(x.elem, loss), x.clone()]
+        }
+        "Expand" => {
+            let target = n
+                .inputs
+                .get(1)
+                .copied()
+                .flatten()
+                .and_then(|v| constant_ints(model, v));
+            let dims = target.and_then(|t| {
+                let t: Vec<Facts> = vec![
+                    x.clone(),
+                    Facts {
+                        elem: None,
+                        dims: Some(t.into_iter().map(Dim::Known).collect()),
+                    },
+                ];
+                broadcast(&t)
+            });
+            vec![with_dims(x.elem, dims)]
+        }
+        _ => Vec::new(),
+    }
+}
+
+fn slice_len(size: i64, start: i64, end: i64, step: i64) -> Option<i64> {
+    if step == 0 {
+        return None;
+    }
+    let clamp = |v: i64, lo: i64, hi: i64| v.max(lo).min(hi);
+    let norm = |v: i64| if v < 0 { v + size } else { v };
+    let (s, e) = if step > 0 {
+        (clamp(norm(start), 0, size), clamp(norm(end), 0, size))
+    } else {
+        (
+            clamp(norm(start), -1, size - 1),
+            clamp(norm(end), -1, size - 1),
+        )
+    };
+    let len = if step > 0 {
+        (e - s + step - 1) / step
+    } else {
+        (s - e + (-step) - 1) / (-step)
+    };
+    Some(len.max(0))
+}
+
+fn product(dims: &[Dim]) -> Dim {
+    dims.iter()
+        .try_fold(1i64, |acc, d| d.known().map(|d| acc * d))
+        .map(Dim::Known)
+        .unwrap_or(Dim::Unknown)
+}
+
+/// Numpy broadcasting of several shapes (unknown when any rank is unknown).
+pub fn broadcast(inputs: &[Facts]) -> Option<Vec<Dim>> {
+    let dims: Vec<&Vec<Dim>> = inputs
+        .iter()
+        .map(|f| f.dims.as_ref())
+        .collect::<Option<_>>()?;
+    let rank = dims.iter().map(|d| d.len()).max().unwrap_or(0);
+    let mut out = Vec::with_capacity(rank);
+    for i in 0..rank {
+        let mut dim = Dim::Known(1);
+        for d in &dims {
+            let Some(j) = (i + d.len()).checked_sub(rank) else {
+                continue;
+            };
+            dim = match (dim, &d[j]) {
+                (Dim::Known(1), other) => other.clone(),
+                (current, Dim::Known(1)) => current,
+                (Dim::Known(a), Dim::Known(b)) if a == *b => Dim::Known(a),
+                (Dim::Symbol(a), Dim::Symbol(b)) if a == *b => Dim::Symbol(a),
+                (Dim::Known(a), _) => Dim::Known(a),
+                (_, Dim::Known(b)) => Dim::Known(*b),
+                _ => Dim::Unknown,
+            };
+        }
+        out.push(dim);
+    }
+    Some(out)
+}
+
+fn matmul(a: &Facts, b: &Facts) -> Option<Vec<Dim>> {
+    let (a, b) = (a.dims.as_ref()?, b.dims.as_ref()?);
+    if a.is_empty() || b.is_empty() {
+        return None;
+    }
+    let (a2, b2) = (a.len() == 1, b.len() == 1);
+    let a = if a2 {
+        vec![Dim::Known(1), a[0].clone()]
+    } else {
+        a.clone()
+    };
+    let b = if b2 {
+        vec![b[0].clone(), Dim::Known(1)]
+    } else {
+        b.clone()
+    };
+    let batch = broadcast(&[
+        Facts {
+            elem: None,
+            dims: Some(a[..a.len() - 2].to_vec()),
+        },
+        Facts {
+            elem: None,
+            dims: Some(b[..b.len() - 2].to_vec()),
+        },
+    ])?;
+    let mut out = batch;
+    if !a2 {
+        out.push(a[a.len() - 2].clone());
+    }
+    if !b2 {
+        out.push(b[b.len() - 1].clone());
+    }
+    Some(out)
+}
+
+fn reshape(input: Option<&[Dim]>, target: &[i64], allowzero: bool) -> Vec<Dim> {
+    let mut out: Vec<Dim> = target
+        .iter()
+        .enumerate()
+        .map(|(i, t)| match *t {
+            0 if !allowzero => input
+                .and_then(|d| d.get(i).cloned())
+                .unwrap_or(Dim::Unknown),
+            -1 => Dim::Unknown,
+            t => Dim::Known(t),
+        })
+        .collect();
+    if let Some(minus) = target.iter().position(|t| *t == -1) {
+        let total = input.map(product).and_then(|d| d.known());
+        let rest = product(
+            &out.iter()
+                .enumerate()
+                .filter(|(i, _)| *i != minus)
+                .map(|(_, d)| d.clone())
+                .collect::<Vec<_>>(),
+        )
+        .known();
+        if let (Some(total), Some(rest)) = (total, rest) {
+            if rest > 0 {
+                out[minus] = Dim::Known(total / rest);
+            }
+        }
+    }
+    out
+}
+
+fn squeeze_like(op: &str, d: Vec<Dim>, axes: Option<Vec<i64>>) -> Option<Vec<Dim>> {
+    if op == "Unsqueeze" {
+        let axes = axes?;
+        let rank = (d.len() + axes.len()) as i64;
+        let axes: Vec<i64> = axes
+            .iter()
+            .map(|a| if *a < 0 { a + rank } else { *a })
+            .collect();
+        let mut rest = d.into_iter();
+        Some(
+            (0..rank)
+                .map(|i| {
+                    if axes.contains(&i) {
+                        Dim::Known(1)
+                    } else {
+                        rest.next().unwrap_or(Dim::Unknown)
+                    }
+                })
+                .collect(),
+        )
+    } else {
+        let rank = d.len() as i64;
+        match axes {
+            Some(axes) => {
+                let axes: Vec<i64> = axes
+                    .iter()
+                    .map(|a| if *a < 0 { a + rank } else { *a })
+                    .collect();
+                Some(
+                    d.into_iter()
+                        .enumerate()
+                        .filter(|(i, _)| !axes.contains(&(*i as i64)))
+                        .map(|(_, d)| d)
+                        .collect(),
+                )
+            }
+            None if d.iter().all(|x| x.known().is_some()) => {
+                Some(d.into_iter().filter(|x| *x != Dim::Known(1)).collect())
+            }
+            None => None,
+        }
+    }
+}
+
+fn concat(inputs: &[Facts], axis: i64) -> Option<Vec<Dim>> {
+    let first = inputs.first()?.dims.clone()?;
+    let rank = first.len() as i64;
+    let a = if axis < 0 { axis + rank } else { axis } as usize;
+    let mut out = first;
+    let mut total = Some(0i64);
+    for f in inputs {
+        let d = f.dims.as_ref()?;
+        total = match (total, d.get(a).and_then(Dim::known)) {
+            (Some(t), Some(x)) => Some(t + x),
+            _ => None,
+        };
+    }
+    if a < out.len() {
+        out[a] = total.map(Dim::Known).unwrap_or(Dim::Unknown);
+    }
+    Some(out)
+}
+
+/// Declares the derived type of every node output that the model leaves undeclared (the
+/// lowerings of `legalize-ort` read declared types).
+pub fn declare(model: &mut Model, shapes: &Shapes) {
+    use crate::proto::tensor_shape_proto::dimension::Value as D;
+    let outputs: Vec<ValueId> = model
+        .body_nodes(BodyId::MAIN)
+        .flat_map(|n| {
+            model
+                .node(n)
+                .outputs
+                .iter()
+                .flatten()
+                .copied()
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    for v in outputs {
+        if model.value_type(v).is_some() {
+            continue;
+        }
+        let f = shapes.get(v);
+        let (Some(elem), Some(dims)) = (f.elem, f.dims) else {
+            continue;
+        };
+        let mut ty = crate::ir::tensor_type(elem, &vec![0; dims.len()]);
+        if let Some(type_proto::Value::TensorType(t)) = &mut ty.value {
+            if let Some(shape) = t.shape.as_mut() {
+                for (slot, d) in shape.dim.iter_mut().zip(&dims) {
+                    slot.value = match d {
+                        Dim::Known(x) => Some(D::DimValue(*x)),
+                        Dim::Symbol(s) => Some(D::DimParam(s.clone())),
+                        Dim::Unknown => None,
+                    };
+                }
+            }
+        }
+        model.set_value_type(v, ty);
+    }
+}
