@@ -20,3 +20,4 @@ pub mod split;
 pub mod state;
 pub mod step;
 pub mod train;
+pub mod trained;
