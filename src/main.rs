@@ -27,6 +27,8 @@ enum Command {
     Rewrite(Box<RewriteArgs>),
     /// Train a rewritten step graph: one run per micro-batch, state fed back.
     Train(TrainArgs),
+    /// Write a model with its parameters set to a trained state (`train --save-state`).
+    Export(ExportArgs),
 }
 
 #[derive(Args)]
@@ -61,6 +63,10 @@ struct RewriteArgs {
     beta2: Option<f32>,
     #[arg(long)]
     eps: Option<f32>,
+    /// Whose optimizer formula and defaults: torch (torch.optim, the default for a forward
+    /// model), ort (ONNX Runtime's AdamWOptimizer, the default for ORT artifacts) or keras.
+    #[arg(long, value_parser = ["torch", "ort", "keras"])]
+    optimizer_formula: Option<String>,
     /// Momentum factor of the momentum and nesterov optimizers.
     #[arg(long)]
     momentum: Option<f32>,
@@ -112,6 +118,8 @@ struct RewriteArgs {
     engine: String,
     #[command(flatten)]
     roles: RoleArgs,
+    #[command(flatten)]
+    forward: ForwardArgs,
 }
 
 #[derive(Args)]
@@ -148,10 +156,11 @@ struct TrainArgs {
     /// Intra-op threads of ONNX Runtime (0: it decides); tract runs on one thread.
     #[arg(long, default_value_t = 1)]
     threads: usize,
-    /// Start from a state file written by --save-state.
+    /// Start from a state file written by --save-state (.npz or .safetensors).
     #[arg(long)]
     init_state: Option<PathBuf>,
-    /// Write every state tensor here at the end (atomically).
+    /// Write every state tensor here at the end (atomically), keyed by state input name
+    /// (parameters by their initializer names): .npz or .safetensors, by extension.
     #[arg(long)]
     save_state: Option<PathBuf>,
     /// Write one JSON line per micro-step here (step, loss, applied, scale).
@@ -166,6 +175,23 @@ struct TrainArgs {
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
+}
+
+#[derive(Args)]
+struct ExportArgs {
+    /// The model to write with trained values: a forward .onnx (parameters as initializers)
+    /// or ONNX Runtime's eval_model.onnx (parameters as graph inputs).
+    model: PathBuf,
+    /// The trained state: a file written by `train --save-state` (.npz or .safetensors).
+    #[arg(long)]
+    state: PathBuf,
+    /// Where to write the trained model (atomically).
+    #[arg(short, long)]
+    output: PathBuf,
+    /// The step the state was trained with: its manifest says which state entries are
+    /// parameters, and each of them must then be in MODEL.
+    #[arg(long)]
+    step: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -208,6 +234,89 @@ impl RoleArgs {
             seed: self.seed.clone(),
             grads: self.grads.clone(),
         }
+    }
+}
+
+/// A forward model to differentiate (the `autodiff` pass): the loss and the trainable set.
+#[derive(Args)]
+struct ForwardArgs {
+    /// Train a forward model with this loss on a model output (autodiff builds the backward
+    /// pass). Without it, `--loss NAME` alone (no `--grad`) differentiates the model's own
+    /// scalar loss.
+    #[arg(long, value_parser = ["cross-entropy", "nll", "mse", "l1", "bce-logits"])]
+    loss_fn: Option<String>,
+    /// The model output the loss reads (default: the first output).
+    #[arg(long, value_name = "NAME", requires = "loss_fn")]
+    model_output: Option<String>,
+    /// The name of the new labels input.
+    #[arg(long, default_value = "labels")]
+    labels: String,
+    /// The axis of the output holding the classes (cross-entropy, nll); default the last.
+    #[arg(long, allow_hyphen_values = true, requires = "loss_fn")]
+    class_axis: Option<i64>,
+    /// Labels with this value count for nothing (PyTorch pads with -100).
+    #[arg(long, allow_hyphen_values = true, requires = "loss_fn")]
+    ignore_index: Option<i64>,
+    /// How the loss reduces over samples (and tokens).
+    #[arg(long, default_value = "mean", value_parser = ["mean", "sum"])]
+    reduction: String,
+    /// Keep the matching initializers constant (repeatable; `*` and `?` wildcards).
+    #[arg(long, value_name = "GLOB")]
+    freeze: Vec<String>,
+    /// Train only the matching initializers (repeatable).
+    #[arg(long, value_name = "GLOB")]
+    trainable: Vec<String>,
+    /// Dropout in training mode (its mask reused by the backward) or removed.
+    #[arg(long, default_value = "train", value_parser = ["train", "off"])]
+    dropout: String,
+}
+
+impl ForwardArgs {
+    /// The autodiff pass spec, when the input is a forward model to differentiate.
+    fn autodiff_spec(
+        &self,
+        path: &std::path::Path,
+        roles: &RoleArgs,
+    ) -> anyhow::Result<Option<String>> {
+        let mut options = Vec::new();
+        match (&self.loss_fn, &roles.loss) {
+            (Some(f), _) => {
+                options.push(format!("loss_fn={f}"));
+                if let Some(o) = &self.model_output {
+                    options.push(format!("output={o}"));
+                }
+                if self.labels != "labels" {
+                    options.push(format!("labels={}", self.labels));
+                }
+                if let Some(a) = self.class_axis {
+                    options.push(format!("class_axis={a}"));
+                }
+                if let Some(i) = self.ignore_index {
+                    options.push(format!("ignore_index={i}"));
+                }
+                if self.reduction != "mean" {
+                    options.push(format!("reduction={}", self.reduction));
+                }
+            }
+            (None, Some(loss)) if roles.grads.is_empty() && path.is_file() => {
+                let proto = onnx_ga::model::load_model(path)?;
+                if !onnx_ga::signature::is_forward_model(&proto) {
+                    return Ok(None);
+                }
+                options.push(format!("loss={loss}"));
+            }
+            _ => return Ok(None),
+        }
+        if !self.freeze.is_empty() {
+            options.push(format!("freeze={}", self.freeze.join("|")));
+        }
+        if !self.trainable.is_empty() {
+            options.push(format!("trainable={}", self.trainable.join("|")));
+        }
+        if self.dropout != "train" {
+            options.push(format!("dropout={}", self.dropout));
+        }
+        Ok(Some(onnx_ga::passes::spec_text("autodiff", &options)))
     }
 }
 
@@ -305,6 +414,9 @@ fn is_input_error(error: &anyhow::Error) -> bool {
         || error.downcast_ref::<onnx_ga::passes::PassError>().is_some()
         || error.downcast_ref::<onnx_ga::data::DataError>().is_some()
         || error.downcast_ref::<UsageError>().is_some()
+        || error
+            .downcast_ref::<onnx_ga::trained::ExportError>()
+            .is_some()
         || matches!(
             error.downcast_ref::<TrainError>(),
             Some(
@@ -358,6 +470,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
         Command::Inspect(args) => inspect(args),
         Command::Rewrite(args) => rewrite(*args),
         Command::Train(args) => train(args),
+        Command::Export(args) => export(args),
     }
 }
 
@@ -500,6 +613,9 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
             if let Some(n) = args.fuse_small {
                 optimizer.push(format!("fuse_small={n}"));
             }
+            if let Some(f) = &args.optimizer_formula {
+                optimizer.push(format!("formula={f}"));
+            }
             let optimizer = if optimizer.is_empty() {
                 "optimizer".to_string()
             } else {
@@ -530,13 +646,29 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
             )
         }
     };
+    // A forward model: autodiff first (in place of a bare `autodiff` in --pipeline).
+    let autodiff = args.forward.autodiff_spec(&args.path, &args.roles)?;
+    let spec = match &autodiff {
+        None => spec,
+        Some(ad) => onnx_ga::passes::autodiff::with_autodiff(&spec, ad)?,
+    };
     let spec = match args.engine.as_str() {
         "tract" if !spec.contains(onnx_ga::passes::lower_for_tract::PASS) => {
             format!("{spec},{}", onnx_ga::passes::lower_for_tract::PASS)
         }
         _ => spec,
     };
-    let graph = signature::open(&args.path, &args.roles.roles())?;
+    let graph = match &autodiff {
+        Some(_) => {
+            let proto = onnx_ga::model::load_model_with_data(&args.path)?;
+            onnx_ga::signature::forward(proto, &args.path)
+        }
+        None => onnx_ga::passes::legalize_training::open_for_pipeline(
+            &args.path,
+            &args.roles.roles(),
+            &spec,
+        )?,
+    };
     let step = onnx_ga::step::build_step(graph, &spec, args.verify)?;
     let proto = step.model.to_proto();
     // Everything is computed before anything is written: no partial output on an error.
@@ -583,10 +715,99 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
     Ok(())
 }
 
+fn export(args: ExportArgs) -> Result<(), Failure> {
+    use onnx_ga::model::same_file;
+    let out = &args.output;
+    let mut inputs = vec![("the model", &args.model), ("the state file", &args.state)];
+    inputs.extend(args.step.iter().map(|p| ("the step", p)));
+    let refuse = |path: &std::path::Path| -> Result<(), Failure> {
+        match inputs.iter().find(|(_, input)| same_file(input, path)) {
+            Some((what, _)) => {
+                Err(UsageError(format!("{}: refusing to overwrite {what}", path.display())).into())
+            }
+            None => Ok(()),
+        }
+    };
+    refuse(out)?;
+    let state = onnx_ga::data::read_state(&args.state)?;
+    let manifest = match &args.step {
+        Some(path) => Some(
+            onnx_ga::step::Manifest::from_model(&onnx_ga::model::load_model(path)?)
+                .map_err(|e| anyhow::Error::new(e).context(format!("{}", path.display())))?,
+        ),
+        None => None,
+    };
+    let (model, external) = onnx_ga::trained::load_model_for_export(&args.model)?;
+    // A model that kept its weights in an external file is written the same way.
+    let data_name = format!(
+        "{}.data",
+        out.file_name().unwrap_or_default().to_string_lossy()
+    );
+    let data_path = onnx_ga::atomic::parent_dir(out).join(&data_name);
+    if !external.is_empty() {
+        refuse(&data_path)?;
+        if external.iter().any(|e| same_file(e, &data_path)) {
+            return Err(UsageError(format!(
+                "{}: refusing to overwrite the model's external data",
+                data_path.display()
+            ))
+            .into());
+        }
+    }
+    let sources = onnx_ga::trained::ExportSources {
+        model_file: &args.model,
+        state_file: Some(&args.state),
+        manifest: manifest.as_ref(),
+    };
+    let (trained, report) = onnx_ga::trained::export_trained_with(model, &state, &sources)?;
+    if external.is_empty() {
+        onnx_ga::model::save_model(&trained, out)?;
+    } else {
+        onnx_ga::model::save_model_with_external_data(&trained, out, &data_name, 1024)?;
+    }
+    let names = |list: &[String]| {
+        let mut text = list.iter().take(8).cloned().collect::<Vec<_>>().join(", ");
+        if list.len() > 8 {
+            text.push_str(&format!(", ... ({} more)", list.len() - 8));
+        }
+        text
+    };
+    eprintln!(
+        "set {} tensors: {} initializers replaced, {} graph inputs made initializers",
+        report.set(),
+        report.replaced.len(),
+        report.converted.len()
+    );
+    if !report.constants.is_empty() {
+        eprintln!(
+            "kept {} initializers the state has no value for (constants): {}",
+            report.constants.len(),
+            names(&report.constants)
+        );
+    }
+    if !report.not_in_model.is_empty() {
+        eprintln!(
+            "left out {} state entries that are not model tensors (accumulators, moments, counters): {}",
+            report.not_in_model.len(),
+            names(&report.not_in_model)
+        );
+    }
+    eprintln!("inputs: {}", names(&report.inputs));
+    match external.is_empty() {
+        true => eprintln!("wrote {}", out.display()),
+        false => eprintln!("wrote {} (data in {})", out.display(), data_path.display()),
+    }
+    Ok(())
+}
+
 fn train(args: TrainArgs) -> Result<(), Failure> {
     use onnx_ga::train::{micro_batch, Trainer};
     if args.micro_batch == 0 {
         return Err(UsageError("--micro-batch must be at least 1".into()).into());
+    }
+    // Before training, not after it: the state file's format is its extension.
+    if let Some(path) = &args.save_state {
+        onnx_ga::data::StateFormat::of(path)?;
     }
     let model = onnx_ga::model::load_model_with_data(&args.model)?;
     let device: onnx_ga::engine::ort::Device = args.device.parse().map_err(UsageError)?;

@@ -1,0 +1,750 @@
+//! The trained model out: `onnx-ga export MODEL --state S -o TRAINED.onnx` after training a
+//! shipped step, checked against the saved state (bit for bit) and against the eval model
+//! run with the trained parameters fed as inputs, on ONNX Runtime from Rust and from Python;
+//! `.safetensors` state files (round trip, Python's `safetensors` package); bad input.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::{ort_available, root};
+use onnx_ga::data::Tensor;
+use onnx_ga::proto::ModelProto;
+use onnx_ga::train::micro_batch;
+
+const MODEL: &str = "mlp_ce_adamw";
+const PARAMS: [&str; 4] = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"];
+const SPEC: &str = "grad-accum(steps=4),optimizer(lr=0.01),legalize-ort,dce";
+
+fn onnx_ga(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_onnx-ga"))
+        .args(args)
+        .output()
+        .expect("run onnx-ga")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn eval_model() -> PathBuf {
+    root().join("graphs").join(MODEL).join("eval_model.onnx")
+}
+
+fn data() -> BTreeMap<String, Tensor> {
+    common::read_npz(&root().join("graphs").join(MODEL).join("data.npz"))
+}
+
+/// Rewrites the shipped step (K = 4), writes it to `dir`, trains it 4 windows and saves the
+/// state to `dir/state.npz` and `dir/state.safetensors`. Returns the step's path.
+fn train(dir: &Path) -> PathBuf {
+    let step = common::rewrite_shipped(MODEL, SPEC);
+    let step_path = dir.join("step.onnx");
+    onnx_ga::model::save_model(&step, &step_path).unwrap();
+    let mut trainer = common::trainer(&step);
+    let data = data();
+    let samples = trainer.check_data(&data, Path::new("data.npz")).unwrap();
+    for i in 0..16 {
+        let m = trainer
+            .step(&micro_batch(&data, samples, 8, i), false)
+            .unwrap();
+        assert_eq!(m.applied, (i + 1) % 4 == 0, "micro-step {i}");
+    }
+    trainer.save_state(&dir.join("state.npz")).unwrap();
+    trainer.save_state(&dir.join("state.safetensors")).unwrap();
+    step_path
+}
+
+fn export(model: &Path, state: &Path, out: &Path, step: Option<&Path>) -> Output {
+    let mut args = vec![
+        "export",
+        model.to_str().unwrap(),
+        "--state",
+        state.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ];
+    if let Some(step) = step {
+        args.extend(["--step", step.to_str().unwrap()]);
+    }
+    onnx_ga(&args)
+}
+
+fn initializers(model: &ModelProto) -> BTreeMap<String, Tensor> {
+    model
+        .graph
+        .as_ref()
+        .unwrap()
+        .initializer
+        .iter()
+        .map(|t| {
+            let value = Tensor::from_tensor_proto(t).unwrap_or_else(|e| panic!("{e}"));
+            (t.name().to_string(), value)
+        })
+        .collect()
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.as_f32()
+        .expect("a float tensor")
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+#[test]
+fn export_after_training_sets_the_trained_parameters() {
+    if !ort_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let step = train(dir.path());
+    let state_npz = dir.path().join("state.npz");
+    let state = common::read_npz(&state_npz);
+
+    for (state_file, step) in [
+        (state_npz.clone(), Some(step.as_path())),
+        (dir.path().join("state.safetensors"), None),
+    ] {
+        let out_path = dir.path().join("trained.onnx");
+        let out = export(&eval_model(), &state_file, &out_path, step);
+        let err = stderr(&out);
+        assert!(out.status.success(), "export failed: {err}");
+        assert!(err.contains("set 4 tensors"), "{err}");
+        assert!(err.contains("4 graph inputs made initializers"), "{err}");
+        assert!(err.contains("inputs: input, labels"), "{err}");
+
+        // The exported model: its parameters are initializers holding the saved state bit for
+        // bit, and no longer graph inputs.
+        let trained = onnx_ga::model::load_model(&out_path).unwrap();
+        let graph = trained.graph.as_ref().unwrap();
+        let inputs: Vec<&str> = graph.input.iter().map(|i| i.name()).collect();
+        assert_eq!(inputs, ["input", "labels"]);
+        let values = initializers(&trained);
+        assert_eq!(values.keys().collect::<Vec<_>>().len(), PARAMS.len());
+        for name in PARAMS {
+            assert_eq!(values[name].shape(), state[name].shape(), "{name}");
+            assert_eq!(
+                bits(&values[name]),
+                bits(&state[name]),
+                "{name} bit for bit"
+            );
+        }
+
+        // It runs in standard ONNX Runtime and computes what the eval model computes with
+        // those parameters fed as inputs.
+        let data = data();
+        let batch = micro_batch(&data, 64, 8, 0);
+        let exported = common::run_ort(&trained, &batch);
+        let mut feeds = batch.clone();
+        for name in PARAMS {
+            feeds.insert(name.to_string(), state[name].clone());
+        }
+        let eval = onnx_ga::model::load_model(&eval_model()).unwrap();
+        let reference = common::run_ort(&eval, &feeds);
+        assert_eq!(
+            exported.keys().collect::<Vec<_>>(),
+            reference.keys().collect::<Vec<_>>()
+        );
+        for (name, value) in &reference {
+            common::assert_close(name, &exported[name], value, 1e-6, 0.0);
+        }
+        // The trained parameters are not the initial ones.
+        let initial = common::run_ort(&eval, &{
+            let mut f = batch.clone();
+            let step_model = common::rewrite_shipped(MODEL, SPEC);
+            for (name, value) in initializers(&step_model) {
+                if PARAMS.contains(&name.as_str()) {
+                    f.insert(name, value);
+                }
+            }
+            f
+        });
+        assert_ne!(initial, reference, "training changed nothing");
+    }
+}
+
+#[test]
+fn export_replaces_initializers_of_a_forward_model() {
+    // A forward model with its parameters as initializers (typed float_data, one with a doc
+    // string): the export replaces the data and keeps name, dims, type and doc string.
+    let mut model = onnx_ga::model::load_model(&eval_model()).unwrap();
+    let graph = model.graph.as_mut().unwrap();
+    let mut state = BTreeMap::new();
+    for (i, name) in PARAMS.iter().enumerate() {
+        let input = graph.input.iter().position(|v| v.name() == *name).unwrap();
+        graph.input.remove(input);
+        let shape: &[usize] = match *name {
+            "fc1.weight" => &[32, 16],
+            "fc1.bias" => &[32],
+            "fc2.weight" => &[10, 32],
+            _ => &[10],
+        };
+        let n: usize = shape.iter().product();
+        let zeros = Tensor::F32(ndarray::ArrayD::zeros(shape));
+        let mut init = zeros.to_tensor_proto(name);
+        init.raw_data = None;
+        init.float_data = vec![0.0; n];
+        init.doc_string = Some(format!("doc of {name}"));
+        graph.initializer.push(init);
+        let values: Vec<f32> = (0..n).map(|j| (i * 1000 + j) as f32 * 0.001).collect();
+        state.insert(
+            name.to_string(),
+            Tensor::F32(ndarray::ArrayD::from_shape_vec(shape, values).unwrap()),
+        );
+    }
+    graph
+        .initializer
+        .push(Tensor::F32(ndarray::arr1(&[1.5f32]).into_dyn()).to_tensor_proto("a.constant"));
+    state.insert(
+        "fc1.weight.ga_accum".into(),
+        Tensor::F32(ndarray::ArrayD::zeros(&[32, 16][..])),
+    );
+    let (out, report) =
+        onnx_ga::trained::export_trained(model, &state, Path::new("forward.onnx")).unwrap();
+    assert_eq!(report.set(), 4);
+    assert_eq!(report.replaced.len(), 4);
+    assert!(report.converted.is_empty());
+    assert_eq!(report.constants, ["a.constant"]);
+    assert_eq!(report.not_in_model, ["fc1.weight.ga_accum"]);
+    let graph = out.graph.as_ref().unwrap();
+    for init in &graph.initializer {
+        if init.name() == "a.constant" {
+            continue;
+        }
+        assert!(
+            init.float_data.is_empty(),
+            "{}: typed data cleared",
+            init.name()
+        );
+        assert!(init.raw_data.is_some());
+        assert_eq!(init.doc_string(), format!("doc of {}", init.name()));
+        let value = Tensor::from_tensor_proto(init).unwrap();
+        assert_eq!(bits(&value), bits(&state[init.name()]), "{}", init.name());
+        assert_eq!(
+            init.dims,
+            state[init.name()]
+                .shape()
+                .iter()
+                .map(|d| *d as i64)
+                .collect::<Vec<_>>()
+        );
+    }
+}
+
+#[test]
+fn a_model_with_external_data_is_written_with_external_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // A forward model whose parameters live in an external data file.
+    let good = state_file(d, "good.npz", |_| {});
+    let (forward, _) = onnx_ga::trained::export_trained(
+        onnx_ga::model::load_model(&eval_model()).unwrap(),
+        &common::read_npz(&good),
+        Path::new("eval_model.onnx"),
+    )
+    .unwrap();
+    let model = d.join("forward.onnx");
+    onnx_ga::model::save_model_with_external_data(&forward, &model, "weights.bin", 0).unwrap();
+    let state = state_file(d, "state.safetensors", |st| {
+        for (i, t) in st.values_mut().enumerate() {
+            if let Tensor::F32(a) = t {
+                a.iter_mut()
+                    .enumerate()
+                    .for_each(|(j, v)| *v = (i * 100 + j) as f32);
+            }
+        }
+    });
+    let out = d.join("trained.onnx");
+    let run = export(&model, &state, &out, None);
+    let err = stderr(&run);
+    assert!(run.status.success(), "{err}");
+    assert!(err.contains("4 initializers replaced"), "{err}");
+    assert!(d.join("trained.onnx.data").exists(), "{err}");
+    let lossless = onnx_ga::model::load_model(&out).unwrap();
+    assert!(onnx_ga::model::has_external_data(&lossless));
+    let trained = onnx_ga::model::load_model_with_data(&out).unwrap();
+    assert_eq!(
+        initializers(&trained),
+        onnx_ga::data::read_state(&state).unwrap()
+    );
+
+    // An output whose data file would be the input's own is refused.
+    std::fs::rename(d.join("weights.bin"), d.join("x.onnx.data")).unwrap();
+    let mut relocated = onnx_ga::model::load_model(&model).unwrap();
+    onnx_ga::model::for_each_tensor_mut(&mut relocated, true, &mut |t, _| {
+        for e in &mut t.external_data {
+            if e.key() == "location" {
+                e.value = Some("x.onnx.data".into());
+            }
+        }
+        Ok::<(), ()>(())
+    })
+    .unwrap();
+    onnx_ga::model::save_model(&relocated, &model).unwrap();
+    bad_export(
+        &[
+            "export",
+            model.to_str().unwrap(),
+            "--state",
+            state.to_str().unwrap(),
+            "-o",
+            d.join("x.onnx").to_str().unwrap(),
+        ],
+        d,
+        &[
+            "x.onnx.data",
+            "refusing to overwrite the model's external data",
+        ],
+    );
+}
+
+/// The Python check: onnx.checker and Python onnxruntime accept the exported model, and its
+/// output equals the eval model's with the parameters of the saved state fed.
+const PYTHON_CHECK: &str = r#"
+import sys, numpy as np, onnx, onnxruntime as ort
+trained, eval_model, state, data = sys.argv[1:5]
+onnx.checker.check_model(trained, full_check=True)
+state = np.load(state)
+data = np.load(data)
+feeds = {"input": data["input"][:8], "labels": data["labels"][:8]}
+opts = ort.SessionOptions()
+opts.intra_op_num_threads = 1
+s = ort.InferenceSession(trained, opts, providers=["CPUExecutionProvider"])
+got = s.run(None, feeds)
+e = ort.InferenceSession(eval_model, opts, providers=["CPUExecutionProvider"])
+params = {i.name: state[i.name] for i in e.get_inputs() if i.name not in feeds}
+assert sorted(params) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"], sorted(params)
+want = e.run(None, {**feeds, **params})
+for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-6, atol=0)
+print("ok", [float(g) for g in got])
+"#;
+
+/// `safetensors` from Python reads our file as the same arrays as the `.npz`; and a file it
+/// writes, we read.
+const SAFETENSORS_CHECK: &str = r#"
+import sys, numpy as np
+from safetensors.numpy import load_file, save_file
+st, npz, out = sys.argv[1:4]
+a = load_file(st)
+b = dict(np.load(npz))
+assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+for k in a:
+    assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, (k, a[k].dtype, b[k].dtype)
+    assert a[k].tobytes() == b[k].tobytes(), k
+save_file(b, out)
+print("ok", len(a))
+"#;
+
+fn python_has(python: &Path, module: &str) -> bool {
+    let ok = Command::new(python)
+        .args(["-c", &format!("import {module}")])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok || std::env::var("CI").as_deref() != Ok("true"),
+        "Python module {module} is missing under CI: run scripts/install-ort.sh"
+    );
+    if !ok {
+        eprintln!("SKIPPED: {module} is not installed in {}", python.display());
+    }
+    ok
+}
+
+fn run_python(python: &Path, script: &str, args: &[&Path]) {
+    let out = Command::new(python)
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("run python");
+    assert!(
+        out.status.success(),
+        "Python check failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn exported_model_runs_in_python_onnxruntime_and_safetensors_reads_the_state() {
+    if !ort_available() {
+        return;
+    }
+    let Some(python) = common::python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let step = train(dir.path());
+    let state = dir.path().join("state.npz");
+    let trained = dir.path().join("trained.onnx");
+    let out = export(&eval_model(), &state, &trained, Some(&step));
+    assert!(out.status.success(), "export failed: {}", stderr(&out));
+    let data = root().join("graphs").join(MODEL).join("data.npz");
+    run_python(
+        &python,
+        PYTHON_CHECK,
+        &[&trained, &eval_model(), &state, &data],
+    );
+
+    if python_has(&python, "safetensors") {
+        let from_python = dir.path().join("from_python.safetensors");
+        run_python(
+            &python,
+            SAFETENSORS_CHECK,
+            &[&dir.path().join("state.safetensors"), &state, &from_python],
+        );
+        assert_eq!(
+            onnx_ga::data::read_state(&from_python).unwrap(),
+            common::read_npz(&state)
+        );
+    }
+}
+
+#[test]
+fn safetensors_state_round_trips_through_the_trainer() {
+    if !ort_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    train(dir.path());
+    let npz = onnx_ga::data::read_state(&dir.path().join("state.npz")).unwrap();
+    let st = onnx_ga::data::read_state(&dir.path().join("state.safetensors")).unwrap();
+    assert_eq!(st, npz, "the two formats hold the same state");
+    assert!(
+        st.values().any(|t| matches!(t, Tensor::I64(_)))
+            && st.values().any(|t| matches!(t, Tensor::F32(_))),
+        "the state has int64 counters and float tensors"
+    );
+
+    // load_state of the .safetensors gives the trainer that state, and training on from it
+    // equals training on from the .npz.
+    let step = common::rewrite_shipped(MODEL, SPEC);
+    let data = data();
+    let mut a = common::trainer(&step);
+    let mut b = common::trainer(&step);
+    a.load_state(&dir.path().join("state.safetensors")).unwrap();
+    b.load_state(&dir.path().join("state.npz")).unwrap();
+    assert_eq!(a.state().unwrap(), &st);
+    for i in 16..20 {
+        let batch = micro_batch(&data, 64, 8, i);
+        assert_eq!(
+            a.step(&batch, false).unwrap(),
+            b.step(&batch, false).unwrap()
+        );
+    }
+    assert_eq!(a.state().unwrap(), b.state().unwrap());
+}
+
+#[test]
+fn safetensors_write_read_every_element_type() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("all.safetensors");
+    let mut tensors = BTreeMap::new();
+    tensors.insert(
+        "f32".to_string(),
+        Tensor::F32(ndarray::arr2(&[[1.5f32, -0.0], [f32::MIN_POSITIVE, 3.0]]).into_dyn()),
+    );
+    tensors.insert(
+        "f64".into(),
+        Tensor::F64(ndarray::arr1(&[0.1f64, -2.0, 1e300]).into_dyn()),
+    );
+    tensors.insert("i64".into(), Tensor::I64(ndarray::arr0(-7i64).into_dyn()));
+    tensors.insert(
+        "i32".into(),
+        Tensor::I32(ndarray::arr1(&[1i32, i32::MIN]).into_dyn()),
+    );
+    tensors.insert(
+        "bool".into(),
+        Tensor::Bool(ndarray::arr1(&[true, false, true]).into_dyn()),
+    );
+    tensors.insert(
+        "empty".into(),
+        Tensor::F32(ndarray::ArrayD::zeros(&[0, 3][..])),
+    );
+    onnx_ga::data::write_state(&path, tensors.iter().map(|(k, v)| (k.as_str(), v))).unwrap();
+    assert_eq!(onnx_ga::data::read_state(&path).unwrap(), tensors);
+    // Upper-case extensions are the same formats; only the temporary file's rename made
+    // the file, so nothing else is left in the folder.
+    let upper = dir.path().join("ALL.SAFETENSORS");
+    onnx_ga::data::write_state(&upper, tensors.iter().map(|(k, v)| (k.as_str(), v))).unwrap();
+    assert_eq!(onnx_ga::data::read_state(&upper).unwrap(), tensors);
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
+}
+
+#[test]
+fn safetensors_headers_are_not_trusted() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, header: &str, data: &[u8]| {
+        let path = dir.path().join(name);
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(header.as_bytes());
+        bytes.extend(data);
+        std::fs::write(&path, bytes).unwrap();
+        path
+    };
+    let huge = format!("{}", 1u64 << 40);
+    let cases = [
+        // A tensor claiming 4 TiB of data in a file of a few bytes.
+        write(
+            "huge.safetensors",
+            &format!(
+                r#"{{"w":{{"dtype":"F32","shape":[{huge}],"data_offsets":[0,{}]}}}}"#,
+                4u64 << 40
+            ),
+            &[0; 8],
+        ),
+        // A shape whose element count overflows.
+        write(
+            "overflow.safetensors",
+            &format!(
+                r#"{{"w":{{"dtype":"F32","shape":[{huge},{huge},{huge}],"data_offsets":[0,8]}}}}"#
+            ),
+            &[0; 8],
+        ),
+        // Offsets past the end of the file.
+        write(
+            "short.safetensors",
+            r#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#,
+            &[0; 8],
+        ),
+        // An element type the host cannot hold.
+        write(
+            "half.safetensors",
+            r#"{"w":{"dtype":"F16","shape":[4],"data_offsets":[0,8]}}"#,
+            &[0; 8],
+        ),
+    ];
+    for path in &cases {
+        let e = onnx_ga::data::read_state(path).unwrap_err().to_string();
+        assert!(e.contains(&path.display().to_string()), "{e}");
+    }
+    // The header length itself claiming more than the file.
+    let path = dir.path().join("length.safetensors");
+    let mut bytes = (u64::MAX / 2).to_le_bytes().to_vec();
+    bytes.extend(b"{}");
+    std::fs::write(&path, bytes).unwrap();
+    let e = onnx_ga::data::read_state(&path).unwrap_err().to_string();
+    assert!(e.contains("not a readable .safetensors file"), "{e}");
+    let e = onnx_ga::data::read_state(&cases[3])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("F16"), "{e}");
+}
+
+// --- Bad input: exit code 2, a message naming what is wrong, nothing written. ---
+
+fn listing(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| {
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                std::fs::read(e.path()).unwrap_or_default(),
+            )
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// The four parameters with their right shapes (values of no importance), plus the
+/// changes `edit` makes.
+fn state_file(dir: &Path, name: &str, edit: impl FnOnce(&mut BTreeMap<String, Tensor>)) -> PathBuf {
+    let mut state = BTreeMap::new();
+    for (name, shape) in [
+        ("fc1.weight", &[32usize, 16][..]),
+        ("fc1.bias", &[32]),
+        ("fc2.weight", &[10, 32]),
+        ("fc2.bias", &[10]),
+    ] {
+        state.insert(name.to_string(), Tensor::F32(ndarray::ArrayD::zeros(shape)));
+    }
+    edit(&mut state);
+    let path = dir.join(name);
+    onnx_ga::data::write_state(&path, state.iter().map(|(k, v)| (k.as_str(), v))).unwrap();
+    path
+}
+
+fn bad_export(args: &[&str], dir: &Path, expect: &[&str]) {
+    let before = listing(dir);
+    let out = onnx_ga(args);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "exit code; stderr: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    for e in expect {
+        assert!(err.contains(e), "stderr should mention {e:?}: {err}");
+    }
+    assert!(
+        listing(dir) == before,
+        "nothing may be written or changed in {}",
+        dir.display()
+    );
+}
+
+#[test]
+fn bad_input_is_refused_with_exit_2_and_nothing_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = d.join("eval_model.onnx");
+    std::fs::copy(eval_model(), &model).unwrap();
+    let out = d.join("trained.onnx");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+
+    let shape = state_file(d, "shape.npz", |st| {
+        st.insert(
+            "fc1.weight".into(),
+            Tensor::F32(ndarray::ArrayD::zeros(&[16, 32][..])),
+        );
+    });
+    bad_export(
+        &["export", &s(&model), "--state", &s(&shape), "-o", &s(&out)],
+        d,
+        &[
+            "fc1.weight",
+            "float [32, 16]",
+            "float [16, 32]",
+            &s(&model),
+            &s(&shape),
+        ],
+    );
+    let dtype = state_file(d, "dtype.safetensors", |st| {
+        st.insert(
+            "fc2.bias".into(),
+            Tensor::F64(ndarray::ArrayD::zeros(&[10][..])),
+        );
+    });
+    bad_export(
+        &["export", &s(&model), "--state", &s(&dtype), "-o", &s(&out)],
+        d,
+        &["fc2.bias", "float [10]", "double [10]", &s(&dtype)],
+    );
+    let unknown = d.join("state.bin");
+    std::fs::write(&unknown, b"whatever").unwrap();
+    bad_export(
+        &[
+            "export",
+            &s(&model),
+            "--state",
+            &s(&unknown),
+            "-o",
+            &s(&out),
+        ],
+        d,
+        &[&s(&unknown), ".npz or .safetensors"],
+    );
+    let good = state_file(d, "good.npz", |_| {});
+    bad_export(
+        &["export", &s(&model), "--state", &s(&good), "-o", &s(&model)],
+        d,
+        &[&s(&model), "refusing to overwrite the model"],
+    );
+    // The same file by another name.
+    let other_name = d.join(".").join("good.npz");
+    bad_export(
+        &[
+            "export",
+            &s(&model),
+            "--state",
+            &s(&good),
+            "-o",
+            &s(&other_name),
+        ],
+        d,
+        &["refusing to overwrite the state file"],
+    );
+    let foreign = state_file(d, "foreign.npz", |st| {
+        *st = BTreeMap::from([(
+            "conv.weight".to_string(),
+            Tensor::F32(ndarray::ArrayD::zeros(&[4][..])),
+        )]);
+    });
+    bad_export(
+        &[
+            "export",
+            &s(&model),
+            "--state",
+            &s(&foreign),
+            "-o",
+            &s(&out),
+        ],
+        d,
+        &["none of the 1 tensors", &s(&foreign)],
+    );
+    let missing = d.join("missing.npz");
+    bad_export(
+        &[
+            "export",
+            &s(&model),
+            "--state",
+            &s(&missing),
+            "-o",
+            &s(&out),
+        ],
+        d,
+        &[&s(&missing)],
+    );
+    // train refuses a --save-state it could not write before it trains.
+    let data = root().join("graphs").join(MODEL).join("data.npz");
+    bad_export(
+        &[
+            "train",
+            &s(&model),
+            "--data",
+            &s(&data),
+            "--micro-batch",
+            "8",
+            "--steps",
+            "4",
+            "--save-state",
+            &s(&d.join("state.pt")),
+        ],
+        d,
+        &["state.pt", ".npz or .safetensors"],
+    );
+
+    // The good state does export.
+    let ok = onnx_ga(&["export", &s(&model), "--state", &s(&good), "-o", &s(&out)]);
+    assert!(ok.status.success(), "{}", stderr(&ok));
+}
+
+#[test]
+fn a_step_parameter_the_model_lacks_is_an_error() {
+    // With the step's manifest, every parameter of the state must be in the model.
+    let step = common::rewrite_shipped(MODEL, SPEC);
+    let manifest = onnx_ga::step::Manifest::from_model(&step).unwrap();
+    let state: BTreeMap<String, Tensor> = initializers(&step)
+        .into_iter()
+        .filter(|(k, _)| manifest.state.iter().any(|e| &e.input == k))
+        .collect();
+    let mut model = onnx_ga::model::load_model(&eval_model()).unwrap();
+    model
+        .graph
+        .as_mut()
+        .unwrap()
+        .input
+        .retain(|i| i.name() != "fc2.bias");
+    let sources = onnx_ga::trained::ExportSources {
+        model_file: Path::new("eval_model.onnx"),
+        state_file: Some(Path::new("state.npz")),
+        manifest: Some(&manifest),
+    };
+    let e = onnx_ga::trained::export_trained_with(model.clone(), &state, &sources)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("parameter 'fc2.bias'") && e.contains("eval_model.onnx"),
+        "{e}"
+    );
+    // Without the manifest the roles are unknown: the other three are set, and the
+    // accumulators, moments and counters are reported as not model tensors.
+    let (_, report) =
+        onnx_ga::trained::export_trained(model, &state, Path::new("eval_model.onnx")).unwrap();
+    assert_eq!(report.set(), 3);
+    assert!(report.not_in_model.contains(&"fc2.bias".to_string()));
+    assert!(report.not_in_model.len() > 4, "{:?}", report.not_in_model);
+}
