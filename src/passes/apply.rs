@@ -55,9 +55,13 @@ pub struct ApplyParam {
 #[derive(Clone, Debug)]
 pub struct StateSlot {
     pub input: ValueId,
-    /// The state's role: [`ApplyRegion::gate`] holds back `Param`, `Moment` and `OptStep`.
+    /// The state's role: [`ApplyRegion::gate`] holds back `Param`, `Moment`, `OptStep` and
+    /// the running statistics of `BnStat` (not the window's sums of batch statistics, which
+    /// reset like accumulators).
     pub role: Role,
     target: SlotTarget,
+    /// Whether a gate holds this state back (see `role`).
+    held_back: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -88,10 +92,13 @@ pub struct ApplyRegion {
     pub count: ValueId,
     pub bn_stats: BnStats,
     /// Whether the window's update may happen (bool scalar in `body`), set by `loss-scale`
-    /// through [`set_gate`](Self::set_gate). When set, parameters, optimizer moments and
-    /// the optimizer-step counter take their next value only if it is true, else keep their
-    /// old one bit for bit; accumulators, micro-step counter, weight sum and BatchNorm
-    /// statistics reset or move as on any window. `None`: no gating, graphs unchanged.
+    /// through [`set_gate`](Self::set_gate). When set, parameters, optimizer moments, the
+    /// optimizer-step counter and the BatchNorm statistics the window moves
+    /// (`bn_stats=window`) take their next value only if it is true, else keep their old
+    /// one bit for bit (a poisoned window must not reach the running statistics either);
+    /// accumulators, micro-step counter and weight sum reset as on any window. With
+    /// `bn_stats=micro` the statistics move at every micro-step, outside the region, and
+    /// are not gated. `None`: no gating, graphs unchanged.
     pub gate: Option<ValueId>,
     /// Set by `agc` once it has clipped gradients: loss scaling must unscale before that,
     /// or AGC would clip scaled gradients.
@@ -213,17 +220,21 @@ impl ApplyRegion {
             role,
             param: param.map(str::to_string),
         });
+        // A running statistic is its own parameter; the window's sums name the statistic.
+        let held_back = matches!(role, Role::Param | Role::Moment | Role::OptStep)
+            || (role == Role::BnStat && param == Some(name.as_str()));
         StateSlot {
             input,
             role,
             target,
+            held_back,
         }
     }
 
     /// Sets the value a routed state takes when the window applies (`next` lives in
     /// [`body`](Self::body)).
-    /// Under a [`gate`](Self::gate), a `Param`, `Moment` or `OptStep` slot gets
-    /// `Where(gate, next, input)` instead.
+    /// Under a [`gate`](Self::gate), a `Param`, `Moment`, `OptStep` or running-statistic
+    /// slot gets `Where(gate, next, input)` instead.
     pub fn set_next(&self, model: &mut Model, slot: &StateSlot, next: ValueId) {
         let next = self.gated(model, slot, next);
         match slot.target {
@@ -241,7 +252,7 @@ impl ApplyRegion {
     /// `next`, or `Where(gate, next, input)` for a gated role under a gate.
     fn gated(&self, model: &mut Model, slot: &StateSlot, next: ValueId) -> ValueId {
         match self.gate {
-            Some(gate) if matches!(slot.role, Role::Param | Role::Moment | Role::OptStep) => {
+            Some(gate) if slot.held_back => {
                 let hint = format!("{}.if_finite", model.name(slot.input));
                 Builder::new(model, self.body, "loss-scale").op(
                     "Where",
@@ -289,6 +300,7 @@ impl ApplyRegion {
                 input,
                 role: entry.role,
                 target,
+                held_back: true,
             };
             let next = self.gated(model, &slot, current);
             match slot.target {

@@ -4,10 +4,11 @@
 //! and before `optimizer` (and before anything else that reads the window's gradient).
 //!
 //! ```text
-//! every micro-step:  seed' = seed * S                 (S frozen within the window)
+//! every micro-step:  seed' = isfinite(loss) ? seed * S : NaN   (S frozen within the window)
 //!                    acc_p += scaled gradient          (grad-accum's fp32 accumulators)
 //! at the boundary:   G_p  = G_p / S                    (the window's normalised gradient)
-//!                    ok   = isfinite(all G_p)          (one reduction: sum_p ReduceSum(G_p * 0))
+//!                    ok   = no element of any G_p is NaN or inf
+//!                           (sum_p ReduceSum(Cast(IsNaN(G_p) or IsInf(G_p))) == 0)
 //!   ok:      update parameters and moments; opt_step += 1; tracker += 1;
 //!            tracker == interval: S <- min(S * growth, FLT_MAX), tracker <- 0
 //!   not ok:  parameters, moments and opt_step keep their values (bit for bit);
@@ -15,9 +16,18 @@
 //!   both:    accumulators, micro_step and weight_sum reset as every window does
 //! ```
 //!
-//! The check multiplies every unscaled gradient by 0 and sums: a finite element gives 0,
-//! an inf or NaN gives NaN, so `IsNaN` of the total is exact for inf and NaN and cannot be
-//! fooled by a sum of large finite values overflowing.
+//! The check counts the non-finite elements with `IsNaN` and `IsInf`: exact for inf and NaN,
+//! never fooled by a sum of large finite values overflowing, and nothing an engine may
+//! simplify. (It used to sum `G_p * 0`, which is NaN exactly when some element is not finite
+//! — but tract simplifies `x * 0` to a zero constant, so on tract a poisoned window was
+//! applied; tests/loss_scale.rs measures that.)
+//!
+//! The loss is checked too, at every micro-step: a non-finite loss replaces the scaled seed
+//! by NaN, so the micro-step's gradients are NaN and the window is skipped even if its
+//! gradients would have been finite. Non-finite inputs are caught through the loss and the
+//! gradients they reach (an input that reaches neither cannot change the update). BatchNorm
+//! running statistics that move once per window (`bn_stats=window`) are held back with the
+//! parameters; with `bn_stats=micro` they move at every micro-step and are not.
 //!
 //! State (all routed through the apply region, so it changes only at a window boundary):
 //!
@@ -276,7 +286,22 @@ impl LossScale {
             }
         };
 
-        // Every micro-step: the seed times S.
+        // Every micro-step: the seed times S, or NaN when the loss is not finite, so that a
+        // non-finite loss poisons this micro-step's gradients (and with them the window's
+        // check) even where its gradients would have come out finite.
+        let loss_name = cx.signature.loss.clone();
+        let loss = model.lookup(main, &loss_name).ok_or_else(|| {
+            fail(format!(
+                "the loss '{loss_name}' is not a value of the graph"
+            ))
+        })?;
+        let (loss_type, loss_is_scalar) = match model.value_type(loss).and_then(|t| t.value) {
+            Some(type_proto::Value::TensorType(t)) => (
+                t.elem_type(),
+                t.shape.as_ref().is_some_and(|s| s.dim.is_empty()),
+            ),
+            _ => (DataType::Float as i32, false),
+        };
         {
             let mut b = Builder::new(model, main, PASS);
             let s = if seed_type == DataType::Float as i32 {
@@ -290,16 +315,49 @@ impl LossScale {
                 )
             };
             let scaled = b.op("Mul", &[seed, s], vec![], &format!("{seed_name}.scaled"));
+            let loss_f = if loss_type == DataType::Float as i32 {
+                loss
+            } else {
+                b.op(
+                    "Cast",
+                    &[loss],
+                    vec![attr_int("to", DataType::Float as i64)],
+                    "ga.loss_scale.loss_f32",
+                )
+            };
+            let loss_bad = if loss_is_scalar {
+                nonfinite_mask(&mut b, loss_f, "ga.loss_scale.loss")
+            } else {
+                nonfinite_any(&mut b, loss_f, "ga.loss_scale.loss")
+            };
+            let nan = b.scalar_f32("ga.loss_scale.nan", f32::NAN);
+            let nan = if seed_type == DataType::Float as i32 {
+                nan
+            } else {
+                b.op(
+                    "Cast",
+                    &[nan],
+                    vec![attr_int("to", seed_type as i64)],
+                    "ga.loss_scale.nan_cast",
+                )
+            };
+            let seeded = b.op(
+                "Where",
+                &[loss_bad, nan, scaled],
+                vec![],
+                &format!("{seed_name}.scaled_if_finite_loss"),
+            );
             for (node, slot) in seed_uses {
-                model.set_input(node, slot, Some(scaled));
+                model.set_input(node, slot, Some(seeded));
             }
         }
 
-        // At the boundary: unscale, then one finiteness check over every gradient.
+        // At the boundary: unscale, then one finiteness check over every gradient: how many
+        // elements are NaN or infinite, counted exactly (IsNaN, IsInf), never by arithmetic
+        // that an engine could simplify away.
         let mut checks = Vec::with_capacity(region.params.len());
         {
             let mut b = region.builder(model, PASS);
-            let zero = b.scalar_f32("ga.loss_scale.zero", 0.0);
             for p in &mut region.params {
                 let unscaled = b.op(
                     "Div",
@@ -307,17 +365,10 @@ impl LossScale {
                     vec![],
                     &format!("{}.unscaled_grad", p.name),
                 );
-                let zeroed = b.op(
-                    "Mul",
-                    &[unscaled, zero],
-                    vec![],
-                    &format!("{}.finite_probe", p.name),
-                );
-                checks.push(b.op(
-                    "ReduceSum",
-                    &[zeroed],
-                    vec![attr_int("keepdims", 0)],
-                    &format!("{}.finite_sum", p.name),
+                checks.push(nonfinite_count(
+                    &mut b,
+                    unscaled,
+                    &format!("{}.unscaled_grad", p.name),
                 ));
                 p.grad = unscaled;
             }
@@ -326,9 +377,10 @@ impl LossScale {
             let mut b = region.builder(model, PASS);
             let total = match checks.as_slice() {
                 [one] => *one,
-                many => b.op("Sum", many, vec![], "ga.loss_scale.probe"),
+                many => b.op("Sum", many, vec![], "ga.loss_scale.nonfinite_count"),
             };
-            let bad = b.op("IsNaN", &[total], vec![], "ga.loss_scale.nonfinite");
+            let zero = b.scalar_f32("ga.loss_scale.zero", 0.0);
+            let bad = b.op("Greater", &[total, zero], vec![], "ga.loss_scale.nonfinite");
             b.op("Not", &[bad], vec![], "ga.loss_scale.finite")
         };
         region.set_gate(model, ok, &cx.state);
@@ -410,6 +462,43 @@ impl LossScale {
             notes,
         })
     }
+}
+
+/// `Or(IsNaN(x), IsInf(x))`, elementwise.
+fn nonfinite_mask(b: &mut Builder<'_>, x: ValueId, hint: &str) -> ValueId {
+    let nan = b.op("IsNaN", &[x], vec![], &format!("{hint}.is_nan"));
+    let inf = b.op("IsInf", &[x], vec![], &format!("{hint}.is_inf"));
+    b.op("Or", &[nan, inf], vec![], &format!("{hint}.nonfinite_mask"))
+}
+
+/// The number of NaN or infinite elements of float32 `x`, as a float32 scalar (exact up to
+/// 2^24, and positive whenever there is one).
+fn nonfinite_count(b: &mut Builder<'_>, x: ValueId, hint: &str) -> ValueId {
+    let mask = nonfinite_mask(b, x, hint);
+    let ones = b.op(
+        "Cast",
+        &[mask],
+        vec![attr_int("to", DataType::Float as i64)],
+        &format!("{hint}.nonfinite_f32"),
+    );
+    b.op(
+        "ReduceSum",
+        &[ones],
+        vec![attr_int("keepdims", 0)],
+        &format!("{hint}.nonfinite_count"),
+    )
+}
+
+/// A bool scalar: whether float32 `x` (a scalar or not) holds a NaN or an infinity.
+fn nonfinite_any(b: &mut Builder<'_>, x: ValueId, hint: &str) -> ValueId {
+    let count = nonfinite_count(b, x, hint);
+    let zero = b.scalar_f32(&format!("{hint}.zero"), 0.0);
+    b.op(
+        "Greater",
+        &[count, zero],
+        vec![],
+        &format!("{hint}.nonfinite"),
+    )
 }
 
 /// Next S and tracker at a window boundary, inside the region's body.
