@@ -563,6 +563,16 @@ impl Model {
         }
     }
 
+    /// Exchanges the names of two node-defined values (both stay unique).
+    pub fn swap_names(&mut self, a: ValueId, b: ValueId) {
+        let node_defined = |m: &Model, v: ValueId| matches!(m.value(v).def, ValueDef::Node { .. });
+        if a != b && node_defined(self, a) && node_defined(self, b) {
+            let name_a = std::mem::take(&mut self.values[a.0 as usize].name);
+            let name_b = std::mem::replace(&mut self.values[b.0 as usize].name, name_a);
+            self.values[a.0 as usize].name = name_b;
+        }
+    }
+
     /// Turns the initializer `v` of the main graph into a graph input backed by that
     /// initializer (the state convention: parameters are inputs with default values).
     /// No-op for a value that already is an input.

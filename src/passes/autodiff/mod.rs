@@ -633,8 +633,13 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
         } else {
             g
         };
+        // `p_grad` may already name an intermediate of some rule: that value takes g's name.
         let name = format!("{}_grad", cx.model().name(*p));
-        cx.b.model.rename(g, &name);
+        match cx.model().lookup(main, &name) {
+            Some(holder) if holder != g => cx.b.model.swap_names(holder, g),
+            Some(_) => {}
+            None => cx.b.model.rename(g, &name),
+        }
         grad_values.push(g);
         trainable.push((*p, cx.model().name(g).to_string()));
     }

@@ -317,7 +317,12 @@ const BROADCASTING: &[&str] = &[
 fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
     let n = model.node(node);
     let p = &n.proto;
-    if p.domain() == "com.microsoft" && p.op_type() == "BatchNormInternal" {
+    if p.domain() == "com.microsoft"
+        && matches!(
+            p.op_type(),
+            "BatchNormInternal" | "Gelu" | "FastGelu" | "QuickGelu"
+        )
+    {
         let x = n
             .inputs
             .first()
