@@ -40,7 +40,13 @@ const DOUBLE: i32 = 11;
 /// corpus/generated/node/`name` with its data set, or `None` (a skip that says so) when the
 /// corpus is not built; under CI=true a missing corpus fails.
 fn corpus_case(name: &str) -> Option<PathBuf> {
-    let dir = root().join("corpus/generated/node").join(name);
+    // Node cases live under node/, the model cases (test_gradient_of_*) under simple/.
+    let kind = if name.starts_with("test_gradient_of") {
+        "simple"
+    } else {
+        "node"
+    };
+    let dir = root().join("corpus/generated").join(kind).join(name);
     let data = dir.join("test_data_set_0");
     if dir.join("model.onnx").is_file() && data.is_dir() {
         return Some(dir);
@@ -681,49 +687,15 @@ fn lowering_error(model: &ModelProto) -> String {
     }
 }
 
+/// `Gradient` through onnx-ga's autodiff: the onnx backend cases (in corpus/generated/simple).
 #[test]
-fn gradient_needs_the_autodiff() {
-    let mut model = one_node(
-        "Gradient",
-        vec![
-            AttributeProto {
-                name: Some("xs".into()),
-                r#type: Some(8), // STRINGS
-                strings: vec![b"A".to_vec(), b"B".to_vec()],
-                ..Default::default()
-            },
-            attr_string("y", "C"),
-        ],
-        &[("A", FLOAT, &[2]), ("B", FLOAT, &[2])],
-        &["dC_dA", "dC_dB"],
-        &[("dC_dA", FLOAT, &[2]), ("dC_dB", FLOAT, &[2])],
-    );
-    let g = model.graph.as_mut().unwrap();
-    g.node.insert(
-        0,
-        NodeProto {
-            name: Some("add".into()),
-            op_type: Some("Add".into()),
-            input: vec!["A".into(), "B".into()],
-            output: vec!["C".into()],
-            ..Default::default()
-        },
-    );
-    g.output.push(ValueInfoProto {
-        name: Some("C".into()),
-        r#type: Some(tensor_type(FLOAT, &[2])),
-        ..Default::default()
-    });
-    let e = lowering_error(&model);
-    assert!(
-        e.contains("legalize-training")
-            && e.contains("the_Gradient")
-            && e.contains(&format!("{DOMAIN}::Gradient"))
-            && e.contains("autodiff")
-            && e.contains("'C'")
-            && e.contains("[A, B]"),
-        "{e}"
-    );
+fn gradient_of_add() {
+    backend_case("test_gradient_of_add");
+}
+
+#[test]
+fn gradient_of_add_and_mul() {
+    backend_case("test_gradient_of_add_and_mul");
 }
 
 #[test]

@@ -437,29 +437,7 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
         })
         .collect();
 
-    let order = topological_order(model, main);
-    // Values the loss depends on differentiably (not through shape computations,
-    // comparisons or integer tensors).
-    let differentiable = |model: &Model, n: NodeId| {
-        let p = &model.node(n).proto;
-        let plain = p.domain().is_empty() || p.domain() == "ai.onnx";
-        !(plain && NON_DIFFERENTIABLE.contains(&p.op_type()))
-    };
-    let mut needed: HashSet<ValueId> = HashSet::from([loss]);
-    for &n in order.iter().rev() {
-        let node = model.node(n);
-        let reaches = node
-            .outputs
-            .iter()
-            .flatten()
-            .any(|v| needed.contains(v) && shapes.get(*v).elem.map(is_float).unwrap_or(true));
-        if reaches && differentiable(model, n) {
-            needed.extend(node.inputs.iter().flatten().copied());
-            for sub in &node.subgraphs {
-                needed.extend(model.captures(sub.body));
-            }
-        }
-    }
+    let needed = differentiable_ancestors(model, &shapes, loss);
     let params: Vec<ValueId> = selected
         .iter()
         .copied()
@@ -478,31 +456,6 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
                     .join(", ")
             }
         )));
-    }
-
-    // Values that depend on a parameter, each with one parameter it depends on (for errors).
-    let mut origin: HashMap<ValueId, ValueId> = params.iter().map(|p| (*p, *p)).collect();
-    for &n in &order {
-        let node = model.node(n);
-        let op = node.proto.op_type();
-        let Some(from) = node
-            .inputs
-            .iter()
-            .enumerate()
-            .filter(|(slot, _)| rules::carries_gradient(op, *slot))
-            .find_map(|(_, v)| v.and_then(|v| origin.get(&v).copied()))
-        else {
-            continue;
-        };
-        if !differentiable(model, n) {
-            continue;
-        }
-        for out in node.outputs.iter().flatten() {
-            let float = shapes.get(*out).elem.map(is_float).unwrap_or(true);
-            if float && needed.contains(out) {
-                origin.insert(*out, from);
-            }
-        }
     }
 
     // The seed: dL/dL = 1, shaped like the loss.
@@ -534,10 +487,131 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
     shapes.set(seed_tensor, loss_facts.clone());
     let seed_name = model.name(seed_tensor).to_string();
 
+    let grad_values = backward(model, &mut shapes, loss, seed_tensor, &params)?;
+    let trainable: Vec<(ValueId, String)> = params
+        .iter()
+        .zip(&grad_values)
+        .map(|(p, g)| (*p, model.name(*g).to_string()))
+        .collect();
+    shapes::declare(model, &shapes);
+
+    // Interface: parameters become inputs backed by their initializers; outputs are the loss
+    // and the gradients (which keeps them alive until a later pass consumes them).
+    for (p, _) in &trainable {
+        model.promote_initializer_to_input(*p);
+    }
+    while !model.main().outputs.is_empty() {
+        model.remove_output(main, 0);
+    }
+    let loss_ty = crate::ir::tensor_type(loss_elem, &loss_dims);
+    model.add_output(main, loss, Some(loss_ty));
+    for ((p, _), g) in trainable.iter().zip(&grad_values) {
+        let t = model
+            .initializer(*p)
+            .map(|t| crate::ir::tensor_type(t.data_type(), &t.dims));
+        model.add_output(main, *g, t);
+    }
+
+    // Lower the gradient ops of ORT's vocabulary right away: what the pass writes is
+    // standard ONNX (BatchNormInternal waits for legalize-ort: its statistics become state
+    // in the window grad-accum makes).
+    lower_gradient_ops(model)?;
+    super::dce::eliminate_dead_code(model);
+    if !options.grads_as_outputs {
+        while model.main().outputs.len() > 1 {
+            model.remove_output(main, 1);
+        }
+    }
+
+    let trainable_params = trainable
+        .iter()
+        .map(|(p, g)| param_of(model, *p, true, Some(g.clone())))
+        .collect();
+    let frozen = normalized
+        .bn_stats
+        .iter()
+        .map(|v| param_of(model, *v, false, None))
+        .collect();
+    Ok(Differentiated {
+        loss: loss_name,
+        seed: seed_name,
+        labels: labels.map(|l| model.name(l).to_string()),
+        trainable: trainable_params,
+        frozen,
+    })
+}
+
+/// Whether a node passes gradients (not a shape computation, comparison, ...).
+fn differentiable(model: &Model, n: NodeId) -> bool {
+    let p = &model.node(n).proto;
+    let plain = p.domain().is_empty() || p.domain() == "ai.onnx";
+    !(plain && NON_DIFFERENTIABLE.contains(&p.op_type()))
+}
+
+/// Values `y` depends on differentiably (not through shape computations, comparisons or
+/// integer tensors).
+fn differentiable_ancestors(model: &Model, shapes: &Shapes, y: ValueId) -> HashSet<ValueId> {
+    let order = topological_order(model, BodyId::MAIN);
+    let mut needed: HashSet<ValueId> = HashSet::from([y]);
+    for &n in order.iter().rev() {
+        let node = model.node(n);
+        let reaches = node
+            .outputs
+            .iter()
+            .flatten()
+            .any(|v| needed.contains(v) && shapes.get(*v).elem.map(is_float).unwrap_or(true));
+        if reaches && differentiable(model, n) {
+            needed.extend(node.inputs.iter().flatten().copied());
+            for sub in &node.subgraphs {
+                needed.extend(model.captures(sub.body));
+            }
+        }
+    }
+    needed
+}
+
+/// The reverse sweep: the gradient of `y` (seeded with `seed`, dL/dy) with respect to each
+/// of `params`, each named `<param>_grad` where that name is free. Gradient ops of ORT's
+/// vocabulary are left for the caller to lower.
+pub fn backward(
+    model: &mut Model,
+    shapes: &mut Shapes,
+    loss: ValueId,
+    seed_tensor: ValueId,
+    params: &[ValueId],
+) -> Result<Vec<ValueId>, PassError> {
+    let main = BodyId::MAIN;
+    let order = topological_order(model, main);
+    let needed = differentiable_ancestors(model, shapes, loss);
+    // Values that depend on a parameter, each with one parameter it depends on (for errors).
+    let mut origin: HashMap<ValueId, ValueId> = params.iter().map(|p| (*p, *p)).collect();
+    for &n in &order {
+        let node = model.node(n);
+        let op = node.proto.op_type();
+        let Some(from) = node
+            .inputs
+            .iter()
+            .enumerate()
+            .filter(|(slot, _)| rules::carries_gradient(op, *slot))
+            .find_map(|(_, v)| v.and_then(|v| origin.get(&v).copied()))
+        else {
+            continue;
+        };
+        if !differentiable(model, n) {
+            continue;
+        }
+        for out in node.outputs.iter().flatten() {
+            let float = shapes.get(*out).elem.map(is_float).unwrap_or(true);
+            if float && needed.contains(out) {
+                origin.insert(*out, from);
+            }
+        }
+    }
+
     // The sweep.
     let mut contributions: HashMap<ValueId, Vec<ValueId>> =
         HashMap::from([(loss, vec![seed_tensor])]);
-    let mut cx = Grad::new(Builder::new(model, main, PASS), &mut shapes);
+    let mut cx = Grad::new(Builder::new(model, main, PASS), shapes);
     for &n in order.iter().rev() {
         let node = cx.model().node(n);
         let outputs: Vec<Option<ValueId>> = node.outputs.clone();
@@ -614,9 +688,8 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
     }
 
     // Parameter gradients: the sum of their contributions, named p_grad.
-    let mut trainable = Vec::new();
     let mut grad_values = Vec::new();
-    for p in &params {
+    for p in params {
         let Some(g) = sum_contributions(&mut cx, *p, contributions.remove(p)) else {
             return Err(fail(format!(
                 "parameter '{}' got no gradient",
@@ -641,55 +714,8 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
             None => cx.b.model.rename(g, &name),
         }
         grad_values.push(g);
-        trainable.push((*p, cx.model().name(g).to_string()));
     }
-    drop(cx);
-    shapes::declare(model, &shapes);
-
-    // Interface: parameters become inputs backed by their initializers; outputs are the loss
-    // and the gradients (which keeps them alive until a later pass consumes them).
-    for (p, _) in &trainable {
-        model.promote_initializer_to_input(*p);
-    }
-    while !model.main().outputs.is_empty() {
-        model.remove_output(main, 0);
-    }
-    let loss_ty = crate::ir::tensor_type(loss_elem, &loss_dims);
-    model.add_output(main, loss, Some(loss_ty));
-    for ((p, _), g) in trainable.iter().zip(&grad_values) {
-        let t = model
-            .initializer(*p)
-            .map(|t| crate::ir::tensor_type(t.data_type(), &t.dims));
-        model.add_output(main, *g, t);
-    }
-
-    // Lower the gradient ops of ORT's vocabulary right away: what the pass writes is
-    // standard ONNX (BatchNormInternal waits for legalize-ort: its statistics become state
-    // in the window grad-accum makes).
-    lower_gradient_ops(model)?;
-    super::dce::eliminate_dead_code(model);
-    if !options.grads_as_outputs {
-        while model.main().outputs.len() > 1 {
-            model.remove_output(main, 1);
-        }
-    }
-
-    let trainable_params = trainable
-        .iter()
-        .map(|(p, g)| param_of(model, *p, true, Some(g.clone())))
-        .collect();
-    let frozen = normalized
-        .bn_stats
-        .iter()
-        .map(|v| param_of(model, *v, false, None))
-        .collect();
-    Ok(Differentiated {
-        loss: loss_name,
-        seed: seed_name,
-        labels: labels.map(|l| model.name(l).to_string()),
-        trainable: trainable_params,
-        frozen,
-    })
+    Ok(grad_values)
 }
 
 /// The sum of a value's gradient contributions (one Add per extra contribution, in the
@@ -710,7 +736,7 @@ fn sum_contributions(
 
 /// Runs legalize-ort's lowerings over the gradient ops the rules emitted (everything but
 /// BatchNormInternal, whose running statistics need the window).
-fn lower_gradient_ops(model: &mut Model) -> Result<(), PassError> {
+pub fn lower_gradient_ops(model: &mut Model) -> Result<(), PassError> {
     let pending: Vec<NodeId> = model
         .all_nodes()
         .filter(|n| {
