@@ -43,6 +43,10 @@ pub fn softmax_cross_entropy(
     let log_prob =
         cx.b.model
             .ensure_node_output(node, 1, &format!("{loss}_log_prob"));
+    // log_prob has the scores' shape and element type; without the fact, the lowering of
+    // the gradient op cannot tell its float type (a float64 model got float32 constants).
+    let f = cx.facts(scores);
+    cx.shapes.set(log_prob, f);
     let attrs = cx.attrs_of(node, &["reduction", "ignore_index"]);
     let h = format!("{}_grad", cx.model().name(scores));
     let g = cx.ort_op(

@@ -17,6 +17,7 @@
 //! GatherElements(axis)                the same per element                  GatherElementsGrad
 //! ```
 
+use super::super::shapes::{Dim, Facts};
 use super::{Grad, InputGrads};
 use crate::ir::builder::{attr_int, attr_ints, attr_tensor};
 use crate::ir::{NodeId, ValueId};
@@ -437,13 +438,66 @@ pub fn gather(
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
     let x = cx.input(node, 0)?;
-    let indices = cx.input(node, 1)?;
+    let mut indices = cx.input(node, 1)?;
+    let mut dy = dy0(dys);
     let h = hint(cx, x);
     let shape = cx.shape_of(x);
     let attrs = cx.attrs_of(node, &["axis"]);
+    // Off axis 0 the lowering of GatherGrad takes one-dimensional indices only. Gathering
+    // with the indices flattened gives Y reshaped to X[:axis] + [numel(I)] + X[axis+1:]:
+    // flatten the indices and reshape dY to that.
+    if cx.int_attr(node, "axis", 0)? != 0 && cx.rank(indices) != Some(1) {
+        let axis = axis_of(cx, node, x, 0)? as usize;
+        let fi = cx.facts(indices);
+        let count = fi.static_dims().map(|d| d.iter().product::<i64>());
+        let minus_one = cx.ints(&[-1]);
+        indices = cx.op("Reshape", &[indices, minus_one], vec![], &h);
+        cx.shapes.set(
+            indices,
+            Facts {
+                elem: fi.elem,
+                dims: Some(vec![count.map_or(Dim::Unknown, Dim::Known)]),
+            },
+        );
+        let fx = cx.facts(x);
+        let target = match fx.static_dims() {
+            Some(mut d) => {
+                d[axis] = -1;
+                cx.ints(&d)
+            }
+            None => {
+                let (zero, a, a1, end) = (
+                    cx.ints(&[0]),
+                    cx.ints(&[axis as i64]),
+                    cx.ints(&[axis as i64 + 1]),
+                    cx.ints(&[i64::MAX]),
+                );
+                let before = cx.op("Slice", &[shape, zero, a], vec![], &h);
+                let after = cx.op("Slice", &[shape, a1, end], vec![], &h);
+                cx.op(
+                    "Concat",
+                    &[before, minus_one, after],
+                    vec![attr_int("axis", 0)],
+                    &h,
+                )
+            }
+        };
+        dy = cx.op("Reshape", &[dy, target], vec![], &h);
+        let mut dims = fx.dims.clone();
+        if let Some(d) = dims.as_mut() {
+            d[axis] = count.map_or(Dim::Unknown, Dim::Known);
+        }
+        cx.shapes.set(
+            dy,
+            Facts {
+                elem: fx.elem,
+                dims,
+            },
+        );
+    }
     let g = cx.ort_op(
         "GatherGrad",
-        &[Some(shape), Some(indices), Some(dy0(dys))],
+        &[Some(shape), Some(indices), Some(dy)],
         &[&h],
         attrs,
     );

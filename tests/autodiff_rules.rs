@@ -1,0 +1,998 @@
+//! Gradient check of every autodiff rule (issue 13, item 4): per rule case, a small forward
+//! model whose differentiable inputs are seeded random initializers, the loss
+//! `loss = ReduceSum(Mul(Y, R))` with a fixed random `R` (so dL/dY = R), differentiated by
+//! `autodiff(loss=loss,freeze=k_*),legalize-ort` (the `k_` initializers are constants: R,
+//! Clip bounds, Pad values, ...), run on ONNX Runtime, against central finite differences
+//! of that same gradient graph's `loss` output: per parameter
+//! `||g - fd|| / max(||fd||, tiny)`, and the case's error is the largest over its parameters.
+//!
+//! float64 cases: h = 1e-6, tolerance 1e-6. float32 cases: h = 1e-3 (the difference is
+//! divided by the perturbation as actually rounded to float32), tolerance 1e-3.
+//!
+//! float32 fallbacks, measured on ONNX Runtime 1.31.1's CPU provider (the float64 session
+//! fails with "Could not find an implementation for <op>"):
+//! - the forward op has no float64 kernel: Conv, AveragePool, GlobalAveragePool, Erf, Gelu
+//!   (opset 20, approximate=none: its function body's Erf), Elu, HardSigmoid, HardSwish
+//!   (its function body's HardSigmoid), Softplus, Mean;
+//! - the backward uses an op without a float64 kernel: MaxPool with non-overlapping windows
+//!   (the MaxPoolGrad lowering's MaxUnpool; overlapping MaxPool runs in float64),
+//!   SoftmaxCrossEntropyLoss (the SoftmaxCrossEntropyLossGrad lowering's OneHot with
+//!   float64 values).
+//! LeakyRelu, Gelu with approximate=tanh, MaxPool itself and everything else run in float64.
+//!
+//! Ignored cases document what the autodiff does not do yet: Slice with steps other than 1
+//! (the rule rejects it), and Pad/Tile outputs whose shape no value_info declares (the
+//! static shape facts do not derive them, so a rule downstream that needs the rank fails;
+//! the non-ignored Pad/Tile cases declare the output type).
+//!
+//! Measured relative errors (largest over a case's parameters; `cargo test --test
+//! autodiff_rules -- --nocapture` prints them per parameter as `MEASURED` lines):
+//!
+//! case                                 type error
+//! abs                                  f64  1.2e-10
+//! add                                  f64  7.8e-11
+//! add_broadcast_nc_c                   f64  4.5e-11
+//! average_pool                         f32  7.5e-5
+//! average_pool_overlapping_padded      f32  8.2e-5
+//! batch_norm                           f64  5.6e-10
+//! cast                                 f64  4.5e-11
+//! cast_like                            f64  1.1e-10
+//! clip                                 f64  1.3e-10
+//! clip_max_only                        f64  1.1e-10
+//! concat                               f64  1.2e-10
+//! conv_dilation                        f32  1.1e-4
+//! conv_group                           f32  3.4e-4
+//! conv_plain                           f32  2.3e-4
+//! conv_stride_pad                      f32  4.6e-4
+//! div                                  f64  1.2e-10
+//! div_broadcast                        f64  1.0e-10
+//! elu                                  f32  4.5e-5
+//! erf                                  f32  1.7e-4
+//! exp                                  f64  2.3e-10
+//! expand                               f64  2.8e-11
+//! flatten                              f64  1.5e-10
+//! gather_axis0_2d                      f64  5.5e-11
+//! gather_axis0_repeated                f64  5.2e-11
+//! gather_axis1_1d                      f64  3.7e-11
+//! gather_axis1_2d_negative             f64  2.5e-10
+//! gather_axis1_scalar_index            f64  8.5e-11
+//! gather_elements                      f64  8.2e-11
+//! gelu                                 f32  1.0e-4
+//! gelu_tanh                            f64  6.6e-9
+//! gemm_nn                              f64  2.1e-10
+//! gemm_nt                              f64  2.8e-10
+//! gemm_tn                              f64  2.0e-10
+//! gemm_tt                              f64  1.6e-10
+//! global_average_pool                  f32  1.4e-4
+//! hard_sigmoid                         f32  4.8e-5
+//! hard_swish                           f32  9.7e-5
+//! identity                             f64  4.9e-11
+//! layer_norm_axis1                     f64  7.5e-8
+//! layer_norm_last_axis                 f64  1.1e-7
+//! leaky_relu                           f64  9.3e-11
+//! log                                  f64  2.5e-11
+//! log_softmax_axis1                    f64  3.6e-10
+//! log_softmax_last                     f64  4.8e-10
+//! matmul_2d                            f64  3.2e-10
+//! matmul_batched                       f64  1.9e-10
+//! matmul_broadcast_batch               f64  1.5e-10
+//! matmul_btk_kn                        f64  2.0e-10
+//! max                                  f64  1.7e-10
+//! max_broadcast                        f64  6.1e-11
+//! max_pool_disjoint                    f32  9.7e-5
+//! max_pool_overlapping                 f64  3.7e-10
+//! mean_broadcast                       f32  1.3e-4
+//! min_broadcast                        f64  1.1e-10
+//! mul                                  f64  8.0e-11
+//! mul_broadcast_n1h_1ch                f64  9.9e-11
+//! neg                                  f64  2.2e-11
+//! pad_axes_opset18                     f64  1.2e-10
+//! pad_constant                         f64  7.4e-11
+//! pow                                  f64  2.0e-10
+//! pow_broadcast_exponent               f64  6.3e-10
+//! pow_constant_exponent                f64  6.3e-11
+//! reciprocal                           f64  4.3e-11
+//! reduce_l2_keep0                      f64  2.1e-10
+//! reduce_l2_keep1                      f64  2.9e-10
+//! reduce_max_keep0                     f64  4.3e-11
+//! reduce_max_keep1                     f64  8.0e-11
+//! reduce_mean_keep0                    f64  1.2e-10
+//! reduce_mean_keep1                    f64  5.7e-11
+//! reduce_mean_opset17_axes_attr        f64  3.3e-10
+//! reduce_min_keep0                     f64  6.4e-11
+//! reduce_min_keep1                     f64  1.5e-10
+//! reduce_sum_all_axes                  f64  1.6e-10
+//! reduce_sum_keep0                     f64  1.3e-10
+//! reduce_sum_keep1                     f64  1.5e-10
+//! reduce_sum_square_keep0              f64  7.7e-11
+//! reduce_sum_square_keep1              f64  7.5e-11
+//! relu                                 f64  4.0e-11
+//! reshape                              f64  1.5e-10
+//! shared_parameter                     f64  1.2e-10
+//! shared_parameter_same_node           f64  3.4e-11
+//! sigmoid                              f64  2.6e-10
+//! slice_unit_steps                     f64  2.1e-10
+//! softmax_axis1                        f64  4.3e-10
+//! softmax_cross_entropy_ignore_index   f32  5.9e-4
+//! softmax_cross_entropy_none           f32  1.8e-4
+//! softmax_cross_entropy_sum_nd         f32  4.3e-4
+//! softmax_last                         f64  6.5e-10
+//! softplus                             f32  1.8e-4
+//! split_equal_opset18                  f64  4.6e-11
+//! split_unused_output                  f64  4.5e-11
+//! sqrt                                 f64  3.0e-10
+//! squeeze                              f64  1.3e-10
+//! sub_broadcast                        f64  2.1e-10
+//! sum_broadcast                        f64  2.1e-10
+//! tanh                                 f64  1.1e-10
+//! tile                                 f64  1.5e-10
+//! transpose                            f64  6.3e-11
+//! transpose_default_perm               f64  1.1e-10
+//! unsqueeze                            f64  7.7e-11
+//! where_broadcast                      f64  1.1e-10
+
+mod common;
+
+use std::path::Path;
+
+use ndarray::{ArrayD, IxDyn};
+use onnx_ga::data::Tensor;
+use onnx_ga::engine::ort::{OrtSession, SessionOptions};
+use onnx_ga::ir::builder::{
+    attr_float, attr_int, attr_ints, attr_string, tensor_bool, tensor_f32, tensor_f64, tensor_i64,
+    Builder,
+};
+use onnx_ga::ir::{tensor_type, BodyId, Model, ValueId};
+use onnx_ga::proto::{AttributeProto, ModelProto, OperatorSetIdProto, TensorProto};
+
+const F32: i32 = 1;
+const F64: i32 = 11;
+const MAIN: BodyId = BodyId::MAIN;
+const PIPELINE: &str = "autodiff(loss=loss,freeze=k_*),legalize-ort";
+
+/// xorshift64*: deterministic, seeded per case.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Uniform in [0, 1).
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * self.unit()
+    }
+}
+
+/// A forward model under construction, in one float type.
+struct Net {
+    model: Model,
+    elem: i32,
+    rng: Rng,
+    /// Trainable initializers: name, dims, values.
+    params: Vec<(String, Vec<i64>, Vec<f64>)>,
+}
+
+fn count(dims: &[i64]) -> usize {
+    dims.iter().product::<i64>() as usize
+}
+
+impl Net {
+    fn new(opset: i64, elem: i32, seed: u64) -> Net {
+        let header = ModelProto {
+            ir_version: Some(8),
+            opset_import: vec![OperatorSetIdProto {
+                domain: Some(String::new()),
+                version: Some(opset),
+            }],
+            producer_name: Some("onnx-ga autodiff_rules".into()),
+            graph: Some(Default::default()),
+            ..Default::default()
+        };
+        let mut model = Model::from_proto(header);
+        model.body_mut(MAIN).rest.name = Some("case".into());
+        Net {
+            model,
+            elem,
+            rng: Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1),
+            params: Vec::new(),
+        }
+    }
+
+    fn tensor(&self, dims: &[i64], values: &[f64]) -> TensorProto {
+        if self.elem == F64 {
+            tensor_f64(dims, values)
+        } else {
+            let v: Vec<f32> = values.iter().map(|x| *x as f32).collect();
+            tensor_f32(dims, &v)
+        }
+    }
+
+    fn random(&mut self, dims: &[i64], lo: f64, hi: f64) -> Vec<f64> {
+        (0..count(dims)).map(|_| self.rng.uniform(lo, hi)).collect()
+    }
+
+    /// A trainable initializer with the given values.
+    fn param_with(&mut self, name: &str, dims: &[i64], values: Vec<f64>) -> ValueId {
+        assert_eq!(values.len(), count(dims), "{name}");
+        // Store what the model holds (float32 rounding included).
+        let values: Vec<f64> = if self.elem == F64 {
+            values
+        } else {
+            values.iter().map(|x| *x as f32 as f64).collect()
+        };
+        let t = self.tensor(dims, &values);
+        let v = self.model.add_initializer(MAIN, name, t);
+        assert_eq!(
+            self.model.name(v),
+            name,
+            "parameter names are unique per case"
+        );
+        self.params.push((name.to_string(), dims.to_vec(), values));
+        v
+    }
+
+    /// Uniform in [lo, hi).
+    fn param(&mut self, name: &str, dims: &[i64], lo: f64, hi: f64) -> ValueId {
+        let v = self.random(dims, lo, hi);
+        self.param_with(name, dims, v)
+    }
+
+    /// Uniform in [lo, hi), at least `margin` away from every kink.
+    fn param_avoid(
+        &mut self,
+        name: &str,
+        dims: &[i64],
+        lo: f64,
+        hi: f64,
+        kinks: &[f64],
+        margin: f64,
+    ) -> ValueId {
+        let values = (0..count(dims))
+            .map(|_| loop {
+                let x = self.rng.uniform(lo, hi);
+                if kinks.iter().all(|k| (x - k).abs() >= margin) {
+                    break x;
+                }
+            })
+            .collect();
+        self.param_with(name, dims, values)
+    }
+
+    /// Distinct values at least `step` apart (a shuffled grid plus small noise), so every
+    /// max/min is unique by a clear margin.
+    fn param_distinct(&mut self, name: &str, dims: &[i64], step: f64) -> ValueId {
+        let n = count(dims);
+        let mut order: Vec<usize> = (0..n).collect();
+        for i in (1..n).rev() {
+            let j = (self.rng.next() % (i as u64 + 1)) as usize;
+            order.swap(i, j);
+        }
+        let centre = (n as f64 - 1.0) / 2.0;
+        let values = order
+            .iter()
+            .map(|k| (*k as f64 - centre) * step + self.rng.uniform(-0.1, 0.1) * step)
+            .collect();
+        self.param_with(name, dims, values)
+    }
+
+    /// A constant float initializer (frozen: its name starts with `k_`).
+    fn konst(&mut self, name: &str, dims: &[i64], values: &[f64]) -> ValueId {
+        let t = self.tensor(dims, values);
+        self.model.add_initializer(MAIN, &format!("k_{name}"), t)
+    }
+
+    fn ints(&mut self, name: &str, dims: &[i64], values: &[i64]) -> ValueId {
+        self.model
+            .add_initializer(MAIN, name, tensor_i64(dims, values))
+    }
+
+    fn bools(&mut self, name: &str, dims: &[i64], values: &[bool]) -> ValueId {
+        self.model
+            .add_initializer(MAIN, name, tensor_bool(dims, values))
+    }
+
+    /// Declares `v`'s type (for a value whose shape the autodiff cannot derive).
+    fn declare(&mut self, v: ValueId, dims: &[i64]) {
+        self.model.set_value_type(v, tensor_type(self.elem, dims));
+    }
+
+    fn op(&mut self, op: &str, inputs: &[ValueId], attrs: Vec<AttributeProto>) -> ValueId {
+        Builder::new(&mut self.model, MAIN, "test").op(op, inputs, attrs, &op.to_lowercase())
+    }
+
+    /// A node with optional inputs and `outputs` outputs.
+    fn node(
+        &mut self,
+        op: &str,
+        inputs: &[Option<ValueId>],
+        outputs: usize,
+        attrs: Vec<AttributeProto>,
+    ) -> Vec<ValueId> {
+        let hints: Vec<String> = (0..outputs)
+            .map(|i| format!("{}_{i}", op.to_lowercase()))
+            .collect();
+        let hints: Vec<&str> = hints.iter().map(String::as_str).collect();
+        let n = Builder::new(&mut self.model, MAIN, "test").node(op, "", inputs, &hints, attrs);
+        (0..outputs).map(|i| self.model.output(n, i)).collect()
+    }
+
+    /// Appends `loss = Σ_i ReduceSum(Mul(Y_i, R_i))`, each R_i random of Y_i's shape (read
+    /// from a forward run), and returns the forward model.
+    fn finish(mut self, ys: &[ValueId]) -> (ModelProto, Vec<(String, Vec<i64>, Vec<f64>)>) {
+        let mut probe = self.model.clone();
+        for y in ys {
+            probe.add_output(MAIN, *y, None);
+        }
+        let outs = run(&probe.to_proto(), &[]);
+        let mut terms = Vec::new();
+        for (i, (_, t)) in outs.iter().enumerate() {
+            let dims: Vec<i64> = t.shape().iter().map(|d| *d as i64).collect();
+            let r = self.random(&dims, -1.0, 1.0);
+            let r = self.konst(&format!("R{i}"), &dims, &r);
+            let m = self.op("Mul", &[ys[i], r], vec![]);
+            terms.push(m);
+        }
+        let mut b = Builder::new(&mut self.model, MAIN, "test");
+        let mut total: Option<ValueId> = None;
+        let last = terms.len() - 1;
+        for (i, m) in terms.into_iter().enumerate() {
+            let hint = if i == last && total.is_none() {
+                "loss"
+            } else {
+                "loss_term"
+            };
+            let s = b.op("ReduceSum", &[m], vec![attr_int("keepdims", 0)], hint);
+            total = Some(match total {
+                None => s,
+                Some(acc) => {
+                    let hint = if i == last { "loss" } else { "loss_acc" };
+                    b.op("Add", &[acc, s], vec![], hint)
+                }
+            });
+        }
+        let loss = total.expect("at least one output");
+        assert_eq!(self.model.name(loss), "loss");
+        self.model
+            .add_output(MAIN, loss, Some(tensor_type(self.elem, &[])));
+        (self.model.to_proto(), self.params)
+    }
+}
+
+fn session(model: &ModelProto) -> OrtSession {
+    OrtSession::new(model, &SessionOptions::default()).unwrap_or_else(|e| panic!("session: {e}"))
+}
+
+fn run(model: &ModelProto, feeds: &[(&str, &Tensor)]) -> Vec<(String, Tensor)> {
+    session(model)
+        .run(feeds)
+        .unwrap_or_else(|e| panic!("run: {e}"))
+}
+
+fn values(t: &Tensor) -> Vec<f64> {
+    match t {
+        Tensor::F64(a) => a.iter().copied().collect(),
+        Tensor::F32(a) => a.iter().map(|x| *x as f64).collect(),
+        other => panic!("not a float tensor: {other:?}"),
+    }
+}
+
+fn to_tensor(elem: i32, dims: &[i64], values: &[f64]) -> Tensor {
+    let shape: Vec<usize> = dims.iter().map(|d| *d as usize).collect();
+    if elem == F64 {
+        Tensor::F64(ArrayD::from_shape_vec(IxDyn(&shape), values.to_vec()).unwrap())
+    } else {
+        let v: Vec<f32> = values.iter().map(|x| *x as f32).collect();
+        Tensor::F32(ArrayD::from_shape_vec(IxDyn(&shape), v).unwrap())
+    }
+}
+
+fn norm(v: impl Iterator<Item = f64>) -> f64 {
+    v.map(|x| x * x).sum::<f64>().sqrt()
+}
+
+/// Builds the case, differentiates it, checks every parameter's gradient against central
+/// differences; returns the largest relative error.
+fn check(name: &str, opset: i64, elem: i32, build: impl FnOnce(&mut Net) -> Vec<ValueId>) {
+    if !common::ort_available() {
+        return;
+    }
+    let seed = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    });
+    let mut net = Net::new(opset, elem, seed);
+    let ys = build(&mut net);
+    let (forward, params) = net.finish(&ys);
+    assert!(!params.is_empty(), "{name}: no parameters");
+    let graph = onnx_ga::signature::forward(forward, Path::new("case.onnx"));
+    let step = onnx_ga::step::build_step(graph, PIPELINE, true)
+        .unwrap_or_else(|e| panic!("{name}: {PIPELINE}: {e}"));
+    let proto = step.model.to_proto();
+    let mut s = session(&proto);
+    let base: Vec<(String, Tensor)> = s.run(&[]).unwrap_or_else(|e| panic!("{name}: run: {e}"));
+    let get = |outs: &[(String, Tensor)], n: &str| -> Vec<f64> {
+        let t = outs.iter().find(|(o, _)| o == n).unwrap_or_else(|| {
+            panic!(
+                "{name}: no output '{n}' (outputs: {:?})",
+                outs.iter().map(|(o, _)| o.as_str()).collect::<Vec<_>>()
+            )
+        });
+        values(&t.1)
+    };
+    let grad_outputs: Vec<&str> = base
+        .iter()
+        .map(|(o, _)| o.as_str())
+        .filter(|o| o.ends_with("_grad"))
+        .collect();
+    let mut expected: Vec<String> = params.iter().map(|(p, ..)| format!("{p}_grad")).collect();
+    expected.sort();
+    let mut got: Vec<String> = grad_outputs.iter().map(|s| s.to_string()).collect();
+    got.sort();
+    assert_eq!(got, expected, "{name}: gradient outputs");
+
+    let (h, tol) = if elem == F64 {
+        (1e-6, 1e-6)
+    } else {
+        (1e-3, 1e-3)
+    };
+    let mut worst = 0.0f64;
+    let mut report = Vec::new();
+    for (p, dims, v0) in &params {
+        let g = get(&base, &format!("{p}_grad"));
+        assert_eq!(g.len(), v0.len(), "{name}: {p}_grad size");
+        let mut fd = Vec::with_capacity(v0.len());
+        for i in 0..v0.len() {
+            let mut loss_at = |x: f64| -> (f64, f64) {
+                let mut v = v0.clone();
+                v[i] = x;
+                let t = to_tensor(elem, dims, &v);
+                let outs = s
+                    .run(&[(p.as_str(), &t)])
+                    .unwrap_or_else(|e| panic!("{name}: run: {e}"));
+                let stored = values(&t)[i];
+                (get(&outs, "loss")[0], stored)
+            };
+            let (lp, xp) = loss_at(v0[i] + h);
+            let (lm, xm) = loss_at(v0[i] - h);
+            fd.push((lp - lm) / (xp - xm));
+        }
+        let diff = norm(g.iter().zip(&fd).map(|(a, b)| a - b));
+        let scale = norm(fd.iter().copied()).max(1e-30);
+        let rel = diff / scale;
+        report.push(format!("{p}: {rel:.1e} (|fd| {scale:.2e})"));
+        if rel > worst || rel.is_nan() {
+            worst = rel;
+        }
+        assert!(
+            norm(g.iter().copied()) > 0.0 || scale == 1e-30,
+            "{name}: {p}: zero gradient"
+        );
+    }
+    let kind = if elem == F64 { "f64" } else { "f32" };
+    eprintln!("MEASURED {name} {kind} {worst:.1e} [{}]", report.join(", "));
+    assert!(
+        worst <= tol,
+        "{name} ({kind}): relative error {worst:e} > {tol:e}: {}",
+        report.join(", ")
+    );
+}
+
+/// One #[test] per case: `name: opset, elem => |net| { ... outputs }`.
+macro_rules! cases {
+    ($($(#[$meta:meta])* $name:ident: $opset:expr, $elem:expr => $build:expr;)*) => {$(
+        #[test]
+        $(#[$meta])*
+        fn $name() {
+            check(stringify!($name), $opset, $elem, $build);
+        }
+    )*};
+}
+
+fn pair_minmax(n: &mut Net, a_dims: &[i64], b_dims: &[i64]) -> (ValueId, ValueId) {
+    // b random; a = b (broadcast) ± an offset in [0.1, 1], so a ≠ b by a clear margin.
+    let bv = n.random(b_dims, -1.0, 1.0);
+    let cols = count(b_dims);
+    let av: Vec<f64> = (0..count(a_dims))
+        .map(|i| {
+            let off = n.rng.uniform(0.1, 1.0);
+            let sign = if n.rng.unit() < 0.5 { -1.0 } else { 1.0 };
+            bv[i % cols] + sign * off
+        })
+        .collect();
+    let a = n.param_with("A", a_dims, av);
+    let b = n.param_with("B", b_dims, bv);
+    (a, b)
+}
+
+fn gemm_case(n: &mut Net, trans_a: bool, trans_b: bool) -> Vec<ValueId> {
+    let (m, k, nn) = (3, 4, 5);
+    let a_dims = if trans_a { [k, m] } else { [m, k] };
+    let b_dims = if trans_b { [nn, k] } else { [k, nn] };
+    let a = n.param("A", &a_dims, -1.0, 1.0);
+    let b = n.param("B", &b_dims, -1.0, 1.0);
+    let c = n.param("C", &[nn], -1.0, 1.0);
+    vec![n.op(
+        "Gemm",
+        &[a, b, c],
+        vec![
+            attr_int("transA", trans_a as i64),
+            attr_int("transB", trans_b as i64),
+            attr_float("alpha", 0.7),
+            attr_float("beta", 1.3),
+        ],
+    )]
+}
+
+fn conv_case(
+    n: &mut Net,
+    x_dims: &[i64],
+    w_dims: &[i64],
+    attrs: Vec<AttributeProto>,
+) -> Vec<ValueId> {
+    let x = n.param("X", x_dims, -1.0, 1.0);
+    let w = n.param("W", w_dims, -1.0, 1.0);
+    let b = n.param("Bias", &[w_dims[0]], -1.0, 1.0);
+    vec![n.op("Conv", &[x, w, b], attrs)]
+}
+
+fn reduce_case(n: &mut Net, op: &str, keepdims: i64) -> Vec<ValueId> {
+    let x = if matches!(op, "ReduceMax" | "ReduceMin") {
+        n.param_distinct("X", &[3, 4, 2], 0.1)
+    } else {
+        n.param("X", &[3, 4, 2], -1.0, 1.0)
+    };
+    let axes = n.ints("axes", &[1], &[1]);
+    vec![n.op(op, &[x, axes], vec![attr_int("keepdims", keepdims)])]
+}
+
+fn unary(n: &mut Net, op: &str, lo: f64, hi: f64, attrs: Vec<AttributeProto>) -> Vec<ValueId> {
+    let x = n.param("X", &[3, 4], lo, hi);
+    vec![n.op(op, &[x], attrs)]
+}
+
+fn unary_avoid(
+    n: &mut Net,
+    op: &str,
+    lo: f64,
+    hi: f64,
+    kinks: &[f64],
+    attrs: Vec<AttributeProto>,
+) -> Vec<ValueId> {
+    let x = n.param_avoid("X", &[3, 4], lo, hi, kinks, 0.05);
+    vec![n.op(op, &[x], attrs)]
+}
+
+cases! {
+    // ---- elementwise
+    add: 17, F64 => |n| {
+        let a = n.param("A", &[3, 4], -1.0, 1.0);
+        let b = n.param("B", &[3, 4], -1.0, 1.0);
+        vec![n.op("Add", &[a, b], vec![])]
+    };
+    add_broadcast_nc_c: 17, F64 => |n| {
+        let a = n.param("A", &[4, 3], -1.0, 1.0);
+        let b = n.param("B", &[3], -1.0, 1.0);
+        vec![n.op("Add", &[a, b], vec![])]
+    };
+    sub_broadcast: 17, F64 => |n| {
+        let a = n.param("A", &[4], -1.0, 1.0);
+        let b = n.param("B", &[3, 4], -1.0, 1.0);
+        vec![n.op("Sub", &[a, b], vec![])]
+    };
+    mul: 17, F64 => |n| {
+        let a = n.param("A", &[3, 4], -1.0, 1.0);
+        let b = n.param("B", &[3, 4], -1.0, 1.0);
+        vec![n.op("Mul", &[a, b], vec![])]
+    };
+    mul_broadcast_n1h_1ch: 17, F64 => |n| {
+        let a = n.param("A", &[2, 1, 4], -1.0, 1.0);
+        let b = n.param("B", &[1, 3, 4], -1.0, 1.0);
+        vec![n.op("Mul", &[a, b], vec![])]
+    };
+    div: 17, F64 => |n| {
+        let a = n.param("A", &[3, 4], -1.0, 1.0);
+        let b = n.param_avoid("B", &[3, 4], -1.5, 1.5, &[0.0], 0.5);
+        vec![n.op("Div", &[a, b], vec![])]
+    };
+    div_broadcast: 17, F64 => |n| {
+        let a = n.param("A", &[3, 4], -1.0, 1.0);
+        let b = n.param_avoid("B", &[1, 4], -1.5, 1.5, &[0.0], 0.5);
+        vec![n.op("Div", &[a, b], vec![])]
+    };
+    neg: 17, F64 => |n| unary(n, "Neg", -1.0, 1.0, vec![]);
+    pow: 17, F64 => |n| {
+        let a = n.param("A", &[3, 4], 0.5, 2.0);
+        let b = n.param("B", &[3, 4], -1.5, 2.0);
+        vec![n.op("Pow", &[a, b], vec![])]
+    };
+    pow_constant_exponent: 17, F64 => |n| {
+        let a = n.param("A", &[3, 4], -1.5, 1.5);
+        let e = n.konst("e", &[], &[3.0]);
+        vec![n.op("Pow", &[a, e], vec![])]
+    };
+    pow_broadcast_exponent: 17, F64 => |n| {
+        let a = n.param("A", &[3, 4], 0.5, 2.0);
+        let b = n.param("B", &[4], -1.5, 2.0);
+        vec![n.op("Pow", &[a, b], vec![])]
+    };
+    sqrt: 17, F64 => |n| unary(n, "Sqrt", 0.5, 2.0, vec![]);
+    reciprocal: 17, F64 => |n| unary_avoid(n, "Reciprocal", -2.0, 2.0, &[0.0], vec![]);
+    exp: 17, F64 => |n| unary(n, "Exp", -1.0, 1.0, vec![]);
+    log: 17, F64 => |n| unary(n, "Log", 0.3, 2.0, vec![]);
+    abs: 17, F64 => |n| unary_avoid(n, "Abs", -1.5, 1.5, &[0.0], vec![]);
+    erf: 17, F32 => |n| unary(n, "Erf", -1.5, 1.5, vec![]);
+    sum_broadcast: 17, F64 => |n| {
+        let a = n.param("A", &[3, 4], -1.0, 1.0);
+        let b = n.param("B", &[4], -1.0, 1.0);
+        let c = n.param("C", &[3, 1], -1.0, 1.0);
+        vec![n.op("Sum", &[a, b, c], vec![])]
+    };
+    mean_broadcast: 17, F32 => |n| {
+        let a = n.param("A", &[3, 4], -1.0, 1.0);
+        let b = n.param("B", &[4], -1.0, 1.0);
+        let c = n.param("C", &[3, 1], -1.0, 1.0);
+        vec![n.op("Mean", &[a, b, c], vec![])]
+    };
+    min_broadcast: 17, F64 => |n| {
+        let (a, b) = pair_minmax(n, &[3, 4], &[4]);
+        vec![n.op("Min", &[a, b], vec![])]
+    };
+    max_broadcast: 17, F64 => |n| {
+        let (a, b) = pair_minmax(n, &[3, 4], &[4]);
+        vec![n.op("Max", &[a, b], vec![])]
+    };
+    max: 17, F64 => |n| {
+        let (a, b) = pair_minmax(n, &[3, 4], &[3, 4]);
+        vec![n.op("Max", &[a, b], vec![])]
+    };
+    where_broadcast: 17, F64 => |n| {
+        let cond: Vec<bool> = (0..12).map(|_| n.rng.unit() < 0.5).collect();
+        let c = n.bools("cond", &[3, 4], &cond);
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let y = n.param("Y", &[4], -1.0, 1.0);
+        vec![n.op("Where", &[c, x, y], vec![])]
+    };
+
+    // ---- activations
+    relu: 17, F64 => |n| unary_avoid(n, "Relu", -1.5, 1.5, &[0.0], vec![]);
+    sigmoid: 17, F64 => |n| unary(n, "Sigmoid", -2.0, 2.0, vec![]);
+    tanh: 17, F64 => |n| unary(n, "Tanh", -2.0, 2.0, vec![]);
+    leaky_relu: 17, F64 => |n| unary_avoid(n, "LeakyRelu", -1.5, 1.5, &[0.0], vec![attr_float("alpha", 0.1)]);
+    elu: 17, F32 => |n| unary_avoid(n, "Elu", -1.5, 1.5, &[0.0], vec![attr_float("alpha", 0.7)]);
+    gelu: 20, F32 => |n| unary(n, "Gelu", -2.0, 2.0, vec![]);
+    gelu_tanh: 20, F64 => |n| unary(n, "Gelu", -2.0, 2.0, vec![attr_string("approximate", "tanh")]);
+    hard_sigmoid: 17, F32 => |n| {
+        // alpha x + beta leaves [0, 1] at x = -4/3 and x = 2.
+        unary_avoid(n, "HardSigmoid", -3.0, 3.0, &[-4.0 / 3.0, 2.0],
+            vec![attr_float("alpha", 0.3), attr_float("beta", 0.4)])
+    };
+    hard_swish: 17, F32 => |n| unary_avoid(n, "HardSwish", -4.5, 4.5, &[-3.0, 3.0], vec![]);
+    softplus: 17, F32 => |n| unary(n, "Softplus", -2.0, 2.0, vec![]);
+    clip: 17, F64 => |n| {
+        let x = n.param_avoid("X", &[3, 4], -1.5, 1.5, &[-0.5, 0.6], 0.05);
+        let lo = n.konst("min", &[], &[-0.5]);
+        let hi = n.konst("max", &[], &[0.6]);
+        vec![n.op("Clip", &[x, lo, hi], vec![])]
+    };
+    clip_max_only: 17, F64 => |n| {
+        let x = n.param_avoid("X", &[3, 4], -1.5, 1.5, &[0.6], 0.05);
+        let hi = n.konst("max", &[], &[0.6]);
+        n.node("Clip", &[Some(x), None, Some(hi)], 1, vec![])
+    };
+
+    // ---- MatMul, Gemm
+    matmul_2d: 17, F64 => |n| {
+        let a = n.param("A", &[3, 4], -1.0, 1.0);
+        let b = n.param("B", &[4, 5], -1.0, 1.0);
+        vec![n.op("MatMul", &[a, b], vec![])]
+    };
+    matmul_batched: 17, F64 => |n| {
+        let a = n.param("A", &[2, 3, 4], -1.0, 1.0);
+        let b = n.param("B", &[2, 4, 5], -1.0, 1.0);
+        vec![n.op("MatMul", &[a, b], vec![])]
+    };
+    matmul_btk_kn: 17, F64 => |n| {
+        let a = n.param("A", &[2, 3, 4], -1.0, 1.0);
+        let b = n.param("B", &[4, 5], -1.0, 1.0);
+        vec![n.op("MatMul", &[a, b], vec![])]
+    };
+    matmul_broadcast_batch: 17, F64 => |n| {
+        let a = n.param("A", &[2, 1, 3, 4], -1.0, 1.0);
+        let b = n.param("B", &[3, 4, 2], -1.0, 1.0);
+        vec![n.op("MatMul", &[a, b], vec![])]
+    };
+    gemm_nn: 17, F64 => |n| gemm_case(n, false, false);
+    gemm_tn: 17, F64 => |n| gemm_case(n, true, false);
+    gemm_nt: 17, F64 => |n| gemm_case(n, false, true);
+    gemm_tt: 17, F64 => |n| gemm_case(n, true, true);
+
+    // ---- Conv, pooling
+    conv_plain: 17, F32 => |n| conv_case(n, &[1, 2, 5, 5], &[3, 2, 3, 3], vec![]);
+    conv_stride_pad: 17, F32 => |n| conv_case(n, &[2, 2, 5, 5], &[2, 2, 3, 3],
+        vec![attr_ints("strides", &[2, 2]), attr_ints("pads", &[1, 1, 1, 1])]);
+    conv_group: 17, F32 => |n| conv_case(n, &[1, 4, 4, 4], &[4, 2, 3, 3],
+        vec![attr_int("group", 2), attr_ints("pads", &[1, 0, 1, 0])]);
+    conv_dilation: 17, F32 => |n| conv_case(n, &[1, 2, 6, 6], &[2, 2, 2, 2],
+        vec![attr_ints("dilations", &[2, 2])]);
+    max_pool_disjoint: 17, F32 => |n| {
+        let x = n.param_distinct("X", &[1, 2, 4, 4], 0.1);
+        vec![n.op("MaxPool", &[x], vec![attr_ints("kernel_shape", &[2, 2]), attr_ints("strides", &[2, 2])])]
+    };
+    max_pool_overlapping: 17, F64 => |n| {
+        let x = n.param_distinct("X", &[1, 2, 4, 4], 0.1);
+        vec![n.op("MaxPool", &[x], vec![
+            attr_ints("kernel_shape", &[3, 3]),
+            attr_ints("strides", &[1, 1]),
+            attr_ints("pads", &[1, 1, 1, 1]),
+        ])]
+    };
+    average_pool: 17, F32 => |n| {
+        let x = n.param("X", &[1, 2, 4, 4], -1.0, 1.0);
+        vec![n.op("AveragePool", &[x], vec![attr_ints("kernel_shape", &[2, 2]), attr_ints("strides", &[2, 2])])]
+    };
+    average_pool_overlapping_padded: 17, F32 => |n| {
+        let x = n.param("X", &[1, 2, 4, 4], -1.0, 1.0);
+        vec![n.op("AveragePool", &[x], vec![
+            attr_ints("kernel_shape", &[3, 3]),
+            attr_ints("strides", &[1, 1]),
+            attr_ints("pads", &[1, 1, 1, 1]),
+            attr_int("count_include_pad", 1),
+        ])]
+    };
+    global_average_pool: 17, F32 => |n| {
+        let x = n.param("X", &[2, 3, 3, 3], -1.0, 1.0);
+        vec![n.op("GlobalAveragePool", &[x], vec![])]
+    };
+
+    // ---- normalisation
+    layer_norm_last_axis: 17, F64 => |n| {
+        let x = n.param("X", &[2, 3, 4], -1.0, 1.0);
+        let s = n.param("Scale", &[4], 0.5, 1.5);
+        let b = n.param("Bias", &[4], -1.0, 1.0);
+        vec![n.op("LayerNormalization", &[x, s, b], vec![attr_int("axis", -1), attr_float("epsilon", 1e-5)])]
+    };
+    layer_norm_axis1: 17, F64 => |n| {
+        let x = n.param("X", &[2, 3, 4], -1.0, 1.0);
+        let s = n.param("Scale", &[3, 4], 0.5, 1.5);
+        let b = n.param("Bias", &[3, 4], -1.0, 1.0);
+        vec![n.op("LayerNormalization", &[x, s, b], vec![attr_int("axis", 1), attr_float("epsilon", 1e-5)])]
+    };
+    batch_norm: 17, F64 => |n| {
+        let x = n.param("X", &[4, 3, 2, 2], -1.0, 1.0);
+        let s = n.param("Scale", &[3], 0.5, 1.5);
+        let b = n.param("Bias", &[3], -1.0, 1.0);
+        let mean = n.random(&[3], -0.5, 0.5);
+        let mean = n.tensor(&[3], &mean);
+        let mean = n.model.add_initializer(MAIN, "running_mean", mean);
+        let var = n.random(&[3], 0.5, 1.5);
+        let var = n.tensor(&[3], &var);
+        let var = n.model.add_initializer(MAIN, "running_var", var);
+        vec![n.node("BatchNormalization", &[Some(x), Some(s), Some(b), Some(mean), Some(var)], 1,
+            vec![attr_float("epsilon", 1e-5), attr_float("momentum", 0.9)])[0]]
+    };
+
+    // ---- softmax
+    softmax_last: 17, F64 => |n| unary(n, "Softmax", -2.0, 2.0, vec![]);
+    softmax_axis1: 17, F64 => |n| {
+        let x = n.param("X", &[2, 3, 4], -2.0, 2.0);
+        vec![n.op("Softmax", &[x], vec![attr_int("axis", 1)])]
+    };
+    log_softmax_last: 17, F64 => |n| unary(n, "LogSoftmax", -2.0, 2.0, vec![]);
+    log_softmax_axis1: 17, F64 => |n| {
+        let x = n.param("X", &[2, 3, 4], -2.0, 2.0);
+        vec![n.op("LogSoftmax", &[x], vec![attr_int("axis", 1)])]
+    };
+
+    // ---- reductions (opset 18: axes as an input)
+    reduce_sum_keep0: 18, F64 => |n| reduce_case(n, "ReduceSum", 0);
+    reduce_sum_keep1: 18, F64 => |n| reduce_case(n, "ReduceSum", 1);
+    reduce_mean_keep0: 18, F64 => |n| reduce_case(n, "ReduceMean", 0);
+    reduce_mean_keep1: 18, F64 => |n| reduce_case(n, "ReduceMean", 1);
+    reduce_sum_square_keep0: 18, F64 => |n| reduce_case(n, "ReduceSumSquare", 0);
+    reduce_sum_square_keep1: 18, F64 => |n| reduce_case(n, "ReduceSumSquare", 1);
+    reduce_l2_keep0: 18, F64 => |n| reduce_case(n, "ReduceL2", 0);
+    reduce_l2_keep1: 18, F64 => |n| reduce_case(n, "ReduceL2", 1);
+    reduce_max_keep0: 18, F64 => |n| reduce_case(n, "ReduceMax", 0);
+    reduce_max_keep1: 18, F64 => |n| reduce_case(n, "ReduceMax", 1);
+    reduce_min_keep0: 18, F64 => |n| reduce_case(n, "ReduceMin", 0);
+    reduce_min_keep1: 18, F64 => |n| reduce_case(n, "ReduceMin", 1);
+    reduce_mean_opset17_axes_attr: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4, 2], -1.0, 1.0);
+        vec![n.op("ReduceMean", &[x], vec![attr_ints("axes", &[0, 2]), attr_int("keepdims", 0)])]
+    };
+    reduce_sum_all_axes: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        vec![n.op("ReduceSum", &[x], vec![attr_int("keepdims", 1)])]
+    };
+
+    // ---- shape ops
+    reshape: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let s = n.ints("shape", &[3], &[2, -1, 3]);
+        vec![n.op("Reshape", &[x, s], vec![])]
+    };
+    flatten: 17, F64 => |n| {
+        let x = n.param("X", &[2, 3, 4], -1.0, 1.0);
+        vec![n.op("Flatten", &[x], vec![attr_int("axis", 2)])]
+    };
+    squeeze: 17, F64 => |n| {
+        let x = n.param("X", &[3, 1, 4], -1.0, 1.0);
+        let a = n.ints("axes", &[1], &[1]);
+        vec![n.op("Squeeze", &[x, a], vec![])]
+    };
+    unsqueeze: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let a = n.ints("axes", &[2], &[0, 2]);
+        vec![n.op("Unsqueeze", &[x, a], vec![])]
+    };
+    identity: 17, F64 => |n| unary(n, "Identity", -1.0, 1.0, vec![]);
+    transpose: 17, F64 => |n| {
+        let x = n.param("X", &[2, 3, 4], -1.0, 1.0);
+        vec![n.op("Transpose", &[x], vec![attr_ints("perm", &[2, 0, 1])])]
+    };
+    transpose_default_perm: 17, F64 => |n| {
+        let x = n.param("X", &[2, 3, 4], -1.0, 1.0);
+        vec![n.op("Transpose", &[x], vec![])]
+    };
+    expand: 17, F64 => |n| {
+        let x = n.param("X", &[3, 1], -1.0, 1.0);
+        let s = n.ints("shape", &[3], &[2, 3, 4]);
+        vec![n.op("Expand", &[x, s], vec![])]
+    };
+    concat: 17, F64 => |n| {
+        let a = n.param("A", &[2, 3], -1.0, 1.0);
+        let b = n.param("B", &[2, 2], -1.0, 1.0);
+        vec![n.op("Concat", &[a, b], vec![attr_int("axis", -1)])]
+    };
+    split_unused_output: 17, F64 => |n| {
+        let x = n.param("X", &[5, 3], -1.0, 1.0);
+        let s = n.ints("split", &[3], &[1, 2, 2]);
+        let outs = n.node("Split", &[Some(x), Some(s)], 3, vec![attr_int("axis", 0)]);
+        vec![outs[0], outs[2]]
+    };
+    split_equal_opset18: 18, F64 => |n| {
+        let x = n.param("X", &[2, 6], -1.0, 1.0);
+        let outs = n.node("Split", &[Some(x)], 3, vec![attr_int("axis", 1), attr_int("num_outputs", 3)]);
+        vec![outs[0], outs[1], outs[2]]
+    };
+    slice_unit_steps: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4, 5], -1.0, 1.0);
+        let starts = n.ints("starts", &[2], &[1, -4]);
+        let ends = n.ints("ends", &[2], &[3, 100]);
+        let axes = n.ints("axes", &[2], &[0, -1]);
+        vec![n.op("Slice", &[x, starts, ends, axes], vec![])]
+    };
+    #[ignore = "the Slice rule rejects steps other than 1 (reported)"]
+    slice_steps: 17, F64 => |n| {
+        let x = n.param("X", &[4, 5], -1.0, 1.0);
+        let starts = n.ints("starts", &[2], &[1, 0]);
+        let ends = n.ints("ends", &[2], &[3, 5]);
+        let axes = n.ints("axes", &[2], &[0, 1]);
+        let steps = n.ints("steps", &[2], &[1, 2]);
+        vec![n.op("Slice", &[x, starts, ends, axes, steps], vec![])]
+    };
+    #[ignore = "the Slice rule rejects steps other than 1 (reported)"]
+    slice_negative_step: 17, F64 => |n| {
+        let x = n.param("X", &[4, 5], -1.0, 1.0);
+        let starts = n.ints("starts", &[1], &[-1]);
+        let ends = n.ints("ends", &[1], &[0]);
+        let axes = n.ints("axes", &[1], &[1]);
+        let steps = n.ints("steps", &[1], &[-2]);
+        vec![n.op("Slice", &[x, starts, ends, axes, steps], vec![])]
+    };
+    pad_constant: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let pads = n.ints("pads", &[4], &[1, 0, 0, 2]);
+        let value = n.konst("pad_value", &[], &[0.5]);
+        let y = n.op("Pad", &[x, pads, value], vec![]);
+        n.declare(y, &[4, 6]);
+        vec![y]
+    };
+    #[ignore = "shapes.rs derives no facts for Pad's output (reported); pad_constant declares them"]
+    pad_constant_undeclared: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let pads = n.ints("pads", &[4], &[1, 0, 0, 2]);
+        let value = n.konst("pad_value", &[], &[0.5]);
+        vec![n.op("Pad", &[x, pads, value], vec![])]
+    };
+    pad_axes_opset18: 18, F64 => |n| {
+        let x = n.param("X", &[2, 3, 4], -1.0, 1.0);
+        let pads = n.ints("pads", &[4], &[2, 1, 0, 1]);
+        let axes = n.ints("axes", &[2], &[0, -1]);
+        let y = n.node("Pad", &[Some(x), Some(pads), None, Some(axes)], 1, vec![])[0];
+        n.declare(y, &[4, 3, 6]);
+        vec![y]
+    };
+    tile: 17, F64 => |n| {
+        let x = n.param("X", &[2, 3], -1.0, 1.0);
+        let r = n.ints("repeats", &[2], &[2, 3]);
+        let y = n.op("Tile", &[x, r], vec![]);
+        n.declare(y, &[4, 9]);
+        vec![y]
+    };
+    #[ignore = "shapes.rs derives no facts for Tile's output (reported); tile declares them"]
+    tile_undeclared: 17, F64 => |n| {
+        let x = n.param("X", &[2, 3], -1.0, 1.0);
+        let r = n.ints("repeats", &[2], &[2, 3]);
+        vec![n.op("Tile", &[x, r], vec![])]
+    };
+    cast: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        vec![n.op("Cast", &[x], vec![attr_int("to", F64 as i64)])]
+    };
+    cast_like: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let like = n.konst("like", &[], &[0.0]);
+        vec![n.op("CastLike", &[x, like], vec![])]
+    };
+    gather_axis0_repeated: 17, F64 => |n| {
+        let x = n.param("X", &[5, 3], -1.0, 1.0);
+        let i = n.ints("indices", &[4], &[0, 2, 2, 4]);
+        vec![n.op("Gather", &[x, i], vec![attr_int("axis", 0)])]
+    };
+    gather_axis1_2d_negative: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let i = n.ints("indices", &[2, 2], &[-1, 0, 1, -1]);
+        vec![n.op("Gather", &[x, i], vec![attr_int("axis", 1)])]
+    };
+    gather_axis1_1d: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let i = n.ints("indices", &[3], &[3, 0, 3]);
+        vec![n.op("Gather", &[x, i], vec![attr_int("axis", 1)])]
+    };
+    gather_axis0_2d: 17, F64 => |n| {
+        let x = n.param("X", &[4, 3], -1.0, 1.0);
+        let i = n.ints("indices", &[2, 3], &[0, 1, 1, 3, -1, 0]);
+        vec![n.op("Gather", &[x, i], vec![attr_int("axis", 0)])]
+    };
+    gather_axis1_scalar_index: 17, F64 => |n| {
+        let x = n.param("X", &[2, 4, 3], -1.0, 1.0);
+        let i = n.ints("index", &[], &[2]);
+        vec![n.op("Gather", &[x, i], vec![attr_int("axis", -2)])]
+    };
+    gather_elements: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let i = n.ints("indices", &[3, 2], &[0, 0, 3, 1, 2, -1]);
+        vec![n.op("GatherElements", &[x, i], vec![attr_int("axis", 1)])]
+    };
+
+    // ---- loss
+    softmax_cross_entropy_ignore_index: 17, F32 => |n| {
+        let x = n.param("X", &[5, 4], -2.0, 2.0);
+        let labels = n.ints("labels", &[5], &[1, 3, 3, 0, 2]);
+        vec![n.node("SoftmaxCrossEntropyLoss", &[Some(x), Some(labels)], 1,
+            vec![attr_int("ignore_index", 3), attr_string("reduction", "mean")])[0]]
+    };
+    softmax_cross_entropy_sum_nd: 17, F32 => |n| {
+        let x = n.param("X", &[2, 3, 4], -2.0, 2.0);
+        let labels = n.ints("labels", &[2, 4], &[0, 1, 2, 1, 2, -1, 0, 0]);
+        vec![n.node("SoftmaxCrossEntropyLoss", &[Some(x), Some(labels)], 1,
+            vec![attr_int("ignore_index", -1), attr_string("reduction", "sum")])[0]]
+    };
+    softmax_cross_entropy_none: 17, F32 => |n| {
+        let x = n.param("X", &[4, 3], -2.0, 2.0);
+        let labels = n.ints("labels", &[4], &[2, 0, 1, 1]);
+        vec![n.node("SoftmaxCrossEntropyLoss", &[Some(x), Some(labels)], 1,
+            vec![attr_string("reduction", "none")])[0]]
+    };
+
+    // ---- a parameter shared by two nodes: its gradient is the sum
+    shared_parameter: 17, F64 => |n| {
+        let x = n.param("X", &[2, 3], -1.0, 1.0);
+        let w = n.param("W", &[3, 3], -1.0, 1.0);
+        let y1 = n.op("MatMul", &[x, w], vec![]);
+        let y2 = n.op("Tanh", &[w], vec![]);
+        vec![y1, y2]
+    };
+    shared_parameter_same_node: 17, F64 => |n| {
+        let w = n.param("W", &[3, 4], -1.0, 1.0);
+        vec![n.op("Mul", &[w, w], vec![])]
+    };
+}
