@@ -895,7 +895,6 @@ cases! {
         n.declare(y, &[4, 6]);
         vec![y]
     };
-    #[ignore = "shapes.rs derives no facts for Pad's output (reported); pad_constant declares them"]
     pad_constant_undeclared: 17, F64 => |n| {
         let x = n.param("X", &[3, 4], -1.0, 1.0);
         let pads = n.ints("pads", &[4], &[1, 0, 0, 2]);
@@ -917,7 +916,6 @@ cases! {
         n.declare(y, &[4, 9]);
         vec![y]
     };
-    #[ignore = "shapes.rs derives no facts for Tile's output (reported); tile declares them"]
     tile_undeclared: 17, F64 => |n| {
         let x = n.param("X", &[2, 3], -1.0, 1.0);
         let r = n.ints("repeats", &[2], &[2, 3]);

@@ -587,6 +587,49 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
             vec![with_dims(x.elem, dims)]
         }
         "GatherElements" => vec![with_dims(x.elem, input(1).dims)],
+        "Pad" => {
+            let pads = ints("pads").or_else(|| n.inputs.get(1).copied().flatten().and_then(|v| constant_ints(model, v)));
+            let axes = n.inputs.get(3).copied().flatten().and_then(|v| constant_ints(model, v));
+            let dims = x.dims.map(|d| {
+                let rank = d.len() as i64;
+                let Some(pads) = pads else {
+                    return vec![Dim::Unknown; d.len()];
+                };
+                let axes: Vec<i64> = axes
+                    .unwrap_or_else(|| (0..rank).collect())
+                    .iter()
+                    .map(|a| if *a < 0 { a + rank } else { *a })
+                    .collect();
+                let k = axes.len();
+                let mut out = d.clone();
+                for (j, a) in axes.iter().enumerate() {
+                    let a = *a as usize;
+                    if let (Some(size), Some(b), Some(e)) = (d.get(a).and_then(Dim::known), pads.get(j), pads.get(j + k)) {
+                        out[a] = Dim::Known(size + b + e);
+                    } else if a < out.len() {
+                        out[a] = Dim::Unknown;
+                    }
+                }
+                out
+            });
+            vec![with_dims(x.elem, dims)]
+        }
+        "Tile" => {
+            let reps = n.inputs.get(1).copied().flatten().and_then(|v| constant_ints(model, v));
+            let dims = x.dims.map(|d| match reps {
+                Some(r) if r.len() == d.len() => d
+                    .iter()
+                    .zip(&r)
+                    .map(|(d, r)| match (d, r) {
+                        (_, 1) => d.clone(),
+                        (Dim::Known(v), r) => Dim::Known(v * r),
+                        _ => Dim::Unknown,
+                    })
+                    .collect(),
+                _ => vec![Dim::Unknown; d.len()],
+            });
+            vec![with_dims(x.elem, dims)]
+        }
         "Range" => vec![with_dims(x.elem, Some(vec![Dim::Unknown]))],
         "ConstantOfShape" => {
             let t = p
