@@ -168,11 +168,23 @@ fn sync_dir(dir: &Path) -> io::Result<()> {
 }
 
 /// Commits staged files, in order. Every file was already written completely, so only a
-/// rename can fail here; the files not yet renamed are removed.
+/// rename can fail here; then the files not yet renamed are removed, and so are those
+/// this call renamed into place where no file was before (a file it replaced stays
+/// replaced).
 pub fn commit_all(staged: Vec<Staged>) -> Result<(), (PathBuf, io::Error)> {
+    let mut created = Vec::new();
     for s in staged {
         let target = s.target.clone();
-        s.commit().map_err(|e| (target, e))?;
+        let new = fs::symlink_metadata(&target).is_err();
+        if let Err(e) = s.commit() {
+            for path in created {
+                let _ = fs::remove_file(path);
+            }
+            return Err((target, e));
+        }
+        if new {
+            created.push(target);
+        }
     }
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! The `onnx-ga` command line: parse, call the library, print. Exit codes: 0 success,
 //! 2 bad input (unreadable or inconsistent files, bad arguments), 1 anything else.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
@@ -160,18 +160,32 @@ struct TrainArgs {
     #[arg(long)]
     init_state: Option<PathBuf>,
     /// Write every state tensor here at the end (atomically), keyed by state input name
-    /// (parameters by their initializer names): .npz or .safetensors, by extension.
+    /// (parameters by their initializer names): .npz or .safetensors, by extension. Next to
+    /// it, S.progress.json records the micro-step it was taken after (what --init-state S
+    /// resumes from). May be the --init-state file (a resume).
     #[arg(long)]
     save_state: Option<PathBuf>,
-    /// Write one JSON line per micro-step here (step, loss, applied, scale).
+    /// Also checkpoint the state to --save-state (atomically, with its progress file) every
+    /// N optimizer steps: an interrupted run loses at most N windows.
+    #[arg(long, value_name = "N", requires = "save_state")]
+    save_every: Option<u64>,
+    /// Write one JSON line per micro-step here as it happens (step, loss, applied, scale;
+    /// skipped / discarded when a window or micro-step was dropped). Resuming (a start step
+    /// above 0) into an existing file keeps its lines up to the start step.
     #[arg(long)]
     metrics: Option<PathBuf>,
+    /// A micro-step whose loss is NaN or infinite (on a step without loss scaling, which
+    /// skips such windows itself): stop with an error naming it and its data rows, saving
+    /// nothing more (the default), or skip: discard its state update and go on.
+    #[arg(long, default_value = "stop", value_parser = ["stop", "skip"])]
+    on_nonfinite: String,
     /// Apply the optimizer on the last micro-step even if its window is not full.
     #[arg(long)]
     flush: bool,
-    /// Micro-steps already taken before this run (sets where sampling resumes).
-    #[arg(long, default_value_t = 0)]
-    start_step: u64,
+    /// Micro-steps already taken before this run (sets where sampling resumes). Default:
+    /// the micro-step recorded in the --init-state file's progress file, else 0.
+    #[arg(long)]
+    start_step: Option<u64>,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -568,12 +582,17 @@ fn loss_scale_spec(args: &RewriteArgs) -> Result<Option<String>, UsageError> {
 }
 
 fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
-    if args.path.is_file() && onnx_ga::model::same_file(&args.path, &args.output) {
-        return Err(UsageError(format!(
-            "{}: refusing to overwrite the input model",
-            args.output.display()
-        ))
-        .into());
+    // Outputs: never a file the input reads, never each other, writable; before any work.
+    let mut outputs = vec![("-o", args.output.clone())];
+    if args.split {
+        outputs.push(("--split", split_output(&args.output, "accumulate")));
+        outputs.push(("--split", split_output(&args.output, "apply")));
+    }
+    let inputs = rewrite_inputs(&args.path);
+    let inputs: Vec<(&str, &Path)> = inputs.iter().map(|(w, p)| (*w, p.as_path())).collect();
+    for (flag, path) in &outputs {
+        refuse_overwrite(flag, path, &inputs)?;
+        check_writable(flag, path)?;
     }
     let loss_scale = loss_scale_spec(&args)?;
     if args.pipeline.is_some() && args.agc.is_some() {
@@ -682,23 +701,25 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
                 )
             })?;
         for (branch, s) in [("accumulate", &split.accumulate), ("apply", &split.apply)] {
-            let path = args.output.with_extension(format!("{branch}.onnx"));
+            let path = split_output(&args.output, branch);
             let model = onnx_ga::split::standalone(s, &step.manifest, branch);
             files.push((path, model));
         }
     }
-    for (path, _) in files.iter().skip(1) {
-        if args.path.is_file() && onnx_ga::model::same_file(&args.path, path) {
-            return Err(UsageError(format!(
-                "{}: refusing to overwrite the input model",
-                path.display()
-            ))
-            .into());
-        }
-    }
+    // Every file complete under a temporary name first, then all renamed: a failure
+    // leaves none of them.
+    let write_error = |path: &Path, source: std::io::Error| onnx_ga::model::ModelError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut staged = Vec::new();
     for (path, model) in &files {
-        onnx_ga::model::save_model(model, path)?;
+        let bytes = onnx_ga::model::encode_model(model);
+        let file = onnx_ga::atomic::Staged::new(path, |w| std::io::Write::write_all(w, &bytes))
+            .map_err(|e| write_error(path, e))?;
+        staged.push(file);
     }
+    onnx_ga::atomic::commit_all(staged).map_err(|(path, e)| write_error(&path, e))?;
     for (pass, report) in &step.reports {
         eprintln!("{pass}: {report}");
     }
@@ -801,15 +822,23 @@ fn export(args: ExportArgs) -> Result<(), Failure> {
 }
 
 fn train(args: TrainArgs) -> Result<(), Failure> {
-    use onnx_ga::train::{micro_batch, Trainer};
+    use onnx_ga::train::{micro_batch, OnNonFinite, TrainError, Trainer};
     if args.micro_batch == 0 {
         return Err(UsageError("--micro-batch must be at least 1".into()).into());
     }
+    if args.save_every == Some(0) {
+        return Err(UsageError("--save-every 0: must be at least 1".into()).into());
+    }
+    let on_nonfinite: OnNonFinite = args
+        .on_nonfinite
+        .parse()
+        .map_err(|e| UsageError(format!("--on-nonfinite {e}")))?;
+    let (model, model_files) = onnx_ga::model::load_model_with_data_listing(&args.model)?;
+    check_train_outputs(&args, &model_files)?;
     // Before training, not after it: the state file's format is its extension.
     if let Some(path) = &args.save_state {
         onnx_ga::data::StateFormat::of(path)?;
     }
-    let model = onnx_ga::model::load_model_with_data(&args.model)?;
     let device: onnx_ga::engine::ort::Device = args.device.parse().map_err(UsageError)?;
     let requested: onnx_ga::engine::EngineKind = args.engine.parse().map_err(UsageError)?;
     let requested = match (requested, device) {
@@ -844,6 +873,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         }
         other => anyhow::Error::new(other),
     })?;
+    trainer.set_on_nonfinite(on_nonfinite);
     eprintln!(
         "runs: {}",
         if trainer.is_split() {
@@ -867,6 +897,25 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     if let Some(path) = &args.init_state {
         trainer.load_state(path)?;
     }
+    let start_step = match (args.start_step, &args.init_state) {
+        (Some(step), _) => step,
+        (None, Some(path)) => match recorded_progress(&trainer, path)? {
+            Some(step) => {
+                eprintln!(
+                    "resuming at micro-step {step} (recorded in {})",
+                    progress_path(path).display()
+                );
+                step
+            }
+            None => 0,
+        },
+        (None, None) => 0,
+    };
+    // Every check passed: from here on the outputs are written as training goes.
+    let mut metrics_out = match &args.metrics {
+        Some(path) => Some(MetricsFile::open(path, start_step)?),
+        None => None,
+    };
     let bar = if args.quiet {
         indicatif::ProgressBar::hidden()
     } else {
@@ -876,16 +925,67 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} micro-steps {msg}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let mut lines = String::new();
+    let mut last = String::from("{}");
     let mut windows = 0u64;
+    let mut skipped = Vec::new();
+    let mut discarded = Vec::new();
+    // The micro-step the state file was last written after.
+    let mut saved_at: Option<u64> = None;
     for i in 0..args.steps {
-        let step_index = args.start_step + i;
+        let step_index = start_step + i;
         let batch = micro_batch(&data, samples, args.micro_batch, step_index);
         let flush = args.flush && i + 1 == args.steps;
-        let mut metrics = trainer.step(&batch, flush)?;
+        let mut metrics = match trainer.step(&batch, flush) {
+            Ok(m) => m,
+            Err(TrainError::NonFinite { loss, .. }) => {
+                bar.abandon();
+                let what = NonFiniteStep {
+                    step: step_index + 1,
+                    loss,
+                    rows: onnx_ga::train::micro_batch_rows(samples, args.micro_batch, step_index),
+                    data: &args.data,
+                };
+                let mut message = what.describe(&trainer, &batch);
+                message.push_str(&match (&args.save_state, saved_at) {
+                    (Some(path), Some(at)) => format!(
+                        "; stopped without saving it: {} holds the state after micro-step {at} (resume with --init-state {})",
+                        path.display(),
+                        path.display()
+                    ),
+                    (Some(path), None) => format!(
+                        "; stopped: {} was not written",
+                        path.display()
+                    ),
+                    (None, _) => "; stopped".to_string(),
+                });
+                message.push_str(
+                    ". --on-nonfinite skip discards such micro-steps and goes on; loss scaling (rewrite --loss-scale) skips their windows",
+                );
+                return Err(UsageError(message).into());
+            }
+            Err(e) => return Err(e.into()),
+        };
         metrics.step = step_index + 1;
         if metrics.applied {
             windows += 1;
+        }
+        if metrics.skipped {
+            skipped.push(metrics.step);
+        }
+        if metrics.discarded {
+            discarded.push(metrics.step);
+            if discarded.len() <= 10 {
+                let rows = onnx_ga::train::micro_batch_rows(samples, args.micro_batch, step_index);
+                bar.suspend(|| {
+                    eprintln!(
+                        "micro-step {}: the loss is {}; its update was discarded (data rows {} of {})",
+                        metrics.step,
+                        metrics.loss,
+                        row_ranges(&rows),
+                        args.data.display()
+                    )
+                });
+            }
         }
         let scale = metrics
             .scale
@@ -893,33 +993,459 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             .unwrap_or_default();
         bar.set_message(format!("loss {:.5} windows {windows}{scale}", metrics.loss));
         bar.inc(1);
-        lines.push_str(&serde_json::to_string(&metrics)?);
-        lines.push('\n');
+        last = serde_json::to_string(&metrics)?;
+        if let Some(out) = &mut metrics_out {
+            out.line(&last)?;
+        }
+        if let (Some(every), Some(path)) = (args.save_every, &args.save_state) {
+            if metrics.applied && windows.is_multiple_of(every) {
+                save_checkpoint(&trainer, path, metrics.step, metrics_out.as_mut())?;
+                saved_at = Some(metrics.step);
+                bar.suspend(|| {
+                    eprintln!(
+                        "checkpoint: {} after micro-step {} ({windows} optimizer steps in this run)",
+                        path.display(),
+                        metrics.step
+                    )
+                });
+            }
+        }
     }
     bar.finish();
-    if let Some(path) = &args.metrics {
-        write_atomically(path, lines.as_bytes())?;
-    }
+    let end = start_step + args.steps;
     if let Some(path) = &args.save_state {
-        trainer.save_state(path)?;
+        if saved_at != Some(end) {
+            save_checkpoint(&trainer, path, end, metrics_out.as_mut())?;
+        }
     }
-    let last = lines.lines().last().unwrap_or("{}");
-    eprintln!(
-        "trained {} micro-steps, {windows} optimizer steps; last: {last}",
+    if let Some(out) = &mut metrics_out {
+        out.sync()?;
+    }
+    let mut summary = format!(
+        "trained {} micro-steps, {windows} optimizer steps",
         args.steps
     );
+    if !skipped.is_empty() {
+        summary.push_str(&format!(
+            "; loss scaling skipped {} windows with non-finite values (ending at micro-steps {})",
+            skipped.len(),
+            list_steps(&skipped)
+        ));
+    }
+    if !discarded.is_empty() {
+        summary.push_str(&format!(
+            "; discarded {} micro-steps with a non-finite loss ({})",
+            discarded.len(),
+            list_steps(&discarded)
+        ));
+    }
+    eprintln!("{summary}; last: {last}");
     Ok(())
 }
 
-/// Writes a file through a temporary file in the same folder and a rename.
-fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
-    use std::io::Write;
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(std::path::Path::new("."));
-    let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
-    tmp.write_all(bytes)?;
-    tmp.persist(path)?;
+// ---------------------------------------------------------------------------------------
+// Outputs: checked before any work, never an input, written as they happen.
+// ---------------------------------------------------------------------------------------
+
+/// `OUT.<branch>.onnx`, where `rewrite --split` writes a specialisation.
+fn split_output(output: &Path, branch: &str) -> PathBuf {
+    output.with_extension(format!("{branch}.onnx"))
+}
+
+/// The files `rewrite PATH` reads (or, for an artifacts folder, may read), with what each
+/// is. Best effort: a model that cannot be read here is reported by the rewrite itself.
+fn rewrite_inputs(path: &Path) -> Vec<(&'static str, PathBuf)> {
+    let mut files = Vec::new();
+    let model = |what: &'static str, file: PathBuf, files: &mut Vec<(&str, PathBuf)>| {
+        if let Ok(m) = onnx_ga::model::load_model(&file) {
+            let dir = onnx_ga::atomic::parent_dir(&file);
+            for data in onnx_ga::model::external_data_files(&m, &dir) {
+                files.push(("the input model's external data", data));
+            }
+        }
+        files.push((what, file));
+    };
+    if path.is_dir() {
+        for (what, name) in [
+            ("the input model", "training_model.onnx"),
+            ("the input optimizer model", "optimizer_model.onnx"),
+            ("the input eval model", "eval_model.onnx"),
+        ] {
+            model(what, path.join(name), &mut files);
+        }
+        files.push(("the input checkpoint", path.join("checkpoint")));
+        files.push(("the input checkpoint's data", path.join("checkpoint.data")));
+    } else {
+        model("the input model", path.to_path_buf(), &mut files);
+    }
+    files
+}
+
+/// `path` with its folder canonicalised (the file itself need not exist), for telling
+/// whether two outputs are one file.
+fn canonical_target(path: &Path) -> Option<PathBuf> {
+    let dir = std::fs::canonicalize(onnx_ga::atomic::parent_dir(path)).ok()?;
+    Some(dir.join(path.file_name()?))
+}
+
+/// Whether two paths name one file: the same existing file (symlinks, `..`, hard links),
+/// or the same name in the same folder.
+fn same_target(a: &Path, b: &Path) -> bool {
+    onnx_ga::model::same_file(a, b)
+        || matches!((canonical_target(a), canonical_target(b)), (Some(x), Some(y)) if x == y)
+}
+
+/// Refuses an output that would overwrite one of `inputs`.
+fn refuse_overwrite(flag: &str, output: &Path, inputs: &[(&str, &Path)]) -> Result<(), UsageError> {
+    match inputs.iter().find(|(_, input)| same_target(input, output)) {
+        Some((what, input)) => Err(UsageError(format!(
+            "{}: refusing to overwrite {what} {} ({flag}); nothing was written",
+            output.display(),
+            input.display()
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Checks that an output can be written (its folder exists, it is not a folder, the folder
+/// is writable), before the work that produces it.
+fn check_writable(flag: &str, path: &Path) -> Result<(), UsageError> {
+    onnx_ga::atomic::check_writable(path).map_err(|e| {
+        UsageError(format!(
+            "{}: cannot write {flag} there: {e}; nothing was written",
+            path.display()
+        ))
+    })
+}
+
+/// `train`'s outputs against its inputs and each other, and each writable.
+fn check_train_outputs(args: &TrainArgs, model_files: &[PathBuf]) -> Result<(), UsageError> {
+    let mut inputs: Vec<(&str, &Path)> = model_files
+        .iter()
+        .enumerate()
+        .map(|(i, p)| match i {
+            0 => ("the model", p.as_path()),
+            _ => ("the model's external data", p.as_path()),
+        })
+        .collect();
+    inputs.push(("the data", &args.data));
+    let init_progress = args.init_state.as_deref().map(progress_path);
+    let save_progress = args.save_state.as_deref().map(progress_path);
+    if let Some(path) = &args.metrics {
+        let mut all = inputs.clone();
+        if let Some(init) = &args.init_state {
+            all.push(("the initial state", init));
+        }
+        if let Some(p) = &init_progress {
+            all.push(("the initial state's progress file", p));
+        }
+        if let Some(state) = &args.save_state {
+            all.push(("the --save-state file", state));
+        }
+        if let Some(p) = &save_progress {
+            all.push(("the --save-state progress file", p));
+        }
+        refuse_overwrite("--metrics", path, &all)?;
+        check_writable("--metrics", path)?;
+    }
+    // --init-state S --save-state S is a resume: the one output an input may be.
+    if let (Some(path), Some(progress)) = (&args.save_state, &save_progress) {
+        refuse_overwrite("--save-state", path, &inputs)?;
+        refuse_overwrite("--save-state", progress, &inputs)?;
+        check_writable("--save-state", path)?;
+    }
     Ok(())
+}
+
+/// Where the micro-step a state file was saved after is recorded: `S.progress.json`.
+fn progress_path(state: &Path) -> PathBuf {
+    let mut name = state.file_name().unwrap_or_default().to_os_string();
+    name.push(".progress.json");
+    state.with_file_name(name)
+}
+
+/// What `S.progress.json` records about state file S: the micro-step it was saved after,
+/// recognised by a digest of the state's contents. The last two saves are kept, and the
+/// record is written before the state: whichever of the two the file holds after an
+/// interruption, its entry is there.
+#[derive(Default, serde::Serialize, serde::Deserialize)]
+struct Progress {
+    /// The state file's name.
+    state: String,
+    checkpoints: Vec<Checkpoint>,
+}
+
+#[derive(Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Checkpoint {
+    /// Micro-steps taken when the state was saved: the next run's `--start-step`.
+    micro_steps: u64,
+    /// FNV-1a (64 bits, hex) over every state tensor: name, element type, shape, bytes.
+    state_digest: String,
+}
+
+/// The digest a [`Checkpoint`] recognises its state by.
+fn state_digest(state: &std::collections::BTreeMap<String, onnx_ga::data::Tensor>) -> String {
+    use onnx_ga::data::Tensor;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for b in bytes {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    for (name, t) in state {
+        eat(name.as_bytes());
+        eat(&t.elem_type().to_le_bytes());
+        for d in t.shape() {
+            eat(&(*d as u64).to_le_bytes());
+        }
+        match t {
+            Tensor::F32(a) => a.iter().for_each(|v| eat(&v.to_le_bytes())),
+            Tensor::F64(a) => a.iter().for_each(|v| eat(&v.to_le_bytes())),
+            Tensor::I64(a) => a.iter().for_each(|v| eat(&v.to_le_bytes())),
+            Tensor::I32(a) => a.iter().for_each(|v| eat(&v.to_le_bytes())),
+            Tensor::Bool(a) => a.iter().for_each(|v| eat(&[*v as u8])),
+        }
+    }
+    format!("{h:016x}")
+}
+
+fn read_progress(path: &Path) -> Result<Option<Progress>, UsageError> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => serde_json::from_str(&text).map(Some).map_err(|e| {
+            UsageError(format!(
+                "{}: not a progress record: {e}; pass --start-step",
+                path.display()
+            ))
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(UsageError(format!("{}: cannot read: {e}", path.display()))),
+    }
+}
+
+/// The start step recorded next to `state` (just loaded into `trainer`), when there is a
+/// record; an error when the record is of another state.
+fn recorded_progress(
+    trainer: &onnx_ga::train::Trainer,
+    state: &Path,
+) -> Result<Option<u64>, Failure> {
+    let path = progress_path(state);
+    let Some(progress) = read_progress(&path)? else {
+        return Ok(None);
+    };
+    let digest = state_digest(trainer.state()?);
+    match progress
+        .checkpoints
+        .iter()
+        .find(|c| c.state_digest == digest)
+    {
+        Some(c) => Ok(Some(c.micro_steps)),
+        None => Err(UsageError(format!(
+            "{}: records no save of the state {} holds (micro-steps recorded: {}); pass --start-step",
+            path.display(),
+            state.display(),
+            progress
+                .checkpoints
+                .iter()
+                .map(|c| c.micro_steps.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+        .into()),
+    }
+}
+
+/// Saves the state atomically after its progress record; the metrics so far are made
+/// durable with it. Refuses a state that is not finite (the file keeps what it held).
+fn save_checkpoint(
+    trainer: &onnx_ga::train::Trainer,
+    path: &Path,
+    micro_steps: u64,
+    metrics: Option<&mut MetricsFile>,
+) -> Result<(), Failure> {
+    if let Some(name) = trainer.nonfinite_state()? {
+        return Err(UsageError(format!(
+            "{}: not written: state '{name}' is not finite after micro-step {micro_steps} (the data or the learning rate made training diverge); the file keeps what it held",
+            path.display()
+        ))
+        .into());
+    }
+    let progress_file = progress_path(path);
+    let entry = Checkpoint {
+        micro_steps,
+        state_digest: state_digest(trainer.state()?),
+    };
+    // The previous save stays recorded until this one is complete.
+    let previous = read_progress(&progress_file)
+        .ok()
+        .flatten()
+        .and_then(|p| p.checkpoints.last().cloned())
+        .filter(|c| *c != entry);
+    let record = Progress {
+        state: path
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned(),
+        checkpoints: previous.into_iter().chain([entry]).collect(),
+    };
+    let mut text = serde_json::to_string(&record)?;
+    text.push('\n');
+    onnx_ga::atomic::write(&progress_file, text.as_bytes()).map_err(|source| {
+        onnx_ga::model::ModelError::Write {
+            path: progress_file.clone(),
+            source,
+        }
+    })?;
+    trainer.save_state(path)?;
+    if let Some(m) = metrics {
+        m.sync()?;
+    }
+    Ok(())
+}
+
+/// The metrics file, one line per micro-step, appended and flushed as they happen.
+struct MetricsFile {
+    path: PathBuf,
+    file: std::io::BufWriter<std::fs::File>,
+}
+
+impl MetricsFile {
+    /// Creates (or empties) `path`; when resuming (`start_step` > 0) an existing file keeps
+    /// its lines up to `start_step` and the run's lines follow them.
+    fn open(path: &Path, start_step: u64) -> Result<MetricsFile, Failure> {
+        let err = |e: std::io::Error| UsageError(format!("{}: cannot write: {e}", path.display()));
+        let kept: String = match (start_step, std::fs::read_to_string(path)) {
+            (1.., Ok(text)) => text
+                .lines()
+                .filter(|l| {
+                    serde_json::from_str::<serde_json::Value>(l)
+                        .ok()
+                        .and_then(|v| v["step"].as_u64())
+                        .is_some_and(|s| s <= start_step)
+                })
+                .flat_map(|l| [l, "\n"])
+                .collect(),
+            _ => String::new(),
+        };
+        onnx_ga::atomic::write(path, kept.as_bytes()).map_err(err)?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(path)
+            .map_err(err)?;
+        Ok(MetricsFile {
+            path: path.to_path_buf(),
+            file: std::io::BufWriter::new(file),
+        })
+    }
+
+    fn line(&mut self, line: &str) -> Result<(), Failure> {
+        use std::io::Write;
+        let err =
+            |e: std::io::Error| UsageError(format!("{}: cannot write: {e}", self.path.display()));
+        self.file
+            .write_all(line.as_bytes())
+            .and_then(|()| self.file.write_all(b"\n"))
+            .and_then(|()| self.file.flush())
+            .map_err(err)?;
+        Ok(())
+    }
+
+    /// Makes what was written durable (at checkpoints and at the end).
+    fn sync(&mut self) -> Result<(), Failure> {
+        use std::io::Write;
+        self.file
+            .flush()
+            .and_then(|()| self.file.get_ref().sync_data())
+            .map_err(|e| UsageError(format!("{}: cannot write: {e}", self.path.display())))?;
+        Ok(())
+    }
+}
+
+/// A micro-step whose loss was not finite, for the error that stops the run.
+struct NonFiniteStep<'a> {
+    /// 1-based, as in the metrics.
+    step: u64,
+    loss: f32,
+    rows: Vec<usize>,
+    data: &'a Path,
+}
+
+impl NonFiniteStep<'_> {
+    /// What happened and where the non-finite values of the micro-batch are, if any.
+    fn describe(
+        &self,
+        trainer: &onnx_ga::train::Trainer,
+        batch: &std::collections::BTreeMap<String, onnx_ga::data::Tensor>,
+    ) -> String {
+        use onnx_ga::data::Tensor;
+        let mut found = Vec::new();
+        for name in &trainer.manifest.data_inputs {
+            let bad_rows: Vec<usize> = match batch.get(name) {
+                Some(Tensor::F32(a)) => a
+                    .outer_iter()
+                    .enumerate()
+                    .filter(|(_, r)| r.iter().any(|v| !v.is_finite()))
+                    .map(|(j, _)| self.rows[j])
+                    .collect(),
+                Some(Tensor::F64(a)) => a
+                    .outer_iter()
+                    .enumerate()
+                    .filter(|(_, r)| r.iter().any(|v| !v.is_finite()))
+                    .map(|(j, _)| self.rows[j])
+                    .collect(),
+                _ => Vec::new(),
+            };
+            if !bad_rows.is_empty() {
+                let mut bad_rows = bad_rows;
+                bad_rows.sort_unstable();
+                bad_rows.dedup();
+                found.push(format!("'{name}' at data rows {}", row_ranges(&bad_rows)));
+            }
+        }
+        let cause = match found.is_empty() {
+            true => "this micro-batch's data is finite: training diverged (try a smaller --lr)"
+                .to_string(),
+            false => format!("the data holds NaN or inf: {}", found.join(", ")),
+        };
+        format!(
+            "micro-step {} (data rows {} of {}): the loss is {}; {cause}",
+            self.step,
+            row_ranges(&self.rows),
+            self.data.display(),
+            self.loss
+        )
+    }
+}
+
+/// Rows as ranges in their order: `8-15`, or `60-63, 0-3` where a micro-batch wraps.
+fn row_ranges(rows: &[usize]) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < rows.len() {
+        let mut j = i;
+        while j + 1 < rows.len() && rows[j + 1] == rows[j] + 1 {
+            j += 1;
+        }
+        parts.push(match j > i {
+            true => format!("{}-{}", rows[i], rows[j]),
+            false => rows[i].to_string(),
+        });
+        i = j + 1;
+    }
+    parts.join(", ")
+}
+
+/// At most 10 micro-steps, then how many more.
+fn list_steps(steps: &[u64]) -> String {
+    let mut text = steps
+        .iter()
+        .take(10)
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
+    if steps.len() > 10 {
+        text.push_str(&format!(", ... ({} more)", steps.len() - 10));
+    }
+    text
 }

@@ -194,6 +194,40 @@ pub fn load_model_with_data(path: &Path) -> Result<ModelProto, ModelError> {
     Ok(model)
 }
 
+/// [`load_model_with_data`], and the files it read: `path` and the external data files.
+pub fn load_model_with_data_listing(path: &Path) -> Result<(ModelProto, Vec<PathBuf>), ModelError> {
+    let mut model = load_model(path)?;
+    let mut files = vec![path.to_path_buf()];
+    files.extend(external_data_files(&model, &model_dir(path)));
+    resolve_external_data(&mut model, &model_dir(path), path)?;
+    Ok((model, files))
+}
+
+/// The files `model`'s external-data entries name, resolved against `model_dir` (each
+/// once; not checked: for comparing paths, e.g. refusing to overwrite an input).
+pub fn external_data_files(model: &ModelProto, model_dir: &Path) -> Vec<PathBuf> {
+    if !has_external_data(model) {
+        return Vec::new();
+    }
+    let mut model = model.clone();
+    let mut files: Vec<PathBuf> = Vec::new();
+    let _ = for_each_tensor_mut(&mut model, false, &mut |tensor, _| -> Result<(), ()> {
+        if !uses_external_data(tensor) {
+            return Ok(());
+        }
+        for e in &tensor.external_data {
+            if e.key.as_deref() == Some("location") {
+                let file = model_dir.join(e.value.as_deref().unwrap_or(""));
+                if !files.contains(&file) {
+                    files.push(file);
+                }
+            }
+        }
+        Ok(())
+    });
+    files
+}
+
 /// Decodes model bytes; `origin` only names the source in errors.
 pub fn decode_model(bytes: &[u8], origin: &Path) -> Result<ModelProto, ModelError> {
     if bytes.is_empty() {

@@ -10,6 +10,9 @@ use crate::engine::ort::SessionOptions;
 use crate::engine::{Engine, EngineError, EngineKind, Held};
 use crate::proto::{type_proto, ModelProto};
 use crate::state::APPLIED_OUTPUT as APPLIED;
+
+/// The output loss scaling adds: true where a window ended and its update was dropped.
+const SKIPPED: &str = "ga.skipped";
 use crate::step::{Manifest, StepError};
 
 #[derive(Debug, thiserror::Error)]
@@ -32,6 +35,37 @@ pub enum TrainError {
     },
     #[error("{0}")]
     Model(String),
+    /// A micro-step's loss was NaN or infinite under [`OnNonFinite::Stop`]; the trainer's
+    /// state is the one before that micro-step.
+    #[error("micro-step {step}: the loss is {loss}")]
+    NonFinite { step: u64, loss: f32 },
+}
+
+/// What a [`Trainer`] does when a micro-step's loss is NaN or infinite, on a step without
+/// loss scaling (a loss-scaled step skips such windows in the graph: the loss is not
+/// checked on the host there, and [`StepMetrics::skipped`] reports the skipped windows).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OnNonFinite {
+    /// Keep the micro-step's state update like any other (the library's default).
+    #[default]
+    Keep,
+    /// Discard the micro-step's state update and return [`TrainError::NonFinite`].
+    Stop,
+    /// Discard the micro-step's state update (the window goes on as if the micro-step had
+    /// not run) and report it in [`StepMetrics::discarded`].
+    Skip,
+}
+
+impl std::str::FromStr for OnNonFinite {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "keep" => Ok(OnNonFinite::Keep),
+            "stop" => Ok(OnNonFinite::Stop),
+            "skip" => Ok(OnNonFinite::Skip),
+            other => Err(format!("'{other}': expected stop, skip or keep")),
+        }
+    }
 }
 
 /// Metrics of one micro-step.
@@ -42,6 +76,14 @@ pub struct StepMetrics {
     pub applied: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub scale: Option<f32>,
+    /// The window ended here but loss scaling dropped its update (non-finite gradients or
+    /// loss).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
+    /// The loss was not finite and the host discarded this micro-step's state update
+    /// ([`OnNonFinite::Skip`]).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub discarded: bool,
 }
 
 /// A data input's declared element type and shape (for checking the data file).
@@ -108,6 +150,9 @@ pub struct Trainer {
     inputs: BTreeSet<String>,
     /// Micro-steps run so far.
     pub steps_done: u64,
+    on_nonfinite: OnNonFinite,
+    /// Whether the step skips non-finite windows itself (loss scaling: `ga.skipped`).
+    graph_skips: bool,
 }
 
 impl Trainer {
@@ -221,12 +266,50 @@ impl Trainer {
             controls: BTreeMap::new(),
             inputs: graph.input.iter().map(|i| i.name().to_string()).collect(),
             steps_done: 0,
+            on_nonfinite: OnNonFinite::default(),
+            graph_skips: graph.output.iter().any(|o| o.name() == SKIPPED),
         })
     }
 
     /// The engine that runs the steps.
     pub fn engine(&self) -> EngineKind {
         self.kind
+    }
+
+    /// What to do with a micro-step whose loss is not finite (see [`OnNonFinite`]).
+    pub fn set_on_nonfinite(&mut self, policy: OnNonFinite) {
+        self.on_nonfinite = policy;
+    }
+
+    /// Whether the step skips non-finite windows itself (it has loss scaling); the host
+    /// then leaves non-finite losses to it.
+    pub fn skips_nonfinite_windows(&self) -> bool {
+        self.graph_skips
+    }
+
+    /// The first parameter, optimizer moment, frozen tensor or BatchNorm running statistic
+    /// holding a NaN or an infinity, if any: state that must not be saved as a result.
+    /// (Accumulators may hold non-finite values within a window that loss scaling will
+    /// skip, so they are not checked.)
+    pub fn nonfinite_state(&self) -> Result<Option<String>, TrainError> {
+        use crate::state::Role;
+        let state = self.state()?;
+        for e in &self.manifest.state {
+            let checked = match e.role {
+                Role::Param | Role::Moment | Role::Frozen | Role::LossScale => true,
+                Role::BnStat => e.param.as_deref().is_none_or(|p| p == e.input),
+                _ => false,
+            };
+            let finite = match state.get(&e.input) {
+                Some(Tensor::F32(a)) => a.iter().all(|v| v.is_finite()),
+                Some(Tensor::F64(a)) => a.iter().all(|v| v.is_finite()),
+                _ => true,
+            };
+            if checked && !finite {
+                return Ok(Some(e.input.clone()));
+            }
+        }
+        Ok(None)
     }
 
     /// Sets the learning rate from the next micro-step on: the step's learning-rate input
@@ -432,6 +515,7 @@ impl Trainer {
             host.push((name, &flush_value));
         }
         // Which specialisation ran: `Some(applies)`, or `None` for the whole graph.
+        let mut micro_step_before = None;
         let (outputs, branch) = match &mut self.runner {
             Runner::Whole(engine) => (engine.run_held(&host, &held)?, None),
             Runner::Split {
@@ -444,6 +528,7 @@ impl Trainer {
                 let applies = crate::split::applies(*micro_step, *window_size, flush);
                 let engine = if applies { apply } else { accumulate };
                 let outputs = engine.run_held(&host, &held)?;
+                micro_step_before = Some(*micro_step);
                 *micro_step = if applies { 0 } else { *micro_step + 1 };
                 (outputs, Some(applies))
             }
@@ -471,10 +556,14 @@ impl Trainer {
             ) => Some(unchanged_on_accumulate),
             _ => None,
         };
+        // The values replaced, to put back if the host discards this micro-step.
+        let mut replaced = Vec::new();
         for entry in &self.manifest.state {
             match outputs.remove(&entry.output) {
                 Some(next) => {
-                    self.state.insert(entry.input.clone(), next);
+                    if let Some(old) = self.state.insert(entry.input.clone(), next) {
+                        replaced.push((entry.input.clone(), old));
+                    }
                 }
                 None if unchanged.is_some_and(|u| u.contains(&entry.input)) => {}
                 None => {
@@ -485,7 +574,7 @@ impl Trainer {
                 }
             }
         }
-        self.host_state = OnceCell::new();
+        let host_before = std::mem::take(&mut self.host_state);
         let loss_missing = || {
             TrainError::Model(format!(
                 "loss output '{}' missing or not a float scalar",
@@ -497,6 +586,34 @@ impl Trainer {
             .ok_or_else(loss_missing)?
             .to_host(&self.manifest.loss)?;
         let loss = scalar_f32(Some(&loss)).ok_or_else(loss_missing)?;
+        let discard = !loss.is_finite()
+            && !self.graph_skips
+            && matches!(self.on_nonfinite, OnNonFinite::Stop | OnNonFinite::Skip);
+        if discard {
+            for (name, old) in replaced {
+                self.state.insert(name, old);
+            }
+            self.host_state = host_before;
+            if let (Runner::Split { micro_step, .. }, Some(before)) =
+                (&mut self.runner, micro_step_before)
+            {
+                *micro_step = before;
+            }
+            if self.on_nonfinite == OnNonFinite::Stop {
+                return Err(TrainError::NonFinite {
+                    step: self.steps_done + 1,
+                    loss,
+                });
+            }
+        }
+        let skipped = match (branch, outputs.get(SKIPPED)) {
+            (Some(applies), _) => applies && !applied && self.graph_skips,
+            (None, Some(flag)) => matches!(
+                flag.to_host(SKIPPED)?,
+                Tensor::Bool(a) if a.iter().next() == Some(&true)
+            ),
+            (None, None) => false,
+        };
         let scale = match self
             .manifest
             .state
@@ -510,8 +627,10 @@ impl Trainer {
         Ok(StepMetrics {
             step: self.steps_done,
             loss,
-            applied,
+            applied: applied && !discard,
             scale,
+            skipped,
+            discarded: discard,
         })
     }
 }
@@ -574,9 +693,14 @@ pub fn micro_batch(
     batch: usize,
     step: u64,
 ) -> BTreeMap<String, Tensor> {
-    let start = ((step % samples as u64) as usize * (batch % samples)) % samples;
-    let rows: Vec<usize> = (0..batch).map(|j| (start + j) % samples).collect();
+    let rows = micro_batch_rows(samples, batch, step);
     data.iter()
         .map(|(k, v)| (k.clone(), v.rows(&rows)))
         .collect()
+}
+
+/// The data rows micro-step `step` takes (see [`micro_batch`]), in order.
+pub fn micro_batch_rows(samples: usize, batch: usize, step: u64) -> Vec<usize> {
+    let start = ((step % samples as u64) as usize * (batch % samples)) % samples;
+    (0..batch).map(|j| (start + j) % samples).collect()
 }
