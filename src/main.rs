@@ -438,6 +438,7 @@ fn is_input_error(error: &anyhow::Error) -> bool {
                     | TrainError::BadState { .. }
                     | TrainError::Step(_)
                     | TrainError::Data(_)
+                    | TrainError::NonFinite { .. }
             )
         )
 }
