@@ -353,7 +353,10 @@ impl Pass for Optimizer {
         model: &mut Model,
         cx: &mut PassContext<'_>,
     ) -> Result<PassReport, PassError> {
-        let framework = matches!(cx.signature.source, crate::signature::Source::Forward { .. });
+        let framework = matches!(
+            cx.signature.source,
+            crate::signature::Source::Forward { .. }
+        );
         let hp = self.resolve_for(cx.signature.optimizer.as_ref(), framework)?;
         let Some(mut region) = cx.apply.take() else {
             return Err(fail(

@@ -588,8 +588,19 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
         }
         "GatherElements" => vec![with_dims(x.elem, input(1).dims)],
         "Pad" => {
-            let pads = ints("pads").or_else(|| n.inputs.get(1).copied().flatten().and_then(|v| constant_ints(model, v)));
-            let axes = n.inputs.get(3).copied().flatten().and_then(|v| constant_ints(model, v));
+            let pads = ints("pads").or_else(|| {
+                n.inputs
+                    .get(1)
+                    .copied()
+                    .flatten()
+                    .and_then(|v| constant_ints(model, v))
+            });
+            let axes = n
+                .inputs
+                .get(3)
+                .copied()
+                .flatten()
+                .and_then(|v| constant_ints(model, v));
             let dims = x.dims.map(|d| {
                 let rank = d.len() as i64;
                 let Some(pads) = pads else {
@@ -604,7 +615,9 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
                 let mut out = d.clone();
                 for (j, a) in axes.iter().enumerate() {
                     let a = *a as usize;
-                    if let (Some(size), Some(b), Some(e)) = (d.get(a).and_then(Dim::known), pads.get(j), pads.get(j + k)) {
+                    if let (Some(size), Some(b), Some(e)) =
+                        (d.get(a).and_then(Dim::known), pads.get(j), pads.get(j + k))
+                    {
                         out[a] = Dim::Known(size + b + e);
                     } else if a < out.len() {
                         out[a] = Dim::Unknown;
@@ -615,7 +628,12 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
             vec![with_dims(x.elem, dims)]
         }
         "Tile" => {
-            let reps = n.inputs.get(1).copied().flatten().and_then(|v| constant_ints(model, v));
+            let reps = n
+                .inputs
+                .get(1)
+                .copied()
+                .flatten()
+                .and_then(|v| constant_ints(model, v));
             let dims = x.dims.map(|d| match reps {
                 Some(r) if r.len() == d.len() => d
                     .iter()
