@@ -278,3 +278,33 @@ pub fn render_agc_text(plan: &crate::passes::agc::Plan) -> String {
     }
     out
 }
+
+/// The floating-point initializers of a forward model that autodiff leaves untrained.
+pub fn render_untrained_text(untrained: &[crate::passes::autodiff::Untrained]) -> String {
+    let mut out = String::new();
+    if untrained.is_empty() {
+        let _ = writeln!(out, "untrained initializers: none");
+        return out;
+    }
+    let elements: i64 = untrained
+        .iter()
+        .map(|u| u.dims.iter().product::<i64>())
+        .sum();
+    let _ = writeln!(
+        out,
+        "untrained initializers: {} ({elements} elements)",
+        untrained.len()
+    );
+    let width = untrained.iter().map(|u| u.name.len()).max().unwrap_or(0);
+    for u in untrained {
+        let dims = u.dims.iter().map(|d| d.to_string()).collect::<Vec<_>>();
+        let _ = writeln!(
+            out,
+            "  {:width$}  [{}]  {}",
+            u.name,
+            dims.join(","),
+            u.reason.describe()
+        );
+    }
+    out
+}

@@ -225,6 +225,9 @@ struct InspectArgs {
     agc_select: AgcSelectArgs,
     #[command(flatten)]
     roles: RoleArgs,
+    /// A forward model: the loss and trainable set to show (nothing is written).
+    #[command(flatten)]
+    forward: ForwardArgs,
 }
 
 /// Roles of a plain gradient graph (not needed for ONNX Runtime artifacts).
@@ -490,7 +493,16 @@ fn run(cli: Cli) -> Result<(), Failure> {
 }
 
 fn inspect(args: InspectArgs) -> Result<(), Failure> {
-    let graph = signature::open(&args.path, &args.roles.roles())?;
+    // A forward model with a loss: the gradient graph autodiff would build, so the report
+    // lists the trainable set (shapes, counts, gradients) before anything is written.
+    let (graph, untrained) = match args.forward.autodiff_spec(&args.path, &args.roles)? {
+        Some(autodiff) => {
+            let (graph, untrained) =
+                onnx_ga::passes::autodiff::differentiated_graph(&args.path, &autodiff)?;
+            (graph, Some(untrained))
+        }
+        None => (signature::open(&args.path, &args.roles.roles())?, None),
+    };
     let report = onnx_ga::inspect::report(&graph);
     let agc = match args.agc {
         true => Some(
@@ -504,6 +516,9 @@ fn inspect(args: InspectArgs) -> Result<(), Failure> {
         if let Some(plan) = &agc {
             value["agc"] = serde_json::to_value(plan)?;
         }
+        if let Some(untrained) = &untrained {
+            value["untrained"] = serde_json::to_value(untrained)?;
+        }
         if args.graph {
             value["graph"] =
                 serde_json::Value::String(onnx_ga::ir::print::print_model(&graph.model));
@@ -511,6 +526,9 @@ fn inspect(args: InspectArgs) -> Result<(), Failure> {
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
         print!("{}", onnx_ga::inspect::render_text(&report));
+        if let Some(untrained) = &untrained {
+            print!("{}", onnx_ga::inspect::render_untrained_text(untrained));
+        }
         if let Some(plan) = &agc {
             print!("{}", onnx_ga::inspect::render_agc_text(plan));
         }

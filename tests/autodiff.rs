@@ -492,3 +492,75 @@ fn bad_input_op_without_a_rule() {
         "no gradient rule for Cos; parameter 'w'",
     );
 }
+
+/// `inspect MODEL.onnx --loss-fn ...` lists the trainable set before anything is written:
+/// torch's own parameter list (names and shapes from the generator's meta.json), minus
+/// `--freeze`, with BatchNorm's running statistics as frozen state.
+#[test]
+fn inspect_lists_the_trainable_set_of_a_forward_model() {
+    let meta: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("fixtures/forward/torch_cnn/meta.json")).unwrap(),
+    )
+    .unwrap();
+    let shapes = |key: &str| -> BTreeMap<String, Vec<i64>> {
+        serde_json::from_value(meta[key].clone()).unwrap()
+    };
+    let torch_params = shapes("parameters");
+    let torch_buffers = shapes("buffers");
+    for export in ["dynamo", "legacy"] {
+        let model = forward_path("torch_cnn", export);
+        let before = std::fs::read(&model).unwrap();
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_onnx-ga"))
+            .arg("inspect")
+            .arg(&model)
+            .args([
+                "--loss-fn",
+                "cross-entropy",
+                "--freeze",
+                "conv1.*",
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{export}: {stderr}");
+        let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+        let params = report["signature"]["params"].as_array().unwrap();
+        let of_role = |trainable: bool| -> BTreeMap<String, Vec<i64>> {
+            params
+                .iter()
+                .filter(|p| p["trainable"].as_bool() == Some(trainable))
+                .map(|p| {
+                    (
+                        p["name"].as_str().unwrap().to_string(),
+                        serde_json::from_value(p["dims"].clone()).unwrap(),
+                    )
+                })
+                .collect()
+        };
+        let mut expected = torch_params.clone();
+        let frozen_dims = expected.remove("conv1.weight").unwrap();
+        assert_eq!(of_role(true), expected, "{export}: trainable set");
+        assert_eq!(
+            of_role(false),
+            torch_buffers,
+            "{export}: BatchNorm statistics"
+        );
+        let elements: i64 = expected.values().map(|d| d.iter().product::<i64>()).sum();
+        assert_eq!(
+            report["parameter_count"]["trainable"].as_i64(),
+            Some(elements),
+            "{export}"
+        );
+        assert_eq!(
+            report["untrained"],
+            serde_json::json!([{"name": "conv1.weight", "dims": frozen_dims, "reason": "frozen"}]),
+            "{export}"
+        );
+        assert_eq!(
+            std::fs::read(&model).unwrap(),
+            before,
+            "{export}: input changed"
+        );
+    }
+}

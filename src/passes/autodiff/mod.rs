@@ -241,6 +241,83 @@ pub struct Differentiated {
     pub frozen: Vec<Param>,
 }
 
+/// The gradient graph the autodiff pass `spec` (an `autodiff(...)` element) builds from the
+/// forward model at `path`, for `inspect`: nothing is written. Also lists the floating-point
+/// initializers that are not trained, each with the reason.
+pub fn differentiated_graph(
+    path: &std::path::Path,
+    spec: &str,
+) -> anyhow::Result<(crate::signature::TrainingGraph, Vec<Untrained>)> {
+    use anyhow::Context;
+    let proto = crate::model::load_model_with_data(path)?;
+    let mut graph = crate::signature::forward(proto, path);
+    let options = super::parse_spec(spec)?;
+    let [options] = options.as_slice() else {
+        anyhow::bail!("internal: '{spec}' is not one autodiff pass");
+    };
+    let mut pass = Autodiff::from_options(options)?;
+    let floats: Vec<(String, Vec<i64>)> = graph
+        .model
+        .main()
+        .initializers
+        .iter()
+        .filter_map(|(v, _)| {
+            let t = graph.model.initializer(*v)?;
+            is_float(t.data_type()).then(|| (graph.model.name(*v).to_string(), t.dims.clone()))
+        })
+        .collect();
+    let mut cx = PassContext::new(&mut graph.signature, None);
+    pass.run(&mut graph.model, &mut cx)
+        .with_context(|| path.display().to_string())?;
+    let untrained = floats
+        .into_iter()
+        .filter(|(name, _)| graph.signature.param(name).is_none())
+        .map(|(name, dims)| {
+            let reason = if pass.freeze.iter().any(|g| glob_match(g, &name)) {
+                UntrainedReason::Frozen
+            } else if !pass.trainable.is_empty()
+                && !pass.trainable.iter().any(|g| glob_match(g, &name))
+            {
+                UntrainedReason::OutsideTrainable
+            } else {
+                UntrainedReason::Unreached
+            };
+            Untrained { name, dims, reason }
+        })
+        .collect();
+    Ok((graph, untrained))
+}
+
+/// A floating-point initializer of a forward model that autodiff does not train.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Untrained {
+    pub name: String,
+    pub dims: Vec<i64>,
+    pub reason: UntrainedReason,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum UntrainedReason {
+    /// Matched by `--freeze`.
+    Frozen,
+    /// Not matched by `--trainable`.
+    OutsideTrainable,
+    /// The loss does not depend on it differentiably (a constant, shape data, an unused
+    /// output branch).
+    Unreached,
+}
+
+impl UntrainedReason {
+    pub fn describe(self) -> &'static str {
+        match self {
+            UntrainedReason::Frozen => "frozen (--freeze)",
+            UntrainedReason::OutsideTrainable => "outside --trainable",
+            UntrainedReason::Unreached => "the loss does not reach it",
+        }
+    }
+}
+
 /// `spec` with the autodiff pass `autodiff` in front, or in place of a bare `autodiff`
 /// element. The gradients stay graph outputs only when autodiff is the whole pipeline.
 pub fn with_autodiff(spec: &str, autodiff: &str) -> Result<String, PassError> {
