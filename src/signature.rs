@@ -427,6 +427,72 @@ pub fn forward(proto: ModelProto, origin: &Path) -> TrainingGraph {
     }
 }
 
+/// An artifacts folder's eval model as a forward model (`EVAL_MODEL` with the checkpoint's
+/// parameter values as initializers): what autodiff differentiates in place of ONNX
+/// Runtime's gradient graph, to compare the two routes on the same model.
+pub struct EvalForward {
+    pub graph: TrainingGraph,
+    /// The eval model's first output, its loss.
+    pub loss: String,
+    /// The checkpoint's frozen parameters.
+    pub frozen: Vec<String>,
+    /// The eval model's own floating-point initializers: constants to ONNX Runtime, which
+    /// autodiff would train unless frozen.
+    pub constants: Vec<String>,
+}
+
+pub fn eval_model_as_forward(dir: &Path) -> Result<EvalForward, SignatureError> {
+    let path = dir.join(EVAL_MODEL);
+    let mut proto = crate::model::load_model(&path)?;
+    let checkpoint = crate::checkpoint::read_checkpoint(&dir.join(CHECKPOINT))?;
+    let missing = |what: &str| SignatureError::Inconsistent {
+        file: path.clone(),
+        message: format!("the eval model has no {what}"),
+    };
+    let graph = proto.graph.as_mut().ok_or_else(|| missing("graph"))?;
+    let constants = graph
+        .initializer
+        .iter()
+        .filter(|t| {
+            use crate::proto::tensor_proto::DataType as D;
+            matches!(
+                D::try_from(t.data_type()),
+                Ok(D::Float | D::Double | D::Float16 | D::Bfloat16)
+            )
+        })
+        .map(|t| t.name().to_string())
+        .collect();
+    let mut inputs = Vec::new();
+    for input in std::mem::take(&mut graph.input) {
+        match checkpoint.parameter(input.name()) {
+            Some(p) => {
+                let mut t = p.to_tensor_proto();
+                t.name = Some(input.name().to_string());
+                graph.initializer.push(t);
+            }
+            None => inputs.push(input),
+        }
+    }
+    graph.input = inputs;
+    let loss = graph
+        .output
+        .first()
+        .ok_or_else(|| missing("output"))?
+        .name()
+        .to_string();
+    let frozen = checkpoint
+        .parameters()
+        .filter(|p| checkpoint.is_trainable(&p.name) == Some(false))
+        .map(|p| p.name.clone())
+        .collect();
+    Ok(EvalForward {
+        graph: forward(proto, &path),
+        loss,
+        frozen,
+        constants,
+    })
+}
+
 /// The signature of a rewritten step, from its state manifest: parameters are the `param`
 /// (trainable) and `frozen` states. Such a graph is not rewritten again (inspect only).
 fn step_signature(proto: ModelProto, file: &Path) -> Result<TrainingGraph, SignatureError> {

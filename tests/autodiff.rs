@@ -296,40 +296,23 @@ fn torch_cnn_bn_equals_torch_micro_batch_loop() {
 /// The shipped artifacts' eval models (forward plus loss, parameters as graph inputs) with
 /// the checkpoint's values, differentiated by `--loss`: the gradients ONNX Runtime's
 /// training build computed for the same batch.
+/// A shipped artifacts folder's eval model as a forward model: the checkpoint's parameter
+/// values as initializers.
+fn shipped_forward_graph(model: &str) -> onnx_ga::signature::EvalForward {
+    onnx_ga::signature::eval_model_as_forward(&root().join("graphs").join(model))
+        .unwrap_or_else(|e| panic!("{model}: {e}"))
+}
+
 fn shipped_forward(model: &str) {
     if !ort_available() {
         return;
     }
-    let dir = root().join("graphs").join(model);
-    let mut proto = onnx_ga::model::load_model(&dir.join("eval_model.onnx")).unwrap();
-    let checkpoint = onnx_ga::checkpoint::read_checkpoint(&dir.join("checkpoint")).unwrap();
-    let graph = proto.graph.as_mut().unwrap();
-    let mut inputs = Vec::new();
-    for input in std::mem::take(&mut graph.input) {
-        match checkpoint.parameter(input.name()) {
-            Some(p) => {
-                let mut t = p.to_tensor_proto();
-                t.name = Some(input.name().to_string());
-                graph.initializer.push(t);
-            }
-            None => inputs.push(input),
-        }
-    }
-    graph.input = inputs;
-    let loss = graph.output[0].name().to_string();
-    let meta: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(root().join("fixtures").join(model).join("meta.json")).unwrap(),
-    )
-    .unwrap();
-    let frozen: Vec<String> = meta["frozen_params"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|v| v.as_str().map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default();
-    let g = onnx_ga::signature::forward(proto, &dir.join("eval_model.onnx"));
+    let onnx_ga::signature::EvalForward {
+        graph: g,
+        loss,
+        frozen,
+        ..
+    } = shipped_forward_graph(model);
     let spec = format!("autodiff(loss={loss}),legalize-ort");
     let step = onnx_ga::step::build_step(g, &spec, true).unwrap_or_else(|e| panic!("{model}: {e}"));
     let fixture = read_npz(&root().join("fixtures").join(model).join("grads.npz"));
@@ -563,4 +546,104 @@ fn inspect_lists_the_trainable_set_of_a_forward_model() {
             "{export}: input changed"
         );
     }
+}
+
+/// A step built from the shipped eval model by autodiff trains like the step built from the
+/// training artifacts (ORT's gradient graph): same optimizer (the artifacts' own), K = 4,
+/// 8 windows; every parameter and BatchNorm statistic within float32 rounding.
+fn shipped_forward_trains_like_artifacts(model: &str, tolerance: f64) {
+    if !ort_available() {
+        return;
+    }
+    let dir = root().join("graphs").join(model);
+    let artifacts = onnx_ga::signature::open(&dir, &Default::default()).unwrap();
+    let optimizer = artifacts.signature.optimizer.clone();
+    let common_spec = "grad-accum(steps=4),optimizer(lr=0.01),legalize-ort,dce";
+    let from_artifacts = onnx_ga::step::build_step(artifacts, common_spec, true)
+        .unwrap_or_else(|e| panic!("{model}: {e}"))
+        .model
+        .to_proto();
+    let mut forward = shipped_forward_graph(model);
+    forward.graph.signature.optimizer = optimizer;
+    // What ORT keeps constant: the artifacts' frozen parameters (BatchNorm's running
+    // statistics are never trained by autodiff) and the eval model's own float
+    // initializers (transformer_block's attention scale), which autodiff would train.
+    let frozen: Vec<&str> = forward
+        .frozen
+        .iter()
+        .chain(&forward.constants)
+        .map(String::as_str)
+        .filter(|n| !n.contains("running_"))
+        .collect();
+    let freeze = match frozen.is_empty() {
+        true => String::new(),
+        false => format!(",freeze={}", frozen.join("|")),
+    };
+    let spec = format!(
+        "autodiff(loss={}{freeze},grads=internal),{common_spec}",
+        forward.loss
+    );
+    let from_forward = onnx_ga::step::build_step(forward.graph, &spec, true)
+        .unwrap_or_else(|e| panic!("{model}: {spec}: {e}"))
+        .model
+        .to_proto();
+    let data = read_npz(&dir.join("data.npz"));
+    let run = |step: &ModelProto| {
+        let mut trainer = common::trainer(step);
+        let samples = trainer.check_data(&data, Path::new("data.npz")).unwrap();
+        for i in 0..32 {
+            let batch = onnx_ga::train::micro_batch(&data, samples, 8, i);
+            trainer
+                .step(&batch, false)
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
+        trainer.state().unwrap().clone()
+    };
+    let (a, f) = (run(&from_artifacts), run(&from_forward));
+    let initial = |name: &str| {
+        from_artifacts
+            .graph
+            .as_ref()
+            .unwrap()
+            .initializer
+            .iter()
+            .find(|t| t.name() == name)
+            .map(|t| Tensor::from_tensor_proto(t).unwrap())
+    };
+    let mut compared = 0;
+    for (name, want) in &a {
+        // Parameters and BatchNorm statistics: the state both steps share by name.
+        let (Some(got), Some(init)) = (f.get(name), initial(name)) else {
+            continue;
+        };
+        if forward.frozen.contains(name) || !matches!(want, Tensor::F32(_)) {
+            continue;
+        }
+        // Relative to how far training moved the tensor.
+        let moved = max_abs(want, &init);
+        let err = max_abs(got, want);
+        assert!(
+            err <= tolerance * moved.max(1e-3),
+            "{model}: '{name}' {err:e} apart after 8 windows (moved {moved:e})"
+        );
+        compared += 1;
+    }
+    assert!(compared >= 4, "{model}: only {compared} tensors compared");
+}
+
+#[test]
+fn shipped_mlp_ce_adamw_forward_step_trains_like_artifacts() {
+    shipped_forward_trains_like_artifacts("mlp_ce_adamw", 1e-5);
+}
+#[test]
+fn shipped_mlp_mse_sgd_forward_step_trains_like_artifacts() {
+    shipped_forward_trains_like_artifacts("mlp_mse_sgd", 1e-5);
+}
+#[test]
+fn shipped_cnn_bn_forward_step_trains_like_artifacts() {
+    shipped_forward_trains_like_artifacts("cnn_bn", 1e-5);
+}
+#[test]
+fn shipped_transformer_block_forward_step_trains_like_artifacts() {
+    shipped_forward_trains_like_artifacts("transformer_block", 1e-5);
 }

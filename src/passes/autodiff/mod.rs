@@ -224,6 +224,21 @@ impl Pass for Autodiff {
                 .notes
                 .push(format!("{} frozen", differentiated.frozen.len()));
         }
+        // Every float initializer the loss reaches is trainable, constants written as
+        // initializers too (an attention scale, an epsilon): say so for the one-element
+        // ones, which are rarely meant to learn.
+        let scalars: Vec<&str> = differentiated
+            .trainable
+            .iter()
+            .filter(|p| p.element_count() == 1)
+            .map(|p| p.name.as_str())
+            .collect();
+        if !scalars.is_empty() {
+            report.notes.push(format!(
+                "training one-element initializers {} (constants? keep them with --freeze)",
+                scalars.join(", ")
+            ));
+        }
         let nodes_after = model.all_nodes().count();
         report.added = nodes_after.saturating_sub(nodes_before);
         update_signature(model, cx, &differentiated);
