@@ -542,6 +542,26 @@ fn conv_case(
     vec![n.op("Conv", &[x, w, b], attrs)]
 }
 
+fn conv_transpose_case(
+    n: &mut Net,
+    x_dims: &[i64],
+    w_dims: &[i64],
+    bias: bool,
+    attrs: Vec<AttributeProto>,
+) -> Vec<ValueId> {
+    let group = attrs
+        .iter()
+        .find(|a| a.name() == "group")
+        .map_or(1, |a| a.i());
+    let x = n.param("X", x_dims, -1.0, 1.0);
+    let w = n.param("W", w_dims, -1.0, 1.0);
+    let mut inputs = vec![x, w];
+    if bias {
+        inputs.push(n.param("Bias", &[w_dims[1] * group], -1.0, 1.0));
+    }
+    vec![n.op("ConvTranspose", &inputs, attrs)]
+}
+
 fn reduce_case(n: &mut Net, op: &str, keepdims: i64) -> Vec<ValueId> {
     let x = if matches!(op, "ReduceMax" | "ReduceMin") {
         n.param_distinct("X", &[3, 4, 2], 0.1)
@@ -721,6 +741,28 @@ cases! {
         vec![attr_int("group", 2), attr_ints("pads", &[1, 0, 1, 0])]);
     conv_dilation: 17, F32 => |n| conv_case(n, &[1, 2, 6, 6], &[2, 2, 2, 2],
         vec![attr_ints("dilations", &[2, 2])]);
+    conv_transpose_plain: 17, F32 => |n| conv_transpose_case(n, &[1, 2, 4, 4], &[2, 3, 3, 3], true, vec![]);
+    conv_transpose_stride_pads_output_padding: 17, F32 => |n| conv_transpose_case(n, &[2, 2, 3, 3], &[2, 2, 3, 3], true, vec![
+        attr_ints("strides", &[2, 3]),
+        attr_ints("pads", &[1, 0, 0, 2]),
+        attr_ints("output_padding", &[1, 2]),
+    ]);
+    conv_transpose_group_dilation_no_bias: 17, F32 => |n| conv_transpose_case(n, &[1, 4, 3, 3], &[4, 2, 2, 2], false, vec![
+        attr_int("group", 2),
+        attr_ints("dilations", &[2, 1]),
+        attr_ints("pads", &[0, 1, 1, 0]),
+    ]);
+    conv_transpose_1d_no_bias: 17, F32 => |n| conv_transpose_case(n, &[2, 3, 5], &[3, 2, 3], false, vec![
+        attr_ints("strides", &[3]),
+        attr_ints("pads", &[1, 2]),
+        attr_ints("dilations", &[2]),
+        attr_ints("output_padding", &[2]),
+    ]);
+    conv_transpose_1d_group_bias: 17, F32 => |n| conv_transpose_case(n, &[1, 6, 4], &[6, 1, 2], true, vec![
+        attr_int("group", 3),
+        attr_ints("strides", &[2]),
+        attr_ints("kernel_shape", &[2]),
+    ]);
     max_pool_disjoint: 17, F32 => |n| {
         let x = n.param_distinct("X", &[1, 2, 4, 4], 0.1);
         vec![n.op("MaxPool", &[x], vec![attr_ints("kernel_shape", &[2, 2]), attr_ints("strides", &[2, 2])])]
@@ -763,6 +805,45 @@ cases! {
         let s = n.param("Scale", &[3, 4], 0.5, 1.5);
         let b = n.param("Bias", &[3, 4], -1.0, 1.0);
         vec![n.op("LayerNormalization", &[x, s, b], vec![attr_int("axis", 1), attr_float("epsilon", 1e-5)])]
+    };
+    group_norm_opset18_per_group: 18, F64 => |n| {
+        let x = n.param("X", &[2, 4, 3, 2], -1.0, 1.0);
+        let s = n.param("Scale", &[2], 0.5, 1.5);
+        let b = n.param("Bias", &[2], -1.0, 1.0);
+        vec![n.op("GroupNormalization", &[x, s, b], vec![attr_int("num_groups", 2), attr_float("epsilon", 1e-5)])]
+    };
+    group_norm_opset18_one_group: 18, F64 => |n| {
+        let x = n.param("X", &[3, 3, 4], -1.0, 1.0);
+        let s = n.param("Scale", &[1], 0.5, 1.5);
+        let b = n.param("Bias", &[1], -1.0, 1.0);
+        vec![n.op("GroupNormalization", &[x, s, b], vec![attr_int("num_groups", 1)])]
+    };
+    group_norm_opset21_per_channel: 21, F64 => |n| {
+        // stash_type 11: the first stage in float64 too (the default, 1, is float32).
+        let x = n.param("X", &[2, 6, 5], -1.0, 1.0);
+        let s = n.param("Scale", &[6], 0.5, 1.5);
+        let b = n.param("Bias", &[6], -1.0, 1.0);
+        vec![n.op("GroupNormalization", &[x, s, b], vec![
+            attr_int("num_groups", 3), attr_float("epsilon", 1e-3), attr_int("stash_type", 11),
+        ])]
+    };
+    group_norm_opset21_f32_default_stash: 21, F32 => |n| {
+        let x = n.param("X", &[2, 4, 2, 3], -1.0, 1.0);
+        let s = n.param("Scale", &[4], 0.5, 1.5);
+        let b = n.param("Bias", &[4], -1.0, 1.0);
+        vec![n.op("GroupNormalization", &[x, s, b], vec![attr_int("num_groups", 2)])]
+    };
+    instance_norm_2d: 17, F32 => |n| {
+        let x = n.param("X", &[2, 3, 4, 2], -1.0, 1.0);
+        let s = n.param("Scale", &[3], 0.5, 1.5);
+        let b = n.param("Bias", &[3], -1.0, 1.0);
+        vec![n.op("InstanceNormalization", &[x, s, b], vec![attr_float("epsilon", 1e-5)])]
+    };
+    instance_norm_1d: 17, F32 => |n| {
+        let x = n.param("X", &[2, 3, 6], -1.0, 1.0);
+        let s = n.param("Scale", &[3], 0.5, 1.5);
+        let b = n.param("Bias", &[3], -1.0, 1.0);
+        vec![n.op("InstanceNormalization", &[x, s, b], vec![])]
     };
     batch_norm: 17, F64 => |n| {
         let x = n.param("X", &[4, 3, 2, 2], -1.0, 1.0);
@@ -857,6 +938,13 @@ cases! {
         let outs = n.node("Split", &[Some(x), Some(s)], 3, vec![attr_int("axis", 0)]);
         vec![outs[0], outs[2]]
     };
+    split_only_later_output: 17, F64 => |n| {
+        // Only output 2 reaches the loss: outputs 0 and 1 get no gradient (zero rows).
+        let x = n.param("X", &[5, 3], -1.0, 1.0);
+        let s = n.ints("split", &[3], &[1, 2, 2]);
+        let outs = n.node("Split", &[Some(x), Some(s)], 3, vec![attr_int("axis", 0)]);
+        vec![outs[2]]
+    };
     split_equal_opset18: 18, F64 => |n| {
         let x = n.param("X", &[2, 6], -1.0, 1.0);
         let outs = n.node("Split", &[Some(x)], 3, vec![attr_int("axis", 1), attr_int("num_outputs", 3)]);
@@ -869,7 +957,6 @@ cases! {
         let axes = n.ints("axes", &[2], &[0, -1]);
         vec![n.op("Slice", &[x, starts, ends, axes], vec![])]
     };
-    #[ignore = "the Slice rule rejects steps other than 1 (reported)"]
     slice_steps: 17, F64 => |n| {
         let x = n.param("X", &[4, 5], -1.0, 1.0);
         let starts = n.ints("starts", &[2], &[1, 0]);
@@ -878,13 +965,31 @@ cases! {
         let steps = n.ints("steps", &[2], &[1, 2]);
         vec![n.op("Slice", &[x, starts, ends, axes, steps], vec![])]
     };
-    #[ignore = "the Slice rule rejects steps other than 1 (reported)"]
     slice_negative_step: 17, F64 => |n| {
         let x = n.param("X", &[4, 5], -1.0, 1.0);
         let starts = n.ints("starts", &[1], &[-1]);
         let ends = n.ints("ends", &[1], &[0]);
         let axes = n.ints("axes", &[1], &[1]);
         let steps = n.ints("steps", &[1], &[-2]);
+        vec![n.op("Slice", &[x, starts, ends, axes, steps], vec![])]
+    };
+    slice_negative_steps_both_axes: 17, F64 => |n| {
+        // Axis 0 reads 3, 2, 1; axis 1 reads 6, 3, 0.
+        let x = n.param("X", &[4, 7], -1.0, 1.0);
+        let starts = n.ints("starts", &[2], &[3, -1]);
+        let ends = n.ints("ends", &[2], &[0, i64::MIN]);
+        let axes = n.ints("axes", &[2], &[0, 1]);
+        let steps = n.ints("steps", &[2], &[-1, -3]);
+        vec![n.op("Slice", &[x, starts, ends, axes, steps], vec![])]
+    };
+    slice_mixed_steps_3d: 17, F64 => |n| {
+        // Axis 0 unit step (rows 1, 2), axis 1 step 2 (0, 2), axis 2 step -2 from the end
+        // past the start (5, 3, 1).
+        let x = n.param("X", &[3, 4, 6], -1.0, 1.0);
+        let starts = n.ints("starts", &[3], &[1, 0, 5]);
+        let ends = n.ints("ends", &[3], &[3, 4, -100]);
+        let axes = n.ints("axes", &[3], &[0, 1, 2]);
+        let steps = n.ints("steps", &[3], &[1, 2, -2]);
         vec![n.op("Slice", &[x, starts, ends, axes, steps], vec![])]
     };
     pad_constant: 17, F64 => |n| {
@@ -993,4 +1098,80 @@ cases! {
         let w = n.param("W", &[3, 4], -1.0, 1.0);
         vec![n.op("Mul", &[w, w], vec![])]
     };
+}
+
+/// Builds the case and expects the autodiff to refuse it with an error (never a panic)
+/// that names the node, its op and `needle`.
+fn check_error(
+    name: &str,
+    opset: i64,
+    elem: i32,
+    needle: &str,
+    build: impl FnOnce(&mut Net) -> Vec<ValueId>,
+) {
+    if !common::ort_available() {
+        return;
+    }
+    let mut net = Net::new(opset, elem, 1);
+    let ys = build(&mut net);
+    let (forward, _) = net.finish(&ys);
+    let graph = onnx_ga::signature::forward(forward, Path::new("case.onnx"));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        onnx_ga::step::build_step(graph, PIPELINE, true).map(|_| ())
+    }));
+    let err = match result {
+        Err(_) => panic!("{name}: the autodiff panicked"),
+        Ok(Ok(())) => panic!("{name}: expected an error"),
+        Ok(Err(e)) => format!("{e:#}"),
+    };
+    eprintln!("ERROR {name}: {err}");
+    assert!(err.contains(needle), "{name}: {err}");
+}
+
+/// A multi-output node where only a later output reaches the loss, through an output the
+/// rule does not differentiate: a clear error naming the node, not a panic on the missing
+/// gradient of output 0.
+#[test]
+fn layer_norm_only_mean_reaches_loss() {
+    check_error(
+        "layer_norm_only_mean_reaches_loss",
+        17,
+        F32,
+        "Mean or InvStdDev",
+        |n| {
+            let x = n.param("X", &[2, 3, 4], -1.0, 1.0);
+            let s = n.param("Scale", &[4], 0.5, 1.5);
+            let b = n.param("Bias", &[4], -1.0, 1.0);
+            let outs = n.node(
+                "LayerNormalization",
+                &[Some(x), Some(s), Some(b)],
+                3,
+                vec![attr_int("axis", -1)],
+            );
+            n.declare(outs[1], &[2, 3, 1]);
+            vec![outs[1]]
+        },
+    );
+}
+
+#[test]
+fn conv_transpose_output_shape_is_refused() {
+    check_error(
+        "conv_transpose_output_shape_is_refused",
+        17,
+        F32,
+        "output_shape",
+        |n| {
+            let x = n.param("X", &[1, 2, 3, 3], -1.0, 1.0);
+            let w = n.param("W", &[2, 2, 3, 3], -1.0, 1.0);
+            vec![n.op(
+                "ConvTranspose",
+                &[x, w],
+                vec![
+                    attr_ints("strides", &[2, 2]),
+                    attr_ints("output_shape", &[6, 6]),
+                ],
+            )]
+        },
+    );
 }

@@ -565,6 +565,56 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
             }
             out
         }
+        "ConvTranspose" => {
+            // Y per spatial axis: s·(X-1) + output_padding + (k-1)·d + 1 - pads, or the
+            // `output_shape` attribute; C_out = W[1] · group.
+            let w = input(1);
+            let dims = x.dims.and_then(|d| {
+                let spatial = d.len().checked_sub(2)?;
+                let kernel: Vec<Option<i64>> = match ints("kernel_shape") {
+                    Some(k) => k.into_iter().map(Some).collect(),
+                    None => w.dims.as_ref()?.iter().skip(2).map(Dim::known).collect(),
+                };
+                let at = |name: &str, i: usize, default: i64| {
+                    ints(name)
+                        .and_then(|v| v.get(i).copied())
+                        .unwrap_or(default)
+                };
+                let auto_pad = p.attr_string("auto_pad").ok().flatten().unwrap_or_default();
+                let output_shape = ints("output_shape");
+                let group = int("group").unwrap_or(1);
+                let channels = w
+                    .dims
+                    .as_ref()
+                    .and_then(|w| w.get(1).and_then(Dim::known))
+                    .map_or(Dim::Unknown, |c| Dim::Known(c * group));
+                let mut out = vec![d[0].clone(), channels];
+                for i in 0..spatial {
+                    let size = d[i + 2].known();
+                    let s = at("strides", i, 1);
+                    let dim = match (&output_shape, size, auto_pad.as_str()) {
+                        (Some(o), ..) if o.len() >= spatial => Some(o[o.len() - spatial + i]),
+                        (Some(_), ..) => None,
+                        (None, Some(h), "SAME_UPPER" | "SAME_LOWER") => Some(h * s),
+                        (None, Some(h), "" | "NOTSET" | "VALID") => {
+                            kernel.get(i).copied().flatten().map(|k| {
+                                let span = (k - 1) * at("dilations", i, 1) + 1;
+                                let pads = if auto_pad == "VALID" {
+                                    0
+                                } else {
+                                    at("pads", i, 0) + at("pads", i + spatial, 0)
+                                };
+                                s * (h - 1) + at("output_padding", i, 0) + span - pads
+                            })
+                        }
+                        _ => None,
+                    };
+                    out.push(dim.map_or(Dim::Unknown, Dim::Known));
+                }
+                Some(out)
+            });
+            vec![with_dims(x.elem, dims)]
+        }
         "Gather" => {
             let idx = input(1);
             let dims = match (x.dims, idx.dims) {
@@ -721,10 +771,12 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
                         }
                         continue;
                     };
-                    out[a] =
-                        slice_len(size, starts[j], ends[j], steps.get(j).copied().unwrap_or(1))
-                            .map(Dim::Known)
-                            .unwrap_or(Dim::Unknown);
+                    let (Some(start), Some(end)) = (starts.get(j), ends.get(j)) else {
+                        out[a] = Dim::Unknown;
+                        continue;
+                    };
+                    let len = slice_len(size, *start, *end, steps.get(j).copied().unwrap_or(1));
+                    out[a] = len.map(Dim::Known).unwrap_or(Dim::Unknown);
                 }
                 out
             });
@@ -778,25 +830,33 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
 }
 
 fn slice_len(size: i64, start: i64, end: i64, step: i64) -> Option<i64> {
+    slice_range(size, start, end, step).map(|(_, len)| len)
+}
+
+/// What `Slice` takes from an axis of `size` elements: the first index it reads and how
+/// many it reads (`first + j·step` for `j < len`), `None` for step 0. The ONNX rules:
+/// negative starts and ends count from the end; then, for a positive step, both clamp to
+/// [0, size]; for a negative step, start clamps to [0, size-1] and end to [-1, size-1].
+pub fn slice_range(size: i64, start: i64, end: i64, step: i64) -> Option<(i64, i64)> {
     if step == 0 {
         return None;
     }
     let clamp = |v: i64, lo: i64, hi: i64| v.max(lo).min(hi);
-    let norm = |v: i64| if v < 0 { v + size } else { v };
+    let norm = |v: i64| if v < 0 { v.saturating_add(size) } else { v };
     let (s, e) = if step > 0 {
         (clamp(norm(start), 0, size), clamp(norm(end), 0, size))
     } else {
         (
-            clamp(norm(start), -1, size - 1),
+            clamp(norm(start), 0, size - 1),
             clamp(norm(end), -1, size - 1),
         )
     };
     let len = if step > 0 {
-        (e - s + step - 1) / step
+        (e - s).max(0).saturating_add(step - 1) / step
     } else {
-        (s - e + (-step) - 1) / (-step)
+        (s - e).max(0).saturating_add(-(step + 1)) / step.saturating_neg()
     };
-    Some(len.max(0))
+    Some((s, len.max(0)))
 }
 
 fn product(dims: &[Dim]) -> Dim {

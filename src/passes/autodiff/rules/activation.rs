@@ -25,11 +25,8 @@ fn parts(
     node: NodeId,
     dys: &[Option<ValueId>],
 ) -> Result<(ValueId, ValueId, ValueId, String), PassError> {
-    let dy = dys[0].expect("a gradient for the output");
-    let x = cx.input(node, 0)?;
-    let y = cx.output(node, 0);
-    let hint = format!("{}_grad", cx.model().name(x));
-    Ok((dy, x, y, hint))
+    let p = cx.unary_parts(node, dys)?;
+    Ok((p.dy, p.x, p.y, p.hint))
 }
 
 /// `Op(dY, input)` of ONNX Runtime's training vocabulary, lowered by legalize-ort.

@@ -19,14 +19,10 @@
 //! Y = C ? A : B     dA = C ? dY : 0         dB = C ? 0 : dY
 //! ```
 
-use super::{Grad, InputGrads};
+use super::{wanted, Grad, InputGrads};
 use crate::ir::builder::attr_int;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
-
-fn dy0(dys: &[Option<ValueId>]) -> ValueId {
-    dys[0].expect("the sweep calls a rule only with a gradient for some output")
-}
 
 fn name(cx: &Grad<'_>, v: ValueId) -> String {
     format!("{}_grad", cx.model().name(v))
@@ -40,14 +36,14 @@ fn binary(
     local: impl FnOnce(&mut Grad<'_>, usize) -> Result<ValueId, PassError>,
     local_b: impl FnOnce(&mut Grad<'_>, usize) -> Result<ValueId, PassError>,
 ) -> Result<InputGrads, PassError> {
-    let y = cx.output(node, 0);
+    let y = cx.forward_output(node, 0)?;
     let mut out = vec![None, None];
-    if wants[0] {
+    if wanted(wants, 0) {
         let a = cx.input(node, 0)?;
         let g = local(cx, 0)?;
         out[0] = Some(cx.unbroadcast(node, g, y, a)?);
     }
-    if wants[1] {
+    if wanted(wants, 1) {
         let b = cx.input(node, 1)?;
         let g = local_b(cx, 1)?;
         out[1] = Some(cx.unbroadcast(node, g, y, b)?);
@@ -61,7 +57,7 @@ pub fn add(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let dy = dy0(dys);
+    let dy = cx.dy(node, dys, 0)?;
     binary(cx, node, wants, |_, _| Ok(dy), |_, _| Ok(dy))
 }
 
@@ -71,8 +67,8 @@ pub fn sub(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let dy = dy0(dys);
-    let y = cx.output(node, 0);
+    let dy = cx.dy(node, dys, 0)?;
+    let y = cx.forward_output(node, 0)?;
     binary(
         cx,
         node,
@@ -91,8 +87,8 @@ pub fn mul(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let dy = dy0(dys);
-    let y = cx.output(node, 0);
+    let dy = cx.dy(node, dys, 0)?;
+    let y = cx.forward_output(node, 0)?;
     let (a, b) = (cx.input(node, 0)?, cx.input(node, 1)?);
     binary(
         cx,
@@ -115,8 +111,8 @@ pub fn div(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let dy = dy0(dys);
-    let y = cx.output(node, 0);
+    let dy = cx.dy(node, dys, 0)?;
+    let y = cx.forward_output(node, 0)?;
     let (a, b) = (cx.input(node, 0)?, cx.input(node, 1)?);
     binary(
         cx,
@@ -141,8 +137,8 @@ pub fn pow(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let dy = dy0(dys);
-    let y = cx.output(node, 0);
+    let dy = cx.dy(node, dys, 0)?;
+    let y = cx.forward_output(node, 0)?;
     let (x, e) = (cx.input(node, 0)?, cx.input(node, 1)?);
     let exponent = super::super::shapes::constant_tensor(cx.model(), e)
         .and_then(crate::passes::autodiff::scalar_value);
@@ -194,11 +190,8 @@ fn unary(
     dys: &[Option<ValueId>],
     local: impl FnOnce(&mut Grad<'_>, ValueId, ValueId, ValueId, &str) -> Result<ValueId, PassError>,
 ) -> Result<InputGrads, PassError> {
-    let dy = dy0(dys);
-    let x = cx.input(node, 0)?;
-    let y = cx.output(node, 0);
-    let hint = name(cx, x);
-    let dx = local(cx, dy, x, y, &hint)?;
+    let p = cx.unary_parts(node, dys)?;
+    let dx = local(cx, p.dy, p.x, p.y, &p.hint)?;
     Ok(vec![Some(dx)])
 }
 
@@ -297,8 +290,8 @@ fn variadic(
     wants: &[bool],
     mean: bool,
 ) -> Result<InputGrads, PassError> {
-    let dy = dy0(dys);
-    let y = cx.output(node, 0);
+    let dy = cx.dy(node, dys, 0)?;
+    let y = cx.forward_output(node, 0)?;
     let n = wants.len();
     let dy = if mean {
         let k = cx.scalar_like(node, y, 1.0 / n as f64)?;
@@ -343,8 +336,8 @@ pub fn min_max(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let dy = dy0(dys);
-    let y = cx.output(node, 0);
+    let dy = cx.dy(node, dys, 0)?;
+    let y = cx.forward_output(node, 0)?;
     let zero = cx.scalar_like(node, y, 0.0)?;
     let mut taken: Option<ValueId> = None;
     let mut out = vec![None; wants.len()];
@@ -377,13 +370,13 @@ pub fn where_(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let dy = dy0(dys);
-    let y = cx.output(node, 0);
+    let dy = cx.dy(node, dys, 0)?;
+    let y = cx.forward_output(node, 0)?;
     let c = cx.input(node, 0)?;
     let zero = cx.scalar_like(node, y, 0.0)?;
     let mut out = vec![None; 3];
     for (slot, branch) in [(1usize, true), (2, false)] {
-        if wants[slot] {
+        if wanted(wants, slot) {
             let x = cx.input(node, slot)?;
             let hint = format!("{}_grad", cx.model().name(x));
             let picked = if branch {

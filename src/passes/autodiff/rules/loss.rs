@@ -18,7 +18,7 @@ pub fn softmax_cross_entropy(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let Some(dy) = dys[0] else {
+    let Some(dy) = dys.first().copied().flatten() else {
         return Err(cx.error(
             node,
             "the gradient through the log_prob output is not supported".into(),
@@ -39,7 +39,7 @@ pub fn softmax_cross_entropy(
     let scores = cx.input(node, 0)?;
     let labels = cx.input(node, 1)?;
     let weights = cx.opt_input(node, 2);
-    let loss = cx.model().name(cx.output(node, 0)).to_string();
+    let loss = cx.model().name(cx.forward_output(node, 0)?).to_string();
     let log_prob =
         cx.b.model
             .ensure_node_output(node, 1, &format!("{loss}_log_prob"));

@@ -16,7 +16,7 @@
 //! For the accumulation pass: every weight gradient here is the output of a Gemm without a
 //! C input, so `acc + dW` can be folded into that Gemm as `C = acc, beta = 1`.
 
-use super::{Grad, InputGrads};
+use super::{wanted, Grad, InputGrads};
 use crate::ir::builder::{attr_float, attr_int, attr_ints};
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
@@ -49,9 +49,9 @@ pub fn matmul(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let dy = dys[0].expect("a gradient for the output");
+    let dy = cx.dy(node, dys, 0)?;
     let (a, b) = (cx.input(node, 0)?, cx.input(node, 1)?);
-    let y = cx.output(node, 0);
+    let y = cx.forward_output(node, 0)?;
     let (ra, rb) = (cx.need_rank(node, a)?, cx.need_rank(node, b)?);
     if ra < 2 || rb < 2 {
         return Err(cx.error(
@@ -85,7 +85,7 @@ pub fn matmul(
             let dy2 = cx.op("Reshape", &[dy, shape_n], vec![], &hb);
             (a2, dy2)
         };
-        if wants[0] {
+        if wanted(wants, 0) {
             let g = gemm(cx, dy2, b, false, true, 1.0, &ha);
             out[0] = Some(if ra == 2 {
                 let f = cx.facts(a);
@@ -96,7 +96,7 @@ pub fn matmul(
                 cx.op_like("Reshape", &[g, shape], vec![], &ha, a)
             });
         }
-        if wants[1] {
+        if wanted(wants, 1) {
             let g = gemm(cx, a2, dy2, true, false, 1.0, &hb);
             let f = cx.facts(b);
             cx.shapes.set(g, f);
@@ -110,20 +110,24 @@ pub fn matmul(
         p.swap(r - 1, r - 2);
         p
     };
-    if wants[0] {
+    if wanted(wants, 0) {
         let bt = cx.op("Transpose", &[b], vec![attr_ints("perm", &swap(rb))], &ha);
         let g = cx.op_like("MatMul", &[dy, bt], vec![], &ha, y);
         out[0] = Some(cx.unbroadcast(node, g, y, a)?);
     }
-    if wants[1] {
+    if wanted(wants, 1) {
         let at = cx.op("Transpose", &[a], vec![attr_ints("perm", &swap(ra))], &hb);
         let g = cx.op("MatMul", &[at, dy], vec![], &hb);
         // The product has y's batch axes and b's matrix axes.
         let mut facts = cx.facts(y);
         if let (Some(d), Some(bd)) = (facts.dims.as_mut(), cx.facts(b).dims) {
-            let r = d.len();
-            d[r - 2] = bd[bd.len() - 2].clone();
-            d[r - 1] = bd[bd.len() - 1].clone();
+            // Both ranks are at least 2 (checked above for b; y's is the larger of the two)
+            // unless a declared type says otherwise, and then the facts are left as they are.
+            let (r, rb) = (d.len(), bd.len());
+            if r >= 2 && rb >= 2 {
+                d[r - 2] = bd[rb - 2].clone();
+                d[r - 1] = bd[rb - 1].clone();
+            }
         }
         cx.shapes.set(g, facts);
         out[1] = Some(cx.unbroadcast(node, g, g, b)?);
@@ -137,15 +141,15 @@ pub fn gemm_rule(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let dy = dys[0].expect("a gradient for the output");
+    let dy = cx.dy(node, dys, 0)?;
     let (a, b) = (cx.input(node, 0)?, cx.input(node, 1)?);
-    let y = cx.output(node, 0);
+    let y = cx.forward_output(node, 0)?;
     let alpha = cx.float_attr(node, "alpha", 1.0)?;
     let beta = cx.float_attr(node, "beta", 1.0)?;
     let ta = cx.int_attr(node, "transA", 0)? != 0;
     let tb = cx.int_attr(node, "transB", 0)? != 0;
     let mut out = vec![None; wants.len()];
-    if wants[0] {
+    if wanted(wants, 0) {
         let h = format!("{}_grad", cx.model().name(a));
         let g = if !ta {
             gemm(cx, dy, b, false, !tb, alpha, &h)
@@ -156,7 +160,7 @@ pub fn gemm_rule(
         cx.shapes.set(g, f);
         out[0] = Some(g);
     }
-    if wants[1] {
+    if wanted(wants, 1) {
         let h = format!("{}_grad", cx.model().name(b));
         let g = if !tb {
             gemm(cx, a, dy, !ta, false, alpha, &h)
@@ -167,7 +171,7 @@ pub fn gemm_rule(
         cx.shapes.set(g, f);
         out[1] = Some(g);
     }
-    if wants.get(2).copied().unwrap_or(false) {
+    if wanted(wants, 2) {
         let c = cx.input(node, 2)?;
         let h = format!("{}_grad", cx.model().name(c));
         let scaled = if beta == 1.0 {

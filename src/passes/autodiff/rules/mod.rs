@@ -72,10 +72,13 @@ const RULES: &[(&str, RuleFn)] = &[
     ("MatMul", matmul::matmul),
     ("Gemm", matmul::gemm_rule),
     ("Conv", conv::conv),
+    ("ConvTranspose", conv::conv_transpose),
     ("MaxPool", pool::max_pool),
     ("AveragePool", pool::average_pool),
     ("GlobalAveragePool", pool::global_average_pool),
     ("LayerNormalization", norm::layer_norm),
+    ("GroupNormalization", norm::group_norm),
+    ("InstanceNormalization", norm::instance_norm),
     ("Softmax", softmax::softmax),
     ("LogSoftmax", softmax::log_softmax),
     ("ReduceSum", reduce::reduce_sum),
@@ -173,6 +176,20 @@ pub fn rule_for(domain: &str, op: &str) -> Option<RuleFn> {
     }
 }
 
+/// See `Grad::unary_parts`.
+pub struct UnaryParts {
+    pub dy: ValueId,
+    pub x: ValueId,
+    pub y: ValueId,
+    pub hint: String,
+}
+
+/// Whether `wants` asks for the gradient of input `slot` (a malformed node with fewer
+/// inputs than the op has simply asks for nothing there).
+pub fn wanted(wants: &[bool], slot: usize) -> bool {
+    wants.get(slot).copied().unwrap_or(false)
+}
+
 /// The emitter the rules build with: a builder in the main graph stamped `autodiff`, the
 /// forward graph's shape facts, and constants shared by all rules.
 pub struct Grad<'m> {
@@ -228,8 +245,53 @@ impl<'m> Grad<'m> {
         self.model().node(node).inputs.get(slot).copied().flatten()
     }
 
+    /// An output of a node a rule built (a gradient op makes every output it is given a
+    /// hint for, so the slot is present). A forward node's output: `forward_output`.
     pub fn output(&self, node: NodeId, slot: usize) -> ValueId {
         self.model().output(node, slot)
+    }
+
+    /// Output `slot` of the forward node, or an error naming it when the model omits it.
+    pub fn forward_output(&self, node: NodeId, slot: usize) -> Result<ValueId, PassError> {
+        self.model()
+            .node(node)
+            .outputs
+            .get(slot)
+            .copied()
+            .flatten()
+            .ok_or_else(|| self.error(node, format!("output {slot} is required but absent")))
+    }
+
+    /// The gradient reaching output `slot`. The sweep calls a rule only when some output
+    /// of the node has one, so for a single-output op this never fails; multi-output rules
+    /// look at `dys` themselves first (a missing gradient is zero) and use this for the
+    /// output they need. The error names the node rather than panicking.
+    pub fn dy(
+        &self,
+        node: NodeId,
+        dys: &[Option<ValueId>],
+        slot: usize,
+    ) -> Result<ValueId, PassError> {
+        dys.get(slot).copied().flatten().ok_or_else(|| {
+            self.error(
+                node,
+                format!("no gradient reaches output {slot}, which the gradient rule needs"),
+            )
+        })
+    }
+
+    /// What most single-input rules start from: dY (output 0's gradient), X (input 0), Y
+    /// (output 0) and the hint `<X>_grad` for the values the rule makes.
+    pub fn unary_parts(
+        &self,
+        node: NodeId,
+        dys: &[Option<ValueId>],
+    ) -> Result<UnaryParts, PassError> {
+        let dy = self.dy(node, dys, 0)?;
+        let x = self.input(node, 0)?;
+        let y = self.forward_output(node, 0)?;
+        let hint = format!("{}_grad", self.model().name(x));
+        Ok(UnaryParts { dy, x, y, hint })
     }
 
     pub fn int_attr(&self, node: NodeId, name: &str, default: i64) -> Result<i64, PassError> {

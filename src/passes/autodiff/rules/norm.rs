@@ -8,6 +8,20 @@
 //!   dX = k (dY - Σ dY / n - x̂ · Σ(dY · x̂) / n),  k = scale · inv_std
 //! ```
 //!
+//! GroupNormalization  per instance n and group g of C/G channels, over its M = C/G · |spatial|
+//!   elements: x̂ = (X - μ) · r, r = 1/sqrt(σ² + ε) (σ² biased), Y = γ · x̂ + β with γ, β per
+//!   channel (opset 21) or per group (opset 18: one value for the group's channels)
+//!   g = dY · γ;   dX = r · (g - mean_M(g) - x̂ · mean_M(g · x̂))
+//!   dγ = Σ_{n, spatial} dY · x̂,  dβ = Σ_{n, spatial} dY   (per channel; opset 18: also
+//!   summed over the group's channels)
+//! InstanceNormalization  the same with G = C (one channel per group), γ, β per channel
+//!
+//! Neither forward saves its statistics, so the rule recomputes them from X in the view
+//! `[N, G, M]` (`Reshape(X, [0, G, -1])`; Reshape back to X's shape at the end) with
+//! standard ops: ReduceMean, Sub, Mul, Add, Sqrt, Reciprocal. Opset 21's `stash_type` (the
+//! precision of the first stage) is honoured where it widens: a float16/bfloat16 X with
+//! stash_type 1 gets its statistics and dX in float32, as the forward computes them.
+//!
 //! The forward's optional statistics outputs (LayerNormalization's `Mean`, `InvStdDev`;
 //! BatchNormInternal's saved mean and inverse deviation) are switched on so the backward
 //! reuses them instead of recomputing; `LayerNormalizationGrad` and
@@ -15,9 +29,12 @@
 //! A forward BatchNormalization reaches this rule as BatchNormInternal: the normalisation
 //! step of the autodiff turns every BatchNorm into its training form first.
 
-use super::{Grad, InputGrads};
+use super::super::shapes::Dim;
+use super::{wanted, Grad, InputGrads};
+use crate::ir::builder::attr_int;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
+use crate::proto::tensor_proto::DataType;
 
 fn grads_out(
     cx: &mut Grad<'_>,
@@ -59,7 +76,6 @@ pub fn layer_norm(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let dy = dys[0].expect("a gradient for the output");
     if dys.iter().skip(1).any(Option::is_some) {
         return Err(cx.error(
             node,
@@ -67,8 +83,12 @@ pub fn layer_norm(
                 .into(),
         ));
     }
+    let Some(dy) = dys.first().copied().flatten() else {
+        // No gradient reaches any output: all input gradients are zero.
+        return Ok(vec![None; wants.len()]);
+    };
     let (x, scale) = (cx.input(node, 0)?, cx.input(node, 1)?);
-    let y = cx.model().name(cx.output(node, 0)).to_string();
+    let y = cx.model().name(cx.forward_output(node, 0)?).to_string();
     let mean = cx.b.model.ensure_node_output(node, 1, &format!("{y}_mean"));
     let inv_std =
         cx.b.model
@@ -91,15 +111,17 @@ pub fn batch_norm_internal(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let dy = dys[0].expect("a gradient for the output");
     if dys.iter().skip(1).any(Option::is_some) {
         return Err(cx.error(
             node,
             "the gradient through BatchNorm's statistics outputs is not supported".into(),
         ));
     }
+    let Some(dy) = dys.first().copied().flatten() else {
+        return Ok(vec![None; wants.len()]);
+    };
     let (x, scale) = (cx.input(node, 0)?, cx.input(node, 1)?);
-    let y = cx.model().name(cx.output(node, 0)).to_string();
+    let y = cx.model().name(cx.forward_output(node, 0)?).to_string();
     let saved_mean =
         cx.b.model
             .ensure_node_output(node, 3, &format!("{y}_saved_mean"));
@@ -121,4 +143,177 @@ pub fn batch_norm_internal(
         vec![],
     );
     grads_out(cx, node, g, wants)
+}
+
+pub fn group_norm(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let groups = cx.int_attr(node, "num_groups", 0)?;
+    if groups <= 0 {
+        return Err(cx.error(
+            node,
+            format!("attribute 'num_groups' = {groups}: expected a positive number of groups"),
+        ));
+    }
+    // Opset 21 changed scale and bias from one value per group to one per channel.
+    let per_channel = cx.opset() >= 21;
+    grouped(cx, node, dys, wants, Some(groups), per_channel)
+}
+
+pub fn instance_norm(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    grouped(cx, node, dys, wants, None, true)
+}
+
+/// `Cast(v, to)` unless `v` already has element type `to`.
+fn cast(cx: &mut Grad<'_>, v: ValueId, from: i32, to: i32, hint: &str) -> ValueId {
+    if from == to {
+        v
+    } else {
+        cx.op("Cast", &[v], vec![attr_int("to", to as i64)], hint)
+    }
+}
+
+/// Group (`groups` = Some(G)) or instance (None: G = C) normalisation's gradients; scale
+/// and bias per channel or (`per_channel` false) per group.
+fn grouped(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+    groups: Option<i64>,
+    per_channel: bool,
+) -> Result<InputGrads, PassError> {
+    let dy = cx.dy(node, dys, 0)?;
+    let (x, scale) = (cx.input(node, 0)?, cx.input(node, 1)?);
+    let elem = cx.elem(node, x)?;
+    let rank = cx.need_rank(node, x)?;
+    if rank < 2 {
+        return Err(cx.error(
+            node,
+            format!(
+                "'{}' has rank {rank}; the normalisation needs [N, C, ...]",
+                cx.model().name(x)
+            ),
+        ));
+    }
+    let channels = cx.facts(x).dims.and_then(|d| d.get(1).and_then(Dim::known));
+    if let (Some(g), Some(c)) = (groups, channels) {
+        if c % g != 0 {
+            return Err(cx.error(
+                node,
+                format!("{c} channels do not divide into num_groups = {g}"),
+            ));
+        }
+    }
+    let expected = if per_channel { channels } else { groups };
+    if let (Some(e), Some(got)) = (expected, cx.facts(scale).static_dims()) {
+        if got != [e] {
+            let per = if per_channel { "channel" } else { "group" };
+            return Err(cx.error(
+                node,
+                format!(
+                    "scale '{}' has shape {got:?}; opset {} wants one value per {per} ([{e}])",
+                    cx.model().name(scale),
+                    cx.opset()
+                ),
+            ));
+        }
+    }
+    let eps = cx.float_attr(node, "epsilon", 1e-5)? as f64;
+    let narrow = elem == DataType::Float16 as i32 || elem == DataType::Bfloat16 as i32;
+    let stash = if groups.is_some() && cx.opset() >= 21 {
+        cx.int_attr(node, "stash_type", 1)?
+    } else {
+        0
+    };
+    let work = if narrow && stash == DataType::Float as i64 {
+        DataType::Float as i32
+    } else {
+        elem
+    };
+    let h = format!("{}_grad", cx.model().name(x));
+    let hs = format!("{}_grad", cx.model().name(scale));
+    let hb = match cx.opt_input(node, 2) {
+        Some(b) => format!("{}_grad", cx.model().name(b)),
+        None => "norm_bias_grad".into(),
+    };
+
+    // The statistics, recomputed: X as [N, G, M].
+    let view = cx.ints(&[0, groups.unwrap_or(0), -1]);
+    let xg = cx.op("Reshape", &[x, view], vec![], &h);
+    let xg = cast(cx, xg, elem, work, &h);
+    let mu = cx.reduce("ReduceMean", xg, &[2], true, &h);
+    let xc = cx.op("Sub", &[xg, mu], vec![], &h);
+    let sq = cx.op("Mul", &[xc, xc], vec![], &h);
+    let var = cx.reduce("ReduceMean", sq, &[2], true, &h);
+    let eps = cx.scalar(work, eps);
+    let var_eps = cx.op("Add", &[var, eps], vec![], &h);
+    let std = cx.op("Sqrt", &[var_eps], vec![], &h);
+    let r = cx.op("Reciprocal", &[std], vec![], &h);
+    let xhat = cx.op("Mul", &[xc, r], vec![], &h);
+
+    let mut out = vec![None; wants.len()];
+    let spatial_axes: Vec<i64> = std::iter::once(0).chain(2..rank as i64).collect();
+    // g = dY · γ in the [N, G, M] view; dγ and dβ.
+    let g = if per_channel {
+        if wanted(wants, 1) {
+            let shape = cx.shape_of(x);
+            let xhat_t = cast(cx, xhat, work, elem, &hs);
+            let xhat_t = cx.op_like("Reshape", &[xhat_t, shape], vec![], &hs, x);
+            let p = cx.op_like("Mul", &[dy, xhat_t], vec![], &hs, x);
+            out[1] = Some(cx.reduce("ReduceSum", p, &spatial_axes, false, &hs));
+        }
+        if wanted(wants, 2) {
+            out[2] = Some(cx.reduce("ReduceSum", dy, &spatial_axes, false, &hb));
+        }
+        let axes: Vec<i64> = (1..rank as i64 - 1).collect();
+        let gamma = if axes.is_empty() {
+            scale
+        } else {
+            cx.unsqueeze(scale, &axes, &h)
+        };
+        let gy = cx.op_like("Mul", &[dy, gamma], vec![], &h, x);
+        let gg = cx.op("Reshape", &[gy, view], vec![], &h);
+        cast(cx, gg, elem, work, &h)
+    } else {
+        let dyg = cx.op("Reshape", &[dy, view], vec![], &h);
+        if wanted(wants, 1) {
+            let xhat_t = cast(cx, xhat, work, elem, &hs);
+            let p = cx.op("Mul", &[dyg, xhat_t], vec![], &hs);
+            out[1] = Some(cx.reduce("ReduceSum", p, &[0, 2], false, &hs));
+        }
+        if wanted(wants, 2) {
+            out[2] = Some(cx.reduce("ReduceSum", dyg, &[0, 2], false, &hb));
+        }
+        let gamma = cx.unsqueeze(scale, &[1], &h);
+        let gg = cx.op("Mul", &[dyg, gamma], vec![], &h);
+        cast(cx, gg, elem, work, &h)
+    };
+    for slot in 1..out.len().min(3) {
+        if let (Some(v), Some(like)) = (out[slot], cx.opt_input(node, slot)) {
+            let f = cx.facts(like);
+            cx.shapes.set(v, f);
+        }
+    }
+    if wanted(wants, 0) {
+        let m1 = cx.reduce("ReduceMean", g, &[2], true, &h);
+        let gx = cx.op("Mul", &[g, xhat], vec![], &h);
+        let m2 = cx.reduce("ReduceMean", gx, &[2], true, &h);
+        let centred = cx.op("Sub", &[g, m1], vec![], &h);
+        let along = cx.op("Mul", &[xhat, m2], vec![], &h);
+        let inner = cx.op("Sub", &[centred, along], vec![], &h);
+        let dxg = cx.op("Mul", &[inner, r], vec![], &h);
+        let dxg = cast(cx, dxg, work, elem, &h);
+        let shape = cx.shape_of(x);
+        out[0] = Some(cx.op_like("Reshape", &[dxg, shape], vec![], &h, x));
+    }
+    Ok(out)
 }

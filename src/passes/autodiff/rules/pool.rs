@@ -27,9 +27,12 @@ pub fn max_pool(
     cx: &mut Grad<'_>,
     node: NodeId,
     dys: &[Option<ValueId>],
-    _: &[bool],
+    wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let dy = dys[0].expect("a gradient for the output");
+    // Indices (output 1) is int64 and carries no gradient: without dY the gradient is zero.
+    let Some(dy) = dys.first().copied().flatten() else {
+        return Ok(vec![None; wants.len()]);
+    };
     let x = cx.input(node, 0)?;
     if cx.int_attr(node, "storage_order", 0)? != 0 {
         return Err(cx.error(
@@ -37,7 +40,7 @@ pub fn max_pool(
             "attribute 'storage_order' = 1 is not supported by the gradient rule".into(),
         ));
     }
-    let y = cx.output(node, 0);
+    let y = cx.forward_output(node, 0)?;
     let hint = format!("{}_indices", cx.model().name(y));
     let indices = cx.b.model.ensure_node_output(node, 1, &hint);
     let f = cx.facts(y);
@@ -69,7 +72,7 @@ pub fn average_pool(
     dys: &[Option<ValueId>],
     _: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let dy = dys[0].expect("a gradient for the output");
+    let dy = cx.dy(node, dys, 0)?;
     let x = cx.input(node, 0)?;
     let elem = cx.elem(node, x)?;
     let kernel = cx
@@ -78,6 +81,12 @@ pub fn average_pool(
     let spatial = kernel.len();
     let strides = cx.ints_attr(node, "strides")?.unwrap_or(vec![1; spatial]);
     let pads = cx.ints_attr(node, "pads")?.unwrap_or(vec![0; 2 * spatial]);
+    if strides.len() != spatial || pads.len() != 2 * spatial || strides.iter().any(|s| *s < 1) {
+        return Err(cx.error(
+            node,
+            format!("attributes 'strides' = {strides:?} and 'pads' = {pads:?} do not fit a {spatial}-D kernel"),
+        ));
+    }
     let auto_pad = cx.string_attr(node, "auto_pad")?.unwrap_or_default();
     if !matches!(auto_pad.as_str(), "" | "NOTSET" | "VALID") {
         return Err(cx.error(
@@ -106,7 +115,17 @@ pub fn average_pool(
     }
     // Only C and the spatial dims matter; the batch may be symbolic.
     let dims: Vec<Option<i64>> = match cx.facts(x).dims.as_ref() {
-        Some(d) => d.iter().map(|d| d.known()).collect(),
+        Some(d) if d.len() == spatial + 2 => d.iter().map(|d| d.known()).collect(),
+        Some(d) => {
+            return Err(cx.error(
+                node,
+                format!(
+                    "'{}' has rank {} but the kernel is {spatial}-D",
+                    cx.model().name(x),
+                    d.len()
+                ),
+            ))
+        }
         None => vec![None; spatial + 2],
     };
     let (Some(c), true) = (
@@ -166,9 +185,9 @@ pub fn global_average_pool(
     dys: &[Option<ValueId>],
     _: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let dy = dys[0].expect("a gradient for the output");
+    let dy = cx.dy(node, dys, 0)?;
     let x = cx.input(node, 0)?;
-    let y = cx.output(node, 0);
+    let y = cx.forward_output(node, 0)?;
     let hint = format!("{}_grad", cx.model().name(x));
     let scale = spatial_count(cx, node, x, y, &hint)?;
     let scaled = cx.op_like("Div", &[dy, scale], vec![], &hint, y);

@@ -73,12 +73,9 @@ fn setup(
     node: NodeId,
     dys: &[Option<ValueId>],
 ) -> Result<(ValueId, ValueId, ValueId, String, Option<(Vec<i64>, bool)>), PassError> {
-    let dy = dys[0].expect("a gradient for the output");
-    let x = cx.input(node, 0)?;
-    let y = cx.output(node, 0);
-    let hint = format!("{}_grad", cx.model().name(x));
-    let axes = reduced_axes(cx, node, x)?;
-    Ok((dy, x, y, hint, axes))
+    let p = cx.unary_parts(node, dys)?;
+    let axes = reduced_axes(cx, node, p.x)?;
+    Ok((p.dy, p.x, p.y, p.hint, axes))
 }
 
 pub fn reduce_sum(

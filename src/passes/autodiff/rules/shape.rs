@@ -9,6 +9,7 @@
 //! Concat(axis)                        dXi = Split(dY, sizes of the Xi along axis)[i]
 //! Split(axis)                         dX = Concat(dYi, or zeros where Yi has no gradient)
 //! Slice (step 1)                      dX = Pad(dY, the rows the slice dropped, with 0)
+//! Slice (step k ≠ 1 on an axis)       dX = ScatterElements(zeros, first + j·k, dY; that axis)
 //! Pad (constant)                      dX = Slice(dY, pads_begin, pads_begin + shape(X))
 //! Tile(r)                             dX = ReduceSum(Reshape(dY, [r0, d0, r1, d1, ..]), axes 0, 2, ..)
 //! Cast / CastLike                     dX = Cast(dY, type of X)
@@ -23,16 +24,12 @@ use crate::ir::builder::{attr_int, attr_ints, attr_tensor};
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
 
-fn dy0(dys: &[Option<ValueId>]) -> ValueId {
-    dys[0].expect("a gradient for the output")
-}
-
 fn hint(cx: &Grad<'_>, x: ValueId) -> String {
     format!("{}_grad", cx.model().name(x))
 }
 
 fn first_only(n: usize, g: ValueId) -> InputGrads {
-    let mut out = vec![None; n];
+    let mut out = vec![None; n.max(1)];
     out[0] = Some(g);
     out
 }
@@ -46,17 +43,17 @@ pub fn reshape_like(
     let x = cx.input(node, 0)?;
     let h = hint(cx, x);
     let shape = cx.shape_of(x);
-    let g = cx.op_like("Reshape", &[dy0(dys), shape], vec![], &h, x);
+    let g = cx.op_like("Reshape", &[cx.dy(node, dys, 0)?, shape], vec![], &h, x);
     Ok(first_only(wants.len(), g))
 }
 
 pub fn identity(
-    _: &mut Grad<'_>,
-    _: NodeId,
+    cx: &mut Grad<'_>,
+    node: NodeId,
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    Ok(first_only(wants.len(), dy0(dys)))
+    Ok(first_only(wants.len(), cx.dy(node, dys, 0)?))
 }
 
 pub fn transpose(
@@ -70,14 +67,22 @@ pub fn transpose(
         Some(p) => p,
         None => (0..cx.need_rank(node, x)? as i64).rev().collect(),
     };
-    let mut inverse = vec![0i64; perm.len()];
+    let mut inverse = vec![-1i64; perm.len()];
     for (i, p) in perm.iter().enumerate() {
-        inverse[*p as usize] = i as i64;
+        match usize::try_from(*p).ok().and_then(|p| inverse.get_mut(p)) {
+            Some(slot) if *slot < 0 => *slot = i as i64,
+            _ => {
+                return Err(cx.error(
+                    node,
+                    format!("attribute 'perm' = {perm:?} is not a permutation"),
+                ))
+            }
+        }
     }
     let h = hint(cx, x);
     Ok(vec![Some(cx.op_like(
         "Transpose",
-        &[dy0(dys)],
+        &[cx.dy(node, dys, 0)?],
         vec![attr_ints("perm", &inverse)],
         &h,
         x,
@@ -91,18 +96,23 @@ pub fn expand(
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
     let x = cx.input(node, 0)?;
-    let y = cx.output(node, 0);
-    let g = cx.unbroadcast(node, dy0(dys), y, x)?;
+    let y = cx.forward_output(node, 0)?;
+    let g = cx.unbroadcast(node, cx.dy(node, dys, 0)?, y, x)?;
     Ok(first_only(wants.len(), g))
 }
 
+/// The node's `axis` attribute, non-negative and checked against X's rank.
 fn axis_of(cx: &Grad<'_>, node: NodeId, x: ValueId, default: i64) -> Result<i64, PassError> {
     let axis = cx.int_attr(node, "axis", default)?;
-    Ok(if axis < 0 {
-        axis + cx.need_rank(node, x)? as i64
-    } else {
-        axis
-    })
+    let rank = cx.need_rank(node, x)? as i64;
+    let a = if axis < 0 { axis + rank } else { axis };
+    if a < 0 || a >= rank {
+        return Err(cx.error(
+            node,
+            format!("attribute 'axis' = {axis} is out of range for rank {rank}"),
+        ));
+    }
+    Ok(a)
 }
 
 /// `Split(x, sizes; axis)` in the opset's form (sizes as an input from 13).
@@ -175,7 +185,14 @@ pub fn concat(
         }
     };
     let hints: Vec<String> = inputs.iter().map(|x| hint(cx, *x)).collect();
-    let s = split_by(cx, dy0(dys), sizes, known.as_deref(), axis, &hints);
+    let s = split_by(
+        cx,
+        cx.dy(node, dys, 0)?,
+        sizes,
+        known.as_deref(),
+        axis,
+        &hints,
+    );
     let mut out = vec![None; wants.len()];
     for (i, want) in wants.iter().enumerate() {
         if *want {
@@ -233,6 +250,7 @@ pub fn slice(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
+    let dy = cx.dy(node, dys, 0)?;
     let x = cx.input(node, 0)?;
     if cx.opset() < 10 {
         return Err(cx.error(
@@ -258,26 +276,46 @@ pub fn slice(
     let ends = constant(cx, 2)?.unwrap_or_default();
     let axes = constant(cx, 3)?.unwrap_or_else(|| (0..starts.len() as i64).collect());
     let steps = constant(cx, 4)?.unwrap_or_else(|| vec![1; starts.len()]);
-    if steps.iter().any(|s| *s != 1) {
+    let n = starts.len();
+    if ends.len() != n || axes.len() != n || steps.len() != n {
         return Err(cx.error(
             node,
-            "a Slice with steps other than 1 is not supported by the gradient rule".into(),
+            format!(
+                "starts, ends, axes and steps have different lengths ({n}, {}, {}, {})",
+                ends.len(),
+                axes.len(),
+                steps.len()
+            ),
         ));
     }
     let dims = cx.facts(x).dims.unwrap_or_default();
     let mut pads = vec![0i64; 2 * rank];
+    // Axes with a step other than 1: (axis, first index read, step, elements read, size).
+    let mut strided: Vec<(usize, i64, i64, i64, i64)> = Vec::new();
     for (j, axis) in axes.iter().enumerate() {
-        let a = if *axis < 0 { axis + rank as i64 } else { *axis } as usize;
+        let a = if *axis < 0 { axis + rank as i64 } else { *axis };
+        if a < 0 || a >= rank as i64 {
+            return Err(cx.error(node, format!("axis {axis} is out of range for rank {rank}")));
+        }
+        let a = a as usize;
         let size = dims.get(a).and_then(|d| d.known());
-        let norm = |v: i64, size: i64| (if v < 0 { v + size } else { v }).clamp(0, size);
+        let (start, end, step) = (starts[j], ends[j], steps[j]);
         match size {
+            Some(size) if step != 1 => {
+                let Some((first, len)) = super::super::shapes::slice_range(size, start, end, step)
+                else {
+                    return Err(cx.error(node, format!("step 0 on axis {a}")));
+                };
+                strided.push((a, first, step, len, size));
+            }
             Some(size) => {
-                let (s, e) = (norm(starts[j], size), norm(ends[j], size));
+                let norm = |v: i64| (if v < 0 { v + size } else { v }).clamp(0, size);
+                let (s, e) = (norm(start), norm(end));
                 pads[a] = s;
                 pads[a + rank] = (size - e.max(s)).max(0);
             }
             // Without the size only a slice that runs to the end is understood.
-            None if starts[j] >= 0 && ends[j] >= i32::MAX as i64 => pads[a] = starts[j],
+            None if step == 1 && start >= 0 && end >= i32::MAX as i64 => pads[a] = start,
             None => {
                 return Err(cx.error(
                     node,
@@ -290,8 +328,81 @@ pub fn slice(
         }
     }
     let h = hint(cx, x);
-    let p = cx.ints(&pads);
-    let g = cx.op_like("Pad", &[dy0(dys), p], vec![], &h, x);
+    // Unit steps: the rows the slice dropped come back as zeros.
+    let mut g = if pads.iter().any(|p| *p != 0) || strided.is_empty() {
+        let p = cx.ints(&pads);
+        let padded = cx.op("Pad", &[dy, p], vec![], &h);
+        // X's facts, with the strided axes still at their sliced length.
+        let mut f = cx.facts(x);
+        if let Some(d) = f.dims.as_mut() {
+            for (a, _, _, len, _) in &strided {
+                if let Some(slot) = d.get_mut(*a) {
+                    *slot = Dim::Known(*len);
+                }
+            }
+        }
+        cx.shapes.set(padded, f);
+        if strided.is_empty() {
+            return Ok(first_only(wants.len(), padded));
+        }
+        padded
+    } else {
+        dy
+    };
+    // Other steps, one axis at a time: ScatterElements puts element j of the axis at
+    // index first + j·step of a zero tensor with the axis at full size. The indices are
+    // distinct, so nothing adds up; a negative step just counts down.
+    let elem = cx.elem(node, x)?;
+    let zero = crate::proto::TensorProto {
+        data_type: Some(elem),
+        dims: vec![1],
+        raw_data: Some(vec![0u8; super::super::elem_size(elem)]),
+        ..Default::default()
+    };
+    for (a, first, step, len, full) in strided {
+        // Shape(g) with axis a at full size.
+        let shape = cx.shape_of(g);
+        let mut keep = vec![1i64; rank];
+        keep[a] = 0;
+        let mut put = vec![0i64; rank];
+        put[a] = full;
+        let (keep, put) = (cx.ints(&keep), cx.ints(&put));
+        let kept = cx.op("Mul", &[shape, keep], vec![], &h);
+        let target = cx.op("Add", &[kept, put], vec![], &h);
+        let zeros = cx.op(
+            "ConstantOfShape",
+            &[target],
+            vec![attr_tensor("value", zero.clone())],
+            &h,
+        );
+        let mut idx_dims = vec![1i64; rank];
+        idx_dims[a] = len;
+        let idx: Vec<i64> = (0..len).map(|j| first + j * step).collect();
+        let idx = cx.b.model.add_initializer(
+            cx.b.body,
+            &format!("{h}_indices"),
+            crate::ir::builder::tensor_i64(&idx_dims, &idx),
+        );
+        let gshape = cx.shape_of(g);
+        let idx = cx.op("Expand", &[idx, gshape], vec![], &h);
+        let scattered = cx.op(
+            "ScatterElements",
+            &[zeros, idx, g],
+            vec![attr_int("axis", a as i64)],
+            &h,
+        );
+        // g's facts with axis a at full size.
+        let mut f = cx.facts(g);
+        if let Some(d) = f.dims.as_mut() {
+            if let Some(slot) = d.get_mut(a) {
+                *slot = Dim::Known(full);
+            }
+        }
+        cx.shapes.set(scattered, f);
+        g = scattered;
+    }
+    let f = cx.facts(x);
+    cx.shapes.set(g, f);
     Ok(first_only(wants.len(), g))
 }
 
@@ -346,7 +457,13 @@ pub fn pad(
     };
     let ends = cx.op("Add", &[begins, shape_at], vec![], &h);
     let axes_v = cx.ints(&axes);
-    let g = cx.op_like("Slice", &[dy0(dys), begins, ends, axes_v], vec![], &h, x);
+    let g = cx.op_like(
+        "Slice",
+        &[cx.dy(node, dys, 0)?, begins, ends, axes_v],
+        vec![],
+        &h,
+        x,
+    );
     Ok(first_only(wants.len(), g))
 }
 
@@ -370,7 +487,7 @@ pub fn tile(
     let axes: Vec<i64> = (0..dims.len() as i64).map(|i| 2 * i).collect();
     let h = hint(cx, x);
     let shape = cx.ints(&interleaved);
-    let r = cx.op("Reshape", &[dy0(dys), shape], vec![], &h);
+    let r = cx.op("Reshape", &[cx.dy(node, dys, 0)?, shape], vec![], &h);
     let g = cx.reduce("ReduceSum", r, &axes, false, &h);
     let f = cx.facts(x);
     cx.shapes.set(g, f);
@@ -388,7 +505,7 @@ pub fn cast(
     let h = hint(cx, x);
     let g = cx.op_like(
         "Cast",
-        &[dy0(dys)],
+        &[cx.dy(node, dys, 0)?],
         vec![attr_int("to", elem as i64)],
         &h,
         x,
@@ -411,17 +528,22 @@ pub fn dropout(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
+    // Only output 0 is float: the mask carries no gradient, so dY is there whenever the
+    // sweep calls this rule; without it the gradient is zero.
+    if dys.first().copied().flatten().is_none() {
+        return Ok(vec![None; wants.len()]);
+    }
     if !dropout_trains(cx, node) {
         return identity(cx, node, dys, wants);
     }
     let x = cx.input(node, 0)?;
-    let y = cx.model().name(cx.output(node, 0)).to_string();
+    let y = cx.model().name(cx.forward_output(node, 0)?).to_string();
     let mask = cx.b.model.ensure_node_output(node, 1, &format!("{y}_mask"));
     let ratio = cx.opt_input(node, 1);
     let h = hint(cx, x);
     let g = cx.ort_op(
         "DropoutGrad",
-        &[Some(dy0(dys)), Some(mask), ratio],
+        &[Some(cx.dy(node, dys, 0)?), Some(mask), ratio],
         &[&h],
         vec![],
     );
@@ -439,7 +561,7 @@ pub fn gather(
 ) -> Result<InputGrads, PassError> {
     let x = cx.input(node, 0)?;
     let mut indices = cx.input(node, 1)?;
-    let mut dy = dy0(dys);
+    let mut dy = cx.dy(node, dys, 0)?;
     let h = hint(cx, x);
     let shape = cx.shape_of(x);
     let attrs = cx.attrs_of(node, &["axis"]);
@@ -520,7 +642,7 @@ pub fn gather_elements(
     let attrs = cx.attrs_of(node, &["axis"]);
     let g = cx.ort_op(
         "GatherElementsGrad",
-        &[Some(dy0(dys)), Some(shape), Some(indices)],
+        &[Some(cx.dy(node, dys, 0)?), Some(shape), Some(indices)],
         &[&h],
         attrs,
     );

@@ -20,16 +20,13 @@ fn through_output(
     op13: &str,
     op1: &str,
 ) -> Result<InputGrads, PassError> {
-    let dy = dys[0].expect("a gradient for the output");
-    let x = cx.input(node, 0)?;
-    let y = cx.output(node, 0);
+    let super::UnaryParts { dy, x, y, hint } = cx.unary_parts(node, dys)?;
     let (op, default_axis) = if cx.opset() >= 13 {
         (op13, -1)
     } else {
         (op1, 1)
     };
     let axis = cx.int_attr(node, "axis", default_axis)?;
-    let hint = format!("{}_grad", cx.model().name(x));
     let g = cx.ort_op(
         op,
         &[Some(dy), Some(y)],
