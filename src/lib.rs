@@ -7,6 +7,7 @@
 pub mod atomic;
 pub mod checkpoint;
 pub mod data;
+pub mod distributed;
 pub mod engine;
 pub mod inspect;
 pub mod ir;

@@ -8,6 +8,10 @@ use clap::{Args, Parser, Subcommand};
 
 use onnx_ga::signature::{self, ExplicitRoles};
 
+// `train --distributed`: its own loop (windows, not micro-steps), on the helpers below.
+#[path = "cli/train_distributed.rs"]
+mod train_distributed;
+
 #[derive(Parser)]
 #[command(
     name = "onnx-ga",
@@ -186,6 +190,13 @@ struct TrainArgs {
     /// the micro-step recorded in the --init-state file's progress file, else 0.
     #[arg(long)]
     start_step: Option<u64>,
+    /// Data-parallel training, one process per rank of an MPI job: `mpirun -n R onnx-ga
+    /// train ... --distributed mpi`. K stays micro-batches per optimizer step, spread over
+    /// the ranks (K % R == 0); --steps counts the job's micro-steps; global micro-batch i goes
+    /// to rank i mod R; rank 0 alone writes --save-state and --metrics. Needs a build with
+    /// the cargo feature `mpi`.
+    #[arg(long, value_name = "mpi", value_parser = ["mpi"])]
+    distributed: Option<String>,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -842,6 +853,9 @@ fn export(args: ExportArgs) -> Result<(), Failure> {
 
 fn train(args: TrainArgs) -> Result<(), Failure> {
     use onnx_ga::train::{micro_batch, OnNonFinite, TrainError, Trainer};
+    if args.distributed.is_some() {
+        return train_distributed::train(args);
+    }
     if args.micro_batch == 0 {
         return Err(UsageError("--micro-batch must be at least 1".into()).into());
     }

@@ -12,7 +12,8 @@ use crate::proto::{type_proto, ModelProto};
 use crate::state::APPLIED_OUTPUT as APPLIED;
 
 /// The output loss scaling adds: true where a window ended and its update was dropped.
-const SKIPPED: &str = "ga.skipped";
+pub const SKIPPED_OUTPUT: &str = "ga.skipped";
+const SKIPPED: &str = SKIPPED_OUTPUT;
 use crate::step::{Manifest, StepError};
 
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +40,24 @@ pub enum TrainError {
     /// state is the one before that micro-step.
     #[error("micro-step {step}: the loss is {loss}")]
     NonFinite { step: u64, loss: f32 },
+    /// Data-parallel training: the collective failed.
+    #[error("{0}")]
+    Collective(#[from] crate::distributed::CollectiveError),
+    /// Data-parallel training: another rank failed (its own error names the cause); every
+    /// rank stops at the same window.
+    #[error("rank {rank} of {size}: stopped at micro-steps {first}-{last} because rank(s) {failed} failed there (see their errors)")]
+    PeerFailed {
+        rank: usize,
+        size: usize,
+        failed: String,
+        first: u64,
+        last: u64,
+        /// Whether a failed rank's error was one of the input (exit code 2).
+        input_error: bool,
+    },
+    /// Data-parallel training: the ranks' replicated state differs.
+    #[error("{0}")]
+    Diverged(String),
 }
 
 /// What a [`Trainer`] does when a micro-step's loss is NaN or infinite, on a step without
@@ -116,7 +135,7 @@ impl Default for TrainOptions {
 }
 
 /// The sessions that run the step.
-enum Runner {
+pub(crate) enum Runner {
     /// The exported step graph as is.
     Whole(Engine),
     /// One session per branch of the apply `If`; the host picks by the recorded trigger.
@@ -136,23 +155,27 @@ enum Runner {
 }
 
 pub struct Trainer {
-    runner: Runner,
+    pub(crate) runner: Runner,
     kind: EngineKind,
     pub manifest: Manifest,
     /// Current value of every state input, by input name, where the engine computed it.
-    state: BTreeMap<String, Held>,
+    pub(crate) state: BTreeMap<String, Held>,
     /// The state on the host, made when asked for and dropped at the next step.
-    host_state: OnceCell<BTreeMap<String, Tensor>>,
+    pub(crate) host_state: OnceCell<BTreeMap<String, Tensor>>,
     data_decls: BTreeMap<String, InputDecl>,
     /// Control inputs the host set (learning rate, K), fed on every run from then on.
-    controls: BTreeMap<String, Tensor>,
+    pub(crate) controls: BTreeMap<String, Tensor>,
     /// Every graph input of the step, to check a control's name against.
     inputs: BTreeSet<String>,
     /// Micro-steps run so far.
     pub steps_done: u64,
     on_nonfinite: OnNonFinite,
     /// Whether the step skips non-finite windows itself (loss scaling: `ga.skipped`).
-    graph_skips: bool,
+    pub(crate) graph_skips: bool,
+    /// Data-parallel training: the collective and what its window all-reduce carries
+    /// ([`Trainer::with_collective`]); the split runner's `apply` is then the apply-only
+    /// specialisation.
+    pub(crate) replica: Option<crate::distributed::window::Replica>,
 }
 
 impl Trainer {
@@ -181,6 +204,26 @@ impl Trainer {
     /// A trainer with every option: engine, session options, and whether an `If` step runs
     /// as its two specialisations (the default) or whole.
     pub fn with_options(model: &ModelProto, options: &TrainOptions) -> Result<Trainer, TrainError> {
+        Self::build(model, options, None)
+    }
+
+    /// A trainer that is one rank of data-parallel training over `collective` (see
+    /// [`crate::distributed`]): micro-steps run with the accumulate specialisation only, and
+    /// [`run_window`](Self::run_window) ends windows with one all-reduce and the apply-only
+    /// specialisation. Needs a step with an `If` apply region, run split.
+    pub fn with_collective(
+        model: &ModelProto,
+        options: &TrainOptions,
+        collective: Box<dyn crate::distributed::Collective>,
+    ) -> Result<Trainer, TrainError> {
+        Self::build(model, options, Some(collective))
+    }
+
+    fn build(
+        model: &ModelProto,
+        options: &TrainOptions,
+        collective: Option<Box<dyn crate::distributed::Collective>>,
+    ) -> Result<Trainer, TrainError> {
         let manifest = Manifest::from_model(model)?;
         let graph = model
             .graph
@@ -215,6 +258,19 @@ impl Trainer {
             data_decls.insert(name.clone(), decl(info.r#type.as_ref()));
         }
         let kind = options.engine.resolve().0;
+        if collective.is_some() && !options.split {
+            return Err(TrainError::Model(
+                "data-parallel training runs the step split (accumulate / apply-only); drop --no-split".into(),
+            ));
+        }
+        // Data parallel: the apply specialisation is replaced by the apply-only one.
+        let apply_only = match &collective {
+            Some(_) => Some(
+                crate::distributed::apply_only(model, &manifest)
+                    .map_err(|e| TrainError::Model(format!("data-parallel training: {e}")))?,
+            ),
+            None => None,
+        };
         let split = match options.split {
             true => crate::split::split_step(model, &manifest)
                 .map_err(|e| TrainError::Model(format!("splitting the step: {e}")))?,
@@ -234,17 +290,42 @@ impl Trainer {
                     shared_arena: true,
                     ..options.session.clone()
                 };
+                let apply = match &apply_only {
+                    Some((s, _)) => s,
+                    None => &split.apply,
+                };
                 Runner::Split {
                     accumulate: Box::new(Engine::new(kind, &split.accumulate.model, &session)?),
-                    apply: Box::new(Engine::new(kind, &split.apply.model, &session)?),
+                    apply: Box::new(Engine::new(kind, &apply.model, &session)?),
                     unchanged_on_accumulate: split.accumulate.unchanged,
-                    unchanged_on_apply: split.apply.unchanged,
+                    unchanged_on_apply: apply.unchanged.clone(),
                     window_size,
                     micro_step,
                     micro_step_input,
                 }
             }
+            _ if collective.is_some() => return Err(TrainError::Model(
+                "data-parallel training needs a step with an If apply region (rewrite --apply if)"
+                    .into(),
+            )),
             _ => Runner::Whole(Engine::new(kind, model, &options.session)?),
+        };
+        let replica = match (collective, &apply_only, &runner) {
+            (
+                Some(collective),
+                Some((_, accumulating)),
+                Runner::Split {
+                    unchanged_on_accumulate,
+                    ..
+                },
+            ) => Some(crate::distributed::window::Replica::new(
+                collective,
+                &manifest,
+                &state,
+                accumulating,
+                unchanged_on_accumulate,
+            )?),
+            _ => None,
         };
         let host_outputs = [manifest.loss.as_str(), APPLIED];
         match &mut runner {
@@ -268,6 +349,7 @@ impl Trainer {
             steps_done: 0,
             on_nonfinite: OnNonFinite::default(),
             graph_skips: graph.output.iter().any(|o| o.name() == SKIPPED),
+            replica,
         })
     }
 
@@ -491,6 +573,21 @@ impl Trainer {
         batch: &BTreeMap<String, Tensor>,
         flush: bool,
     ) -> Result<StepMetrics, TrainError> {
+        if self.replica.is_some() {
+            return Err(TrainError::Model(
+                "a data-parallel trainer ends windows with run_window, not step".into(),
+            ));
+        }
+        self.step_inner(batch, flush)
+    }
+
+    /// [`step`](Self::step) without the check; a data-parallel trainer's micro-steps always
+    /// accumulate (the window ends in [`run_window`](Self::run_window)).
+    pub(crate) fn step_inner(
+        &mut self,
+        batch: &BTreeMap<String, Tensor>,
+        flush: bool,
+    ) -> Result<StepMetrics, TrainError> {
         let mut host: Vec<(&str, &Tensor)> =
             Vec::with_capacity(batch.len() + self.controls.len() + 1);
         for name in &self.manifest.data_inputs {
@@ -525,7 +622,8 @@ impl Trainer {
                 micro_step,
                 ..
             } => {
-                let applies = crate::split::applies(*micro_step, *window_size, flush);
+                let applies = self.replica.is_none()
+                    && crate::split::applies(*micro_step, *window_size, flush);
                 let engine = if applies { apply } else { accumulate };
                 let outputs = engine.run_held(&host, &held)?;
                 micro_step_before = Some(*micro_step);
@@ -636,7 +734,7 @@ impl Trainer {
 }
 
 /// The `applied` output, when the step has one.
-fn applied_flag(outputs: &BTreeMap<String, Held>) -> Result<Option<bool>, TrainError> {
+pub(crate) fn applied_flag(outputs: &BTreeMap<String, Held>) -> Result<Option<bool>, TrainError> {
     Ok(match outputs.get(APPLIED) {
         Some(v) => Some(matches!(
             v.to_host(APPLIED)?,
@@ -646,14 +744,14 @@ fn applied_flag(outputs: &BTreeMap<String, Held>) -> Result<Option<bool>, TrainE
     })
 }
 
-fn scalar_i64(t: &Tensor) -> Option<i64> {
+pub(crate) fn scalar_i64(t: &Tensor) -> Option<i64> {
     match t {
         Tensor::I64(a) if a.len() == 1 => a.iter().next().copied(),
         _ => None,
     }
 }
 
-fn scalar_f32(t: Option<&Tensor>) -> Option<f32> {
+pub(crate) fn scalar_f32(t: Option<&Tensor>) -> Option<f32> {
     match t? {
         Tensor::F32(a) if a.len() == 1 => a.iter().next().copied(),
         _ => None,

@@ -1,0 +1,518 @@
+//! `train --distributed mpi`: one rank of a data-parallel job (see `onnx_ga::distributed`).
+//!
+//! The loop runs windows instead of micro-steps: each window's global micro-steps are spread
+//! over the ranks and end in one all-reduce ([`Trainer::run_window`]). Every rank checks its
+//! inputs; any rank's failure, at setup or in a window, stops every rank (no rank waits
+//! forever in a collective its peer never joins). Rank 0 alone prints and writes the state,
+//! its progress record and the metrics, with the helpers of the one-process `train`.
+
+use std::collections::BTreeMap;
+use std::rc::Rc;
+
+use onnx_ga::data::Tensor;
+use onnx_ga::distributed::{self, Collective};
+use onnx_ga::train::{micro_batch, OnNonFinite, TrainError, Trainer};
+
+use super::{
+    check_train_outputs, progress_path, recorded_progress, save_checkpoint, Failure, MetricsFile,
+    NonFiniteStep, TrainArgs, UsageError,
+};
+
+/// What one rank set up before training.
+struct Setup {
+    trainer: Trainer,
+    data: BTreeMap<String, Tensor>,
+    samples: usize,
+    start_step: u64,
+}
+
+pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
+    let backend = args.distributed.clone().unwrap_or_default();
+    let collective: Rc<dyn Collective> = match distributed::open(&backend) {
+        Ok(c) => Rc::from(c),
+        Err(e) => return Err(UsageError(e.to_string()).into()),
+    };
+    let (rank, size) = (collective.rank(), collective.size());
+    let lead = rank == 0;
+    // Every rank sets up, then all agree: a rank whose files are bad (another machine,
+    // another copy) must not leave the others waiting in the first window.
+    let setup = set_up(&args, &collective);
+    let codes = distributed::gather_u64(
+        collective.as_ref(),
+        match &setup {
+            Ok(_) => 0,
+            Err(f) => u64::from(f.code),
+        },
+    )
+    .map_err(collective_failure)?;
+    let mut setup = match setup {
+        Err(f) => return Err(ranked(rank, size, f)),
+        Ok(s) if codes.iter().all(|c| *c == 0) => s,
+        Ok(_) => {
+            return Err(peer_failure(
+                rank,
+                size,
+                &codes,
+                "setting up (before training)",
+            ));
+        }
+    };
+    let what = match &args.init_state {
+        Some(p) => format!("after --init-state {}", p.display()),
+        None => "at the start".to_string(),
+    };
+    let trainer = &mut setup.trainer;
+    let mut position = trainer
+        .start_replicas(&what)
+        .map_err(|e| ranked(rank, size, train_failure(e)))?;
+    let k = trainer.accum_steps().unwrap_or(1).max(1) as u64;
+    let plan_floats = trainer
+        .reduce_plan()
+        .map(|p| p.floats(k as usize, size))
+        .unwrap_or(0);
+    if lead {
+        eprintln!(
+            "distributed: {size} ranks over {}; K = {k} micro-batches per optimizer step, {} per rank; one all-reduce of {} bytes per window",
+            collective.name(),
+            k / size as u64,
+            plan_floats * 4
+        );
+    }
+
+    let mut metrics_out = match (&args.metrics, lead) {
+        (Some(path), true) => Some(MetricsFile::open(path, setup.start_step)?),
+        _ => None,
+    };
+    let bar = if args.quiet || !lead {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(args.steps)
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} micro-steps {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let started = std::time::Instant::now();
+    let end = setup.start_step + args.steps;
+    let mut i = setup.start_step;
+    let mut windows = 0u64;
+    let mut skipped = Vec::new();
+    let mut discarded = Vec::new();
+    let mut last = String::from("{}");
+    let mut saved_at: Option<u64> = None;
+    while i < end {
+        // The window the state is in (resumed mid-window: what it still lacks).
+        let len = (k - (position as u64).min(k - 1)).min(end - i);
+        let full = position as u64 + len >= k;
+        let apply = full || (args.flush && i + len == end);
+        let (data, samples, batch) = (&setup.data, setup.samples, args.micro_batch);
+        let result = trainer.run_window(i..i + len, apply, |g| {
+            Ok(micro_batch(data, samples, batch, g))
+        });
+        let metrics = match result {
+            Ok(m) => m,
+            Err(e) => {
+                bar.abandon();
+                return Err(window_failure(
+                    &args,
+                    trainer,
+                    &setup.data,
+                    setup.samples,
+                    e,
+                    rank,
+                    size,
+                    saved_at,
+                ));
+            }
+        };
+        position = 0;
+        i += len;
+        for m in &metrics {
+            if m.applied {
+                windows += 1;
+            }
+            if m.skipped {
+                skipped.push(m.step);
+            }
+            if m.discarded {
+                discarded.push(m.step);
+            }
+            last = serde_json::to_string(m)?;
+            if let Some(out) = &mut metrics_out {
+                out.line(&last)?;
+            }
+        }
+        if let Some(m) = metrics.last() {
+            let scale = m.scale.map(|s| format!(" scale {s}")).unwrap_or_default();
+            bar.set_message(format!("loss {:.5} windows {windows}{scale}", m.loss));
+        }
+        bar.inc(len);
+        if let (Some(every), Some(path)) = (args.save_every, &args.save_state) {
+            if metrics.last().is_some_and(|m| m.applied) && windows.is_multiple_of(every) {
+                let saved = match lead {
+                    true => save_checkpoint(trainer, path, i, metrics_out.as_mut()),
+                    false => Ok(()),
+                };
+                agree_on(
+                    &collective,
+                    saved,
+                    rank,
+                    size,
+                    "the checkpoint rank 0 writes",
+                )?;
+                saved_at = Some(i);
+                if lead {
+                    bar.suspend(|| {
+                        eprintln!(
+                            "checkpoint: {} after micro-step {i} ({windows} optimizer steps in this run)",
+                            path.display()
+                        )
+                    });
+                }
+            }
+        }
+    }
+    bar.finish();
+    // Before anything is saved: a state that differs between the ranks is no result.
+    trainer
+        .check_replicas("at the end")
+        .map_err(|e| ranked(rank, size, train_failure(e)))?;
+    if let Some(path) = &args.save_state {
+        if saved_at != Some(end) {
+            let saved = match lead {
+                true => save_checkpoint(trainer, path, end, metrics_out.as_mut()),
+                false => Ok(()),
+            };
+            agree_on(&collective, saved, rank, size, "the state rank 0 writes")?;
+        }
+    }
+    if let Some(out) = &mut metrics_out {
+        out.sync()?;
+    }
+    if lead {
+        let mut summary = format!(
+            "trained {} micro-steps, {windows} optimizer steps",
+            args.steps
+        );
+        if let Some((seconds, reduced)) = trainer.reduce_time() {
+            let wall = started.elapsed().as_secs_f64();
+            summary.push_str(&format!(
+                " on {size} ranks in {wall:.2} s; {reduced} all-reduces of {} bytes, {:.3} ms each ({:.1}% of the time)",
+                plan_floats * 4,
+                1e3 * seconds / reduced.max(1) as f64,
+                100.0 * seconds / wall.max(1e-9)
+            ));
+        }
+        if !skipped.is_empty() {
+            summary.push_str(&format!(
+                "; loss scaling skipped {} windows with non-finite values (ending at micro-steps {})",
+                skipped.len(),
+                list(&skipped)
+            ));
+        }
+        if !discarded.is_empty() {
+            summary.push_str(&format!(
+                "; discarded {} micro-steps with a non-finite loss ({})",
+                discarded.len(),
+                list(&discarded)
+            ));
+        }
+        eprintln!("{summary}; last: {last}");
+    }
+    Ok(())
+}
+
+/// Everything `train` checks and loads before its first micro-step, on this rank.
+fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Failure> {
+    let (rank, size) = (collective.rank(), collective.size());
+    let lead = rank == 0;
+    if args.micro_batch == 0 {
+        return Err(UsageError("--micro-batch must be at least 1".into()).into());
+    }
+    if args.save_every == Some(0) {
+        return Err(UsageError("--save-every 0: must be at least 1".into()).into());
+    }
+    if args.no_split {
+        return Err(UsageError(
+            "--distributed runs the step split (accumulate / apply-only); drop --no-split".into(),
+        )
+        .into());
+    }
+    let on_nonfinite: OnNonFinite = args
+        .on_nonfinite
+        .parse()
+        .map_err(|e| UsageError(format!("--on-nonfinite {e}")))?;
+    let (model, model_files) = onnx_ga::model::load_model_with_data_listing(&args.model)?;
+    // Only rank 0 writes, so only its outputs are checked (the others may run where those
+    // paths do not exist).
+    if lead {
+        check_train_outputs(args, &model_files)?;
+        if let Some(path) = &args.save_state {
+            onnx_ga::data::StateFormat::of(path)?;
+        }
+    }
+    // K % R before anything runs: a window must split evenly over the ranks.
+    let manifest = onnx_ga::step::Manifest::from_model(&model)
+        .map_err(|e| anyhow::Error::new(e).context(format!("{}", args.model.display())))?;
+    let k = match args.accum_steps {
+        Some(k) => k,
+        None => step_k(&model, &manifest).ok_or_else(|| {
+            UsageError(format!(
+                "{}: the step has no If apply region with an int64 K: data-parallel training needs one (rewrite with --apply if)",
+                args.model.display()
+            ))
+        })?,
+    };
+    if k < 1 || k as usize % size != 0 {
+        return Err(UsageError(format!(
+            "{}: K = {k} micro-batches per optimizer step{} cannot be spread evenly over {size} ranks (K % R must be 0): run on a divisor of {k} ranks, or pass --accum-steps with a multiple of {size}",
+            args.model.display(),
+            if args.accum_steps.is_some() { " (--accum-steps)" } else { " (the step's ga.accum_steps)" },
+        ))
+        .into());
+    }
+    let device: onnx_ga::engine::ort::Device = args.device.parse().map_err(UsageError)?;
+    let requested: onnx_ga::engine::EngineKind = args.engine.parse().map_err(UsageError)?;
+    let requested = match (requested, device) {
+        (_, onnx_ga::engine::ort::Device::Cpu) => requested,
+        (onnx_ga::engine::EngineKind::Tract, _) => {
+            return Err(UsageError(format!(
+                "--device {device}: tract runs on the CPU only (use --engine ort)"
+            ))
+            .into())
+        }
+        _ => onnx_ga::engine::EngineKind::Ort,
+    };
+    let (engine, why) = requested.resolve();
+    if lead {
+        match requested {
+            onnx_ga::engine::EngineKind::Auto => eprintln!("engine: {engine} ({why})"),
+            _ => eprintln!("engine: {engine} on {device}"),
+        }
+    }
+    let options = onnx_ga::train::TrainOptions {
+        engine,
+        session: onnx_ga::engine::ort::SessionOptions {
+            threads: args.threads,
+            optimize: true,
+            device,
+            ..Default::default()
+        },
+        split: true,
+    };
+    let shared: Box<dyn Collective> = Box::new(collective.clone());
+    let mut trainer = Trainer::with_collective(&model, &options, shared).map_err(|e| match e {
+        TrainError::Step(s) => anyhow::Error::new(s).context(format!("{}", args.model.display())),
+        TrainError::Model(m) => {
+            anyhow::Error::new(UsageError(format!("{}: {m}", args.model.display())))
+        }
+        other => anyhow::Error::new(other),
+    })?;
+    trainer.set_on_nonfinite(on_nonfinite);
+    if let Some(lr) = args.lr {
+        trainer
+            .set_learning_rate(lr)
+            .map_err(|e| UsageError(format!("--lr {lr}: {e}")))?;
+    }
+    if let Some(k) = args.accum_steps {
+        trainer
+            .set_accum_steps(k)
+            .map_err(|e| UsageError(format!("--accum-steps {k}: {e}")))?;
+    }
+    let data = onnx_ga::data::read_npz(&args.data)?;
+    let samples = trainer.check_data(&data, &args.data)?;
+    if let Some(path) = &args.init_state {
+        trainer.load_state(path)?;
+    }
+    let start_step = match (args.start_step, &args.init_state) {
+        (Some(step), _) => step,
+        (None, Some(path)) => match recorded_progress(&trainer, path)? {
+            Some(step) => {
+                if lead {
+                    eprintln!(
+                        "resuming at micro-step {step} (recorded in {})",
+                        progress_path(path).display()
+                    );
+                }
+                step
+            }
+            None => 0,
+        },
+        (None, None) => 0,
+    };
+    Ok(Setup {
+        trainer,
+        data,
+        samples,
+        start_step,
+    })
+}
+
+/// K as the step's initializer holds it.
+fn step_k(model: &onnx_ga::proto::ModelProto, manifest: &onnx_ga::step::Manifest) -> Option<i64> {
+    let name = &manifest.apply.as_ref()?.steps;
+    let init = model
+        .graph
+        .as_ref()?
+        .initializer
+        .iter()
+        .find(|t| t.name() == name)?;
+    match Tensor::from_tensor_proto(init).ok()? {
+        Tensor::I64(a) if a.len() == 1 => a.iter().next().copied(),
+        _ => None,
+    }
+}
+
+/// Rank 0's result of writing a file, agreed on by every rank: when it failed, every rank
+/// stops (rank 0 with its error).
+fn agree_on(
+    collective: &Rc<dyn Collective>,
+    result: Result<(), Failure>,
+    rank: usize,
+    size: usize,
+    what: &str,
+) -> Result<(), Failure> {
+    let code = match &result {
+        Ok(()) => 0,
+        Err(f) => u64::from(f.code),
+    };
+    let codes = distributed::gather_u64(collective.as_ref(), code).map_err(collective_failure)?;
+    result.map_err(|f| ranked(rank, size, f))?;
+    match codes.iter().all(|c| *c == 0) {
+        true => Ok(()),
+        false => Err(peer_failure(rank, size, &codes, what)),
+    }
+}
+
+/// This rank's error, prefixed with its rank so that a job's interleaved messages tell
+/// which process said what.
+fn ranked(rank: usize, size: usize, f: Failure) -> Failure {
+    if size == 1 {
+        return f;
+    }
+    Failure {
+        code: f.code,
+        error: f.error.context(format!("rank {rank} of {size}")),
+    }
+}
+
+/// The error of a rank whose peers failed: the exit code of theirs (2 if any was an input
+/// error).
+fn peer_failure(rank: usize, size: usize, codes: &[u64], what: &str) -> Failure {
+    let failed: Vec<String> = codes
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| **c != 0)
+        .map(|(r, _)| r.to_string())
+        .collect();
+    Failure {
+        code: if codes.contains(&2) { 2 } else { 1 },
+        error: anyhow::anyhow!(
+            "rank {rank} of {size}: stopped: rank(s) {} failed {what} (see their errors)",
+            failed.join(", ")
+        ),
+    }
+}
+
+fn collective_failure(e: distributed::CollectiveError) -> Failure {
+    Failure {
+        code: 1,
+        error: anyhow::Error::new(e),
+    }
+}
+
+/// A window's error as the CLI reports it: a non-finite loss with its micro-step and data
+/// rows (as one process does), a peer's failure with its exit code, else the error itself.
+#[allow(clippy::too_many_arguments)]
+fn window_failure(
+    args: &TrainArgs,
+    trainer: &Trainer,
+    data: &BTreeMap<String, Tensor>,
+    samples: usize,
+    e: TrainError,
+    rank: usize,
+    size: usize,
+    saved_at: Option<u64>,
+) -> Failure {
+    let code = match distributed_input_error(&e) {
+        true => 2,
+        false => 1,
+    };
+    let message = match &e {
+        TrainError::NonFinite { step, loss } => {
+            let rows = onnx_ga::train::micro_batch_rows(samples, args.micro_batch, step - 1);
+            let batch = micro_batch(data, samples, args.micro_batch, step - 1);
+            let what = NonFiniteStep {
+                step: *step,
+                loss: *loss,
+                rows,
+                data: &args.data,
+            };
+            let mut message = what.describe(trainer, &batch);
+            message.push_str(&saved_note(args, saved_at));
+            message.push_str(". --on-nonfinite skip discards such micro-steps and goes on; loss scaling (rewrite --loss-scale) skips their windows");
+            message
+        }
+        TrainError::PeerFailed { .. } => format!("{e}{}", saved_note(args, saved_at)),
+        other => other.to_string(),
+    };
+    ranked(
+        rank,
+        size,
+        Failure {
+            code,
+            error: anyhow::anyhow!(message),
+        },
+    )
+}
+
+/// What the state file holds after a failed run.
+fn saved_note(args: &TrainArgs, saved_at: Option<u64>) -> String {
+    match (&args.save_state, saved_at) {
+        (Some(path), Some(at)) => format!(
+            "; stopped without saving it: {} holds the state after micro-step {at} (resume with --init-state {})",
+            path.display(),
+            path.display()
+        ),
+        (Some(path), None) => format!("; stopped: {} was not written", path.display()),
+        (None, _) => "; stopped".to_string(),
+    }
+}
+
+/// A library error with the exit code it deserves.
+fn train_failure(e: TrainError) -> Failure {
+    Failure {
+        code: if distributed_input_error(&e) { 2 } else { 1 },
+        error: anyhow::Error::new(e),
+    }
+}
+
+fn distributed_input_error(e: &TrainError) -> bool {
+    matches!(
+        e,
+        TrainError::BadData { .. }
+            | TrainError::BadState { .. }
+            | TrainError::Step(_)
+            | TrainError::Data(_)
+            | TrainError::NonFinite { .. }
+            | TrainError::Diverged(_)
+            | TrainError::PeerFailed {
+                input_error: true,
+                ..
+            }
+    )
+}
+
+/// At most 10 micro-steps, then how many more.
+fn list(steps: &[u64]) -> String {
+    let mut text = steps
+        .iter()
+        .take(10)
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
+    if steps.len() > 10 {
+        text.push_str(&format!(", ... ({} more)", steps.len() - 10));
+    }
+    text
+}
