@@ -15,19 +15,10 @@
 //! Clip         dX = dY * (min <= X <= max)             (both bounds inclusive, as PyTorch)
 //! ```
 
-use super::{Grad, InputGrads};
+use super::{Grad, InputGrads, UnaryParts};
 use crate::ir::builder::attr_float;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
-
-fn parts(
-    cx: &Grad<'_>,
-    node: NodeId,
-    dys: &[Option<ValueId>],
-) -> Result<(ValueId, ValueId, ValueId, String), PassError> {
-    let p = cx.unary_parts(node, dys)?;
-    Ok((p.dy, p.x, p.y, p.hint))
-}
 
 /// `Op(dY, input)` of ONNX Runtime's training vocabulary, lowered by legalize-ort.
 fn ort_grad(
@@ -38,12 +29,10 @@ fn ort_grad(
     with_x: bool,
     attrs: Vec<crate::proto::AttributeProto>,
 ) -> Result<InputGrads, PassError> {
-    let (dy, x, y, hint) = parts(cx, node, dys)?;
+    let UnaryParts { dy, x, y, hint } = cx.unary_parts(node, dys)?;
     let arg = if with_x { x } else { y };
     let n = cx.ort_op(op, &[Some(dy), Some(arg)], &[&hint], attrs);
-    let dx = cx.output(n, 0);
-    let facts = cx.facts(x);
-    cx.shapes.set(dx, facts);
+    let dx = cx.output_like(n, 0, x);
     Ok(vec![Some(dx)])
 }
 
@@ -123,15 +112,15 @@ pub fn elu(
     dys: &[Option<ValueId>],
     _: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let (dy, x, y, h) = parts(cx, node, dys)?;
     let alpha = cx.float_attr(node, "alpha", 1.0)? as f64;
-    let zero = cx.scalar_like(node, x, 0.0)?;
-    let one = cx.scalar_like(node, x, 1.0)?;
-    let a = cx.scalar_like(node, x, alpha)?;
-    let pos = cx.op("Greater", &[x, zero], vec![], &h);
-    let neg_slope = cx.op_like("Add", &[y, a], vec![], &h, x);
-    let slope = cx.op_like("Where", &[pos, one, neg_slope], vec![], &h, x);
-    Ok(vec![Some(cx.op_like("Mul", &[dy, slope], vec![], &h, x))])
+    cx.by_slope(node, dys, |cx, x, y, h| {
+        let zero = cx.scalar_like(node, x, 0.0)?;
+        let one = cx.scalar_like(node, x, 1.0)?;
+        let a = cx.scalar_like(node, x, alpha)?;
+        let pos = cx.op("Greater", &[x, zero], vec![], h);
+        let neg_slope = cx.op_like("Add", &[y, a], vec![], h, x);
+        Ok(cx.op_like("Where", &[pos, one, neg_slope], vec![], h, x))
+    })
 }
 
 pub fn hard_sigmoid(
@@ -140,16 +129,16 @@ pub fn hard_sigmoid(
     dys: &[Option<ValueId>],
     _: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let (dy, x, y, h) = parts(cx, node, dys)?;
     let alpha = cx.float_attr(node, "alpha", 0.2)? as f64;
-    let zero = cx.scalar_like(node, x, 0.0)?;
-    let one = cx.scalar_like(node, x, 1.0)?;
-    let a = cx.scalar_like(node, x, alpha)?;
-    let above = cx.op("Greater", &[y, zero], vec![], &h);
-    let below = cx.op("Less", &[y, one], vec![], &h);
-    let inside = cx.op("And", &[above, below], vec![], &h);
-    let slope = cx.op_like("Where", &[inside, a, zero], vec![], &h, x);
-    Ok(vec![Some(cx.op_like("Mul", &[dy, slope], vec![], &h, x))])
+    cx.by_slope(node, dys, |cx, x, y, h| {
+        let zero = cx.scalar_like(node, x, 0.0)?;
+        let one = cx.scalar_like(node, x, 1.0)?;
+        let a = cx.scalar_like(node, x, alpha)?;
+        let above = cx.op("Greater", &[y, zero], vec![], h);
+        let below = cx.op("Less", &[y, one], vec![], h);
+        let inside = cx.op("And", &[above, below], vec![], h);
+        Ok(cx.op_like("Where", &[inside, a, zero], vec![], h, x))
+    })
 }
 
 pub fn hard_swish(
@@ -158,20 +147,20 @@ pub fn hard_swish(
     dys: &[Option<ValueId>],
     _: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let (dy, x, _, h) = parts(cx, node, dys)?;
-    let zero = cx.scalar_like(node, x, 0.0)?;
-    let one = cx.scalar_like(node, x, 1.0)?;
-    let three = cx.scalar_like(node, x, 3.0)?;
-    let minus_three = cx.scalar_like(node, x, -3.0)?;
-    let third = cx.scalar_like(node, x, 1.0 / 3.0)?;
-    let half = cx.scalar_like(node, x, 0.5)?;
-    let x3 = cx.op_like("Mul", &[x, third], vec![], &h, x);
-    let mid = cx.op_like("Add", &[x3, half], vec![], &h, x);
-    let high = cx.op("Greater", &[x, three], vec![], &h);
-    let upper = cx.op_like("Where", &[high, one, mid], vec![], &h, x);
-    let low = cx.op("Less", &[x, minus_three], vec![], &h);
-    let slope = cx.op_like("Where", &[low, zero, upper], vec![], &h, x);
-    Ok(vec![Some(cx.op_like("Mul", &[dy, slope], vec![], &h, x))])
+    cx.by_slope(node, dys, |cx, x, _, h| {
+        let zero = cx.scalar_like(node, x, 0.0)?;
+        let one = cx.scalar_like(node, x, 1.0)?;
+        let three = cx.scalar_like(node, x, 3.0)?;
+        let minus_three = cx.scalar_like(node, x, -3.0)?;
+        let third = cx.scalar_like(node, x, 1.0 / 3.0)?;
+        let half = cx.scalar_like(node, x, 0.5)?;
+        let x3 = cx.op_like("Mul", &[x, third], vec![], h, x);
+        let mid = cx.op_like("Add", &[x3, half], vec![], h, x);
+        let high = cx.op("Greater", &[x, three], vec![], h);
+        let upper = cx.op_like("Where", &[high, one, mid], vec![], h, x);
+        let low = cx.op("Less", &[x, minus_three], vec![], h);
+        Ok(cx.op_like("Where", &[low, zero, upper], vec![], h, x))
+    })
 }
 
 pub fn softplus(
@@ -180,9 +169,9 @@ pub fn softplus(
     dys: &[Option<ValueId>],
     _: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let (dy, x, _, h) = parts(cx, node, dys)?;
-    let s = cx.op_like("Sigmoid", &[x], vec![], &h, x);
-    Ok(vec![Some(cx.op_like("Mul", &[dy, s], vec![], &h, x))])
+    cx.by_slope(node, dys, |cx, x, _, h| {
+        Ok(cx.op_like("Sigmoid", &[x], vec![], h, x))
+    })
 }
 
 pub fn clip(
@@ -191,7 +180,7 @@ pub fn clip(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let (dy, x, _, h) = parts(cx, node, dys)?;
+    let UnaryParts { dy, x, hint: h, .. } = cx.unary_parts(node, dys)?;
     if wants.iter().skip(1).any(|w| *w) {
         return Err(cx.error(
             node,

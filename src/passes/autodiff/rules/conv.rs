@@ -67,11 +67,8 @@ pub fn conv(
     // ConvGrad has three outputs (dX, dW, dB); Conv has no fourth input to want.
     for (slot, want) in wants.iter().enumerate().take(3) {
         if *want {
-            let v = cx.output(g, slot);
             let like = cx.input(node, slot)?;
-            let f = cx.facts(like);
-            cx.shapes.set(v, f);
-            out[slot] = Some(v);
+            out[slot] = Some(cx.output_like(g, slot, like));
         }
     }
     Ok(out)
@@ -148,9 +145,7 @@ pub fn conv_transpose(
             &[&unused[0], &hints[1], &unused[1]],
             attrs,
         );
-        let dw = cx.output(g, 1);
-        let f = cx.facts(w);
-        cx.shapes.set(dw, f);
+        let dw = cx.output_like(g, 1, w);
         out[1] = Some(dw);
     }
     if wanted(wants, 2) {

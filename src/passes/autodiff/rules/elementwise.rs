@@ -238,9 +238,7 @@ pub fn exp(
     dys: &[Option<ValueId>],
     _: &[bool],
 ) -> Result<InputGrads, PassError> {
-    unary(cx, node, dys, |cx, dy, x, y, h| {
-        Ok(cx.op_like("Mul", &[dy, y], vec![], h, x))
-    })
+    cx.by_slope(node, dys, |_, _, y, _| Ok(y))
 }
 
 pub fn log(
@@ -260,9 +258,8 @@ pub fn abs(
     dys: &[Option<ValueId>],
     _: &[bool],
 ) -> Result<InputGrads, PassError> {
-    unary(cx, node, dys, |cx, dy, x, _, h| {
-        let s = cx.op_like("Sign", &[x], vec![], h, x);
-        Ok(cx.op_like("Mul", &[dy, s], vec![], h, x))
+    cx.by_slope(node, dys, |cx, x, _, h| {
+        Ok(cx.op_like("Sign", &[x], vec![], h, x))
     })
 }
 
@@ -272,13 +269,12 @@ pub fn erf(
     dys: &[Option<ValueId>],
     _: &[bool],
 ) -> Result<InputGrads, PassError> {
-    unary(cx, node, dys, |cx, dy, x, _, h| {
+    cx.by_slope(node, dys, |cx, x, _, h| {
         let k = cx.scalar_like(node, x, 2.0 / std::f64::consts::PI.sqrt())?;
         let x2 = cx.op_like("Mul", &[x, x], vec![], h, x);
         let nx2 = cx.op_like("Neg", &[x2], vec![], h, x);
         let e = cx.op_like("Exp", &[nx2], vec![], h, x);
-        let ke = cx.op_like("Mul", &[e, k], vec![], h, x);
-        Ok(cx.op_like("Mul", &[dy, ke], vec![], h, x))
+        Ok(cx.op_like("Mul", &[e, k], vec![], h, x))
     })
 }
 

@@ -55,9 +55,7 @@ pub fn softmax_cross_entropy(
         &[&h],
         attrs,
     );
-    let v = cx.output(g, 0);
-    let f = cx.facts(scores);
-    cx.shapes.set(v, f);
+    let v = cx.output_like(g, 0, scores);
     let mut out = vec![None; wants.len()];
     out[0] = Some(v);
     Ok(out)

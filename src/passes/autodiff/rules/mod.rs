@@ -251,6 +251,28 @@ impl<'m> Grad<'m> {
         self.model().output(node, slot)
     }
 
+    /// The rule of an elementwise function of one input whose derivative is a tensor the
+    /// caller builds from X and Y: `dX = dY · slope(X, Y)`.
+    pub fn by_slope(
+        &mut self,
+        node: NodeId,
+        dys: &[Option<ValueId>],
+        slope: impl FnOnce(&mut Self, ValueId, ValueId, &str) -> Result<ValueId, PassError>,
+    ) -> Result<InputGrads, PassError> {
+        let UnaryParts { dy, x, y, hint } = self.unary_parts(node, dys)?;
+        let s = slope(self, x, y, &hint)?;
+        Ok(vec![Some(self.op_like("Mul", &[dy, s], vec![], &hint, x))])
+    }
+
+    /// Output `slot` of a node a rule built, recorded as having the shape and type of
+    /// `like` (a gradient op's result is shaped like the input it is the gradient of).
+    pub fn output_like(&mut self, node: NodeId, slot: usize, like: ValueId) -> ValueId {
+        let v = self.output(node, slot);
+        let facts = self.facts(like);
+        self.shapes.set(v, facts);
+        v
+    }
+
     /// Output `slot` of the forward node, or an error naming it when the model omits it.
     pub fn forward_output(&self, node: NodeId, slot: usize) -> Result<ValueId, PassError> {
         self.model()

@@ -45,11 +45,8 @@ fn grads_out(
     let mut out = vec![None; wants.len()];
     for slot in 0..3.min(wants.len()) {
         if wants[slot] {
-            let v = cx.output(g, slot);
             let like = cx.input(node, slot)?;
-            let f = cx.facts(like);
-            cx.shapes.set(v, f);
-            out[slot] = Some(v);
+            out[slot] = Some(cx.output_like(g, slot, like));
         }
     }
     if wants.iter().skip(3).any(|w| *w) {

@@ -60,9 +60,7 @@ pub fn max_pool(
         &[&dx_hint],
         attrs,
     );
-    let dx = cx.output(g, 0);
-    let fx = cx.facts(x);
-    cx.shapes.set(dx, fx);
+    let dx = cx.output_like(g, 0, x);
     Ok(vec![Some(dx)])
 }
 

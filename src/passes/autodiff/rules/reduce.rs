@@ -48,6 +48,9 @@ fn reduced_axes(
         .iter()
         .map(|a| if *a < 0 { a + rank } else { *a })
         .collect();
+    if let Some(bad) = axes.iter().find(|a| **a < 0 || **a >= rank) {
+        return Err(cx.error(node, format!("axis {bad} is out of range for rank {rank}")));
+    }
     axes.sort_unstable();
     Ok(Some((axes, keep)))
 }

@@ -196,9 +196,7 @@ pub fn concat(
     let mut out = vec![None; wants.len()];
     for (i, want) in wants.iter().enumerate() {
         if *want {
-            let v = cx.output(s, i);
-            let f = cx.facts(inputs[i]);
-            cx.shapes.set(v, f);
+            let v = cx.output_like(s, i, inputs[i]);
             out[i] = Some(v);
         }
     }
@@ -483,6 +481,12 @@ pub fn tile(
             format!("the dims of '{}' must be known", cx.model().name(x)),
         )
     })?;
+    if reps.len() != dims.len() {
+        return Err(cx.error(
+            node,
+            format!("{} repeats for a rank-{} input", reps.len(), dims.len()),
+        ));
+    }
     let interleaved: Vec<i64> = reps.iter().zip(&dims).flat_map(|(r, d)| [*r, *d]).collect();
     let axes: Vec<i64> = (0..dims.len() as i64).map(|i| 2 * i).collect();
     let h = hint(cx, x);
@@ -547,9 +551,7 @@ pub fn dropout(
         &[&h],
         vec![],
     );
-    let v = cx.output(g, 0);
-    let f = cx.facts(x);
-    cx.shapes.set(v, f);
+    let v = cx.output_like(g, 0, x);
     Ok(first_only(wants.len(), v))
 }
 
@@ -623,9 +625,7 @@ pub fn gather(
         &[&h],
         attrs,
     );
-    let v = cx.output(g, 0);
-    let f = cx.facts(x);
-    cx.shapes.set(v, f);
+    let v = cx.output_like(g, 0, x);
     Ok(first_only(wants.len(), v))
 }
 
@@ -646,8 +646,6 @@ pub fn gather_elements(
         &[&h],
         attrs,
     );
-    let v = cx.output(g, 0);
-    let f = cx.facts(x);
-    cx.shapes.set(v, f);
+    let v = cx.output_like(g, 0, x);
     Ok(first_only(wants.len(), v))
 }

@@ -33,9 +33,7 @@ fn through_output(
         &[&hint],
         vec![attr_int("axis", axis)],
     );
-    let dx = cx.output(g, 0);
-    let f = cx.facts(x);
-    cx.shapes.set(dx, f);
+    let dx = cx.output_like(g, 0, x);
     Ok(vec![Some(dx)])
 }
 
