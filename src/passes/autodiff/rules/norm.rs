@@ -1,4 +1,5 @@
-//! Normalisations, differentiated with the statistics their forward saved.
+//! Normalisations, differentiated with the statistics their forward saved (Layer, Batch) or
+//! recomputes (Group, Instance).
 //!
 //! ```text
 //! LayerNormalization   Y = scale · x̂ + B,  x̂ = (X - mean) · inv_std over the axes [axis, rank)
@@ -6,8 +7,6 @@
 //!   dX = B' - mean_N(B') - x̂ · mean_N(B' · x̂);   dScale = Σ_L dY · x̂;   dB = Σ_L dY
 //! BatchNorm (training)  the same per channel over all axes but 1:
 //!   dX = k (dY - Σ dY / n - x̂ · Σ(dY · x̂) / n),  k = scale · inv_std
-//! ```
-//!
 //! GroupNormalization  per instance n and group g of C/G channels, over its M = C/G · |spatial|
 //!   elements: x̂ = (X - μ) · r, r = 1/sqrt(σ² + ε) (σ² biased), Y = γ · x̂ + β with γ, β per
 //!   channel (opset 21) or per group (opset 18: one value for the group's channels)
@@ -15,6 +14,7 @@
 //!   dγ = Σ_{n, spatial} dY · x̂,  dβ = Σ_{n, spatial} dY   (per channel; opset 18: also
 //!   summed over the group's channels)
 //! InstanceNormalization  the same with G = C (one channel per group), γ, β per channel
+//! ```
 //!
 //! Neither forward saves its statistics, so the rule recomputes them from X in the view
 //! `[N, G, M]` (`Reshape(X, [0, G, -1])`; Reshape back to X's shape at the end) with

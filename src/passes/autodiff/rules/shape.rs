@@ -325,6 +325,13 @@ pub fn slice(
             }
         }
     }
+    if !strided.is_empty() && cx.opset() < 11 {
+        return Err(cx.error(
+            node,
+            "a Slice with steps other than 1 needs opset 11 (ScatterElements) for its gradient"
+                .into(),
+        ));
+    }
     let h = hint(cx, x);
     // Unit steps: the rows the slice dropped come back as zeros.
     let mut g = if pads.iter().any(|p| *p != 0) || strided.is_empty() {
@@ -358,15 +365,23 @@ pub fn slice(
         ..Default::default()
     };
     for (a, first, step, len, full) in strided {
-        // Shape(g) with axis a at full size.
-        let shape = cx.shape_of(g);
-        let mut keep = vec![1i64; rank];
-        keep[a] = 0;
-        let mut put = vec![0i64; rank];
-        put[a] = full;
-        let (keep, put) = (cx.ints(&keep), cx.ints(&put));
-        let kept = cx.op("Mul", &[shape, keep], vec![], &h);
-        let target = cx.op("Add", &[kept, put], vec![], &h);
+        // Shape(g) with axis a at full size (a < rank: checked above).
+        let target = match cx.facts(g).static_dims() {
+            Some(mut d) if d.len() == rank => {
+                d[a] = full;
+                cx.ints(&d)
+            }
+            _ => {
+                let shape = cx.shape_of(g);
+                let mut keep = vec![1i64; rank];
+                keep[a] = 0;
+                let mut put = vec![0i64; rank];
+                put[a] = full;
+                let (keep, put) = (cx.ints(&keep), cx.ints(&put));
+                let kept = cx.op("Mul", &[shape, keep], vec![], &h);
+                cx.op("Add", &[kept, put], vec![], &h)
+            }
+        };
         let zeros = cx.op(
             "ConstantOfShape",
             &[target],
