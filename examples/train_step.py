@@ -1,7 +1,11 @@
 """Trains a step written by `onnx-ga rewrite` from Python, with nothing but onnxruntime and
 the step's own manifest: any host can drive the loop without knowing onnx-ga's naming.
 
-    python examples/train_step.py STEP.onnx DATA.npz --micro-batch 8 --steps 32 [--save-state S.npz] [--split]
+    .venv-ort/bin/python examples/train_step.py STEP.onnx DATA.npz --micro-batch 8 --steps 32 [--save-state S.npz] [--split]
+
+Run it with a Python that has onnxruntime, numpy and onnx: `.venv-ort/bin/python`, which
+`bash scripts/install-ort.sh` creates (ONNX Runtime 1.31.1, onnx 1.23.2), or your own with
+`pip install onnxruntime numpy onnx`.
 
 The manifest (model metadata) says which graph inputs are state, which output carries each
 one's next value, which inputs are data and which output is the loss. Micro-step i takes
@@ -18,11 +22,19 @@ Both ways give bit-identical results; the split is faster.
 
 import argparse
 import json
+import sys
 
-import numpy as np
-import onnx
-import onnxruntime as ort
-from onnx import numpy_helper
+try:
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import numpy_helper
+except ImportError as e:
+    sys.exit(
+        f"error: {e.name or e} is not installed for {sys.executable}: run this example with "
+        ".venv-ort/bin/python (made by `bash scripts/install-ort.sh`), or "
+        "`pip install onnxruntime numpy onnx`"
+    )
 
 
 def main():

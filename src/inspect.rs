@@ -125,6 +125,10 @@ pub fn render_text(report: &Report<'_>) -> String {
         );
     }
     match &s.optimizer {
+        // A rewritten step carries its optimizer in the recipe, shown after the report.
+        None if matches!(s.source, crate::signature::Source::Step { .. }) => {
+            let _ = writeln!(out, "optimizer: in the step (see the recipe below)");
+        }
         None => {
             let _ = writeln!(out, "optimizer: (none given)");
         }

@@ -33,6 +33,23 @@ enum Command {
     Train(TrainArgs),
     /// Write a model with its parameters set to a trained state (`train --save-state`).
     Export(ExportArgs),
+    /// Draw a training run's loss from its metrics file (`train --metrics`): PNG or SVG.
+    Plot(PlotArgs),
+}
+
+#[derive(Args)]
+struct PlotArgs {
+    /// A metrics file written by `train --metrics` (one JSON line per micro-step).
+    metrics: PathBuf,
+    /// The picture to write (atomically): .png or .svg.
+    #[arg(short, long)]
+    output: PathBuf,
+    /// Width in pixels.
+    #[arg(long, default_value_t = onnx_ga::plot::DEFAULT_SIZE.0)]
+    width: u32,
+    /// Height in pixels.
+    #[arg(long, default_value_t = onnx_ga::plot::DEFAULT_SIZE.1)]
+    height: u32,
 }
 
 #[derive(Args)]
@@ -197,7 +214,12 @@ struct TrainArgs {
     /// the cargo feature `mpi`.
     #[arg(long, value_name = "mpi", value_parser = ["mpi"])]
     distributed: Option<String>,
-    /// No progress bar.
+    /// Also draw the metrics as a loss plot here (.png or .svg, atomically), at the end and
+    /// at each --save-every checkpoint (see `onnx-ga plot`).
+    #[arg(long, value_name = "LOSS.png|svg", requires = "metrics")]
+    plot: Option<PathBuf>,
+    /// Print nothing but errors: no progress (a bar on a terminal, a line every few seconds
+    /// elsewhere), notes or summary.
     #[arg(long)]
     quiet: bool,
 }
@@ -442,6 +464,7 @@ fn is_input_error(error: &anyhow::Error) -> bool {
         || error.downcast_ref::<onnx_ga::passes::PassError>().is_some()
         || error.downcast_ref::<onnx_ga::data::DataError>().is_some()
         || error.downcast_ref::<UsageError>().is_some()
+        || error.downcast_ref::<onnx_ga::plot::PlotError>().is_some()
         || error
             .downcast_ref::<onnx_ga::trained::ExportError>()
             .is_some()
@@ -500,7 +523,24 @@ fn run(cli: Cli) -> Result<(), Failure> {
         Command::Rewrite(args) => rewrite(*args),
         Command::Train(args) => train(args),
         Command::Export(args) => export(args),
+        Command::Plot(args) => plot(args),
     }
+}
+
+fn plot(args: PlotArgs) -> Result<(), Failure> {
+    refuse_overwrite("-o", &args.output, &[("the metrics file", &args.metrics)])?;
+    let size = (args.width, args.height);
+    let drawn = onnx_ga::plot::plot_file(&args.metrics, &args.output, size)?;
+    eprintln!(
+        "wrote {} ({} micro-steps, {} windows, {} skipped, {} non-finite losses; moving average of {})",
+        args.output.display(),
+        drawn.micro_steps,
+        drawn.windows,
+        drawn.skipped,
+        drawn.non_finite,
+        drawn.average_of
+    );
+    Ok(())
 }
 
 fn inspect(args: InspectArgs) -> Result<(), Failure> {
@@ -515,6 +555,17 @@ fn inspect(args: InspectArgs) -> Result<(), Failure> {
         None => (signature::open(&args.path, &args.roles.roles())?, None),
     };
     let report = onnx_ga::inspect::report(&graph);
+    // A rewritten step: its recipe, state by role, controls and engines.
+    let step_view = match &graph.signature.source {
+        signature::Source::Step { .. } => {
+            let manifest = onnx_ga::step::Manifest::from_model(&graph.model.header)?;
+            Some(
+                onnx_ga::recipe::StepView::of(&graph.model, &manifest, &report.training_only_ops)
+                    .map_err(|e| UsageError(format!("{}: {e}", args.path.display())))?,
+            )
+        }
+        _ => None,
+    };
     let agc = match args.agc {
         true => Some(
             onnx_ga::inspect::agc_plan(&graph, &args.agc_select.selection()?)
@@ -530,6 +581,9 @@ fn inspect(args: InspectArgs) -> Result<(), Failure> {
         if let Some(untrained) = &untrained {
             value["untrained"] = serde_json::to_value(untrained)?;
         }
+        if let Some(view) = &step_view {
+            value["step"] = serde_json::to_value(view)?;
+        }
         if args.graph {
             value["graph"] =
                 serde_json::Value::String(onnx_ga::ir::print::print_model(&graph.model));
@@ -539,6 +593,9 @@ fn inspect(args: InspectArgs) -> Result<(), Failure> {
         print!("{}", onnx_ga::inspect::render_text(&report));
         if let Some(untrained) = &untrained {
             print!("{}", onnx_ga::inspect::render_untrained_text(untrained));
+        }
+        if let Some(view) = &step_view {
+            print!("{}", view.render_text());
         }
         if let Some(plan) = &agc {
             print!("{}", onnx_ga::inspect::render_agc_text(plan));
@@ -689,10 +746,21 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
                 "fp32" => String::new(),
                 half => format!("precision(dtype={half}),"),
             };
-            format!(
-                "grad-accum(steps={},normalize={normalize},apply={},bn_stats={}),{loss_scale}{optimizer},legalize-ort,{precision}dce",
-                args.accum_steps, args.apply, args.bn_stats
-            )
+            // Only what differs from the pass's defaults, so the recipe tells the defaults
+            // (the recorded pipeline is the canonical spec either way).
+            let mut accum = Vec::new();
+            for (key, value, default) in [
+                ("steps", args.accum_steps.to_string(), "1"),
+                ("normalize", normalize, "mean"),
+                ("apply", args.apply.clone(), "if"),
+                ("bn_stats", args.bn_stats.clone(), "window"),
+            ] {
+                if value != default {
+                    accum.push(format!("{key}={value}"));
+                }
+            }
+            let accum = onnx_ga::passes::spec_text("grad-accum", &accum);
+            format!("{accum},{loss_scale}{optimizer},legalize-ort,{precision}dce")
         }
     };
     // A forward model: autodiff first (in place of a bare `autodiff` in --pipeline).
@@ -719,6 +787,9 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
         )?,
     };
     let step = onnx_ga::step::build_step(graph, &spec, args.verify)?;
+    // The resolved recipe first, so a default the user did not expect shows before it is
+    // written into a file.
+    eprint!("recipe:\n{}", step.recipe.render_text());
     let proto = step.model.to_proto();
     // Everything is computed before anything is written: no partial output on an error.
     let mut files = vec![(args.output.clone(), proto.clone())];
@@ -868,6 +939,9 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         .map_err(|e| UsageError(format!("--on-nonfinite {e}")))?;
     let (model, model_files) = onnx_ga::model::load_model_with_data_listing(&args.model)?;
     check_train_outputs(&args, &model_files)?;
+    check_plot_output(&args, &model_files)?;
+    let display = onnx_ga::progress::Display::for_stderr(args.quiet);
+    let mut progress = onnx_ga::progress::Progress::new(display, args.steps, args.micro_batch);
     // Before training, not after it: the state file's format is its extension.
     if let Some(path) = &args.save_state {
         onnx_ga::data::StateFormat::of(path)?;
@@ -887,8 +961,8 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     };
     let (engine, why) = requested.resolve();
     match requested {
-        onnx_ga::engine::EngineKind::Auto => eprintln!("engine: {engine} ({why})"),
-        _ => eprintln!("engine: {engine} on {device}"),
+        onnx_ga::engine::EngineKind::Auto => progress.note(format!("engine: {engine} ({why})")),
+        _ => progress.note(format!("engine: {engine} on {device}")),
     }
     let options = onnx_ga::train::TrainOptions {
         engine,
@@ -907,14 +981,14 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         other => anyhow::Error::new(other),
     })?;
     trainer.set_on_nonfinite(on_nonfinite);
-    eprintln!(
+    progress.note(format!(
         "runs: {}",
         if trainer.is_split() {
             "one specialised graph per branch of the apply If (accumulate / apply)"
         } else {
             "the exported graph whole"
         }
-    );
+    ));
     if let Some(lr) = args.lr {
         trainer
             .set_learning_rate(lr)
@@ -934,10 +1008,10 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         (Some(step), _) => step,
         (None, Some(path)) => match recorded_progress(&trainer, path)? {
             Some(step) => {
-                eprintln!(
+                progress.note(format!(
                     "resuming at micro-step {step} (recorded in {})",
                     progress_path(path).display()
-                );
+                ));
                 step
             }
             None => 0,
@@ -949,19 +1023,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         Some(path) => Some(MetricsFile::open(path, start_step)?),
         None => None,
     };
-    let bar = if args.quiet {
-        indicatif::ProgressBar::hidden()
-    } else {
-        indicatif::ProgressBar::new(args.steps)
-    };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} micro-steps {msg}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    let mut last = String::from("{}");
-    let mut windows = 0u64;
-    let mut skipped = Vec::new();
-    let mut discarded = Vec::new();
+    progress.start_clock();
     // The micro-step the state file was last written after.
     let mut saved_at: Option<u64> = None;
     for i in 0..args.steps {
@@ -971,7 +1033,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         let mut metrics = match trainer.step(&batch, flush) {
             Ok(m) => m,
             Err(TrainError::NonFinite { loss, .. }) => {
-                bar.abandon();
+                progress.abandon();
                 let what = NonFiniteStep {
                     step: step_index + 1,
                     loss,
@@ -999,52 +1061,34 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             Err(e) => return Err(e.into()),
         };
         metrics.step = step_index + 1;
-        if metrics.applied {
-            windows += 1;
+        progress.record(&metrics);
+        if metrics.discarded && progress.stats().discarded.len() <= 10 {
+            let rows = onnx_ga::train::micro_batch_rows(samples, args.micro_batch, step_index);
+            progress.note(format!(
+                "micro-step {}: the loss is {}; its update was discarded (data rows {} of {})",
+                metrics.step,
+                metrics.loss,
+                row_ranges(&rows),
+                args.data.display()
+            ));
         }
-        if metrics.skipped {
-            skipped.push(metrics.step);
-        }
-        if metrics.discarded {
-            discarded.push(metrics.step);
-            if discarded.len() <= 10 {
-                let rows = onnx_ga::train::micro_batch_rows(samples, args.micro_batch, step_index);
-                bar.suspend(|| {
-                    eprintln!(
-                        "micro-step {}: the loss is {}; its update was discarded (data rows {} of {})",
-                        metrics.step,
-                        metrics.loss,
-                        row_ranges(&rows),
-                        args.data.display()
-                    )
-                });
-            }
-        }
-        let scale = metrics
-            .scale
-            .map(|s| format!(" scale {s}"))
-            .unwrap_or_default();
-        bar.set_message(format!("loss {:.5} windows {windows}{scale}", metrics.loss));
-        bar.inc(1);
-        last = serde_json::to_string(&metrics)?;
         if let Some(out) = &mut metrics_out {
-            out.line(&last)?;
+            out.line(&serde_json::to_string(&metrics)?)?;
         }
+        let windows = progress.stats().optimizer_steps;
         if let (Some(every), Some(path)) = (args.save_every, &args.save_state) {
             if metrics.applied && windows.is_multiple_of(every) {
                 save_checkpoint(&trainer, path, metrics.step, metrics_out.as_mut())?;
                 saved_at = Some(metrics.step);
-                bar.suspend(|| {
-                    eprintln!(
-                        "checkpoint: {} after micro-step {} ({windows} optimizer steps in this run)",
-                        path.display(),
-                        metrics.step
-                    )
-                });
+                progress.note(format!(
+                    "checkpoint: {} after micro-step {} ({windows} optimizer steps in this run)",
+                    path.display(),
+                    metrics.step
+                ));
+                train_plot(&args, &progress)?;
             }
         }
     }
-    bar.finish();
     let end = start_step + args.steps;
     if let Some(path) = &args.save_state {
         if saved_at != Some(end) {
@@ -1054,25 +1098,43 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     if let Some(out) = &mut metrics_out {
         out.sync()?;
     }
-    let mut summary = format!(
-        "trained {} micro-steps, {windows} optimizer steps",
-        args.steps
-    );
-    if !skipped.is_empty() {
-        summary.push_str(&format!(
-            "; loss scaling skipped {} windows with non-finite values (ending at micro-steps {})",
-            skipped.len(),
-            list_steps(&skipped)
-        ));
+    progress.finish();
+    train_plot(&args, &progress)?;
+    Ok(())
+}
+
+/// `train --plot`: the metrics file drawn (it is complete up to here).
+fn train_plot(args: &TrainArgs, progress: &onnx_ga::progress::Progress) -> Result<(), Failure> {
+    if let (Some(plot), Some(metrics)) = (&args.plot, &args.metrics) {
+        onnx_ga::plot::plot_file(metrics, plot, onnx_ga::plot::DEFAULT_SIZE)?;
+        progress.note(format!("plot: {}", plot.display()));
     }
-    if !discarded.is_empty() {
-        summary.push_str(&format!(
-            "; discarded {} micro-steps with a non-finite loss ({})",
-            discarded.len(),
-            list_steps(&discarded)
-        ));
+    Ok(())
+}
+
+/// `train --plot`: a .png or .svg that is none of the inputs or other outputs, writable.
+fn check_plot_output(args: &TrainArgs, model_files: &[PathBuf]) -> Result<(), Failure> {
+    let Some(plot) = &args.plot else {
+        return Ok(());
+    };
+    onnx_ga::plot::Format::of(plot)?;
+    let mut taken: Vec<(&str, &Path)> = model_files
+        .iter()
+        .map(|p| ("the model or its external data", p.as_path()))
+        .collect();
+    taken.push(("the data", &args.data));
+    let outputs = [
+        ("the initial state", &args.init_state),
+        ("the --save-state file", &args.save_state),
+        ("the --metrics file", &args.metrics),
+    ];
+    for (what, path) in &outputs {
+        if let Some(p) = path {
+            taken.push((what, p.as_path()));
+        }
     }
-    eprintln!("{summary}; last: {last}");
+    refuse_overwrite("--plot", plot, &taken)?;
+    check_writable("--plot", plot)?;
     Ok(())
 }
 
@@ -1467,18 +1529,4 @@ fn row_ranges(rows: &[usize]) -> String {
         i = j + 1;
     }
     parts.join(", ")
-}
-
-/// At most 10 micro-steps, then how many more.
-fn list_steps(steps: &[u64]) -> String {
-    let mut text = steps
-        .iter()
-        .take(10)
-        .map(u64::to_string)
-        .collect::<Vec<_>>()
-        .join(", ");
-    if steps.len() > 10 {
-        text.push_str(&format!(", ... ({} more)", steps.len() - 10));
-    }
-    text
 }

@@ -120,6 +120,8 @@ pub struct Step {
     pub model: Model,
     pub manifest: Manifest,
     pub reports: Vec<(String, PassReport)>,
+    /// Every setting of every pass, resolved (also in the metadata, `onnx_ga.recipe`).
+    pub recipe: crate::recipe::Recipe,
 }
 
 /// Runs `spec` over `graph` and finishes the step model.
@@ -132,11 +134,17 @@ pub fn build_step(graph: TrainingGraph, spec: &str, verify_each: bool) -> Result
     } = graph;
     let mut pipeline = Pipeline::parse(spec)?;
     pipeline.verify_each |= verify_each;
-    let (reports, state, region) = {
+    let (reports, state, region, sections) = {
         let mut cx = PassContext::new(&mut signature, checkpoint.as_ref());
         let reports = pipeline.run(&mut model, &mut cx)?;
-        (reports, std::mem::take(&mut cx.state), cx.apply.take())
+        (
+            reports,
+            std::mem::take(&mut cx.state),
+            cx.apply.take(),
+            std::mem::take(&mut cx.recipe),
+        )
     };
+    let recipe = crate::recipe::Recipe::from_run(sections, &crate::passes::parse_spec(spec)?);
     let learning_rate = region
         .as_ref()
         .and_then(|r| r.learning_rate)
@@ -175,10 +183,15 @@ pub fn build_step(graph: TrainingGraph, spec: &str, verify_each: bool) -> Result
         learning_rate,
     };
     manifest.write(&mut model);
+    model.header.metadata_props.push(StringStringEntryProto {
+        key: Some(crate::recipe::RECIPE_KEY.into()),
+        value: Some(serde_json::to_string(&recipe).expect("the recipe serializes")),
+    });
     verify::verify(&model)?;
     Ok(Step {
         model,
         manifest,
         reports,
+        recipe,
     })
 }

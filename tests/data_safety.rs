@@ -147,8 +147,8 @@ fn train_args<'a>(
         "8",
         "--steps",
         steps,
-        "--quiet",
     ];
+    // Not --quiet: the tests read train's notes (discarded micro-steps, resuming) and summary.
     args.extend_from_slice(extra);
     args
 }

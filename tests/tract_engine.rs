@@ -631,7 +631,6 @@ fn cli_trains_with_tract_and_auto_falls_back_to_it() {
                 metrics.to_str().unwrap(),
                 "--save-state",
                 state.to_str().unwrap(),
-                "--quiet",
             ],
             env,
         );

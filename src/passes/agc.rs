@@ -698,6 +698,37 @@ impl Agc {
     }
 }
 
+impl Agc {
+    /// The resolved settings (the pipeline marks those the spec gave), with how many
+    /// parameters are clipped.
+    fn recipe(&self, plan: &Plan) -> crate::recipe::Section {
+        use crate::recipe::Origin::Default;
+        let mut s = crate::recipe::Section::new(PASS);
+        s.set_f32("clip", self.clip, Default);
+        s.set_f32("eps", self.eps, Default);
+        s.set("include_final", self.selection.include_final, Default);
+        if !self.final_layer_excluded_note(plan).is_empty() {
+            s.note("include_final", self.final_layer_excluded_note(plan));
+        }
+        s.set("exclude", self.selection.exclude.clone(), Default);
+        let clipped = plan.params.iter().filter(|p| p.excluded.is_none()).count();
+        s.set(
+            "clipped",
+            format!("{clipped} of {} parameters", plan.params.len()),
+            Default,
+        );
+        s.note("clipped", "inspect --agc lists each parameter's units");
+        s
+    }
+
+    fn final_layer_excluded_note(&self, plan: &Plan) -> String {
+        match (self.selection.include_final, plan.final_layer.is_empty()) {
+            (false, false) => format!("final layer not clipped: {}", plan.final_layer.join(", ")),
+            _ => String::new(),
+        }
+    }
+}
+
 impl Pass for Agc {
     fn name(&self) -> &'static str {
         PASS
@@ -753,6 +784,7 @@ impl Pass for Agc {
                 return Err(fail(e));
             }
         };
+        cx.recipe.push(self.recipe(&plan));
         let by_name: BTreeMap<&str, &ParamUnits> =
             plan.params.iter().map(|p| (p.name.as_str(), p)).collect();
         let nodes_before = model.all_nodes().count();

@@ -104,6 +104,47 @@ fn fail(message: String) -> PassError {
     }
 }
 
+impl GradAccum {
+    /// The resolved settings (the pipeline marks those the spec gave).
+    fn recipe(&self) -> crate::recipe::Section {
+        use crate::recipe::Origin::Default;
+        let mut s = crate::recipe::Section::new(PASS);
+        s.set("steps", self.steps, Default);
+        let normalize = match &self.normalize {
+            Normalize::Mean => "mean".to_string(),
+            Normalize::Sum => "sum".to_string(),
+            Normalize::Weighted(None) => "weighted".to_string(),
+            Normalize::Weighted(Some(input)) => format!("weighted:{input}"),
+        };
+        s.set("normalize", normalize, Default);
+        match &self.normalize {
+            Normalize::Mean => s.note(
+                "normalize",
+                "the window's gradient sum over its micro-steps",
+            ),
+            Normalize::Sum => s.note("normalize", "the window's gradient sum, not divided"),
+            Normalize::Weighted(None) => s.note(
+                "normalize",
+                "weights: the count of non-ignored labels of the loss",
+            ),
+            Normalize::Weighted(Some(input)) => {
+                s.note("normalize", format!("weights: data input '{input}'"))
+            }
+        }
+        let apply = match self.apply {
+            ApplyMode::If => "if",
+            ApplyMode::Where => "where",
+        };
+        s.set("apply", apply, Default);
+        let bn = match self.bn_stats {
+            BnStats::Window => "window",
+            BnStats::Micro => "micro",
+        };
+        s.set("bn_stats", bn, Default);
+        s
+    }
+}
+
 impl Pass for GradAccum {
     fn name(&self) -> &'static str {
         PASS
@@ -142,6 +183,7 @@ impl Pass for GradAccum {
                 "the graph already has an apply region (grad-accum runs once)".into(),
             ));
         }
+        cx.recipe.push(self.recipe());
         if cx.state.iter().any(|s| s.role == Role::Accumulator) {
             return Err(fail(
                 "ORT's accumulators were already legalized; run grad-accum before legalize-ort"

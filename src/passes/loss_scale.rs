@@ -189,6 +189,28 @@ impl LossScale {
     }
 }
 
+impl LossScale {
+    /// The resolved settings (the pipeline marks those the spec gave).
+    fn recipe(&self) -> crate::recipe::Section {
+        use crate::recipe::Origin::Default;
+        let mut s = crate::recipe::Section::new(PASS);
+        match self {
+            LossScale::Static(v) => s.set_f32("static", *v, Default),
+            LossScale::Dynamic(d) => {
+                s.set_f32("init", d.init, Default);
+                s.set_f32("growth", d.growth, Default);
+                s.set_f32("backoff", d.backoff, Default);
+                s.set("interval", d.interval, Default);
+                s.note("interval", "finite windows between growths");
+                s.set_f32("min", d.min, Default);
+                s.set("hysteresis", d.hysteresis, Default);
+                s.note("hysteresis", "overflowing windows before a backoff");
+            }
+        }
+        s
+    }
+}
+
 impl Pass for LossScale {
     fn name(&self) -> &'static str {
         PASS
@@ -219,6 +241,7 @@ impl Pass for LossScale {
                 "no apply region: run grad-accum before loss-scale".into(),
             ));
         };
+        cx.recipe.push(self.recipe());
         let result = self.scale(model, cx, &mut region);
         cx.apply = Some(region);
         result

@@ -32,6 +32,9 @@ pub struct PassContext<'a> {
     pub state: Vec<crate::state::StateEntry>,
     /// The apply region, once grad-accum has made it.
     pub apply: Option<apply::ApplyRegion>,
+    /// The recipe so far: at most one section per pass run, with its resolved settings
+    /// (the pipeline adds an empty one for a pass that reports none).
+    pub recipe: Vec<crate::recipe::Section>,
 }
 
 impl<'a> PassContext<'a> {
@@ -41,6 +44,7 @@ impl<'a> PassContext<'a> {
             checkpoint,
             state: Vec::new(),
             apply: None,
+            recipe: Vec::new(),
         }
     }
 }
@@ -126,6 +130,11 @@ impl PassOptions {
 
     pub fn get(&self, key: &str) -> Option<&str> {
         self.values.get(key).map(String::as_str)
+    }
+
+    /// The options given, by key.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.values.iter().map(|(k, v)| (k.as_str(), v.as_str()))
     }
 
     pub fn parse<T: std::str::FromStr>(&self, key: &str) -> Result<Option<T>, PassError> {
@@ -266,7 +275,12 @@ impl Pipeline {
     ) -> Result<Vec<(String, PassReport)>, PassError> {
         let mut reports = Vec::new();
         for pass in &mut self.passes {
+            let sections = cx.recipe.len();
             let report = pass.run(model, cx)?;
+            cx.recipe.truncate(sections + 1);
+            if cx.recipe.len() == sections {
+                cx.recipe.push(crate::recipe::Section::new(pass.name()));
+            }
             if self.verify_each {
                 verify::verify(model).map_err(|errors| PassError::Verify {
                     pass: pass.spec(),

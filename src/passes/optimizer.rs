@@ -310,6 +310,141 @@ impl Optimizer {
     }
 }
 
+impl Optimizer {
+    /// Every hyperparameter the update uses, with where its value came from: given, the
+    /// producer's optimizer (ORT's optimizer_model.onnx and checkpoint), or a default.
+    pub fn recipe(
+        &self,
+        producer: Option<&crate::signature::Optimizer>,
+        framework: bool,
+        hp: &Resolved,
+    ) -> crate::recipe::Section {
+        use crate::recipe::Origin;
+        let p_kind = producer.map(|o| match o.spec {
+            OptimizerSpec::Adamw { .. } => Kind::AdamW,
+            OptimizerSpec::Sgd => Kind::Sgd,
+        });
+        let same_family = p_kind == Some(hp.kind);
+        let adamw = matches!(producer.map(|o| &o.spec), Some(OptimizerSpec::Adamw { .. }));
+        // Given, else the artifacts' (when they configure this kind and that value), else
+        // the default.
+        let origin = |mine: bool, theirs: bool| match (mine, theirs && same_family) {
+            (true, _) => Origin::Given,
+            (false, true) => Origin::Artifacts,
+            _ => Origin::Default,
+        };
+        let whose = match (hp.formula, hp.kind) {
+            (Formula::Ort, Kind::AdamW) => "ONNX Runtime AdamWOptimizer's default".to_string(),
+            (Formula::Ort, _) => "torch.optim's default".to_string(),
+            (f, _) => format!("{} default", f.as_str()),
+        };
+        let mut s = crate::recipe::Section::new(PASS);
+        s.set(
+            "kind",
+            hp.kind.as_str(),
+            origin(self.kind.is_some(), p_kind.is_some()),
+        );
+        match (p_kind, self.kind) {
+            (Some(p), Some(k)) if p != k => s.note(
+                "kind",
+                format!(
+                    "the artifacts configure {}: their hyperparameters are not used for {}",
+                    p.as_str(),
+                    k.as_str()
+                ),
+            ),
+            (None, _) if !framework => s.note("kind", "the producer configured no optimizer"),
+            _ => {}
+        }
+        s.set(
+            "formula",
+            hp.formula.as_str(),
+            match self.formula {
+                Some(_) => Origin::Given,
+                None => Origin::Default,
+            },
+        );
+        if self.formula.is_none() {
+            s.note(
+                "formula",
+                match hp.formula {
+                    Formula::Torch => "a forward model trains like torch.optim",
+                    _ => "ONNX Runtime's formulas for ONNX Runtime artifacts",
+                },
+            );
+        }
+        let lr_origin = match (self.lr, producer.and_then(|o| o.learning_rate)) {
+            (Some(_), _) => Origin::Given,
+            (None, Some(_)) => Origin::Artifacts,
+            (None, None) => Origin::Default,
+        };
+        s.set_f32("lr", hp.lr, lr_origin);
+        match lr_origin {
+            Origin::Artifacts => s.note("lr", "the checkpoint's optimizer group"),
+            Origin::Default => s.note("lr", whose.clone()),
+            Origin::Given => s.note("lr", "train --lr overrides it for a run"),
+        }
+        s.set_f32(
+            "weight_decay",
+            hp.weight_decay,
+            origin(self.weight_decay.is_some(), adamw),
+        );
+        let family_default = |s: &mut crate::recipe::Section, name: &str| {
+            if s.get(name).is_some_and(|x| x.from == Origin::Default) {
+                s.note(name, whose.clone());
+            }
+        };
+        family_default(&mut s, "weight_decay");
+        match hp.kind {
+            Kind::Sgd => {}
+            Kind::Momentum | Kind::Nesterov => {
+                s.set_f32(
+                    "momentum",
+                    hp.momentum,
+                    origin(self.momentum.is_some(), false),
+                );
+            }
+            Kind::Adam | Kind::AdamW => {
+                s.set_f32("beta1", hp.beta1, origin(self.beta1.is_some(), adamw));
+                s.set_f32("beta2", hp.beta2, origin(self.beta2.is_some(), adamw));
+                s.set_f32("eps", hp.eps, origin(self.eps.is_some(), adamw));
+                for name in ["beta1", "beta2", "eps"] {
+                    family_default(&mut s, name);
+                }
+                s.set(
+                    "correct_bias",
+                    hp.correct_bias,
+                    origin(self.correct_bias.is_some(), adamw),
+                );
+                if hp.kind == Kind::AdamW {
+                    s.set(
+                        "adam_mode",
+                        hp.adam_mode,
+                        origin(self.adam_mode.is_some(), adamw),
+                    );
+                    s.note(
+                        "adam_mode",
+                        match hp.adam_mode {
+                            0 => "0: decay before the step, eps added to sqrt(v/c2) (torch)",
+                            _ => "1: eps added to sqrt(v), decay after the step (Hugging Face)",
+                        },
+                    );
+                }
+                s.set(
+                    "fuse_small",
+                    self.fuse_small.unwrap_or(FUSE_SMALL_ELEMENTS),
+                    origin(self.fuse_small.is_some(), false),
+                );
+                s.note(
+                    "fuse_small",
+                    "parameters of at most this many elements updated as one tensor (same numbers)",
+                );
+            }
+        }
+        s
+    }
+}
+
 impl Pass for Optimizer {
     fn name(&self) -> &'static str {
         PASS
@@ -358,6 +493,8 @@ impl Pass for Optimizer {
             crate::signature::Source::Forward { .. }
         );
         let hp = self.resolve_for(cx.signature.optimizer.as_ref(), framework)?;
+        cx.recipe
+            .push(self.recipe(cx.signature.optimizer.as_ref(), framework, &hp));
         let Some(mut region) = cx.apply.take() else {
             return Err(fail(
                 "no apply region: run grad-accum before optimizer".into(),
