@@ -188,19 +188,18 @@ pub struct Progress {
 impl Progress {
     /// A run of `total` micro-steps of `micro_batch` samples each.
     pub fn new(display: Display, total: u64, micro_batch: usize) -> Progress {
-        let bar = match display {
-            Display::Bar => {
-                let bar = indicatif::ProgressBar::new(total);
-                bar.set_style(
-                    indicatif::ProgressStyle::with_template(
-                        "{bar:24} {pos}/{len} micro-steps {wide_msg}",
-                    )
-                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-                );
-                bar
-            }
-            _ => indicatif::ProgressBar::hidden(),
-        };
+        // Two lines, so that an 80-column terminal shows every field. Hidden until the
+        // first micro-step (notes before it print without an empty bar).
+        let bar = indicatif::ProgressBar::with_draw_target(
+            Some(total),
+            indicatif::ProgressDrawTarget::hidden(),
+        );
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{bar:24} {pos}/{len} micro-steps {prefix}\n  {wide_msg}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
         Progress {
             display,
             bar,
@@ -219,6 +218,10 @@ impl Progress {
     /// Restarts the clock: the rate counts from the first micro-step, not from loading.
     pub fn start_clock(&mut self) {
         self.start = Instant::now();
+        if self.display == Display::Bar {
+            self.bar
+                .set_draw_target(indicatif::ProgressDrawTarget::stderr());
+        }
     }
 
     /// An informational line (not under `quiet`), printed above the bar.
@@ -241,29 +244,30 @@ impl Progress {
                 self.bar.inc(1);
                 if last || self.last_shown.is_none_or(|t| now - t >= BAR_EVERY) {
                     self.last_shown = Some(now);
-                    self.bar.set_message(self.fields(m, now, false));
+                    let (state, rate) = self.fields(m, now);
+                    self.bar.set_prefix(rate);
+                    self.bar.set_message(state);
                 }
             }
             Display::Lines { every } => {
                 if last || self.last_shown.is_none_or(|t| now - t >= every) {
                     self.last_shown = Some(now);
-                    eprintln!("{}", self.fields(m, now, true));
+                    let s = &self.stats;
+                    let percent = 100.0 * s.micro_steps as f64 / self.total.max(1) as f64;
+                    let (state, rate) = self.fields(m, now);
+                    eprintln!(
+                        "micro-step {} ({}/{}, {percent:.0}%) {state} {rate}",
+                        m.step, s.micro_steps, self.total
+                    );
                 }
             }
         }
     }
 
-    /// The fields shown: with `position` (the lines), the micro-step and its share too.
-    fn fields(&self, m: &StepMetrics, now: Instant, position: bool) -> String {
+    /// The fields shown besides the position: (window, loss, scale; rate and time left).
+    fn fields(&self, m: &StepMetrics, now: Instant) -> (String, String) {
         let s = &self.stats;
         let mut text = String::new();
-        if position {
-            let percent = 100.0 * s.micro_steps as f64 / self.total.max(1) as f64;
-            text.push_str(&format!(
-                "micro-step {} ({}/{}, {percent:.0}%) ",
-                m.step, s.micro_steps, self.total
-            ));
-        }
         // The window the latest micro-step belongs to.
         let window = s.windows() + u64::from(!(m.applied || m.skipped));
         text.push_str(&format!("window {window}"));
@@ -279,17 +283,17 @@ impl Progress {
         }
         let elapsed = now - self.start;
         let per_second = rate(s.micro_steps, elapsed);
-        text.push_str(&format!(
-            " {} micro-steps/s {} samples/s",
+        let mut speed = format!(
+            "{} micro-steps/s {} samples/s",
             number(per_second),
             number(per_second * self.micro_batch as f64)
-        ));
+        );
         let left = self.total.saturating_sub(s.micro_steps);
         if per_second > 0.0 {
             let eta = Duration::from_secs_f64(left as f64 / per_second);
-            text.push_str(&format!(" ETA {}", duration(eta)));
+            speed.push_str(&format!(" ETA {}", duration(eta)));
         }
-        text
+        (text, speed)
     }
 
     /// The run stopped on an error: the bar stays where it was.
