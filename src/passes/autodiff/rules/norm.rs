@@ -294,8 +294,8 @@ fn grouped(
         let gg = cx.op("Mul", &[dyg, gamma], vec![], &h);
         cast(cx, gg, elem, work, &h)
     };
-    for slot in 1..out.len().min(3) {
-        if let (Some(v), Some(like)) = (out[slot], cx.opt_input(node, slot)) {
+    for (slot, g) in out.iter().enumerate().take(3).skip(1) {
+        if let (Some(v), Some(like)) = (*g, cx.opt_input(node, slot)) {
             let f = cx.facts(like);
             cx.shapes.set(v, f);
         }

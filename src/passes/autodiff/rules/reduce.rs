@@ -11,7 +11,7 @@
 //!
 //! Ties of ReduceMax/Min share the gradient evenly, as PyTorch's `amax`/`amin` do.
 
-use super::{Grad, InputGrads};
+use super::{Grad, InputGrads, UnaryParts};
 use crate::ir::builder::attr_int;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
@@ -71,14 +71,17 @@ fn kept(
     }
 }
 
+/// The reduced axes and keepdims (`reduced_axes`).
+type Reduced = Option<(Vec<i64>, bool)>;
+
 fn setup(
     cx: &mut Grad<'_>,
     node: NodeId,
     dys: &[Option<ValueId>],
-) -> Result<(ValueId, ValueId, ValueId, String, Option<(Vec<i64>, bool)>), PassError> {
+) -> Result<(UnaryParts, Reduced), PassError> {
     let p = cx.unary_parts(node, dys)?;
     let axes = reduced_axes(cx, node, p.x)?;
-    Ok((p.dy, p.x, p.y, p.hint, axes))
+    Ok((p, axes))
 }
 
 pub fn reduce_sum(
@@ -87,7 +90,7 @@ pub fn reduce_sum(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let (dy, x, y, h, axes) = setup(cx, node, dys)?;
+    let (UnaryParts { dy, x, y, hint: h }, axes) = setup(cx, node, dys)?;
     let mut out = vec![None; wants.len()];
     out[0] = Some(match axes {
         None => dy,
@@ -105,7 +108,7 @@ pub fn reduce_mean(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let (dy, x, y, h, axes) = setup(cx, node, dys)?;
+    let (UnaryParts { dy, x, y, hint: h }, axes) = setup(cx, node, dys)?;
     let mut out = vec![None; wants.len()];
     out[0] = Some(match axes {
         None => dy,
@@ -139,7 +142,7 @@ pub fn reduce_sum_square(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let (dy, x, y, h, axes) = setup(cx, node, dys)?;
+    let (UnaryParts { dy, x, y, hint: h }, axes) = setup(cx, node, dys)?;
     let two = cx.scalar_like(node, x, 2.0)?;
     let x2 = cx.op_like("Mul", &[x, two], vec![], &h, x);
     let dyk = match axes {
@@ -157,7 +160,7 @@ pub fn reduce_l2(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let (dy, x, y, h, axes) = setup(cx, node, dys)?;
+    let (UnaryParts { dy, x, y, hint: h }, axes) = setup(cx, node, dys)?;
     let (dyk, yk) = match axes {
         None => (dy, y),
         Some((axes, keep)) => kept(cx, dy, y, &axes, keep, &h),
@@ -174,7 +177,7 @@ pub fn reduce_max_min(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let (dy, x, y, h, axes) = setup(cx, node, dys)?;
+    let (UnaryParts { dy, x, y, hint: h }, axes) = setup(cx, node, dys)?;
     let elem = cx.elem(node, x)?;
     let mut out = vec![None; wants.len()];
     let Some((axes, keep)) = axes else {
