@@ -22,7 +22,8 @@
 //! LeakyRelu, Gelu with approximate=tanh, MaxPool itself, GroupNormalization and everything
 //! else run in float64. GroupNormalization at opset 21 computes its first stage in
 //! `stash_type` (default 1, float32), so the float64 case sets stash_type = 11; a float32
-//! case keeps the default.
+//! case keeps the default; a float64 GroupNormalization with G = C checks the math the
+//! InstanceNormalization rule shares (its own cases run in float32).
 //!
 //! No case is ignored. Two tests expect a clear error instead of a gradient (never a panic):
 //! a LayerNormalization whose Mean output alone reaches the loss (the rule does not
@@ -73,6 +74,7 @@
 //! group_norm_opset18_one_group         f64  3.8e-10
 //! group_norm_opset18_per_group         f64  3.9e-10
 //! group_norm_opset21_f32_default_stash f32  1.8e-4
+//! group_norm_opset21_groups_equal_channels f64  1.9e-10
 //! group_norm_opset21_per_channel       f64  6.9e-10
 //! hard_sigmoid                         f32  4.8e-5
 //! hard_swish                           f32  9.7e-5
@@ -847,6 +849,13 @@ cases! {
         vec![n.op("GroupNormalization", &[x, s, b], vec![
             attr_int("num_groups", 3), attr_float("epsilon", 1e-3), attr_int("stash_type", 11),
         ])]
+    };
+    group_norm_opset21_groups_equal_channels: 21, F64 => |n| {
+        // G = C: InstanceNormalization's math (which has no float64 kernel) in float64.
+        let x = n.param("X", &[2, 3, 2, 3], -1.0, 1.0);
+        let s = n.param("Scale", &[3], 0.5, 1.5);
+        let b = n.param("Bias", &[3], -1.0, 1.0);
+        vec![n.op("GroupNormalization", &[x, s, b], vec![attr_int("num_groups", 3), attr_int("stash_type", 11)])]
     };
     group_norm_opset21_f32_default_stash: 21, F32 => |n| {
         let x = n.param("X", &[2, 4, 2, 3], -1.0, 1.0);
