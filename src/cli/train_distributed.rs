@@ -453,7 +453,13 @@ fn window_failure(
             message.push_str(". --on-nonfinite skip discards such micro-steps and goes on; loss scaling (rewrite --loss-scale) skips their windows");
             message
         }
-        TrainError::PeerFailed { .. } => format!("{e}{}", saved_note(args, saved_at)),
+        // Its message names this rank already.
+        TrainError::PeerFailed { .. } => {
+            return Failure {
+                code,
+                error: anyhow::anyhow!("{e}{}", saved_note(args, saved_at)),
+            }
+        }
         other => other.to_string(),
     };
     ranked(
