@@ -7,6 +7,18 @@ cd "$(dirname "$0")/.."
 ORT_DYLIB_PATH="$(bash scripts/install-ort.sh | tail -n1)"
 export ORT_DYLIB_PATH
 bash scripts/fetch-corpus.sh >&2
+# Open MPI (Debian's packages) for the distributed tests, which then build with the cargo
+# feature `mpi` and run 2 ranks on loopback. Under CI=true it must install; elsewhere a
+# machine without it tests the build without MPI (tests/distributed.rs then skips).
+features=()
+if bash scripts/install-mpi.sh; then
+  features=(--features mpi)
+elif [ "${CI:-}" = true ]; then
+  echo "test.sh: Open MPI is required under CI=true" >&2
+  exit 1
+else
+  echo "test.sh: no Open MPI: testing without the mpi feature" >&2
+fi
 
 # cargo's output as usual, then one line adding up every test binary's "test result:" line
 # (the benches' tables come before it).
@@ -14,7 +26,7 @@ log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 start=$SECONDS
 set +e
-cargo test --all-targets "$@" 2>&1 | tee "$log"
+cargo test --all-targets ${features[@]+"${features[@]}"} "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
 awk -v secs="$((SECONDS - start))" -v status="$status" '
