@@ -25,134 +25,138 @@
 //! case keeps the default; a float64 GroupNormalization with G = C checks the math the
 //! InstanceNormalization rule shares (its own cases run in float32).
 //!
-//! No case is ignored. Two tests expect a clear error instead of a gradient (never a panic):
-//! a LayerNormalization whose Mean output alone reaches the loss (the rule does not
-//! differentiate the statistics outputs) and a ConvTranspose with `output_shape`.
+//! No case is ignored. Multi-output nodes whose later outputs reach the loss:
+//! split_only_later_output, layer_norm_only_mean, layer_norm_only_inv_std,
+//! layer_norm_all_outputs_axis1. One test expects a clear error naming the node instead of
+//! a gradient (never a panic): a ConvTranspose with `output_shape`.
 //!
 //! Measured relative errors (largest over a case's parameters; `cargo test --test
 //! autodiff_rules -- --nocapture` prints them per parameter as `MEASURED` lines):
 //!
-//! case                                 type error
-//! abs                                  f64  1.2e-10
-//! add                                  f64  7.8e-11
-//! add_broadcast_nc_c                   f64  4.5e-11
-//! average_pool                         f32  7.5e-5
-//! average_pool_overlapping_padded      f32  8.2e-5
-//! batch_norm                           f64  5.6e-10
-//! cast                                 f64  4.5e-11
-//! cast_like                            f64  1.1e-10
-//! clip                                 f64  1.3e-10
-//! clip_max_only                        f64  1.1e-10
-//! concat                               f64  1.2e-10
-//! conv_dilation                        f32  1.1e-4
-//! conv_group                           f32  3.4e-4
-//! conv_plain                           f32  2.3e-4
-//! conv_stride_pad                      f32  4.6e-4
-//! conv_transpose_1d_group_bias         f32  1.6e-4
-//! conv_transpose_1d_no_bias            f32  1.0e-4
-//! conv_transpose_group_dilation_no_bias f32  1.9e-4
-//! conv_transpose_plain                 f32  2.9e-4
-//! conv_transpose_stride_pads_output_padding f32  3.8e-4
-//! div                                  f64  1.2e-10
-//! div_broadcast                        f64  1.0e-10
-//! elu                                  f32  4.5e-5
-//! erf                                  f32  1.7e-4
-//! expand                               f64  2.8e-11
-//! flatten                              f64  1.5e-10
-//! gather_axis0_repeated                f64  5.2e-11
-//! gather_axis1_1d                      f64  3.7e-11
-//! gather_axis1_2d_negative             f64  2.5e-10
-//! gather_axis1_scalar_index            f64  8.5e-11
-//! gather_elements                      f64  8.2e-11
-//! gelu                                 f32  1.0e-4
-//! gelu_tanh                            f64  6.6e-9
-//! gemm_nn                              f64  2.1e-10
-//! gemm_nt                              f64  2.8e-10
-//! gemm_tn                              f64  2.0e-10
-//! gemm_tt                              f64  1.6e-10
-//! global_average_pool                  f32  1.4e-4
-//! group_norm_opset18_one_group         f64  3.8e-10
-//! group_norm_opset18_per_group         f64  3.9e-10
-//! group_norm_opset21_f32_default_stash f32  1.8e-4
-//! group_norm_opset21_groups_equal_channels f64  1.9e-10
-//! group_norm_opset21_per_channel       f64  6.9e-10
-//! hard_sigmoid                         f32  4.8e-5
-//! hard_swish                           f32  9.7e-5
-//! identity                             f64  4.9e-11
-//! instance_norm_1d                     f32  3.6e-4
-//! instance_norm_2d                     f32  1.9e-4
-//! layer_norm_axis1                     f64  7.5e-8
-//! layer_norm_last_axis                 f64  1.1e-7
-//! leaky_relu                           f64  9.3e-11
-//! log                                  f64  2.5e-11
-//! log_softmax_axis1                    f64  3.6e-10
-//! log_softmax_last                     f64  4.8e-10
-//! matmul_2d                            f64  3.2e-10
-//! matmul_batched                       f64  1.9e-10
-//! matmul_broadcast_batchtest           matmul_btk_kn  ...
-//! matmul_btk_kn                        f64  2.0e-10
-//! max                                  f64  1.7e-10
-//! max_broadcast                        f64  6.1e-11
-//! max_pool_disjoint                    f32  9.7e-5
-//! max_pool_overlapping                 f64  3.7e-10
-//! mean_broadcast                       f32  1.3e-4
-//! min_broadcast                        f64  1.1e-10
-//! mul                                  f64  8.0e-11
-//! mul_broadcast_n1h_1ch                f64  9.9e-11
-//! neg                                  f64  2.2e-11
-//! pad_axes_opset18                     f64  1.2e-10
-//! pad_constant                         f64  7.4e-11
-//! pad_constant_undeclared              f64  1.8e-10
-//! pow                                  f64  2.0e-10
-//! pow_broadcast_exponent               f64  6.3e-10
-//! pow_constant_exponent                f64  6.3e-11
-//! reciprocal                           f64  4.3e-11
-//! reduce_l2_keep0                      f64  2.1e-10
-//! reduce_l2_keep1                      f64  2.9e-10
-//! reduce_max_keep0                     f64  4.3e-11
-//! reduce_max_keep1                     f64  8.0e-11
-//! reduce_mean_keep0                    f64  1.2e-10
-//! reduce_mean_keep1                    f64  5.7e-11
-//! reduce_mean_opset17_axes_attr        f64  3.3e-10
-//! reduce_min_keep0                     f64  6.4e-11
-//! reduce_min_keep1                     f64  1.5e-10
-//! reduce_sum_all_axes                  f64  1.6e-10
-//! reduce_sum_keep0                     f64  1.3e-10
-//! reduce_sum_keep1                     f64  1.5e-10
-//! reduce_sum_square_keep0              f64  7.7e-11
-//! reduce_sum_square_keep1              f64  7.5e-11
-//! relu                                 f64  4.0e-11
-//! reshape                              f64  1.5e-10
-//! shared_parameter_same_node           f64  3.4e-11
-//! sigmoid                              f64  2.6e-10
-//! slice_mixed_steps_3d                 f64  2.0e-11
-//! slice_negative_step                  f64  6.1e-11
-//! slice_negative_steps_both_axes       f64  2.6e-11
-//! slice_steps                          f64  1.0e-10
-//! slice_unit_steps                     f64  2.1e-10
-//! softmax_axis1                        f64  4.3e-10
-//! softmax_cross_entropy_ignore_index   f32  5.9e-4
-//! softmax_cross_entropy_none           f32  1.8e-4
-//! softmax_cross_entropy_sum_nd         f32  4.3e-4
-//! softmax_last                         f64  6.5e-10
-//! softplus                             f32  1.8e-4
-//! split_equal_opset18                  f64  4.6e-11
-//! split_only_later_output              f64  6.4e-11
-//! split_unused_output                  f64  4.5e-11
-//! sqrt                                 f64  3.0e-10
-//! squeeze                              f64  1.3e-10
-//! sub_broadcast                        f64  2.1e-10
-//! sum_broadcast                        f64  2.1e-10
-//! tanh                                 f64  1.1e-10
-//! test                                 erf  ...
-//! test                                 flatten  ...
-//! test                                 sigmoid  ...
-//! tile                                 f64  1.5e-10
-//! tile_undeclared                      f64  3.0e-10
-//! transpose                            f64  6.3e-11
-//! transpose_default_perm               f64  1.1e-10
-//! unsqueeze                            f64  7.7e-11
-//! where_broadcast                      f64  1.1e-10
+//! case                                       type error
+//! abs                                        f64  1.2e-10
+//! add                                        f64  7.8e-11
+//! add_broadcast_nc_c                         f64  4.5e-11
+//! average_pool                               f32  7.5e-5
+//! average_pool_overlapping_padded            f32  8.2e-5
+//! batch_norm                                 f64  5.6e-10
+//! cast                                       f64  4.5e-11
+//! cast_like                                  f64  1.1e-10
+//! clip                                       f64  1.3e-10
+//! clip_max_only                              f64  1.1e-10
+//! concat                                     f64  1.2e-10
+//! conv_dilation                              f32  1.1e-4
+//! conv_group                                 f32  3.4e-4
+//! conv_plain                                 f32  2.3e-4
+//! conv_stride_pad                            f32  4.6e-4
+//! conv_transpose_1d_group_bias               f32  1.6e-4
+//! conv_transpose_1d_no_bias                  f32  1.0e-4
+//! conv_transpose_group_dilation_no_bias      f32  1.9e-4
+//! conv_transpose_plain                       f32  2.9e-4
+//! conv_transpose_stride_pads_output_padding  f32  3.8e-4
+//! div                                        f64  1.2e-10
+//! div_broadcast                              f64  1.0e-10
+//! elu                                        f32  4.5e-5
+//! erf                                        f32  1.7e-4
+//! exp                                        f64  2.3e-10
+//! expand                                     f64  2.8e-11
+//! flatten                                    f64  1.5e-10
+//! gather_axis0_2d                            f64  5.5e-11
+//! gather_axis0_repeated                      f64  5.2e-11
+//! gather_axis1_1d                            f64  3.7e-11
+//! gather_axis1_2d_negative                   f64  2.5e-10
+//! gather_axis1_scalar_index                  f64  8.5e-11
+//! gather_elements                            f64  8.2e-11
+//! gelu                                       f32  1.0e-4
+//! gelu_tanh                                  f64  6.6e-9
+//! gemm_nn                                    f64  2.1e-10
+//! gemm_nt                                    f64  2.8e-10
+//! gemm_tn                                    f64  2.0e-10
+//! gemm_tt                                    f64  1.6e-10
+//! global_average_pool                        f32  1.4e-4
+//! group_norm_opset18_one_group               f64  3.8e-10
+//! group_norm_opset18_per_group               f64  3.9e-10
+//! group_norm_opset21_f32_default_stash       f32  1.8e-4
+//! group_norm_opset21_groups_equal_channels   ...  MEASURED
+//! group_norm_opset21_groups_equal_channels   f64  1.9e-10
+//! hard_swish                                 f32  9.7e-5
+//! instance_norm_1d                           f32  3.6e-4
+//! instance_norm_2d                           f32  1.9e-4
+//! layer_norm_all_outputs_axis1               f32  2.1e-4
+//! layer_norm_axis1                           f64  7.5e-8
+//! layer_norm_last_axis                       f64  1.1e-7
+//! layer_norm_only_inv_std                    f32  1.8e-4
+//! leaky_relu                                 f64  9.3e-11
+//! log                                        f64  2.5e-11
+//! log_softmax_last                           f64  4.8e-10
+//! matmul_2d                                  f64  3.2e-10
+//! matmul_batched                             f64  1.9e-10
+//! matmul_broadcast_batch                     f64  1.5e-10
+//! matmul_btk_kn                              f64  2.0e-10
+//! max_pool_overlapping                       f64  3.7e-10
+//! min_broadcast                              f64  1.1e-10
+//! mul_broadcast_n1h_1ch                      f64  9.9e-11
+//! neg                                        f64  2.2e-11
+//! pad_constant                               f64  7.4e-11
+//! pow_broadcast_exponent                     f64  6.3e-10
+//! pow_constant_exponent                      f64  6.3e-11
+//! reciprocal                                 f64  4.3e-11
+//! reduce_l2_keep0                            f64  2.1e-10
+//! reduce_l2_keep1                            f64  2.9e-10
+//! reduce_max_keep0                           f64  4.3e-11
+//! reduce_max_keep1                           f64  8.0e-11
+//! reduce_mean_keep0                          f64  1.2e-10
+//! reduce_mean_keep1                          f64  5.7e-11
+//! reduce_mean_opset17_axes_attr              f64  3.3e-10
+//! reduce_min_keep0                           f64  6.4e-11
+//! reduce_min_keep1                           f64  1.5e-10
+//! reduce_sum_all_axes                        f64  1.6e-10
+//! reduce_sum_keep0                           f64  1.3e-10
+//! reduce_sum_keep1                           f64  1.5e-10
+//! reduce_sum_square_keep0                    f64  7.7e-11
+//! reduce_sum_square_keep1                    f64  7.5e-11
+//! relu                                       f64  4.0e-11
+//! reshape                                    f64  1.5e-10
+//! shared_parameter                           f64  1.2e-10
+//! shared_parameter_same_node                 f64  3.4e-11
+//! sigmoid                                    f64  2.6e-10
+//! slice_mixed_steps_3d                       f64  2.0e-11
+//! slice_negative_step                        f64  6.1e-11
+//! slice_negative_steps_both_axes             f64  2.6e-11
+//! slice_steps                                f64  1.0e-10
+//! slice_unit_steps                           f64  2.1e-10
+//! softmax_cross_entropy_ignore_index         f32  5.9e-4
+//! softmax_cross_entropy_none                 f32  1.8e-4
+//! softmax_cross_entropy_sum_nd               f32  4.3e-4
+//! softmax_last                               f64  6.5e-10
+//! softplus                                   f32  1.8e-4
+//! split_only_later_output                    ...  MEASURED
+//! split_only_later_output                    f64  6.4e-11
+//! split_unused_output                        f64  4.5e-11
+//! sqrt                                       f64  3.0e-10
+//! squeeze                                    f64  1.3e-10
+//! sub_broadcast                              ...  MEASURED
+//! sub_broadcast                              f64  2.1e-10
+//! tanh                                       f64  1.1e-10
+//! test                                       group_norm_opset21_per_channel  ...
+//! test                                       hard_swish  ...
+//! test                                       layer_norm_only_inv_std  ...
+//! test                                       log  ...
+//! test                                       matmul_btk_kn  ...
+//! test                                       max  ...
+//! test                                       max_broadcast  ...
+//! test                                       max_pool_overlapping  ...
+//! test                                       min_broadcast  ...
+//! test                                       neg  ...
+//! test                                       pad_constant  ...
+//! test                                       pow_broadcast_exponent  ...
+//! test                                       slice_unit_steps  ...
+//! tile                                       f64  1.5e-10
+//! tile_undeclared                            f64  3.0e-10
+//! transpose                                  f64  6.3e-11
+//! transpose_default_perm                     f64  1.test
+//! unsqueeze                                  f64  7.7e-11
+//! where_broadcast                            f64  1.1e-10
 
 mod common;
 
@@ -875,6 +879,31 @@ cases! {
         let b = n.param("Bias", &[3], -1.0, 1.0);
         vec![n.op("InstanceNormalization", &[x, s, b], vec![])]
     };
+    // Multi-output nodes where a later output reaches the loss (LayerNormalization's
+    // statistics are float32 whatever X is, so these cases run in float32).
+    layer_norm_only_mean: 17, F32 => |n| {
+        // Scale and Bias do not reach the loss: constants here.
+        let x = n.param("X", &[2, 3, 4], -1.0, 1.0);
+        let s = n.konst("Scale", &[4], &[0.9, 1.1, 1.2, 0.8]);
+        let b = n.konst("Bias", &[4], &[0.1, -0.2, 0.3, 0.0]);
+        let outs = n.node("LayerNormalization", &[Some(x), Some(s), Some(b)], 3, vec![attr_int("axis", -1)]);
+        vec![outs[1]]
+    };
+    layer_norm_all_outputs_axis1: 17, F32 => |n| {
+        let x = n.param("X", &[2, 3, 4], -1.0, 1.0);
+        let s = n.param("Scale", &[3, 4], 0.5, 1.5);
+        let b = n.param("Bias", &[3, 4], -1.0, 1.0);
+        let outs = n.node("LayerNormalization", &[Some(x), Some(s), Some(b)], 3,
+            vec![attr_int("axis", 1), attr_float("epsilon", 1e-2)]);
+        vec![outs[0], outs[1], outs[2]]
+    };
+    layer_norm_only_inv_std: 17, F32 => |n| {
+        let x = n.param("X", &[3, 5], -1.0, 1.0);
+        let s = n.konst("Scale", &[5], &[1.0; 5]);
+        let b = n.konst("Bias", &[5], &[0.0; 5]);
+        let outs = n.node("LayerNormalization", &[Some(x), Some(s), Some(b)], 3, vec![attr_float("epsilon", 1e-2)]);
+        vec![outs[2]]
+    };
     batch_norm: 17, F64 => |n| {
         let x = n.param("X", &[4, 3, 2, 2], -1.0, 1.0);
         let s = n.param("Scale", &[3], 0.5, 1.5);
@@ -1156,32 +1185,6 @@ fn check_error(
     };
     eprintln!("ERROR {name}: {err}");
     assert!(err.contains(needle), "{name}: {err}");
-}
-
-/// A multi-output node where only a later output reaches the loss, through an output the
-/// rule does not differentiate: a clear error naming the node, not a panic on the missing
-/// gradient of output 0.
-#[test]
-fn layer_norm_only_mean_reaches_loss() {
-    check_error(
-        "layer_norm_only_mean_reaches_loss",
-        17,
-        F32,
-        "Mean or InvStdDev",
-        |n| {
-            let x = n.param("X", &[2, 3, 4], -1.0, 1.0);
-            let s = n.param("Scale", &[4], 0.5, 1.5);
-            let b = n.param("Bias", &[4], -1.0, 1.0);
-            let outs = n.node(
-                "LayerNormalization",
-                &[Some(x), Some(s), Some(b)],
-                3,
-                vec![attr_int("axis", -1)],
-            );
-            n.declare(outs[1], &[2, 3, 1]);
-            vec![outs[1]]
-        },
-    );
 }
 
 #[test]

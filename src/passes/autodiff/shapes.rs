@@ -354,6 +354,28 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
             if op == "Dropout" {
                 out.push(with_dims(Some(DataType::Bool as i32), x.dims.clone()));
             }
+            if op == "LayerNormalization" {
+                // Mean and InvStdDev: X's dims with the normalised axes [axis, rank) at 1,
+                // of type stash_type (float32 by default).
+                let stats = int("stash_type").unwrap_or(DataType::Float as i64) as i32;
+                let dims = x.dims.as_ref().map(|d| {
+                    let rank = d.len() as i64;
+                    let axis = int("axis").unwrap_or(-1);
+                    let axis = if axis < 0 { axis + rank } else { axis };
+                    d.iter()
+                        .enumerate()
+                        .map(|(i, dim)| {
+                            if i as i64 >= axis {
+                                Dim::Known(1)
+                            } else {
+                                dim.clone()
+                            }
+                        })
+                        .collect()
+                });
+                out.push(with_dims(Some(stats), dims.clone()));
+                out.push(with_dims(Some(stats), dims));
+            }
             out
         }
         _ if BROADCASTING.contains(&op) => {

@@ -22,6 +22,10 @@
 //! precision of the first stage) is honoured where it widens: a float16/bfloat16 X with
 //! stash_type 1 gets its statistics and dX in float32, as the forward computes them.
 //!
+//! A gradient reaching LayerNormalization's own Mean or InvStdDev output adds
+//! `(dMean - dInvStdDev · InvStdDev³ · (X - Mean)) / N` to dX (`layer_norm_stats_grad`);
+//! BatchNorm's statistics outputs are not differentiated (an error names the node).
+//!
 //! The forward's optional statistics outputs (LayerNormalization's `Mean`, `InvStdDev`;
 //! BatchNormInternal's saved mean and inverse deviation) are switched on so the backward
 //! reuses them instead of recomputing; `LayerNormalizationGrad` and
@@ -73,33 +77,122 @@ pub fn layer_norm(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    if dys.iter().skip(1).any(Option::is_some) {
-        return Err(cx.error(
-            node,
-            "the gradient through LayerNormalization's Mean or InvStdDev output is not supported"
-                .into(),
-        ));
-    }
-    let Some(dy) = dys.first().copied().flatten() else {
+    let at = |slot: usize| dys.get(slot).copied().flatten();
+    let (dy, d_mean, d_inv_std) = (at(0), at(1), at(2));
+    if dy.is_none() && d_mean.is_none() && d_inv_std.is_none() {
         // No gradient reaches any output: all input gradients are zero.
         return Ok(vec![None; wants.len()]);
-    };
+    }
     let (x, scale) = (cx.input(node, 0)?, cx.input(node, 1)?);
     let y = cx.model().name(cx.forward_output(node, 0)?).to_string();
     let mean = cx.b.model.ensure_node_output(node, 1, &format!("{y}_mean"));
     let inv_std =
         cx.b.model
             .ensure_node_output(node, 2, &format!("{y}_inv_std"));
-    let attrs = cx.attrs_of(node, &["axis"]);
-    let h = hints(cx, node);
-    let h: Vec<&str> = h.iter().map(String::as_str).collect();
-    let g = cx.ort_op(
-        "LayerNormalizationGrad",
-        &[Some(dy), Some(x), Some(scale), Some(mean), Some(inv_std)],
-        &h,
-        attrs,
-    );
-    grads_out(cx, node, g, wants)
+    let mut out = match dy {
+        Some(dy) => {
+            let attrs = cx.attrs_of(node, &["axis"]);
+            let h = hints(cx, node);
+            let h: Vec<&str> = h.iter().map(String::as_str).collect();
+            let g = cx.ort_op(
+                "LayerNormalizationGrad",
+                &[Some(dy), Some(x), Some(scale), Some(mean), Some(inv_std)],
+                &h,
+                attrs,
+            );
+            grads_out(cx, node, g, wants)?
+        }
+        None => vec![None; wants.len()],
+    };
+    if (d_mean.is_some() || d_inv_std.is_some()) && wanted(wants, 0) {
+        let extra = layer_norm_stats_grad(cx, node, x, mean, inv_std, d_mean, d_inv_std)?;
+        out[0] = Some(match out[0] {
+            Some(g) => {
+                let h = format!("{}_grad", cx.model().name(x));
+                cx.op_like("Add", &[g, extra], vec![], &h, x)
+            }
+            None => extra,
+        });
+    }
+    Ok(out)
+}
+
+/// LayerNormalization's statistics outputs, over the N elements of each normalised group
+/// (axes [axis, rank)), in the statistics' type U (`stash_type`, float32 by default):
+///
+/// ```text
+/// Mean = Σ X / N                      dX += dMean / N
+/// InvStdDev = (Σ (X - Mean)² / N + ε)^(-1/2)
+///                                     dX += -dInvStdDev · InvStdDev³ · (X - Mean) / N
+/// ```
+///
+/// (the Mean inside the variance contributes nothing: Σ (X - Mean) = 0).
+fn layer_norm_stats_grad(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    x: ValueId,
+    mean: ValueId,
+    inv_std: ValueId,
+    d_mean: Option<ValueId>,
+    d_inv_std: Option<ValueId>,
+) -> Result<ValueId, PassError> {
+    let elem = cx.elem(node, x)?;
+    let rank = cx.need_rank(node, x)? as i64;
+    let axis = cx.int_attr(node, "axis", -1)?;
+    let axis = if axis < 0 { axis + rank } else { axis };
+    if axis < 0 || axis >= rank {
+        return Err(cx.error(
+            node,
+            format!("attribute 'axis' is out of range for rank {rank}"),
+        ));
+    }
+    let stats = cx.int_attr(node, "stash_type", DataType::Float as i64)? as i32;
+    let h = format!("{}_grad", cx.model().name(x));
+    let xu = cast(cx, x, elem, stats, &h);
+    let dims = cx.facts(x).dims.unwrap_or_default();
+    let count: Option<i64> = (axis..rank)
+        .map(|a| dims.get(a as usize).and_then(Dim::known))
+        .product();
+    let n = match count {
+        Some(c) => cx.scalar(stats, c as f64),
+        None => {
+            let axes: Vec<i64> = (axis..rank).collect();
+            let shape = cx.shape_of(x);
+            let idx = cx.ints(&axes);
+            let sizes = cx.op("Gather", &[shape, idx], vec![], &h);
+            let c = cx.reduce("ReduceProd", sizes, &[0], false, &h);
+            cx.op("Cast", &[c], vec![attr_int("to", stats as i64)], &h)
+        }
+    };
+    let mut sum = None;
+    if let Some(d) = d_inv_std {
+        let diff = cx.op("Sub", &[xu, mean], vec![], &h);
+        let sq = cx.op("Mul", &[inv_std, inv_std], vec![], &h);
+        let cube = cx.op("Mul", &[sq, inv_std], vec![], &h);
+        let k = cx.op("Mul", &[d, cube], vec![], &h);
+        let t = cx.op("Mul", &[k, diff], vec![], &h);
+        sum = Some(cx.op("Neg", &[t], vec![], &h));
+    }
+    if let Some(d) = d_mean {
+        sum = Some(match sum {
+            Some(t) => cx.op("Add", &[t, d], vec![], &h),
+            None => {
+                let shape = cx.shape_of(x);
+                cx.op("Expand", &[d, shape], vec![], &h)
+            }
+        });
+    }
+    let Some(sum) = sum else {
+        return Err(cx.error(
+            node,
+            "internal: no statistics gradient to differentiate".into(),
+        ));
+    };
+    let scaled = cx.op("Div", &[sum, n], vec![], &h);
+    let g = cast(cx, scaled, stats, elem, &h);
+    let f = cx.facts(x);
+    cx.shapes.set(g, f);
+    Ok(g)
 }
 
 pub fn batch_norm_internal(
