@@ -565,15 +565,13 @@ fn shipped_forward_trains_like_artifacts(model: &str, tolerance: f64) {
         .to_proto();
     let mut forward = shipped_forward_graph(model);
     forward.graph.signature.optimizer = optimizer;
-    // What ORT keeps constant: the artifacts' frozen parameters (BatchNorm's running
-    // statistics are never trained by autodiff) and the eval model's own float
-    // initializers (transformer_block's attention scale), which autodiff would train.
+    // What ORT keeps constant: the artifacts' frozen parameters and the eval model's own
+    // float initializers (transformer_block's attention scale), which autodiff would train.
     let frozen: Vec<&str> = forward
         .frozen
         .iter()
         .chain(&forward.constants)
         .map(String::as_str)
-        .filter(|n| !n.contains("running_"))
         .collect();
     let freeze = match frozen.is_empty() {
         true => String::new(),

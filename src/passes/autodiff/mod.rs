@@ -505,8 +505,14 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
                 .is_some_and(|t| is_float(t.data_type()))
         })
         .collect();
+    // A glob may name BatchNorm statistics (never trained anyway) without complaint.
+    let matchable: Vec<ValueId> = candidates
+        .iter()
+        .copied()
+        .chain(normalized.bn_stats.iter().copied())
+        .collect();
     for glob in &options.freeze {
-        if !candidates.iter().any(|v| glob_match(glob, model.name(*v))) {
+        if !matchable.iter().any(|v| glob_match(glob, model.name(*v))) {
             return Err(fail(format!(
                 "--freeze '{glob}' matches no floating-point initializer of the model"
             )));
