@@ -197,7 +197,7 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
         if let Some((seconds, reduced)) = trainer.reduce_time() {
             let wall = started.elapsed().as_secs_f64();
             summary.push_str(&format!(
-                " on {size} ranks in {wall:.2} s; {reduced} all-reduces of {} bytes, {:.3} ms each ({:.1}% of the time)",
+                " on {size} ranks in {wall:.4} s; {reduced} all-reduces of {} bytes, {:.3} ms each ({:.1}% of the time)",
                 plan_floats * 4,
                 1e3 * seconds / reduced.max(1) as f64,
                 100.0 * seconds / wall.max(1e-9)
