@@ -263,7 +263,7 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
             ))
         })?,
     };
-    if k < 1 || k as usize % size != 0 {
+    if k < 1 || !(k as usize).is_multiple_of(size) {
         return Err(UsageError(format!(
             "{}: K = {k} micro-batches per optimizer step{} cannot be spread evenly over {size} ranks (K % R must be 0): run on a divisor of {k} ranks, or pass --accum-steps with a multiple of {size}",
             args.model.display(),
