@@ -534,9 +534,16 @@ fn plain_graph_without_loss() {
 
 #[test]
 fn plain_graph_without_grads() {
+    // A forward model with `--loss` alone goes to autodiff, which names what is wrong.
     let (tmp, path) = eval_copy();
     let err = fails(tmp.path(), &["inspect", &s(&path), "--loss", "logits"]);
-    assert_has(&err, &[&s(&path), "no --grad PARAM=TENSOR given"]);
+    assert_has(
+        &err,
+        &[&s(&path), "'logits' has shape", "a loss must be a scalar"],
+    );
+    let loss = "onnx::loss::2";
+    let err = fails(tmp.path(), &["inspect", &s(&path), "--loss", loss]);
+    assert_has(&err, &[&s(&path), "parameters fed as inputs", "fc1.weight"]);
 }
 
 #[test]

@@ -542,6 +542,22 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
         .filter(|v| needed.contains(v))
         .collect();
     if params.is_empty() {
+        // Parameters fed as graph inputs (ONNX Runtime's eval_model.onnx) have no value here.
+        let fed: Vec<&str> = model
+            .main()
+            .inputs
+            .iter()
+            .map(|(v, _)| *v)
+            .filter(|v| model.initializer(*v).is_none() && needed.contains(v))
+            .filter(|v| shapes.get(*v).elem.is_some_and(is_float))
+            .map(|v| model.name(v))
+            .collect();
+        if selected.is_empty() && fed.len() > 1 {
+            return Err(fail(format!(
+                "the loss '{loss_name}' depends on no initializer; it reads the float graph inputs {}: parameters fed as inputs (as in ONNX Runtime's eval_model.onnx) cannot be trained here: give the model its parameters as initializers (`onnx-ga export MODEL --state S`), or rewrite the artifacts folder",
+                fed.join(", ")
+            )));
+        }
         return Err(fail(format!(
             "the loss '{loss_name}' depends on no trainable parameter (candidates: {})",
             if selected.is_empty() {

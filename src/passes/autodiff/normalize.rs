@@ -104,7 +104,11 @@ fn batch_norm(
             out.bn_stats.push(stat);
         }
     }
-    let y_name = n.outputs[0]
+    let y_name = n
+        .outputs
+        .first()
+        .copied()
+        .flatten()
         .map(|v| model.name(v).to_string())
         .unwrap_or_else(|| "bn".into());
     let mut b = Builder::new(model, BodyId::MAIN, pass);
@@ -168,8 +172,12 @@ fn dropout_node(
                     "--dropout off: the dropout mask is used by the model".into(),
                 ));
             }
-            let x =
-                n.inputs[0].ok_or_else(|| node_error(model, node, "input 0 is absent".into()))?;
+            let x = n
+                .inputs
+                .first()
+                .copied()
+                .flatten()
+                .ok_or_else(|| node_error(model, node, "input 0 is absent".into()))?;
             if let Some(Some(y)) = n.outputs.first() {
                 model.replace_value(*y, x);
             }
@@ -223,7 +231,12 @@ fn split_to_sequence(
         };
         reads.push((at, pos.first().copied().unwrap_or(0)));
     }
-    let x = n.inputs[0].ok_or_else(|| node_error(model, node, "input 0 is absent".into()))?;
+    let x = n
+        .inputs
+        .first()
+        .copied()
+        .flatten()
+        .ok_or_else(|| node_error(model, node, "input 0 is absent".into()))?;
     let axis = n.proto.attr_int("axis").ok().flatten().unwrap_or(0);
     let keepdims = n.proto.attr_int("keepdims").ok().flatten().unwrap_or(1);
     let split = n.inputs.get(1).copied().flatten();
