@@ -1,6 +1,6 @@
 """Forward ONNX models exported from real PyTorch models, and torch reference runs on them.
 
-Writes, per model NAME (torch_mlp, torch_cnn, torch_cnn_nobn, torch_gpt):
+Writes, per model NAME (torch_mlp, torch_cnn, torch_cnn_nobn, torch_gpt, torch_bert, torch_vit):
 
   graphs/forward/NAME/dynamo.onnx   torch.onnx.export(dynamo=True, optimize=False), batch dynamic
   graphs/forward/NAME/legacy.onnx   torch.onnx.export(dynamo=False, training=TRAINING,
@@ -161,6 +161,123 @@ class GPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
+class EncoderAttention(nn.Module):
+    """Bidirectional multi-head attention with an additive key mask (BERT, ViT). The key
+    projection has no bias: its gradient is exactly zero in exact arithmetic (softmax ignores
+    a per-query constant), so in float it is rounding noise that Adam turns into lr-sized
+    steps of arbitrary sign, in torch and here alike (see torch_gpt's AdamW test)."""
+
+    def __init__(self, d: int, n_head: int):
+        super().__init__()
+        self.query = nn.Linear(d, d)
+        self.key = nn.Linear(d, d, bias=False)
+        self.value = nn.Linear(d, d)
+        self.out = nn.Linear(d, d)
+        self.n_head = n_head
+
+    def forward(self, x, key_mask=None):
+        B, T, C = x.size()
+        hd = C // self.n_head
+        q = self.query(x).view(B, T, self.n_head, hd).transpose(1, 2)
+        k = self.key(x).view(B, T, self.n_head, hd).transpose(1, 2)
+        v = self.value(x).view(B, T, self.n_head, hd).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
+        if key_mask is not None:
+            att = att + key_mask
+        y = F.softmax(att, dim=-1) @ v
+        return self.out(y.transpose(1, 2).reshape(B, T, C))
+
+
+class BertLayer(nn.Module):
+    """Post-LN (BERT): x = LN(x + attn(x)); x = LN(x + FFN(x)), tanh-approximated GELU."""
+
+    def __init__(self, d: int, n_head: int):
+        super().__init__()
+        self.attention = EncoderAttention(d, n_head)
+        self.ln_1 = nn.LayerNorm(d, eps=1e-12)
+        self.ff_in = nn.Linear(d, 4 * d)
+        self.act = nn.GELU(approximate="tanh")
+        self.ff_out = nn.Linear(4 * d, d)
+        self.ln_2 = nn.LayerNorm(d, eps=1e-12)
+
+    def forward(self, x, key_mask):
+        x = self.ln_1(x + self.attention(x, key_mask))
+        return self.ln_2(x + self.ff_out(self.act(self.ff_in(x))))
+
+
+class BERT(nn.Module):
+    """BERT-style sequence classifier: token + position embeddings (arange), embedding
+    LayerNorm, 2 post-LN layers with a padding mask from the tokens (id 0 = pad), tanh
+    pooler on the first token, linear classifier. No dropout."""
+
+    def __init__(self, vocab=32, block=8, d=16, n_head=2, n_layer=2, classes=3):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(block, d)
+        self.ln_emb = nn.LayerNorm(d, eps=1e-12)
+        self.layers = nn.ModuleList([BertLayer(d, n_head) for _ in range(n_layer)])
+        self.pooler = nn.Linear(d, d)
+        self.classifier = nn.Linear(d, classes)
+
+    def forward(self, idx):
+        b, t = idx.size()
+        key_mask = (idx == 0).to(torch.float32)[:, None, None, :] * -10000.0
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.ln_emb(self.tok(idx) + self.pos(pos))
+        for layer in self.layers:
+            x = layer(x, key_mask)
+        return self.classifier(torch.tanh(self.pooler(x[:, 0])))
+
+
+class ViTBlock(nn.Module):
+    """Pre-LN encoder block (ViT): x += attn(LN(x)); x += MLP(LN(x)), erf GELU."""
+
+    def __init__(self, d: int, n_head: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d)
+        self.attention = EncoderAttention(d, n_head)
+        self.ln_2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        x = x + self.attention(self.ln_1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.ln_2(x))))
+
+
+class ViT(nn.Module):
+    """ViT-style classifier: 4x4 patches by a strided Conv2d (8x8 image -> 4 tokens), a class
+    token expanded to the batch and concatenated, learned position embeddings, 2 pre-LN
+    blocks, final LayerNorm, linear head on the class token. No dropout."""
+
+    def __init__(self, d=16, n_head=2, n_layer=2, classes=4, patch=4, image=8):
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, d, patch, stride=patch)
+        tokens = (image // patch) ** 2 + 1
+        self.cls_token = nn.Parameter(0.02 * torch.randn(1, 1, d))
+        self.pos_embed = nn.Parameter(0.02 * torch.randn(1, tokens, d))
+        self.blocks = nn.ModuleList([ViTBlock(d, n_head) for _ in range(n_layer)])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        b = x.size(0)
+        p = self.patch_embed(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(b, -1, -1), p], dim=1) + self.pos_embed
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x)[:, 0])
+
+
+def make_data_bert(rng):
+    idx = rng.integers(1, 32, size=(N_SAMPLES, 8)).astype(np.int64)
+    pads = rng.integers(0, 5, size=N_SAMPLES)  # 0..4 trailing pad tokens (id 0) per row
+    for r, p in enumerate(pads):
+        if p:
+            idx[r, 8 - p:] = 0
+    return {"idx": idx, "labels": rng.integers(0, 3, size=N_SAMPLES).astype(np.int64)}
+
+
 def make_data_mlp(rng):
     return {
         "x": rng.standard_normal((N_SAMPLES, 16)).astype(np.float32),
@@ -200,6 +317,17 @@ MODELS = {
                       desc="nanoGPT-style decoder: vocab 32, T=8, d 16, 2 heads, 2 layers, pre-LN, "
                            "wte + wpe(arange(T)), causal masked_fill(-inf) from a tril buffer, "
                            "GELU(erf) MLP 4d, ln_f, lm_head (no bias, untied), no dropout"),
+    "torch_bert": dict(make=BERT, seed=4, input="idx", data=make_data_bert, batch=16, runs=True,
+                       desc="BERT-style classifier: vocab 32, T=8, d 16, 2 heads, 2 post-LN layers "
+                            "(LayerNorm eps 1e-12), tok + pos(arange(T)) embeddings, embedding "
+                            "LayerNorm, additive padding mask from idx == 0, GELU(tanh) FFN 4d, "
+                            "tanh pooler on token 0, 3 classes, key projection without bias"),
+    "torch_vit": dict(make=ViT, seed=5, input="x", data=make_data_cnn, batch=16, runs=True,
+                      adamw64=True,
+                      desc="ViT-style classifier: Conv2d(3,16,4,stride 4) patches of an 8x8 image, "
+                           "cls_token.expand(B) concatenated, + pos_embed, 2 pre-LN blocks (2 "
+                           "heads, GELU(erf) MLP 4d), LayerNorm, head on token 0, 4 classes, key "
+                           "projection without bias"),
 }
 
 
@@ -339,14 +467,16 @@ def grads_ref(model, mapping, data, input_name, dtype):
     return out
 
 
-def run_full(model, mapping, data, input_name, opt_name, batch):
+def run_full(model, mapping, data, input_name, opt_name, batch, dtype=torch.float32):
     m = copy.deepcopy(model).train()
+    if dtype == torch.float64:
+        m = m.double()
     params = [p for _, p in m.named_parameters()]
     opt = torch.optim.SGD(params, **SGD) if opt_name == "sgd" else torch.optim.AdamW(params, **ADAMW)
     losses = []
     for t in range(STEPS):
         idx = (np.arange(batch) + batch * t) % N_SAMPLES
-        x, y = to_inputs(data, idx, input_name)
+        x, y = to_inputs(data, idx, input_name, dtype)
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(m(x), y)
         loss.backward()
@@ -567,6 +697,14 @@ def generate(name: str, spec: dict) -> dict:
                 save_npz(os.path.join(fdir, f"{prefix}run_{opt_name}.npz"), params)
                 files[f"run_{opt_name}"] = f"{prefix}run_{opt_name}.npz"
                 files[f"run_{opt_name}_losses"] = losses
+            if spec.get("adamw64"):
+                # The same AdamW run in float64: how far torch's own float32 run is from
+                # exact arithmetic, element by element (Adam amplifies the rounding of small
+                # gradients into lr-sized differences).
+                params, _ = run_full(model, mapping, data, inp, "adamw", spec["batch"],
+                                     torch.float64)
+                save_npz(os.path.join(fdir, f"{prefix}run_adamw64.npz"), params)
+                files["run_adamw64"] = f"{prefix}run_adamw64.npz"
         if name == "torch_cnn":
             params, stats, tracked = run_micro_sgd(model, mapping, data, inp)
             save_npz(os.path.join(fdir, f"{prefix}run_micro_sgd.npz"), params)
@@ -630,8 +768,8 @@ def generate(name: str, spec: dict) -> dict:
             meta["runs"]["non_ignored_labels_per_step"] = [
                 int((data["labels"][(np.arange(b) + b * t) % N_SAMPLES] != IGNORE_INDEX).sum())
                 for t in range(STEPS)]
-        if name == "torch_gpt":
-            meta["runs"]["note"] = ("full batch of 16 sequences (not 32) per step; "
+        if b == 16:
+            meta["runs"]["note"] = ("full batch of 16 samples (not 32) per step; "
                                     "K=4 micro-batches of 4 sequences is the matching accumulation")
     else:
         meta["runs"] = {"skipped": "BatchNorm: K micro-batches cannot equal one full batch "

@@ -829,12 +829,28 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
             vec![with_dims(x.elem, loss), x.clone()]
         }
         "Expand" => {
-            let target = n
-                .inputs
-                .get(1)
-                .copied()
-                .flatten()
-                .and_then(|v| constant_ints(model, v));
+            let target_v = n.inputs.get(1).copied().flatten();
+            let target = target_v.and_then(|v| constant_ints(model, v));
+            // A computed target (torch's `expand(B, -1, -1)`: a Where over the batch size):
+            // its length still gives the rank, and a dimension of X other than 1 survives.
+            let computed = || {
+                let rank = *target_v
+                    .and_then(|v| shapes.get(v).static_dims())?
+                    .first()? as usize;
+                let xd = x.dims.clone()?;
+                let out = rank.max(xd.len());
+                Some(
+                    (0..out)
+                        .map(|i| match (i + xd.len()).checked_sub(out).map(|j| &xd[j]) {
+                            Some(Dim::Known(d)) if *d != 1 => Dim::Known(*d),
+                            _ => Dim::Unknown,
+                        })
+                        .collect(),
+                )
+            };
+            if target.is_none() {
+                return vec![with_dims(x.elem, computed())];
+            }
             let dims = target.and_then(|t| {
                 let t: Vec<Facts> = vec![
                     x.clone(),
