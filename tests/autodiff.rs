@@ -2,7 +2,8 @@
 //!
 //! - PyTorch 2.15 autograd: forward exports of an MLP, a CNN with and without BatchNorm
 //!   (MaxPool, a residual) and a GPT-style decoder (LayerNorm, GELU, causal attention,
-//!   embeddings, `view` with the dynamic batch, `arange` positions, padded labels), each
+//!   embeddings, `view` with the dynamic batch, `arange` positions, padded labels), a
+//!   BERT-style encoder classifier and a ViT-style image classifier, each
 //!   written by the dynamo (`optimize=False`) and the legacy exporter
 //!   (graphs/forward/generate.py; references in fixtures/forward/);
 //! - torch optimizers: K = 4 micro-batches trained 8 windows against torch's 8 full
