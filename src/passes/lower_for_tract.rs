@@ -9,6 +9,8 @@
 //!   affine of the BatchNorm lowerings); lowered to `Mul` and `Add` per channel;
 //! - `com.microsoft` `FusedMatMul` and `Gelu` (standard ONNX Runtime has them, tract does
 //!   not): `Gemm`/`MatMul` with transposes, and the exact GELU from `Erf`;
+//! - `MaxUnpool` (what `legalize-ort` makes of MaxPoolGrad when pooling windows do not
+//!   overlap; tract has no MaxUnpool): a `ScatterElements` into zeros of the output shape;
 //! - float16 `Gemm` (after the above, so a Gemm that `FusedMatMul` became is included):
 //!   tract expands Gemm with float32 `alpha` and `beta` constants, so a half Gemm with a bias
 //!   (or `alpha` ≠ 1) fails to type ("expected F16 got F32"); lowered to `Transpose`,
@@ -38,6 +40,7 @@ impl LowerForTract {
             batch_norm: true,
             sce: true,
             nll: true,
+            max_unpool: true,
         }
     }
 }
@@ -78,7 +81,10 @@ pub fn tract_lacks(domain: &str, op_type: &str) -> bool {
     match crate::ir::normalize_domain(domain) {
         "" => matches!(
             op_type,
-            "SoftmaxCrossEntropyLoss" | "NegativeLogLikelihoodLoss" | "BatchNormalization"
+            "SoftmaxCrossEntropyLoss"
+                | "NegativeLogLikelihoodLoss"
+                | "BatchNormalization"
+                | "MaxUnpool"
         ),
         "com.microsoft" => true,
         _ => false,

@@ -25,6 +25,7 @@ mod layer_norm_grad;
 mod leaky_relu_grad;
 mod log_softmax_grad;
 mod max_pool_grad;
+mod max_unpool;
 mod quick_gelu_grad;
 mod relu_grad;
 mod scale;
@@ -153,6 +154,7 @@ const OPTIONAL_LOWERINGS: &[(&str, &str, &str, LowerFn)] = &[
         "NegativeLogLikelihoodLoss",
         softmax_cross_entropy_loss::lower_nll,
     ),
+    ("max-unpool", "", "MaxUnpool", max_unpool::lower),
 ];
 
 #[derive(Clone, Debug, Default)]
@@ -167,17 +169,27 @@ pub struct LegalizeOrt {
     pub sce: bool,
     /// Also lower the forward NegativeLogLikelihoodLoss (standard ONNX; tract lacks it).
     pub nll: bool,
+    /// Also lower MaxUnpool (standard ONNX, what MaxPoolGrad becomes; tract lacks it).
+    pub max_unpool: bool,
 }
 
 impl LegalizeOrt {
     pub fn from_options(options: &PassOptions) -> Result<Self, PassError> {
-        options.only(&["fused-matmul", "gelu", "batch-norm", "sce", "nll"])?;
+        options.only(&[
+            "fused-matmul",
+            "gelu",
+            "batch-norm",
+            "sce",
+            "nll",
+            "max-unpool",
+        ])?;
         Ok(LegalizeOrt {
             fused_matmul: options.parse("fused-matmul")?.unwrap_or(false),
             gelu: options.parse("gelu")?.unwrap_or(false),
             batch_norm: options.parse("batch-norm")?.unwrap_or(false),
             sce: options.parse("sce")?.unwrap_or(false),
             nll: options.parse("nll")?.unwrap_or(false),
+            max_unpool: options.parse("max-unpool")?.unwrap_or(false),
         })
     }
 
@@ -196,6 +208,7 @@ impl LegalizeOrt {
                         "batch-norm" => self.batch_norm,
                         "sce" => self.sce,
                         "nll" => self.nll,
+                        "max-unpool" => self.max_unpool,
                         _ => false,
                     })
                     .find(|(_, d, o, _)| *d == domain && *o == op)
@@ -225,6 +238,9 @@ impl Pass for LegalizeOrt {
         }
         if self.nll {
             options.push("nll=true");
+        }
+        if self.max_unpool {
+            options.push("max-unpool=true");
         }
         crate::passes::spec_text(PASS, &options)
     }

@@ -18,8 +18,8 @@
 //! a standard runtime computes in the same graph (ONNX's function body) takes -1 as class
 //! C-1. The lowering follows the ONNX definition, so loss and gradient stay consistent.
 //!
-//! The one-hot is `OneHot(label, C, [0, 1], axis = 1)`: an ignored label outside [0, C)
-//! gives a row of zeros or wraps around, harmlessly, since its dL is 0.
+//! The one-hot is `OneHot(label, C, [0, 1], axis = 1)`, an ignored label replaced by class 0
+//! first (its dL is 0, so any class is harmless; an index outside [0, C) makes tract panic).
 
 use super::util::{dims, INT32, INT64};
 use super::Lowering;
@@ -111,8 +111,24 @@ pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassEr
             },
         )
     };
+    // An ignored label may lie outside [0, C) (PyTorch pads with -100): ORT's OneHot gives
+    // it a row of zeros, but tract indexes out of bounds and panics. Its dL is 0, so the
+    // one-hot of class 0 is as good: take that.
+    let one_hot_label = if has_ignore {
+        let ignore = int_scalar(l, "ignore_index", label_type, ignore_index);
+        let ignored = l.op("Equal", &[label, ignore], vec![], "sce_onehot_ignored");
+        let label_zero = int_scalar(l, "label_zero", label_type, 0);
+        l.op(
+            "Where",
+            &[ignored, label_zero, label],
+            vec![],
+            "sce_onehot_label",
+        )
+    } else {
+        label
+    };
     // ORT's OneHot kernels take int32 indices only with an int32 depth: index in int64.
-    let label_i64 = l.cast(label, INT64, "sce_label_i64");
+    let label_i64 = l.cast(one_hot_label, INT64, "sce_label_i64");
     let onehot = l.op(
         "OneHot",
         &[label_i64, depth, off_on],
