@@ -207,14 +207,14 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
             summary.push_str(&format!(
                 "; loss scaling skipped {} windows with non-finite values (ending at micro-steps {})",
                 skipped.len(),
-                list(&skipped)
+                onnx_ga::progress::list_steps(&skipped)
             ));
         }
         if !discarded.is_empty() {
             summary.push_str(&format!(
                 "; discarded {} micro-steps with a non-finite loss ({})",
                 discarded.len(),
-                list(&discarded)
+                onnx_ga::progress::list_steps(&discarded)
             ));
         }
         eprintln!("{summary}; last: {last}");
@@ -434,7 +434,7 @@ fn window_failure(
     size: usize,
     saved_at: Option<u64>,
 ) -> Failure {
-    let code = match distributed_input_error(&e) {
+    let code = match onnx_ga::distributed::is_input_error(&e) {
         true => 2,
         false => 1,
     };
@@ -488,37 +488,11 @@ fn saved_note(args: &TrainArgs, saved_at: Option<u64>) -> String {
 /// A library error with the exit code it deserves.
 fn train_failure(e: TrainError) -> Failure {
     Failure {
-        code: if distributed_input_error(&e) { 2 } else { 1 },
+        code: if onnx_ga::distributed::is_input_error(&e) {
+            2
+        } else {
+            1
+        },
         error: anyhow::Error::new(e),
     }
-}
-
-fn distributed_input_error(e: &TrainError) -> bool {
-    matches!(
-        e,
-        TrainError::BadData { .. }
-            | TrainError::BadState { .. }
-            | TrainError::Step(_)
-            | TrainError::Data(_)
-            | TrainError::NonFinite { .. }
-            | TrainError::Diverged(_)
-            | TrainError::PeerFailed {
-                input_error: true,
-                ..
-            }
-    )
-}
-
-/// At most 10 micro-steps, then how many more.
-fn list(steps: &[u64]) -> String {
-    let mut text = steps
-        .iter()
-        .take(10)
-        .map(u64::to_string)
-        .collect::<Vec<_>>()
-        .join(", ");
-    if steps.len() > 10 {
-        text.push_str(&format!(", ... ({} more)", steps.len() - 10));
-    }
-    text
 }

@@ -25,7 +25,7 @@ pub mod mpi;
 pub(crate) mod window;
 
 pub use apply_only::apply_only;
-pub use window::{ReducePlan, ReducedState};
+pub use window::{is_input_error, ReducePlan, ReducedState};
 
 /// A failure of the collective layer itself.
 #[derive(Debug, thiserror::Error)]
