@@ -925,12 +925,6 @@ fn export(args: ExportArgs) -> Result<(), Failure> {
 fn train(args: TrainArgs) -> Result<(), Failure> {
     use onnx_ga::train::{micro_batch, OnNonFinite, TrainError, Trainer};
     if args.distributed.is_some() {
-        if args.plot.is_some() {
-            return Err(UsageError(
-                "--plot: not drawn by --distributed runs yet; draw the metrics after the job with `onnx-ga plot METRICS.jsonl -o LOSS.png`".into(),
-            )
-            .into());
-        }
         return train_distributed::train(args);
     }
     if args.micro_batch == 0 {

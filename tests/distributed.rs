@@ -652,3 +652,40 @@ fn without_mpi_the_flag_is_a_clear_error() {
         stderr(&out)
     );
 }
+
+/// Rank 0 shows the job as one-process `train` does (off a terminal: progress lines and the
+/// end summary, once) and draws `--plot` from the global metrics; the other ranks are silent.
+#[test]
+fn rank_zero_reports_the_job_and_draws_the_plot() {
+    let Some(mpirun) = mpirun() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let step = rewritten(d, "plot", "mlp_ce_adamw", &["--lr", "0.01"]);
+    let (m, plot) = (d.join("m.jsonl"), d.join("loss.png"));
+    let data = data("mlp_ce_adamw");
+    let extra = [
+        "--distributed",
+        "mpi",
+        "--metrics",
+        s(&m),
+        "--plot",
+        s(&plot),
+    ];
+    let mut args = train_args(&step, &data, "32", &extra);
+    args.retain(|a| *a != "--quiet");
+    let out = mpi(&mpirun, 2, &args);
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert_eq!(
+        err.matches("trained 32 micro-steps, 8 optimizer steps")
+            .count(),
+        1,
+        "one summary, from rank 0: {err}"
+    );
+    assert!(err.contains("all-reduces of"), "{err}");
+    assert_eq!(metrics(&m).len(), 32);
+    let png = std::fs::read(&plot).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "a PNG");
+    let width = u32::from_be_bytes(png[16..20].try_into().unwrap());
+    assert_eq!(width, onnx_ga::plot::DEFAULT_SIZE.0);
+}

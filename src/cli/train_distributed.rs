@@ -14,8 +14,8 @@ use onnx_ga::distributed::{self, Collective};
 use onnx_ga::train::{micro_batch, OnNonFinite, TrainError, Trainer};
 
 use super::{
-    check_train_outputs, progress_path, recorded_progress, save_checkpoint, Failure, MetricsFile,
-    NonFiniteStep, TrainArgs, UsageError,
+    check_plot_output, check_train_outputs, progress_path, recorded_progress, save_checkpoint,
+    train_plot, Failure, MetricsFile, NonFiniteStep, TrainArgs, UsageError,
 };
 
 /// What one rank set up before training.
@@ -83,22 +83,18 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
         (Some(path), true) => Some(MetricsFile::open(path, setup.start_step)?),
         _ => None,
     };
-    let bar = if args.quiet || !lead {
-        indicatif::ProgressBar::hidden()
-    } else {
-        indicatif::ProgressBar::new(args.steps)
+    // Rank 0 shows the job's progress (the global loss of every micro-step), as one-process
+    // `train` does; the other ranks stay silent.
+    let display = match lead {
+        true => onnx_ga::progress::Display::for_stderr(args.quiet),
+        false => onnx_ga::progress::Display::for_stderr(true),
     };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} micro-steps {msg}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
+    let mut progress = onnx_ga::progress::Progress::new(display, args.steps, args.micro_batch);
+    progress.start_clock();
     let started = std::time::Instant::now();
     let end = setup.start_step + args.steps;
     let mut i = setup.start_step;
     let mut windows = 0u64;
-    let mut skipped = Vec::new();
-    let mut discarded = Vec::new();
-    let mut last = String::from("{}");
     let mut saved_at: Option<u64> = None;
     while i < end {
         // The window the state is in (resumed mid-window: what it still lacks).
@@ -112,7 +108,7 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
         let metrics = match result {
             Ok(m) => m,
             Err(e) => {
-                bar.abandon();
+                progress.abandon();
                 return Err(window_failure(
                     &args,
                     trainer,
@@ -131,22 +127,11 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
             if m.applied {
                 windows += 1;
             }
-            if m.skipped {
-                skipped.push(m.step);
-            }
-            if m.discarded {
-                discarded.push(m.step);
-            }
-            last = serde_json::to_string(m)?;
             if let Some(out) = &mut metrics_out {
-                out.line(&last)?;
+                out.line(&serde_json::to_string(m)?)?;
             }
+            progress.record(m);
         }
-        if let Some(m) = metrics.last() {
-            let scale = m.scale.map(|s| format!(" scale {s}")).unwrap_or_default();
-            bar.set_message(format!("loss {:.5} windows {windows}{scale}", m.loss));
-        }
-        bar.inc(len);
         if let (Some(every), Some(path)) = (args.save_every, &args.save_state) {
             if metrics.last().is_some_and(|m| m.applied) && windows.is_multiple_of(every) {
                 let saved = match lead {
@@ -161,18 +146,16 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
                     "the checkpoint rank 0 writes",
                 )?;
                 saved_at = Some(i);
+                progress.note(format!(
+                    "checkpoint: {} after micro-step {i} ({windows} optimizer steps in this run)",
+                    path.display()
+                ));
                 if lead {
-                    bar.suspend(|| {
-                        eprintln!(
-                            "checkpoint: {} after micro-step {i} ({windows} optimizer steps in this run)",
-                            path.display()
-                        )
-                    });
+                    train_plot(&args, &progress)?;
                 }
             }
         }
     }
-    bar.finish();
     // Before anything is saved: a state that differs between the ranks is no result.
     trainer
         .check_replicas("at the end")
@@ -189,35 +172,18 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
     if let Some(out) = &mut metrics_out {
         out.sync()?;
     }
+    progress.finish();
+    if let Some((seconds, reduced)) = trainer.reduce_time() {
+        let wall = started.elapsed().as_secs_f64();
+        progress.note(format!(
+            "distributed: {size} ranks; {reduced} all-reduces of {} bytes, {:.3} ms each ({:.1}% of the wall time)",
+            plan_floats * 4,
+            1e3 * seconds / reduced.max(1) as f64,
+            100.0 * seconds / wall.max(1e-9)
+        ));
+    }
     if lead {
-        let mut summary = format!(
-            "trained {} micro-steps, {windows} optimizer steps",
-            args.steps
-        );
-        if let Some((seconds, reduced)) = trainer.reduce_time() {
-            let wall = started.elapsed().as_secs_f64();
-            summary.push_str(&format!(
-                " on {size} ranks in {wall:.4} s; {reduced} all-reduces of {} bytes, {:.3} ms each ({:.1}% of the time)",
-                plan_floats * 4,
-                1e3 * seconds / reduced.max(1) as f64,
-                100.0 * seconds / wall.max(1e-9)
-            ));
-        }
-        if !skipped.is_empty() {
-            summary.push_str(&format!(
-                "; loss scaling skipped {} windows with non-finite values (ending at micro-steps {})",
-                skipped.len(),
-                onnx_ga::progress::list_steps(&skipped)
-            ));
-        }
-        if !discarded.is_empty() {
-            summary.push_str(&format!(
-                "; discarded {} micro-steps with a non-finite loss ({})",
-                discarded.len(),
-                onnx_ga::progress::list_steps(&discarded)
-            ));
-        }
-        eprintln!("{summary}; last: {last}");
+        train_plot(&args, &progress)?;
     }
     Ok(())
 }
@@ -247,6 +213,7 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
     // paths do not exist).
     if lead {
         check_train_outputs(args, &model_files)?;
+        check_plot_output(args, &model_files)?;
         if let Some(path) = &args.save_state {
             onnx_ga::data::StateFormat::of(path)?;
         }
