@@ -1,0 +1,407 @@
+"""Forward ONNX models exported from real Keras models with tf2onnx, and Keras reference runs.
+
+Writes, per model NAME (keras_mlp, keras_cnn):
+
+  graphs/forward/NAME/keras.onnx     tf2onnx.convert.from_keras with the zero biases kept (below)
+  graphs/forward/NAME/default.onnx   plain tf2onnx.convert.from_keras: the biases are gone (the
+                                     trap, kept as an exhibit; measured in meta.json)
+  graphs/forward/NAME/data.npz       64 samples: `x` (float32, NHWC for the CNN) and `labels`
+  fixtures/forward/NAME/...          Keras references keyed by ONNX initializer name, in the ONNX
+                                     layout; meta.json describes them
+
+Run through graphs/forward/regen_keras.sh (creates .venv-keras from requirements-keras.txt).
+  generate_keras.py                 both models
+  generate_keras.py keras_cnn       only the named models
+Everything is seeded and single-threaded; .npz files are written byte-deterministically.
+
+Keeping the biases. Keras initialises biases to zero. tf2onnx freezes the Keras function and
+runs TF grappler over it with the `constfold` optimizer, which rewrites `BiasAdd(x, zeros)` to
+`x`: the exported model has no bias parameters (it still equals Keras's forward at init, so
+nothing looks wrong). With grappler's constfold off, the biases survive grappler, but then
+tf2onnx's own ONNX optimizer `merge_duplication` merges equal constants: two zero biases of
+the same shape become ONE initializer shared by both layers (a tied parameter: a different
+model to train). tf2onnx has no option for the first, so `export_kept` replaces
+`tf2onnx.tf_loader.tf_optimize_grappler` by the same function without `constfold`, and passes
+`optimizers=` (tf2onnx's list without `merge_duplication`) for the second. Both effects are
+measured on every run and recorded in meta.json (`export`).
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+import os
+import platform
+import sys
+import zipfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
+
+import numpy as np  # noqa: E402
+import onnx  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf2onnx  # noqa: E402
+import tf2onnx.optimizer  # noqa: E402
+import tf2onnx.tf_loader  # noqa: E402
+from onnx import numpy_helper  # noqa: E402
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.experimental.enable_op_determinism()
+tf2onnx.logging.set_level(tf2onnx.logging.ERROR)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GRAPHS = os.path.join(ROOT, "graphs", "forward")
+FIXTURES = os.path.join(ROOT, "fixtures", "forward")
+
+N_SAMPLES = 64
+GRAD_SAMPLES = 8
+STEPS = 8
+BATCH = 32  # the full batch; onnx-ga's tests take K = 4 micro-batches of 8
+OPSET = 17
+SGD = dict(learning_rate=0.1)
+ADAM = dict(learning_rate=1e-2, beta_1=0.9, beta_2=0.999, epsilon=1e-7, amsgrad=False)
+
+# A Conv2D kernel is HWIO in Keras and OIHW in ONNX (tf2onnx transposes the constant).
+HWIO_TO_OIHW = (3, 2, 0, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and data
+
+
+def make_mlp(dtype="float32"):
+    L = tf.keras.layers
+    return tf.keras.Sequential(
+        [
+            tf.keras.Input((16,), name="x", dtype=dtype),
+            L.Dense(32, activation="relu", name="fc1", dtype=dtype),
+            L.Dense(10, name="logits", dtype=dtype),
+        ],
+        name="keras_mlp",
+    )
+
+
+def make_cnn(dtype="float32"):
+    L = tf.keras.layers
+    return tf.keras.Sequential(
+        [
+            tf.keras.Input((8, 8, 3), name="x", dtype=dtype),
+            L.Conv2D(8, 3, padding="same", activation="relu", name="conv1", dtype=dtype),
+            L.MaxPooling2D(2, name="pool", dtype=dtype),
+            L.Conv2D(8, 3, padding="same", activation="relu", name="conv2", dtype=dtype),
+            L.Flatten(name="flatten", dtype=dtype),
+            L.Dense(4, name="logits", dtype=dtype),
+        ],
+        name="keras_cnn",
+    )
+
+
+def make_data_mlp(rng):
+    x = rng.standard_normal((N_SAMPLES, 16)).astype(np.float32)
+    return {"x": x, "labels": rng.integers(0, 10, N_SAMPLES).astype(np.int64)}
+
+
+def make_data_cnn(rng):
+    x = rng.standard_normal((N_SAMPLES, 8, 8, 3)).astype(np.float32)
+    return {"x": x, "labels": rng.integers(0, 4, N_SAMPLES).astype(np.int64)}
+
+
+MODELS = {
+    "keras_mlp": dict(make=make_mlp, data=make_data_mlp, seed=0,
+                      what="Dense(32, relu) -> Dense(10), logits (no softmax)"),
+    "keras_cnn": dict(make=make_cnn, data=make_data_cnn, seed=1,
+                      what="Conv2D(8,3,same,relu) -> MaxPooling2D(2) -> Conv2D(8,3,same,relu) -> "
+                           "Flatten -> Dense(4), NHWC input, logits"),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def save_npz(path: str, arrays: dict) -> None:
+    """np.savez without compression and with fixed member timestamps (byte-identical reruns)."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
+        for key, arr in arrays.items():
+            buf = io.BytesIO()
+            a = np.asarray(arr)
+            if not a.flags.c_contiguous:
+                a = a.copy(order="C")
+            np.lib.format.write_array(buf, a, allow_pickle=False)
+            info = zipfile.ZipInfo(f"{key}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.external_attr = 0o644 << 16
+            zf.writestr(info, buf.getvalue())
+
+
+def op_counts(model: onnx.ModelProto) -> dict:
+    return dict(sorted(collections.Counter(n.op_type for n in model.graph.node).items()))
+
+
+def initializers(model: onnx.ModelProto) -> dict:
+    return {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+
+
+def float_initializers(model: onnx.ModelProto) -> dict:
+    return {k: list(v.shape) for k, v in initializers(model).items() if v.dtype.kind == "f"}
+
+
+def signature(model):
+    return [tf.TensorSpec((None,) + tuple(model.input_shape[1:]), tf.float32, name="x")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+
+
+def export_default(model) -> onnx.ModelProto:
+    proto, _ = tf2onnx.convert.from_keras(model, input_signature=signature(model), opset=OPSET)
+    return proto
+
+
+def _grappler_without_constfold(input_names, output_names, graph_def):
+    """tf2onnx.tf_loader.tf_optimize_grappler (tf2onnx 1.17) with `constfold` left out."""
+    from tensorflow.core.protobuf import config_pb2, meta_graph_pb2
+    from tensorflow.python.grappler import tf_optimizer
+
+    config = config_pb2.ConfigProto()
+    config.graph_options.infer_shapes = True
+    rewrite = config.graph_options.rewrite_options
+    rewrite.optimizers[:] = ["function", "dependency"]
+    rewrite.experimental_disable_folding_quantization_emulation = True
+    meta_graph = tf.compat.v1.train.export_meta_graph(graph_def=graph_def)
+    fetch = meta_graph_pb2.CollectionDef()
+    for t in input_names + output_names:
+        fetch.node_list.value.append(t)
+    meta_graph.collection_def["train_op"].CopyFrom(fetch)
+    return tf_optimizer.OptimizeGraph(config, meta_graph)
+
+
+def export_kept(model, merge_duplication=False) -> onnx.ModelProto:
+    """The export that keeps every Keras variable as its own initializer."""
+    optimizers = collections.OrderedDict(
+        (k, v) for k, v in tf2onnx.optimizer._get_optimizers().items()
+        if merge_duplication or k != "merge_duplication"
+    )
+    original = tf2onnx.tf_loader.tf_optimize_grappler
+    tf2onnx.tf_loader.tf_optimize_grappler = _grappler_without_constfold
+    try:
+        proto, _ = tf2onnx.convert.from_keras(
+            model, input_signature=signature(model), opset=OPSET, optimizers=optimizers
+        )
+    finally:
+        tf2onnx.tf_loader.tf_optimize_grappler = original
+    return proto
+
+
+def map_variables(model, proto: onnx.ModelProto) -> dict:
+    """ONNX initializer name -> (Keras variable, layout permutation or None).
+
+    tf2onnx names a layer's parameters after the op reading them:
+    `<model>/<layer>/MatMul|Conv2D/ReadVariableOp[/resource]:0` for the kernel and
+    `<model>/<layer>/BiasAdd/ReadVariableOp[/resource]:0` for the bias. The name picks the
+    candidate; the values must then be equal (after HWIO -> OIHW for Conv2D kernels)."""
+    inits = initializers(proto)
+    mapping = {}
+    for var in model.trainable_variables:
+        layer, what = var.name.split(":")[0].split("/")[-2:]
+        op = "BiasAdd" if what == "bias" else None
+        names = [
+            n for n in inits
+            if f"/{layer}/" in n and (
+                (op and f"/{op}/" in n) or (not op and ("/MatMul/" in n or "/Conv2D/" in n))
+            )
+        ]
+        if not names:
+            continue  # dropped by the export (recorded by the caller)
+        assert len(names) == 1, (var.name, names)
+        value = var.numpy()
+        perm = HWIO_TO_OIHW if value.ndim == 4 else None
+        onnx_value = np.transpose(value, perm) if perm else value
+        assert inits[names[0]].shape == onnx_value.shape, (var.name, names[0])
+        assert np.array_equal(inits[names[0]], onnx_value), (var.name, names[0])
+        mapping[names[0]] = (var, perm)
+    return mapping
+
+
+# ---------------------------------------------------------------------------------------------
+# Keras references
+
+
+def ce_loss(logits, labels):
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)  # mean over the batch
+    return loss(labels, logits)
+
+
+def keras_grads(model, mapping, data, n):
+    x, y = tf.constant(data["x"][:n]), tf.constant(data["labels"][:n])
+    with tf.GradientTape() as tape:
+        loss = ce_loss(model(x, training=True), y)
+    grads = tape.gradient(loss, model.trainable_variables)
+    by_var = {v.name: g.numpy() for v, g in zip(model.trainable_variables, grads)}
+    out = {"loss": np.float32(loss.numpy())}
+    for name, (var, perm) in sorted(mapping.items()):
+        g = by_var[var.name]
+        out[name] = np.transpose(g, perm) if perm else g
+    return out
+
+
+def keras_grads64(make, model, data, n):
+    """The same gradient in float64 (a float64 copy of the model): the reference's own noise."""
+    m64 = make("float64")
+    m64.set_weights([w.astype(np.float64) for w in model.get_weights()])
+    x = tf.constant(data["x"][:n].astype(np.float64))
+    with tf.GradientTape() as tape:
+        loss = ce_loss(m64(x, training=True), tf.constant(data["labels"][:n]))
+    grads = tape.gradient(loss, m64.trainable_variables)
+    return {v.name.split(":")[0]: g.numpy() for v, g in
+            zip(m64.trainable_variables, grads)}
+
+
+def keras_run(make, model, mapping, data, optimizer):
+    """STEPS full-batch steps of BATCH samples, step t on rows (arange(BATCH) + BATCH t) mod 64."""
+    m = make()
+    m.set_weights(model.get_weights())
+    losses = []
+    for t in range(STEPS):
+        rows = (np.arange(BATCH) + BATCH * t) % N_SAMPLES
+        x, y = tf.constant(data["x"][rows]), tf.constant(data["labels"][rows])
+        with tf.GradientTape() as tape:
+            loss = ce_loss(m(x, training=True), y)
+        grads = tape.gradient(loss, m.trainable_variables)
+        optimizer.apply_gradients(zip(grads, m.trainable_variables))
+        losses.append(float(loss.numpy()))
+    values = {v.name: v.numpy() for v in m.trainable_variables}
+    params = {}
+    for name, (var, perm) in sorted(mapping.items()):
+        v = values[var.name]
+        params[name] = np.transpose(v, perm) if perm else v
+    return params, losses
+
+
+def relative_l2(a, b):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-30))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def versions():
+    import keras
+    return {
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "tf2onnx": tf2onnx.__version__,
+        "onnx": onnx.__version__,
+        "numpy": np.__version__,
+    }
+
+
+def generate(name: str, spec: dict) -> dict:
+    gdir, fdir = os.path.join(GRAPHS, name), os.path.join(FIXTURES, name)
+    os.makedirs(gdir, exist_ok=True)
+    os.makedirs(fdir, exist_ok=True)
+    tf.keras.utils.set_random_seed(spec["seed"])
+    data = spec["data"](np.random.default_rng(spec["seed"]))
+    save_npz(os.path.join(gdir, "data.npz"), data)
+    model = spec["make"]()
+    keras_vars = {v.name: list(v.shape) for v in model.trainable_variables}
+    before = [w.copy() for w in model.get_weights()]
+
+    default = export_default(model)
+    merged = export_kept(model, merge_duplication=True)
+    kept = export_kept(model)
+    for path, proto in (("default.onnx", default), ("keras.onnx", kept)):
+        onnx.checker.check_model(proto)
+        onnx.save(proto, os.path.join(gdir, path))
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+    mapping = map_variables(model, kept)
+    assert len(mapping) == len(model.trainable_variables), "every Keras variable is kept"
+    default_mapping = map_variables(model, default)
+    dropped = sorted(v.name for v in model.trainable_variables
+                     if v.name not in {var.name for var, _ in default_mapping.values()})
+    merged_inits = float_initializers(merged)
+
+    grads = keras_grads(model, mapping, data, GRAD_SAMPLES)
+    save_npz(os.path.join(fdir, "grads.npz"), grads)
+    g64 = keras_grads64(spec["make"], model, data, GRAD_SAMPLES)
+    f64_agreement = {}
+    for onnx_name, (var, perm) in mapping.items():
+        g = g64[var.name.split(":")[0]]
+        f64_agreement[onnx_name] = relative_l2(grads[onnx_name], np.transpose(g, perm) if perm else g)
+    x8 = tf.constant(data["x"][:GRAD_SAMPLES])
+    save_npz(os.path.join(fdir, "forward.npz"),
+             {"x": data["x"][:GRAD_SAMPLES], "logits": model(x8, training=False).numpy()})
+
+    runs = {}
+    sgd, sgd_losses = keras_run(spec["make"], model, mapping, data,
+                                tf.keras.optimizers.SGD(**SGD))
+    save_npz(os.path.join(fdir, "run_sgd.npz"), sgd)
+    adam, adam_losses = keras_run(spec["make"], model, mapping, data,
+                                  tf.keras.optimizers.Adam(**ADAM))
+    save_npz(os.path.join(fdir, "run_adam.npz"), adam)
+    runs = {"run_sgd.npz": {"optimizer": "tf.keras.optimizers.SGD", **SGD, "losses": sgd_losses},
+            "run_adam.npz": {"optimizer": "tf.keras.optimizers.Adam", **ADAM,
+                             "losses": adam_losses}}
+
+    return {
+        "model": name,
+        "what": spec["what"],
+        "seed": f"tf.keras.utils.set_random_seed({spec['seed']}); data np.random.default_rng({spec['seed']})",
+        "keras_variables": keras_vars,
+        "initializer_of_keras_variable": {
+            var.name: {"onnx": n, "layout": "HWIO -> OIHW, np.transpose(k, (3, 2, 0, 1))" if perm
+                       else "same"} for n, (var, perm) in sorted(mapping.items())},
+        "export": {
+            "opset": OPSET,
+            "keras.onnx": {
+                "how": "tf2onnx.convert.from_keras(model, input_signature=[TensorSpec((None, ...), "
+                       "float32, name='x')], opset=17, optimizers=<tf2onnx's list without "
+                       "merge_duplication>), with tf2onnx.tf_loader.tf_optimize_grappler "
+                       "replaced by the same without 'constfold'",
+                "ops": op_counts(kept), "float_initializers": float_initializers(kept)},
+            "default.onnx": {
+                "how": "tf2onnx.convert.from_keras(model, input_signature=..., opset=17)",
+                "ops": op_counts(default), "float_initializers": float_initializers(default),
+                "dropped_keras_variables": dropped},
+            "constfold_off_merge_duplication_on": {
+                "ops": op_counts(merged), "float_initializers": merged_inits,
+                "note": "not written: equal-valued zero biases become one shared initializer"},
+        },
+        "inputs": {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+                   for i in kept.graph.input},
+        "outputs": [o.name for o in kept.graph.output],
+        "data": {"file": f"graphs/forward/{name}/data.npz", "samples": N_SAMPLES,
+                 "x": list(data["x"].shape), "labels": "int64 class indices"},
+        "loss": "tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True): mean over the "
+                "batch (onnx-ga: --loss-fn cross-entropy, class axis -1, reduction mean)",
+        "files": {
+            "grads.npz": f"'loss' and the tf.GradientTape gradient of every variable (ONNX name and "
+                         f"layout), samples [0,{GRAD_SAMPLES}), float32, training=True",
+            "forward.npz": f"x[0:{GRAD_SAMPLES}] and Keras's logits (training=False)",
+            **{k: f"parameters after {STEPS} full-batch steps of {BATCH}, step t on rows "
+                  f"(arange({BATCH}) + {BATCH}*t) mod {N_SAMPLES}" for k in runs},
+        },
+        "runs": runs,
+        "grads_float32_vs_float64_relative_l2": f64_agreement,
+        "versions": versions(),
+    }
+
+
+def main(argv):
+    names = argv or list(MODELS)
+    for name in names:
+        meta = generate(name, MODELS[name])
+        with open(os.path.join(FIXTURES, name, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=1, sort_keys=False)
+            f.write("\n")
+        print(name, "dropped by default:", meta["export"]["default.onnx"]["dropped_keras_variables"])
+        print(name, "f32 vs f64:", max(meta["grads_float32_vs_float64_relative_l2"].values()))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

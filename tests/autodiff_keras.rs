@@ -1,0 +1,254 @@
+//! The autodiff on real Keras models, against Keras itself (TensorFlow 2.15, Keras 2.15,
+//! tf2onnx 1.17; graphs/forward/generate_keras.py, references in fixtures/forward/keras_*):
+//!
+//! - `keras.onnx`: tf2onnx's export with the zero biases kept (grappler's constant folding
+//!   off, tf2onnx's `merge_duplication` off); the gradients of the mean sparse categorical
+//!   cross-entropy equal `tf.GradientTape`'s, and K = 4 micro-batches of 8 trained 8 windows
+//!   equal Keras's 8 full-batch steps of 32 for SGD and Keras Adam (`formula=keras`);
+//! - `default.onnx`: the plain export, which has no biases at all (the trap, measured).
+//!
+//! Keras variables map to ONNX initializers by layer (`<model>/<layer>/MatMul|Conv2D/...` is
+//! the kernel, `.../BiasAdd/...` the bias); Conv2D kernels are OIHW in the file, HWIO in Keras,
+//! and the fixtures hold them in the ONNX layout.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use common::{ort_available, read_npz, root, run_ort};
+use onnx_ga::data::Tensor;
+use onnx_ga::proto::ModelProto;
+
+fn graph_path(model: &str, file: &str) -> PathBuf {
+    root().join("graphs/forward").join(model).join(file)
+}
+
+fn fixture(model: &str, file: &str) -> BTreeMap<String, Tensor> {
+    read_npz(&root().join("fixtures/forward").join(model).join(file))
+}
+
+fn load(path: &Path) -> ModelProto {
+    onnx_ga::model::load_model_with_data(path).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The step (or gradient graph) `spec` builds from a forward model.
+fn build(path: &Path, spec: &str) -> ModelProto {
+    let graph = onnx_ga::signature::forward(load(path), path);
+    onnx_ga::step::build_step(graph, spec, true)
+        .unwrap_or_else(|e| panic!("{}: {spec}: {e}", path.display()))
+        .model
+        .to_proto()
+}
+
+fn values(t: &Tensor) -> Vec<f64> {
+    match t {
+        Tensor::F32(a) => a.iter().map(|x| *x as f64).collect(),
+        Tensor::F64(a) => a.iter().copied().collect(),
+        other => panic!("not a float tensor: {other:?}"),
+    }
+}
+
+/// ||a - b|| / ||b||.
+fn relative_l2(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.shape(), b.shape());
+    let (va, vb) = (values(a), values(b));
+    let d: f64 = va.iter().zip(&vb).map(|(x, y)| (x - y) * (x - y)).sum();
+    let n: f64 = vb.iter().map(|y| y * y).sum();
+    d.sqrt() / n.sqrt().max(1e-30)
+}
+
+fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.shape(), b.shape());
+    values(a)
+        .iter()
+        .zip(&values(b))
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
+fn first_rows(data: &BTreeMap<String, Tensor>, n: usize) -> BTreeMap<String, Tensor> {
+    let rows: Vec<usize> = (0..n).collect();
+    data.iter()
+        .map(|(k, v)| (k.clone(), v.rows(&rows)))
+        .collect()
+}
+
+fn grad_outputs(graph: &ModelProto) -> Vec<String> {
+    graph
+        .graph
+        .as_ref()
+        .unwrap()
+        .output
+        .iter()
+        .filter_map(|o| o.name().strip_suffix("_grad").map(str::to_string))
+        .collect()
+}
+
+const CE: &str = "autodiff(loss_fn=cross-entropy),legalize-ort";
+
+/// Both exports run on ONNX Runtime and give Keras's logits (at init the missing zero
+/// biases change nothing: the trap is invisible here).
+fn keras_forward(model: &str) {
+    if !ort_available() {
+        return;
+    }
+    let reference = fixture(model, "forward.npz");
+    for file in ["keras.onnx", "default.onnx"] {
+        let out = run_ort(&load(&graph_path(model, file)), &reference);
+        let err = max_abs(&out["logits"], &reference["logits"]);
+        assert!(err <= 1e-5, "{model}/{file}: logits {err:e} from Keras");
+    }
+}
+
+#[test]
+fn keras_mlp_forward_equals_keras() {
+    keras_forward("keras_mlp");
+}
+#[test]
+fn keras_cnn_forward_equals_keras() {
+    keras_forward("keras_cnn");
+}
+
+/// Every Keras variable is a trainable initializer of `keras.onnx`, and its gradient is
+/// within 1e-5 relative (norm-wise) of tf.GradientTape's, float32, samples [0, 8).
+fn keras_gradients(model: &str, variables: usize) {
+    if !ort_available() {
+        return;
+    }
+    let graph = build(&graph_path(model, "keras.onnx"), CE);
+    let data = read_npz(&graph_path(model, "data.npz"));
+    let reference = fixture(model, "grads.npz");
+    let out = run_ort(&graph, &first_rows(&data, 8));
+    let loss_err = max_abs(&out["loss"], &reference["loss"]);
+    assert!(loss_err < 1e-6, "{model}: loss {loss_err:e} from Keras");
+    let params = grad_outputs(&graph);
+    assert_eq!(
+        params.len(),
+        variables,
+        "{model}: one trainable parameter per Keras variable: {params:?}"
+    );
+    for name in &params {
+        let expected = reference
+            .get(name)
+            .unwrap_or_else(|| panic!("{model}: no Keras gradient for '{name}'"));
+        let err = relative_l2(&out[&format!("{name}_grad")], expected);
+        assert!(
+            err <= 1e-5,
+            "{model}: '{name}' gradient {err:e} relative from Keras"
+        );
+    }
+    assert_eq!(reference.len(), variables + 1, "{model}: grads.npz keys");
+}
+
+#[test]
+fn keras_mlp_gradients_equal_gradient_tape() {
+    keras_gradients("keras_mlp", 4);
+}
+#[test]
+fn keras_cnn_gradients_equal_gradient_tape() {
+    keras_gradients("keras_cnn", 6);
+}
+
+/// The trap, as measured: tf2onnx's default export (grappler constant folding) has dropped
+/// every zero-initialised bias, so only the kernels are trainable; their gradients still
+/// equal Keras's at init (the forward is the same there), which is why nothing looks wrong.
+fn default_export_has_no_biases(model: &str, kernels: usize) {
+    if !ort_available() {
+        return;
+    }
+    let graph = build(&graph_path(model, "default.onnx"), CE);
+    let params = grad_outputs(&graph);
+    assert_eq!(params.len(), kernels, "{model}: {params:?}");
+    assert!(
+        params.iter().all(|p| !p.contains("BiasAdd")),
+        "{model}: {params:?}"
+    );
+    let data = read_npz(&graph_path(model, "data.npz"));
+    let reference = fixture(model, "grads.npz");
+    let out = run_ort(&graph, &first_rows(&data, 8));
+    for name in &params {
+        // default: `.../MatMul/ReadVariableOp:0`; kept: `.../MatMul/ReadVariableOp/resource:0`.
+        let kept = name.replace("ReadVariableOp:0", "ReadVariableOp/resource:0");
+        let err = relative_l2(&out[&format!("{name}_grad")], &reference[&kept]);
+        assert!(err <= 1e-5, "{model}: '{name}' gradient {err:e} from Keras");
+    }
+}
+
+#[test]
+fn keras_mlp_default_export_drops_the_biases() {
+    default_export_has_no_biases("keras_mlp", 2);
+}
+#[test]
+fn keras_cnn_default_export_drops_the_biases() {
+    default_export_has_no_biases("keras_cnn", 3);
+}
+
+/// K = 4 micro-batches of 8 (mean normalisation), 8 windows, against Keras's 8 full-batch
+/// steps of 32 on the same rows, within 2e-6 max abs on every parameter.
+fn keras_training(model: &str, optimizer: &str, reference: &str) {
+    if !ort_available() {
+        return;
+    }
+    let spec = format!(
+        "autodiff(loss_fn=cross-entropy,grads=internal),grad-accum(steps=4,normalize=mean),{optimizer},legalize-ort,dce"
+    );
+    let step = build(&graph_path(model, "keras.onnx"), &spec);
+    let data = read_npz(&graph_path(model, "data.npz"));
+    let mut trainer = common::trainer(&step);
+    let samples = trainer
+        .check_data(&data, Path::new("data.npz"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    for i in 0..32 {
+        let batch = onnx_ga::train::micro_batch(&data, samples, 8, i);
+        trainer
+            .step(&batch, false)
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    let state = trainer.state().unwrap_or_else(|e| panic!("{e}")).clone();
+    let expected = fixture(model, reference);
+    let initial = load(&graph_path(model, "keras.onnx"));
+    let initial: BTreeMap<String, Tensor> = initial
+        .graph
+        .as_ref()
+        .unwrap()
+        .initializer
+        .iter()
+        .map(|t| (t.name().to_string(), Tensor::from_tensor_proto(t).unwrap()))
+        .collect();
+    for (name, want) in &expected {
+        let got = state
+            .get(name)
+            .unwrap_or_else(|| panic!("{model}: no trained '{name}'"));
+        let err = max_abs(got, want);
+        assert!(
+            err <= 2e-6,
+            "{model} {optimizer}: '{name}' max abs {err:e} from Keras"
+        );
+        // The run moved every parameter (a test that cannot pass by doing nothing).
+        assert!(
+            max_abs(want, &initial[name]) > 1e-4,
+            "{model}: '{name}' did not move"
+        );
+    }
+}
+
+const SGD: &str = "optimizer(kind=sgd,lr=0.1)";
+const KERAS_ADAM: &str = "optimizer(kind=adam,lr=0.01,formula=keras)";
+
+#[test]
+fn keras_mlp_accumulated_sgd_equals_full_batch() {
+    keras_training("keras_mlp", SGD, "run_sgd.npz");
+}
+#[test]
+fn keras_mlp_accumulated_keras_adam_equals_full_batch() {
+    keras_training("keras_mlp", KERAS_ADAM, "run_adam.npz");
+}
+#[test]
+fn keras_cnn_accumulated_sgd_equals_full_batch() {
+    keras_training("keras_cnn", SGD, "run_sgd.npz");
+}
+#[test]
+fn keras_cnn_accumulated_keras_adam_equals_full_batch() {
+    keras_training("keras_cnn", KERAS_ADAM, "run_adam.npz");
+}
