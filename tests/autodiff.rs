@@ -717,3 +717,85 @@ fn shipped_cnn_bn_forward_step_trains_like_artifacts() {
 fn shipped_transformer_block_forward_step_trains_like_artifacts() {
     shipped_forward_trains_like_artifacts("transformer_block", 1e-5);
 }
+
+/// What torch's exporter does with its default `optimize=True` (measured on torch 2.15): equal
+/// initializers merged into one tensor several layers read, and parameters renamed `val_<n>`.
+/// Both are noted when the pass runs (a tie may be meant), and the plain case is not.
+#[test]
+fn merged_or_renamed_parameters_are_noted() {
+    use onnx_ga::proto::{
+        tensor_proto::DataType, GraphProto, ModelProto, NodeProto, OperatorSetIdProto, TensorProto,
+        ValueInfoProto,
+    };
+    let float_info = |name: &str, dims: &[i64]| {
+        let mut v = ValueInfoProto {
+            name: Some(name.into()),
+            ..Default::default()
+        };
+        v.r#type = Some(onnx_ga::ir::tensor_type(DataType::Float as i32, dims));
+        v
+    };
+    let weight = |name: &str| TensorProto {
+        name: Some(name.into()),
+        dims: vec![2, 2],
+        data_type: Some(DataType::Float as i32),
+        float_data: vec![1.0, 0.5, -0.5, 1.0],
+        ..Default::default()
+    };
+    let matmul = |a: &str, w: &str, y: &str| NodeProto {
+        op_type: Some("MatMul".into()),
+        input: vec![a.into(), w.into()],
+        output: vec![y.into()],
+        name: Some(y.into()),
+        ..Default::default()
+    };
+    // y = (x W1) W2, with W1 and W2 the same tensor (`tied`) or two (`w1`, `val_7`).
+    let model = |producer: &str, w1: &str, w2: &str| {
+        let mut initializer = vec![weight(w1)];
+        if w2 != w1 {
+            initializer.push(weight(w2));
+        }
+        ModelProto {
+            ir_version: Some(8),
+            producer_name: Some(producer.into()),
+            opset_import: vec![OperatorSetIdProto {
+                domain: Some(String::new()),
+                version: Some(17),
+            }],
+            graph: Some(GraphProto {
+                name: Some("g".into()),
+                node: vec![matmul("x", w1, "h"), matmul("h", w2, "y")],
+                input: vec![float_info("x", &[4, 2])],
+                output: vec![float_info("y", &[4, 2])],
+                initializer,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    };
+    let notes = |proto: ModelProto| -> String {
+        let graph = onnx_ga::signature::forward(proto, Path::new("m.onnx"));
+        let step = onnx_ga::step::build_step(graph, "autodiff(loss_fn=mse),legalize-ort", true)
+            .unwrap_or_else(|e| panic!("{e}"));
+        step.reports
+            .iter()
+            .flat_map(|(_, r)| r.notes.clone())
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    let tied = notes(model("pytorch", "tied", "tied"));
+    assert!(
+        tied.contains("read by several nodes: tied (2 nodes)"),
+        "{tied}"
+    );
+    let renamed = notes(model("pytorch", "w1", "val_7"));
+    assert!(
+        renamed.contains("without a torch name: val_7") && !renamed.contains("several nodes"),
+        "{renamed}"
+    );
+    let plain = notes(model("keras", "w1", "val_7"));
+    assert!(
+        !plain.contains("several nodes") && !plain.contains("torch name"),
+        "{plain}"
+    );
+}

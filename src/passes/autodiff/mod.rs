@@ -204,6 +204,7 @@ impl Pass for Autodiff {
             ));
         }
         let nodes_before = model.all_nodes().count();
+        let readers = forward_readers(model);
         let differentiated = differentiate(model, self)?;
         let mut report = PassReport {
             changed: true,
@@ -239,11 +240,88 @@ impl Pass for Autodiff {
                 scalars.join(", ")
             ));
         }
+        report
+            .notes
+            .extend(export_warnings(model, &readers, &differentiated));
         let nodes_after = model.all_nodes().count();
         report.added = nodes_after.saturating_sub(nodes_before);
         update_signature(model, cx, &differentiated);
         Ok(report)
     }
+}
+
+/// How many forward nodes read each initializer's values (by name), before
+/// differentiation; shape computations (`Shape`, `CastLike`'s target type) do not count.
+fn forward_readers(model: &Model) -> HashMap<String, usize> {
+    model
+        .main()
+        .initializers
+        .iter()
+        .map(|(v, _)| {
+            let mut nodes: Vec<NodeId> = model
+                .uses(*v)
+                .iter()
+                .filter_map(|u| match u {
+                    crate::ir::Use::Node { node, slot } => {
+                        let op = model.node(*node).proto.op_type();
+                        let reads_values =
+                            differentiable(model, *node) && !(op == "CastLike" && *slot == 1);
+                        reads_values.then_some(*node)
+                    }
+                    crate::ir::Use::Output { .. } => None,
+                })
+                .collect();
+            nodes.sort();
+            nodes.dedup();
+            (model.name(*v).to_string(), nodes.len())
+        })
+        .collect()
+}
+
+/// Signs that the exporter changed the network before we saw it, measured on torch 2.15's
+/// dynamo export with its default `optimize=True`: equal-valued initializers merged into one
+/// tensor that several layers then share (every LayerNorm weight of a GPT), and parameters
+/// renamed `val_<n>` when BatchNorm is folded into the convolution before it (the folded
+/// network trains differently). Tied weights can be meant (an embedding shared with the
+/// output layer), so these are notes, not errors.
+fn export_warnings(
+    model: &Model,
+    readers: &HashMap<String, usize>,
+    d: &Differentiated,
+) -> Vec<String> {
+    let mut notes = Vec::new();
+    let shared: Vec<String> = d
+        .trainable
+        .iter()
+        .filter(|p| p.element_count() > 1)
+        .filter_map(|p| {
+            let n = *readers.get(&p.name)?;
+            (n > 1).then(|| format!("{} ({n} nodes)", p.name))
+        })
+        .collect();
+    if !shared.is_empty() {
+        notes.push(format!(
+            "trained as one tensor each, read by several nodes: {}; if the model does not tie them, the exporter merged equal initializers (torch.onnx.export(dynamo=True) does unless optimize=False)",
+            shared.join(", ")
+        ));
+    }
+    let torch = model.header.producer_name() == "pytorch";
+    let anonymous: Vec<&str> = d
+        .trainable
+        .iter()
+        .map(|p| p.name.as_str())
+        .filter(|n| {
+            n.strip_prefix("val_")
+                .is_some_and(|r| r.chars().all(|c| c.is_ascii_digit()))
+        })
+        .collect();
+    if torch && !anonymous.is_empty() {
+        notes.push(format!(
+            "trainable initializers without a torch name: {} (torch's exporter rewrote them: with the default optimize=True it folds BatchNorm into the convolution, which trains a different network; export with optimize=False)",
+            anonymous.join(", ")
+        ));
+    }
+    notes
 }
 
 /// What differentiation produced, in signature terms.
