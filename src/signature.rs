@@ -399,6 +399,18 @@ pub fn is_forward_model(proto: &ModelProto) -> bool {
 /// A forward model to be differentiated by the `autodiff` pass: its inputs without
 /// initializers are data; loss and parameters are for the pass to find.
 pub fn forward(proto: ModelProto, origin: &Path) -> TrainingGraph {
+    without_roles(
+        proto,
+        Source::Forward {
+            file: origin.to_path_buf(),
+            differentiated: false,
+        },
+    )
+}
+
+/// A graph with no training roles yet (a pass finds them): every input without an
+/// initializer is a data input.
+pub fn without_roles(proto: ModelProto, source: Source) -> TrainingGraph {
     let model = Model::from_proto(proto);
     let main = model.main();
     let data_inputs = main
@@ -408,10 +420,7 @@ pub fn forward(proto: ModelProto, origin: &Path) -> TrainingGraph {
         .map(|(v, info)| TensorInfo::of(model.name(*v), info.r#type.as_ref()))
         .collect();
     let signature = TrainingSignature {
-        source: Source::Forward {
-            file: origin.to_path_buf(),
-            differentiated: false,
-        },
+        source,
         data_inputs,
         loss: String::new(),
         seed: None,

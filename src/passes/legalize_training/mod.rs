@@ -244,32 +244,12 @@ pub fn open_for_pipeline(
 
 /// `proto` with a signature saying nothing but its data inputs.
 fn unsigned(proto: crate::proto::ModelProto, path: &Path) -> TrainingGraph {
-    use crate::signature::{Source, TensorInfo, TrainingSignature};
-    let model = Model::from_proto(proto);
-    let main = model.main();
-    let data_inputs = main
-        .inputs
-        .iter()
-        .filter(|(v, _)| model.initializer(*v).is_none())
-        .map(|(v, info)| TensorInfo::of(model.name(*v), info.r#type.as_ref()))
-        .collect();
-    let signature = TrainingSignature {
-        source: Source::Plain {
+    crate::signature::without_roles(
+        proto,
+        crate::signature::Source::Plain {
             file: path.to_path_buf(),
         },
-        data_inputs,
-        loss: String::new(),
-        seed: None,
-        params: Vec::new(),
-        lazy_reset_grad: None,
-        optimizer: None,
-    };
-    TrainingGraph {
-        model,
-        signature,
-        checkpoint: None,
-        optimizer_model: None,
-    }
+    )
 }
 
 /// What a lowering works with: a builder in the node's body and the scalar constants
