@@ -371,7 +371,7 @@ impl CheckpointError {
 
 /// Reads the checkpoint file at `path` (and, if it uses external data, `<path>.data`).
 pub fn read_checkpoint(path: &Path) -> Result<Checkpoint, CheckpointError> {
-    let bytes = std::fs::read(path).map_err(|source| CheckpointError::Io {
+    let bytes = crate::input::read_regular(path).map_err(|source| CheckpointError::Io {
         path: path.to_path_buf(),
         source,
     })?;
@@ -677,7 +677,7 @@ impl ExternalData {
             source,
         };
         if self.file.is_none() {
-            let file = File::open(&self.data_path)
+            let file = crate::input::open_regular(&self.data_path)
                 .map_err(|e| err(format!("cannot open it: {e}"), Some(e)))?;
             let size = file
                 .metadata()

@@ -3,12 +3,11 @@
 //! are atomic: a temporary file in the target folder, then a rename.
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
 use ndarray::{ArrayD, IxDyn};
-use ndarray_npy::{NpzReader, NpzWriter};
+use ndarray_npy::NpzWriter;
 
 /// A host tensor of one of the element types our graphs exchange with a host.
 #[derive(Clone, Debug, PartialEq)]
@@ -173,7 +172,57 @@ pub enum DataError {
 
 /// Reads every array of an `.npz` file, by name.
 pub fn read_npz(path: &Path) -> Result<BTreeMap<String, Tensor>, DataError> {
-    let file = File::open(path).map_err(|source| DataError::Open {
+    Ok(read_npz_arrays(path, None)?.arrays)
+}
+
+/// What [`read_npz_only`] read: the arrays asked for (those present), and the names of the
+/// others, which were not decoded.
+#[derive(Debug, Default)]
+pub struct NpzContents {
+    pub arrays: BTreeMap<String, Tensor>,
+    pub ignored: Vec<String>,
+}
+
+/// Reads the arrays named in `names` from an `.npz` file; the others are listed in
+/// [`NpzContents::ignored`] and never decoded (whatever their shape or element type).
+pub fn read_npz_only(path: &Path, names: &[String]) -> Result<NpzContents, DataError> {
+    read_npz_arrays(path, Some(names))
+}
+
+/// The note for the arrays of `file` that training does not take ([`NpzContents::ignored`]),
+/// naming the first few; `None` when there are none.
+pub fn ignored_note(file: &Path, ignored: &[String]) -> Option<String> {
+    const SHOWN: usize = 5;
+    if ignored.is_empty() {
+        return None;
+    }
+    let mut names: Vec<String> = ignored
+        .iter()
+        .take(SHOWN)
+        .map(|n| format!("'{n}'"))
+        .collect();
+    if ignored.len() > SHOWN {
+        names.push(format!("and {} more", ignored.len() - SHOWN));
+    }
+    Some(format!(
+        "note: {}: ignoring {} array{} the step does not take: {}",
+        file.display(),
+        ignored.len(),
+        if ignored.len() == 1 { "" } else { "s" },
+        names.join(", ")
+    ))
+}
+
+/// The most bytes deflate makes of one compressed byte (its limit is about 1032:1).
+const MAX_DEFLATE_RATIO: u64 = 1032;
+/// The longest `.npy` header we read (NumPy writes under 100 bytes).
+const MAX_NPY_HEADER: usize = 1 << 20;
+
+/// The `.npz` reader: only regular files; nothing is allocated before the archive entry's
+/// sizes and the `.npy` header agree, and the entry can hold no more than deflate can make
+/// of its compressed bytes; all the arrays together must fit in the memory available.
+fn read_npz_arrays(path: &Path, only: Option<&[String]>) -> Result<NpzContents, DataError> {
+    let file = crate::input::open_regular(path).map_err(|source| DataError::Open {
         path: path.to_path_buf(),
         source,
     })?;
@@ -181,28 +230,151 @@ pub fn read_npz(path: &Path) -> Result<BTreeMap<String, Tensor>, DataError> {
         path: path.to_path_buf(),
         message: e.to_string(),
     };
-    let mut npz = NpzReader::new(BufReader::new(file)).map_err(|e| archive(&e))?;
-    let mut out = BTreeMap::new();
-    for name in npz.names().map_err(|e| archive(&e))? {
-        let tensor = if let Ok(a) = npz.by_name::<ndarray::OwnedRepr<f32>, IxDyn>(&name) {
-            Tensor::F32(a)
-        } else if let Ok(a) = npz.by_name::<ndarray::OwnedRepr<i64>, IxDyn>(&name) {
-            Tensor::I64(a)
-        } else if let Ok(a) = npz.by_name::<ndarray::OwnedRepr<bool>, IxDyn>(&name) {
-            Tensor::Bool(a)
-        } else if let Ok(a) = npz.by_name::<ndarray::OwnedRepr<f64>, IxDyn>(&name) {
-            Tensor::F64(a)
-        } else if let Ok(a) = npz.by_name::<ndarray::OwnedRepr<i32>, IxDyn>(&name) {
-            Tensor::I32(a)
-        } else {
-            return Err(DataError::ElementType {
-                path: path.to_path_buf(),
-                name,
-            });
+    let mut zip = zip::ZipArchive::new(BufReader::new(file)).map_err(|e| archive(&e))?;
+    let available = crate::input::memory_budget();
+    let mut total: u64 = 0;
+    let mut out = NpzContents::default();
+    for index in 0..zip.len() {
+        let mut entry = zip.by_index(index).map_err(|e| archive(&e))?;
+        let entry_name = entry.name().to_string();
+        let name = entry_name
+            .strip_suffix(".npy")
+            .unwrap_or(&entry_name)
+            .to_string();
+        if only.is_some_and(|only| !only.contains(&name)) || entry.is_dir() {
+            out.ignored.push(name);
+            continue;
+        }
+        if out.arrays.contains_key(&name) {
+            return Err(archive(&format!("two arrays are named '{name}'")));
+        }
+        let bad = |message: String| archive(&format!("array '{name}': {message}"));
+        let declared = entry.size();
+        let compressed = entry.compressed_size();
+        let most = match entry.compression() {
+            zip::CompressionMethod::Stored => compressed,
+            _ => compressed
+                .saturating_mul(MAX_DEFLATE_RATIO)
+                .saturating_add(1024),
         };
-        out.insert(name, tensor);
+        if declared > most {
+            return Err(bad(format!(
+                "the archive entry claims {declared} bytes from {compressed} compressed bytes, more than compression can make of them"
+            )));
+        }
+        let mut reader = std::io::Read::take(&mut entry, declared);
+        let (header, header_len) = read_npy_header(&mut reader, declared).map_err(bad)?;
+        // The descriptor as Python writes it: '<f4' for a simple dtype, a list for a record.
+        let literal = header.type_descriptor.to_string();
+        let descr = literal
+            .strip_prefix('\'')
+            .and_then(|s| s.strip_suffix('\''))
+            .unwrap_or(&literal)
+            .to_string();
+        let elem_size: u64 = match descr.get(1..) {
+            Some("f4" | "i4") => 4,
+            Some("f8" | "i8") => 8,
+            Some("b1") => 1,
+            _ => {
+                return Err(DataError::ElementType {
+                    path: path.to_path_buf(),
+                    name,
+                })
+            }
+        };
+        let count = header
+            .shape
+            .iter()
+            .try_fold(1u64, |n, d| n.checked_mul(*d as u64));
+        let bytes = count.and_then(|c| c.checked_mul(elem_size));
+        let holds = declared - header_len;
+        let (count, bytes) = match (count, bytes) {
+            (Some(c), Some(b)) if b <= holds => (c, b),
+            _ => {
+                return Err(bad(format!(
+                    "its header claims shape {:?} of '{descr}', {} bytes, but the archive entry holds {holds} bytes of data",
+                    header.shape,
+                    bytes.map_or("more than 2^64".to_string(), |b| b.to_string())
+                )))
+            }
+        };
+        total = total.saturating_add(bytes);
+        if let Some(available) = available.filter(|a| total > *a) {
+            return Err(bad(format!(
+                "the arrays read so far need {total} bytes, more than the {available} bytes of memory available (ONNX_GA_MEMORY_LIMIT sets the budget)"
+            )));
+        }
+        let count = usize::try_from(count).map_err(|_| bad("too large for this machine".into()))?;
+        let shape = IxDyn(&header.shape);
+        let shape = if header.layout.is_fortran() {
+            ndarray::ShapeBuilder::f(shape)
+        } else {
+            ndarray::ShapeBuilder::into_shape_with_order(shape)
+        };
+        macro_rules! read {
+            ($ty:ty, $variant:ident) => {{
+                let values = <$ty as ndarray_npy::ReadableElement>::read_to_end_exact_vec(
+                    &mut reader,
+                    &header.type_descriptor,
+                    count,
+                )
+                .map_err(|e| bad(e.to_string()))?;
+                Tensor::$variant(
+                    ArrayD::from_shape_vec(shape, values).map_err(|e| bad(e.to_string()))?,
+                )
+            }};
+        }
+        let tensor = match descr.get(1..) {
+            Some("f4") => read!(f32, F32),
+            Some("f8") => read!(f64, F64),
+            Some("i8") => read!(i64, I64),
+            Some("i4") => read!(i32, I32),
+            _ => read!(bool, Bool),
+        };
+        out.arrays.insert(name, tensor);
     }
     Ok(out)
+}
+
+/// The header of an `.npy` stream of `declared` bytes, and the bytes it took; its length
+/// is checked before anything is allocated for it.
+fn read_npy_header(
+    reader: &mut impl std::io::Read,
+    declared: u64,
+) -> Result<(ndarray_npy::npy::header::Header, u64), String> {
+    let mut prefix = vec![0u8; 8];
+    reader
+        .read_exact(&mut prefix)
+        .map_err(|e| format!("no .npy header: {e}"))?;
+    if &prefix[..6] != b"\x93NUMPY" {
+        return Err("not an .npy array (no NUMPY magic string)".into());
+    }
+    let header_len = match prefix[6] {
+        1 => {
+            let mut b = [0u8; 2];
+            reader.read_exact(&mut b).map_err(|e| e.to_string())?;
+            prefix.extend_from_slice(&b);
+            u16::from_le_bytes(b) as usize
+        }
+        2 | 3 => {
+            let mut b = [0u8; 4];
+            reader.read_exact(&mut b).map_err(|e| e.to_string())?;
+            prefix.extend_from_slice(&b);
+            u32::from_le_bytes(b) as usize
+        }
+        v => return Err(format!(".npy format version {v} is not supported")),
+    };
+    let total = (prefix.len() + header_len) as u64;
+    if header_len > MAX_NPY_HEADER || total > declared {
+        return Err(format!(
+            "its .npy header claims {header_len} bytes (at most {MAX_NPY_HEADER}, within the entry's {declared})"
+        ));
+    }
+    let mut chained =
+        std::io::Read::chain(&prefix[..], std::io::Read::take(reader, header_len as u64));
+    let header = ndarray_npy::npy::header::Header::from_reader(&mut chained)
+        .map_err(|e| format!("bad .npy header: {e}"))?;
+    Ok((header, total))
 }
 
 /// Writes arrays to an `.npz` file atomically (never a partial file at `path`).
@@ -281,7 +453,7 @@ pub fn write_state<'a>(
 /// nothing is allocated beyond the file's own size whatever the header claims.
 pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, Tensor>, DataError> {
     use safetensors::tensor::Dtype;
-    let bytes = std::fs::read(path).map_err(|source| DataError::Open {
+    let bytes = crate::input::read_regular(path).map_err(|source| DataError::Open {
         path: path.to_path_buf(),
         source,
     })?;

@@ -608,6 +608,18 @@ fn inspect(args: InspectArgs) -> Result<(), Failure> {
     Ok(())
 }
 
+/// A micro-batch takes distinct rows of the data: one larger than the data set would repeat
+/// samples within itself (and a huge one would only exhaust memory).
+fn check_micro_batch(batch: usize, samples: usize, data: &Path) -> Result<(), UsageError> {
+    if batch > samples {
+        return Err(UsageError(format!(
+            "--micro-batch {batch} is larger than the data set: {} holds {samples} samples",
+            data.display()
+        )));
+    }
+    Ok(())
+}
+
 /// A command-line usage problem found after parsing.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
@@ -999,8 +1011,13 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             .set_accum_steps(k)
             .map_err(|e| UsageError(format!("--accum-steps {k}: {e}")))?;
     }
-    let data = onnx_ga::data::read_npz(&args.data)?;
+    let data = onnx_ga::data::read_npz_only(&args.data, &trainer.manifest.data_inputs)?;
+    if let Some(note) = onnx_ga::data::ignored_note(&args.data, &data.ignored) {
+        progress.note(note);
+    }
+    let data = data.arrays;
     let samples = trainer.check_data(&data, &args.data)?;
+    check_micro_batch(args.micro_batch, samples, &args.data)?;
     if let Some(path) = &args.init_state {
         trainer.load_state(path)?;
     }

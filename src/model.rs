@@ -40,7 +40,7 @@
 //!   padding); `location`, `offset` and `length` are recorded, no checksum. The data file is
 //!   written (atomically) first and the model last.
 
-use std::fs::{self, File};
+use std::fs;
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::path::{Component, Path, PathBuf};
 
@@ -171,7 +171,7 @@ impl ModelError {
 
 /// Reads and decodes a model, leaving external-data references untouched (lossless).
 pub fn load_model(path: &Path) -> Result<ModelProto, ModelError> {
-    let bytes = fs::read(path).map_err(|source| {
+    let bytes = crate::input::read_regular(path).map_err(|source| {
         if source.kind() == io::ErrorKind::NotFound {
             ModelError::NotFound {
                 path: path.to_path_buf(),
@@ -642,7 +642,7 @@ fn read_external(
         location: location.to_string(),
         source,
     };
-    let mut file = File::open(&resolved).map_err(read_err)?;
+    let mut file = crate::input::open_regular(&resolved).map_err(read_err)?;
     let meta = file.metadata().map_err(read_err)?;
     if !meta.is_file() {
         return Err(read_err(io::Error::other("not a regular file")));
@@ -666,6 +666,17 @@ fn read_external(
             })
         }
     };
+    // Never more than the tensor's declared shape holds (a length or a file far larger than
+    // the tensor would only exhaust memory).
+    if let Some(holds) = crate::input::tensor_byte_len(&tensor.dims, tensor.data_type()) {
+        if end - offset > holds {
+            return Err(invalid(format!(
+                "its external data is {} bytes, but a tensor of dims {:?} holds {holds}",
+                end - offset,
+                tensor.dims
+            )));
+        }
+    }
     let len = usize::try_from(end - offset)
         .map_err(|_| invalid(format!("length {} does not fit in memory", end - offset)))?;
     file.seek(SeekFrom::Start(offset)).map_err(read_err)?;

@@ -1,0 +1,455 @@
+//! Hostile and mistaken input to `onnx-ga train` and `rewrite` (issue 11, "Panics,
+//! crashes, hangs, OOM"): each case runs the built binary under a timeout and asserts the
+//! exit code, what stderr says, and that nothing panicked.
+//!
+//! - arrays of DATA.npz that the step does not take (fewer rows, 0-d, empty, strings,
+//!   5,000 of them) are ignored with one note, never decoded;
+//! - micro-batches larger than the data set (up to `usize::MAX`) are refused;
+//! - a FIFO (or a directory) as step, data, state, checkpoint or external data is refused
+//!   at once instead of blocking for ever;
+//! - allocation bombs: an `.npy` header claiming (2^40, 16), a deflate bomb beyond the memory
+//!   budget, external data far larger than its tensor: refused before allocating.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use onnx_ga::data::Tensor;
+use onnx_ga::proto::tensor_proto::DataLocation;
+use onnx_ga::proto::StringStringEntryProto;
+use prost::Message;
+use tempfile::TempDir;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Runs `onnx-ga ARGS` in `dir` (with `env`), killing it after 60 s: a hang is a failure.
+fn run(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_onnx-ga"));
+    cmd.args(args)
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("run onnx-ga");
+    let start = Instant::now();
+    loop {
+        if child.try_wait().expect("wait").is_some() {
+            return child.wait_with_output().expect("output");
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("onnx-ga {args:?} hung (killed after 60 s)");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// `onnx-ga ARGS` exits 2 without a panic, and its stderr holds every one of `wanted`.
+fn fails(dir: &Path, args: &[&str], env: &[(&str, &str)], wanted: &[&str]) -> String {
+    let out = run(dir, args, env);
+    let err = stderr(&out);
+    assert!(
+        !err.contains("panicked"),
+        "onnx-ga {args:?} panicked: {err}"
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "onnx-ga {args:?}: want exit code 2, got {}; stderr: {err}",
+        out.status
+    );
+    for w in wanted {
+        assert!(
+            err.contains(w),
+            "onnx-ga {args:?}: stderr lacks {w:?}: {err}"
+        );
+    }
+    err
+}
+
+/// `onnx-ga ARGS` exits 0 without a panic; returns stderr.
+fn succeeds(dir: &Path, args: &[&str]) -> String {
+    let out = run(dir, args, &[]);
+    let err = stderr(&out);
+    assert!(
+        !err.contains("panicked"),
+        "onnx-ga {args:?} panicked: {err}"
+    );
+    assert!(out.status.success(), "onnx-ga {args:?} failed: {err}");
+    err
+}
+
+/// A folder with `step.onnx`, mlp_ce_adamw rewritten.
+fn step_dir() -> TempDir {
+    let dir = TempDir::new().unwrap();
+    let graphs = root().join("graphs/mlp_ce_adamw");
+    succeeds(
+        dir.path(),
+        &[
+            "rewrite",
+            graphs.to_str().unwrap(),
+            "-o",
+            "step.onnx",
+            "--lr",
+            "0.01",
+        ],
+    );
+    dir
+}
+
+/// The `.npy` bytes of an array: descriptor, shape (as Python writes the tuple), data.
+fn npy(descr: &str, shape: &[u64], data: &[u8]) -> Vec<u8> {
+    let dims = match shape {
+        [] => "()".to_string(),
+        [d] => format!("({d},)"),
+        _ => format!(
+            "({})",
+            shape
+                .iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
+    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {dims}, }}");
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(data);
+    out
+}
+
+fn npy_of(t: &Tensor) -> Vec<u8> {
+    let shape: Vec<u64> = t.shape().iter().map(|d| *d as u64).collect();
+    match t {
+        Tensor::F32(a) => npy(
+            "<f4",
+            &shape,
+            &a.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>(),
+        ),
+        Tensor::I64(a) => npy(
+            "<i8",
+            &shape,
+            &a.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>(),
+        ),
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+/// Writes an `.npz` of (name, .npy bytes, deflated?) entries.
+fn write_npz(path: &Path, entries: &[(String, Vec<u8>, bool)]) {
+    let mut zip = zip::ZipWriter::new(std::fs::File::create(path).unwrap());
+    for (name, bytes, deflate) in entries {
+        let method = if *deflate {
+            zip::CompressionMethod::Deflated
+        } else {
+            zip::CompressionMethod::Stored
+        };
+        let options = zip::write::SimpleFileOptions::default()
+            .compression_method(method)
+            .large_file(bytes.len() > u32::MAX as usize / 2);
+        zip.start_file(format!("{name}.npy"), options).unwrap();
+        zip.write_all(bytes).unwrap();
+    }
+    zip.finish().unwrap();
+}
+
+/// mlp_ce_adamw's data (input, labels) as entries, plus `extra`.
+fn data_with(extra: Vec<(String, Vec<u8>, bool)>) -> Vec<(String, Vec<u8>, bool)> {
+    let data = onnx_ga::data::read_npz(&root().join("graphs/mlp_ce_adamw/data.npz")).unwrap();
+    let mut entries: Vec<_> = data
+        .iter()
+        .map(|(k, v)| (k.clone(), npy_of(v), false))
+        .collect();
+    entries.extend(extra);
+    entries
+}
+
+fn train_args<'a>(data: &'a str, micro_batch: &'a str) -> Vec<&'a str> {
+    vec![
+        "train",
+        "step.onnx",
+        "--data",
+        data,
+        "--micro-batch",
+        micro_batch,
+        "--steps",
+        "4",
+        "--engine",
+        "tract",
+    ]
+}
+
+#[test]
+fn unused_arrays_in_the_data_are_ignored_with_one_note() {
+    let dir = step_dir();
+    let extra = vec![
+        (
+            "fewer_rows".to_string(),
+            npy("<f4", &[3, 2], &[0; 24]),
+            false,
+        ),
+        (
+            "zero_d".to_string(),
+            npy("<f4", &[], &1f32.to_le_bytes()),
+            false,
+        ),
+        ("empty".to_string(), npy("<f4", &[0], &[]), true),
+        // A NumPy string array ('<U2': 2 UCS-4 characters each).
+        (
+            "text".to_string(),
+            npy(
+                "<U2",
+                &[2],
+                &[b'a', 0, 0, 0, b'b', 0, 0, 0, b'c', 0, 0, 0, 0, 0, 0, 0],
+            ),
+            false,
+        ),
+    ];
+    write_npz(&dir.path().join("extra.npz"), &data_with(extra));
+    let err = succeeds(dir.path(), &train_args("extra.npz", "8"));
+    assert_eq!(err.matches("ignoring").count(), 1, "{err}");
+    assert!(
+        err.contains("ignoring 4 arrays the step does not take"),
+        "{err}"
+    );
+    for name in ["fewer_rows", "zero_d", "empty", "text"] {
+        assert!(err.contains(&format!("'{name}'")), "{name}: {err}");
+    }
+
+    let many: Vec<_> = (0..5000)
+        .map(|i| (format!("x{i}"), npy("<f4", &[1], &[0; 4]), false))
+        .collect();
+    write_npz(&dir.path().join("many.npz"), &data_with(many));
+    let err = succeeds(dir.path(), &train_args("many.npz", "8"));
+    assert_eq!(err.matches("ignoring").count(), 1, "{err}");
+    assert!(
+        err.contains("ignoring 5000 arrays") && err.contains("and 4995 more"),
+        "{err}"
+    );
+
+    // An array the step does take is still checked: a string array as `labels`.
+    let data = onnx_ga::data::read_npz(&root().join("graphs/mlp_ce_adamw/data.npz")).unwrap();
+    write_npz(
+        &dir.path().join("bad.npz"),
+        &[
+            ("input".to_string(), npy_of(&data["input"]), false),
+            ("labels".to_string(), npy("<U1", &[64], &[0; 256]), false),
+        ],
+    );
+    fails(
+        dir.path(),
+        &train_args("bad.npz", "8"),
+        &[],
+        &["bad.npz", "labels", "element type"],
+    );
+}
+
+#[test]
+fn micro_batches_larger_than_the_data_are_refused() {
+    let dir = step_dir();
+    let data = root().join("graphs/mlp_ce_adamw/data.npz");
+    let data = data.to_str().unwrap();
+    for b in ["18446744073709551615", "100000000", "65"] {
+        fails(
+            dir.path(),
+            &train_args(data, b),
+            &[],
+            &[
+                &format!("--micro-batch {b} is larger than the data set"),
+                "holds 64 samples",
+            ],
+        );
+    }
+    succeeds(dir.path(), &train_args(data, "64"));
+}
+
+fn mkfifo(path: &Path) {
+    let status = Command::new("mkfifo").arg(path).status().expect("mkfifo");
+    assert!(status.success(), "mkfifo {}", path.display());
+}
+
+#[test]
+fn fifos_and_folders_are_refused_not_read() {
+    let dir = step_dir();
+    let d = dir.path();
+    mkfifo(&d.join("fifo.npz"));
+    mkfifo(&d.join("fifo.onnx"));
+    let data = root().join("graphs/mlp_ce_adamw/data.npz");
+    let data = data.to_str().unwrap();
+    // The data.
+    fails(
+        d,
+        &train_args("fifo.npz", "8"),
+        &[],
+        &["fifo.npz", "FIFO", "only regular files"],
+    );
+    // The step.
+    let mut args = train_args(data, "8");
+    args[1] = "fifo.onnx";
+    fails(d, &args, &[], &["fifo.onnx", "FIFO"]);
+    // The initial state.
+    let mut args = train_args(data, "8");
+    args.extend(["--init-state", "fifo.npz"]);
+    fails(d, &args, &[], &["fifo.npz", "FIFO"]);
+    // A folder as the data.
+    std::fs::create_dir(d.join("folder.npz")).unwrap();
+    fails(
+        d,
+        &train_args("folder.npz", "8"),
+        &[],
+        &["folder.npz", "a directory"],
+    );
+
+    // The checkpoint of an artifacts folder.
+    let artifacts = d.join("artifacts");
+    std::fs::create_dir(&artifacts).unwrap();
+    for f in [
+        "training_model.onnx",
+        "eval_model.onnx",
+        "optimizer_model.onnx",
+    ] {
+        std::fs::copy(
+            root().join("graphs/mlp_ce_adamw").join(f),
+            artifacts.join(f),
+        )
+        .unwrap();
+    }
+    mkfifo(&artifacts.join("checkpoint"));
+    fails(
+        d,
+        &["rewrite", "artifacts", "-o", "out.onnx", "--lr", "0.01"],
+        &[],
+        &["checkpoint", "FIFO"],
+    );
+    assert!(!d.join("out.onnx").exists());
+
+    // External data.
+    let model = forward_with_external(d, "weights.bin");
+    mkfifo(&d.join("weights.bin"));
+    fails(
+        d,
+        &forward_rewrite(&model),
+        &[],
+        &["fc1.weight", "weights.bin", "FIFO"],
+    );
+}
+
+/// graphs/forward/torch_mlp's dynamo export with `fc1.weight` (32x16 float, 2,048 bytes)
+/// moved to external data at `location` (the file is the caller's to make); returns its
+/// file name in `dir`.
+fn forward_with_external(dir: &Path, location: &str) -> String {
+    let path = root().join("graphs/forward/torch_mlp/dynamo.onnx");
+    let mut model = onnx_ga::model::load_model(&path).unwrap();
+    let init = model
+        .graph
+        .as_mut()
+        .unwrap()
+        .initializer
+        .iter_mut()
+        .find(|t| t.name() == "fc1.weight")
+        .unwrap();
+    init.raw_data = None;
+    init.float_data.clear();
+    init.data_location = Some(DataLocation::External as i32);
+    init.external_data = vec![StringStringEntryProto {
+        key: Some("location".into()),
+        value: Some(location.into()),
+    }];
+    let name = format!("external_{}.onnx", location.replace('.', "_"));
+    std::fs::write(dir.join(&name), model.encode_to_vec()).unwrap();
+    name
+}
+
+fn forward_rewrite(model: &str) -> Vec<&str> {
+    vec![
+        "rewrite",
+        model,
+        "--loss-fn",
+        "cross-entropy",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.1",
+        "-o",
+        "out.onnx",
+    ]
+}
+
+#[test]
+fn allocation_bombs_are_refused_before_allocating() {
+    let dir = step_dir();
+    let d = dir.path();
+
+    // A 200-byte npz whose header claims (2^40, 16) floats (64 TiB).
+    let labels = onnx_ga::data::read_npz(&root().join("graphs/mlp_ce_adamw/data.npz")).unwrap()
+        ["labels"]
+        .clone();
+    write_npz(
+        &d.join("claims.npz"),
+        &[
+            ("input".into(), npy("<f4", &[1 << 40, 16], &[]), false),
+            ("labels".into(), npy_of(&labels), false),
+        ],
+    );
+    fails(
+        d,
+        &train_args("claims.npz", "8"),
+        &[],
+        &[
+            "claims.npz",
+            "array 'input'",
+            "claims shape [1099511627776, 16]",
+        ],
+    );
+
+    // A deflate bomb: 64 MiB of zeros in about 64 KB, beyond a 16 MB budget.
+    let zeros = vec![0u8; 64 << 20];
+    write_npz(
+        &d.join("bomb.npz"),
+        &[
+            ("input".into(), npy("<f4", &[1 << 20, 16], &zeros), true),
+            ("labels".into(), npy_of(&labels), false),
+        ],
+    );
+    let size = std::fs::metadata(d.join("bomb.npz")).unwrap().len();
+    assert!(size < 1 << 20, "the bomb is {size} bytes");
+    fails(
+        d,
+        &train_args("bomb.npz", "8"),
+        &[("ONNX_GA_MEMORY_LIMIT", "16000000")],
+        &[
+            "bomb.npz",
+            "array 'input'",
+            "more than the 16000000 bytes of memory available",
+        ],
+    );
+
+    // External data of 8 GiB (a sparse file) for a 2,048-byte tensor.
+    let model = forward_with_external(d, "big.bin");
+    let big = std::fs::File::create(d.join("big.bin")).unwrap();
+    big.set_len(8 << 30).unwrap();
+    drop(big);
+    fails(
+        d,
+        &forward_rewrite(&model),
+        &[],
+        &["fc1.weight", "8589934592 bytes", "dims [32, 16] holds 2048"],
+    );
+    assert!(!d.join("out.onnx").exists());
+}
