@@ -158,11 +158,12 @@ impl PassOptions {
     }
 }
 
-/// Splits `a,b(x=1,y=2),c` at top-level commas and parses each pass's options.
-pub fn parse_spec(spec: &str) -> Result<Vec<PassOptions>, PassError> {
-    let err = |message: String| PassError::Spec {
+/// The pass elements of `a,b(x=1,y=2),c`: split at top-level commas, trimmed, empty ones
+/// dropped.
+pub fn split_spec(spec: &str) -> Result<Vec<String>, PassError> {
+    let err = |message: &str| PassError::Spec {
         spec: spec.to_string(),
-        message,
+        message: message.to_string(),
     };
     let mut parts = Vec::new();
     let mut depth = 0i32;
@@ -174,7 +175,7 @@ pub fn parse_spec(spec: &str) -> Result<Vec<PassOptions>, PassError> {
             _ => {}
         }
         if depth < 0 {
-            return Err(err("unbalanced ')'".into()));
+            return Err(err("unbalanced ')'"));
         }
         if c == ',' && depth == 0 {
             parts.push(std::mem::take(&mut current));
@@ -183,13 +184,24 @@ pub fn parse_spec(spec: &str) -> Result<Vec<PassOptions>, PassError> {
         }
     }
     if depth != 0 {
-        return Err(err("unbalanced '('".into()));
+        return Err(err("unbalanced '('"));
     }
     parts.push(current);
-    parts
+    Ok(parts
         .into_iter()
         .map(|p| p.trim().to_string())
         .filter(|p| !p.is_empty())
+        .collect())
+}
+
+/// Splits `a,b(x=1,y=2),c` at top-level commas and parses each pass's options.
+pub fn parse_spec(spec: &str) -> Result<Vec<PassOptions>, PassError> {
+    let err = |message: String| PassError::Spec {
+        spec: spec.to_string(),
+        message,
+    };
+    split_spec(spec)?
+        .into_iter()
         .map(|p| {
             let (name, args) = match p.split_once('(') {
                 Some((name, rest)) => {

@@ -427,33 +427,14 @@ pub fn with_autodiff(spec: &str, autodiff: &str) -> Result<String, PassError> {
         // lowers to standard ops (its running statistics become state outputs).
         format!("{autodiff},{}", super::legalize::PASS)
     };
-    let rest: Vec<String> = split_top_level(spec)
+    let rest: Vec<String> = super::split_spec(spec)?
         .into_iter()
-        .filter(|p| p.trim() != PASS && !p.trim().starts_with(&format!("{PASS}(")))
+        .filter(|p| p != PASS && !p.starts_with(&format!("{PASS}(")))
         .collect();
     Ok(std::iter::once(autodiff)
         .chain(rest)
         .collect::<Vec<_>>()
         .join(","))
-}
-
-fn split_top_level(spec: &str) -> Vec<String> {
-    let mut parts = Vec::new();
-    let (mut depth, mut current) = (0i32, String::new());
-    for c in spec.chars() {
-        match c {
-            '(' => depth += 1,
-            ')' => depth -= 1,
-            _ => {}
-        }
-        if c == ',' && depth == 0 {
-            parts.push(std::mem::take(&mut current));
-        } else {
-            current.push(c);
-        }
-    }
-    parts.push(current);
-    parts.into_iter().filter(|p| !p.trim().is_empty()).collect()
 }
 
 fn update_signature(model: &Model, cx: &mut PassContext<'_>, d: &Differentiated) {
