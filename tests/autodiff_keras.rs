@@ -128,6 +128,7 @@ fn keras_gradients(model: &str, variables: usize) {
         variables,
         "{model}: one trainable parameter per Keras variable: {params:?}"
     );
+    let mut worst = 0.0f64;
     for name in &params {
         let expected = reference
             .get(name)
@@ -137,7 +138,9 @@ fn keras_gradients(model: &str, variables: usize) {
             err <= 1e-5,
             "{model}: '{name}' gradient {err:e} relative from Keras"
         );
+        worst = worst.max(err);
     }
+    eprintln!("{model}: loss {loss_err:e} from Keras, worst gradient {worst:e} relative");
     assert_eq!(reference.len(), variables + 1, "{model}: grads.npz keys");
 }
 
@@ -216,6 +219,7 @@ fn keras_training(model: &str, optimizer: &str, reference: &str) {
         .iter()
         .map(|t| (t.name().to_string(), Tensor::from_tensor_proto(t).unwrap()))
         .collect();
+    let mut worst = 0.0f64;
     for (name, want) in &expected {
         let got = state
             .get(name)
@@ -230,7 +234,9 @@ fn keras_training(model: &str, optimizer: &str, reference: &str) {
             max_abs(want, &initial[name]) > 1e-4,
             "{model}: '{name}' did not move"
         );
+        worst = worst.max(err);
     }
+    eprintln!("{model} {optimizer}: worst parameter {worst:e} max abs from Keras ({reference})");
 }
 
 const SGD: &str = "optimizer(kind=sgd,lr=0.1)";
@@ -240,9 +246,20 @@ const KERAS_ADAM: &str = "optimizer(kind=adam,lr=0.01,formula=keras)";
 fn keras_mlp_accumulated_sgd_equals_full_batch() {
     keras_training("keras_mlp", SGD, "run_sgd.npz");
 }
+/// Keras Adam against Keras's run on a float64 copy of the model (run_adam64.npz): the
+/// float32 run (run_adam.npz) carries its own rounding, which Adam's m / sqrt(v) amplifies
+/// where a gradient element is near its noise (measured: one `fc1` kernel element 2.8e-6
+/// between Keras's float32 and float64 runs; everything else <= 3.3e-7).
+///
+/// Keras 2.15 is not exactly ORT's adam_mode 1: it computes the bias corrections 1 - b^t
+/// from betas cast through float32 (0.999 -> 0.99900001287) but its moments with the
+/// decimal 1 - b, so each update is 6.7e-6 relatively smaller than `formula=keras`
+/// computes (fixtures' meta.json, `keras_adam_first_update_over_textbook`). After 8 steps
+/// of lr 1e-2 that is 5.5e-7 (mlp) and 1.34e-6 (cnn) of the 2e-6 budget (measured against a
+/// float64 replay of the formula with the decimal betas).
 #[test]
 fn keras_mlp_accumulated_keras_adam_equals_full_batch() {
-    keras_training("keras_mlp", KERAS_ADAM, "run_adam.npz");
+    keras_training("keras_mlp", KERAS_ADAM, "run_adam64.npz");
 }
 #[test]
 fn keras_cnn_accumulated_sgd_equals_full_batch() {
@@ -250,5 +267,5 @@ fn keras_cnn_accumulated_sgd_equals_full_batch() {
 }
 #[test]
 fn keras_cnn_accumulated_keras_adam_equals_full_batch() {
-    keras_training("keras_cnn", KERAS_ADAM, "run_adam.npz");
+    keras_training("keras_cnn", KERAS_ADAM, "run_adam64.npz");
 }
