@@ -468,6 +468,28 @@ fn is_input_error(error: &anyhow::Error) -> bool {
         || error
             .downcast_ref::<onnx_ga::trained::ExportError>()
             .is_some()
+        || error
+            .downcast_ref::<onnx_ga::runtime::RuntimeError>()
+            .is_some_and(runtime_is_input)
+        || matches!(
+            error.downcast_ref::<onnx_ga::engine::EngineError>(),
+            Some(onnx_ga::engine::EngineError::Runtime(e)) if runtime_is_input(e)
+        )
+        || matches!(
+            error.downcast_ref::<TrainError>(),
+            Some(TrainError::Engine(onnx_ga::engine::EngineError::Runtime(e))) if runtime_is_input(e)
+        )
+        // An engine refusing the step (at load: an op, a type, a shape) or failing on its
+        // data (an index out of range) reports a problem of the step or the data.
+        || matches!(
+            error.downcast_ref::<onnx_ga::engine::EngineError>(),
+            Some(e) if engine_is_input(e)
+        )
+        || matches!(
+            error.downcast_ref::<TrainError>(),
+            Some(TrainError::Engine(e)) if engine_is_input(e)
+        )
+        || matches!(error.downcast_ref::<TrainError>(), Some(TrainError::Model(_)))
         || matches!(
             error.downcast_ref::<TrainError>(),
             Some(
@@ -478,6 +500,29 @@ fn is_input_error(error: &anyhow::Error) -> bool {
                     | TrainError::NonFinite { .. }
             )
         )
+}
+
+/// ONNX Runtime missing, or not loadable from where `ORT_DYLIB_PATH` (or the search) says:
+/// the setup's problem, which the user fixes (exit 2), not a failure of ours.
+fn runtime_is_input(e: &onnx_ga::runtime::RuntimeError) -> bool {
+    use onnx_ga::runtime::RuntimeError;
+    matches!(
+        e,
+        RuntimeError::EnvPath { .. } | RuntimeError::NotFound { .. } | RuntimeError::Load { .. }
+    )
+}
+
+/// The engine errors that are about the step or the data an engine was given.
+fn engine_is_input(e: &onnx_ga::engine::EngineError) -> bool {
+    use onnx_ga::engine::EngineError;
+    matches!(
+        e,
+        EngineError::Ort { .. }
+            | EngineError::Tract { .. }
+            | EngineError::Input { .. }
+            | EngineError::Output { .. }
+            | EngineError::Unavailable(_)
+    )
 }
 
 impl<E: Into<anyhow::Error>> From<E> for Failure {
@@ -1323,7 +1368,7 @@ fn state_digest(state: &std::collections::BTreeMap<String, onnx_ga::data::Tensor
 }
 
 fn read_progress(path: &Path) -> Result<Option<Progress>, UsageError> {
-    match std::fs::read_to_string(path) {
+    match onnx_ga::input::read_regular_to_string(path) {
         Ok(text) => serde_json::from_str(&text).map(Some).map_err(|e| {
             UsageError(format!(
                 "{}: not a progress record: {e}; pass --start-step",
@@ -1427,7 +1472,7 @@ impl MetricsFile {
     /// its lines up to `start_step` and the run's lines follow them.
     fn open(path: &Path, start_step: u64) -> Result<MetricsFile, Failure> {
         let err = |e: std::io::Error| UsageError(format!("{}: cannot write: {e}", path.display()));
-        let kept: String = match (start_step, std::fs::read_to_string(path)) {
+        let kept: String = match (start_step, onnx_ga::input::read_regular_to_string(path)) {
             (1.., Ok(text)) => text
                 .lines()
                 .filter(|l| {

@@ -92,7 +92,7 @@ impl Format {
 /// Reads a metrics file: one JSON object per non-empty line with `step` and `loss`
 /// (`applied`, `skipped`, `discarded`, `scale` optional).
 pub fn read_metrics(path: &Path) -> Result<Vec<Point>, PlotError> {
-    let text = std::fs::read_to_string(path).map_err(|source| PlotError::Read {
+    let text = crate::input::read_regular_to_string(path).map_err(|source| PlotError::Read {
         path: path.to_path_buf(),
         source,
     })?;

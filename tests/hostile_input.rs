@@ -453,3 +453,20 @@ fn allocation_bombs_are_refused_before_allocating() {
     );
     assert!(!d.join("out.onnx").exists());
 }
+
+/// An explicit `ORT_DYLIB_PATH` that names no loadable library is an error naming it (exit
+/// 2), not a silent fallback to tract.
+#[test]
+fn a_wrong_ort_dylib_path_is_an_error_not_a_fallback() {
+    let dir = step_dir();
+    let data = root().join("graphs/mlp_ce_adamw/data.npz");
+    let data = data.to_str().unwrap();
+    let not_a_library = dir.path().join("step.onnx");
+    let not_a_library = not_a_library.to_str().unwrap();
+    for path in ["/nonexistent/libonnxruntime.so", not_a_library] {
+        let mut args = train_args(data, "8");
+        args.truncate(args.len() - 2); // --engine auto, the default
+        let err = fails(dir.path(), &args, &[("ORT_DYLIB_PATH", path)], &[path]);
+        assert!(!err.contains("tract"), "{err}");
+    }
+}

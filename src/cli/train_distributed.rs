@@ -286,8 +286,15 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
             .set_accum_steps(k)
             .map_err(|e| UsageError(format!("--accum-steps {k}: {e}")))?;
     }
-    let data = onnx_ga::data::read_npz(&args.data)?;
+    let data = onnx_ga::data::read_npz_only(&args.data, &trainer.manifest.data_inputs)?;
+    if let Some(note) = onnx_ga::data::ignored_note(&args.data, &data.ignored) {
+        if lead {
+            eprintln!("{note}");
+        }
+    }
+    let data = data.arrays;
     let samples = trainer.check_data(&data, &args.data)?;
+    super::check_micro_batch(args.micro_batch, samples, &args.data)?;
     if let Some(path) = &args.init_state {
         trainer.load_state(path)?;
     }

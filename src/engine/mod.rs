@@ -65,14 +65,20 @@ impl EngineKind {
                     EngineKind::Ort,
                     format!("ONNX Runtime found at {}", path.display()),
                 ),
-                Err(e) if cfg!(feature = "tract") => {
-                    let first = e.to_string();
-                    let first = first.lines().next().unwrap_or_default().to_string();
-                    (
-                        EngineKind::Tract,
-                        format!("ONNX Runtime not available: {first}"),
-                    )
-                }
+                // An explicit ORT_DYLIB_PATH that fails is the user's mistake, not a reason
+                // to train on another engine: ONNX Runtime it is, and its error stands.
+                Err(e) if explicit_dylib_path() => (
+                    EngineKind::Ort,
+                    format!(
+                        "{} is set, so no fallback: {}",
+                        crate::runtime::DYLIB_ENV,
+                        summary(&e)
+                    ),
+                ),
+                Err(e) if cfg!(feature = "tract") => (
+                    EngineKind::Tract,
+                    format!("ONNX Runtime not available: {}", summary(&e)),
+                ),
                 Err(_) => (
                     EngineKind::Ort,
                     "this build has no tract (cargo feature `tract`)".into(),
@@ -80,6 +86,31 @@ impl EngineKind {
             },
             other => (other, "asked for".into()),
         }
+    }
+}
+
+/// Whether `ORT_DYLIB_PATH` names a library (empty counts as unset, as in ort).
+fn explicit_dylib_path() -> bool {
+    std::env::var_os(crate::runtime::DYLIB_ENV).is_some_and(|v| !v.is_empty())
+}
+
+/// `e` on one line: every place searched, not only the heading (the error's own text
+/// lists them one per line, and ends with how to install ONNX Runtime).
+fn summary(e: &crate::runtime::RuntimeError) -> String {
+    use crate::runtime::RuntimeError;
+    match e {
+        RuntimeError::NotFound { searched } => {
+            format!(
+                "its shared library was not found (searched: {})",
+                searched.join("; ")
+            )
+        }
+        other => other
+            .to_string()
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string(),
     }
 }
 
@@ -217,5 +248,28 @@ impl Engine {
             #[cfg(feature = "tract")]
             Engine::Tract(s) => s.run(inputs),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fallback note of `--engine auto` lists every place searched on its one line
+    /// (it once stopped at "Searched:").
+    #[test]
+    fn the_fallback_note_lists_what_was_searched() {
+        let e = crate::runtime::RuntimeError::NotFound {
+            searched: vec![
+                "ORT_DYLIB_PATH: not set".into(),
+                "/x/.venv-ort: no such directory".into(),
+            ],
+        };
+        let s = summary(&e);
+        assert_eq!(
+            s,
+            "its shared library was not found (searched: ORT_DYLIB_PATH: not set; /x/.venv-ort: no such directory)"
+        );
+        assert!(!s.contains('\n'));
     }
 }
