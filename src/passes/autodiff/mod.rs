@@ -473,39 +473,6 @@ pub(crate) fn elem_size(elem: i32) -> usize {
     }
 }
 
-/// The single value of a one-element tensor, as f64 (floats, integers, bool).
-pub(crate) fn scalar_value(t: &TensorProto) -> Option<f64> {
-    if t.dims.iter().product::<i64>() != 1 {
-        return None;
-    }
-    let raw = t.raw_data.as_deref();
-    let dt = t.data_type();
-    let v = match dt {
-        x if x == DataType::Float as i32 => raw
-            .and_then(|r| r.get(..4))
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap_or([0; 4])) as f64)
-            .or_else(|| t.float_data.first().map(|x| *x as f64)),
-        x if x == DataType::Double as i32 => raw
-            .and_then(|r| r.get(..8))
-            .map(|b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
-            .or_else(|| t.double_data.first().copied()),
-        x if x == DataType::Int64 as i32 => raw
-            .and_then(|r| r.get(..8))
-            .map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as f64)
-            .or_else(|| t.int64_data.first().map(|x| *x as f64)),
-        x if x == DataType::Int32 as i32 => raw
-            .and_then(|r| r.get(..4))
-            .map(|b| i32::from_le_bytes(b.try_into().unwrap_or([0; 4])) as f64)
-            .or_else(|| t.int32_data.first().map(|x| *x as f64)),
-        x if x == DataType::Bool as i32 => raw
-            .and_then(|r| r.first())
-            .map(|b| (*b != 0) as u8 as f64)
-            .or_else(|| t.int32_data.first().map(|x| (*x != 0) as u8 as f64)),
-        _ => None,
-    };
-    v
-}
-
 /// `*` matches any run of characters, `?` one character.
 pub fn glob_match(pattern: &str, name: &str) -> bool {
     fn go(p: &[char], n: &[char]) -> bool {

@@ -22,7 +22,7 @@
 //! `dBias` and `dScale` only when used; their sums are computed whenever dX is used.
 //! (`epsilon` is already in saved_inv_std.)
 
-use super::util::{dims, elem_size, FLOAT};
+use super::util::{dims, elem_size};
 use super::{node_error, Lowering};
 use crate::ir::builder::{attr_float, attr_int, attr_tensor};
 use crate::ir::{NodeId, ValueId};
@@ -165,12 +165,9 @@ pub(super) fn affine(
 }
 
 fn float_bytes(elem: i32, value: f64) -> Vec<u8> {
-    let bytes = match elem {
-        FLOAT => (value as f32).to_le_bytes().to_vec(),
-        super::util::DOUBLE => value.to_le_bytes().to_vec(),
-        super::util::BFLOAT16 => half::bf16::from_f64(value).to_le_bytes().to_vec(),
-        _ => half::f16::from_f64(value).to_le_bytes().to_vec(),
-    };
+    // BatchNorm's types are float types; anything else was checked before (float16 bytes).
+    let bytes = super::util::float_bytes(elem, value)
+        .unwrap_or_else(|| half::f16::from_f64(value).to_le_bytes().to_vec());
     debug_assert_eq!(bytes.len(), elem_size(elem));
     bytes
 }

@@ -1,12 +1,12 @@
 //! What several lowerings share: element types and static shapes of values, typed scalar
 //! constants (one initializer per value and body, however many lowerings ask for it), and
-//! the few ops whose signature changed across opsets (`ReduceSum` and `Unsqueeze` take
-//! their axes as an input from opset 13, `ReduceMean` from 18).
+//! the opset-aware forms of `crate::ir::emit::Emit`.
 
 use std::collections::HashMap;
 
 use super::{node_error, Lowering};
-use crate::ir::builder::{attr_int, attr_ints, tensor_i64};
+use crate::ir::builder::{attr_int, tensor_i64};
+use crate::ir::emit::Emit;
 use crate::ir::{BodyId, Model, NodeId, ValueId};
 use crate::passes::PassError;
 use crate::proto::{tensor_proto::DataType, type_proto, AttributeProto, TensorProto};
@@ -28,13 +28,9 @@ pub struct Constants {
 
 /// Little-endian bytes of `value` as ONNX element type `elem`, for the float types.
 pub(super) fn float_bytes(elem: i32, value: f64) -> Option<Vec<u8>> {
-    Some(match elem {
-        FLOAT => (value as f32).to_le_bytes().to_vec(),
-        DOUBLE => value.to_le_bytes().to_vec(),
-        FLOAT16 => half::f16::from_f64(value).to_le_bytes().to_vec(),
-        BFLOAT16 => half::bf16::from_f64(value).to_le_bytes().to_vec(),
-        _ => return None,
-    })
+    is_float(elem)
+        .then(|| crate::ir::emit::scalar_bytes(elem, value))
+        .flatten()
 }
 
 fn is_float(elem: i32) -> bool {
@@ -125,34 +121,7 @@ pub(super) fn constant(model: &Model, v: ValueId) -> Option<&TensorProto> {
 
 /// The single element of a constant scalar (or one-element) float, integer or bool tensor.
 pub(super) fn constant_scalar(model: &Model, v: ValueId) -> Option<f64> {
-    let t = constant(model, v)?;
-    if t.dims.iter().product::<i64>() != 1 {
-        return None;
-    }
-    let raw = t.raw_data.as_deref();
-    match t.data_type() {
-        FLOAT => raw
-            .and_then(|r| r.get(..4))
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64)
-            .or_else(|| t.float_data.first().map(|x| *x as f64)),
-        DOUBLE => raw
-            .and_then(|r| r.get(..8))
-            .map(|b| f64::from_le_bytes(b.try_into().unwrap()))
-            .or_else(|| t.double_data.first().copied()),
-        INT64 => raw
-            .and_then(|r| r.get(..8))
-            .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f64)
-            .or_else(|| t.int64_data.first().map(|x| *x as f64)),
-        INT32 => raw
-            .and_then(|r| r.get(..4))
-            .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as f64)
-            .or_else(|| t.int32_data.first().map(|x| *x as f64)),
-        BOOL => raw
-            .and_then(|r| r.first())
-            .map(|b| (*b != 0) as u8 as f64)
-            .or_else(|| t.int32_data.first().map(|x| (*x != 0) as u8 as f64)),
-        _ => None,
-    }
+    crate::ir::emit::tensor_scalar(constant(model, v)?)
 }
 
 impl Lowering<'_, '_> {
@@ -243,7 +212,7 @@ impl Lowering<'_, '_> {
         self.op("Cast", &[x], vec![attr_int("to", to as i64)], hint)
     }
 
-    /// `ReduceSum`/`ReduceMean` over `axes`, in the form the model's opset wants.
+    /// `ReduceSum`/`ReduceMean` over `axes` (all when empty), in the opset's form.
     pub fn reduce(
         &mut self,
         op: &str,
@@ -252,27 +221,12 @@ impl Lowering<'_, '_> {
         keepdims: bool,
         hint: &str,
     ) -> ValueId {
-        let axes_as_input = match op {
-            "ReduceSum" => self.onnx_opset() >= 13,
-            _ => self.onnx_opset() >= 18,
-        };
-        let keep = attr_int("keepdims", keepdims as i64);
-        if axes_as_input {
-            let a = self.int64s(&axes_name(axes), axes);
-            self.op(op, &[x, a], vec![keep], hint)
-        } else {
-            self.op(op, &[x], vec![attr_ints("axes", axes), keep], hint)
-        }
+        Emit::reduce(self, op, x, axes, keepdims, hint)
     }
 
-    /// `Unsqueeze(x, axes)` in the form the model's opset wants.
+    /// `Unsqueeze(x, axes)` in the opset's form.
     pub fn unsqueeze(&mut self, x: ValueId, axes: &[i64], hint: &str) -> ValueId {
-        if self.onnx_opset() >= 13 {
-            let a = self.int64s(&axes_name(axes), axes);
-            self.op("Unsqueeze", &[x, a], vec![], hint)
-        } else {
-            self.op("Unsqueeze", &[x], vec![attr_ints("axes", axes)], hint)
-        }
+        Emit::unsqueeze(self, x, axes, hint)
     }
 
     /// The axes `[axis, rank)` that an op "normalising from `axis` on" reduces over: written
@@ -300,6 +254,26 @@ impl Lowering<'_, '_> {
             return Err(self.unsupported(node, "axis", format!("{axis} for a rank-{rank} input")));
         }
         Ok((axis..rank).collect())
+    }
+}
+
+impl Emit for Lowering<'_, '_> {
+    fn opset(&self) -> i64 {
+        self.onnx_opset()
+    }
+
+    fn op(
+        &mut self,
+        op_type: &str,
+        inputs: &[ValueId],
+        attributes: Vec<AttributeProto>,
+        hint: &str,
+    ) -> ValueId {
+        self.b.op(op_type, inputs, attributes, hint)
+    }
+
+    fn axes(&mut self, axes: &[i64]) -> ValueId {
+        self.int64s(&axes_name(axes), axes)
     }
 }
 

@@ -141,7 +141,7 @@ pub fn pow(
     let y = cx.forward_output(node, 0)?;
     let (x, e) = (cx.input(node, 0)?, cx.input(node, 1)?);
     let exponent = super::super::shapes::constant_tensor(cx.model(), e)
-        .and_then(crate::passes::autodiff::scalar_value);
+        .and_then(crate::ir::emit::tensor_scalar);
     binary(
         cx,
         node,

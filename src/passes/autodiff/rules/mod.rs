@@ -26,10 +26,11 @@ mod softmax;
 use std::collections::HashMap;
 
 use super::shapes::{Dim, Facts, Shapes};
-use crate::ir::builder::{attr_int, attr_ints, tensor_i64, Builder, NodeAttributes};
+use crate::ir::builder::{tensor_i64, Builder, NodeAttributes};
+use crate::ir::emit::Emit;
 use crate::ir::{Model, NodeId, ValueId};
 use crate::passes::PassError;
-use crate::proto::{tensor_proto::DataType, AttributeProto, TensorProto};
+use crate::proto::{AttributeProto, TensorProto};
 
 pub(super) const PASS: &str = super::PASS;
 
@@ -446,16 +447,8 @@ impl<'m> Grad<'m> {
 
     /// A scalar of element type `elem`.
     pub fn scalar(&mut self, elem: i32, value: f64) -> ValueId {
-        let bytes = match elem {
-            x if x == DataType::Float as i32 => (value as f32).to_le_bytes().to_vec(),
-            x if x == DataType::Double as i32 => value.to_le_bytes().to_vec(),
-            x if x == DataType::Float16 as i32 => half::f16::from_f64(value).to_le_bytes().to_vec(),
-            x if x == DataType::Bfloat16 as i32 => {
-                half::bf16::from_f64(value).to_le_bytes().to_vec()
-            }
-            x if x == DataType::Int64 as i32 => (value as i64).to_le_bytes().to_vec(),
-            _ => (value as f32).to_le_bytes().to_vec(),
-        };
+        let bytes = crate::ir::emit::scalar_bytes(elem, value)
+            .unwrap_or_else(|| (value as f32).to_le_bytes().to_vec());
         let hint = format!("c_{}", format!("{value}").replace(['.', '-'], "_"));
         self.constant(
             &hint,
@@ -509,8 +502,7 @@ impl<'m> Grad<'m> {
         s
     }
 
-    /// `ReduceSum`/`ReduceMean`/... over `axes`, in the form the opset wants (axes as an
-    /// input: ReduceSum from 13, the others from 18).
+    /// `ReduceSum`/`ReduceMean`/... over `axes` (all when empty), in the opset's form.
     pub fn reduce(
         &mut self,
         op: &str,
@@ -519,30 +511,12 @@ impl<'m> Grad<'m> {
         keepdims: bool,
         hint: &str,
     ) -> ValueId {
-        let as_input = if op == "ReduceSum" {
-            self.opset() >= 13
-        } else {
-            self.opset() >= 18
-        };
-        let keep = attr_int("keepdims", keepdims as i64);
-        if axes.is_empty() {
-            return self.op(op, &[x], vec![keep], hint);
-        }
-        if as_input {
-            let a = self.ints(axes);
-            self.op(op, &[x, a], vec![keep], hint)
-        } else {
-            self.op(op, &[x], vec![attr_ints("axes", axes), keep], hint)
-        }
+        Emit::reduce(self, op, x, axes, keepdims, hint)
     }
 
+    /// `Unsqueeze(x, axes)` in the opset's form.
     pub fn unsqueeze(&mut self, x: ValueId, axes: &[i64], hint: &str) -> ValueId {
-        if self.opset() >= 13 {
-            let a = self.ints(axes);
-            self.op("Unsqueeze", &[x, a], vec![], hint)
-        } else {
-            self.op("Unsqueeze", &[x], vec![attr_ints("axes", axes)], hint)
-        }
+        Emit::unsqueeze(self, x, axes, hint)
     }
 
     /// `dy` (the gradient of a broadcast result `y`) summed back to the shape of `x`:
@@ -603,5 +577,25 @@ impl<'m> Grad<'m> {
     pub fn expand_to(&mut self, dy: ValueId, x: ValueId, hint: &str) -> ValueId {
         let shape = self.shape_of(x);
         self.op_like("Expand", &[dy, shape], vec![], hint, x)
+    }
+}
+
+impl Emit for Grad<'_> {
+    fn opset(&self) -> i64 {
+        Grad::opset(self)
+    }
+
+    fn op(
+        &mut self,
+        op_type: &str,
+        inputs: &[ValueId],
+        attributes: Vec<AttributeProto>,
+        hint: &str,
+    ) -> ValueId {
+        self.b.op(op_type, inputs, attributes, hint)
+    }
+
+    fn axes(&mut self, axes: &[i64]) -> ValueId {
+        self.ints(axes)
     }
 }

@@ -537,7 +537,7 @@ pub fn cast(
 pub fn dropout_trains(cx: &Grad<'_>, node: NodeId) -> bool {
     cx.opt_input(node, 2)
         .and_then(|v| super::super::shapes::constant_tensor(cx.model(), v))
-        .and_then(super::super::scalar_value)
+        .and_then(crate::ir::emit::tensor_scalar)
         .is_some_and(|v| v != 0.0)
 }
 

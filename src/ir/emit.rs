@@ -1,0 +1,163 @@
+//! What every pass that emits ops shares, whatever it keeps beside the builder: scalar
+//! constants as bytes, the value of a one-element constant, and the ops whose signature
+//! changed across opsets (`ReduceSum`, `Squeeze` and `Unsqueeze` take their axes as an input
+//! from opset 13, the other reductions from 18).
+//!
+//! The legalize lowerings and the autodiff rules implement [`Emit`] (each names its
+//! constants in its own way and keeps its own facts) and get the opset-aware forms from it.
+
+use super::builder::{attr_int, attr_ints};
+use super::ValueId;
+use crate::proto::{tensor_proto::DataType, AttributeProto, TensorProto};
+
+const FLOAT: i32 = DataType::Float as i32;
+const DOUBLE: i32 = DataType::Double as i32;
+const FLOAT16: i32 = DataType::Float16 as i32;
+const BFLOAT16: i32 = DataType::Bfloat16 as i32;
+const INT64: i32 = DataType::Int64 as i32;
+const INT32: i32 = DataType::Int32 as i32;
+const BOOL: i32 = DataType::Bool as i32;
+
+/// Little-endian bytes of `value` as ONNX element type `elem`: the float types and int64.
+pub fn scalar_bytes(elem: i32, value: f64) -> Option<Vec<u8>> {
+    Some(match elem {
+        FLOAT => (value as f32).to_le_bytes().to_vec(),
+        DOUBLE => value.to_le_bytes().to_vec(),
+        FLOAT16 => half::f16::from_f64(value).to_le_bytes().to_vec(),
+        BFLOAT16 => half::bf16::from_f64(value).to_le_bytes().to_vec(),
+        INT64 => (value as i64).to_le_bytes().to_vec(),
+        _ => return None,
+    })
+}
+
+/// The single element of a one-element float, integer or bool tensor, as f64.
+pub fn tensor_scalar(t: &TensorProto) -> Option<f64> {
+    if t.dims.iter().product::<i64>() != 1 {
+        return None;
+    }
+    let raw = t.raw_data.as_deref();
+    let le = |n: usize| raw.and_then(|r| r.get(..n));
+    match t.data_type() {
+        FLOAT => le(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64)
+            .or_else(|| t.float_data.first().map(|x| *x as f64)),
+        DOUBLE => le(8)
+            .map(|b| f64::from_le_bytes(std::array::from_fn(|i| b[i])))
+            .or_else(|| t.double_data.first().copied()),
+        FLOAT16 => le(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f64())
+            .or_else(|| {
+                t.int32_data
+                    .first()
+                    .map(|x| half::f16::from_bits(*x as u16).to_f64())
+            }),
+        BFLOAT16 => le(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f64())
+            .or_else(|| {
+                t.int32_data
+                    .first()
+                    .map(|x| half::bf16::from_bits(*x as u16).to_f64())
+            }),
+        INT64 => le(8)
+            .map(|b| i64::from_le_bytes(std::array::from_fn(|i| b[i])) as f64)
+            .or_else(|| t.int64_data.first().map(|x| *x as f64)),
+        INT32 => le(4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64)
+            .or_else(|| t.int32_data.first().map(|x| *x as f64)),
+        BOOL => le(1)
+            .map(|b| (b[0] != 0) as u8 as f64)
+            .or_else(|| t.int32_data.first().map(|x| (*x != 0) as u8 as f64)),
+        _ => None,
+    }
+}
+
+/// Whether `op` takes its axes as an input (else as an attribute) at default-domain
+/// opset `opset`.
+pub fn axes_as_input(op: &str, opset: i64) -> bool {
+    match op {
+        "ReduceSum" | "Squeeze" | "Unsqueeze" => opset >= 13,
+        _ => opset >= 18,
+    }
+}
+
+/// An emitter of default-domain ops: what a pass provides (its opset, its node builder,
+/// its shared int64 constants) and the ops whose form depends on the opset.
+pub trait Emit {
+    /// The default-domain opset the model imports.
+    fn opset(&self) -> i64;
+
+    /// A node of the default domain with one output.
+    fn op(
+        &mut self,
+        op_type: &str,
+        inputs: &[ValueId],
+        attributes: Vec<AttributeProto>,
+        hint: &str,
+    ) -> ValueId;
+
+    /// A 1-D int64 constant holding `axes` (shared per body by the implementation).
+    fn axes(&mut self, axes: &[i64]) -> ValueId;
+
+    /// `ReduceSum`/`ReduceMean`/... over `axes` (all axes when empty), in the opset's form.
+    fn reduce(
+        &mut self,
+        op: &str,
+        x: ValueId,
+        axes: &[i64],
+        keepdims: bool,
+        hint: &str,
+    ) -> ValueId {
+        let keep = attr_int("keepdims", keepdims as i64);
+        if axes.is_empty() {
+            return self.op(op, &[x], vec![keep], hint);
+        }
+        if axes_as_input(op, self.opset()) {
+            let a = self.axes(axes);
+            self.op(op, &[x, a], vec![keep], hint)
+        } else {
+            self.op(op, &[x], vec![attr_ints("axes", axes), keep], hint)
+        }
+    }
+
+    /// `Unsqueeze(x, axes)` in the opset's form.
+    fn unsqueeze(&mut self, x: ValueId, axes: &[i64], hint: &str) -> ValueId {
+        if axes_as_input("Unsqueeze", self.opset()) {
+            let a = self.axes(axes);
+            self.op("Unsqueeze", &[x, a], vec![], hint)
+        } else {
+            self.op("Unsqueeze", &[x], vec![attr_ints("axes", axes)], hint)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::builder::{tensor_f32, tensor_i64};
+
+    #[test]
+    fn scalars_round_trip() {
+        for (elem, v) in [
+            (FLOAT, 0.5),
+            (DOUBLE, -1e-300),
+            (FLOAT16, 0.25),
+            (INT64, -7.0),
+        ] {
+            let t = TensorProto {
+                data_type: Some(elem),
+                raw_data: scalar_bytes(elem, v),
+                ..Default::default()
+            };
+            assert_eq!(tensor_scalar(&t), Some(v), "{elem}");
+        }
+        assert_eq!(tensor_scalar(&tensor_f32(&[1], &[3.5])), Some(3.5));
+        assert_eq!(tensor_scalar(&tensor_i64(&[2], &[1, 2])), None);
+    }
+
+    #[test]
+    fn axes_forms_by_opset() {
+        assert!(!axes_as_input("ReduceSum", 12) && axes_as_input("ReduceSum", 13));
+        assert!(!axes_as_input("ReduceMean", 17) && axes_as_input("ReduceMean", 18));
+        assert!(axes_as_input("Unsqueeze", 13) && !axes_as_input("Unsqueeze", 11));
+    }
+}
