@@ -875,7 +875,7 @@ fn reduce_l2(
 ) -> ValueId {
     match axes {
         None => b.op("ReduceL2", &[x], vec![attr_int("keepdims", 1)], hint),
-        Some(axes) if opset >= 18 => {
+        Some(axes) if crate::ir::emit::axes_as_input("ReduceL2", opset) => {
             let a = b.ints(&format!("{hint}.axes"), axes);
             b.op("ReduceL2", &[x, a], vec![attr_int("keepdims", 1)], hint)
         }

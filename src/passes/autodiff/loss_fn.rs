@@ -305,7 +305,7 @@ fn nll(
         }
         None => (labels, None),
     };
-    let idx = if opset >= 13 {
+    let idx = if crate::ir::emit::axes_as_input("Unsqueeze", opset) {
         b.op("Unsqueeze", &[index, axes], vec![], "label_index")
     } else {
         b.op(
@@ -321,7 +321,7 @@ fn nll(
         vec![attr_int("axis", 1)],
         "nll_picked",
     );
-    let picked = if opset >= 13 {
+    let picked = if crate::ir::emit::axes_as_input("Squeeze", opset) {
         b.op("Squeeze", &[picked, axes], vec![], "nll_picked")
     } else {
         b.op(

@@ -156,7 +156,7 @@ fn nll(l: &mut Lowering<'_, '_>, node: NodeId, log_prob: ValueId) -> Result<(), 
         vec![attr_int("axis", 1)],
         "sce_picked",
     );
-    let picked = if l.onnx_opset() >= 13 {
+    let picked = if crate::ir::emit::axes_as_input("Squeeze", l.onnx_opset()) {
         let axes = l.int64s("axes_1", &[1]);
         l.op("Squeeze", &[picked, axes], vec![], "sce_picked_n")
     } else {
