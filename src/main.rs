@@ -653,6 +653,29 @@ fn inspect(args: InspectArgs) -> Result<(), Failure> {
     Ok(())
 }
 
+/// `--threads` beyond this many per core available is refused: ONNX Runtime creates every
+/// thread up front (100,000 of them crashed it), and more threads than cores only contend.
+const THREADS_PER_CORE: usize = 4;
+
+/// `--threads N` for `engine`: refused above [`THREADS_PER_CORE`] times the cores this
+/// process may use; a warning (returned) when the engine ignores it.
+fn check_threads(
+    threads: usize,
+    engine: onnx_ga::engine::EngineKind,
+) -> Result<Option<String>, UsageError> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let most = cores * THREADS_PER_CORE;
+    if threads > most {
+        return Err(UsageError(format!(
+            "--threads {threads}: at most {most} ({THREADS_PER_CORE} per core, {cores} cores available; 0 lets ONNX Runtime decide)"
+        )));
+    }
+    Ok(
+        (engine == onnx_ga::engine::EngineKind::Tract && threads != 1)
+            .then(|| format!("warning: --threads {threads} is ignored: tract runs on one thread")),
+    )
+}
+
 /// A micro-batch takes distinct rows of the data: one larger than the data set would repeat
 /// samples within itself (and a huge one would only exhaust memory).
 fn check_micro_batch(batch: usize, samples: usize, data: &Path) -> Result<(), UsageError> {
@@ -1020,6 +1043,9 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     match requested {
         onnx_ga::engine::EngineKind::Auto => progress.note(format!("engine: {engine} ({why})")),
         _ => progress.note(format!("engine: {engine} on {device}")),
+    }
+    if let Some(warning) = check_threads(args.threads, engine)? {
+        progress.note(warning);
     }
     let options = onnx_ga::train::TrainOptions {
         engine,

@@ -470,3 +470,84 @@ fn a_wrong_ort_dylib_path_is_an_error_not_a_fallback() {
         assert!(!err.contains("tract"), "{err}");
     }
 }
+
+/// Optimizer hyperparameters outside what the update is defined for are refused naming
+/// the option; an option the optimizer does not take is a warning.
+#[test]
+fn invalid_hyperparameters_are_refused_ignored_ones_warned() {
+    let dir = TempDir::new().unwrap();
+    let graphs = root().join("graphs/mlp_ce_adamw");
+    let graphs = graphs.to_str().unwrap();
+    let cases: [(&[&str], &str); 7] = [
+        (&["--lr=-1"], "lr=-1: must be finite and not negative"),
+        (&["--lr", "nan"], "lr=NaN: must be finite and not negative"),
+        (&["--lr", "inf"], "lr=inf: must be finite"),
+        (
+            &["--lr", "0.1", "--beta1", "1.5"],
+            "beta1=1.5: must be in [0, 1)",
+        ),
+        (
+            &["--lr", "0.1", "--beta2", "1"],
+            "beta2=1: must be in [0, 1)",
+        ),
+        (
+            &["--lr", "0.1", "--eps", "0"],
+            "eps=0: must be finite and above 0",
+        ),
+        (
+            &["--lr", "0.1", "--weight-decay", "nan"],
+            "weight_decay=NaN: must be finite and not negative",
+        ),
+    ];
+    for (extra, wanted) in cases {
+        let mut args = vec!["rewrite", graphs, "-o", "out.onnx"];
+        args.extend(extra);
+        fails(dir.path(), &args, &[], &[wanted]);
+        assert!(!dir.path().join("out.onnx").exists());
+    }
+    let err = succeeds(
+        dir.path(),
+        &[
+            "rewrite",
+            graphs,
+            "-o",
+            "out.onnx",
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "0.1",
+            "--beta1",
+            "0.5",
+            "--momentum",
+            "0.9",
+        ],
+    );
+    assert!(
+        err.contains("warning: beta1, momentum ignored: sgd takes no such option"),
+        "{err}"
+    );
+}
+
+/// `--threads` is bounded by the cores (100,000 crashed ONNX Runtime), and tract, which
+/// ignores it, says so.
+#[test]
+fn threads_are_bounded_and_tract_says_it_ignores_them() {
+    let dir = step_dir();
+    let data = root().join("graphs/mlp_ce_adamw/data.npz");
+    let data = data.to_str().unwrap();
+    let mut args = train_args(data, "8");
+    args.extend(["--threads", "100000"]);
+    fails(
+        dir.path(),
+        &args,
+        &[],
+        &["--threads 100000: at most", "cores available"],
+    );
+    let mut args = train_args(data, "8");
+    args.extend(["--threads", "2"]);
+    let err = succeeds(dir.path(), &args);
+    assert!(
+        err.contains("warning: --threads 2 is ignored: tract runs on one thread"),
+        "{err}"
+    );
+}

@@ -251,10 +251,14 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
         _ => onnx_ga::engine::EngineKind::Ort,
     };
     let (engine, why) = requested.resolve();
+    let threads_warning = super::check_threads(args.threads, engine)?;
     if lead {
         match requested {
             onnx_ga::engine::EngineKind::Auto => eprintln!("engine: {engine} ({why})"),
             _ => eprintln!("engine: {engine} on {device}"),
+        }
+        if let Some(warning) = threads_warning {
+            eprintln!("{warning}");
         }
     }
     let options = onnx_ga::train::TrainOptions {

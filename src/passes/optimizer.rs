@@ -306,11 +306,68 @@ impl Optimizer {
                 resolved.adam_mode
             )));
         }
+        resolved.check()?;
         Ok(resolved)
     }
 }
 
+impl Resolved {
+    /// Hyperparameters outside what the update is defined for are an error naming them
+    /// (a negative or NaN learning rate trains backwards or to NaN, without a word).
+    fn check(&self) -> Result<(), PassError> {
+        let bad = |name: &str, v: f32, want: &str| fail(format!("{name}={v}: must be {want}"));
+        if !self.lr.is_finite() || self.lr < 0.0 {
+            return Err(bad("lr", self.lr, "finite and not negative"));
+        }
+        if !self.weight_decay.is_finite() || self.weight_decay < 0.0 {
+            return Err(bad(
+                "weight_decay",
+                self.weight_decay,
+                "finite and not negative",
+            ));
+        }
+        match self.kind {
+            Kind::Sgd => {}
+            Kind::Momentum | Kind::Nesterov => {
+                if !(0.0..1.0).contains(&self.momentum) {
+                    return Err(bad("momentum", self.momentum, "in [0, 1)"));
+                }
+            }
+            Kind::Adam | Kind::AdamW => {
+                for (name, v) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+                    if !(0.0..1.0).contains(&v) {
+                        return Err(bad(name, v, "in [0, 1)"));
+                    }
+                }
+                if !self.eps.is_finite() || self.eps <= 0.0 {
+                    return Err(bad("eps", self.eps, "finite and above 0"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Optimizer {
+    /// The options given that `kind` does not use (they would be ignored without a word).
+    pub fn ignored_options(&self, kind: Kind) -> Vec<&'static str> {
+        let adam = matches!(kind, Kind::Adam | Kind::AdamW);
+        let momentum = matches!(kind, Kind::Momentum | Kind::Nesterov);
+        [
+            ("beta1", self.beta1.is_some() && !adam),
+            ("beta2", self.beta2.is_some() && !adam),
+            ("eps", self.eps.is_some() && !adam),
+            ("correct_bias", self.correct_bias.is_some() && !adam),
+            ("fuse_small", self.fuse_small.is_some() && !adam),
+            ("adam_mode", self.adam_mode.is_some() && kind != Kind::AdamW),
+            ("momentum", self.momentum.is_some() && !momentum),
+        ]
+        .into_iter()
+        .filter(|(_, ignored)| *ignored)
+        .map(|(name, _)| name)
+        .collect()
+    }
+
     /// Every hyperparameter the update uses, with where its value came from: given, the
     /// producer's optimizer (ORT's optimizer_model.onnx and checkpoint), or a default.
     pub fn recipe(
@@ -588,7 +645,19 @@ impl Pass for Optimizer {
             changed: true,
             added: model.all_nodes().count().saturating_sub(nodes_before),
             removed: 0,
-            notes: vec![hp.describe()],
+            notes: {
+                let mut notes = vec![hp.describe()];
+                let ignored = self.ignored_options(hp.kind);
+                if !ignored.is_empty() {
+                    let text = format!(
+                        "warning: {} ignored: {} takes no such option",
+                        ignored.join(", "),
+                        hp.kind.as_str()
+                    );
+                    notes.push(text);
+                }
+                notes
+            },
         })
     }
 }
