@@ -12,7 +12,8 @@ Writes, per model NAME (keras_mlp, keras_cnn):
 Run through graphs/forward/regen_keras.sh (creates .venv-keras from requirements-keras.txt).
   generate_keras.py                 both models
   generate_keras.py keras_cnn       only the named models
-Everything is seeded and single-threaded; .npz files are written byte-deterministically.
+Everything is seeded and single-threaded, each model in its own process (tf2onnx's generated
+names count across exports); all written files are byte-identical from run to run.
 
 Keeping the biases. Keras initialises biases to zero. tf2onnx freezes the Keras function and
 runs TF grappler over it with the `constfold` optimizer, which rewrites `BiasAdd(x, zeros)` to
@@ -72,28 +73,30 @@ HWIO_TO_OIHW = (3, 2, 0, 1)
 # Models and data
 
 
-def make_mlp(dtype="float32"):
+def make_mlp(dtype="float32", bias=lambda: "zeros"):
     L = tf.keras.layers
     return tf.keras.Sequential(
         [
             tf.keras.Input((16,), name="x", dtype=dtype),
-            L.Dense(32, activation="relu", name="fc1", dtype=dtype),
-            L.Dense(10, name="logits", dtype=dtype),
+            L.Dense(32, activation="relu", name="fc1", dtype=dtype, bias_initializer=bias()),
+            L.Dense(10, name="logits", dtype=dtype, bias_initializer=bias()),
         ],
         name="keras_mlp",
     )
 
 
-def make_cnn(dtype="float32"):
+def make_cnn(dtype="float32", bias=lambda: "zeros"):
     L = tf.keras.layers
     return tf.keras.Sequential(
         [
             tf.keras.Input((8, 8, 3), name="x", dtype=dtype),
-            L.Conv2D(8, 3, padding="same", activation="relu", name="conv1", dtype=dtype),
+            L.Conv2D(8, 3, padding="same", activation="relu", name="conv1", dtype=dtype,
+                     bias_initializer=bias()),
             L.MaxPooling2D(2, name="pool", dtype=dtype),
-            L.Conv2D(8, 3, padding="same", activation="relu", name="conv2", dtype=dtype),
+            L.Conv2D(8, 3, padding="same", activation="relu", name="conv2", dtype=dtype,
+                     bias_initializer=bias()),
             L.Flatten(name="flatten", dtype=dtype),
-            L.Dense(4, name="logits", dtype=dtype),
+            L.Dense(4, name="logits", dtype=dtype, bias_initializer=bias()),
         ],
         name="keras_cnn",
     )
@@ -156,7 +159,14 @@ def signature(model):
 # Export
 
 
+def _fresh_names():
+    """tf2onnx numbers its generated names (`unk__N`, `const_axes__N`) with a global counter:
+    restarting it makes each file independent of what was exported before it."""
+    tf2onnx.utils.INTERNAL_NAME = 1
+
+
 def export_default(model) -> onnx.ModelProto:
+    _fresh_names()
     proto, _ = tf2onnx.convert.from_keras(model, input_signature=signature(model), opset=OPSET)
     return proto
 
@@ -185,6 +195,7 @@ def export_kept(model, merge_duplication=False) -> onnx.ModelProto:
         (k, v) for k, v in tf2onnx.optimizer._get_optimizers().items()
         if merge_duplication or k != "merge_duplication"
     )
+    _fresh_names()
     original = tf2onnx.tf_loader.tf_optimize_grappler
     tf2onnx.tf_loader.tf_optimize_grappler = _grappler_without_constfold
     try:
@@ -194,12 +205,6 @@ def export_kept(model, merge_duplication=False) -> onnx.ModelProto:
     finally:
         tf2onnx.tf_loader.tf_optimize_grappler = original
     return proto
-
-
-def map_variables_loose(proto: onnx.ModelProto) -> list:
-    """The float initializers named after a layer's kernel or bias."""
-    return [n for n in float_initializers(proto)
-            if any(f"/{op}/" in n for op in ("MatMul", "Conv2D", "BiasAdd"))]
 
 
 def map_variables(model, proto: onnx.ModelProto) -> dict:
@@ -312,6 +317,31 @@ def adam_first_step_ratio(make, model, data):
     return float(r.min()), float(r.max())
 
 
+def bias_init_workarounds(make) -> dict:
+    """The plain export (grappler's constfold and merge_duplication on) of the same model with
+    non-zero bias initialisers: the float initializers and how many nodes read each."""
+    out = {}
+    for label, bias in (
+        ("Constant(1e-3)", lambda: tf.keras.initializers.Constant(1e-3)),
+        ("RandomUniform(-1e-3, 1e-3), one unseeded instance per layer",
+         lambda: tf.keras.initializers.RandomUniform(-1e-3, 1e-3)),
+    ):
+        tf.keras.utils.set_random_seed(99)
+        proto = export_default(make(bias=bias))
+        out[label] = sharing(proto)
+    return out
+
+
+def sharing(proto: onnx.ModelProto) -> dict:
+    """Bias initializers and how many nodes read each. Which of several merged initializers
+    tf2onnx keeps (and so the name) varies from run to run; the counts do not."""
+    readers = collections.Counter(x for n in proto.graph.node for x in n.input)
+    biases = [k for k in float_initializers(proto) if "/BiasAdd/" in k]
+    return {"float_initializers": len(float_initializers(proto)),
+            "bias_initializers": len(biases),
+            "nodes_reading_each_bias": sorted(readers[k] for k in biases)}
+
+
 def relative_l2(a, b):
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-30))
 
@@ -355,7 +385,6 @@ def generate(name: str, spec: dict) -> dict:
     default_mapping = map_variables(model, default)
     dropped = sorted(v.name for v in model.trainable_variables
                      if v.name not in {var.name for var, _ in default_mapping.values()})
-    merged_inits = float_initializers(merged)
 
     grads = keras_grads(model, mapping, data, GRAD_SAMPLES)
     save_npz(os.path.join(fdir, "grads.npz"), grads)
@@ -414,9 +443,9 @@ def generate(name: str, spec: dict) -> dict:
                 "how": "tf2onnx.convert.from_keras(model, input_signature=..., opset=17)",
                 "ops": op_counts(default), "float_initializers": float_initializers(default),
                 "dropped_keras_variables": dropped},
+            "default_export_with_nonzero_bias_init": bias_init_workarounds(spec["make"]),
             "constfold_off_merge_duplication_on": {
-                "ops": op_counts(merged), "float_initializers": merged_inits,
-                "kept_keras_variables": len(map_variables_loose(merged)),
+                "ops": op_counts(merged), **sharing(merged),
                 "note": "not written: tf2onnx's merge_duplication merges equal-valued "
                         "initializers (zero biases of the same shape become one, shared)"},
         },
@@ -449,6 +478,13 @@ def generate(name: str, spec: dict) -> dict:
 
 def main(argv):
     names = argv or list(MODELS)
+    if len(names) > 1:
+        # One process per model: TF's and tf2onnx's name counters carry over between exports,
+        # so the bytes of a file would depend on which models ran before it.
+        import subprocess
+        for name in names:
+            subprocess.run([sys.executable, os.path.abspath(__file__), name], check=True)
+        return
     for name in names:
         meta = generate(name, MODELS[name])
         with open(os.path.join(FIXTURES, name, "meta.json"), "w") as f:
