@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod distributed;
 pub mod engine;
+pub mod index_check;
 pub mod input;
 pub mod inspect;
 pub mod ir;

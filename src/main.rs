@@ -1089,6 +1089,9 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     let data = data.arrays;
     let samples = trainer.check_data(&data, &args.data)?;
     check_micro_batch(args.micro_batch, samples, &args.data)?;
+    let limits = onnx_ga::index_check::index_limits(&model, &trainer.manifest.data_inputs);
+    onnx_ga::index_check::check_data(&data, &limits)
+        .map_err(|m| UsageError(format!("{}: {m}", args.data.display())))?;
     if let Some(path) = &args.init_state {
         trainer.load_state(path)?;
     }

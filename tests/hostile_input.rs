@@ -551,3 +551,77 @@ fn threads_are_bounded_and_tract_says_it_ignores_them() {
         "{err}"
     );
 }
+
+/// Labels outside the classes, and indices outside an embedding, are refused before any
+/// engine runs, naming the array, the row and the node (tract panicked on them, ONNX Runtime
+/// failed in an unnamed node).
+#[test]
+fn out_of_range_labels_are_refused_naming_the_row() {
+    let dir = step_dir();
+    let mut data = onnx_ga::data::read_npz(&root().join("graphs/mlp_ce_adamw/data.npz")).unwrap();
+    let Tensor::I64(labels) = data.get_mut("labels").unwrap() else {
+        panic!("labels are int64")
+    };
+    labels[[5]] = 10; // 10 classes: 0..=9
+    write_npz(
+        &dir.path().join("labels.npz"),
+        &data
+            .iter()
+            .map(|(k, v)| (k.clone(), npy_of(v), false))
+            .collect::<Vec<_>>(),
+    );
+    for engine in ["tract", "auto"] {
+        let mut args = train_args("labels.npz", "8");
+        *args.last_mut().unwrap() = engine;
+        fails(
+            dir.path(),
+            &args,
+            &[],
+            &[
+                "labels.npz",
+                "array 'labels': value 10 at row 5 is outside [0, 10)",
+                "SoftmaxCrossEntropyLoss",
+            ],
+        );
+    }
+}
+
+/// Below the host's checks, a panic inside tract is an error of the run, not a crash.
+#[test]
+fn a_panic_inside_tract_is_an_error() {
+    use onnx_ga::engine::EngineKind;
+    let dir = step_dir();
+    let step = onnx_ga::model::load_model_with_data(&dir.path().join("step.onnx")).unwrap();
+    let options = onnx_ga::engine::ort::SessionOptions {
+        threads: 1,
+        optimize: true,
+        ..Default::default()
+    };
+    let mut trainer =
+        onnx_ga::train::Trainer::with_engine(&step, EngineKind::Tract, &options).unwrap();
+    let data = onnx_ga::data::read_npz(&root().join("graphs/mlp_ce_adamw/data.npz")).unwrap();
+    let mut batch = onnx_ga::train::micro_batch(&data, 64, 8, 0);
+    let Tensor::I64(labels) = batch.get_mut("labels").unwrap() else {
+        panic!("labels are int64")
+    };
+    labels[[0]] = 1 << 40;
+    let result = trainer.step(&batch, false);
+    let err = result
+        .err()
+        .expect("an out-of-range label must fail the run")
+        .to_string();
+    assert!(err.contains("tract"), "{err}");
+}
+
+#[test]
+fn empty_axes_are_refused() {
+    let data = std::collections::BTreeMap::from([(
+        "x".to_string(),
+        Tensor::F32(ndarray::ArrayD::zeros(ndarray::IxDyn(&[4, 0]))),
+    )]);
+    let err = onnx_ga::index_check::check_data(&data, &[]).unwrap_err();
+    assert!(
+        err.contains("array 'x' has shape [4, 0]: axis 1 is empty"),
+        "{err}"
+    );
+}

@@ -299,6 +299,9 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
     let data = data.arrays;
     let samples = trainer.check_data(&data, &args.data)?;
     super::check_micro_batch(args.micro_batch, samples, &args.data)?;
+    let limits = onnx_ga::index_check::index_limits(&model, &trainer.manifest.data_inputs);
+    onnx_ga::index_check::check_data(&data, &limits)
+        .map_err(|m| UsageError(format!("{}: {m}", args.data.display())))?;
     if let Some(path) = &args.init_state {
         trainer.load_state(path)?;
     }

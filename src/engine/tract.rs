@@ -147,14 +147,21 @@ impl TractSession {
             .map(|t| (t.datum_type(), t.shape().to_vec()))
             .collect();
         if !self.plans.contains_key(&key) {
-            let plan = self.plan(&values)?;
+            let plan = guarded("planning", || self.plan(&values))??;
             self.plans.insert(key.clone(), plan);
         }
         let plan = self.plans.get_mut(&key).expect("inserted above");
-        let outputs = plan
-            .state
-            .run(values.into_iter().map(TValue::from).collect())
-            .map_err(tract_err("run"))?;
+        let outputs = match guarded("run", || {
+            plan.state
+                .run(values.into_iter().map(TValue::from).collect())
+        }) {
+            Ok(outputs) => outputs.map_err(tract_err("run"))?,
+            Err(e) => {
+                // A plan that panicked mid-run may hold half-updated state: never reuse it.
+                self.plans.remove(&key);
+                return Err(e);
+            }
+        };
         if outputs.len() != self.output_names.len() {
             return Err(EngineError::Tract {
                 context: "run".into(),
@@ -202,6 +209,43 @@ impl TractSession {
         let state = runnable.spawn().map_err(tract_err(context()))?;
         Ok(Plan { state })
     }
+}
+
+thread_local! {
+    /// Set while tract runs on this thread under [`guarded`]: its panics are reported as
+    /// errors, so the panic hook stays quiet for them.
+    static GUARDED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` (tract code), turning a panic inside tract (an index out of bounds, a division
+/// by zero on data it did not expect) into an error instead of a crash of the process. The
+/// host checks what it can before a run ([`crate::index_check`]); this is the net below.
+fn guarded<T>(context: &str, f: impl FnOnce() -> T) -> Result<T, EngineError> {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !GUARDED.with(|g| g.get()) {
+                previous(info);
+            }
+        }));
+    });
+    GUARDED.with(|g| g.set(true));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    GUARDED.with(|g| g.set(false));
+    result.map_err(|payload| {
+        let message = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "no message".into());
+        EngineError::Tract {
+            context: context.into(),
+            message: format!(
+                "tract failed on this input ({message}); check the data against the model (index ranges, empty axes)"
+            ),
+        }
+    })
 }
 
 fn to_tract(name: &str, tensor: &Tensor) -> Result<TractTensor, EngineError> {
