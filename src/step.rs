@@ -13,7 +13,7 @@ use crate::state::{self, StateEntry};
 pub enum StepError {
     #[error(transparent)]
     Pass(#[from] PassError),
-    #[error("parameter '{0}' has no initial value: the graph has no initializer for it and there is no checkpoint")]
+    #[error("parameter '{0}' has no initial value: the graph has no initializer for it and there is no checkpoint (an ONNX Runtime training_model.onnx keeps its parameters in the checkpoint: pass the artifacts folder that holds training_model.onnx, checkpoint and optimizer_model.onnx)")]
     NoInitialValue(String),
     #[error(transparent)]
     Verify(#[from] verify::VerifyErrors),

@@ -625,3 +625,63 @@ fn empty_axes_are_refused() {
         "{err}"
     );
 }
+
+/// `rewrite` on a step it wrote, or on a training_model.onnx without its folder, says what
+/// the file is and what to pass (it said "gradient '' ... is not a value of the graph").
+#[test]
+fn rewriting_a_step_or_a_lone_training_graph_says_what_to_pass() {
+    let dir = step_dir();
+    fails(
+        dir.path(),
+        &["rewrite", "step.onnx", "-o", "again.onnx", "--lr", "0.1"],
+        &[],
+        &[
+            "step.onnx is already a training step",
+            "onnx-ga train step.onnx",
+        ],
+    );
+    let lone = root().join("graphs/mlp_ce_adamw/training_model.onnx");
+    let lone = lone.to_str().unwrap();
+    for extra in [
+        &["--lr", "0.1"][..],
+        &["--lr", "0.1", "--optimizer", "adamw"],
+    ] {
+        let mut args = vec!["rewrite", lone, "-o", "again.onnx"];
+        args.extend(extra);
+        fails(dir.path(), &args, &[], &["pass the artifacts folder"]);
+    }
+    assert!(!dir.path().join("again.onnx").exists());
+}
+
+/// State, progress and metrics files get the permissions of any other output (0666 less
+/// the umask), not tempfile's 0600.
+#[cfg(unix)]
+#[test]
+fn state_and_metrics_files_take_the_umask() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = step_dir();
+    let data = root().join("graphs/mlp_ce_adamw/data.npz");
+    let mut args = train_args(data.to_str().unwrap(), "8");
+    args.extend([
+        "--save-state",
+        "s.npz",
+        "--metrics",
+        "m.jsonl",
+        "--save-every",
+        "1",
+    ]);
+    succeeds(dir.path(), &args);
+    // What a plain create gives under this process's umask (the same as the child's).
+    let plain = dir.path().join("plain");
+    std::fs::File::create(&plain).unwrap();
+    let mode = |p: &str| {
+        std::fs::metadata(dir.path().join(p))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777
+    };
+    for f in ["s.npz", "m.jsonl", "s.npz.progress.json"] {
+        assert_eq!(mode(f), mode("plain"), "{f}");
+    }
+}

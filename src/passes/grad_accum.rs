@@ -178,6 +178,12 @@ impl Pass for GradAccum {
         model: &mut Model,
         cx: &mut PassContext<'_>,
     ) -> Result<PassReport, PassError> {
+        if let crate::signature::Source::Step { file, pipeline, .. } = &cx.signature.source {
+            return Err(fail(format!(
+                "{} is already a training step written by onnx-ga rewrite (pipeline: {pipeline}): train it (onnx-ga train {0} --data ...), or rewrite the training graph it was made from (an artifacts folder, a training graph or a forward model)",
+                file.display()
+            )));
+        }
         if cx.apply.is_some() {
             return Err(fail(
                 "the graph already has an apply region (grad-accum runs once)".into(),

@@ -549,7 +549,17 @@ impl Pass for Optimizer {
             cx.signature.source,
             crate::signature::Source::Forward { .. }
         );
-        let hp = self.resolve_for(cx.signature.optimizer.as_ref(), framework)?;
+        let hp = self
+            .resolve_for(cx.signature.optimizer.as_ref(), framework)
+            .map_err(|e| match &cx.signature.source {
+                // The optimizer and the learning rate live beside training_model.onnx.
+                crate::signature::Source::OrtTrainingGraph { file } => fail(format!(
+                    "{}; {} is an ONNX Runtime training graph given alone: pass the artifacts folder that holds it with its checkpoint and optimizer_model.onnx (its parameters are in the checkpoint)",
+                    e.to_string().trim_start_matches("optimizer: "),
+                    file.display()
+                )),
+                _ => e,
+            })?;
         cx.recipe
             .push(self.recipe(cx.signature.optimizer.as_ref(), framework, &hp));
         let Some(mut region) = cx.apply.take() else {
