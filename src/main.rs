@@ -911,6 +911,13 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
         step.manifest.data_inputs.join(", "),
         step.manifest.loss
     );
+    // A step its engine cannot load is written (another engine may), but never silently.
+    let lacking = onnx_ga::recipe::training_only_ops(&step.model);
+    if let Ok(view) = onnx_ga::recipe::StepView::of(&step.model, &step.manifest, &lacking) {
+        for warning in view.engine_warnings(&args.engine) {
+            eprintln!("warning: {warning}");
+        }
+    }
     for (path, _) in files.iter().skip(1) {
         eprintln!("wrote {}", path.display());
     }

@@ -318,6 +318,23 @@ pub struct StepView {
     pub engines: Vec<EngineFit>,
 }
 
+/// The ops of `model` (subgraphs included) that only ONNX Runtime's training build has:
+/// what every standard engine lacks. Sorted, each once, as `domain::Op`.
+pub fn training_only_ops(model: &Model) -> Vec<String> {
+    let mut ops: Vec<String> = model
+        .all_nodes()
+        .map(|n| &model.node(n).proto)
+        .filter(|p| crate::ops::is_training_only(p.domain(), p.op_type()))
+        .map(|p| match crate::ir::normalize_domain(p.domain()) {
+            "" => p.op_type().to_string(),
+            d => format!("{d}::{}", p.op_type()),
+        })
+        .collect();
+    ops.sort();
+    ops.dedup();
+    ops
+}
+
 /// Bytes of one element of an ONNX element type (0 when unknown).
 fn elem_bytes(elem: i32) -> u64 {
     use crate::proto::tensor_proto::DataType as D;
@@ -430,11 +447,16 @@ impl StepView {
             },
         });
         let lowered = crate::passes::lower_for_tract::needs_lowering(&model.to_proto());
+        let bf16 = precision == "bf16";
         engines.push(EngineFit {
             engine: "tract",
-            runs: cfg!(feature = "tract") && training_only_ops.is_empty(),
+            runs: cfg!(feature = "tract") && training_only_ops.is_empty() && !bf16,
             note: match (cfg!(feature = "tract"), lowered) {
                 (false, _) => "this build has no tract (feature `tract`)".into(),
+                _ if !training_only_ops.is_empty() => {
+                    format!("tract lacks {}", training_only_ops.join(", "))
+                }
+                _ if bf16 => "tract has no bfloat16".into(),
                 (true, true) => "pure Rust, one thread; the ops tract lacks are lowered in memory at load (rewrite --engine tract writes them lowered)".into(),
                 (true, false) => "pure Rust, one thread; no op needs lowering".into(),
             },
@@ -449,6 +471,30 @@ impl StepView {
             controls,
             engines,
         })
+    }
+
+    /// What to warn about when the step is written for `target` (`ort` or `tract`): the
+    /// engine cannot load it (ops it lacks, or bfloat16 where it has no kernels).
+    pub fn engine_warnings(&self, target: &str) -> Vec<String> {
+        let bf16 = self
+            .headline
+            .as_ref()
+            .is_some_and(|h| h.precision == "bf16");
+        let mut out = Vec::new();
+        for fit in self.engines.iter().filter(|f| f.engine == target) {
+            if !fit.runs {
+                out.push(format!(
+                    "{} cannot load this step: {}",
+                    fit.engine, fit.note
+                ));
+            } else if fit.engine == "ort" && bf16 {
+                out.push(
+                    "ort loads this bf16 step only with --device cuda: the CPU provider has no bfloat16 kernels for it (nor has tract)"
+                        .into(),
+                );
+            }
+        }
+        out
     }
 
     /// The text `inspect` prints after the signature.

@@ -685,3 +685,62 @@ fn state_and_metrics_files_take_the_umask() {
         assert_eq!(mode(f), mode("plain"), "{f}");
     }
 }
+
+/// A step its engine cannot load is written with a warning saying which engine and why
+/// (`--precision bf16`: neither the CPU provider nor tract has the kernels; a pipeline
+/// without legalize-ort keeps ops only the training build has), and `inspect` says so.
+#[test]
+fn steps_an_engine_cannot_load_are_warned_about() {
+    let dir = TempDir::new().unwrap();
+    let graphs = root().join("graphs/mlp_ce_adamw");
+    let graphs = graphs.to_str().unwrap();
+    let rewrite = |out: &str, extra: &[&str]| {
+        let mut args = vec!["rewrite", graphs, "-o", out];
+        args.extend(extra);
+        succeeds(dir.path(), &args)
+    };
+    let err = rewrite("bf16.onnx", &["--lr", "0.1", "--precision", "bf16"]);
+    assert!(
+        err.contains("warning: ort loads this bf16 step only with --device cuda"),
+        "{err}"
+    );
+    let err = rewrite(
+        "bf16_tract.onnx",
+        &["--lr", "0.1", "--precision", "bf16", "--engine", "tract"],
+    );
+    assert!(
+        err.contains("warning: tract cannot load this step: tract has no bfloat16"),
+        "{err}"
+    );
+    let err = rewrite(
+        "training_ops.onnx",
+        &["--pipeline", "grad-accum(steps=2),optimizer(lr=0.1),dce"],
+    );
+    assert!(
+        err.contains("warning: ort cannot load this step: standard ONNX Runtime lacks com.microsoft::ReluGrad"),
+        "{err}"
+    );
+    let err = rewrite("fine.onnx", &["--lr", "0.1"]);
+    assert!(!err.contains("warning"), "{err}");
+
+    // What inspect shows of them.
+    let fits = |file: &str| {
+        let proto = onnx_ga::model::load_model(&dir.path().join(file)).unwrap();
+        let manifest = onnx_ga::step::Manifest::from_model(&proto).unwrap();
+        let model = onnx_ga::ir::Model::from_proto(proto);
+        let ops = onnx_ga::recipe::training_only_ops(&model);
+        onnx_ga::recipe::StepView::of(&model, &manifest, &ops)
+            .unwrap()
+            .engines
+    };
+    let tract = |file: &str| {
+        fits(file)
+            .into_iter()
+            .find(|f| f.engine == "tract")
+            .unwrap()
+    };
+    assert!(!tract("bf16.onnx").runs);
+    assert_eq!(tract("bf16.onnx").note, "tract has no bfloat16");
+    assert!(fits("training_ops.onnx").iter().all(|f| !f.runs));
+    assert!(fits("fine.onnx").iter().all(|f| f.runs));
+}
