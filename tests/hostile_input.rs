@@ -440,6 +440,33 @@ fn allocation_bombs_are_refused_before_allocating() {
         ],
     );
 
+    // An archive entry whose directory claims 4 GiB from a few hundred compressed bytes
+    // (more than deflate can make of them): refused before inflating.
+    write_npz(
+        &d.join("liar.npz"),
+        &[
+            ("input".into(), npy("<f4", &[64, 16], &[0; 4096]), true),
+            ("labels".into(), npy_of(&labels), false),
+        ],
+    );
+    let mut bytes = std::fs::read(d.join("liar.npz")).unwrap();
+    let central = bytes
+        .windows(4)
+        .position(|w| w == [0x50, 0x4b, 0x01, 0x02])
+        .expect("a central directory entry");
+    bytes[central + 24..central + 28].copy_from_slice(&0xFFFF_FF00u32.to_le_bytes());
+    std::fs::write(d.join("liar.npz"), bytes).unwrap();
+    fails(
+        d,
+        &train_args("liar.npz", "8"),
+        &[],
+        &[
+            "liar.npz",
+            "array 'input'",
+            "more than compression can make of them",
+        ],
+    );
+
     // External data of 8 GiB (a sparse file) for a 2,048-byte tensor.
     let model = forward_with_external(d, "big.bin");
     let big = std::fs::File::create(d.join("big.bin")).unwrap();
