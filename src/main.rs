@@ -464,6 +464,10 @@ fn is_input_error(error: &anyhow::Error) -> bool {
         || error.downcast_ref::<onnx_ga::passes::PassError>().is_some()
         || error.downcast_ref::<onnx_ga::data::DataError>().is_some()
         || error.downcast_ref::<UsageError>().is_some()
+        || error.downcast_ref::<onnx_ga::split::SplitError>().is_some()
+        || error
+            .downcast_ref::<onnx_ga::distributed::apply_only::ApplyOnlyError>()
+            .is_some()
         || error.downcast_ref::<onnx_ga::plot::PlotError>().is_some()
         || error
             .downcast_ref::<onnx_ga::trained::ExportError>()

@@ -771,3 +771,52 @@ fn steps_an_engine_cannot_load_are_warned_about() {
     assert!(fits("training_ops.onnx").iter().all(|f| !f.runs));
     assert!(fits("fine.onnx").iter().all(|f| f.runs));
 }
+
+/// A step that decodes and validates but that an engine refuses (here a Gemm whose transB
+/// was flipped, so its inner dimensions disagree) is a problem of the input: exit 2 with
+/// the engine's reason, on both engines.
+#[test]
+fn a_step_an_engine_refuses_exits_2() {
+    let dir = step_dir();
+    let path = dir.path().join("step.onnx");
+    let mut model = onnx_ga::model::load_model(&path).unwrap();
+    let gemm = model
+        .graph
+        .as_mut()
+        .unwrap()
+        .node
+        .iter_mut()
+        .find(|n| n.op_type() == "Gemm")
+        .expect("the MLP has a Gemm");
+    let trans_b = gemm
+        .attribute
+        .iter_mut()
+        .find(|a| a.name() == "transB")
+        .expect("transB");
+    trans_b.i = Some(1 - trans_b.i());
+    std::fs::write(dir.path().join("bad.onnx"), model.encode_to_vec()).unwrap();
+    let data = root().join("graphs/mlp_ce_adamw/data.npz");
+    for engine in ["tract", "ort"] {
+        if engine == "ort" && !ort_present() {
+            continue;
+        }
+        let mut args = train_args(data.to_str().unwrap(), "8");
+        args[1] = "bad.onnx";
+        *args.last_mut().unwrap() = engine;
+        fails(
+            dir.path(),
+            &args,
+            &[],
+            &[if engine == "ort" {
+                "ONNX Runtime"
+            } else {
+                "tract"
+            }],
+        );
+    }
+}
+
+/// Whether ONNX Runtime loads here (ORT_DYLIB_PATH or the repository's .venv-ort).
+fn ort_present() -> bool {
+    onnx_ga::runtime::init_onnxruntime().is_ok()
+}
