@@ -99,7 +99,7 @@ fn dim_at(g: &GraphProto, name: &str, axis: i64, depth: usize) -> Option<i64> {
             dim_at(g, input(1)?, -1, depth - 1)
         }
         "Add" | "Sub" | "Mul" | "Div" => (0..2)
-            .filter_map(|i| input(i))
+            .filter_map(input)
             .find_map(|x| dim_at(g, x, axis, depth - 1).filter(|d| *d != 1)),
         "Relu" | "Sigmoid" | "Tanh" | "Identity" | "Cast" | "LogSoftmax" | "Softmax"
         | "Dropout" | "Neg" | "Exp" | "Log" => dim_at(g, input(0)?, axis, depth - 1),
