@@ -666,15 +666,20 @@ fn read_external(
             })
         }
     };
-    // Never more than the tensor's declared shape holds (a length or a file far larger than
-    // the tensor would only exhaust memory).
+    // Never more than the tensor's declared shape holds: a length claiming more is an error,
+    // and without a length ("to the end of the file") the read stops there (a file far
+    // larger than the tensor would only exhaust memory).
+    let mut end = end;
     if let Some(holds) = crate::input::tensor_byte_len(&tensor.dims, tensor.data_type()) {
         if end - offset > holds {
-            return Err(invalid(format!(
-                "its external data is {} bytes, but a tensor of dims {:?} holds {holds}",
-                end - offset,
-                tensor.dims
-            )));
+            if length.is_some() {
+                return Err(invalid(format!(
+                    "its external data length is {} bytes, but a tensor of dims {:?} holds {holds}",
+                    end - offset,
+                    tensor.dims
+                )));
+            }
+            end = offset + holds;
         }
     }
     let len = usize::try_from(end - offset)

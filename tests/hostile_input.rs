@@ -340,7 +340,7 @@ fn fifos_and_folders_are_refused_not_read() {
     assert!(!d.join("out.onnx").exists());
 
     // External data.
-    let model = forward_with_external(d, "weights.bin");
+    let model = forward_with_external(d, "weights.bin", None);
     mkfifo(&d.join("weights.bin"));
     fails(
         d,
@@ -351,9 +351,9 @@ fn fifos_and_folders_are_refused_not_read() {
 }
 
 /// graphs/forward/torch_mlp's dynamo export with `fc1.weight` (32x16 float, 2,048 bytes)
-/// moved to external data at `location` (the file is the caller's to make); returns its
-/// file name in `dir`.
-fn forward_with_external(dir: &Path, location: &str) -> String {
+/// moved to external data at `location` (the file is the caller's to make), with `length`
+/// when given; returns its file name in `dir`.
+fn forward_with_external(dir: &Path, location: &str, length: Option<u64>) -> String {
     let path = root().join("graphs/forward/torch_mlp/dynamo.onnx");
     let mut model = onnx_ga::model::load_model(&path).unwrap();
     let init = model
@@ -371,6 +371,12 @@ fn forward_with_external(dir: &Path, location: &str) -> String {
         key: Some("location".into()),
         value: Some(location.into()),
     }];
+    if let Some(length) = length {
+        init.external_data.push(StringStringEntryProto {
+            key: Some("length".into()),
+            value: Some(length.to_string()),
+        });
+    }
     let name = format!("external_{}.onnx", location.replace('.', "_"));
     std::fs::write(dir.join(&name), model.encode_to_vec()).unwrap();
     name
@@ -468,7 +474,7 @@ fn allocation_bombs_are_refused_before_allocating() {
     );
 
     // External data of 8 GiB (a sparse file) for a 2,048-byte tensor.
-    let model = forward_with_external(d, "big.bin");
+    let model = forward_with_external(d, "big.bin", Some(8 << 30));
     let big = std::fs::File::create(d.join("big.bin")).unwrap();
     big.set_len(8 << 30).unwrap();
     drop(big);
@@ -476,9 +482,16 @@ fn allocation_bombs_are_refused_before_allocating() {
         d,
         &forward_rewrite(&model),
         &[],
-        &["fc1.weight", "8589934592 bytes", "dims [32, 16] holds 2048"],
+        &[
+            "fc1.weight",
+            "length is 8589934592 bytes",
+            "dims [32, 16] holds 2048",
+        ],
     );
     assert!(!d.join("out.onnx").exists());
+    // Without a length ("to the end of the file") only the tensor's 2,048 bytes are read.
+    let model = forward_with_external(d, "big.bin", None);
+    succeeds(d, &forward_rewrite(&model));
 }
 
 /// An explicit `ORT_DYLIB_PATH` that names no loadable library is an error naming it (exit

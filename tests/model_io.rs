@@ -579,7 +579,8 @@ fn external_range_beyond_file() {
         );
         assert!(err.to_string().contains("100 bytes"), "{err}");
     }
-    // Exactly at the end is fine; no length means "to the end".
+    // Exactly at the end is fine; no length means "to the end", but never more than the
+    // tensor holds (W: 4 floats, 16 bytes; the 64 bytes to the end are not read).
     let p = model_with_ref(dir.path(), "w.bin", Some(84), Some(16));
     assert_eq!(
         load_model_with_data(&p).unwrap().graph.unwrap().initializer[0]
@@ -596,7 +597,15 @@ fn external_range_beyond_file() {
             .as_ref()
             .unwrap()
             .len(),
-        64
+        16
+    );
+    // A length beyond what the tensor holds is an error naming both.
+    let p = model_with_ref(dir.path(), "w.bin", Some(0), Some(64));
+    let err = load_err(&p);
+    assert!(
+        err.to_string()
+            .contains("length is 64 bytes, but a tensor of dims [4] holds 16"),
+        "{err}"
     );
     // A malformed offset.
     let mut m = load_model(&p).unwrap();
