@@ -39,6 +39,7 @@ struct Opts {
     rounds: usize,
     cell: Duration,
     bench: bool,
+    threads: Vec<usize>,
 }
 
 fn parse_opts() -> Result<Opts> {
@@ -48,6 +49,7 @@ fn parse_opts() -> Result<Opts> {
         rounds: 3,
         cell: Duration::from_millis(400),
         bench: false,
+        threads: vec![1],
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -62,6 +64,16 @@ fn parse_opts() -> Result<Opts> {
             }
             "--batch" => o.batch = value("--batch")?.parse()?,
             "--rounds" => o.rounds = value("--rounds")?.parse()?,
+            "--threads" => {
+                o.threads = value("--threads")?
+                    .split(',')
+                    .map(|t| {
+                        t.trim()
+                            .parse()
+                            .map_err(|_| anyhow!("--threads: bad '{t}'"))
+                    })
+                    .collect::<Result<_>>()?
+            }
             "--cell-ms" => o.cell = Duration::from_millis(value("--cell-ms")?.parse()?),
             other if other.starts_with('-') => eprintln!("scale bench: ignoring {other}"),
             _ => {}
@@ -228,9 +240,12 @@ fn build(width: i64, batch: usize) -> Result<Sized> {
     })
 }
 
+/// Intra-op threads of the cell being measured (`--threads`).
+static THREADS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+
 fn session_options() -> SessionOptions {
     SessionOptions {
-        threads: 1,
+        threads: THREADS.load(std::sync::atomic::Ordering::Relaxed),
         ..Default::default()
     }
 }
@@ -249,6 +264,8 @@ fn trainer(step: &ModelProto, split: bool) -> Result<Trainer> {
 struct Measured {
     per_step: f64,
     nonapply: f64,
+    /// The first micro-step of a window (accumulators zero).
+    first: f64,
     apply: Option<f64>,
 }
 
@@ -265,6 +282,7 @@ fn measure(cell: Duration, mut step: impl FnMut(u64) -> Result<bool>) -> Result<
         i += 1;
     }
     let (mut per_step, mut nonapply, mut apply) = (Vec::new(), Vec::new(), Vec::new());
+    let mut first = Vec::new();
     let t0 = Instant::now();
     while t0.elapsed() < cell || per_step.len() < 3 {
         let mut window = 0.0;
@@ -273,6 +291,9 @@ fn measure(cell: Duration, mut step: impl FnMut(u64) -> Result<bool>) -> Result<
             let applied = step(i)?;
             let ms = s.elapsed().as_secs_f64() * 1e3;
             window += ms;
+            if i % K == 0 {
+                first.push(ms);
+            }
             if applied {
                 apply.push(ms)
             } else {
@@ -285,6 +306,7 @@ fn measure(cell: Duration, mut step: impl FnMut(u64) -> Result<bool>) -> Result<
     Ok(Measured {
         per_step: median(per_step),
         nonapply: median(nonapply),
+        first: median(first),
         apply: (!apply.is_empty()).then(|| median(apply)),
     })
 }
@@ -361,15 +383,18 @@ fn main() -> Result<()> {
         .collect::<Result<_>>()?;
     check(&sized[0])?;
     let columns = ["floor", "step", "step_if"];
-    // (width, column) -> per-round measurements
-    let mut cells: BTreeMap<(i64, &str), Vec<Measured>> = BTreeMap::new();
+    // (width, column, threads) -> per-round measurements
+    let mut cells: BTreeMap<(i64, &str, usize), Vec<Measured>> = BTreeMap::new();
+    let nt = o.threads.len();
     for r in 0..o.rounds {
         let t = Instant::now();
         for (j, s) in sized.iter().enumerate() {
-            for c in 0..columns.len() {
-                let column = columns[(c + r + j) % columns.len()];
+            for c in 0..columns.len() * nt {
+                let k = (c + r + j) % (columns.len() * nt);
+                let (column, threads) = (columns[k % columns.len()], o.threads[k / columns.len()]);
+                THREADS.store(threads, std::sync::atomic::Ordering::Relaxed);
                 let m = run_cell(s, column, o.cell)?;
-                cells.entry((s.width, column)).or_default().push(m);
+                cells.entry((s.width, column, threads)).or_default().push(m);
             }
         }
         eprintln!(
@@ -377,44 +402,58 @@ fn main() -> Result<()> {
             t.elapsed().as_secs_f64()
         );
     }
-    let med = |w: i64, c: &str, f: fn(&Measured) -> Option<f64>| {
-        median(cells[&(w, c)].iter().filter_map(f).collect())
+    let med = |w: i64, c: &str, t: usize, f: fn(&Measured) -> Option<f64>| {
+        median(cells[&(w, c, t)].iter().filter_map(f).collect())
     };
     // Ratios per round, then the median: both sides of a ratio come from one round.
-    let ratio = |w: i64, a: &str, b: &str| {
-        let (a, b) = (&cells[&(w, a)], &cells[&(w, b)]);
-        median(
-            a.iter()
-                .zip(b)
-                .map(|(a, b)| a.per_step / b.per_step)
-                .collect(),
-        )
+    let ratio = |a: (i64, &str, usize), b: (i64, &str, usize), f: fn(&Measured) -> f64| {
+        let (a, b) = (&cells[&a], &cells[&b]);
+        median(a.iter().zip(b).map(|(a, b)| f(a) / f(b)).collect())
     };
+    let per = |m: &Measured| m.per_step;
     println!(
-        "\nTwo-layer MLP of width W (x, hidden and output W wide), B = {}, K = {K}, AdamW, one \
-         thread, {} rounds. ms per micro-step (median over windows of window time / K; \
+        "\nTwo-layer MLP of width W (x, hidden and output W wide), B = {}, K = {K}, AdamW, \
+         T intra-op threads, {} rounds. ms per micro-step (median over windows of window time / K; \
          medians over rounds); ratios are medians of per-round ratios.\n",
         o.batch, o.rounds
     );
-    println!("| W | parameters | state MiB | floor | step | step If | step/floor | If/floor | step non-applying | step applying | If non-applying |");
-    println!("|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|");
+    println!("| W | parameters | state MiB | T | floor | step | step If | step/floor | If/floor | step non-applying | step applying | If non-applying | non-applying/floor | first/floor |");
+    println!("|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|");
     for s in &sized {
         let w = s.width;
-        let per = |m: &Measured| Some(m.per_step);
         // Parameters, accumulators and two moments, float32.
         let state_mib = 4.0 * s.params as f64 * 4.0 / (1 << 20) as f64;
-        println!(
-            "| {w} | {} | {state_mib:.1} | {:.3} | {:.3} | {:.3} | {:.2} | {:.2} | {:.3} | {:.3} | {:.3} |",
-            s.params,
-            med(w, "floor", per),
-            med(w, "step", per),
-            med(w, "step_if", per),
-            ratio(w, "step", "floor"),
-            ratio(w, "step_if", "floor"),
-            med(w, "step", |m| Some(m.nonapply)),
-            med(w, "step", |m| m.apply),
-            med(w, "step_if", |m| Some(m.nonapply)),
-        );
+        for &t in &o.threads {
+            println!(
+                "| {w} | {} | {state_mib:.1} | {t} | {:.3} | {:.3} | {:.3} | {:.2} | {:.2} | {:.3} | {:.3} | {:.3} | {:.2} | {:.2} |",
+                s.params,
+                med(w, "floor", t, |m| Some(m.per_step)),
+                med(w, "step", t, |m| Some(m.per_step)),
+                med(w, "step_if", t, |m| Some(m.per_step)),
+                ratio((w, "step", t), (w, "floor", t), per),
+                ratio((w, "step_if", t), (w, "floor", t), per),
+                med(w, "step", t, |m| Some(m.nonapply)),
+                med(w, "step", t, |m| m.apply),
+                med(w, "step_if", t, |m| Some(m.nonapply)),
+                ratio((w, "step", t), (w, "floor", t), |m| m.nonapply),
+                ratio((w, "step", t), (w, "floor", t), |m| m.first),
+            );
+        }
+    }
+    if let [t1, t2, ..] = o.threads[..] {
+        println!("\nSpeed-up from T = {t1} to T = {t2} (time at {t1} / time at {t2}, per round, median):\n");
+        println!("| W | floor | step | step If | step non-applying |");
+        println!("|--:|--:|--:|--:|--:|");
+        for s in &sized {
+            let w = s.width;
+            println!(
+                "| {w} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                ratio((w, "floor", t1), (w, "floor", t2), per),
+                ratio((w, "step", t1), (w, "step", t2), per),
+                ratio((w, "step_if", t1), (w, "step_if", t2), per),
+                ratio((w, "step", t1), (w, "step", t2), |m| m.nonapply),
+            );
+        }
     }
     Ok(())
 }

@@ -5,6 +5,8 @@ use std::cell::OnceCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
+mod window_start;
+
 use crate::data::Tensor;
 use crate::engine::ort::SessionOptions;
 use crate::engine::{Engine, EngineError, EngineKind, Held};
@@ -141,6 +143,10 @@ pub(crate) enum Runner {
     /// One session per branch of the apply `If`; the host picks by the recorded trigger.
     Split {
         accumulate: Box<Engine>,
+        /// The accumulate specialisation for the first micro-step of a window: it writes
+        /// the gradients as the accumulators instead of adding them to zeros
+        /// ([`window_start`]); `None` when the step has nothing to drop.
+        start: Option<Box<Engine>>,
         apply: Box<Engine>,
         /// State inputs each specialisation leaves unchanged (it has no output for them).
         unchanged_on_accumulate: BTreeSet<String>,
@@ -285,17 +291,24 @@ impl Trainer {
                 let micro_step = scalar_i64(&state[&micro_step_input]).ok_or_else(|| {
                     TrainError::Model(format!("'{micro_step_input}' is not an int64 scalar"))
                 })?;
-                // The two sessions run one after the other: one CPU arena serves both.
+                // The two sessions run one after the other: one CPU arena serves both, and
+                // neither's thread pool may spin while the other runs.
                 let session = SessionOptions {
                     shared_arena: true,
+                    spin: false,
                     ..options.session.clone()
                 };
                 let apply = match &apply_only {
                     Some((s, _)) => s,
                     None => &split.apply,
                 };
+                let start = match window_start::window_start(&split.accumulate, &manifest) {
+                    Some(s) => Some(Box::new(Engine::new(kind, &s.model, &session)?)),
+                    None => None,
+                };
                 Runner::Split {
                     accumulate: Box::new(Engine::new(kind, &split.accumulate.model, &session)?),
+                    start,
                     apply: Box::new(Engine::new(kind, &apply.model, &session)?),
                     unchanged_on_accumulate: split.accumulate.unchanged,
                     unchanged_on_apply: apply.unchanged.clone(),
@@ -331,9 +344,15 @@ impl Trainer {
         match &mut runner {
             Runner::Whole(engine) => engine.set_host_outputs(&host_outputs),
             Runner::Split {
-                accumulate, apply, ..
+                accumulate,
+                start,
+                apply,
+                ..
             } => {
                 accumulate.set_host_outputs(&host_outputs);
+                if let Some(start) = start {
+                    start.set_host_outputs(&host_outputs);
+                }
                 apply.set_host_outputs(&host_outputs);
             }
         }
@@ -485,11 +504,24 @@ impl Trainer {
         if let Runner::Split {
             micro_step,
             micro_step_input,
+            start,
             ..
         } = &mut self.runner
         {
             *micro_step = scalar_i64(&loaded[micro_step_input.as_str()])
                 .ok_or_else(|| bad(format!("'{micro_step_input}' is not an int64 scalar")))?;
+            // A file whose window is empty but whose sums are not (not one this trainer
+            // wrote) must still be added to: no first-micro-step shortcut then.
+            let nonzero = |e: &crate::state::StateEntry| !matches!(&loaded[&e.input], Tensor::F32(a) if a.iter().all(|v| *v == 0.0));
+            if *micro_step == 0
+                && self
+                    .manifest
+                    .state
+                    .iter()
+                    .any(|e| e.role == crate::state::Role::Accumulator && nonzero(e))
+            {
+                *start = None;
+            }
         }
         self.state = loaded
             .iter()
@@ -617,6 +649,7 @@ impl Trainer {
             Runner::Whole(engine) => (engine.run_held(&host, &held)?, None),
             Runner::Split {
                 accumulate,
+                start,
                 apply,
                 window_size,
                 micro_step,
@@ -624,7 +657,13 @@ impl Trainer {
             } => {
                 let applies = self.replica.is_none()
                     && crate::split::applies(*micro_step, *window_size, flush);
-                let engine = if applies { apply } else { accumulate };
+                // A window's first micro-step finds every accumulator zero (the apply
+                // zeroed it, or training starts): it need not read them.
+                let engine = match (applies, start) {
+                    (true, _) => apply,
+                    (false, Some(start)) if *micro_step == 0 => start,
+                    (false, _) => accumulate,
+                };
                 let outputs = engine.run_held(&host, &held)?;
                 micro_step_before = Some(*micro_step);
                 *micro_step = if applies { 0 } else { *micro_step + 1 };

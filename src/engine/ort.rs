@@ -75,6 +75,12 @@ pub struct SessionOptions {
     /// ([`crate::runtime::register_shared_cpu_arena`]) instead of an arena per session: the
     /// trainer sets it so that its two specialised sessions share their activation memory.
     pub shared_arena: bool,
+    /// Let intra-op worker threads spin (busy-wait) for work between parallel sections, as
+    /// ONNX Runtime does by default (`session.intra_op.allow_spinning`). Sessions that take
+    /// turns must not: the idle session's spinning pool takes the cores the running one
+    /// needs. The trainer's two specialisations turn it off (at 2 threads on a 2-core
+    /// machine the split step went from 0.70x to 1.5x the speed of 1 thread; benches/README.md).
+    pub spin: bool,
 }
 
 impl Default for SessionOptions {
@@ -85,6 +91,7 @@ impl Default for SessionOptions {
             device: Device::Cpu,
             io_binding: false,
             shared_arena: false,
+            spin: true,
         }
     }
 }
@@ -109,6 +116,11 @@ impl OrtSession {
 
     pub fn from_bytes(bytes: &[u8], options: &SessionOptions) -> Result<OrtSession, EngineError> {
         let mut builder = crate::runtime::session_builder()?;
+        if !options.spin {
+            builder = builder
+                .with_intra_op_spinning(false)
+                .map_err(|e| ort_err("intra-op spinning")(e.into()))?;
+        }
         if options.threads > 0 {
             builder = builder
                 .with_intra_threads(options.threads)
