@@ -760,6 +760,7 @@ fn adam_family(
         } else {
             hp.adam_mode
         },
+        decimal_complements: hp.formula == Formula::Keras,
     };
 
     // Which parameters share the flat update: float32 ones of at most `fuse_small`

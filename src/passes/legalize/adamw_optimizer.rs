@@ -43,6 +43,11 @@ pub struct AdamW {
     pub correct_bias: bool,
     /// 0: PyTorch AdamW, 1: Hugging Face AdamW.
     pub adam_mode: i64,
+    /// 1 - β1 and 1 - β2 from the decimal β the user wrote, as Keras 2.15 Adam computes
+    /// them (in Python's double, then rounded to float), instead of in float from the
+    /// rounded β as ONNX Runtime's kernel does: 1 - f32(0.999) is 1.3e-5 off 1 - 0.999.
+    /// (torch's AdamW is measured closer to its float32 run without it.)
+    pub decimal_complements: bool,
 }
 
 impl Default for AdamW {
@@ -54,6 +59,7 @@ impl Default for AdamW {
             weight_decay: 0.0,
             correct_bias: true,
             adam_mode: 0,
+            decimal_complements: false,
         }
     }
 }
@@ -76,6 +82,7 @@ impl AdamW {
                 weight_decay,
                 correct_bias,
                 adam_mode,
+                decimal_complements: false,
             }),
             OptimizerSpec::Sgd => None,
         }
@@ -131,9 +138,14 @@ pub fn lower_adamw_for_params(
     let lr = scalar_of(b, &mut rank0, lr, "lr");
     let update = update.map(|u| scalar_of(b, &mut rank0, u, "update"));
     let alpha = b.scalar_f32("alpha", adamw.beta1);
-    let one_minus_alpha = b.scalar_f32("one_minus_alpha", 1.0 - adamw.beta1);
+    let complement = |beta: f32| match adamw.decimal_complements {
+        // The shortest decimal that rounds to `beta` is the one the user wrote.
+        true => (1.0 - beta.to_string().parse::<f64>().unwrap_or(beta as f64)) as f32,
+        false => 1.0 - beta,
+    };
+    let one_minus_alpha = b.scalar_f32("one_minus_alpha", complement(adamw.beta1));
     let beta = b.scalar_f32("beta", adamw.beta2);
-    let one_minus_beta = b.scalar_f32("one_minus_beta", 1.0 - adamw.beta2);
+    let one_minus_beta = b.scalar_f32("one_minus_beta", complement(adamw.beta2));
     let epsilon = b.scalar_f32("epsilon", adamw.epsilon);
 
     // Bias corrections a = 1 - α^t, c = 1 - β^t (float, as the kernel rounds them).
@@ -273,6 +285,7 @@ pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassEr
             other => return Err(l.unsupported(node, "correct_bias", format!("{other}"))),
         },
         adam_mode: l.int_attr(node, "adam_mode", defaults.adam_mode)?,
+        decimal_complements: false,
     };
     if let Some((attribute, detail)) = adamw.unsupported() {
         return Err(l.unsupported(node, attribute, detail));
