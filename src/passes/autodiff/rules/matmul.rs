@@ -112,8 +112,17 @@ pub fn matmul(
     };
     if wanted(wants, 0) {
         let bt = cx.op("Transpose", &[b], vec![attr_ints("perm", &swap(rb))], &ha);
-        let g = cx.op_like("MatMul", &[dy, bt], vec![], &ha, y);
-        out[0] = Some(cx.unbroadcast(node, g, y, a)?);
+        let g = cx.op("MatMul", &[dy, bt], vec![], &ha);
+        // The product has y's batch axes and rows and a's columns (K, not y's N).
+        let mut facts = cx.facts(y);
+        if let (Some(d), Some(ad)) = (facts.dims.as_mut(), cx.facts(a).dims) {
+            let (r, ra) = (d.len(), ad.len());
+            if r >= 1 && ra >= 1 {
+                d[r - 1] = ad[ra - 1].clone();
+            }
+        }
+        cx.shapes.set(g, facts);
+        out[0] = Some(cx.unbroadcast(node, g, g, a)?);
     }
     if wanted(wants, 1) {
         let at = cx.op("Transpose", &[a], vec![attr_ints("perm", &swap(ra))], &hb);
