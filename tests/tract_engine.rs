@@ -123,8 +123,20 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
 /// Trains `model` rewritten with `spec` on tract and (when available) on ONNX Runtime,
 /// and compares the parameters. Returns the largest difference (0 without ONNX Runtime).
 fn cross_engine(model: &str, spec: &str) -> f64 {
-    cross_engine_step(model, spec, &rewrite(model, spec), &data(model))
+    cross_engine_step(
+        model,
+        spec,
+        &rewrite(model, spec),
+        &data(model),
+        CROSS_ENGINE_ATOL,
+    )
 }
+
+/// The forward models' bound: deeper graphs (attention and LayerNorms that sum in other
+/// orders on the two engines) under AdamW, which normalises small gradients. Measured: 3.3e-5
+/// at most (torch_vit legacy, blocks.1.fc2.weight, |w| <= 0.17; its micro-step losses agree
+/// within 1e-5), torch_vit dynamo 3.9e-7, every other model under 6e-6.
+const FORWARD_CROSS_ENGINE_ATOL: f64 = 1e-4;
 
 /// [`cross_engine`] for a step already built: `model` names it in messages (and picks the
 /// noise-driven state).
@@ -133,6 +145,7 @@ fn cross_engine_step(
     spec: &str,
     step: &ModelProto,
     data: &BTreeMap<String, Tensor>,
+    atol: f64,
 ) -> f64 {
     let (step, data) = (step.clone(), data.clone());
     let (tract, tract_losses) = train(&step, &data, EngineKind::Tract);
@@ -176,7 +189,7 @@ fn cross_engine_step(
             worst = (d, p.clone());
         }
         assert!(
-            d <= CROSS_ENGINE_ATOL,
+            d <= atol,
             "{model} ({spec}): parameter '{p}' differs by {d:e} between tract and ort"
         );
     }
@@ -197,7 +210,7 @@ fn cross_engine_step(
             &tract.state().unwrap()[name],
             value,
             1e-4,
-            noise_driven(model, name).unwrap_or(1e-5),
+            noise_driven(model, name).unwrap_or(atol),
         );
     }
     for (i, (a, b)) in tract_losses.iter().zip(&ort_losses).enumerate() {
@@ -246,18 +259,31 @@ fn every_graph_trains_alike_on_tract_and_ort_with_loss_scaling() {
     all_models(loss_scale_spec);
 }
 
-/// The PyTorch exports of graphs/forward (both exporters; MaxPool with its Indices in the
-/// CNNs, whose gradient `legalize-ort` makes a MaxUnpool that `lower-for-tract` scatters;
-/// GPT's -100 labels, which the one-hot of the loss gradient must not index with) train on
-/// tract as on ONNX Runtime. tract once refused every CNN ("no implementation of
-/// dX_MaxUnpool") and panicked on GPT's ignored labels.
+/// Every forward model of graphs/forward (both exporters of each PyTorch model, both
+/// tf2onnx exports of each Keras one; MaxPool with its Indices in the CNNs, whose gradient
+/// `legalize-ort` makes a MaxUnpool that `lower-for-tract` scatters; GPT's -100 labels,
+/// which the one-hot of the loss gradient must not index with; BERT's and ViT's INT64_MAX
+/// slice ends, which tract misread) trains on tract as on ONNX Runtime. tract once refused
+/// every CNN ("no implementation of dX_MaxUnpool"), panicked on GPT's ignored labels and
+/// failed to plan BERT and ViT.
 #[test]
 fn every_forward_model_trains_alike_on_tract_and_ort() {
     let spec = "autodiff(loss_fn=cross-entropy,ignore_index=-100,grads=internal),grad-accum(steps=4,normalize=mean),optimizer(kind=adamw,lr=0.01),legalize-ort,dce";
-    for model in ["torch_mlp", "torch_cnn", "torch_cnn_nobn", "torch_gpt"] {
+    let torch: &[&str] = &["dynamo", "legacy"];
+    let keras: &[&str] = &["keras", "default"];
+    for (model, exports) in [
+        ("torch_mlp", torch),
+        ("torch_cnn", torch),
+        ("torch_cnn_nobn", torch),
+        ("torch_gpt", torch),
+        ("torch_bert", torch),
+        ("torch_vit", torch),
+        ("keras_mlp", keras),
+        ("keras_cnn", keras),
+    ] {
         let dir = root().join("graphs/forward").join(model);
         let data = read_npz(&dir.join("data.npz"));
-        for export in ["dynamo", "legacy"] {
+        for export in exports.iter().copied() {
             let path = dir.join(format!("{export}.onnx"));
             let proto =
                 onnx_ga::model::load_model_with_data(&path).unwrap_or_else(|e| panic!("{e}"));
@@ -275,10 +301,16 @@ fn every_forward_model_trains_alike_on_tract_and_ort() {
                 .any(|n| n.op_type() == "MaxUnpool");
             assert_eq!(
                 has_unpool,
-                model.starts_with("torch_cnn"),
+                model.contains("_cnn"),
                 "{model} {export}: MaxUnpool in the step"
             );
-            cross_engine_step(&format!("{model}/{export}"), spec, &step, &data);
+            cross_engine_step(
+                &format!("{model}/{export}"),
+                spec,
+                &step,
+                &data,
+                FORWARD_CROSS_ENGINE_ATOL,
+            );
         }
     }
 }

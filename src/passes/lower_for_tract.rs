@@ -18,6 +18,9 @@
 //!   stay (tract handles them), and with them fp16 steps (`precision(dtype=fp16)`) run on
 //!   tract in half, Gemms included; tract has no bfloat16.
 //!
+//! - `Slice` bounds beyond the int32 range (PyTorch's `INT64_MAX` for "to the end"), which
+//!   tract misreads (a row short): clamped to ±(2^31 - 1) ([`clamp_slice_bounds`]).
+//!
 //! Anything else of `com.microsoft` is an error naming the node. The pass runs at the end of
 //! a `rewrite --engine tract` pipeline, and `train --engine tract` applies it in memory to a
 //! step written for ONNX Runtime ([`lower_model`]), so one step file serves both engines.
@@ -71,7 +74,100 @@ fn lower(
     report.changed |= gemms.changed;
     report.added += gemms.added;
     report.removed += gemms.removed;
+    if clamp_slice_bounds(model) > 0 {
+        report.changed = true;
+    }
     Ok(report)
+}
+
+/// tract 0.23 misreads int64 `Slice` bounds beyond the int32 range: PyTorch's "to the end"
+/// (`INT64_MAX`) cut an 8-row mask to 7 rows (torch_bert, torch_vit), and planning then
+/// failed on shapes that do not unify. A slice never spans 2^31 elements here, so the
+/// constants that reach a `Slice`'s starts or ends (through `Cast`, `Reshape`, `Unsqueeze`,
+/// `Squeeze`, `Identity`, `Concat`) are clamped to ±(2^31 - 1), which slices the same.
+/// Returns how many constants changed.
+fn clamp_slice_bounds(model: &mut Model) -> usize {
+    use crate::ir::ValueId;
+    const LIMIT: i64 = i32::MAX as i64;
+    fn clamp(t: &crate::proto::TensorProto) -> Option<crate::proto::TensorProto> {
+        if t.data_type() != crate::proto::tensor_proto::DataType::Int64 as i32 {
+            return None;
+        }
+        let mut t = t.clone();
+        let mut changed = false;
+        let mut fix = |v: &mut i64| {
+            let c = (*v).clamp(-LIMIT, LIMIT);
+            changed |= c != *v;
+            *v = c;
+        };
+        if let Some(raw) = t.raw_data.as_mut() {
+            for chunk in raw.chunks_exact_mut(8) {
+                let mut v = i64::from_le_bytes(chunk.try_into().expect("8 bytes"));
+                fix(&mut v);
+                chunk.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        t.int64_data.iter_mut().for_each(&mut fix);
+        changed.then_some(t)
+    }
+    let mut pending: Vec<ValueId> = Vec::new();
+    for n in model.all_nodes() {
+        let node = model.node(n);
+        if node.proto.op_type() == "Slice"
+            && crate::ir::normalize_domain(node.proto.domain()).is_empty()
+        {
+            pending.extend(
+                [1, 2]
+                    .iter()
+                    .filter_map(|s| node.inputs.get(*s).copied().flatten()),
+            );
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    let mut changed = 0;
+    while let Some(v) = pending.pop() {
+        if !seen.insert(v) {
+            continue;
+        }
+        let body = model.defining_body(v);
+        let is_input = model.body(body).inputs.iter().any(|(i, _)| *i == v);
+        if let Some(t) = model.initializer(v) {
+            if !is_input {
+                if let Some(t) = clamp(t) {
+                    model.set_initializer(v, t);
+                    changed += 1;
+                }
+            }
+            continue;
+        }
+        let Some((producer, _)) = model.producer(v) else {
+            continue;
+        };
+        let node = model.node(producer);
+        if !crate::ir::normalize_domain(node.proto.domain()).is_empty() {
+            continue;
+        }
+        match node.proto.op_type() {
+            "Constant" => {
+                let attr = node
+                    .proto
+                    .attribute
+                    .iter()
+                    .position(|a| a.name() == "value");
+                let fixed = attr.and_then(|i| node.proto.attribute[i].t.as_ref().and_then(clamp));
+                if let (Some(i), Some(t)) = (attr, fixed) {
+                    model.node_mut(producer).proto.attribute[i].t = Some(t);
+                    changed += 1;
+                }
+            }
+            "Cast" | "Reshape" | "Unsqueeze" | "Squeeze" | "Identity" => {
+                pending.extend(node.inputs.first().copied().flatten());
+            }
+            "Concat" => pending.extend(node.inputs.iter().flatten().copied()),
+            _ => {}
+        }
+    }
+    changed
 }
 
 /// Whether tract lacks an op of this domain and type that the pass lowers (or that nothing
@@ -106,6 +202,28 @@ pub fn needs_lowering(model: &ModelProto) -> bool {
         return false;
     };
     if graph_has(g, |n| tract_lacks(n.domain(), n.op_type())) {
+        return true;
+    }
+    // A Slice, and an int64 constant beyond the int32 range that may be its bound, which
+    // tract misreads ([`clamp_slice_bounds`]).
+    fn beyond_int32(t: &crate::proto::TensorProto) -> bool {
+        const LIMIT: u64 = i32::MAX as u64;
+        t.data_type() == crate::proto::tensor_proto::DataType::Int64 as i32
+            && (t.int64_data.iter().any(|v| v.unsigned_abs() > LIMIT)
+                || t.raw_data().chunks_exact(8).any(|c| {
+                    i64::from_le_bytes(c.try_into().expect("8 bytes")).unsigned_abs() > LIMIT
+                }))
+    }
+    if graph_has(g, |n| {
+        n.op_type() == "Slice" && crate::ir::normalize_domain(n.domain()).is_empty()
+    }) && (g.initializer.iter().any(beyond_int32)
+        || graph_has(g, |n| {
+            n.op_type() == "Constant"
+                && n.attribute
+                    .iter()
+                    .any(|a| a.name() == "value" && a.t.as_ref().is_some_and(beyond_int32))
+        }))
+    {
         return true;
     }
     // A Gemm's element type may need a walk up its producers: ask the IR, only when there
