@@ -677,7 +677,36 @@ impl ExternalData {
             source,
         };
         if self.file.is_none() {
-            let file = crate::input::open_regular(&self.data_path)
+            // Confined to the checkpoint's folder like ONNX external data (a symlink
+            // pointing elsewhere is refused), by the same rule.
+            let folder = match origin.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p,
+                _ => Path::new("."),
+            };
+            let canonical = std::fs::canonicalize(folder).map_err(|e| {
+                err(
+                    format!(
+                        "cannot resolve the checkpoint folder {}: {e}",
+                        folder.display()
+                    ),
+                    Some(e),
+                )
+            })?;
+            let resolved =
+                crate::model::confine(&canonical, &self.data_path).map_err(|c| match c {
+                    crate::model::Confinement::Io(e) => {
+                        err(format!("cannot open it: {e}"), Some(e))
+                    }
+                    crate::model::Confinement::Outside { resolved } => err(
+                        format!(
+                            "it resolves to {}, outside the checkpoint folder {}: refused",
+                            resolved.display(),
+                            canonical.display()
+                        ),
+                        None,
+                    ),
+                })?;
+            let file = crate::input::open_regular(&resolved)
                 .map_err(|e| err(format!("cannot open it: {e}"), Some(e)))?;
             let size = file
                 .metadata()

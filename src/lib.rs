@@ -14,6 +14,8 @@ pub mod input;
 pub mod inspect;
 pub mod ir;
 pub mod model;
+#[rustfmt::skip]
+pub mod op_schema;
 pub mod ops;
 pub mod passes;
 pub mod plot;
@@ -27,3 +29,4 @@ pub mod state;
 pub mod step;
 pub mod train;
 pub mod trained;
+pub mod validate;

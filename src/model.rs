@@ -142,6 +142,12 @@ pub enum ModelError {
 
     #[error("{}: cannot save: {reason}", path.display())]
     InvalidSave { path: PathBuf, reason: String },
+
+    #[error("{}: {errors}", path.display())]
+    Invalid {
+        path: PathBuf,
+        errors: crate::validate::ValidationErrors,
+    },
 }
 
 impl ModelError {
@@ -155,7 +161,8 @@ impl ModelError {
             | ModelError::Decode { path, .. }
             | ModelError::NotAModel { path, .. }
             | ModelError::Write { path, .. }
-            | ModelError::InvalidSave { path, .. } => path,
+            | ModelError::InvalidSave { path, .. }
+            | ModelError::Invalid { path, .. } => path,
             ModelError::UnsafeLocation { model, .. }
             | ModelError::ExternalFileMissing { model, .. }
             | ModelError::ExternalRange { model, .. }
@@ -169,8 +176,26 @@ impl ModelError {
 // Loading
 // ---------------------------------------------------------------------------------------
 
-/// Reads and decodes a model, leaving external-data references untouched (lossless).
+/// Reads, decodes and validates ([`crate::validate`]) a model, leaving external-data
+/// references untouched (lossless; tensors with external data are not sized).
 pub fn load_model(path: &Path) -> Result<ModelProto, ModelError> {
+    let model = read_model(path)?;
+    checked(model, path)
+}
+
+/// [`crate::validate::validate`] as a [`ModelError`] naming `path`.
+pub fn checked(model: ModelProto, path: &Path) -> Result<ModelProto, ModelError> {
+    match crate::validate::validate(&model) {
+        Ok(()) => Ok(model),
+        Err(errors) => Err(ModelError::Invalid {
+            path: path.to_path_buf(),
+            errors,
+        }),
+    }
+}
+
+/// Reads and decodes a model, not validated.
+fn read_model(path: &Path) -> Result<ModelProto, ModelError> {
     let bytes = crate::input::read_regular(path).map_err(|source| {
         if source.kind() == io::ErrorKind::NotFound {
             ModelError::NotFound {
@@ -189,18 +214,18 @@ pub fn load_model(path: &Path) -> Result<ModelProto, ModelError> {
 /// Reads a model and inlines all its external data (see [`load_external_data`]); the
 /// locations are resolved relative to the folder of `path`.
 pub fn load_model_with_data(path: &Path) -> Result<ModelProto, ModelError> {
-    let mut model = load_model(path)?;
+    let mut model = read_model(path)?;
     resolve_external_data(&mut model, &model_dir(path), path)?;
-    Ok(model)
+    checked(model, path)
 }
 
 /// [`load_model_with_data`], and the files it read: `path` and the external data files.
 pub fn load_model_with_data_listing(path: &Path) -> Result<(ModelProto, Vec<PathBuf>), ModelError> {
-    let mut model = load_model(path)?;
+    let mut model = read_model(path)?;
     let mut files = vec![path.to_path_buf()];
     files.extend(external_data_files(&model, &model_dir(path)));
     resolve_external_data(&mut model, &model_dir(path), path)?;
-    Ok((model, files))
+    Ok((checked(model, path)?, files))
 }
 
 /// The files `model`'s external-data entries name, resolved against `model_dir` (each
@@ -543,6 +568,28 @@ fn resolve_external_data(
     })
 }
 
+/// Why [`confine`] refused a path.
+#[derive(Debug)]
+pub enum Confinement {
+    /// It could not be resolved (e.g. it does not exist).
+    Io(io::Error),
+    /// After symlinks are followed it lies outside the folder.
+    Outside { resolved: PathBuf },
+}
+
+/// Where `file` really is once symlinks are followed, when that is inside
+/// `canonical_folder` (itself canonical, e.g. from `fs::canonicalize`): the one rule for
+/// files a model or checkpoint names next to itself (ONNX external data, the checkpoint's
+/// `.data` file), so a symlink cannot make us read from elsewhere.
+pub fn confine(canonical_folder: &Path, file: &Path) -> Result<PathBuf, Confinement> {
+    let resolved = fs::canonicalize(file).map_err(Confinement::Io)?;
+    if resolved.starts_with(canonical_folder) {
+        Ok(resolved)
+    } else {
+        Err(Confinement::Outside { resolved })
+    }
+}
+
 fn tensor_label(tensor: &TensorProto, context: &str) -> String {
     match tensor.name.as_deref() {
         Some(n) if !n.is_empty() => format!("'{n}' ({context})"),
@@ -612,30 +659,27 @@ fn read_external(
         return Err(unsafe_location("'..' components are not allowed"));
     }
     let joined = model_dir.join(rel);
-    let resolved = fs::canonicalize(&joined).map_err(|source| {
-        if source.kind() == io::ErrorKind::NotFound {
+    let resolved = confine(canonical_dir, &joined).map_err(|e| match e {
+        Confinement::Outside { resolved } => unsafe_location(&format!(
+            "it resolves to {}, outside the model folder {}",
+            resolved.display(),
+            canonical_dir.display()
+        )),
+        Confinement::Io(source) if source.kind() == io::ErrorKind::NotFound => {
             ModelError::ExternalFileMissing {
                 model: label.to_path_buf(),
                 tensor: name.to_string(),
                 location: location.to_string(),
                 file: joined.clone(),
             }
-        } else {
-            ModelError::ExternalRead {
-                model: label.to_path_buf(),
-                tensor: name.to_string(),
-                location: location.to_string(),
-                source,
-            }
         }
+        Confinement::Io(source) => ModelError::ExternalRead {
+            model: label.to_path_buf(),
+            tensor: name.to_string(),
+            location: location.to_string(),
+            source,
+        },
     })?;
-    if !resolved.starts_with(canonical_dir) {
-        return Err(unsafe_location(&format!(
-            "it resolves to {}, outside the model folder {}",
-            resolved.display(),
-            canonical_dir.display()
-        )));
-    }
     let read_err = |source: io::Error| ModelError::ExternalRead {
         model: label.to_path_buf(),
         tensor: name.to_string(),

@@ -283,8 +283,18 @@ fn tiny_model() -> ModelProto {
             ],
             input: vec![
                 vi("X", &[512]),
+                // A bool scalar (a graph input needs a type to load).
                 ValueInfoProto {
                     name: Some("cond".into()),
+                    r#type: Some({
+                        let mut t = float_type(&[]);
+                        if let Some(onnx_ga::proto::type_proto::Value::TensorType(tt)) =
+                            &mut t.value
+                        {
+                            tt.elem_type = Some(9);
+                        }
+                        t
+                    }),
                     ..Default::default()
                 },
             ],
