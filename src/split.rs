@@ -38,6 +38,8 @@ pub enum SplitError {
         have: usize,
         want: usize,
     },
+    #[error("{0}")]
+    NotTheApplyRegion(String),
     #[error("specialising the step for '{branch}' produced an invalid graph: {errors}")]
     Invalid { branch: String, errors: String },
 }
@@ -69,6 +71,7 @@ pub fn split_step(
     let Some(trigger) = manifest.apply.clone() else {
         return Ok(None);
     };
+    check_apply_region(model, manifest).map_err(SplitError::NotTheApplyRegion)?;
     let accumulate = specialise(
         model,
         manifest,
@@ -353,4 +356,131 @@ pub fn micro_step_input(manifest: &Manifest) -> Option<&str> {
         .iter()
         .find(|e| e.role == Role::MicroStep)
         .map(|e| e.input.as_str())
+}
+
+/// Checks that the main-graph `If` the manifest's trigger names is the apply region the
+/// manifest describes, so that running either branch on the host's decision trains like
+/// the graph itself: its condition is `Or(GreaterOrEqual(Add(micro_step, 1), steps),
+/// flush)` over the manifest's micro-step state, steps and flush inputs, its else-branch
+/// passes every parameter through unchanged and its then-branch updates every one. `Ok`
+/// for a step without an `If` trigger. The error says what differs.
+pub fn check_apply_region(model: &ModelProto, manifest: &Manifest) -> Result<(), String> {
+    let Some(trigger) = &manifest.apply else {
+        return Ok(());
+    };
+    let Some(graph) = model.graph.as_ref() else {
+        return Err("the model has no graph".into());
+    };
+    let node = trigger.node.as_str();
+    let if_node = graph
+        .node
+        .iter()
+        .find(|n| n.op_type() == "If" && n.name() == node)
+        .ok_or_else(|| {
+            format!(
+                "the step has no main-graph If node named '{node}' (the manifest's apply region)"
+            )
+        })?;
+    let producer = |v: &str| graph.node.iter().find(|n| n.output.iter().any(|o| o == v));
+    let bad = |what: String| {
+        Err(format!(
+            "the If '{node}' is not the apply region the manifest describes: {what}"
+        ))
+    };
+    // The condition.
+    let cond = if_node.input.first().map(String::as_str).unwrap_or("");
+    let Some(or) = producer(cond).filter(|n| n.op_type() == "Or" && n.input.len() == 2) else {
+        return bad(format!(
+            "its condition '{cond}' is not an Or of the window test and '{}'",
+            trigger.flush
+        ));
+    };
+    let Some(full) = or.input.iter().find(|i| **i != trigger.flush) else {
+        return bad(format!(
+            "its condition does not read the flush input '{}'",
+            trigger.flush
+        ));
+    };
+    if !or.input.contains(&trigger.flush) {
+        return bad(format!(
+            "its condition does not read the flush input '{}'",
+            trigger.flush
+        ));
+    }
+    let Some(ge) = producer(full).filter(|n| {
+        n.op_type() == "GreaterOrEqual" && n.input.len() == 2 && n.input[1] == trigger.steps
+    }) else {
+        return bad(format!(
+            "'{full}' is not GreaterOrEqual(micro_step + 1, '{}')",
+            trigger.steps
+        ));
+    };
+    let Some(micro_step) = micro_step_input(manifest) else {
+        return bad("the manifest has no micro_step state".into());
+    };
+    let is_one = |v: &str| {
+        let tensor = graph
+            .initializer
+            .iter()
+            .find(|t| t.name() == v)
+            .cloned()
+            .or_else(|| {
+                producer(v)
+                    .filter(|n| n.op_type() == "Constant")
+                    .and_then(|n| n.attribute.iter().find(|a| a.name() == "value"))
+                    .and_then(|a| a.t.clone())
+            });
+        tensor.is_some_and(|t| {
+            let raw = t.raw_data.as_deref();
+            t.data_type() == crate::proto::tensor_proto::DataType::Int64 as i32
+                && t.dims.iter().product::<i64>() == 1
+                && (raw == Some(&1i64.to_le_bytes()[..]) || (raw.is_none() && t.int64_data == [1]))
+        })
+    };
+    let count_ok = producer(&ge.input[0]).is_some_and(|n| {
+        n.op_type() == "Add"
+            && n.input.len() == 2
+            && ((n.input[0] == micro_step && is_one(&n.input[1]))
+                || (n.input[1] == micro_step && is_one(&n.input[0])))
+    });
+    if !count_ok {
+        return bad(format!("'{}' is not '{micro_step}' + 1", ge.input[0]));
+    }
+    // The branches.
+    let params: Vec<&str> = manifest
+        .state
+        .iter()
+        .filter(|e| e.role == Role::Param)
+        .map(|e| e.input.as_str())
+        .collect();
+    for (branch, updates) in [("else_branch", false), ("then_branch", true)] {
+        let Some(body) = if_node
+            .attribute
+            .iter()
+            .find(|a| a.name() == branch && a.r#type() == AttributeType::Graph)
+            .and_then(|a| a.g.as_ref())
+        else {
+            return bad(format!("it has no {branch}"));
+        };
+        if body.output.len() != if_node.output.len() {
+            return bad(format!(
+                "its {branch} has {} outputs, the If {}",
+                body.output.len(),
+                if_node.output.len()
+            ));
+        }
+        let unchanged = Inliner::new(graph, body, manifest)
+            .plan(if_node, body)
+            .unchanged;
+        for p in &params {
+            if unchanged.contains(*p) == updates {
+                return bad(if updates {
+                    format!("its then_branch (taken when the window ends) leaves parameter '{p}' unchanged: are the branches swapped?")
+                } else {
+                    format!("its else_branch (taken inside a window) changes parameter '{p}': are the branches swapped?")
+                });
+            }
+        }
+    }
+    Ok(())
 }

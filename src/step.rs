@@ -57,7 +57,7 @@ impl Manifest {
         }
         let state_text = get(state::STATE_KEY)?;
         let data_text = get(state::DATA_INPUTS_KEY)?;
-        Ok(Manifest {
+        let manifest = Manifest {
             state: serde_json::from_str(&state_text)
                 .map_err(|e| json(state::STATE_KEY, e.to_string()))?,
             data_inputs: serde_json::from_str(&data_text)
@@ -73,7 +73,43 @@ impl Manifest {
                 Err(_) => None,
             },
             learning_rate: get(state::LEARNING_RATE_KEY).ok(),
-        })
+        };
+        if manifest.state.is_empty() {
+            return Err(StepError::NotAStep(format!(
+                "metadata '{}' lists no state (no parameters, no counters): there is nothing \
+                 to train",
+                state::STATE_KEY
+            )));
+        }
+        // Every name the manifest gives is the graph's: a host feeds and reads them. (A
+        // header without its graph, e.g. `ir::Model::header`, has nothing to check.)
+        if let Some(graph) = model.graph.as_ref() {
+            let inputs: std::collections::HashSet<&str> =
+                graph.input.iter().map(|i| i.name()).collect();
+            let outputs: std::collections::HashSet<&str> =
+                graph.output.iter().map(|o| o.name()).collect();
+            let missing = |what: &str, name: &str, side: &str| {
+                StepError::NotAStep(format!(
+                    "metadata '{}': {what} '{name}' is not a graph {side} of the step",
+                    state::STATE_KEY
+                ))
+            };
+            for e in &manifest.state {
+                if !inputs.contains(e.input.as_str()) {
+                    return Err(missing("state input", &e.input, "input"));
+                }
+                if !outputs.contains(e.output.as_str()) {
+                    return Err(missing("state output", &e.output, "output"));
+                }
+            }
+            for d in &manifest.data_inputs {
+                if !inputs.contains(d.as_str()) {
+                    return Err(missing("data input", d, "input"));
+                }
+            }
+            crate::split::check_apply_region(model, &manifest).map_err(StepError::NotAStep)?;
+        }
+        Ok(manifest)
     }
 
     /// The manifest as metadata entries (key, value), in a fixed order.
