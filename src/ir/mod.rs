@@ -20,6 +20,7 @@ mod export;
 mod import;
 mod names;
 pub mod print;
+pub mod text;
 pub mod verify;
 
 pub(crate) use export::topological_order;

@@ -1,0 +1,1076 @@
+//! Parses ONNX's textual syntax (the language of `onnx.parser` / `onnx.printer`, onnx's
+//! docs/Syntax.md) into a `ModelProto`, so that tests can state their input graphs as text
+//! that reads like the printer's output (`tests/cases/**/*.onnxtxt`).
+//!
+//! What it accepts, and how it differs from onnx 1.23's own parser (whose output it matches
+//! field for field on what both accept: the unit tests compare with references that
+//! onnx made, tests/data/text, from scripts/text-parser-references.py):
+//! - a model: the `<key: value, ...>` header (ir_version, opset_import, producer_name,
+//!   producer_version, domain, model_version, doc_string, metadata_props), then one graph;
+//!   no functions.
+//! - a graph: `name (inputs) => (outputs) <initializers and value infos> { nodes }`. An input
+//!   with `= {values}` is also an initializer; an entry of the `<...>` list is an initializer
+//!   when it has values and a value info when it has none, as in onnx.
+//! - types: tensors (`float`, a scalar; `float[]`, unknown rank; `float[N,?,4]`), `seq(..)`,
+//!   `optional(..)`, `map(key, ..)`, `sparse_tensor(..)`.
+//! - nodes: `[label]` name, domain-qualified op types (`com.microsoft.Gelu`: the domain is
+//!   everything before the last dot), attributes before or after the inputs, empty optional
+//!   inputs (`""`, or a gap between commas).
+//! - attributes: int, float (with `inf`, `nan`), string, lists of those, tensors
+//!   (`float[2] {1, 2}`), graphs (an `If` branch), `@ref`; an optional `: type` annotation.
+//!   Lists of tensors or graphs are refused (onnx 1.23 silently drops their elements).
+//! - a superset on purpose: plain identifiers may contain dots (`w.m`), as the printer writes
+//!   them, and a tensor whose value count differs from its shape is an error, not a silently
+//!   short tensor.
+//! - `#` starts a comment to the end of the line, as in onnx: the printer's `# pass` marks
+//!   and a test case's `# key: value` lines are comments to the parser.
+//!
+//! Every error names the line and column (1-based) where the parser stopped.
+
+use std::fmt;
+
+use crate::proto::attribute_proto::AttributeType;
+use crate::proto::tensor_proto::DataType;
+use crate::proto::tensor_shape_proto::{dimension, Dimension};
+use crate::proto::{
+    type_proto, AttributeProto, GraphProto, ModelProto, NodeProto, OperatorSetIdProto,
+    StringStringEntryProto, TensorProto, TensorShapeProto, TypeProto, ValueInfoProto,
+};
+
+/// A syntax error at a 1-based line and column.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParseError {
+    pub line: usize,
+    pub column: usize,
+    pub message: String,
+}
+
+impl fmt::Display for ParseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}: {}", self.line, self.column, self.message)
+    }
+}
+
+impl std::error::Error for ParseError {}
+
+/// Parses a whole model: header, then the main graph.
+pub fn parse_model(text: &str) -> Result<ModelProto, ParseError> {
+    let mut parser = Parser::new(text);
+    let model = parser.model()?;
+    parser.skip_blank();
+    if !parser.at_end() {
+        return Err(parser.error("expected the end of the text after the graph"));
+    }
+    Ok(model)
+}
+
+/// Parses one graph (`name (inputs) => (outputs) {...}`), without a model header.
+pub fn parse_graph(text: &str) -> Result<GraphProto, ParseError> {
+    let mut parser = Parser::new(text);
+    let graph = parser.graph()?;
+    parser.skip_blank();
+    if !parser.at_end() {
+        return Err(parser.error("expected the end of the text after the graph"));
+    }
+    Ok(graph)
+}
+
+/// A number as written: the syntax decides int or float, the attribute type may widen.
+#[derive(Clone, Copy, Debug)]
+enum Number {
+    Int(i64),
+    Float(f64),
+}
+
+/// One element of an attribute list or of a tensor's values.
+#[derive(Clone, Debug)]
+enum Constant {
+    Number(Number),
+    Text(Vec<u8>),
+}
+
+struct Parser<'a> {
+    text: &'a str,
+    /// Byte offset of the next character.
+    offset: usize,
+}
+
+impl<'a> Parser<'a> {
+    fn new(text: &'a str) -> Self {
+        Parser { text, offset: 0 }
+    }
+
+    // ---- characters and positions ------------------------------------------------------
+
+    fn rest(&self) -> &'a str {
+        &self.text[self.offset..]
+    }
+
+    fn at_end(&self) -> bool {
+        self.offset >= self.text.len()
+    }
+
+    fn peek_char(&self) -> Option<char> {
+        self.rest().chars().next()
+    }
+
+    fn position(&self, offset: usize) -> (usize, usize) {
+        let before = &self.text[..offset];
+        let line = before.matches('\n').count() + 1;
+        let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+        let column = self.text[line_start..offset].chars().count() + 1;
+        (line, column)
+    }
+
+    fn error(&self, message: impl Into<String>) -> ParseError {
+        self.error_at(self.offset, message)
+    }
+
+    fn error_at(&self, offset: usize, message: impl Into<String>) -> ParseError {
+        let (line, column) = self.position(offset);
+        ParseError {
+            line,
+            column,
+            message: message.into(),
+        }
+    }
+
+    /// Skips whitespace and `#` comments.
+    fn skip_blank(&mut self) {
+        loop {
+            let rest = self.rest();
+            let trimmed = rest.trim_start();
+            self.offset += rest.len() - trimmed.len();
+            if trimmed.starts_with('#') {
+                let end = trimmed.find('\n').unwrap_or(trimmed.len());
+                self.offset += end;
+            } else {
+                return;
+            }
+        }
+    }
+
+    /// The next significant character, without consuming it.
+    fn peek(&mut self) -> Option<char> {
+        self.skip_blank();
+        self.peek_char()
+    }
+
+    fn peek_is(&mut self, token: &str) -> bool {
+        self.skip_blank();
+        self.rest().starts_with(token)
+    }
+
+    /// Consumes `token` if it comes next.
+    fn accept(&mut self, token: &str) -> bool {
+        if self.peek_is(token) {
+            self.offset += token.len();
+            true
+        } else {
+            false
+        }
+    }
+
+    fn expect(&mut self, token: &str, what: &str) -> Result<(), ParseError> {
+        if self.accept(token) {
+            Ok(())
+        } else {
+            Err(self.error(format!("expected '{token}' {what}, found {}", self.found())))
+        }
+    }
+
+    /// What comes next, for error messages.
+    fn found(&self) -> String {
+        let rest = self.rest().trim_start();
+        match rest.chars().next() {
+            None => "the end of the text".into(),
+            Some(_) => {
+                let snippet: String = rest
+                    .chars()
+                    .take_while(|c| !c.is_whitespace())
+                    .take(20)
+                    .collect();
+                format!("'{snippet}'")
+            }
+        }
+    }
+
+    // ---- tokens ------------------------------------------------------------------------
+
+    /// An identifier: a letter or `_`, then letters, digits, `_` and `.` (onnx's own parser
+    /// takes no dots in value names; the printer writes them, so they are accepted).
+    fn identifier(&mut self, what: &str) -> Result<String, ParseError> {
+        self.try_identifier()
+            .ok_or_else(|| self.error(format!("expected {what}, found {}", self.found_plain())))
+    }
+
+    fn found_plain(&self) -> String {
+        match self.peek_char() {
+            None => "the end of the text".into(),
+            Some(c) => format!("'{c}'"),
+        }
+    }
+
+    fn try_identifier(&mut self) -> Option<String> {
+        self.skip_blank();
+        let rest = self.rest();
+        let mut chars = rest.char_indices();
+        match chars.next() {
+            Some((_, c)) if c.is_ascii_alphabetic() || c == '_' => {}
+            _ => return None,
+        }
+        let end = chars
+            .find(|(_, c)| !(c.is_ascii_alphanumeric() || *c == '_' || *c == '.'))
+            .map_or(rest.len(), |(i, _)| i);
+        self.offset += end;
+        Some(rest[..end].to_string())
+    }
+
+    /// The identifier that comes next, without consuming it.
+    fn peek_identifier(&mut self) -> Option<String> {
+        let start = self.offset;
+        let id = self.try_identifier();
+        self.offset = start;
+        id
+    }
+
+    /// A double-quoted string; a backslash takes the next character literally, as in onnx.
+    fn quoted(&mut self) -> Result<Vec<u8>, ParseError> {
+        self.skip_blank();
+        let start = self.offset;
+        if !self.accept("\"") {
+            return Err(self.error(format!("expected a quoted string, found {}", self.found())));
+        }
+        let mut out = Vec::new();
+        let mut chars = self.rest().char_indices();
+        loop {
+            match chars.next() {
+                None => return Err(self.error_at(start, "unterminated string")),
+                Some((i, '"')) => {
+                    self.offset += i + 1;
+                    return Ok(out);
+                }
+                Some((_, '\\')) => match chars.next() {
+                    Some((_, c)) => out.extend(c.to_string().as_bytes()),
+                    None => return Err(self.error_at(start, "unterminated string")),
+                },
+                Some((_, c)) => out.extend(c.to_string().as_bytes()),
+            }
+        }
+    }
+
+    fn quoted_text(&mut self) -> Result<String, ParseError> {
+        let start = self.offset;
+        String::from_utf8(self.quoted()?).map_err(|_| self.error_at(start, "string is not UTF-8"))
+    }
+
+    /// `id` or `"any text"`.
+    fn quotable_identifier(&mut self, what: &str) -> Result<String, ParseError> {
+        if self.peek() == Some('"') {
+            self.quoted_text()
+        } else {
+            self.identifier(what)
+        }
+    }
+
+    fn at_number(&mut self) -> bool {
+        self.skip_blank();
+        let mut chars = self.rest().chars();
+        match chars.next() {
+            Some(c) if c.is_ascii_digit() => true,
+            Some('-') => chars.next().is_some_and(|c| c.is_ascii_digit() || c == 'i'),
+            _ => false,
+        }
+    }
+
+    /// An int (`-12`) or a float (`1.5`, `2.`, `1e-3`, `inf`, `-inf`, `nan`).
+    fn number(&mut self) -> Result<Number, ParseError> {
+        self.skip_blank();
+        let start = self.offset;
+        let rest = self.rest();
+        let negative = rest.starts_with('-');
+        let body = &rest[negative as usize..];
+        for word in ["inf", "nan"] {
+            if body.starts_with(word)
+                && !body[word.len()..].starts_with(|c: char| c.is_ascii_alphanumeric() || c == '_')
+            {
+                self.offset += negative as usize + word.len();
+                let value = if word == "inf" {
+                    f64::INFINITY
+                } else {
+                    f64::NAN
+                };
+                return Ok(Number::Float(if negative { -value } else { value }));
+            }
+        }
+        let bytes = body.as_bytes();
+        let mut end = 0;
+        let digits = |end: &mut usize| {
+            let from = *end;
+            while *end < bytes.len() && bytes[*end].is_ascii_digit() {
+                *end += 1;
+            }
+            *end > from
+        };
+        if !digits(&mut end) {
+            return Err(self.error(format!("expected a number, found {}", self.found())));
+        }
+        let mut is_float = false;
+        if end < bytes.len() && bytes[end] == b'.' {
+            is_float = true;
+            end += 1;
+            digits(&mut end);
+        }
+        if end < bytes.len() && (bytes[end] == b'e' || bytes[end] == b'E') {
+            let mut exponent = end + 1;
+            if exponent < bytes.len() && (bytes[exponent] == b'+' || bytes[exponent] == b'-') {
+                exponent += 1;
+            }
+            if digits(&mut exponent) {
+                is_float = true;
+                end = exponent;
+            }
+        }
+        let literal = &rest[..negative as usize + end];
+        self.offset += literal.len();
+        if is_float {
+            literal
+                .parse::<f64>()
+                .map(Number::Float)
+                .map_err(|_| self.error_at(start, format!("'{literal}' is not a float")))
+        } else {
+            literal
+                .parse::<i64>()
+                .map(Number::Int)
+                .map_err(|_| self.error_at(start, format!("'{literal}' does not fit an int64")))
+        }
+    }
+
+    fn integer(&mut self, what: &str) -> Result<i64, ParseError> {
+        let start = self.offset;
+        match self.number()? {
+            Number::Int(i) => Ok(i),
+            Number::Float(_) => Err(self.error_at(start, format!("expected an integer {what}"))),
+        }
+    }
+
+    /// A comma-separated list up to `close`; `item` parses one element.
+    fn list<T>(
+        &mut self,
+        close: &str,
+        what: &str,
+        mut item: impl FnMut(&mut Self) -> Result<T, ParseError>,
+    ) -> Result<Vec<T>, ParseError> {
+        let mut items = Vec::new();
+        if self.accept(close) {
+            return Ok(items);
+        }
+        loop {
+            items.push(item(self)?);
+            if self.accept(close) {
+                return Ok(items);
+            }
+            self.expect(",", &format!("or '{close}' in {what}"))?;
+        }
+    }
+
+    // ---- model -------------------------------------------------------------------------
+
+    fn model(&mut self) -> Result<ModelProto, ParseError> {
+        let mut model = ModelProto::default();
+        if self.accept("<") {
+            self.list(">", "the model header", |p| p.header_entry(&mut model))?;
+        }
+        model.graph = Some(self.graph()?);
+        Ok(model)
+    }
+
+    fn header_entry(&mut self, model: &mut ModelProto) -> Result<(), ParseError> {
+        let start = self.offset;
+        let key = self.identifier("a model header key")?;
+        self.expect(":", &format!("after '{key}'"))?;
+        match key.as_str() {
+            "ir_version" => model.ir_version = Some(self.integer("ir_version")?),
+            "model_version" => model.model_version = Some(self.integer("model_version")?),
+            "producer_name" => model.producer_name = Some(self.quoted_text()?),
+            "producer_version" => model.producer_version = Some(self.quoted_text()?),
+            "domain" => model.domain = Some(self.quoted_text()?),
+            "doc_string" => model.doc_string = Some(self.quoted_text()?),
+            "opset_import" => {
+                self.expect("[", "to open opset_import")?;
+                model.opset_import = self.list("]", "opset_import", |p| {
+                    let domain = p.quoted_text()?;
+                    p.expect(":", "between an opset's domain and version")?;
+                    let version = p.integer("opset version")?;
+                    Ok(OperatorSetIdProto {
+                        domain: Some(domain),
+                        version: Some(version),
+                    })
+                })?;
+            }
+            "metadata_props" => {
+                self.expect("[", "to open metadata_props")?;
+                model.metadata_props = self.string_pairs()?;
+            }
+            _ => return Err(self.error_at(start, format!("unknown model header key '{key}'"))),
+        }
+        Ok(())
+    }
+
+    /// `"key": "value", ...]` (the `[` already read).
+    fn string_pairs(&mut self) -> Result<Vec<StringStringEntryProto>, ParseError> {
+        self.list("]", "a list of string pairs", |p| {
+            let key = p.quoted_text()?;
+            p.expect(":", "between a key and its value")?;
+            let value = p.quoted_text()?;
+            Ok(StringStringEntryProto {
+                key: Some(key),
+                value: Some(value),
+            })
+        })
+    }
+
+    // ---- graph -------------------------------------------------------------------------
+
+    fn graph(&mut self) -> Result<GraphProto, ParseError> {
+        let mut graph = GraphProto {
+            name: Some(self.quotable_identifier("a graph name")?),
+            ..Default::default()
+        };
+        self.expect("(", "to open the graph inputs")?;
+        let inputs = self.list(")", "the graph inputs", |p| p.value_info_or_initializer())?;
+        for (info, initializer) in inputs {
+            graph.input.push(info);
+            graph.initializer.extend(initializer);
+        }
+        self.expect("=>", "between the graph inputs and outputs")?;
+        self.expect("(", "to open the graph outputs")?;
+        graph.output = self.list(")", "the graph outputs", |p| p.value_info())?;
+        if self.accept("<") {
+            let entries = self.list(">", "the initializer list", |p| {
+                p.value_info_or_initializer()
+            })?;
+            for (info, initializer) in entries {
+                match initializer {
+                    Some(tensor) => graph.initializer.push(tensor),
+                    None => graph.value_info.push(info),
+                }
+            }
+        }
+        self.expect("{", "to open the graph's nodes")?;
+        while !self.accept("}") {
+            if self.at_end() {
+                return Err(self.error("expected '}' to close the graph's nodes"));
+            }
+            graph.node.push(self.node()?);
+        }
+        Ok(graph)
+    }
+
+    fn value_info(&mut self) -> Result<ValueInfoProto, ParseError> {
+        let ty = self.type_proto()?;
+        let name = self.quotable_identifier("a value name")?;
+        Ok(ValueInfoProto {
+            name: Some(name),
+            r#type: Some(ty),
+            ..Default::default()
+        })
+    }
+
+    /// `type name` or `type name = {values}` (then also an initializer).
+    fn value_info_or_initializer(
+        &mut self,
+    ) -> Result<(ValueInfoProto, Option<TensorProto>), ParseError> {
+        let type_start = {
+            self.skip_blank();
+            self.offset
+        };
+        let info = self.value_info()?;
+        if !self.accept("=") {
+            return Ok((info, None));
+        }
+        let Some(type_proto::Value::TensorType(tensor)) =
+            info.r#type.as_ref().and_then(|t| t.value.as_ref())
+        else {
+            return Err(self.error_at(type_start, "only a tensor can have a value"));
+        };
+        let dims = match &tensor.shape {
+            None => {
+                return Err(self.error_at(type_start, "a tensor with a value needs a shape"));
+            }
+            Some(shape) => shape
+                .dim
+                .iter()
+                .map(|d| match d.value {
+                    Some(dimension::Value::DimValue(v)) => Ok(v),
+                    _ => Err(self.error_at(type_start, "a tensor with a value needs known dims")),
+                })
+                .collect::<Result<Vec<i64>, ParseError>>()?,
+        };
+        let tensor = self.tensor_values(tensor.elem_type(), dims, info.name().to_string())?;
+        Ok((info, Some(tensor)))
+    }
+
+    // ---- types -------------------------------------------------------------------------
+
+    fn type_proto(&mut self) -> Result<TypeProto, ParseError> {
+        self.skip_blank();
+        let start = self.offset;
+        let word = self.identifier("a type")?;
+        let value = match word.as_str() {
+            "seq" => {
+                self.expect("(", "after seq")?;
+                let elem = self.type_proto()?;
+                self.expect(")", "to close seq(...)")?;
+                type_proto::Value::SequenceType(Box::new(type_proto::Sequence {
+                    elem_type: Some(Box::new(elem)),
+                }))
+            }
+            "optional" => {
+                self.expect("(", "after optional")?;
+                let elem = self.type_proto()?;
+                self.expect(")", "to close optional(...)")?;
+                type_proto::Value::OptionalType(Box::new(type_proto::Optional {
+                    elem_type: Some(Box::new(elem)),
+                }))
+            }
+            "map" => {
+                self.expect("(", "after map")?;
+                let key_start = self.offset;
+                let key = self.identifier("a map key type")?;
+                let key_type = element_type(&key)
+                    .ok_or_else(|| self.error_at(key_start, format!("unknown type '{key}'")))?;
+                self.expect(",", "after the map's key type")?;
+                let value = self.type_proto()?;
+                self.expect(")", "to close map(...)")?;
+                type_proto::Value::MapType(Box::new(type_proto::Map {
+                    key_type: Some(key_type as i32),
+                    value_type: Some(Box::new(value)),
+                }))
+            }
+            "sparse_tensor" => {
+                self.expect("(", "after sparse_tensor")?;
+                let elem_start = self.offset;
+                let elem = self.identifier("an element type")?;
+                let elem_type = element_type(&elem)
+                    .ok_or_else(|| self.error_at(elem_start, format!("unknown type '{elem}'")))?;
+                let shape = self.shape()?;
+                self.expect(")", "to close sparse_tensor(...)")?;
+                type_proto::Value::SparseTensorType(type_proto::SparseTensor {
+                    elem_type: Some(elem_type as i32),
+                    shape,
+                })
+            }
+            _ => {
+                let elem_type = element_type(&word)
+                    .ok_or_else(|| self.error_at(start, format!("unknown type '{word}'")))?;
+                type_proto::Value::TensorType(type_proto::Tensor {
+                    elem_type: Some(elem_type as i32),
+                    shape: self.shape()?,
+                })
+            }
+        };
+        Ok(TypeProto {
+            value: Some(value),
+            denotation: None,
+        })
+    }
+
+    /// After an element type: nothing (a scalar: an empty shape), `[]` (unknown rank: no
+    /// shape), or `[d, ...]` with `?`, a name or a size for each dim.
+    fn shape(&mut self) -> Result<Option<TensorShapeProto>, ParseError> {
+        // `float[` must follow the type directly? onnx allows blanks; so do we.
+        if !self.accept("[") {
+            return Ok(Some(TensorShapeProto::default()));
+        }
+        if self.accept("]") {
+            return Ok(None);
+        }
+        let dim = self.list("]", "a shape", |p| {
+            let value = if p.accept("?") {
+                None
+            } else if p.at_number() {
+                Some(dimension::Value::DimValue(p.integer("dim")?))
+            } else {
+                Some(dimension::Value::DimParam(
+                    p.quotable_identifier("a dim (a size, a name or '?')")?,
+                ))
+            };
+            Ok(Dimension {
+                value,
+                denotation: None,
+            })
+        })?;
+        Ok(Some(TensorShapeProto { dim }))
+    }
+
+    // ---- tensors -----------------------------------------------------------------------
+
+    /// `{v, ...}` for a tensor of `elem_type` and `dims`, stored in the typed field onnx's
+    /// parser uses (float_data, int64_data, int32_data for the narrow ints, bool and 16-bit
+    /// floats as their raw integer, ...).
+    fn tensor_values(
+        &mut self,
+        elem_type: i32,
+        dims: Vec<i64>,
+        name: String,
+    ) -> Result<TensorProto, ParseError> {
+        self.skip_blank();
+        let start = self.offset;
+        self.expect("{", "to open the tensor's values")?;
+        let values = self.list("}", "the tensor's values", |p| p.constant())?;
+        let mut tensor = TensorProto {
+            dims,
+            data_type: Some(elem_type),
+            name: Some(name),
+            ..Default::default()
+        };
+        let expected: i64 = tensor.dims.iter().product();
+        if expected != values.len() as i64 {
+            return Err(self.error_at(
+                start,
+                format!(
+                    "the tensor's shape {:?} holds {expected} values, {} given",
+                    tensor.dims,
+                    values.len()
+                ),
+            ));
+        }
+        let kind = DataType::try_from(elem_type).unwrap_or(DataType::Undefined);
+        let number = |c: &Constant| match c {
+            Constant::Number(n) => Ok(*n),
+            Constant::Text(_) => Err(self.error_at(start, "a string among numbers")),
+        };
+        let int = |c: &Constant| match number(c)? {
+            Number::Int(i) => Ok(i),
+            Number::Float(_) => Err(self.error_at(
+                start,
+                format!("a {} tensor takes integers", kind.as_str_name()),
+            )),
+        };
+        let float = |c: &Constant| {
+            number(c).map(|n| match n {
+                Number::Int(i) => i as f64,
+                Number::Float(f) => f,
+            })
+        };
+        match kind {
+            DataType::Float => {
+                for v in &values {
+                    let f = float(v)?;
+                    if f.is_finite() && f.abs() > f32::MAX as f64 {
+                        return Err(self.error_at(start, format!("{f} is beyond float32")));
+                    }
+                    tensor.float_data.push(f as f32);
+                }
+            }
+            DataType::Double => {
+                for v in &values {
+                    tensor.double_data.push(float(v)?);
+                }
+            }
+            DataType::Int64 => {
+                for v in &values {
+                    tensor.int64_data.push(int(v)?);
+                }
+            }
+            DataType::Int32
+            | DataType::Int16
+            | DataType::Int8
+            | DataType::Uint16
+            | DataType::Uint8
+            | DataType::Bool
+            | DataType::Float16
+            | DataType::Bfloat16 => {
+                for v in &values {
+                    let i = int(v)?;
+                    let narrow = i32::try_from(i)
+                        .map_err(|_| self.error_at(start, format!("{i} does not fit int32")))?;
+                    tensor.int32_data.push(narrow);
+                }
+            }
+            DataType::Uint32 | DataType::Uint64 => {
+                for v in &values {
+                    let i = int(v)?;
+                    let unsigned = u64::try_from(i)
+                        .map_err(|_| self.error_at(start, format!("{i} is negative")))?;
+                    tensor.uint64_data.push(unsigned);
+                }
+            }
+            DataType::String => {
+                for v in &values {
+                    match v {
+                        Constant::Text(s) => tensor.string_data.push(s.clone()),
+                        Constant::Number(_) => {
+                            return Err(self.error_at(start, "a string tensor takes strings"));
+                        }
+                    }
+                }
+            }
+            other => {
+                return Err(self.error_at(
+                    start,
+                    format!(
+                        "values of a {} tensor are not supported",
+                        other.as_str_name()
+                    ),
+                ));
+            }
+        }
+        Ok(tensor)
+    }
+
+    fn constant(&mut self) -> Result<Constant, ParseError> {
+        if self.peek() == Some('"') {
+            Ok(Constant::Text(self.quoted()?))
+        } else {
+            Ok(Constant::Number(self.number()?))
+        }
+    }
+
+    // ---- nodes -------------------------------------------------------------------------
+
+    fn node(&mut self) -> Result<NodeProto, ParseError> {
+        let mut node = NodeProto::default();
+        if self.accept("[") {
+            node.name = Some(self.quotable_identifier("a node name")?);
+            self.expect("]", "to close the node name")?;
+        }
+        node.output = self.names_until("=", "the node outputs")?;
+        self.skip_blank();
+        let op_start = self.offset;
+        let qualified = self.identifier("an op type")?;
+        let (domain, op_type) = match qualified.rsplit_once('.') {
+            Some((domain, op)) if !op.is_empty() => (domain.to_string(), op.to_string()),
+            Some(_) => return Err(self.error_at(op_start, "an op type cannot end in '.'")),
+            None => (String::new(), qualified),
+        };
+        node.op_type = Some(op_type);
+        node.domain = Some(domain);
+        if self.accept("<") {
+            node.attribute = self.attributes()?;
+        }
+        self.expect("(", "to open the node inputs")?;
+        node.input = self.names_until(")", "the node inputs")?;
+        if node.attribute.is_empty() && self.accept("<") {
+            node.attribute = self.attributes()?;
+        }
+        Ok(node)
+    }
+
+    /// Value names separated by commas up to `close` (consumed). A gap or `""` is an omitted
+    /// optional value (the empty name); a trailing comma adds nothing, as in onnx.
+    fn names_until(&mut self, close: &str, what: &str) -> Result<Vec<String>, ParseError> {
+        let mut names = Vec::new();
+        loop {
+            if self.accept(close) {
+                return Ok(names);
+            }
+            if self.peek_is(",") {
+                names.push(String::new());
+            } else {
+                names.push(self.quotable_identifier(&format!("a value name in {what}"))?);
+            }
+            if self.accept(close) {
+                return Ok(names);
+            }
+            self.expect(",", &format!("or '{close}' in {what}"))?;
+        }
+    }
+
+    /// `name (: type)? = value, ...>` (the `<` already read).
+    fn attributes(&mut self) -> Result<Vec<AttributeProto>, ParseError> {
+        self.list(">", "the attributes", |p| p.attribute())
+    }
+
+    fn attribute(&mut self) -> Result<AttributeProto, ParseError> {
+        let name = self.identifier("an attribute name")?;
+        let declared =
+            if self.accept(":") {
+                self.skip_blank();
+                let start = self.offset;
+                let word = self.identifier("an attribute type")?;
+                Some(attribute_type(&word).ok_or_else(|| {
+                    self.error_at(start, format!("unknown attribute type '{word}'"))
+                })?)
+            } else {
+                None
+            };
+        self.expect("=", &format!("after attribute '{name}'"))?;
+        self.skip_blank();
+        let start = self.offset;
+        let mut attribute = AttributeProto {
+            name: Some(name.clone()),
+            ..Default::default()
+        };
+        let mismatch = |p: &Self, found: AttributeType| {
+            p.error_at(
+                start,
+                format!(
+                    "attribute '{name}' is declared {} but its value is {}",
+                    declared.map_or("?", |d| d.as_str_name()),
+                    found.as_str_name()
+                ),
+            )
+        };
+        let found = if self.accept("@") {
+            attribute.ref_attr_name = Some(self.identifier("the referenced attribute")?);
+            attribute.r#type = declared.map(|d| d as i32);
+            return Ok(attribute);
+        } else if self.accept("[") {
+            let items = self.list("]", "the attribute's list", |p| p.list_item())?;
+            let kind = match (declared, items.first()) {
+                (Some(d), _) => d,
+                (None, Some(Constant::Text(_))) => AttributeType::Strings,
+                (None, Some(Constant::Number(Number::Int(_)))) => AttributeType::Ints,
+                (None, Some(Constant::Number(Number::Float(_)))) => AttributeType::Floats,
+                (None, None) => {
+                    return Err(self.error_at(
+                        start,
+                        format!("the empty list of '{name}' needs a type (': ints')"),
+                    ))
+                }
+            };
+            for item in items {
+                match (kind, item) {
+                    (AttributeType::Ints, Constant::Number(Number::Int(i))) => {
+                        attribute.ints.push(i)
+                    }
+                    (AttributeType::Floats, Constant::Number(Number::Int(i))) => {
+                        attribute.floats.push(i as f32)
+                    }
+                    (AttributeType::Floats, Constant::Number(Number::Float(f))) => {
+                        attribute.floats.push(f as f32)
+                    }
+                    (AttributeType::Strings, Constant::Text(s)) => attribute.strings.push(s),
+                    (AttributeType::Tensors | AttributeType::Graphs, _) => {
+                        return Err(
+                            self.error_at(start, "lists of tensors or graphs are not supported")
+                        )
+                    }
+                    (_, Constant::Text(_)) => return Err(mismatch(self, AttributeType::Strings)),
+                    (_, Constant::Number(Number::Int(_))) => {
+                        return Err(mismatch(self, AttributeType::Ints))
+                    }
+                    (_, Constant::Number(Number::Float(_))) => {
+                        return Err(mismatch(self, AttributeType::Floats))
+                    }
+                }
+            }
+            kind
+        } else if self.peek() == Some('"') {
+            attribute.s = Some(self.quoted()?);
+            AttributeType::String
+        } else if self.at_number() || self.at_word("inf") || self.at_word("nan") {
+            match (self.number()?, declared) {
+                (Number::Int(i), None | Some(AttributeType::Int)) => {
+                    attribute.i = Some(i);
+                    AttributeType::Int
+                }
+                (Number::Int(i), Some(AttributeType::Float)) => {
+                    attribute.f = Some(i as f32);
+                    AttributeType::Float
+                }
+                (Number::Float(f), None | Some(AttributeType::Float)) => {
+                    attribute.f = Some(f as f32);
+                    AttributeType::Float
+                }
+                (Number::Int(_), Some(_)) => return Err(mismatch(self, AttributeType::Int)),
+                (Number::Float(_), Some(_)) => return Err(mismatch(self, AttributeType::Float)),
+            }
+        } else {
+            let word = self
+                .peek_identifier()
+                .ok_or_else(|| self.error(format!("expected a value for attribute '{name}'")))?;
+            if element_type(&word).is_some() {
+                attribute.t = Some(self.tensor_constant()?);
+                AttributeType::Tensor
+            } else {
+                attribute.g = Some(self.graph()?);
+                AttributeType::Graph
+            }
+        };
+        if let Some(d) = declared {
+            if d != found {
+                return Err(mismatch(self, found));
+            }
+        }
+        attribute.r#type = Some(found as i32);
+        Ok(attribute)
+    }
+
+    fn at_word(&mut self, word: &str) -> bool {
+        self.peek_identifier().as_deref() == Some(word)
+    }
+
+    /// An element of an attribute list: a number or a string.
+    fn list_item(&mut self) -> Result<Constant, ParseError> {
+        if self.peek() == Some('"')
+            || self.at_number()
+            || self.at_word("inf")
+            || self.at_word("nan")
+        {
+            self.constant()
+        } else {
+            Err(self.error(format!(
+                "expected a number or a string in the list, found {} (lists of tensors or graphs are not supported)",
+                self.found()
+            )))
+        }
+    }
+
+    /// `float[2] {1, 2}` or `float[2] name = {1, 2}` as an attribute value.
+    fn tensor_constant(&mut self) -> Result<TensorProto, ParseError> {
+        self.skip_blank();
+        let start = self.offset;
+        let word = self.identifier("a tensor type")?;
+        let elem_type = element_type(&word)
+            .ok_or_else(|| self.error_at(start, format!("unknown type '{word}'")))?;
+        let dims = match self.shape()? {
+            None => Vec::new(),
+            Some(shape) => shape
+                .dim
+                .iter()
+                .map(|d| match d.value {
+                    Some(dimension::Value::DimValue(v)) => Ok(v),
+                    _ => Err(self.error_at(start, "a tensor constant needs known dims")),
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        let name = if self.peek() == Some('{') || self.peek() == Some('=') {
+            String::new()
+        } else {
+            self.quotable_identifier("a tensor name or '{'")?
+        };
+        self.accept("=");
+        self.tensor_values(elem_type as i32, dims, name)
+    }
+}
+
+/// The `TensorProto.DataType` of a type keyword (the printer's names, `print::elem_type_name`).
+fn element_type(word: &str) -> Option<DataType> {
+    let found = (1..=32)
+        .filter_map(|code| DataType::try_from(code).ok())
+        .find(|d| super::print::elem_type_name(*d as i32) == word);
+    found
+}
+
+fn attribute_type(word: &str) -> Option<AttributeType> {
+    Some(match word {
+        "int" => AttributeType::Int,
+        "float" => AttributeType::Float,
+        "string" => AttributeType::String,
+        "tensor" => AttributeType::Tensor,
+        "graph" => AttributeType::Graph,
+        "ints" => AttributeType::Ints,
+        "floats" => AttributeType::Floats,
+        "strings" => AttributeType::Strings,
+        "tensors" => AttributeType::Tensors,
+        "graphs" => AttributeType::Graphs,
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HEADER: &str = "<ir_version: 8, opset_import: [\"\" : 17]>\n";
+
+    fn graph_of(body: &str) -> GraphProto {
+        parse_model(&format!("{HEADER}{body}"))
+            .unwrap_or_else(|e| panic!("{e}"))
+            .graph
+            .unwrap()
+    }
+
+    fn error_of(body: &str) -> String {
+        parse_model(&format!("{HEADER}{body}"))
+            .expect_err("an error")
+            .to_string()
+    }
+
+    #[test]
+    fn errors_name_line_and_column() {
+        assert_eq!(
+            error_of("g (float X) => (float Y) {\n  Y = Relu(X\n}"),
+            "4:1: expected ',' or ')' in the node inputs, found '}'"
+        );
+        assert_eq!(
+            error_of("g (floot X) => (float Y) { Y = Relu(X) }"),
+            "2:4: unknown type 'floot'"
+        );
+        assert_eq!(
+            error_of("g (float X) => (float Y) { Y = Relu <alpha: int = 0.5> (X) }"),
+            "2:51: attribute 'alpha' is declared INT but its value is FLOAT"
+        );
+        assert_eq!(
+            error_of("g () => (float Y) <float[2] W = {1}> { Y = Relu(W) }"),
+            "2:33: the tensor's shape [2] holds 2 values, 1 given"
+        );
+        assert_eq!(
+            error_of("g (float X) => (float Y) { Y = Relu(X) } extra"),
+            "2:42: expected the end of the text after the graph"
+        );
+    }
+
+    /// Each tests/data/text/<case>.onnxtxt parses to the proto onnx's own parser made of it
+    /// (the .onnx beside it, from scripts/text-parser-references.py).
+    #[test]
+    fn matches_onnx_parser_references() {
+        use prost::Message;
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/text");
+        let mut checked = Vec::new();
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().and_then(|e| e.to_str()) != Some("onnxtxt") {
+                continue;
+            }
+            let source = std::fs::read_to_string(&path).unwrap();
+            let ours = parse_model(&source).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let bytes = std::fs::read(path.with_extension("onnx")).unwrap();
+            let reference = ModelProto::decode(bytes.as_slice()).unwrap();
+            assert_eq!(ours, reference, "{}", path.display());
+            checked.push(path.file_stem().unwrap().to_string_lossy().into_owned());
+        }
+        checked.sort();
+        assert_eq!(
+            checked,
+            [
+                "attributes",
+                "header",
+                "if_subgraph",
+                "initializers",
+                "nodes",
+                "types"
+            ]
+        );
+    }
+
+    #[test]
+    fn numbers_keep_their_kind() {
+        let g = graph_of(
+            "g (float X) => (float Y) { Y = Foo <a = 2, b = 2., c = -1e-3, d = -inf, e: float = 3> (X) }",
+        );
+        let a = &g.node[0].attribute;
+        assert_eq!((a[0].r#type(), a[0].i()), (AttributeType::Int, 2));
+        assert_eq!((a[1].r#type(), a[1].f()), (AttributeType::Float, 2.0));
+        assert_eq!(a[2].f(), -1e-3);
+        assert_eq!(a[3].f(), f32::NEG_INFINITY);
+        assert_eq!((a[4].r#type(), a[4].f()), (AttributeType::Float, 3.0));
+    }
+
+    #[test]
+    fn empty_optional_inputs_are_empty_names() {
+        let g = graph_of("g (float X) => (float Y) { Y = Foo (, X, \"\", X,) }");
+        assert_eq!(g.node[0].input, ["", "X", "", "X"]);
+    }
+
+    #[test]
+    fn dotted_names_and_qualified_ops() {
+        let g = graph_of("g (float w.m) => (float Y) { Y = com.microsoft.Gelu (w.m) }");
+        assert_eq!(g.node[0].input, ["w.m"]);
+        assert_eq!(g.node[0].domain(), "com.microsoft");
+        assert_eq!(g.node[0].op_type(), "Gelu");
+    }
+}
