@@ -131,7 +131,9 @@ fn empty_signature(file: &Path) -> TrainingSignature {
 
 /// The result of the rewrite as text (or its error, as `Err`).
 fn rewrite(case: &Case, proto: ModelProto) -> Result<String, String> {
-    let file = case.path.as_path();
+    // Relative, so that messages naming the file read the same on every machine.
+    let relative = case.path.strip_prefix(root()).unwrap_or(&case.path);
+    let file = relative;
     let graph = match &case.mode {
         Mode::Passes => {
             let mut model = Model::from_proto(proto);
@@ -275,6 +277,12 @@ macro_rules! cases {
 }
 
 cases! {
+    dce_if_branches => "dce/if_branches.onnxtxt",
+    errors_missing_gradient => "errors/missing_gradient.onnxtxt",
+    errors_unknown_com_microsoft_op => "errors/unknown_com_microsoft_op.onnxtxt",
+    errors_unsupported_reduction => "errors/unsupported_reduction.onnxtxt",
+    forward_mlp_mse_sgd => "forward/mlp_mse_sgd.onnxtxt",
+    forward_own_loss_autodiff => "forward/own_loss_autodiff.onnxtxt",
     legalize_accumulate => "legalize/accumulate.onnxtxt",
     legalize_accumulate_no_reset => "legalize/accumulate_no_reset.onnxtxt",
     legalize_accumulate_reset => "legalize/accumulate_reset.onnxtxt",
@@ -360,4 +368,14 @@ cases! {
     legalize_softmax_grad_13_last => "legalize/softmax_grad_13_last.onnxtxt",
     legalize_softmax_grad_v1 => "legalize/softmax_grad_v1.onnxtxt",
     legalize_tanh_grad => "legalize/tanh_grad.onnxtxt",
+    steps_adamw_where => "steps/adamw_where.onnxtxt",
+    steps_agc => "steps/agc.onnxtxt",
+    steps_loss_scale_dynamic => "steps/loss_scale_dynamic.onnxtxt",
+    steps_loss_scale_static => "steps/loss_scale_static.onnxtxt",
+    steps_momentum_sum => "steps/momentum_sum.onnxtxt",
+    steps_precision_bf16 => "steps/precision_bf16.onnxtxt",
+    steps_precision_fp16 => "steps/precision_fp16.onnxtxt",
+    steps_sgd_mean => "steps/sgd_mean.onnxtxt",
+    steps_weighted_nesterov => "steps/weighted_nesterov.onnxtxt",
+    training_graph_accumulators_sgd => "training_graph/accumulators_sgd.onnxtxt",
 }

@@ -949,10 +949,9 @@ impl<'a> Parser<'a> {
 
 /// The `TensorProto.DataType` of a type keyword (the printer's names, `print::elem_type_name`).
 fn element_type(word: &str) -> Option<DataType> {
-    let found = (1..=32)
+    (1..=32)
         .filter_map(|code| DataType::try_from(code).ok())
-        .find(|d| super::print::elem_type_name(*d as i32) == word);
-    found
+        .find(|d| super::print::elem_type_name(*d as i32) == word)
 }
 
 fn attribute_type(word: &str) -> Option<AttributeType> {
