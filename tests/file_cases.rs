@@ -217,8 +217,8 @@ fn normalised(mut model: ModelProto) -> ModelProto {
 
 fn run_case(relative: &str) {
     let case = read_case(relative);
-    let proto =
-        onnx_ga::ir::text::parse_model(&case.text).unwrap_or_else(|e| panic!("{relative}:{e}"));
+    let proto = onnx_ga::ir::text::parse_model(&case.text)
+        .unwrap_or_else(|e| panic!("tests/cases/{relative}:{e}"));
     if let Some(fixture) = &case.fixture {
         assert_matches_fixture(relative, &proto, fixture);
     }

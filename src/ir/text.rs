@@ -93,11 +93,21 @@ struct Parser<'a> {
     text: &'a str,
     /// Byte offset of the next character.
     offset: usize,
+    /// How many graphs and types are open: recursion is bounded, so a hostile text (a
+    /// thousand nested `seq(`) is an error, not a stack overflow.
+    depth: usize,
 }
+
+/// Deepest nesting of graphs (If branches) and types (`seq(seq(...))`) accepted.
+const MAX_DEPTH: usize = 64;
 
 impl<'a> Parser<'a> {
     fn new(text: &'a str) -> Self {
-        Parser { text, offset: 0 }
+        Parser {
+            text,
+            offset: 0,
+            depth: 0,
+        }
     }
 
     // ---- characters and positions ------------------------------------------------------
@@ -433,6 +443,24 @@ impl<'a> Parser<'a> {
     // ---- graph -------------------------------------------------------------------------
 
     fn graph(&mut self) -> Result<GraphProto, ParseError> {
+        self.nested(|p| p.graph_body())
+    }
+
+    /// Runs `inner` one level deeper, refusing beyond `MAX_DEPTH`.
+    fn nested<T>(
+        &mut self,
+        inner: impl FnOnce(&mut Self) -> Result<T, ParseError>,
+    ) -> Result<T, ParseError> {
+        if self.depth >= MAX_DEPTH {
+            return Err(self.error(format!("nested more than {MAX_DEPTH} levels deep")));
+        }
+        self.depth += 1;
+        let result = inner(self);
+        self.depth -= 1;
+        result
+    }
+
+    fn graph_body(&mut self) -> Result<GraphProto, ParseError> {
         let mut graph = GraphProto {
             name: Some(self.quotable_identifier("a graph name")?),
             ..Default::default()
@@ -514,6 +542,10 @@ impl<'a> Parser<'a> {
     // ---- types -------------------------------------------------------------------------
 
     fn type_proto(&mut self) -> Result<TypeProto, ParseError> {
+        self.nested(|p| p.type_body())
+    }
+
+    fn type_body(&mut self) -> Result<TypeProto, ParseError> {
         self.skip_blank();
         let start = self.offset;
         let word = self.identifier("a type")?;
@@ -579,7 +611,7 @@ impl<'a> Parser<'a> {
     /// After an element type: nothing (a scalar: an empty shape), `[]` (unknown rank: no
     /// shape), or `[d, ...]` with `?`, a name or a size for each dim.
     fn shape(&mut self) -> Result<Option<TensorShapeProto>, ParseError> {
-        // `float[` must follow the type directly? onnx allows blanks; so do we.
+        // Blanks may separate the type from `[`, as onnx's parser allows.
         if !self.accept("[") {
             return Ok(Some(TensorShapeProto::default()));
         }
@@ -1043,6 +1075,38 @@ mod tests {
                 "nodes",
                 "types"
             ]
+        );
+    }
+
+    /// Every prefix of every reference text is parsed or refused, never a panic; deep
+    /// nesting is refused.
+    #[test]
+    fn truncated_and_nested_texts_are_errors_not_panics() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/text");
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().and_then(|e| e.to_str()) != Some("onnxtxt") {
+                continue;
+            }
+            let source = std::fs::read_to_string(&path).unwrap();
+            for (end, _) in source.char_indices() {
+                let _ = parse_model(&source[..end]);
+            }
+        }
+        let deep = format!(
+            "{HEADER}g ({}float{} x) => () {{}}",
+            "seq(".repeat(1000),
+            ")".repeat(1000)
+        );
+        let e = parse_model(&deep).expect_err("too deep").to_string();
+        assert!(e.contains("nested more than 64 levels deep"), "{e}");
+    }
+
+    #[test]
+    fn columns_count_characters() {
+        assert_eq!(
+            error_of("g (float \"é\") => (float Y) { Y = Relu(X) ! }"),
+            "2:42: expected a value name in the node outputs, found '!'"
         );
     }
 
