@@ -28,7 +28,7 @@ use onnx_ga::engine::ort::SessionOptions;
 use onnx_ga::engine::{Engine, EngineKind, Held};
 use onnx_ga::proto::ModelProto;
 use onnx_ga::signature::{self, ExplicitRoles};
-use onnx_ga::step::Manifest;
+use onnx_ga::state::Manifest;
 use onnx_ga::train::{micro_batch, TrainOptions, Trainer};
 
 const K: u64 = 4;

@@ -391,7 +391,7 @@ struct HandLoop {
 
 impl HandLoop {
     fn new(step: &ModelProto, k: usize, alloc: Alloc) -> Result<HandLoop> {
-        let manifest = onnx_ga::step::Manifest::from_model(step)?;
+        let manifest = onnx_ga::state::Manifest::from_model(step)?;
         let split = onnx_ga::split::split_step(step, &manifest)?
             .ok_or_else(|| anyhow!("the step does not split"))?;
         let session = |m: &ModelProto| -> Result<ort::session::Session> {

@@ -28,8 +28,8 @@ use onnx_ga::engine::ort::{OrtSession, SessionOptions};
 use onnx_ga::engine::{Engine, EngineKind, Held};
 use onnx_ga::proto::ModelProto;
 use onnx_ga::signature::{self, ExplicitRoles, OptimizerSpec};
+use onnx_ga::state::Manifest;
 use onnx_ga::state::Role;
-use onnx_ga::step::Manifest;
 use onnx_ga::train::{micro_batch, TrainOptions, Trainer};
 
 const LR: f32 = 0.01;

@@ -1,10 +1,10 @@
-"""Writes src/op_schema.rs: the operator schemas the load-time validator
+"""Writes src/validate/op_schema.rs: the operator schemas the load-time validator
 (src/validate.rs) checks nodes against.
 
 Default-domain and ai.onnx.* ops come from onnx (every version:
 onnx.defs.get_all_schemas_with_history), com.microsoft ops from ONNX Runtime's
 registered contrib schemas (latest version). Run with the .venv-ort Python:
-    .venv-ort/bin/python scripts/op-schema.py > src/op_schema.rs
+    .venv-ort/bin/python scripts/op-schema.py > src/validate/op_schema.rs
 """
 import onnx
 import onnx.defs

@@ -7,15 +7,12 @@
 pub mod atomic;
 pub mod checkpoint;
 pub mod data;
-pub mod distributed;
 pub mod engine;
 pub mod index_check;
 pub mod input;
 pub mod inspect;
 pub mod ir;
 pub mod model;
-#[rustfmt::skip]
-pub mod op_schema;
 pub mod ops;
 pub mod passes;
 pub mod plot;
@@ -30,3 +27,5 @@ pub mod step;
 pub mod train;
 pub mod trained;
 pub mod validate;
+/// Data-parallel training (a mode of the trainer; see [`train::distributed`]).
+pub use train::distributed;

@@ -607,9 +607,9 @@ fn inspect(args: InspectArgs) -> Result<(), Failure> {
     // A rewritten step: its recipe, state by role, controls and engines.
     let step_view = match &graph.signature.source {
         signature::Source::Step { .. } => {
-            let manifest = onnx_ga::step::Manifest::from_model(&graph.model.header)?;
+            let manifest = onnx_ga::state::Manifest::from_model(&graph.model.header)?;
             Some(
-                onnx_ga::recipe::StepView::of(&graph.model, &manifest, &report.training_only_ops)
+                onnx_ga::inspect::StepView::of(&graph.model, &manifest, &report.training_only_ops)
                     .map_err(|e| UsageError(format!("{}: {e}", args.path.display())))?,
             )
         }
@@ -916,8 +916,8 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
         step.manifest.loss
     );
     // A step its engine cannot load is written (another engine may), but never silently.
-    let lacking = onnx_ga::recipe::training_only_ops(&step.model);
-    if let Ok(view) = onnx_ga::recipe::StepView::of(&step.model, &step.manifest, &lacking) {
+    let lacking = onnx_ga::inspect::training_only_ops(&step.model);
+    if let Ok(view) = onnx_ga::inspect::StepView::of(&step.model, &step.manifest, &lacking) {
         for warning in view.engine_warnings(&args.engine) {
             eprintln!("warning: {warning}");
         }
@@ -945,7 +945,7 @@ fn export(args: ExportArgs) -> Result<(), Failure> {
     let state = onnx_ga::data::read_state(&args.state)?;
     let manifest = match &args.step {
         Some(path) => Some(
-            onnx_ga::step::Manifest::from_model(&onnx_ga::model::load_model(path)?)
+            onnx_ga::state::Manifest::from_model(&onnx_ga::model::load_model(path)?)
                 .map_err(|e| anyhow::Error::new(e).context(format!("{}", path.display())))?,
         ),
         None => None,

@@ -237,7 +237,7 @@ pub fn external_data_files(model: &ModelProto, model_dir: &Path) -> Vec<PathBuf>
     let mut model = model.clone();
     let mut files: Vec<PathBuf> = Vec::new();
     let _ = for_each_tensor_mut(&mut model, false, &mut |tensor, _| -> Result<(), ()> {
-        if !uses_external_data(tensor) {
+        if !tensor.is_external() {
             return Ok(());
         }
         for e in &tensor.external_data {
@@ -486,21 +486,16 @@ fn find_truncation(bytes: &[u8]) -> Option<String> {
 // External data
 // ---------------------------------------------------------------------------------------
 
-/// Whether a tensor's data lives in an external file (`data_location == EXTERNAL`).
-pub fn uses_external_data(tensor: &TensorProto) -> bool {
-    tensor.data_location == Some(DataLocation::External as i32)
-}
-
 /// Whether any tensor of the model (anywhere: subgraphs, functions, training graphs,
 /// sparse tensors) refers to external data.
 pub fn has_external_data(model: &ModelProto) -> bool {
     fn sparse(s: &SparseTensorProto) -> bool {
-        s.values.as_ref().is_some_and(uses_external_data)
-            || s.indices.as_ref().is_some_and(uses_external_data)
+        s.values.as_ref().is_some_and(TensorProto::is_external)
+            || s.indices.as_ref().is_some_and(TensorProto::is_external)
     }
     fn attr(a: &AttributeProto) -> bool {
-        a.t.as_ref().is_some_and(uses_external_data)
-            || a.tensors.iter().any(uses_external_data)
+        a.t.as_ref().is_some_and(TensorProto::is_external)
+            || a.tensors.iter().any(TensorProto::is_external)
             || a.sparse_tensor.as_ref().is_some_and(sparse)
             || a.sparse_tensors.iter().any(sparse)
             || a.g.as_ref().is_some_and(graph)
@@ -510,7 +505,7 @@ pub fn has_external_data(model: &ModelProto) -> bool {
         n.attribute.iter().any(attr)
     }
     fn graph(g: &GraphProto) -> bool {
-        g.initializer.iter().any(uses_external_data)
+        g.initializer.iter().any(TensorProto::is_external)
             || g.sparse_initializer.iter().any(sparse)
             || g.node.iter().any(node)
     }
@@ -540,7 +535,7 @@ fn resolve_external_data(
     // Canonicalised lazily: a model without external data needs no folder at all.
     let mut canonical_dir: Option<PathBuf> = None;
     for_each_tensor_mut(model, false, &mut |tensor, context| {
-        if !uses_external_data(tensor) {
+        if !tensor.is_external() {
             return Ok(());
         }
         let name = tensor_label(tensor, context);

@@ -505,8 +505,8 @@ pub fn eval_model_as_forward(dir: &Path) -> Result<EvalForward, SignatureError> 
 /// The signature of a rewritten step, from its state manifest: parameters are the `param`
 /// (trainable) and `frozen` states. Such a graph is not rewritten again (inspect only).
 fn step_signature(proto: ModelProto, file: &Path) -> Result<TrainingGraph, SignatureError> {
-    let manifest =
-        crate::step::Manifest::from_model(&proto).map_err(|e| inconsistent(file, e.to_string()))?;
+    let manifest = crate::state::Manifest::from_model(&proto)
+        .map_err(|e| inconsistent(file, e.to_string()))?;
     let model = Model::from_proto(proto);
     let main = model.main();
     let declared = |name: &str| {

@@ -22,8 +22,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use crate::ir::Model;
 use crate::proto::{attribute_proto::AttributeType, GraphProto, ModelProto, NodeProto};
+use crate::state::Manifest;
 use crate::state::{ApplyTrigger, Role};
-use crate::step::Manifest;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SplitError {
@@ -165,7 +165,7 @@ pub fn specialise(
         .retain(|p| !p.key().starts_with(crate::state::KEY_PREFIX));
     let mut ir = Model::from_proto(model);
     crate::passes::dce::eliminate_dead_code(&mut ir);
-    crate::ir::verify::verify(&ir).map_err(|e| SplitError::Invalid {
+    crate::state::verify_step(&ir).map_err(|e| SplitError::Invalid {
         branch: branch.to_string(),
         errors: e.to_string(),
     })?;

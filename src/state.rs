@@ -4,6 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::proto::{ModelProto, StringStringEntryProto};
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Role {
@@ -62,3 +64,197 @@ pub const LEARNING_RATE_KEY: &str = "onnx_ga.learning_rate";
 /// list; it has no output for them).
 pub const SPECIALISATION_KEY: &str = "onnx_ga.specialisation";
 pub const UNCHANGED_KEY: &str = "onnx_ga.unchanged";
+
+/// A model that is not a step `onnx-ga rewrite` wrote, or whose manifest does not fit its
+/// graph: what is wrong, in words.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct NotAStep(pub String);
+
+/// What a host needs to drive a rewritten step, read from (and written to) its metadata.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub state: Vec<StateEntry>,
+    pub data_inputs: Vec<String>,
+    pub loss: String,
+    pub pipeline: String,
+    pub version: String,
+    /// When the step's apply region is an `If`: what decides its branch.
+    pub apply: Option<ApplyTrigger>,
+    /// The float scalar input holding the learning rate (a host may schedule it).
+    pub learning_rate: Option<String>,
+}
+
+impl Manifest {
+    /// Reads the manifest of a rewritten step model.
+    pub fn from_model(model: &ModelProto) -> Result<Manifest, NotAStep> {
+        let get = |key: &str| {
+            model
+                .metadata_props
+                .iter()
+                .find(|p| p.key() == key)
+                .map(|p| p.value().to_string())
+                .ok_or_else(|| NotAStep(format!("metadata '{key}' is missing: not a step graph written by `onnx-ga rewrite`")))
+        };
+        let json =
+            |key: &str, text: String| NotAStep(format!("metadata '{key}' is not valid: {text}"));
+        if let Ok(branch) = get(SPECIALISATION_KEY) {
+            return Err(NotAStep(format!(
+                "this is the '{branch}' specialisation of a step (written by `rewrite --split` \
+                 for hosts of their own); train or inspect the step itself"
+            )));
+        }
+        let state_text = get(STATE_KEY)?;
+        let data_text = get(DATA_INPUTS_KEY)?;
+        let manifest = Manifest {
+            state: serde_json::from_str(&state_text).map_err(|e| json(STATE_KEY, e.to_string()))?,
+            data_inputs: serde_json::from_str(&data_text)
+                .map_err(|e| json(DATA_INPUTS_KEY, e.to_string()))?,
+            loss: get(LOSS_KEY)?,
+            pipeline: get(PIPELINE_KEY).unwrap_or_default(),
+            version: get(VERSION_KEY).unwrap_or_default(),
+            apply: match get(APPLY_KEY) {
+                Ok(text) => {
+                    Some(serde_json::from_str(&text).map_err(|e| json(APPLY_KEY, e.to_string()))?)
+                }
+                Err(_) => None,
+            },
+            learning_rate: get(LEARNING_RATE_KEY).ok(),
+        };
+        if manifest.state.is_empty() {
+            return Err(NotAStep(format!(
+                "metadata '{}' lists no state (no parameters, no counters): there is nothing \
+                 to train",
+                STATE_KEY
+            )));
+        }
+        // Every name the manifest gives is the graph's: a host feeds and reads them. (A
+        // header without its graph, e.g. `ir::Model::header`, has nothing to check.)
+        if let Some(graph) = model.graph.as_ref() {
+            let inputs: std::collections::HashSet<&str> =
+                graph.input.iter().map(|i| i.name()).collect();
+            let outputs: std::collections::HashSet<&str> =
+                graph.output.iter().map(|o| o.name()).collect();
+            let missing = |what: &str, name: &str, side: &str| {
+                NotAStep(format!(
+                    "metadata '{}': {what} '{name}' is not a graph {side} of the step",
+                    STATE_KEY
+                ))
+            };
+            for e in &manifest.state {
+                if !inputs.contains(e.input.as_str()) {
+                    return Err(missing("state input", &e.input, "input"));
+                }
+                if !outputs.contains(e.output.as_str()) {
+                    return Err(missing("state output", &e.output, "output"));
+                }
+            }
+            for d in &manifest.data_inputs {
+                if !inputs.contains(d.as_str()) {
+                    return Err(missing("data input", d, "input"));
+                }
+            }
+        }
+        Ok(manifest)
+    }
+
+    /// The manifest as metadata entries (key, value), in a fixed order.
+    pub fn metadata(&self) -> Vec<StringStringEntryProto> {
+        let mut entries = vec![
+            (
+                STATE_KEY,
+                serde_json::to_string(&self.state).expect("state serializes"),
+            ),
+            (
+                DATA_INPUTS_KEY,
+                serde_json::to_string(&self.data_inputs).expect("names serialize"),
+            ),
+            (LOSS_KEY, self.loss.clone()),
+            (PIPELINE_KEY, self.pipeline.clone()),
+            (VERSION_KEY, self.version.clone()),
+        ];
+        if let Some(trigger) = &self.apply {
+            let trigger = serde_json::to_string(trigger).expect("trigger serializes");
+            entries.push((APPLY_KEY, trigger));
+        }
+        if let Some(name) = &self.learning_rate {
+            entries.push((LEARNING_RATE_KEY, name.clone()));
+        }
+        entries
+            .into_iter()
+            .map(|(key, value)| StringStringEntryProto {
+                key: Some(key.into()),
+                value: Some(value),
+            })
+            .collect()
+    }
+
+    /// Replaces the `onnx_ga.*` entries of a model's metadata with this manifest.
+    pub fn write_into(&self, props: &mut Vec<StringStringEntryProto>) {
+        props.retain(|p| !p.key().starts_with(KEY_PREFIX));
+        props.extend(self.metadata());
+    }
+}
+
+/// The verifier's invariants ([`crate::ir::verify::verify`]) and the state manifest's,
+/// every violation collected: when the model records training state (`onnx_ga.state`),
+/// each state input is a graph input, appears once, and has its own next value, a graph
+/// output.
+pub fn verify_step(model: &crate::ir::Model) -> Result<(), crate::ir::verify::VerifyErrors> {
+    use crate::ir::verify::{verify, VerifyError, VerifyErrors};
+    use std::collections::HashSet;
+    let mut errors = match verify(model) {
+        Ok(()) => Vec::new(),
+        Err(VerifyErrors(errors)) => errors,
+    };
+    let entry = model
+        .header
+        .metadata_props
+        .iter()
+        .find(|p| p.key() == STATE_KEY);
+    if let Some(entry) = entry {
+        match serde_json::from_str::<Vec<serde_json::Value>>(entry.value()) {
+            Err(e) => errors.push(VerifyError {
+                location: format!("metadata '{STATE_KEY}'"),
+                message: format!("is not a JSON array: {e}"),
+            }),
+            Ok(entries) => {
+                let main = model.main();
+                let inputs: HashSet<&str> =
+                    main.inputs.iter().map(|(v, _)| model.name(*v)).collect();
+                let outputs: HashSet<&str> =
+                    main.outputs.iter().map(|(v, _)| model.name(*v)).collect();
+                let mut seen_in = HashSet::new();
+                let mut seen_out = HashSet::new();
+                for e in &entries {
+                    let input = e.get("input").and_then(|x| x.as_str()).unwrap_or("");
+                    let output = e.get("output").and_then(|x| x.as_str()).unwrap_or("");
+                    let location = format!("state '{input}'");
+                    let mut fail = |message: String| {
+                        errors.push(VerifyError {
+                            location: location.clone(),
+                            message,
+                        })
+                    };
+                    if !inputs.contains(input) {
+                        fail("is not a graph input".into());
+                    }
+                    if !outputs.contains(output) {
+                        fail(format!("its next value '{output}' is not a graph output"));
+                    }
+                    if !seen_in.insert(input.to_string()) {
+                        fail("appears twice in the state manifest".into());
+                    }
+                    if !seen_out.insert(output.to_string()) {
+                        fail(format!("output '{output}' is the next value of two states"));
+                    }
+                }
+            }
+        }
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(VerifyErrors(errors))
+    }
+}

@@ -1,13 +1,11 @@
 //! Building the training step: run the pipeline over a training graph, give every state
 //! input its initial value, and record the state manifest in the model's metadata.
 
-use serde::{Deserialize, Serialize};
-
 use crate::ir::{verify, BodyId, Model};
 use crate::passes::{PassContext, PassError, PassReport, Pipeline};
-use crate::proto::{ModelProto, StringStringEntryProto};
+use crate::proto::StringStringEntryProto;
 use crate::signature::TrainingGraph;
-use crate::state::{self, StateEntry};
+use crate::state::{self, Manifest};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StepError {
@@ -17,138 +15,8 @@ pub enum StepError {
     NoInitialValue(String),
     #[error(transparent)]
     Verify(#[from] verify::VerifyErrors),
-    #[error("{0}")]
-    NotAStep(String),
-}
-
-/// What a host needs to drive a rewritten step, read from (and written to) its metadata.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Manifest {
-    pub state: Vec<StateEntry>,
-    pub data_inputs: Vec<String>,
-    pub loss: String,
-    pub pipeline: String,
-    pub version: String,
-    /// When the step's apply region is an `If`: what decides its branch.
-    pub apply: Option<state::ApplyTrigger>,
-    /// The float scalar input holding the learning rate (a host may schedule it).
-    pub learning_rate: Option<String>,
-}
-
-impl Manifest {
-    /// Reads the manifest of a rewritten step model.
-    pub fn from_model(model: &ModelProto) -> Result<Manifest, StepError> {
-        let get = |key: &str| {
-            model
-                .metadata_props
-                .iter()
-                .find(|p| p.key() == key)
-                .map(|p| p.value().to_string())
-                .ok_or_else(|| StepError::NotAStep(format!("metadata '{key}' is missing: not a step graph written by `onnx-ga rewrite`")))
-        };
-        let json = |key: &str, text: String| {
-            StepError::NotAStep(format!("metadata '{key}' is not valid: {text}"))
-        };
-        if let Ok(branch) = get(state::SPECIALISATION_KEY) {
-            return Err(StepError::NotAStep(format!(
-                "this is the '{branch}' specialisation of a step (written by `rewrite --split` \
-                 for hosts of their own); train or inspect the step itself"
-            )));
-        }
-        let state_text = get(state::STATE_KEY)?;
-        let data_text = get(state::DATA_INPUTS_KEY)?;
-        let manifest = Manifest {
-            state: serde_json::from_str(&state_text)
-                .map_err(|e| json(state::STATE_KEY, e.to_string()))?,
-            data_inputs: serde_json::from_str(&data_text)
-                .map_err(|e| json(state::DATA_INPUTS_KEY, e.to_string()))?,
-            loss: get(state::LOSS_KEY)?,
-            pipeline: get(state::PIPELINE_KEY).unwrap_or_default(),
-            version: get(state::VERSION_KEY).unwrap_or_default(),
-            apply: match get(state::APPLY_KEY) {
-                Ok(text) => Some(
-                    serde_json::from_str(&text)
-                        .map_err(|e| json(state::APPLY_KEY, e.to_string()))?,
-                ),
-                Err(_) => None,
-            },
-            learning_rate: get(state::LEARNING_RATE_KEY).ok(),
-        };
-        if manifest.state.is_empty() {
-            return Err(StepError::NotAStep(format!(
-                "metadata '{}' lists no state (no parameters, no counters): there is nothing \
-                 to train",
-                state::STATE_KEY
-            )));
-        }
-        // Every name the manifest gives is the graph's: a host feeds and reads them. (A
-        // header without its graph, e.g. `ir::Model::header`, has nothing to check.)
-        if let Some(graph) = model.graph.as_ref() {
-            let inputs: std::collections::HashSet<&str> =
-                graph.input.iter().map(|i| i.name()).collect();
-            let outputs: std::collections::HashSet<&str> =
-                graph.output.iter().map(|o| o.name()).collect();
-            let missing = |what: &str, name: &str, side: &str| {
-                StepError::NotAStep(format!(
-                    "metadata '{}': {what} '{name}' is not a graph {side} of the step",
-                    state::STATE_KEY
-                ))
-            };
-            for e in &manifest.state {
-                if !inputs.contains(e.input.as_str()) {
-                    return Err(missing("state input", &e.input, "input"));
-                }
-                if !outputs.contains(e.output.as_str()) {
-                    return Err(missing("state output", &e.output, "output"));
-                }
-            }
-            for d in &manifest.data_inputs {
-                if !inputs.contains(d.as_str()) {
-                    return Err(missing("data input", d, "input"));
-                }
-            }
-            crate::split::check_apply_region(model, &manifest).map_err(StepError::NotAStep)?;
-        }
-        Ok(manifest)
-    }
-
-    /// The manifest as metadata entries (key, value), in a fixed order.
-    pub fn metadata(&self) -> Vec<StringStringEntryProto> {
-        let mut entries = vec![
-            (
-                state::STATE_KEY,
-                serde_json::to_string(&self.state).expect("state serializes"),
-            ),
-            (
-                state::DATA_INPUTS_KEY,
-                serde_json::to_string(&self.data_inputs).expect("names serialize"),
-            ),
-            (state::LOSS_KEY, self.loss.clone()),
-            (state::PIPELINE_KEY, self.pipeline.clone()),
-            (state::VERSION_KEY, self.version.clone()),
-        ];
-        if let Some(trigger) = &self.apply {
-            let trigger = serde_json::to_string(trigger).expect("trigger serializes");
-            entries.push((state::APPLY_KEY, trigger));
-        }
-        if let Some(name) = &self.learning_rate {
-            entries.push((state::LEARNING_RATE_KEY, name.clone()));
-        }
-        entries
-            .into_iter()
-            .map(|(key, value)| StringStringEntryProto {
-                key: Some(key.into()),
-                value: Some(value),
-            })
-            .collect()
-    }
-
-    /// Replaces the model's `onnx_ga.*` metadata with this manifest.
-    fn write(&self, model: &mut Model) {
-        let props = &mut model.header.metadata_props;
-        props.retain(|p| !p.key().starts_with(state::KEY_PREFIX));
-        props.extend(self.metadata());
-    }
+    #[error(transparent)]
+    NotAStep(#[from] crate::state::NotAStep),
 }
 
 /// A rewritten training step.
@@ -180,7 +48,8 @@ pub fn build_step(graph: TrainingGraph, spec: &str, verify_each: bool) -> Result
             std::mem::take(&mut cx.recipe),
         )
     };
-    let recipe = crate::recipe::Recipe::from_run(sections, &crate::passes::parse_spec(spec)?);
+    let given = crate::passes::parse_spec(spec)?;
+    let recipe = crate::recipe::Recipe::from_run(sections, given.iter().map(|o| o.iter()));
     let learning_rate = region
         .as_ref()
         .and_then(|r| r.learning_rate)
@@ -218,12 +87,12 @@ pub fn build_step(graph: TrainingGraph, spec: &str, verify_each: bool) -> Result
         apply,
         learning_rate,
     };
-    manifest.write(&mut model);
+    manifest.write_into(&mut model.header.metadata_props);
     model.header.metadata_props.push(StringStringEntryProto {
         key: Some(crate::recipe::RECIPE_KEY.into()),
         value: Some(serde_json::to_string(&recipe).expect("the recipe serializes")),
     });
-    verify::verify(&model)?;
+    state::verify_step(&model)?;
     Ok(Step {
         model,
         manifest,

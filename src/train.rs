@@ -5,6 +5,7 @@ use std::cell::OnceCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
+pub mod distributed;
 mod window_start;
 
 use crate::data::Tensor;
@@ -16,7 +17,8 @@ use crate::state::APPLIED_OUTPUT as APPLIED;
 /// The output loss scaling adds: true where a window ended and its update was dropped.
 pub const SKIPPED_OUTPUT: &str = "ga.skipped";
 const SKIPPED: &str = SKIPPED_OUTPUT;
-use crate::step::{Manifest, StepError};
+use crate::state::Manifest;
+use crate::step::StepError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -44,7 +46,7 @@ pub enum TrainError {
     NonFinite { step: u64, loss: f32 },
     /// Data-parallel training: the collective failed.
     #[error("{0}")]
-    Collective(#[from] crate::distributed::CollectiveError),
+    Collective(#[from] crate::train::distributed::CollectiveError),
     /// Data-parallel training: another rank failed (its own error names the cause); every
     /// rank stops at the same window.
     #[error("rank {rank} of {size}: stopped at micro-steps {first}-{last} because rank(s) {failed} failed there (see their errors)")]
@@ -181,7 +183,7 @@ pub struct Trainer {
     /// Data-parallel training: the collective and what its window all-reduce carries
     /// ([`Trainer::with_collective`]); the split runner's `apply` is then the apply-only
     /// specialisation.
-    pub(crate) replica: Option<crate::distributed::window::Replica>,
+    pub(crate) replica: Option<crate::train::distributed::window::Replica>,
 }
 
 impl Trainer {
@@ -214,13 +216,13 @@ impl Trainer {
     }
 
     /// A trainer that is one rank of data-parallel training over `collective` (see
-    /// [`crate::distributed`]): micro-steps run with the accumulate specialisation only, and
+    /// [`crate::train::distributed`]): micro-steps run with the accumulate specialisation only, and
     /// [`run_window`](Self::run_window) ends windows with one all-reduce and the apply-only
     /// specialisation. Needs a step with an `If` apply region, run split.
     pub fn with_collective(
         model: &ModelProto,
         options: &TrainOptions,
-        collective: Box<dyn crate::distributed::Collective>,
+        collective: Box<dyn crate::train::distributed::Collective>,
     ) -> Result<Trainer, TrainError> {
         Self::build(model, options, Some(collective))
     }
@@ -228,9 +230,13 @@ impl Trainer {
     fn build(
         model: &ModelProto,
         options: &TrainOptions,
-        collective: Option<Box<dyn crate::distributed::Collective>>,
+        collective: Option<Box<dyn crate::train::distributed::Collective>>,
     ) -> Result<Trainer, TrainError> {
-        let manifest = Manifest::from_model(model)?;
+        let manifest = Manifest::from_model(model).map_err(StepError::from)?;
+        // Split or whole, a step trains only when its apply If is the region its manifest
+        // describes: with swapped branches the two modes would train differently.
+        crate::split::check_apply_region(model, &manifest)
+            .map_err(|e| StepError::from(crate::state::NotAStep(e)))?;
         let graph = model
             .graph
             .as_ref()
@@ -272,7 +278,7 @@ impl Trainer {
         // Data parallel: the apply specialisation is replaced by the apply-only one.
         let apply_only = match &collective {
             Some(_) => Some(
-                crate::distributed::apply_only(model, &manifest)
+                crate::train::distributed::apply_only(model, &manifest)
                     .map_err(|e| TrainError::Model(format!("data-parallel training: {e}")))?,
             ),
             None => None,
@@ -303,13 +309,13 @@ impl Trainer {
                     None => &split.apply,
                 };
                 let start = match window_start::window_start(&split.accumulate, &manifest) {
-                    Some(s) => Some(Box::new(Engine::new(kind, &s.model, &session)?)),
+                    Some(s) => Some(Box::new(open_engine(kind, &s.model, &session)?)),
                     None => None,
                 };
                 Runner::Split {
-                    accumulate: Box::new(Engine::new(kind, &split.accumulate.model, &session)?),
+                    accumulate: Box::new(open_engine(kind, &split.accumulate.model, &session)?),
                     start,
-                    apply: Box::new(Engine::new(kind, &apply.model, &session)?),
+                    apply: Box::new(open_engine(kind, &apply.model, &session)?),
                     unchanged_on_accumulate: split.accumulate.unchanged,
                     unchanged_on_apply: apply.unchanged.clone(),
                     window_size,
@@ -321,7 +327,7 @@ impl Trainer {
                 "data-parallel training needs a step with an If apply region (rewrite --apply if)"
                     .into(),
             )),
-            _ => Runner::Whole(Engine::new(kind, model, &options.session)?),
+            _ => Runner::Whole(open_engine(kind, model, &options.session)?),
         };
         let replica = match (collective, &apply_only, &runner) {
             (
@@ -331,7 +337,7 @@ impl Trainer {
                     unchanged_on_accumulate,
                     ..
                 },
-            ) => Some(crate::distributed::window::Replica::new(
+            ) => Some(crate::train::distributed::window::Replica::new(
                 collective,
                 &manifest,
                 &state,
@@ -840,4 +846,23 @@ pub fn micro_batch(
 pub fn micro_batch_rows(samples: usize, batch: usize, step: u64) -> Vec<usize> {
     let start = ((step % samples as u64) as usize * (batch % samples)) % samples;
     (0..batch).map(|j| (start + j) % samples).collect()
+}
+
+/// A session of `kind` for `model`, prepared for the engine first: tract gets the ops it
+/// lacks lowered in memory (`lower-for-tract`), so one step file serves both engines.
+fn open_engine(
+    kind: EngineKind,
+    model: &ModelProto,
+    options: &SessionOptions,
+) -> Result<Engine, TrainError> {
+    if kind.resolve().0 == EngineKind::Tract {
+        let prepared = crate::passes::lower_for_tract::prepare(model).map_err(|e| {
+            TrainError::Engine(EngineError::Tract {
+                context: "lowering the ops tract lacks".into(),
+                message: e.to_string(),
+            })
+        })?;
+        return Ok(Engine::new(kind, &prepared, options)?);
+    }
+    Ok(Engine::new(kind, model, options)?)
 }

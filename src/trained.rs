@@ -28,8 +28,8 @@ use std::path::{Path, PathBuf};
 use crate::data::Tensor;
 use crate::ir::print::elem_type_name;
 use crate::proto::{type_proto, ModelProto, TensorProto, TypeProto};
+use crate::state::Manifest;
 use crate::state::Role;
-use crate::step::Manifest;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExportError {
@@ -351,12 +351,12 @@ fn describe(elem_type: i32, dims: &[Option<i64>]) -> String {
 pub fn load_model_for_export(
     path: &Path,
 ) -> Result<(ModelProto, Vec<PathBuf>), crate::model::ModelError> {
-    use crate::model::{for_each_tensor_mut, load_external_data, load_model, uses_external_data};
+    use crate::model::{for_each_tensor_mut, load_external_data, load_model};
     let mut model = load_model(path)?;
     let dir = crate::atomic::parent_dir(path);
     let mut files = BTreeSet::new();
     for_each_tensor_mut(&mut model, false, &mut |t, _| {
-        if uses_external_data(t) {
+        if t.is_external() {
             if let Some(entry) = t.external_data.iter().find(|e| e.key() == "location") {
                 files.insert(dir.join(entry.value()));
             }

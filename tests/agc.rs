@@ -888,7 +888,7 @@ fn cli_rewrite_and_inspect_agc() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(run.status.success(), "{stderr}");
-    let pipeline = onnx_ga::step::Manifest::from_model(&onnx_ga::model::load_model(&out).unwrap())
+    let pipeline = onnx_ga::state::Manifest::from_model(&onnx_ga::model::load_model(&out).unwrap())
         .unwrap()
         .pipeline;
     let at = |s: &str| {

@@ -716,7 +716,7 @@ fn bad_input_is_refused_with_exit_2_and_nothing_written() {
 fn a_step_parameter_the_model_lacks_is_an_error() {
     // With the step's manifest, every parameter of the state must be in the model.
     let step = common::rewrite_shipped(MODEL, SPEC);
-    let manifest = onnx_ga::step::Manifest::from_model(&step).unwrap();
+    let manifest = onnx_ga::state::Manifest::from_model(&step).unwrap();
     let state: BTreeMap<String, Tensor> = initializers(&step)
         .into_iter()
         .filter(|(k, _)| manifest.state.iter().any(|e| &e.input == k))

@@ -11,7 +11,7 @@ use common::root;
 
 /// (generator under scripts/, the file it writes).
 const GENERATED: &[(&str, &str)] = &[
-    ("op-schema.py", "src/op_schema.rs"),
+    ("op-schema.py", "src/validate/op_schema.rs"),
     ("precision-schema.py", "src/passes/precision/schema.rs"),
 ];
 

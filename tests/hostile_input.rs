@@ -765,10 +765,10 @@ fn steps_an_engine_cannot_load_are_warned_about() {
     // What inspect shows of them.
     let fits = |file: &str| {
         let proto = onnx_ga::model::load_model(&dir.path().join(file)).unwrap();
-        let manifest = onnx_ga::step::Manifest::from_model(&proto).unwrap();
+        let manifest = onnx_ga::state::Manifest::from_model(&proto).unwrap();
         let model = onnx_ga::ir::Model::from_proto(proto);
-        let ops = onnx_ga::recipe::training_only_ops(&model);
-        onnx_ga::recipe::StepView::of(&model, &manifest, &ops)
+        let ops = onnx_ga::inspect::training_only_ops(&model);
+        onnx_ga::inspect::StepView::of(&model, &manifest, &ops)
             .unwrap()
             .engines
     };

@@ -565,7 +565,7 @@ fn cli_rewrite_loss_scale_flags() {
     };
     let pipeline = || {
         let model = onnx_ga::model::load_model_with_data(&out).unwrap();
-        onnx_ga::step::Manifest::from_model(&model)
+        onnx_ga::state::Manifest::from_model(&model)
             .unwrap()
             .pipeline
     };

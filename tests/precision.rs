@@ -399,7 +399,7 @@ fn cli_builds_the_precision_pipeline() {
         assert!(out.status.success(), "{stderr}");
         assert!(stderr.contains(&format!("precision(dtype={precision}): changed")), "{stderr}");
         let model = onnx_ga::model::load_model_with_data(&out_path).unwrap();
-        let manifest = onnx_ga::step::Manifest::from_model(&model).unwrap();
+        let manifest = onnx_ga::state::Manifest::from_model(&model).unwrap();
         assert!(manifest.pipeline.contains(expect), "{}", manifest.pipeline);
     }
     let out = Command::new(env!("CARGO_BIN_EXE_onnx-ga"))
@@ -610,7 +610,7 @@ fn half_trains_like_fp32(model: &str) {
         return;
     };
     let initial = initial_state(&fp32);
-    let manifest = onnx_ga::step::Manifest::from_model(&fp32).unwrap();
+    let manifest = onnx_ga::state::Manifest::from_model(&fp32).unwrap();
     let params: Vec<String> = manifest
         .state
         .iter()
@@ -1167,7 +1167,7 @@ fn tract_fp16_mlp_gradients_match_the_reference() {
         .next()
         .copied()
         .unwrap() as f64;
-    let manifest = onnx_ga::step::Manifest::from_model(&fp16).unwrap();
+    let manifest = onnx_ga::state::Manifest::from_model(&fp16).unwrap();
     let mut compared = 0;
     for p in manifest
         .state

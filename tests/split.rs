@@ -100,7 +100,7 @@ fn split_with_weighted_normalisation_trains_bit_identically() {
         let data = read_npz(&root().join("graphs").join(model).join("data.npz"));
         let spec = "grad-accum(steps=4,normalize=weighted),optimizer(lr=0.01),legalize-ort,dce";
         let step = rewrite(model, spec);
-        let manifest = onnx_ga::step::Manifest::from_model(&step).unwrap();
+        let manifest = onnx_ga::state::Manifest::from_model(&step).unwrap();
         assert!(
             manifest.state.iter().any(|e| e.role == Role::WeightSum),
             "{model}: a weight-sum state"

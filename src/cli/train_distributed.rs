@@ -219,7 +219,7 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
         }
     }
     // K % R before anything runs: a window must split evenly over the ranks.
-    let manifest = onnx_ga::step::Manifest::from_model(&model)
+    let manifest = onnx_ga::state::Manifest::from_model(&model)
         .map_err(|e| anyhow::Error::new(e).context(format!("{}", args.model.display())))?;
     let k = match args.accum_steps {
         Some(k) => k,
@@ -330,7 +330,7 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
 }
 
 /// K as the step's initializer holds it.
-fn step_k(model: &onnx_ga::proto::ModelProto, manifest: &onnx_ga::step::Manifest) -> Option<i64> {
+fn step_k(model: &onnx_ga::proto::ModelProto, manifest: &onnx_ga::state::Manifest) -> Option<i64> {
     let name = &manifest.apply.as_ref()?.steps;
     let init = model
         .graph

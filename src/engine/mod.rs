@@ -139,8 +139,9 @@ pub enum Engine {
 }
 
 impl Engine {
-    /// A session of `kind` (`Auto` resolved first) for `model`. For tract, the ops it lacks
-    /// are lowered in memory first (`lower-for-tract`).
+    /// A session of `kind` (`Auto` resolved first) for `model`, which must be prepared for
+    /// it: for tract, the ops it lacks lowered first (`passes::lower_for_tract::prepare`;
+    /// the trainer does it).
     pub fn new(
         kind: EngineKind,
         model: &ModelProto,
@@ -151,21 +152,7 @@ impl Engine {
                 Ok(Engine::Ort(ort::OrtSession::new(model, options)?))
             }
             #[cfg(feature = "tract")]
-            EngineKind::Tract => {
-                let session = if crate::passes::lower_for_tract::needs_lowering(model) {
-                    let lowered =
-                        crate::passes::lower_for_tract::lower_model(model).map_err(|e| {
-                            EngineError::Tract {
-                                context: "lowering the ops tract lacks".into(),
-                                message: e.to_string(),
-                            }
-                        })?;
-                    tract::TractSession::new(&lowered, options)?
-                } else {
-                    tract::TractSession::new(model, options)?
-                };
-                Ok(Engine::Tract(session))
-            }
+            EngineKind::Tract => Ok(Engine::Tract(tract::TractSession::new(model, options)?)),
             #[cfg(not(feature = "tract"))]
             EngineKind::Tract => Err(EngineError::Unavailable(
                 "this build has no tract engine (build with the cargo feature `tract`)".into(),

@@ -10,8 +10,9 @@
 //! 5. Every node's domain is declared in `opset_import`.
 //! 6. `If` has `then_branch` and `else_branch`, no branch inputs, and both branches have
 //!    as many outputs as the node, with the same element types where declared.
-//! 7. When the model records training state (`onnx_ga.state`), each state input is a graph
-//!    input and has exactly one state output, which is a graph output.
+//!
+//! The IR knows nothing of training: the state manifest's own invariants are checked by
+//! [`crate::state::verify_step`], which runs this verifier too.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -52,9 +53,6 @@ impl fmt::Display for VerifyErrors {
     }
 }
 
-/// The metadata key of the state manifest (written by the export of a rewritten step).
-pub use crate::state::STATE_KEY;
-
 pub fn verify(model: &Model) -> Result<(), VerifyErrors> {
     let mut v = Verifier {
         model,
@@ -66,7 +64,6 @@ pub fn verify(model: &Model) -> Result<(), VerifyErrors> {
     v.unique_names();
     v.opsets();
     v.if_branches();
-    v.state_pairs();
     if v.errors.is_empty() {
         Ok(())
     } else {
@@ -460,63 +457,6 @@ impl Verifier<'_> {
                         ),
                     );
                 }
-            }
-        }
-    }
-
-    /// Invariant 7.
-    fn state_pairs(&mut self) {
-        let m = self.model;
-        let Some(entry) = m
-            .header
-            .metadata_props
-            .iter()
-            .find(|p| p.key() == STATE_KEY)
-        else {
-            return;
-        };
-        let parsed: Result<Vec<serde_json::Value>, _> = serde_json::from_str(entry.value());
-        let entries = match parsed {
-            Ok(entries) => entries,
-            Err(e) => {
-                self.errors.push(VerifyError {
-                    location: format!("metadata '{STATE_KEY}'"),
-                    message: format!("is not a JSON array: {e}"),
-                });
-                return;
-            }
-        };
-        let inputs: HashSet<&str> = m.main().inputs.iter().map(|(v, _)| m.name(*v)).collect();
-        let outputs: HashSet<&str> = m.main().outputs.iter().map(|(v, _)| m.name(*v)).collect();
-        let mut seen_in = HashSet::new();
-        let mut seen_out = HashSet::new();
-        for e in &entries {
-            let input = e.get("input").and_then(|x| x.as_str()).unwrap_or("");
-            let output = e.get("output").and_then(|x| x.as_str()).unwrap_or("");
-            let location = format!("state '{input}'");
-            if !inputs.contains(input) {
-                self.errors.push(VerifyError {
-                    location: location.clone(),
-                    message: "is not a graph input".into(),
-                });
-            }
-            if !outputs.contains(output) {
-                self.errors.push(VerifyError {
-                    location: location.clone(),
-                    message: format!("its next value '{output}' is not a graph output"),
-                });
-            }
-            if !seen_in.insert(input.to_string()) {
-                self.errors.push(VerifyError {
-                    location: location.clone(),
-                    message: "appears twice in the state manifest".into(),
-                });
-            }
-            if !seen_out.insert(output.to_string()) {
-                self.errors.push(VerifyError {
-                    location,
-                    message: format!("output '{output}' is the next value of two states"),
-                });
             }
         }
     }

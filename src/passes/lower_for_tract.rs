@@ -238,6 +238,15 @@ pub fn needs_lowering(model: &ModelProto) -> bool {
     nodes.any(|n| legalize::is_half_gemm(&ir, n))
 }
 
+/// `model` ready for tract: itself when it has nothing tract lacks, else [`lower_model`].
+pub fn prepare(model: &ModelProto) -> Result<std::borrow::Cow<'_, ModelProto>, PassError> {
+    if needs_lowering(model) {
+        Ok(std::borrow::Cow::Owned(lower_model(model)?))
+    } else {
+        Ok(std::borrow::Cow::Borrowed(model))
+    }
+}
+
 /// `model` with the ops tract lacks lowered, its inputs, outputs and metadata untouched.
 pub fn lower_model(model: &ModelProto) -> Result<ModelProto, PassError> {
     let mut ir = Model::from_proto(model.clone());

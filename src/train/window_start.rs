@@ -18,8 +18,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::proto::{GraphProto, ModelProto, NodeProto};
 use crate::split::Specialised;
+use crate::state::Manifest;
 use crate::state::Role;
-use crate::step::Manifest;
 
 /// The accumulate specialisation without its reads of the (zero) accumulators; `None` when
 /// no accumulator is read in a way this can drop.

@@ -5,7 +5,7 @@
 //! * opset imports: each domain at most once (`""` and `ai.onnx` are the same domain), a
 //!   positive version;
 //! * nodes: a non-empty op type, an imported domain (or a model-local function's), for
-//!   the domains the schema tables know ([`crate::op_schema`]: ai.onnx, ai.onnx.ml,
+//!   the domains the schema tables know ([`op_schema`]: ai.onnx, ai.onnx.ml,
 //!   ai.onnx.preview(.training), com.microsoft) a known op defined at the imported opset
 //!   version, input and output counts in the schema's range, attributes of the schema's
 //!   types, no unknown attribute (onnx domains), no missing required attribute, no
@@ -18,6 +18,10 @@
 //!   non-negative dims whose product does not overflow, and data that matches them
 //!   (`raw_data` length, or the count of the typed field). Tensors still referring to
 //!   external data are not sized (their data is not loaded).
+
+// Generated (scripts/op-schema.py); rustfmt would reflow its one-line rows.
+#[rustfmt::skip]
+mod op_schema;
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -89,7 +93,7 @@ fn known_domain(domain: &str) -> bool {
 }
 
 fn schemas(domain: &str, op: &str) -> &'static [OpSchema] {
-    let table = crate::op_schema::SCHEMAS;
+    let table = op_schema::SCHEMAS;
     let start = table.partition_point(|s| (s.domain, s.op) < (domain, op));
     let end = start + table[start..].partition_point(|s| (s.domain, s.op) == (domain, op));
     &table[start..end]
@@ -358,7 +362,7 @@ impl Validator {
             } else {
                 &domain
             };
-            let mut ops: Vec<&str> = crate::op_schema::SCHEMAS
+            let mut ops: Vec<&str> = op_schema::SCHEMAS
                 .iter()
                 .filter(|s| s.domain == domain)
                 .map(|s| s.op)
@@ -469,7 +473,7 @@ impl Validator {
                 }
             }
         }
-        if t.segment.is_some() || crate::model::uses_external_data(t) {
+        if t.segment.is_some() || t.is_external() {
             return;
         }
         if let Some(raw) = &t.raw_data {

@@ -1,5 +1,5 @@
 //! One rank's side of a data-parallel window: the local micro-steps, the one all-reduce,
-//! the apply-only run (see [`crate::distributed`]).
+//! the apply-only run (see [`crate::train::distributed`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
@@ -7,8 +7,8 @@ use std::ops::Range;
 use super::{gather_u64, Collective};
 use crate::data::Tensor;
 use crate::engine::Held;
+use crate::state::Manifest;
 use crate::state::Role;
-use crate::step::Manifest;
 use crate::train::{Runner, StepMetrics, TrainError, Trainer};
 
 /// A state summed over the ranks at a window's end.

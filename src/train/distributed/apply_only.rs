@@ -18,8 +18,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::proto::{attribute_proto::AttributeType, GraphProto, ModelProto, NodeProto};
 use crate::split::Specialised;
+use crate::state::Manifest;
 use crate::state::Role;
-use crate::step::Manifest;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApplyOnlyError {
