@@ -1,0 +1,796 @@
+//! The step at real model sizes (issue 14 item 6): PyTorch models of 78 K to 3.7 M parameters
+//! (benches/realistic/models.py, exported by benches/realistic/generate.py), trained from the
+//! forward model with our own autodiff, as `rewrite forward.onnx --loss-fn cross-entropy
+//! --optimizer adamw --accum-steps 4` and `train` do. The Python peers (ONNX Runtime's
+//! training API, PyTorch eager) are benches/realistic/peers.py; benches/realistic/run.sh
+//! interleaves the two and writes the table (benches/realistic/report.py). See
+//! benches/README.md, "Real model sizes".
+//!
+//! Columns (ms per micro-step, K = 4, window averaged):
+//! - `floor`: the bare gradient graph (`autodiff(loss_fn=cross-entropy),legalize-ort,dce`):
+//!   forward, loss, backward, gradients as outputs (dropped); parameters held as ONNX Runtime
+//!   values, fed as graph inputs (not constants the session could fold); BatchNorm statistics
+//!   fed back. No accumulation, no optimizer.
+//! - `step`: the step driven by `onnx_ga::train::Trainer` as `train` runs it (split into its
+//!   accumulate / window-start / apply specialisations).
+//! - `step_whole`: the same step run whole (`train --no-split`), its `If` included.
+//!
+//! Modes (cargo passes `--bench`; ignored):
+//! - `--prepare`: build the floor and the step of every model into `--work DIR`
+//!   (`<model>/floor.onnx`, `step.onnx`, `prepare.json`) and check them: the floor's loss and
+//!   gradients on the first micro-batch against torch's (`grads.npz` from generate.py), and
+//!   the split step against the whole one over two windows (bit-identical parameters);
+//! - `--round N --out FILE`: one round of every column and configuration, JSON lines;
+//! - `--rss --out FILE`: peak RSS (VmHWM) of each (model, B, T, column) in a fresh child
+//!   process (`--rss-child MODEL B T COLUMN`), JSON lines.
+//!
+//! Options: `--models dir` (default target/bench-realistic/models), `--work DIR` (default
+//! target/bench-realistic/work), `--only mlp,gpt`, `--threads 1,2`, `--k 4`, `--cell-ms 600`,
+//! `--rss-windows 4`.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use onnx_ga::data::{read_npz, Tensor};
+use onnx_ga::engine::ort::SessionOptions;
+use onnx_ga::engine::{Engine, EngineKind, Held};
+use onnx_ga::proto::ModelProto;
+use onnx_ga::state::Manifest;
+use onnx_ga::train::{micro_batch, TrainOptions, Trainer};
+
+const COLUMNS: [&str; 3] = ["floor", "step", "step_whole"];
+/// The AdamW of the PyTorch column and of the ORT artifacts (torch.optim.AdamW's defaults but
+/// the learning rate; the artifacts' AdamW is lr-scheduled from the host the same way).
+const OPTIMIZER: &str = "optimizer(kind=adamw,lr=0.001,weight_decay=0.01)";
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The micro-batch sizes of a model (the GPT's are sequences of 64 tokens).
+fn batches_of(model: &str) -> Vec<usize> {
+    if model == "gpt" {
+        vec![4, 8]
+    } else {
+        vec![8, 32]
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Opts {
+    models_dir: PathBuf,
+    work: PathBuf,
+    only: Vec<String>,
+    threads: Vec<usize>,
+    k: u64,
+    cell: Duration,
+    rss_windows: usize,
+    mode: Mode,
+    out: Option<PathBuf>,
+}
+
+#[derive(Clone, Debug)]
+enum Mode {
+    Prepare,
+    Round(usize),
+    Rss,
+    RssChild(String, usize, usize, String),
+}
+
+fn parse_opts() -> Result<Opts> {
+    let mut o = Opts {
+        models_dir: root().join("target/bench-realistic/models"),
+        work: root().join("target/bench-realistic/work"),
+        only: ["mlp", "resnet_bn", "resnet", "gpt"]
+            .map(String::from)
+            .to_vec(),
+        threads: vec![1, 2],
+        k: 4,
+        cell: Duration::from_millis(600),
+        rss_windows: 4,
+        mode: Mode::Prepare,
+        out: None,
+    };
+    let mut args = std::env::args().skip(1);
+    let mut mode = None;
+    while let Some(a) = args.next() {
+        let mut value = |what: &str| args.next().ok_or_else(|| anyhow!("{what} needs a value"));
+        match a.as_str() {
+            "--bench" => {}
+            "--models" => o.models_dir = PathBuf::from(value("--models")?),
+            "--work" => o.work = PathBuf::from(value("--work")?),
+            "--only" => o.only = value("--only")?.split(',').map(String::from).collect(),
+            "--threads" => {
+                o.threads = value("--threads")?
+                    .split(',')
+                    .map(|t| t.parse().map_err(|_| anyhow!("--threads: bad '{t}'")))
+                    .collect::<Result<_>>()?
+            }
+            "--k" => o.k = value("--k")?.parse()?,
+            "--cell-ms" => o.cell = Duration::from_millis(value("--cell-ms")?.parse()?),
+            "--rss-windows" => o.rss_windows = value("--rss-windows")?.parse()?,
+            "--out" => o.out = Some(PathBuf::from(value("--out")?)),
+            "--prepare" => mode = Some(Mode::Prepare),
+            "--round" => mode = Some(Mode::Round(value("--round")?.parse()?)),
+            "--rss" => mode = Some(Mode::Rss),
+            "--rss-child" => {
+                let m = value("model")?;
+                let b = value("batch")?.parse()?;
+                let t = value("threads")?.parse()?;
+                let c = value("column")?;
+                mode = Some(Mode::RssChild(m, b, t, c));
+            }
+            other if other.starts_with('-') => eprintln!("realistic bench: ignoring {other}"),
+            _ => {}
+        }
+    }
+    o.mode = mode.unwrap_or(Mode::Prepare);
+    Ok(o)
+}
+
+// ----------------------------------------------------------------------------- building
+
+fn autodiff_spec() -> &'static str {
+    "autodiff(loss_fn=cross-entropy)"
+}
+
+fn forward_graph(o: &Opts, model: &str) -> Result<onnx_ga::signature::TrainingGraph> {
+    let path = o.models_dir.join(model).join("forward.onnx");
+    let proto = onnx_ga::model::load_model_with_data(&path)
+        .with_context(|| format!("{} (run benches/realistic/generate.py)", path.display()))?;
+    Ok(onnx_ga::signature::forward(proto, &path))
+}
+
+/// The floor: the gradient graph alone, every trainable parameter made a graph input (its
+/// initializer kept as the default), so that ONNX Runtime cannot fold it as a constant.
+fn build_floor(o: &Opts, model: &str) -> Result<(ModelProto, Manifest, Vec<String>)> {
+    // autodiff without an optimizer after it keeps the gradients as graph outputs.
+    let spec = format!("{},legalize-ort,dce", autodiff_spec());
+    let step = onnx_ga::step::build_step(forward_graph(o, model)?, &spec, false)
+        .map_err(|e| anyhow!("{model}: floor {spec}: {e}"))?;
+    let mut proto = step.model.to_proto();
+    let g = proto.graph.as_mut().context("no graph")?;
+    let grads: Vec<String> = g
+        .output
+        .iter()
+        .map(|v| v.name().to_string())
+        .filter(|n| n.ends_with("_grad"))
+        .collect();
+    let params: Vec<String> = grads
+        .iter()
+        .map(|n| n.trim_end_matches("_grad").to_string())
+        .collect();
+    let inputs: Vec<String> = g.input.iter().map(|v| v.name().to_string()).collect();
+    for p in &params {
+        if inputs.contains(p) {
+            continue;
+        }
+        let init = g
+            .initializer
+            .iter()
+            .find(|t| t.name() == p.as_str())
+            .ok_or_else(|| anyhow!("{model}: floor: no initializer '{p}'"))?;
+        let dims: Vec<i64> = init.dims.clone();
+        g.input.push(onnx_ga::proto::ValueInfoProto {
+            name: Some(p.clone()),
+            r#type: Some(onnx_ga::ir::tensor_type(init.data_type(), &dims)),
+            ..Default::default()
+        });
+    }
+    Ok((proto, step.manifest, params))
+}
+
+fn build_stepfile(o: &Opts, model: &str, k: u64) -> Result<ModelProto> {
+    let spec = format!("grad-accum(steps={k}),{OPTIMIZER},legalize-ort,dce");
+    let spec = onnx_ga::passes::autodiff::with_autodiff(&spec, autodiff_spec())?;
+    let step = onnx_ga::step::build_step(forward_graph(o, model)?, &spec, false)
+        .map_err(|e| anyhow!("{model}: step {spec}: {e}"))?;
+    Ok(step.model.to_proto())
+}
+
+fn node_count(m: &ModelProto) -> usize {
+    fn count(g: &onnx_ga::proto::GraphProto) -> usize {
+        g.node
+            .iter()
+            .map(|n| {
+                1 + n
+                    .attribute
+                    .iter()
+                    .filter_map(|a| a.g.as_ref())
+                    .map(count)
+                    .sum::<usize>()
+            })
+            .sum()
+    }
+    m.graph.as_ref().map(count).unwrap_or(0)
+}
+
+fn save(model: &ModelProto, path: &Path) -> Result<()> {
+    if let Some(d) = path.parent() {
+        std::fs::create_dir_all(d)?;
+    }
+    onnx_ga::model::save_model(model, path).map_err(|e| anyhow!("{}: {e}", path.display()))
+}
+
+fn load(path: &Path) -> Result<ModelProto> {
+    onnx_ga::model::load_model(path).map_err(|e| anyhow!("{}: {e}", path.display()))
+}
+
+// ----------------------------------------------------------------------------- data
+
+struct Data {
+    data: BTreeMap<String, Tensor>,
+    samples: usize,
+}
+
+impl Data {
+    fn open(o: &Opts, model: &str) -> Result<Data> {
+        let data = read_npz(&o.models_dir.join(model).join("data.npz"))?;
+        let samples = data.values().next().map(|t| t.shape()[0]).unwrap_or(0);
+        Ok(Data { data, samples })
+    }
+
+    /// The distinct micro-batches of `batch` samples (micro-step i uses `i % len`), made
+    /// before timing.
+    fn batches(&self, batch: usize) -> Vec<BTreeMap<String, Tensor>> {
+        let n = self.samples / gcd(self.samples, batch);
+        (0..n as u64)
+            .map(|i| micro_batch(&self.data, self.samples, batch, i))
+            .collect()
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+fn session(threads: usize) -> SessionOptions {
+    SessionOptions {
+        threads,
+        optimize: true,
+        ..Default::default()
+    }
+}
+
+// ----------------------------------------------------------------------------- the floor
+
+/// The gradient graph once per micro-step: data from the batch, parameters held as ONNX
+/// Runtime values (constant), BatchNorm statistics fed back.
+struct Floor {
+    engine: Engine,
+    held: BTreeMap<String, Held>,
+    back: Vec<(String, String)>,
+    data_inputs: Vec<String>,
+}
+
+impl Floor {
+    fn new(floor: &ModelProto, meta: &FloorMeta, threads: usize) -> Result<Floor> {
+        let g = floor.graph.as_ref().context("no graph")?;
+        let mut held = BTreeMap::new();
+        for input in &g.input {
+            let name = input.name();
+            if meta.data_inputs.iter().any(|d| d == name) {
+                continue;
+            }
+            let init = g
+                .initializer
+                .iter()
+                .find(|t| t.name() == name)
+                .ok_or_else(|| anyhow!("floor input '{name}' has no value"))?;
+            let value = Tensor::from_tensor_proto(init).map_err(|e| anyhow!("{name}: {e}"))?;
+            let value = onnx_ga::engine::ort::to_owned_ort(name, &value)?;
+            held.insert(name.to_string(), Held::Ort(value));
+        }
+        Ok(Floor {
+            engine: Engine::new(EngineKind::Ort, floor, &session(threads))?,
+            held,
+            back: meta
+                .state
+                .iter()
+                .map(|(input, output)| (output.clone(), input.clone()))
+                .collect(),
+            data_inputs: meta.data_inputs.clone(),
+        })
+    }
+
+    fn run(&mut self, batch: &BTreeMap<String, Tensor>) -> Result<BTreeMap<String, Held>> {
+        let host: Vec<(&str, &Tensor)> = self
+            .data_inputs
+            .iter()
+            .map(|n| (n.as_str(), &batch[n]))
+            .collect();
+        let held: Vec<(&str, &Held)> = self.held.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let mut outs: BTreeMap<String, Held> =
+            self.engine.run_held(&host, &held)?.into_iter().collect();
+        for (out, input) in &self.back {
+            let v = outs
+                .remove(out)
+                .ok_or_else(|| anyhow!("floor: no output '{out}'"))?;
+            self.held.insert(input.clone(), v);
+        }
+        Ok(outs)
+    }
+}
+
+// ----------------------------------------------------------------------------- prepare
+
+fn prepare(o: &Opts) -> Result<()> {
+    onnx_ga::runtime::init_onnxruntime()?;
+    for model in &o.only {
+        let t = Instant::now();
+        let (floor, manifest, params) = build_floor(o, model)?;
+        let floor_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let step = build_stepfile(o, model, o.k)?;
+        let step_s = t.elapsed().as_secs_f64();
+        let dir = o.work.join(model);
+        save(&floor, &dir.join("floor.onnx"))?;
+        save(&step, &dir.join("step.onnx"))?;
+        let meta = FloorMeta {
+            data_inputs: manifest.data_inputs.clone(),
+            state: manifest
+                .state
+                .iter()
+                .map(|e| (e.input.clone(), e.output.clone()))
+                .collect(),
+            loss: manifest.loss.clone(),
+        };
+        std::fs::write(
+            dir.join("floor.manifest.json"),
+            serde_json::to_string(&meta)?,
+        )?;
+        let checks = check(o, model, &floor, &meta, &params, &step)?;
+        let step_manifest = Manifest::from_model(&step).map_err(|e| anyhow!("{e}"))?;
+        let elements: usize = {
+            let g = floor.graph.as_ref().unwrap();
+            params
+                .iter()
+                .filter_map(|p| g.initializer.iter().find(|t| t.name() == p.as_str()))
+                .map(|t| t.dims.iter().product::<i64>() as usize)
+                .sum()
+        };
+        let info = serde_json::json!({
+            "model": model,
+            "trainable_tensors": params.len(),
+            "trainable_elements": elements,
+            "floor_nodes": node_count(&floor),
+            "step_nodes": node_count(&step),
+            "step_state_entries": step_manifest.state.len(),
+            "step_file_mib": std::fs::metadata(dir.join("step.onnx"))?.len() as f64 / 1048576.0,
+            "build_floor_s": floor_s,
+            "build_step_s": step_s,
+            "checks": checks,
+        });
+        std::fs::write(
+            dir.join("prepare.json"),
+            serde_json::to_string_pretty(&info)?,
+        )?;
+        println!("{}", serde_json::to_string(&info)?);
+    }
+    Ok(())
+}
+
+#[derive(Serialize, Deserialize)]
+struct FloorMeta {
+    data_inputs: Vec<String>,
+    /// (input, output) pairs fed back: BatchNorm's running statistics.
+    state: Vec<(String, String)>,
+    loss: String,
+}
+
+fn floor_meta(o: &Opts, model: &str) -> Result<FloorMeta> {
+    let path = o.work.join(model).join("floor.manifest.json");
+    Ok(serde_json::from_str(&std::fs::read_to_string(&path)?)?)
+}
+
+/// The floor's loss and gradients against torch's on the first micro-batch
+/// (`grads.npz`), and the split step against the whole one over two windows.
+fn check(
+    o: &Opts,
+    model: &str,
+    floor: &ModelProto,
+    meta: &FloorMeta,
+    params: &[String],
+    step: &ModelProto,
+) -> Result<Vec<String>> {
+    let mut lines = Vec::new();
+    let data = Data::open(o, model)?;
+    let reference = read_npz(&o.models_dir.join(model).join("grads.npz"))?;
+    if params.is_empty() || params.len() + 1 != reference.len() {
+        bail!(
+            "{model}: the floor has {} gradients, torch {}",
+            params.len(),
+            reference.len() - 1
+        );
+    }
+    let b = batches_of(model)[0];
+    let batch = micro_batch(&data.data, data.samples, b, 0);
+    let mut f = Floor::new(floor, meta, 1)?;
+    let outs = f.run(&batch)?;
+    let host = |name: &str| -> Result<Vec<f32>> {
+        let t = outs
+            .get(name)
+            .ok_or_else(|| anyhow!("{model}: floor has no output '{name}'"))?
+            .to_host(name)?;
+        Ok(t.as_f32()
+            .ok_or_else(|| anyhow!("{name}: not float"))?
+            .iter()
+            .copied()
+            .collect())
+    };
+    let loss = host(&meta.loss)?[0];
+    let torch_loss = reference["loss"]
+        .as_f32()
+        .unwrap()
+        .iter()
+        .next()
+        .copied()
+        .unwrap();
+    let (mut worst, mut worst_rel, mut scale, mut worst_name) = (0f64, 0f64, 0f64, String::new());
+    for p in params {
+        let ours = host(&format!("{p}_grad"))?;
+        let theirs = reference
+            .get(p)
+            .ok_or_else(|| anyhow!("{model}: grads.npz has no '{p}'"))?;
+        let theirs: Vec<f32> = theirs.as_f32().unwrap().iter().copied().collect();
+        if ours.len() != theirs.len() {
+            bail!(
+                "{model}: {p}: {} gradient elements, torch {}",
+                ours.len(),
+                theirs.len()
+            );
+        }
+        let s = theirs.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
+        for (a, b) in ours.iter().zip(&theirs) {
+            let d = (*a as f64 - *b as f64).abs();
+            if d > worst {
+                worst = d;
+                worst_name = p.clone();
+            }
+            worst_rel = worst_rel.max(d / s.max(1e-30));
+        }
+        scale = scale.max(s);
+    }
+    let ok = (loss - torch_loss).abs() <= 1e-4 * torch_loss.abs().max(1.0) && worst_rel <= 1e-3;
+    lines.push(format!(
+        "{model}: floor vs torch on micro-batch 0 (B={b}): loss {loss:.6} vs {torch_loss:.6}; gradients: max abs diff {worst:.2e} ({worst_name}), max diff / that tensor's max |grad| {worst_rel:.2e} (largest |grad| {scale:.3}) {}",
+        if ok { "ok" } else { "MISMATCH" }
+    ));
+    // Split vs whole: the same parameters after two windows.
+    let batches = data.batches(b);
+    let mut split = Trainer::with_options(step, &TrainOptions::default())?;
+    let mut whole = Trainer::with_options(
+        step,
+        &TrainOptions {
+            split: false,
+            ..Default::default()
+        },
+    )?;
+    let mut losses = Vec::new();
+    for i in 0..2 * o.k as usize {
+        let bt = &batches[i % batches.len()];
+        let (a, w) = (split.step(bt, false)?, whole.step(bt, false)?);
+        if a.applied != w.applied || a.loss.to_bits() != w.loss.to_bits() {
+            bail!("{model}: micro-step {i}: split {a:?} vs whole {w:?}");
+        }
+        losses.push(a.loss);
+    }
+    let same = split.state()? == whole.state()?;
+    lines.push(format!(
+        "{model}: step split vs whole after 2 windows of K={}: {} (losses {:?})",
+        o.k,
+        if same { "bit-identical, ok" } else { "DIFFER" },
+        losses
+    ));
+    if !same || !ok {
+        for l in &lines {
+            eprintln!("{l}");
+        }
+        bail!("{model}: check failed");
+    }
+    for l in &lines {
+        eprintln!("{l}");
+    }
+    Ok(lines)
+}
+
+// ----------------------------------------------------------------------------- timing
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Record {
+    round: usize,
+    model: String,
+    batch: usize,
+    threads: usize,
+    column: String,
+    /// Median over windows of (window time / K), ms.
+    ms_per_step: f64,
+    /// Medians of single micro-steps: not applying (all but the K-th), the first of a
+    /// window, the applying one (the K-th).
+    ms_nonapply: Option<f64>,
+    ms_first: Option<f64>,
+    ms_apply: Option<f64>,
+    /// Mean over windows of (window time / K).
+    ms_mean: f64,
+    windows: usize,
+    /// Seconds to make the sessions.
+    setup_s: f64,
+}
+
+fn median(v: &mut [f64]) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    })
+}
+
+struct Measured {
+    per_step: f64,
+    nonapply: Option<f64>,
+    first: Option<f64>,
+    apply: Option<f64>,
+    mean: f64,
+    windows: usize,
+}
+
+/// Whole windows of K: one warm-up window, then windows until `cell` has passed (at least 3).
+fn measure(k: u64, cell: Duration, mut step: impl FnMut(u64) -> Result<bool>) -> Result<Measured> {
+    let mut i = 0u64;
+    for _ in 0..k {
+        step(i)?;
+        i += 1;
+    }
+    let (mut per, mut nonapply, mut first, mut apply) = (vec![], vec![], vec![], vec![]);
+    let t0 = Instant::now();
+    while t0.elapsed() < cell || per.len() < 3 {
+        let mut window = 0.0;
+        for j in 0..k {
+            let s = Instant::now();
+            let applied = step(i)?;
+            let ms = s.elapsed().as_secs_f64() * 1e3;
+            window += ms;
+            if j == 0 {
+                first.push(ms);
+            }
+            if applied {
+                apply.push(ms)
+            } else {
+                nonapply.push(ms)
+            }
+            i += 1;
+        }
+        per.push(window / k as f64);
+    }
+    let windows = per.len();
+    let mean = per.iter().sum::<f64>() / windows as f64;
+    Ok(Measured {
+        per_step: median(&mut per).unwrap(),
+        nonapply: median(&mut nonapply),
+        first: median(&mut first),
+        apply: median(&mut apply),
+        mean,
+        windows,
+    })
+}
+
+/// The runner of one column: `step(i)` runs micro-step i and says whether it applied.
+enum Runner {
+    Floor(Floor),
+    Trainer(Box<Trainer>),
+}
+
+fn runner(o: &Opts, model: &str, column: &str, threads: usize) -> Result<Runner> {
+    let dir = o.work.join(model);
+    Ok(match column {
+        "floor" => Runner::Floor(Floor::new(
+            &load(&dir.join("floor.onnx"))?,
+            &floor_meta(o, model)?,
+            threads,
+        )?),
+        "step" | "step_whole" => {
+            let step = load(&dir.join("step.onnx"))?;
+            let options = TrainOptions {
+                session: session(threads),
+                split: column == "step",
+                ..Default::default()
+            };
+            let t = Trainer::with_options(&step, &options)?;
+            if t.is_split() != (column == "step") {
+                bail!("{model}: {column}: the trainer's split is {}", t.is_split());
+            }
+            Runner::Trainer(Box::new(t))
+        }
+        other => bail!("unknown column {other}"),
+    })
+}
+
+impl Runner {
+    fn step(&mut self, batch: &BTreeMap<String, Tensor>) -> Result<bool> {
+        match self {
+            Runner::Floor(f) => f.run(batch).map(|_| false),
+            Runner::Trainer(t) => Ok(t.step(batch, false)?.applied),
+        }
+    }
+}
+
+fn round(o: &Opts, r: usize) -> Result<Vec<Record>> {
+    onnx_ga::runtime::init_onnxruntime()?;
+    let mut records = Vec::new();
+    let mut config = 0usize;
+    for model in &o.only {
+        let data = Data::open(o, model)?;
+        for b in batches_of(model) {
+            let batches = data.batches(b);
+            for &threads in &o.threads {
+                // The column order rotates per configuration and per round.
+                for c in 0..COLUMNS.len() {
+                    let column = COLUMNS[(c + r + config) % COLUMNS.len()];
+                    let t = Instant::now();
+                    let mut run = runner(o, model, column, threads)?;
+                    let setup_s = t.elapsed().as_secs_f64();
+                    let n = batches.len() as u64;
+                    let m = measure(o.k, o.cell, |i| run.step(&batches[(i % n) as usize]))?;
+                    drop(run);
+                    records.push(Record {
+                        round: r,
+                        model: model.clone(),
+                        batch: b,
+                        threads,
+                        column: column.into(),
+                        ms_per_step: m.per_step,
+                        ms_nonapply: m.nonapply,
+                        ms_first: m.first,
+                        ms_apply: m.apply,
+                        ms_mean: m.mean,
+                        windows: m.windows,
+                        setup_s,
+                    });
+                    eprintln!(
+                        "  {model} B={b} T={threads} {column}: {:.3} ms/step ({} windows)",
+                        m.per_step, m.windows
+                    );
+                }
+                config += 1;
+            }
+        }
+    }
+    Ok(records)
+}
+
+fn append(path: &Path, lines: impl IntoIterator<Item = String>) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    for l in lines {
+        writeln!(f, "{l}")?;
+    }
+    Ok(())
+}
+
+// ----------------------------------------------------------------------------- memory
+
+/// `VmRSS`, `VmHWM` of this process in KiB (Linux).
+fn vm() -> Result<(u64, u64)> {
+    let s = std::fs::read_to_string("/proc/self/status")?;
+    let field = |key: &str| -> Result<u64> {
+        s.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| anyhow!("no {key} in /proc/self/status"))
+    };
+    Ok((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+/// One configuration in this (fresh) process: ONNX Runtime loaded and the micro-batches
+/// made (baseline), then the step file read and the trainer made, as `train` does, and
+/// `rss_windows` windows run. Prints one JSON line (MiB).
+fn rss_child(o: &Opts, model: &str, b: usize, threads: usize, column: &str) -> Result<()> {
+    onnx_ga::runtime::init_onnxruntime()?;
+    let data = Data::open(o, model)?;
+    let batches = data.batches(b);
+    drop(data);
+    let (base, _) = vm()?;
+    let t = Instant::now();
+    let mut run = runner(o, model, column, threads)?;
+    let (made, _) = vm()?;
+    let setup_s = t.elapsed().as_secs_f64();
+    let n = batches.len();
+    for i in 0..o.rss_windows * o.k as usize {
+        run.step(&batches[i % n])?;
+    }
+    let (end, peak) = vm()?;
+    let mib = |k: u64| k as f64 / 1024.0;
+    println!(
+        "{}",
+        serde_json::json!({
+            "model": model, "batch": b, "threads": threads, "column": column,
+            "peak_mib": mib(peak), "baseline_mib": mib(base), "after_setup_mib": mib(made),
+            "end_mib": mib(end), "setup_s": setup_s, "windows": o.rss_windows,
+        })
+    );
+    Ok(())
+}
+
+fn rss(o: &Opts) -> Result<()> {
+    let out = o.out.clone().context("--rss needs --out FILE")?;
+    let exe = std::env::current_exe()?;
+    for model in &o.only {
+        for b in batches_of(model) {
+            for &threads in &o.threads {
+                for column in COLUMNS {
+                    let res = Command::new(&exe)
+                        .arg("--rss-child")
+                        .args([model.as_str(), &b.to_string(), &threads.to_string(), column])
+                        .arg("--models")
+                        .arg(&o.models_dir)
+                        .arg("--work")
+                        .arg(&o.work)
+                        .args(["--k", &o.k.to_string()])
+                        .args(["--rss-windows", &o.rss_windows.to_string()])
+                        .output()?;
+                    if !res.status.success() {
+                        bail!(
+                            "{model} B={b} T={threads} {column}: child failed: {}",
+                            String::from_utf8_lossy(&res.stderr)
+                        );
+                    }
+                    let line = String::from_utf8_lossy(&res.stdout)
+                        .lines()
+                        .last()
+                        .unwrap_or("")
+                        .to_string();
+                    eprintln!("  rss {line}");
+                    append(&out, [line])?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+// ----------------------------------------------------------------------------- main
+
+fn main() -> Result<()> {
+    let o = parse_opts()?;
+    match o.mode.clone() {
+        Mode::Prepare => prepare(&o),
+        Mode::Round(r) => {
+            let out = o.out.clone().context("--round needs --out FILE")?;
+            let t = Instant::now();
+            let records = round(&o, r)?;
+            append(
+                &out,
+                records.iter().map(|r| serde_json::to_string(r).unwrap()),
+            )?;
+            eprintln!(
+                "realistic bench: rust round {r}: {} cells in {:.1} s",
+                records.len(),
+                t.elapsed().as_secs_f64()
+            );
+            Ok(())
+        }
+        Mode::Rss => rss(&o),
+        Mode::RssChild(m, b, t, c) => rss_child(&o, &m, b, t, &c),
+    }
+}
