@@ -3,10 +3,13 @@
 //! changed across opsets (`ReduceSum`, `Squeeze` and `Unsqueeze` take their axes as an input
 //! from opset 13, the other reductions from 18).
 //!
-//! The legalize lowerings and the autodiff rules implement [`Emit`] (each names its
-//! constants in its own way and keeps its own facts) and get the opset-aware forms from it.
+//! [`Emit`] is the one way passes build default-domain ops: typed constructors (`mul`,
+//! `sqrt`, `select`, ...), so an update reads like its formula, and the opset-aware forms.
+//! The plain [`Builder`] implements it (the optimizer, AGC, loss scaling), and so do the
+//! legalize lowerings and the autodiff rules, which name their constants in their own way
+//! and keep their own facts.
 
-use super::builder::{attr_int, attr_ints};
+use super::builder::{attr_int, attr_ints, Builder};
 use super::ValueId;
 use crate::proto::{tensor_proto::DataType, AttributeProto, TensorProto};
 
@@ -80,6 +83,30 @@ pub fn axes_as_input(op: &str, opset: i64) -> bool {
     }
 }
 
+/// Typed constructors of two-input ops: `fn name(&mut self, a, b, hint)`.
+macro_rules! binary_ops {
+    ($($(#[$doc:meta])* $name:ident => $op:literal,)*) => {
+        $(
+            $(#[$doc])*
+            fn $name(&mut self, a: ValueId, b: ValueId, hint: &str) -> ValueId {
+                self.op($op, &[a, b], vec![], hint)
+            }
+        )*
+    };
+}
+
+/// Typed constructors of one-input ops: `fn name(&mut self, x, hint)`.
+macro_rules! unary_ops {
+    ($($(#[$doc:meta])* $name:ident => $op:literal,)*) => {
+        $(
+            $(#[$doc])*
+            fn $name(&mut self, x: ValueId, hint: &str) -> ValueId {
+                self.op($op, &[x], vec![], hint)
+            }
+        )*
+    };
+}
+
 /// An emitter of default-domain ops: what a pass provides (its opset, its node builder,
 /// its shared int64 constants) and the ops whose form depends on the opset.
 pub trait Emit {
@@ -127,6 +154,78 @@ pub trait Emit {
         } else {
             self.op("Unsqueeze", &[x], vec![attr_ints("axes", axes)], hint)
         }
+    }
+
+    binary_ops! {
+        /// `a + b`
+        add => "Add",
+        /// `a - b`
+        sub => "Sub",
+        /// `a · b`
+        mul => "Mul",
+        /// `a / b`
+        div => "Div",
+        /// `a ^ b`
+        pow => "Pow",
+        /// `max(a, b)`, elementwise
+        max => "Max",
+        /// `min(a, b)`, elementwise
+        min => "Min",
+        /// `a == b`
+        equal => "Equal",
+        /// `a < b`
+        less => "Less",
+        /// `a > b`
+        greater => "Greater",
+        /// `a >= b`
+        greater_or_equal => "GreaterOrEqual",
+        /// `a ∨ b`
+        or => "Or",
+        /// `a ∧ b`
+        and => "And",
+    }
+
+    unary_ops! {
+        /// `√x`
+        sqrt => "Sqrt",
+        /// `-x`
+        neg => "Neg",
+        /// `|x|`
+        abs => "Abs",
+        /// `¬x`
+        not => "Not",
+        /// `x` unchanged (a named copy)
+        identity => "Identity",
+    }
+
+    /// `cond ? a : b`, elementwise (`Where`).
+    fn select(&mut self, cond: ValueId, a: ValueId, b: ValueId, hint: &str) -> ValueId {
+        self.op("Where", &[cond, a, b], vec![], hint)
+    }
+
+    /// `x` as ONNX element type `to` (`Cast`).
+    fn cast_to(&mut self, x: ValueId, to: i32, hint: &str) -> ValueId {
+        self.op("Cast", &[x], vec![attr_int("to", to as i64)], hint)
+    }
+}
+
+impl Emit for Builder<'_> {
+    fn opset(&self) -> i64 {
+        self.model.opset("").unwrap_or(1)
+    }
+
+    fn op(
+        &mut self,
+        op_type: &str,
+        inputs: &[ValueId],
+        attributes: Vec<AttributeProto>,
+        hint: &str,
+    ) -> ValueId {
+        Builder::op(self, op_type, inputs, attributes, hint)
+    }
+
+    fn axes(&mut self, axes: &[i64]) -> ValueId {
+        self.ints("axes", axes)
     }
 }
 

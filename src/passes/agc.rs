@@ -26,6 +26,7 @@ use serde::Serialize;
 
 use super::{Pass, PassContext, PassError, PassOptions, PassReport};
 use crate::ir::builder::{attr_int, attr_ints, Builder, NodeAttributes};
+use crate::ir::emit::Emit;
 use crate::ir::{BodyId, Model, NodeId, Use, ValueId};
 use crate::signature::TrainingSignature;
 
@@ -913,8 +914,8 @@ fn emit_clip(
     };
     let (w_norm, g_norm) = if dims.is_empty() {
         (
-            b.op("Abs", &[w_view], vec![], &hint("w_norm")),
-            b.op("Abs", &[g_view], vec![], &hint("g_norm")),
+            b.abs(w_view, &hint("w_norm")),
+            b.abs(g_view, &hint("g_norm")),
         )
     } else {
         (
@@ -922,12 +923,13 @@ fn emit_clip(
             reduce_l2(b, opset, g_view, axes, &hint("g_norm")),
         )
     };
-    let w_floor = b.op("Max", &[w_norm, eps], vec![], &hint("w_norm_eps"));
-    let max_norm = b.op("Mul", &[w_floor, clip], vec![], &hint("max_norm"));
-    let over = b.op("Greater", &[g_norm, max_norm], vec![], &hint("over"));
-    let ratio = b.op("Div", &[max_norm, g_norm], vec![], &hint("ratio"));
-    let factor = b.op("Where", &[over, ratio, one], vec![], &hint("factor"));
-    let scaled = b.op("Mul", &[g_view, factor], vec![], &hint("grad"));
+    // max_norm = clip · max(||W||, eps);  G · (||G|| > max_norm ? max_norm / ||G|| : 1)
+    let w_floor = b.max(w_norm, eps, &hint("w_norm_eps"));
+    let max_norm = b.mul(w_floor, clip, &hint("max_norm"));
+    let over = b.greater(g_norm, max_norm, &hint("over"));
+    let ratio = b.div(max_norm, g_norm, &hint("ratio"));
+    let factor = b.select(over, ratio, one, &hint("factor"));
+    let scaled = b.mul(g_view, factor, &hint("grad"));
     match units {
         Units::View { .. } => {
             let shape = b.ints(&hint("shape"), dims);

@@ -56,6 +56,7 @@
 use super::apply::ApplyRegion;
 use super::{Pass, PassContext, PassError, PassOptions, PassReport};
 use crate::ir::builder::{attr_int, tensor_f32, tensor_i64, Builder};
+use crate::ir::emit::Emit;
 use crate::ir::{BodyId, Model, ValueId};
 use crate::proto::{tensor_proto::DataType, type_proto};
 use crate::state::Role;
@@ -491,7 +492,7 @@ impl LossScale {
 fn nonfinite_mask(b: &mut Builder<'_>, x: ValueId, hint: &str) -> ValueId {
     let nan = b.op("IsNaN", &[x], vec![], &format!("{hint}.is_nan"));
     let inf = b.op("IsInf", &[x], vec![], &format!("{hint}.is_inf"));
-    b.op("Or", &[nan, inf], vec![], &format!("{hint}.nonfinite_mask"))
+    b.or(nan, inf, &format!("{hint}.nonfinite_mask"))
 }
 
 /// The number of NaN or infinite elements of float32 `x`, as a float32 scalar (exact up to
@@ -540,68 +541,38 @@ fn dynamic_update(
     // Finite: tracker += 1 (a run of non-finite windows, negative, ends: it restarts at 1);
     // grow at `interval`, capped at the float32 maximum.
     let run = if d.hysteresis > 1 {
-        b.op("Max", &[tracker, zero], vec![], "ga.loss_scale.finite_run")
+        b.max(tracker, zero, "ga.loss_scale.finite_run")
     } else {
         tracker
     };
-    let counted = b.op("Add", &[run, one], vec![], "ga.loss_scale.tracker_inc");
+    let counted = b.add(run, one, "ga.loss_scale.tracker_inc");
     let interval = b.scalar_i64("ga.loss_scale.interval", d.interval);
-    let grow = b.op(
-        "GreaterOrEqual",
-        &[counted, interval],
-        vec![],
-        "ga.loss_scale.grow",
-    );
+    let grow = b.greater_or_equal(counted, interval, "ga.loss_scale.grow");
     let growth = b.scalar_f32("ga.loss_scale.growth", d.growth);
-    let grown = b.op("Mul", &[scale, growth], vec![], "ga.loss_scale.grown");
+    let grown = b.mul(scale, growth, "ga.loss_scale.grown");
     let cap = b.scalar_f32("ga.loss_scale.max", f32::MAX);
-    let grown = b.op("Min", &[grown, cap], vec![], "ga.loss_scale.grown_capped");
-    let scale_finite = b.op(
-        "Where",
-        &[grow, grown, scale],
-        vec![],
-        "ga.loss_scale.if_finite",
-    );
-    let tracker_finite = b.op(
-        "Where",
-        &[grow, zero, counted],
-        vec![],
-        "ga.loss_scale.tracker_if_finite",
-    );
+    let grown = b.min(grown, cap, "ga.loss_scale.grown_capped");
+    let scale_finite = b.select(grow, grown, scale, "ga.loss_scale.if_finite");
+    let tracker_finite = b.select(grow, zero, counted, "ga.loss_scale.tracker_if_finite");
 
     // Non-finite: back off (not below min), after `hysteresis` consecutive such windows.
     let backoff = b.scalar_f32("ga.loss_scale.backoff", d.backoff);
-    let reduced = b.op("Mul", &[scale, backoff], vec![], "ga.loss_scale.reduced");
+    let reduced = b.mul(scale, backoff, "ga.loss_scale.reduced");
     let min = b.scalar_f32("ga.loss_scale.min", d.min);
-    let backed_off = b.op("Max", &[reduced, min], vec![], "ga.loss_scale.backed_off");
+    let backed_off = b.max(reduced, min, "ga.loss_scale.backed_off");
     let (scale_bad, tracker_bad) = if d.hysteresis > 1 {
-        let negated = b.op("Neg", &[tracker], vec![], "ga.loss_scale.neg_tracker");
-        let bad_before = b.op("Max", &[negated, zero], vec![], "ga.loss_scale.bad_run");
-        let bad = b.op(
-            "Add",
-            &[bad_before, one],
-            vec![],
-            "ga.loss_scale.bad_run_inc",
-        );
+        let negated = b.neg(tracker, "ga.loss_scale.neg_tracker");
+        let bad_before = b.max(negated, zero, "ga.loss_scale.bad_run");
+        let bad = b.add(bad_before, one, "ga.loss_scale.bad_run_inc");
         let hysteresis = b.scalar_i64("ga.loss_scale.hysteresis", d.hysteresis);
-        let spent = b.op(
-            "GreaterOrEqual",
-            &[bad, hysteresis],
-            vec![],
-            "ga.loss_scale.hysteresis_spent",
-        );
-        let scale_bad = b.op(
-            "Where",
-            &[spent, backed_off, scale],
-            vec![],
-            "ga.loss_scale.if_nonfinite",
-        );
+        let spent = b.greater_or_equal(bad, hysteresis, "ga.loss_scale.hysteresis_spent");
+        let scale_bad = b.select(spent, backed_off, scale, "ga.loss_scale.if_nonfinite");
         let kept_run = b.scalar_i64("ga.loss_scale.spent_run", -(d.hysteresis - 1));
-        let neg_bad = b.op("Neg", &[bad], vec![], "ga.loss_scale.neg_bad_run");
-        let tracker_bad = b.op(
-            "Where",
-            &[spent, kept_run, neg_bad],
-            vec![],
+        let neg_bad = b.neg(bad, "ga.loss_scale.neg_bad_run");
+        let tracker_bad = b.select(
+            spent,
+            kept_run,
+            neg_bad,
             "ga.loss_scale.tracker_if_nonfinite",
         );
         (scale_bad, tracker_bad)
@@ -609,16 +580,11 @@ fn dynamic_update(
         (backed_off, zero)
     };
 
-    let scale_next = b.op(
-        "Where",
-        &[ok, scale_finite, scale_bad],
-        vec![],
-        "ga.loss_scale.updated",
-    );
-    let tracker_next = b.op(
-        "Where",
-        &[ok, tracker_finite, tracker_bad],
-        vec![],
+    let scale_next = b.select(ok, scale_finite, scale_bad, "ga.loss_scale.updated");
+    let tracker_next = b.select(
+        ok,
+        tracker_finite,
+        tracker_bad,
         "ga.loss_scale.tracker_updated",
     );
     (scale_next, tracker_next)

@@ -24,7 +24,8 @@
 //! `Where(update, new, old)`.
 
 use super::{node_error, Lowering};
-use crate::ir::builder::{attr_int, tensor_bool, tensor_i64, Builder};
+use crate::ir::builder::{tensor_bool, tensor_i64, Builder};
+use crate::ir::emit::Emit;
 use crate::ir::{BodyId, NodeId, Use, ValueDef, ValueId};
 use crate::passes::PassError;
 use crate::proto::tensor_proto::DataType;
@@ -151,31 +152,26 @@ pub fn lower_adamw_for_params(
     // Bias corrections a = 1 - α^t, c = 1 - β^t (float, as the kernel rounds them).
     let corrections = adamw.correct_bias.then(|| {
         let step = scalar_of(b, &mut rank0, step, "step");
-        let t = b.op(
-            "Cast",
-            &[step],
-            vec![attr_int("to", DataType::Float as i64)],
-            "t",
-        );
+        let t = b.cast_to(step, DataType::Float as i32, "t");
         let one = b.scalar_f32("one", 1.0);
-        let alpha_t = b.op("Pow", &[alpha, t], vec![], "alpha_t");
-        let beta_t = b.op("Pow", &[beta, t], vec![], "beta_t");
-        let a = b.op("Sub", &[one, alpha_t], vec![], "alpha_correction");
-        let c = b.op("Sub", &[one, beta_t], vec![], "beta_correction");
+        let alpha_t = b.pow(alpha, t, "alpha_t");
+        let beta_t = b.pow(beta, t, "beta_t");
+        let a = b.sub(one, alpha_t, "alpha_correction");
+        let c = b.sub(one, beta_t, "beta_correction");
         (a, c)
     });
     // Mode 1 folds the corrections into the learning rate: lr·√c/a.
     let lr_corrected = match corrections {
         Some((a, c)) if adamw.adam_mode == 1 => {
-            let root = b.op("Sqrt", &[c], vec![], "beta_correction_sqrt");
-            let ratio = b.op("Div", &[root, a], vec![], "correction");
-            b.op("Mul", &[lr, ratio], vec![], "lr_corrected")
+            let root = b.sqrt(c, "beta_correction_sqrt");
+            let ratio = b.div(root, a, "correction");
+            b.mul(lr, ratio, "lr_corrected")
         }
         _ => lr,
     };
     let lr_wd = (adamw.weight_decay != 0.0).then(|| {
         let wd = b.scalar_f32("weight_decay", adamw.weight_decay);
-        b.op("Mul", &[lr, wd], vec![], "lr_weight_decay")
+        b.mul(lr, wd, "lr_weight_decay")
     });
 
     let mut next = Vec::with_capacity(params.len());
@@ -192,58 +188,59 @@ pub fn lower_adamw_for_params(
                 hint.to_string()
             }
         };
+        let g = s.grad;
 
-        // m ← α m + (1-α) g;  v ← β v + (1-β) g²
-        let m_old = b.op("Mul", &[s.m, alpha], vec![], &m_tmp);
-        let m_new = b.op("Mul", &[s.grad, one_minus_alpha], vec![], &m_tmp);
-        let m = b.op("Add", &[m_old, m_new], vec![], &last(&m_next));
-        let v_old = b.op("Mul", &[s.v, beta], vec![], &v_tmp);
-        let v_new = b.op("Mul", &[s.grad, one_minus_beta], vec![], &v_tmp);
-        let v_new = b.op("Mul", &[v_new, s.grad], vec![], &v_tmp);
-        let v = b.op("Add", &[v_old, v_new], vec![], &last(&v_next));
+        // m ← α m + (1-α) g;  v ← β v + (1-β) g · g
+        let m_old = b.mul(s.m, alpha, &m_tmp);
+        let m_new = b.mul(g, one_minus_alpha, &m_tmp);
+        let m = b.add(m_old, m_new, &last(&m_next));
+        let v_old = b.mul(s.v, beta, &v_tmp);
+        let v_new = b.mul(g, one_minus_beta, &v_tmp);
+        let v_new = b.mul(v_new, g, &v_tmp);
+        let v = b.add(v_old, v_new, &last(&v_next));
 
         let p = if adamw.adam_mode == 1 {
             // p ← p - (lr·√c/a) · m / (√v + ε);  then p ← p - lr·wd · p
-            let root = b.op("Sqrt", &[v], vec![], &p_tmp);
-            let denom = b.op("Add", &[root, epsilon], vec![], &p_tmp);
-            let num = b.op("Mul", &[m, lr_corrected], vec![], &p_tmp);
-            let delta = b.op("Div", &[num, denom], vec![], &p_tmp);
+            let root = b.sqrt(v, &p_tmp);
+            let denom = b.add(root, epsilon, &p_tmp);
+            let num = b.mul(m, lr_corrected, &p_tmp);
+            let delta = b.div(num, denom, &p_tmp);
             match lr_wd {
                 Some(k) => {
-                    let stepped = b.op("Sub", &[s.param, delta], vec![], &p_tmp);
-                    let decay = b.op("Mul", &[stepped, k], vec![], &p_tmp);
-                    b.op("Sub", &[stepped, decay], vec![], &last(&p_next))
+                    let stepped = b.sub(s.param, delta, &p_tmp);
+                    let decay = b.mul(stepped, k, &p_tmp);
+                    b.sub(stepped, decay, &last(&p_next))
                 }
-                None => b.op("Sub", &[s.param, delta], vec![], &last(&p_next)),
+                None => b.sub(s.param, delta, &last(&p_next)),
             }
         } else {
             // p ← p - lr·wd · p;  then p ← p - lr · m / (a · (√(v/c) + ε))
             let decayed = match lr_wd {
                 Some(k) => {
-                    let decay = b.op("Mul", &[s.param, k], vec![], &p_tmp);
-                    b.op("Sub", &[s.param, decay], vec![], &p_tmp)
+                    let decay = b.mul(s.param, k, &p_tmp);
+                    b.sub(s.param, decay, &p_tmp)
                 }
                 None => s.param,
             };
             let scaled_v = match corrections {
-                Some((_, c)) => b.op("Div", &[v, c], vec![], &p_tmp),
+                Some((_, c)) => b.div(v, c, &p_tmp),
                 None => v,
             };
-            let root = b.op("Sqrt", &[scaled_v], vec![], &p_tmp);
-            let mut denom = b.op("Add", &[root, epsilon], vec![], &p_tmp);
+            let root = b.sqrt(scaled_v, &p_tmp);
+            let mut denom = b.add(root, epsilon, &p_tmp);
             if let Some((a, _)) = corrections {
-                denom = b.op("Mul", &[denom, a], vec![], &p_tmp);
+                denom = b.mul(denom, a, &p_tmp);
             }
-            let num = b.op("Mul", &[m, lr], vec![], &p_tmp);
-            let delta = b.op("Div", &[num, denom], vec![], &p_tmp);
-            b.op("Sub", &[decayed, delta], vec![], &last(&p_next))
+            let num = b.mul(m, lr, &p_tmp);
+            let delta = b.div(num, denom, &p_tmp);
+            b.sub(decayed, delta, &last(&p_next))
         };
         next.push(match update {
             None => AdamWNext { param: p, m, v },
             Some(u) => AdamWNext {
-                param: b.op("Where", &[u, p, s.param], vec![], &p_next),
-                m: b.op("Where", &[u, m, s.m], vec![], &m_next),
-                v: b.op("Where", &[u, v, s.v], vec![], &v_next),
+                param: b.select(u, p, s.param, &p_next),
+                m: b.select(u, m, s.m, &m_next),
+                v: b.select(u, v, s.v, &v_next),
             },
         });
     }

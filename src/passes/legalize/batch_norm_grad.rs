@@ -25,6 +25,7 @@
 use super::util::{dims, elem_size};
 use super::{node_error, Lowering};
 use crate::ir::builder::{attr_float, attr_int, attr_tensor};
+use crate::ir::emit::Emit;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
 use crate::proto::TensorProto;

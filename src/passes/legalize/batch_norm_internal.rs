@@ -29,6 +29,7 @@
 //! outputs `<input>.next`, recorded as `bn_stat` state of those inputs.
 
 use super::{node_error, Lowering};
+use crate::ir::emit::Emit;
 use crate::ir::{BodyId, NodeId, ValueDef, ValueId};
 use crate::passes::apply::{ApplyRegion, BnStats};
 use crate::passes::PassError;

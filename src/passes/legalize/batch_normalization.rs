@@ -15,6 +15,7 @@
 
 use super::Lowering;
 use crate::ir::builder::{attr_int, attr_tensor, tensor_i64};
+use crate::ir::emit::Emit;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
 

@@ -29,6 +29,7 @@
 use super::util::dims;
 use super::{node_error, Lowering};
 use crate::ir::builder::{attr_int, attr_ints};
+use crate::ir::emit::Emit;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
 

@@ -14,6 +14,7 @@
 
 use super::util::dims;
 use super::{node_error, Lowering};
+use crate::ir::emit::Emit;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
 

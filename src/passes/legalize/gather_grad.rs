@@ -13,6 +13,7 @@
 
 use super::Lowering;
 use crate::ir::builder::{attr_int, attr_string, attr_tensor};
+use crate::ir::emit::Emit;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
 use crate::proto::TensorProto;

@@ -20,6 +20,7 @@
 
 use super::util::FLOAT;
 use super::Lowering;
+use crate::ir::emit::Emit;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
 

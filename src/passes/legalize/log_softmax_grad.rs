@@ -9,6 +9,7 @@
 //!   `axes = [axis, rank)`.
 
 use super::Lowering;
+use crate::ir::emit::Emit;
 use crate::ir::NodeId;
 use crate::passes::PassError;
 

@@ -21,6 +21,7 @@ use super::softmax_cross_entropy_loss_grad::{int_scalar, sample_weights};
 use super::util::{INT32, INT64};
 use super::Lowering;
 use crate::ir::builder::{attr_int, attr_ints};
+use crate::ir::emit::Emit;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
 

@@ -24,6 +24,7 @@
 use super::util::{dims, INT32, INT64};
 use super::Lowering;
 use crate::ir::builder::{attr_int, tensor_i64};
+use crate::ir::emit::Emit;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
 use crate::proto::TensorProto;

@@ -9,6 +9,7 @@
 //!   coerced to 2-D at `axis`): `axes = [axis, rank)`.
 
 use super::Lowering;
+use crate::ir::emit::Emit;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
 

@@ -212,23 +212,6 @@ impl Lowering<'_, '_> {
         self.op("Cast", &[x], vec![attr_int("to", to as i64)], hint)
     }
 
-    /// `ReduceSum`/`ReduceMean` over `axes` (all when empty), in the opset's form.
-    pub fn reduce(
-        &mut self,
-        op: &str,
-        x: ValueId,
-        axes: &[i64],
-        keepdims: bool,
-        hint: &str,
-    ) -> ValueId {
-        Emit::reduce(self, op, x, axes, keepdims, hint)
-    }
-
-    /// `Unsqueeze(x, axes)` in the opset's form.
-    pub fn unsqueeze(&mut self, x: ValueId, axes: &[i64], hint: &str) -> ValueId {
-        Emit::unsqueeze(self, x, axes, hint)
-    }
-
     /// The axes `[axis, rank)` that an op "normalising from `axis` on" reduces over: written
     /// with negative numbers when `axis` is negative, so the rank need not be known.
     pub fn trailing_axes(

@@ -30,6 +30,7 @@
 //! (both leave the split of the padding to the implementation), `output_padding` >= stride.
 
 use super::{wanted, Grad, InputGrads};
+use crate::ir::emit::Emit;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
 

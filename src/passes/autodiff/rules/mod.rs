@@ -502,23 +502,6 @@ impl<'m> Grad<'m> {
         s
     }
 
-    /// `ReduceSum`/`ReduceMean`/... over `axes` (all when empty), in the opset's form.
-    pub fn reduce(
-        &mut self,
-        op: &str,
-        x: ValueId,
-        axes: &[i64],
-        keepdims: bool,
-        hint: &str,
-    ) -> ValueId {
-        Emit::reduce(self, op, x, axes, keepdims, hint)
-    }
-
-    /// `Unsqueeze(x, axes)` in the opset's form.
-    pub fn unsqueeze(&mut self, x: ValueId, axes: &[i64], hint: &str) -> ValueId {
-        Emit::unsqueeze(self, x, axes, hint)
-    }
-
     /// `dy` (the gradient of a broadcast result `y`) summed back to the shape of `x`:
     /// the leading axes `x` lacks are summed away, and so are the axes where `x` has size
     /// 1 and `y` does not.

@@ -36,6 +36,7 @@
 use super::super::shapes::Dim;
 use super::{wanted, Grad, InputGrads};
 use crate::ir::builder::attr_int;
+use crate::ir::emit::Emit;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
 use crate::proto::tensor_proto::DataType;

@@ -13,6 +13,7 @@
 
 use super::{Grad, InputGrads, UnaryParts};
 use crate::ir::builder::attr_int;
+use crate::ir::emit::Emit;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
 

@@ -21,6 +21,7 @@
 use super::super::shapes::{Dim, Facts};
 use super::{Grad, InputGrads};
 use crate::ir::builder::{attr_int, attr_ints, attr_tensor};
+use crate::ir::emit::Emit;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
 
