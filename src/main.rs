@@ -782,69 +782,48 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
                 ))
                 .into());
             }
-            let normalize = args.normalize.replacen('=', ":", 1);
-            let mut optimizer = Vec::new();
-            if let Some(kind) = &args.optimizer {
-                optimizer.push(format!("kind={kind}"));
-            }
-            let floats = [
-                ("lr", args.lr),
-                ("weight_decay", args.weight_decay),
-                ("beta1", args.beta1),
-                ("beta2", args.beta2),
-                ("eps", args.eps),
-                ("momentum", args.momentum),
-            ];
-            for (name, value) in floats {
-                if let Some(v) = value {
-                    optimizer.push(format!("{name}={v}"));
-                }
-            }
-            if let Some(n) = args.fuse_small {
-                optimizer.push(format!("fuse_small={n}"));
-            }
-            if let Some(f) = &args.optimizer_formula {
-                optimizer.push(format!("formula={f}"));
-            }
-            let optimizer = if optimizer.is_empty() {
-                "optimizer".to_string()
-            } else {
-                format!("optimizer({})", optimizer.join(","))
-            };
-            // AGC right before the optimizer: after normalisation (and unscaling).
-            let optimizer = match args.agc {
+            use onnx_ga::passes::plan::{Accumulation, AgcPlan, OptimizerPlan, StepPlan};
+            let agc = match args.agc {
                 Some(clip) => {
-                    let mut agc = vec![format!("clip={clip}")];
+                    let mut options = Vec::new();
                     if let Some(eps) = args.agc_eps {
-                        agc.push(format!("eps={eps}"));
+                        options.push(format!("eps={eps}"));
                     }
-                    agc.extend(args.agc_select.spec_options()?);
-                    format!("agc({}),{optimizer}", agc.join(","))
+                    options.extend(args.agc_select.spec_options()?);
+                    Some(AgcPlan { clip, options })
                 }
-                None => optimizer,
+                None => None,
             };
-            // Loss scaling right after grad-accum: AGC and the optimizer see unscaled gradients.
-            let loss_scale = loss_scale.map(|l| format!("{l},")).unwrap_or_default();
-            // Half precision once only standard ops are left (after legalize-ort).
-            let precision = match args.precision.as_str() {
-                "fp32" => String::new(),
-                half => format!("precision(dtype={half}),"),
+            let plan = StepPlan {
+                accumulation: Accumulation {
+                    steps: args.accum_steps,
+                    normalize: Some(args.normalize.replacen('=', ":", 1)),
+                    apply: Some(args.apply.clone()),
+                    bn_stats: Some(args.bn_stats.clone()),
+                },
+                loss_scale,
+                agc,
+                optimizer: OptimizerPlan {
+                    kind: args.optimizer.clone(),
+                    lr: args.lr,
+                    weight_decay: args.weight_decay,
+                    beta1: args.beta1,
+                    beta2: args.beta2,
+                    eps: args.eps,
+                    momentum: args.momentum,
+                    fuse_small: args.fuse_small,
+                    formula: args.optimizer_formula.clone(),
+                },
+                precision: match args.precision.as_str() {
+                    "fp32" => None,
+                    half => Some(half.to_string()),
+                },
+                engine: match args.engine.as_str() {
+                    "tract" => onnx_ga::passes::plan::TargetEngine::Tract,
+                    _ => onnx_ga::passes::plan::TargetEngine::Ort,
+                },
             };
-            // Only what differs from the pass's defaults, so the recipe tells the defaults
-            // (the recorded pipeline is the canonical spec either way).
-            let mut accum = Vec::new();
-            for (key, value, default) in [
-                ("steps", args.accum_steps.to_string(), "1"),
-                ("normalize", normalize, "mean"),
-                ("apply", args.apply.clone(), "if"),
-                ("bn_stats", args.bn_stats.clone(), "window"),
-            ] {
-                if value != default {
-                    accum.push(format!("{key}={value}"));
-                }
-            }
-            let accum = onnx_ga::passes::spec_text("grad-accum", &accum);
-            format!("{accum},{loss_scale}{optimizer},legalize-ort,{precision}dce")
+            plan.spec()
         }
     };
     // A forward model: autodiff first (in place of a bare `autodiff` in --pipeline).

@@ -735,6 +735,10 @@ impl Pass for Agc {
         PASS
     }
 
+    fn phase(&self) -> super::Phase {
+        super::Phase::Clip
+    }
+
     fn spec(&self) -> String {
         let mut options = vec![format!("clip={}", self.clip), format!("eps={}", self.eps)];
         if self.selection.include_final {

@@ -150,6 +150,10 @@ impl Pass for GradAccum {
         PASS
     }
 
+    fn phase(&self) -> super::Phase {
+        super::Phase::Accumulate
+    }
+
     fn spec(&self) -> String {
         let normalize = match &self.normalize {
             Normalize::Mean => "mean".to_string(),

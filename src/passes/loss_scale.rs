@@ -217,6 +217,10 @@ impl Pass for LossScale {
         PASS
     }
 
+    fn phase(&self) -> super::Phase {
+        super::Phase::LossScale
+    }
+
     fn spec(&self) -> String {
         match self {
             LossScale::Static(s) => format!("{PASS}(static={})", number(*s)),

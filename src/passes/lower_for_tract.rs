@@ -53,6 +53,10 @@ impl Pass for LowerForTract {
         PASS
     }
 
+    fn phase(&self) -> super::Phase {
+        super::Phase::Lower
+    }
+
     fn run(
         &mut self,
         model: &mut Model,

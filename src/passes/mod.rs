@@ -1,9 +1,12 @@
 //! Passes and the pipeline that runs them.
 //!
-//! A pass rewrites the IR in place and reports what it did. The pipeline runs passes in
-//! order and, when asked (always in tests and debug builds), verifies the graph after each
-//! one, naming the pass in any error. A pipeline can be written as a spec string:
-//! `legalize-ort,grad-accum(steps=4,normalize=mean),optimizer(kind=adamw,lr=0.01),dce`.
+//! A pass rewrites the IR in place and reports what it did. Each declares its [`Phase`]:
+//! the pipeline refuses passes out of phase order (or a once-only pass twice) before it
+//! touches a graph, runs them in order, counts the nodes each added and removed, and, when
+//! asked (always in tests and debug builds), verifies the graph after each one, naming the
+//! pass in any error. A pipeline can be written as a spec string:
+//! `grad-accum(steps=4,normalize=mean),optimizer(kind=adamw,lr=0.01),legalize-ort,dce`.
+//! [`plan::StepPlan`] is the one place that orders the passes of a step.
 
 pub mod agc;
 pub mod apply;
@@ -15,6 +18,7 @@ pub mod legalize_training;
 pub mod loss_scale;
 pub mod lower_for_tract;
 pub mod optimizer;
+pub mod plan;
 pub mod precision;
 
 use std::collections::BTreeMap;
@@ -92,9 +96,43 @@ pub enum PassError {
     Spec { spec: String, message: String },
 }
 
+/// Where a pass stands in a step's pipeline: passes of a phase run after those of every
+/// earlier phase. Why this order: the gradients exist (differentiate) before they are
+/// accumulated; loss scaling, then AGC, see the window's gradients before the optimizer
+/// consumes them; ONNX Runtime's training ops are lowered before precision halves what is
+/// left, and the lowering for tract comes last. `Anywhere` passes (dce, legalize-training)
+/// take any place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Phase {
+    Differentiate,
+    Accumulate,
+    LossScale,
+    Clip,
+    Optimize,
+    Legalize,
+    Precision,
+    Lower,
+    Anywhere,
+}
+
+impl Phase {
+    /// A pass of this phase runs at most once in a pipeline. (Precision twice is refused
+    /// by the pass, which says which dtype the step already has.)
+    fn once(self) -> bool {
+        !matches!(
+            self,
+            Phase::Anywhere | Phase::Legalize | Phase::Precision | Phase::Lower
+        )
+    }
+}
+
 pub trait Pass {
     /// The name used in pipeline specs and provenance stamps.
     fn name(&self) -> &'static str;
+    /// Its place in a pipeline ([`Phase`]).
+    fn phase(&self) -> Phase {
+        Phase::Anywhere
+    }
     /// The spec of this pass with its options, e.g. `grad-accum(steps=4,normalize=mean)`.
     fn spec(&self) -> String {
         self.name().to_string()
@@ -265,6 +303,7 @@ impl Pipeline {
             .iter()
             .map(make_pass)
             .collect::<Result<Vec<_>, _>>()?;
+        check_order(spec, &passes)?;
         Ok(Pipeline {
             passes,
             verify_each: cfg!(debug_assertions),
@@ -285,10 +324,17 @@ impl Pipeline {
         model: &mut Model,
         cx: &mut PassContext<'_>,
     ) -> Result<Vec<(String, PassReport)>, PassError> {
+        check_order(&self.spec(), &self.passes)?;
         let mut reports = Vec::new();
         for pass in &mut self.passes {
             let sections = cx.recipe.len();
-            let report = pass.run(model, cx)?;
+            let before: std::collections::HashSet<_> = model.all_nodes().collect();
+            let mut report = pass.run(model, cx)?;
+            // Counted here, not by each pass: a pass that replaced one node by two added
+            // two and removed one (not "+1 nodes").
+            let after: std::collections::HashSet<_> = model.all_nodes().collect();
+            report.added = after.difference(&before).count();
+            report.removed = before.difference(&after).count();
             cx.recipe.truncate(sections + 1);
             if cx.recipe.len() == sections {
                 cx.recipe.push(crate::recipe::Section::new(pass.name()));
@@ -308,5 +354,44 @@ impl Pipeline {
             });
         }
         Ok(reports)
+    }
+}
+
+/// Refuses passes out of [`Phase`] order, and a once-only pass given twice, naming both.
+fn check_order(spec: &str, passes: &[Box<dyn Pass>]) -> Result<(), PassError> {
+    let err = |message: String| PassError::Spec {
+        spec: spec.to_string(),
+        message,
+    };
+    for (i, later) in passes.iter().enumerate() {
+        let phase = later.phase();
+        if phase == Phase::Anywhere {
+            continue;
+        }
+        for earlier in &passes[..i] {
+            if earlier.name() == later.name() && phase.once() {
+                return Err(err(format!("{} runs once", later.name())));
+            }
+            if earlier.phase() != Phase::Anywhere && earlier.phase() > phase {
+                let mut message = format!("run {} before {}", later.name(), earlier.name());
+                if let Some(why) = phase_rule(earlier.phase()) {
+                    message.push_str(": ");
+                    message.push_str(why);
+                }
+                return Err(err(message));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The rule of a phase whose place is not obvious from the pass names.
+fn phase_rule(phase: Phase) -> Option<&'static str> {
+    match phase {
+        Phase::Precision => Some(
+            "run precision after grad-accum, loss-scale and optimizer (they build float32 state \
+             math on the gradients), and after legalize-ort",
+        ),
+        _ => None,
     }
 }

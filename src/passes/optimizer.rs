@@ -507,6 +507,10 @@ impl Pass for Optimizer {
         PASS
     }
 
+    fn phase(&self) -> super::Phase {
+        super::Phase::Optimize
+    }
+
     fn spec(&self) -> String {
         let mut options = Vec::new();
         if let Some(k) = self.kind {

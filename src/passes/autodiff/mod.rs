@@ -155,6 +155,10 @@ impl Pass for Autodiff {
         PASS
     }
 
+    fn phase(&self) -> super::Phase {
+        super::Phase::Differentiate
+    }
+
     fn spec(&self) -> String {
         let mut o = Vec::new();
         match &self.objective {

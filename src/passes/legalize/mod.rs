@@ -222,6 +222,10 @@ impl Pass for LegalizeOrt {
         PASS
     }
 
+    fn phase(&self) -> super::Phase {
+        super::Phase::Legalize
+    }
+
     fn spec(&self) -> String {
         let mut options = Vec::new();
         if self.fused_matmul {

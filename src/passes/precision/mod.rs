@@ -322,6 +322,10 @@ impl Pass for Precision {
         PASS
     }
 
+    fn phase(&self) -> super::Phase {
+        super::Phase::Precision
+    }
+
     fn spec(&self) -> String {
         let dtype = self.dtype.as_str();
         if self.keep == default_keep() {
