@@ -359,3 +359,89 @@ fn resume_is_bit_identical_mid_window() {
         "resumed state differs from the straight run"
     );
 }
+
+/// A classifier whose own loss (in the model) is a SoftmaxCrossEntropyLoss with int32
+/// labels, class weights and ignore_index = -1, differentiated by our autodiff:
+/// `normalize=weighted` counts each kept label by its class weight (the loss's mean
+/// divides by that sum), so uneven micro-batches (3, 5, 2, 6 samples) train like the
+/// window as one batch. The label constants the weights need are int32 like the labels.
+#[test]
+fn weighted_int32_labels_with_class_weights_and_ignored_labels_equal_full_batch() {
+    if !ort_available() {
+        return;
+    }
+    let text = r#"
+<ir_version: 8, opset_import: ["" : 17]>
+classifier (float[N,3] x, int32[N] labels) => (float loss)
+<
+  float[3,4] w = {0.1, -0.2, 0.3, 0.05, 0.4, -0.5, 0.6, -0.1, 0.2, 0.3, -0.4, 0.25},
+  float[4] b = {0.01, -0.02, 0.03, 0.0},
+  float[4] class_weight = {1.0, 2.0, 0.5, 1.5}
+>
+{
+  h = MatMul (x, w)
+  logits = Add (h, b)
+  loss = SoftmaxCrossEntropyLoss <reduction = "mean", ignore_index = -1> (logits, labels, class_weight)
+}
+"#;
+    let model = onnx_ga::ir::text::parse_model(text).unwrap();
+    let graph = |spec: &str| {
+        let mut g = signature::forward(model.clone(), Path::new("classifier.onnx"));
+        g.signature.loss = "loss".into();
+        rewrite_graph(g, spec)
+    };
+    let spec = |k: usize, normalize: &str| {
+        format!("autodiff(loss=loss,freeze=class_weight),grad-accum(steps={k},normalize={normalize}),optimizer(kind=sgd,lr=0.5),legalize-ort,dce")
+    };
+    let weighted = graph(&spec(4, "weighted"));
+    let full = graph(&spec(1, "mean"));
+    let n = 16usize;
+    let x: Vec<f32> = (0..n * 3)
+        .map(|i| ((i * 7 % 11) as f32 - 5.0) / 4.0)
+        .collect();
+    let labels: Vec<i32> = (0..n as i32)
+        .map(|i| if i % 5 == 3 { -1 } else { i % 4 })
+        .collect();
+    let data: BTreeMap<String, Tensor> = [
+        (
+            "x".to_string(),
+            Tensor::F32(ndarray::ArrayD::from_shape_vec(vec![n, 3], x).unwrap()),
+        ),
+        (
+            "labels".to_string(),
+            Tensor::I32(ndarray::ArrayD::from_shape_vec(vec![n], labels).unwrap()),
+        ),
+    ]
+    .into();
+    let mut accumulated = trainer(&weighted);
+    let mut whole = trainer(&full);
+    for _ in 0..3 {
+        let mut start = 0;
+        for size in [3usize, 5, 2, 6] {
+            let rows: Vec<usize> = (start..start + size).collect();
+            let batch = data
+                .iter()
+                .map(|(k, v)| (k.clone(), v.rows(&rows)))
+                .collect();
+            let m = accumulated.step(&batch, false).unwrap();
+            start += size;
+            assert_eq!(m.applied, start == n, "applies at the window's end");
+        }
+        assert!(whole.step(&data, false).unwrap().applied);
+    }
+    for name in ["w", "b"] {
+        let (a, f) = (
+            &accumulated.state().unwrap()[name],
+            &whole.state().unwrap()[name],
+        );
+        assert_close(name, a, f, 1e-5, 1e-6);
+        let initial = model
+            .graph
+            .as_ref()
+            .unwrap()
+            .initializer
+            .iter()
+            .find(|t| t.name() == name);
+        assert!(initial.is_some(), "{name} trained from its initializer");
+    }
+}

@@ -21,7 +21,8 @@ const INT64: i32 = DataType::Int64 as i32;
 const INT32: i32 = DataType::Int32 as i32;
 const BOOL: i32 = DataType::Bool as i32;
 
-/// Little-endian bytes of `value` as ONNX element type `elem`: the float types and int64.
+/// Little-endian bytes of `value` as ONNX element type `elem`: the float types, int64 and
+/// int32.
 pub fn scalar_bytes(elem: i32, value: f64) -> Option<Vec<u8>> {
     Some(match elem {
         FLOAT => (value as f32).to_le_bytes().to_vec(),
@@ -29,6 +30,7 @@ pub fn scalar_bytes(elem: i32, value: f64) -> Option<Vec<u8>> {
         FLOAT16 => half::f16::from_f64(value).to_le_bytes().to_vec(),
         BFLOAT16 => half::bf16::from_f64(value).to_le_bytes().to_vec(),
         INT64 => (value as i64).to_le_bytes().to_vec(),
+        INT32 => (value as i32).to_le_bytes().to_vec(),
         _ => return None,
     })
 }

@@ -26,6 +26,7 @@ use super::{Pass, PassContext, PassError, PassOptions, PassReport};
 use crate::ir::builder::{
     attr_int, attr_tensor, tensor_bool, tensor_f32, tensor_i64, Builder, NodeAttributes,
 };
+use crate::ir::emit::Emit;
 use crate::ir::{BodyId, Model, ValueId};
 use crate::proto::tensor_proto::DataType;
 use crate::state::Role;
@@ -510,22 +511,42 @@ fn micro_batch_weight(
         .ok_or_else(|| fail("SoftmaxCrossEntropyLoss without labels".into()))?;
     let class_weights = model.node(node).inputs.get(2).copied().flatten();
     let ignore_index = proto.attr_int("ignore_index").map_err(fail)?;
+    // The label constants take the labels' type: int64, or int32 (which the loss accepts
+    // too; an int64 constant beside int32 labels would not type-check).
+    let label_elem = match model.value_type(labels).and_then(|t| t.value) {
+        Some(crate::proto::type_proto::Value::TensorType(t))
+            if t.elem_type() == DataType::Int32 as i32 =>
+        {
+            DataType::Int32 as i32
+        }
+        _ => DataType::Int64 as i32,
+    };
+    let label_scalar = |b: &mut Builder<'_>, hint: &str, value: i64| {
+        let t = crate::proto::TensorProto {
+            data_type: Some(label_elem),
+            raw_data: crate::ir::emit::scalar_bytes(label_elem, value as f64),
+            ..Default::default()
+        };
+        b.model.add_initializer(b.body, hint, t)
+    };
     let mut b = Builder::new(model, main, PASS);
+    // Whether each label is ignored: computed once, where it is first needed.
+    let mut ignored: Option<ValueId> = None;
+    let mut is_ignored = |b: &mut Builder<'_>, ii: i64| {
+        *ignored.get_or_insert_with(|| {
+            let ignore = label_scalar(b, "ga.ignore_index", ii);
+            b.equal(labels, ignore, "ga.label_is_ignored")
+        })
+    };
     // Per-label weight: the class weight of the label (1 without weights), 0 when ignored.
     let mut per_label = match class_weights {
         Some(w) => {
             // Gather needs a valid index even for ignored labels: clamp them to 0 first.
             let safe = match ignore_index {
                 Some(ii) => {
-                    let ignore = b.scalar_i64("ga.ignore_index", ii);
-                    let is_ignored = b.op("Equal", &[labels, ignore], vec![], "ga.label_ignored");
-                    let zero = b.scalar_i64("ga.zero_label", 0);
-                    b.op(
-                        "Where",
-                        &[is_ignored, zero, labels],
-                        vec![],
-                        "ga.safe_labels",
-                    )
+                    let ignored = is_ignored(&mut b, ii);
+                    let zero = label_scalar(&mut b, "ga.zero_label", 0);
+                    b.select(ignored, zero, labels, "ga.safe_labels")
                 }
                 None => labels,
             };
@@ -542,15 +563,9 @@ fn micro_batch_weight(
         }
     };
     if let Some(ii) = ignore_index {
-        let ignore = b.scalar_i64("ga.ignore_index", ii);
-        let kept = b.op("Equal", &[labels, ignore], vec![], "ga.label_is_ignored");
+        let ignored = is_ignored(&mut b, ii);
         let zero = b.scalar_f32("ga.zero_weight_f", 0.0);
-        per_label = b.op(
-            "Where",
-            &[kept, zero, per_label],
-            vec![],
-            "ga.label_weight_kept",
-        );
+        per_label = b.select(ignored, zero, per_label, "ga.label_weight_kept");
     }
     Ok(b.op(
         "ReduceSum",
