@@ -37,6 +37,20 @@ except ImportError as e:
     )
 
 
+def initial_value(entry, initializers, inputs):
+    """The value a state starts at, by its manifest entry."""
+    init = entry.get("init")
+    if init is None:
+        return numpy_helper.to_array(initializers[entry["input"]])
+    if init != "zeros":
+        sys.exit(f"error: state '{entry['input']}': unknown init {init!r} (this host knows 'zeros')")
+    tensor_type = inputs[entry["input"]].type.tensor_type
+    shape = [d.dim_value for d in tensor_type.shape.dim]
+    if any(not d.HasField("dim_value") for d in tensor_type.shape.dim):
+        sys.exit(f"error: state '{entry['input']}' starts at zeros but its shape is not static")
+    return np.zeros(shape, dtype=onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("step")
@@ -54,9 +68,12 @@ def main():
     data_inputs = json.loads(meta["onnx_ga.data_inputs"])
     loss_name = meta["onnx_ga.loss"]
 
-    # Initial state: the initializers of the state inputs.
+    # Initial state: the initializers of the state inputs, except for a state whose entry
+    # says `"init": "zeros"` (accumulators, moments, counters): the step stores nothing for
+    # it, and it starts as zeros of its graph input's declared element type and static shape.
     initializers = {t.name: t for t in model.graph.initializer}
-    state = {e["input"]: numpy_helper.to_array(initializers[e["input"]]) for e in state_entries}
+    inputs = {i.name: i for i in model.graph.input}
+    state = {e["input"]: initial_value(e, initializers, inputs) for e in state_entries}
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = args.threads

@@ -397,16 +397,23 @@ impl StepView {
         let recipe = Recipe::of_model(&model.header)?;
         let mut groups: Vec<RoleGroup> = Vec::new();
         for entry in &manifest.state {
+            // The initializer's, or (a state that starts at zeros, stored nowhere) the
+            // input's declared static type.
             let (elements, bytes) = model
                 .lookup(BodyId::MAIN, &entry.input)
-                .and_then(|v| model.initializer(v))
-                .map(|t| {
-                    let n = t
-                        .dims
+                .and_then(|v| match model.initializer(v) {
+                    Some(t) => Some((t.data_type(), t.dims.clone())),
+                    None => model
+                        .value_type(v)
+                        .as_ref()
+                        .and_then(crate::state::static_tensor_type),
+                })
+                .map(|(elem, dims)| {
+                    let n = dims
                         .iter()
                         .map(|d| (*d).max(0) as u64)
                         .fold(1u64, u64::saturating_mul);
-                    (n, n.saturating_mul(elem_bytes(t.data_type())))
+                    (n, n.saturating_mul(elem_bytes(elem)))
                 })
                 .unwrap_or((0, 0));
             let group = match groups.iter_mut().position(|g| g.role == entry.role) {

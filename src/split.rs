@@ -89,7 +89,8 @@ pub fn split_step(
 
 /// The step with the `If` named `node` replaced by its `branch`, dead code removed, and the
 /// state initializers dropped (the host feeds every state input on every run, so two
-/// sessions need not each hold a second copy of the initial parameters).
+/// sessions need not each hold a second copy of the initial parameters; they are not
+/// copied to drop them either).
 pub fn specialise(
     model: &ModelProto,
     manifest: &Manifest,
@@ -97,7 +98,7 @@ pub fn specialise(
     branch: &str,
     drop_outputs: &[&str],
 ) -> Result<Specialised, SplitError> {
-    let mut model = model.clone();
+    let mut model = without_state_initializers(model, manifest);
     let graph = model.graph.get_or_insert_with(Default::default);
     let index = graph
         .node
@@ -173,6 +174,72 @@ pub fn specialise(
         model: ir.to_proto(),
         unchanged: plan.unchanged,
     })
+}
+
+/// A copy of `model` without the initializers of its state inputs, made without copying
+/// them first (the parameters are the largest part of a step): the host feeds every state
+/// input, so a specialisation needs none of them.
+pub(crate) fn without_state_initializers(model: &ModelProto, manifest: &Manifest) -> ModelProto {
+    let state_inputs: HashSet<&str> = manifest.state.iter().map(|e| e.input.as_str()).collect();
+    // Every field named, so that a field added to the proto is not silently dropped here.
+    let ModelProto {
+        ir_version,
+        opset_import,
+        producer_name,
+        producer_version,
+        domain,
+        model_version,
+        doc_string,
+        graph,
+        metadata_props,
+        training_info,
+        functions,
+        configuration,
+    } = model;
+    let graph = graph.as_ref().map(|g| {
+        let GraphProto {
+            node,
+            name,
+            initializer,
+            sparse_initializer,
+            doc_string,
+            input,
+            output,
+            value_info,
+            quantization_annotation,
+            metadata_props,
+        } = g;
+        GraphProto {
+            node: node.clone(),
+            name: name.clone(),
+            initializer: initializer
+                .iter()
+                .filter(|t| !state_inputs.contains(t.name()))
+                .cloned()
+                .collect(),
+            sparse_initializer: sparse_initializer.clone(),
+            doc_string: doc_string.clone(),
+            input: input.clone(),
+            output: output.clone(),
+            value_info: value_info.clone(),
+            quantization_annotation: quantization_annotation.clone(),
+            metadata_props: metadata_props.clone(),
+        }
+    });
+    ModelProto {
+        ir_version: *ir_version,
+        opset_import: opset_import.clone(),
+        producer_name: producer_name.clone(),
+        producer_version: producer_version.clone(),
+        domain: domain.clone(),
+        model_version: *model_version,
+        doc_string: doc_string.clone(),
+        graph,
+        metadata_props: metadata_props.clone(),
+        training_info: training_info.clone(),
+        functions: functions.clone(),
+        configuration: configuration.clone(),
+    }
 }
 
 /// What the main graph knows about its values, for planning the inline.

@@ -2,6 +2,8 @@
 //! value, and what role it plays. Recorded in the model's metadata (`onnx_ga.state`) so any
 //! host can drive the training loop without knowing our naming.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::proto::{ModelProto, StringStringEntryProto};
@@ -28,6 +30,28 @@ pub struct StateEntry {
     pub role: Role,
     /// The parameter an accumulator, moment or bn_stat belongs to.
     pub param: Option<String>,
+}
+
+/// How a state starts when the step stores no initial value for it (recorded per entry of
+/// `onnx_ga.state` as `"init": "zeros"`). A state without one starts at the initializer of
+/// its input, as in every step written before the field existed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StateInit {
+    /// All zeros, of the graph input's declared element type and shape (fully static; the
+    /// input has no initializer). Accumulators, optimizer moments, counters, the window's
+    /// sums: the file stores nothing for them.
+    Zeros,
+}
+
+/// One entry of `onnx_ga.state` as written: a [`StateEntry`] and, for a state whose
+/// initial value is not stored, how it starts.
+#[derive(Serialize, Deserialize)]
+struct EntryJson {
+    #[serde(flatten)]
+    entry: StateEntry,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    init: Option<StateInit>,
 }
 
 /// The bool output saying whether a micro-step updated the parameters (the `applied`
@@ -83,6 +107,10 @@ pub struct Manifest {
     pub apply: Option<ApplyTrigger>,
     /// The float scalar input holding the learning rate (a host may schedule it).
     pub learning_rate: Option<String>,
+    /// State inputs whose initial value the step does not store, and how each starts
+    /// (`"init"` in their `onnx_ga.state` entry). Every other state starts at its input's
+    /// initializer. Empty for steps written before the field existed.
+    pub init: BTreeMap<String, StateInit>,
 }
 
 impl Manifest {
@@ -106,8 +134,15 @@ impl Manifest {
         }
         let state_text = get(STATE_KEY)?;
         let data_text = get(DATA_INPUTS_KEY)?;
+        let entries: Vec<EntryJson> =
+            serde_json::from_str(&state_text).map_err(|e| json(STATE_KEY, e.to_string()))?;
+        let init = entries
+            .iter()
+            .filter_map(|e| Some((e.entry.input.clone(), e.init?)))
+            .collect();
         let manifest = Manifest {
-            state: serde_json::from_str(&state_text).map_err(|e| json(STATE_KEY, e.to_string()))?,
+            state: entries.into_iter().map(|e| e.entry).collect(),
+            init,
             data_inputs: serde_json::from_str(&data_text)
                 .map_err(|e| json(DATA_INPUTS_KEY, e.to_string()))?,
             loss: get(LOSS_KEY)?,
@@ -161,10 +196,7 @@ impl Manifest {
     /// The manifest as metadata entries (key, value), in a fixed order.
     pub fn metadata(&self) -> Vec<StringStringEntryProto> {
         let mut entries = vec![
-            (
-                STATE_KEY,
-                serde_json::to_string(&self.state).expect("state serializes"),
-            ),
+            (STATE_KEY, self.state_json()),
             (
                 DATA_INPUTS_KEY,
                 serde_json::to_string(&self.data_inputs).expect("names serialize"),
@@ -187,6 +219,24 @@ impl Manifest {
                 value: Some(value),
             })
             .collect()
+    }
+
+    /// The `onnx_ga.state` value: the entries, each with its `init` where it has one.
+    fn state_json(&self) -> String {
+        let entries: Vec<EntryJson> = self
+            .state
+            .iter()
+            .map(|e| EntryJson {
+                entry: e.clone(),
+                init: self.init.get(&e.input).copied(),
+            })
+            .collect();
+        serde_json::to_string(&entries).expect("state serializes")
+    }
+
+    /// How state `input` starts: `Some` where the step stores no initial value for it.
+    pub fn init_of(&self, input: &str) -> Option<StateInit> {
+        self.init.get(input).copied()
     }
 
     /// Replaces the `onnx_ga.*` entries of a model's metadata with this manifest.
@@ -248,6 +298,21 @@ pub fn verify_step(model: &crate::ir::Model) -> Result<(), crate::ir::verify::Ve
                     if !seen_out.insert(output.to_string()) {
                         fail(format!("output '{output}' is the next value of two states"));
                     }
+                    if let Some(init) = e.get("init") {
+                        let value = model.lookup(crate::ir::BodyId::MAIN, input);
+                        match serde_json::from_value::<StateInit>(init.clone()) {
+                            Err(e) => fail(format!("its init {init} is not valid: {e}")),
+                            Ok(StateInit::Zeros) => {
+                                if value.is_some_and(|v| model.initializer(v).is_some()) {
+                                    fail("starts at zeros (init) but has an initializer".into());
+                                }
+                                let ty = value.and_then(|v| model.value_type(v));
+                                if ty.as_ref().and_then(static_tensor_type).is_none() {
+                                    fail("starts at zeros (init) but its declared type is not a tensor of static shape".into());
+                                }
+                            }
+                        }
+                    }
                 }
             }
         }
@@ -257,4 +322,24 @@ pub fn verify_step(model: &crate::ir::Model) -> Result<(), crate::ir::verify::Ve
     } else {
         Err(VerifyErrors(errors))
     }
+}
+
+/// The element type and dims of a tensor type whose every dimension is a known size.
+pub fn static_tensor_type(ty: &crate::proto::TypeProto) -> Option<(i32, Vec<i64>)> {
+    use crate::proto::tensor_shape_proto::dimension::Value as Dim;
+    use crate::proto::type_proto::Value;
+    let Some(Value::TensorType(t)) = ty.value.as_ref() else {
+        return None;
+    };
+    let dims = t
+        .shape
+        .as_ref()?
+        .dim
+        .iter()
+        .map(|d| match d.value {
+            Some(Dim::DimValue(v)) if v >= 0 => Some(v),
+            _ => None,
+        })
+        .collect::<Option<Vec<i64>>>()?;
+    (t.elem_type() != 0).then_some((t.elem_type(), dims))
 }

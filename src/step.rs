@@ -4,8 +4,10 @@
 use crate::ir::{verify, BodyId, Model};
 use crate::passes::{PassContext, PassError, PassReport, Pipeline};
 use crate::proto::StringStringEntryProto;
+use crate::proto::TensorProto;
 use crate::signature::TrainingGraph;
-use crate::state::{self, Manifest};
+use crate::state::{self, Manifest, Role, StateEntry, StateInit};
+use std::collections::BTreeMap;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StepError {
@@ -74,7 +76,10 @@ pub fn build_step(graph: TrainingGraph, spec: &str, verify_each: bool) -> Result
         }
     }
 
+    let init = zero_state_uninitialised(&mut model, &state);
+
     let manifest = Manifest {
+        init,
         state,
         data_inputs: signature
             .data_inputs
@@ -99,4 +104,87 @@ pub fn build_step(graph: TrainingGraph, spec: &str, verify_each: bool) -> Result
         reports,
         recipe,
     })
+}
+
+/// Drops the initializer of every state that starts at zeros and is not a model tensor
+/// (accumulators, optimizer moments, counters, the window's sums; parameters, frozen
+/// tensors and BatchNorm running statistics keep theirs: they are the model's values), and
+/// returns those states, each `StateInit::Zeros`: the file stores nothing for them and a host
+/// makes the zeros from the input's declared type. A state whose input type is not a
+/// tensor of static shape equal to its initializer's, or whose element type a host
+/// cannot make ([`zeros_supported`]), keeps its stored zeros.
+fn zero_state_uninitialised(
+    model: &mut Model,
+    state: &[StateEntry],
+) -> BTreeMap<String, StateInit> {
+    let mut init = BTreeMap::new();
+    for e in state {
+        let model_tensor = match e.role {
+            Role::Param | Role::Frozen => true,
+            Role::BnStat => e.param.as_deref().is_none_or(|p| p == e.input),
+            _ => false,
+        };
+        if model_tensor {
+            continue;
+        }
+        let Some(v) = model.lookup(BodyId::MAIN, &e.input) else {
+            continue;
+        };
+        let Some(t) = model.initializer(v) else {
+            continue;
+        };
+        let declared = model
+            .value_type(v)
+            .as_ref()
+            .and_then(state::static_tensor_type);
+        let fits = declared == Some((t.data_type(), t.dims.clone()));
+        if fits && zeros_supported(t.data_type()) && all_zero(t) {
+            model
+                .body_mut(BodyId::MAIN)
+                .initializers
+                .retain(|(id, _)| *id != v);
+            init.insert(e.input.clone(), StateInit::Zeros);
+        }
+    }
+    init
+}
+
+/// The element types a host of ours makes zeros of (the host tensor's).
+pub fn zeros_supported(elem_type: i32) -> bool {
+    use crate::proto::tensor_proto::DataType as D;
+    matches!(
+        D::try_from(elem_type),
+        Ok(D::Float | D::Double | D::Int64 | D::Int32 | D::Bool)
+    )
+}
+
+/// Whether `t` holds only zero bits (`-0.0` is not one), complete and inline.
+fn all_zero(t: &TensorProto) -> bool {
+    use crate::proto::tensor_proto::DataType as D;
+    if t.is_external() || t.dims.iter().any(|d| *d < 0) {
+        return false;
+    }
+    let count = t.dims.iter().product::<i64>() as usize;
+    if let Some(raw) = &t.raw_data {
+        let size = match D::try_from(t.data_type()) {
+            Ok(D::Float | D::Int32) => 4,
+            Ok(D::Double | D::Int64) => 8,
+            Ok(D::Bool) => 1,
+            _ => return false,
+        };
+        return raw.len() == count * size && raw.iter().all(|b| *b == 0);
+    }
+    match D::try_from(t.data_type()) {
+        Ok(D::Float) => {
+            t.float_data.len() == count && t.float_data.iter().all(|x| x.to_bits() == 0)
+        }
+        Ok(D::Double) => {
+            t.double_data.len() == count && t.double_data.iter().all(|x| x.to_bits() == 0)
+        }
+        Ok(D::Int64) => t.int64_data.len() == count && t.int64_data.iter().all(|x| *x == 0),
+        Ok(D::Int32 | D::Bool) => {
+            t.int32_data.len() == count && t.int32_data.iter().all(|x| *x == 0)
+        }
+        _ => false,
+    }
 }

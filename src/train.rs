@@ -242,6 +242,9 @@ impl Trainer {
             .as_ref()
             .ok_or_else(|| TrainError::Model("the model has no graph".into()))?;
         let initial = |name: &str| -> Result<Tensor, TrainError> {
+            if let Some(crate::state::StateInit::Zeros) = manifest.init_of(name) {
+                return zeros_of_input(graph, name);
+            }
             let init = graph
                 .initializer
                 .iter()
@@ -366,7 +369,8 @@ impl Trainer {
             runner,
             kind,
             manifest,
-            host_state: OnceCell::from(state.clone()),
+            // Made from `state` when first asked for: one copy of the state, not two.
+            host_state: OnceCell::new(),
             state: state.into_iter().map(|(k, v)| (k, Held::Host(v))).collect(),
             data_decls,
             controls: BTreeMap::new(),
@@ -490,7 +494,17 @@ impl Trainer {
             file: path.to_path_buf(),
             message,
         };
-        for (name, current) in self.state()? {
+        // Checked against the values held (no host copy of the whole state for it).
+        for (name, held) in &self.state {
+            let copy;
+            let current = match (self.host_state.get(), held) {
+                (Some(host), _) => &host[name],
+                (None, Held::Host(t)) => t,
+                (None, held) => {
+                    copy = held.to_host(name)?;
+                    &copy
+                }
+            };
             let value = loaded
                 .get(name)
                 .ok_or_else(|| bad(format!("state '{name}' is missing")))?;
@@ -529,11 +543,12 @@ impl Trainer {
                 *start = None;
             }
         }
+        // The loaded values become the state itself (no second copy on the host).
         self.state = loaded
-            .iter()
-            .map(|(k, v)| (k.clone(), Held::Host(v.clone())))
+            .into_iter()
+            .map(|(k, v)| (k, Held::Host(v)))
             .collect();
-        self.host_state = OnceCell::from(loaded);
+        self.host_state = OnceCell::new();
         Ok(())
     }
 
@@ -827,6 +842,38 @@ fn decl(ty: Option<&crate::proto::TypeProto>) -> InputDecl {
             dims: Vec::new(),
         },
     }
+}
+
+/// The zeros a state that starts at zeros (`"init": "zeros"`) holds first: of its graph
+/// input's declared element type and static shape, made once (zeroed memory, which the
+/// system maps lazily: pages untouched until written cost no resident memory).
+pub fn zeros_of_input(graph: &crate::proto::GraphProto, name: &str) -> Result<Tensor, TrainError> {
+    use crate::proto::tensor_proto::DataType as D;
+    let bad = |what: String| TrainError::Model(format!("state '{name}' starts at zeros: {what}"));
+    let input = graph
+        .input
+        .iter()
+        .find(|i| i.name() == name)
+        .ok_or_else(|| bad("it is not a graph input".into()))?;
+    let (elem_type, dims) = input
+        .r#type
+        .as_ref()
+        .and_then(crate::state::static_tensor_type)
+        .ok_or_else(|| bad("its declared type is not a tensor of static shape".into()))?;
+    let shape = ndarray::IxDyn(&dims.iter().map(|d| *d as usize).collect::<Vec<_>>());
+    Ok(match D::try_from(elem_type) {
+        Ok(D::Float) => Tensor::F32(ndarray::ArrayD::zeros(shape)),
+        Ok(D::Double) => Tensor::F64(ndarray::ArrayD::zeros(shape)),
+        Ok(D::Int64) => Tensor::I64(ndarray::ArrayD::zeros(shape)),
+        Ok(D::Int32) => Tensor::I32(ndarray::ArrayD::zeros(shape)),
+        Ok(D::Bool) => Tensor::Bool(ndarray::ArrayD::from_elem(shape, false)),
+        _ => {
+            return Err(bad(format!(
+                "element type {} is not supported on the host",
+                crate::ir::print::elem_type_name(elem_type)
+            )))
+        }
+    })
 }
 
 /// Micro-step `i` takes samples `[i*B, (i+1)*B)` of the data, wrapping around.

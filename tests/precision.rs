@@ -482,7 +482,12 @@ for j in range(0, len(args), 5):
     state = json.loads(meta["onnx_ga.state"])
     data_inputs = json.loads(meta["onnx_ga.data_inputs"])
     inits = {t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer}
-    current = {s["input"]: inits[s["input"]] for s in state}
+    # A state with "init": "zeros" has no initializer: zeros of its input's static type.
+    types = {i.name: i.type.tensor_type for i in m.graph.input}
+    zeros = lambda t: np.zeros([d.dim_value for d in t.shape.dim],
+                               onnx.helper.tensor_dtype_to_np_dtype(t.elem_type))
+    current = {s["input"]: zeros(types[s["input"]]) if s.get("init") == "zeros"
+               else inits[s["input"]] for s in state}
     data = np.load(data_path)
     n = data[data_inputs[0]].shape[0]
     session = ReferenceEvaluator(m)

@@ -117,7 +117,8 @@ pub fn apply_only(
         )));
     }
 
-    let mut rewired = model.clone();
+    // The state initializers are dropped by `specialise` anyway: not copied here.
+    let mut rewired = crate::split::without_state_initializers(model, manifest);
     let g = rewired.graph.get_or_insert_with(Default::default);
     for node in &mut g.node {
         rename_inputs(node, &substitute);

@@ -163,14 +163,21 @@ impl Trainer {
         let micro_step = self.micro_step_mirror();
         if rank != 0 {
             let reduced = replica(self)?.plan.reduced.clone();
-            let state = self.state()?.clone();
-            for r in &reduced {
-                let zero = match &state[&r.input] {
-                    Tensor::F32(a) => Tensor::F32(ndarray::ArrayD::zeros(a.raw_dim())),
-                    Tensor::I64(a) => Tensor::I64(ndarray::ArrayD::zeros(a.raw_dim())),
-                    other => other.clone(),
-                };
-                self.replace_state(&r.input, zero);
+            // Only the zeros are made: the state is not copied for it.
+            let state = self.state()?;
+            let zeros: Vec<(String, Tensor)> = reduced
+                .iter()
+                .map(|r| {
+                    let zero = match &state[&r.input] {
+                        Tensor::F32(a) => Tensor::F32(ndarray::ArrayD::zeros(a.raw_dim())),
+                        Tensor::I64(a) => Tensor::I64(ndarray::ArrayD::zeros(a.raw_dim())),
+                        other => other.clone(),
+                    };
+                    (r.input.clone(), zero)
+                })
+                .collect();
+            for (input, zero) in zeros {
+                self.replace_state(&input, zero);
             }
             self.set_micro_step_mirror(0);
         }
@@ -323,7 +330,10 @@ impl Trainer {
         let mut at = states_at;
         let mut count = 0i64;
         {
-            let state = self.state()?.clone();
+            // The reduced states only, made from the host state before any is replaced (no
+            // copy of the whole state).
+            let state = self.state()?;
+            let mut values = Vec::with_capacity(plan.reduced.len());
             for r in &plan.reduced {
                 let src = &buf[at..at + r.elements];
                 let value = match &state[&r.input] {
@@ -346,8 +356,11 @@ impl Trainer {
                     }
                     other => other.clone(),
                 };
-                self.replace_state(&r.input, value);
+                values.push((r.input.clone(), value));
                 at += r.elements;
+            }
+            for (input, value) in values {
+                self.replace_state(&input, value);
             }
         }
         self.set_micro_step_mirror(if keep { count } else { 0 });
