@@ -18,7 +18,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 
 use super::{BodyId, Model, NodeId, Use, ValueDef, ValueId};
-use crate::proto::{attribute_proto::AttributeType, type_proto};
+use crate::proto::attribute_proto::AttributeType;
 
 /// One violated invariant, with where it was found.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -570,8 +570,5 @@ fn cycle_through(start: usize, reads: &[Vec<usize>], component: &[usize]) -> Vec
 }
 
 fn elem_type(ty: Option<&crate::proto::TypeProto>) -> Option<i32> {
-    match ty?.value.as_ref()? {
-        type_proto::Value::TensorType(t) => t.elem_type,
-        _ => None,
-    }
+    ty?.tensor_elem()
 }

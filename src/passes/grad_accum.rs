@@ -513,12 +513,8 @@ fn micro_batch_weight(
     let ignore_index = proto.attr_int("ignore_index").map_err(fail)?;
     // The label constants take the labels' type: int64, or int32 (which the loss accepts
     // too; an int64 constant beside int32 labels would not type-check).
-    let label_elem = match model.value_type(labels).and_then(|t| t.value) {
-        Some(crate::proto::type_proto::Value::TensorType(t))
-            if t.elem_type() == DataType::Int32 as i32 =>
-        {
-            DataType::Int32 as i32
-        }
+    let label_elem = match model.value_type(labels).and_then(|t| t.tensor_elem()) {
+        Some(e) if e == DataType::Int32 as i32 => e,
         _ => DataType::Int64 as i32,
     };
     let label_scalar = |b: &mut Builder<'_>, hint: &str, value: i64| {

@@ -58,7 +58,7 @@ use super::{Pass, PassContext, PassError, PassOptions, PassReport};
 use crate::ir::builder::{attr_int, tensor_f32, tensor_i64, Builder};
 use crate::ir::emit::Emit;
 use crate::ir::{BodyId, Model, ValueId};
-use crate::proto::{tensor_proto::DataType, type_proto};
+use crate::proto::tensor_proto::DataType;
 use crate::state::Role;
 
 pub const PASS: &str = "loss-scale";
@@ -284,10 +284,10 @@ impl LossScale {
                 "the backward seed '{seed_name}' is not a value of the graph"
             ))
         })?;
-        let seed_type = match model.value_type(seed).and_then(|t| t.value) {
-            Some(type_proto::Value::TensorType(t)) => t.elem_type(),
-            _ => DataType::Float as i32,
-        };
+        let seed_type = model
+            .value_type(seed)
+            .and_then(|t| t.tensor_elem())
+            .unwrap_or(DataType::Float as i32);
         let seed_uses: Vec<_> = model
             .uses(seed)
             .iter()
@@ -323,13 +323,14 @@ impl LossScale {
                 "the loss '{loss_name}' is not a value of the graph"
             ))
         })?;
-        let (loss_type, loss_is_scalar) = match model.value_type(loss).and_then(|t| t.value) {
-            Some(type_proto::Value::TensorType(t)) => (
-                t.elem_type(),
-                t.shape.as_ref().is_some_and(|s| s.dim.is_empty()),
-            ),
-            _ => (DataType::Float as i32, false),
-        };
+        let loss_decl = model.value_type(loss);
+        let loss_type = loss_decl
+            .as_ref()
+            .and_then(|t| t.tensor_elem())
+            .unwrap_or(DataType::Float as i32);
+        let loss_is_scalar = loss_decl
+            .and_then(|t| t.tensor_dims())
+            .is_some_and(|d| d.is_empty());
         {
             let mut b = Builder::new(model, main, PASS);
             let s = if seed_type == DataType::Float as i32 {

@@ -10,3 +10,54 @@ impl TensorProto {
         self.data_location == Some(tensor_proto::DataLocation::External as i32)
     }
 }
+
+/// One dimension of a declared tensor shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeclaredDim {
+    Known(i64),
+    /// A named (symbolic) dimension.
+    Symbol(String),
+    /// Neither: unnamed, or a negative size.
+    Unknown,
+}
+
+impl TypeProto {
+    /// The element type a tensor type declares (`None`: not a tensor, or 0 = undefined).
+    pub fn tensor_elem(&self) -> Option<i32> {
+        match self.value.as_ref()? {
+            type_proto::Value::TensorType(t) => t.elem_type.filter(|e| *e != 0),
+            _ => None,
+        }
+    }
+
+    /// The dims a tensor type declares (`None`: not a tensor, or its rank is unknown).
+    pub fn tensor_dims(&self) -> Option<Vec<DeclaredDim>> {
+        use tensor_shape_proto::dimension::Value as D;
+        match self.value.as_ref()? {
+            type_proto::Value::TensorType(t) => t.shape.as_ref().map(|s| {
+                s.dim
+                    .iter()
+                    .map(|d| match &d.value {
+                        Some(D::DimValue(x)) if *x >= 0 => DeclaredDim::Known(*x),
+                        Some(D::DimParam(p)) if !p.is_empty() => DeclaredDim::Symbol(p.clone()),
+                        _ => DeclaredDim::Unknown,
+                    })
+                    .collect()
+            }),
+            _ => None,
+        }
+    }
+
+    /// [`tensor_dims`](Self::tensor_dims) with only the known sizes.
+    pub fn tensor_sizes(&self) -> Option<Vec<Option<i64>>> {
+        Some(
+            self.tensor_dims()?
+                .into_iter()
+                .map(|d| match d {
+                    DeclaredDim::Known(x) => Some(x),
+                    _ => None,
+                })
+                .collect(),
+        )
+    }
+}

@@ -108,28 +108,27 @@ fn merge(declared: Facts, inferred: Facts) -> Facts {
 }
 
 fn declared(model: &Model, v: ValueId) -> Facts {
-    use crate::proto::tensor_shape_proto::dimension::Value as D;
     if let Some(t) = model.initializer(v) {
         return Facts {
             elem: Some(t.data_type()),
             dims: Some(t.dims.iter().map(|d| Dim::Known(*d)).collect()),
         };
     }
-    match model.value_type(v).and_then(|t| t.value) {
-        Some(type_proto::Value::TensorType(t)) => Facts {
-            elem: t.elem_type.filter(|e| *e != 0),
-            dims: t.shape.map(|s| {
-                s.dim
-                    .iter()
-                    .map(|d| match &d.value {
-                        Some(D::DimValue(x)) if *x >= 0 => Dim::Known(*x),
-                        Some(D::DimParam(p)) if !p.is_empty() => Dim::Symbol(p.clone()),
-                        _ => Dim::Unknown,
+    use crate::proto::DeclaredDim;
+    match model.value_type(v) {
+        Some(t) => Facts {
+            elem: t.tensor_elem(),
+            dims: t.tensor_dims().map(|dims| {
+                dims.into_iter()
+                    .map(|d| match d {
+                        DeclaredDim::Known(x) => Dim::Known(x),
+                        DeclaredDim::Symbol(p) => Dim::Symbol(p),
+                        DeclaredDim::Unknown => Dim::Unknown,
                     })
                     .collect()
             }),
         },
-        _ => Facts::default(),
+        None => Facts::default(),
     }
 }
 

@@ -9,7 +9,7 @@ use crate::ir::builder::{attr_int, tensor_i64};
 use crate::ir::emit::Emit;
 use crate::ir::{BodyId, Model, NodeId, ValueId};
 use crate::passes::PassError;
-use crate::proto::{tensor_proto::DataType, type_proto, AttributeProto, TensorProto};
+use crate::proto::{tensor_proto::DataType, AttributeProto, TensorProto};
 
 pub(super) const FLOAT: i32 = DataType::Float as i32;
 pub(super) const DOUBLE: i32 = DataType::Double as i32;
@@ -44,10 +44,8 @@ pub(super) fn elem_type(model: &Model, v: ValueId) -> Option<i32> {
 }
 
 fn elem_type_within(model: &Model, v: ValueId, depth: usize) -> Option<i32> {
-    if let Some(type_proto::Value::TensorType(t)) = model.value_type(v).and_then(|t| t.value) {
-        if let Some(e) = t.elem_type.filter(|e| *e != 0) {
-            return Some(e);
-        }
+    if let Some(e) = model.value_type(v).and_then(|t| t.tensor_elem()) {
+        return Some(e);
     }
     if depth == 0 {
         return None;
@@ -94,19 +92,7 @@ fn elem_type_within(model: &Model, v: ValueId, depth: usize) -> Option<i32> {
 
 /// The declared dims of `v` (`None` for a symbolic dim), when its rank is known.
 pub(super) fn dims(model: &Model, v: ValueId) -> Option<Vec<Option<i64>>> {
-    use crate::proto::tensor_shape_proto::dimension::Value as Dim;
-    match model.value_type(v).and_then(|t| t.value) {
-        Some(type_proto::Value::TensorType(t)) => t.shape.map(|s| {
-            s.dim
-                .iter()
-                .map(|d| match d.value {
-                    Some(Dim::DimValue(x)) => Some(x),
-                    _ => None,
-                })
-                .collect()
-        }),
-        _ => None,
-    }
+    model.value_type(v)?.tensor_sizes()
 }
 
 /// The constant value of `v` when it is an initializer that is not a graph input (a graph

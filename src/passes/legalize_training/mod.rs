@@ -34,7 +34,7 @@ use std::path::Path;
 use super::{Pass, PassContext, PassError, PassOptions, PassReport};
 use crate::ir::builder::{attr_int, tensor_i64, Builder, NodeAttributes};
 use crate::ir::{BodyId, Model, NodeId, ValueId};
-use crate::proto::{tensor_proto::DataType, type_proto, AttributeProto, TensorProto};
+use crate::proto::{tensor_proto::DataType, AttributeProto, TensorProto};
 use crate::signature::{ExplicitRoles, SignatureError, TrainingGraph};
 
 pub const PASS: &str = "legalize-training";
@@ -318,18 +318,12 @@ impl Lowering<'_, '_> {
 
     /// The declared element type of `v`, if any.
     pub fn elem_type(&self, v: ValueId) -> Option<i32> {
-        match self.model().value_type(v).and_then(|t| t.value) {
-            Some(type_proto::Value::TensorType(t)) => t.elem_type.filter(|e| *e != 0),
-            _ => None,
-        }
+        self.model().value_type(v)?.tensor_elem()
     }
 
     /// The declared rank of `v`, if any.
     pub fn rank(&self, v: ValueId) -> Option<usize> {
-        match self.model().value_type(v).and_then(|t| t.value) {
-            Some(type_proto::Value::TensorType(t)) => t.shape.map(|s| s.dim.len()),
-            _ => None,
-        }
+        Some(self.model().value_type(v)?.tensor_dims()?.len())
     }
 
     /// The optimizer's operands, split by its variadic layout: `R`, `T`, then `per_tensor`

@@ -441,9 +441,9 @@ struct Plan {
 }
 
 fn declared_elem(model: &Model, v: ValueId) -> Option<i32> {
-    match model.value_type(v).and_then(|t| t.value) {
-        Some(type_proto::Value::TensorType(t)) => t.elem_type.filter(|e| *e != 0),
-        _ => None,
+    match model.value_type(v) {
+        Some(t) => t.tensor_elem(),
+        None => None,
     }
 }
 
@@ -592,9 +592,9 @@ impl<'a> Analysis<'a> {
                 .first()
                 .and_then(|sub| self.model.body(sub.body).outputs.get(s))
                 .and_then(
-                    |(v, info)| match info.r#type.as_ref().and_then(|t| t.value.as_ref()) {
-                        Some(type_proto::Value::TensorType(t)) => t.elem_type.filter(|e| *e != 0),
-                        _ => declared_elem(self.model, *v),
+                    |(v, info)| match info.r#type.as_ref().and_then(|t| t.tensor_elem()) {
+                        Some(e) => Some(e),
+                        None => declared_elem(self.model, *v),
                     },
                 ),
             (
