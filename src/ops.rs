@@ -1,4 +1,5 @@
-//! Facts about operators: which ones only ONNX Runtime's (deprecated) training build has.
+//! Facts about operators, one table each: which ones only ONNX Runtime's (deprecated)
+//! training build has, and which `com.microsoft` contrib ops the standard build runs.
 
 /// Ops that ONNX Runtime's training tooling emits (the gradient builder, the optimizer and
 /// accumulation graphs of on-device training, the training graph transformers, ORTModule)
@@ -114,4 +115,33 @@ pub fn is_training_only(domain: &str, op_type: &str) -> bool {
     TRAINING_ONLY
         .iter()
         .any(|(d, o)| *d == domain && *o == op_type)
+}
+
+/// `com.microsoft` contrib ops that the standard ONNX Runtime 1.31.1 build runs on the CPU:
+/// each was checked by loading a one-node model (tests/op_facts.rs re-checks them).
+/// Measured absent there, though ORT's training graphs may hold them: `LayerNormalization`,
+/// `SimplifiedLayerNormalization` and `SoftmaxCrossEntropyLoss` (ORT registers them in the
+/// default domain only), `BiasDropout`, `BitmaskDropout` and `Rfft` (no CPU kernel).
+pub const STANDARD_CONTRIB: &[&str] = &[
+    "FusedMatMul",
+    "Gelu",
+    "FastGelu",
+    "BiasGelu",
+    "QuickGelu",
+    "SkipLayerNormalization",
+    "Trilu",
+    "Range",
+    "Inverse",
+    "FusedConv",
+    "TransposeMatMul",
+    // Their CPU kernels exist (a one-node model reaches the kernel's own checks); their
+    // inputs are too particular for the one-node test.
+    "FusedGemm",
+    "Attention",
+    "MultiHeadAttention",
+];
+
+/// True when standard ONNX Runtime registers `com.microsoft::op_type` with a CPU kernel.
+pub fn is_standard_contrib(op_type: &str) -> bool {
+    STANDARD_CONTRIB.contains(&op_type)
 }

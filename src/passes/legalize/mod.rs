@@ -291,7 +291,7 @@ impl LegalizeOrt {
             let Some(lower) = self.lowering_for(&domain, &op) else {
                 if crate::ops::is_training_only(&domain, &op)
                     || crate::ir::normalize_domain(&domain) == "com.microsoft"
-                        && !standard_com_microsoft(&op)
+                        && !crate::ops::is_standard_contrib(&op)
                 {
                     return Err(node_error(
                         model,
@@ -321,36 +321,6 @@ impl LegalizeOrt {
         drop_unused_opsets(model);
         Ok(report)
     }
-}
-
-/// com.microsoft ops that the standard ONNX Runtime build registers (contrib ops used by
-/// ORT's training graphs for the forward pass).
-fn standard_com_microsoft(op: &str) -> bool {
-    matches!(
-        op,
-        "FusedMatMul"
-            | "Gelu"
-            | "FastGelu"
-            | "BiasGelu"
-            | "QuickGelu"
-            | "SkipLayerNormalization"
-            | "LayerNormalization"
-            | "SimplifiedLayerNormalization"
-            | "Attention"
-            | "MultiHeadAttention"
-            | "BiasDropout"
-            | "BitmaskDropout"
-            | "BiasSoftmax"
-            | "Trilu"
-            | "Range"
-            | "Inverse"
-            | "FusedConv"
-            | "FusedGemm"
-            | "TransposeMatMul"
-            | "Rfft"
-            | "Irfft"
-            | "SoftmaxCrossEntropyLoss"
-    )
 }
 
 /// Declares only the opset domains still used (the main domain always stays).
