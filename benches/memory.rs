@@ -413,12 +413,18 @@ impl HandLoop {
         let graph = step.graph.as_ref().ok_or_else(|| anyhow!("no graph"))?;
         let mut state = BTreeMap::new();
         for e in &manifest.state {
-            let init = graph
-                .initializer
-                .iter()
-                .find(|t| t.name() == e.input)
-                .ok_or_else(|| anyhow!("no initial value for '{}'", e.input))?;
-            let t = Tensor::from_tensor_proto(init).map_err(|m| anyhow!("{m}"))?;
+            // A state that starts at zeros ("init": "zeros") is stored nowhere in the step.
+            let t = match manifest.init_of(&e.input) {
+                Some(_) => onnx_ga::train::zeros_of_input(graph, &e.input)?,
+                None => {
+                    let init = graph
+                        .initializer
+                        .iter()
+                        .find(|t| t.name() == e.input)
+                        .ok_or_else(|| anyhow!("no initial value for '{}'", e.input))?;
+                    Tensor::from_tensor_proto(init).map_err(|m| anyhow!("{m}"))?
+                }
+            };
             state.insert(
                 e.input.clone(),
                 onnx_ga::engine::ort::to_owned_ort(&e.input, &t)?,
