@@ -85,7 +85,9 @@ pub fn append(
     let output =
         match &spec.output {
             Some(name) => model.lookup(main, name).ok_or_else(|| {
-                pass_error(format!("--output '{name}' names no tensor of the model"))
+                pass_error(format!(
+                "--model-output: '{name}' names no tensor of the model (the output the loss reads)"
+            ))
             })?,
             None => model.graph_outputs().first().copied().ok_or_else(|| {
                 pass_error("the model has no outputs to apply --loss-fn to".into())
