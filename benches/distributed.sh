@@ -9,7 +9,8 @@
 # Needs Open MPI (bash scripts/install-mpi.sh) and ONNX Runtime (.venv-ort). Builds the
 # binary with --features mpi once and copies it, so nobody's rebuild changes it mid-run.
 # Settings: STEPS (micro-steps per run, 1024), BATCH (micro-batch, 8), ROUNDS (3: the median
-# is reported), OUT (default target/bench-distributed/<time>/).
+# is reported), MODELS (names, comma-separated; default all), OUT (default
+# target/bench-distributed/<time>/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS="${STEPS:-1024}"
@@ -33,6 +34,22 @@ models=(
   "transformer_block|graphs/transformer_block --lr 0.01|graphs/transformer_block/data.npz"
   "torch_gpt|graphs/forward/torch_gpt/dynamo.onnx --loss-fn cross-entropy --ignore-index -100 --class-axis -1 --optimizer adamw --lr 0.001|graphs/forward/torch_gpt/data.npz"
 )
+# The realistic models of benches/realistic (issue 14), when their generator has made them
+# (bash benches/realistic/run.sh, or benches/realistic/generate.py): not committed, too big.
+realistic=target/bench-realistic/models
+for m in mlp gpt; do
+  if [ -f "$realistic/$m/forward.onnx" ]; then
+    models+=("realistic_$m|$realistic/$m/forward.onnx --loss-fn cross-entropy --class-axis -1 --optimizer adamw --lr 0.001|$realistic/$m/data.npz")
+  fi
+done
+MODELS="${MODELS:-}"
+if [ -n "$MODELS" ]; then
+  kept=()
+  for entry in "${models[@]}"; do
+    [[ ",$MODELS," == *",${entry%%|*},"* ]] && kept+=("$entry")
+  done
+  models=("${kept[@]}")
+fi
 echo "machine: $(nproc) cores, $(uname -m); $(mpirun --version | head -n1); K = 4, micro-batch $BATCH, $STEPS micro-steps ($((STEPS / 4)) windows) per run, median of $ROUNDS" | tee "$OUT/table.md"
 echo | tee -a "$OUT/table.md"
 echo "| model | ranks | ms per window | all-reduce ms per window | all-reduce share | bytes per window |" | tee -a "$OUT/table.md"
