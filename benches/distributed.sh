@@ -61,9 +61,10 @@ for entry in "${models[@]}"; do
   for ranks in 1 2; do
     for round in $(seq "$ROUNDS"); do
       "${mpirun[@]}" -n "$ranks" "$bin" train "$OUT/$name.onnx" --data "$data" \
-        --micro-batch "$BATCH" --steps "$STEPS" --distributed mpi --quiet \
+        --micro-batch "$BATCH" --steps "$STEPS" --distributed mpi \
         2>"$OUT/$name.r$ranks.$round.log"
-      # "... on R ranks in W s; N all-reduces of B bytes, M ms each (P% of the time)"
+      # rank 0's last note (not under --quiet, which prints only errors):
+      # "distributed: R ranks in W s; N all-reduces of B bytes, M ms each (P% of the wall time)"
       sed -n 's/.* in \([0-9.]*\) s; \([0-9]*\) all-reduces of \([0-9]*\) bytes, \([0-9.]*\) ms each.*/\1 \2 \3 \4/p' \
         "$OUT/$name.r$ranks.$round.log" >>"$OUT/$name.r$ranks.txt"
     done

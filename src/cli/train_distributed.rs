@@ -176,7 +176,7 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
     if let Some((seconds, reduced)) = trainer.reduce_time() {
         let wall = started.elapsed().as_secs_f64();
         progress.note(format!(
-            "distributed: {size} ranks; {reduced} all-reduces of {} bytes, {:.3} ms each ({:.1}% of the wall time)",
+            "distributed: {size} ranks in {wall:.3} s; {reduced} all-reduces of {} bytes, {:.3} ms each ({:.1}% of the wall time)",
             plan_floats * 4,
             1e3 * seconds / reduced.max(1) as f64,
             100.0 * seconds / wall.max(1e-9)
