@@ -13,14 +13,17 @@
 //!   at all: the host keeps the value it already holds, nothing is copied.
 //! - **apply**: the `If` replaced by its then-branch.
 //!
-//! Inlining renames nothing the host sees: graph inputs and outputs keep their names, and
-//! every value inside keeps its (globally unique) name, so nested subgraphs (the loss-scale
-//! gate) still resolve. Both specialisations compute exactly the ops of the branch they
-//! inline, so training is the same as with the one graph (tests check it bit for bit).
+//! The inline is the IR's ([`crate::ir::Model::inline_if`]): it renames nothing the host
+//! sees (graph inputs and outputs keep their names, and every value inside keeps its
+//! globally unique name), and nested subgraphs (the loss-scale gate) keep reading the values
+//! they read, by reference rather than by name. Both specialisations compute exactly the ops
+//! of the branch they inline, so training is the same as with the one graph (tests check it
+//! bit for bit).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
-use crate::ir::Model;
+use crate::ir::inline::{Branch, InlineError};
+use crate::ir::{BodyId, Model, ValueId};
 use crate::proto::{attribute_proto::AttributeType, GraphProto, ModelProto, NodeProto};
 use crate::state::Manifest;
 use crate::state::{ApplyTrigger, Role};
@@ -87,10 +90,13 @@ pub fn split_step(
     }))
 }
 
-/// The step with the `If` named `node` replaced by its `branch`, dead code removed, and the
-/// state initializers dropped (the host feeds every state input on every run, so two
-/// sessions need not each hold a second copy of the initial parameters; they are not
-/// copied to drop them either).
+/// The step with the `If` named `node` replaced by its `branch` (`then_branch` or
+/// `else_branch`) through [`Model::inline_if`], dead code removed, and the state
+/// initializers dropped (the host feeds every state input on every run, so two sessions
+/// need not each hold a second copy of the initial parameters; they are not copied to drop
+/// them either). A state output the branch passes through unchanged is no output of the
+/// specialisation (its readers read the state input itself); the outputs named in
+/// `drop_outputs` go too.
 pub fn specialise(
     model: &ModelProto,
     manifest: &Manifest,
@@ -98,23 +104,24 @@ pub fn specialise(
     branch: &str,
     drop_outputs: &[&str],
 ) -> Result<Specialised, SplitError> {
+    let no_branch = || SplitError::NoBranch {
+        node: node.to_string(),
+        branch: branch.to_string(),
+    };
+    let which = Branch::from_attribute(branch).ok_or_else(no_branch)?;
     let mut model = without_state_initializers(model, manifest);
+    // A specialisation is not a step a host could drive on its own (state outputs are
+    // missing by design): it carries no manifest.
+    model
+        .metadata_props
+        .retain(|p| !p.key().starts_with(crate::state::KEY_PREFIX));
     let graph = model.graph.get_or_insert_with(Default::default);
-    let index = graph
+    let if_node = graph
         .node
         .iter()
-        .position(|n| n.op_type() == "If" && n.name() == node)
+        .find(|n| n.op_type() == "If" && n.name() == node)
         .ok_or_else(|| SplitError::NoApplyNode(node.to_string()))?;
-    let if_node = graph.node.remove(index);
-    let body = if_node
-        .attribute
-        .iter()
-        .find(|a| a.name() == branch && a.r#type() == AttributeType::Graph)
-        .and_then(|a| a.g.clone())
-        .ok_or_else(|| SplitError::NoBranch {
-            node: node.to_string(),
-            branch: branch.to_string(),
-        })?;
+    let body = graph_attribute(if_node, branch).ok_or_else(no_branch)?;
     if body.output.len() != if_node.output.len() {
         return Err(SplitError::OutputCount {
             node: node.to_string(),
@@ -123,57 +130,80 @@ pub fn specialise(
             want: if_node.output.len(),
         });
     }
+    // Read from the proto by the rule `check_apply_region` applies, so the two agree.
+    let through = passed_through(graph, if_node, body, manifest);
 
-    let inline = Inliner::new(graph, &body, manifest);
-    let plan = inline.plan(&if_node, &body);
-
-    // The branch's nodes take the If's place (its inputs come from before the If, its
-    // outputs are read after it), then the copies the plan needs.
-    let mut nodes: Vec<NodeProto> = graph.node.drain(..index).collect();
-    nodes.extend(body.node.iter().cloned());
-    nodes.extend(plan.copies.iter().cloned());
-    nodes.append(&mut graph.node);
-    for n in &mut nodes {
-        rename_node(n, &plan.rename);
-    }
-    graph.node = nodes;
-    graph.initializer.extend(body.initializer.iter().cloned());
-    graph
-        .sparse_initializer
-        .extend(body.sparse_initializer.iter().cloned());
-    // Shape annotations of renamed values would now describe two names for one value.
-    graph
-        .value_info
-        .retain(|v| !plan.rename.contains_key(v.name()));
-    graph.value_info.extend(
-        body.value_info
-            .iter()
-            .filter(|v| !plan.rename.contains_key(v.name()))
-            .cloned(),
-    );
-    graph
-        .output
-        .retain(|o| !plan.dropped_outputs.contains(o.name()) && !drop_outputs.contains(&o.name()));
-    let state_inputs: HashSet<&str> = manifest.state.iter().map(|e| e.input.as_str()).collect();
-    graph
-        .initializer
-        .retain(|t| !state_inputs.contains(t.name()));
-
-    // A specialisation is not a step a host could drive on its own (state outputs are
-    // missing by design): it carries no manifest.
-    model
-        .metadata_props
-        .retain(|p| !p.key().starts_with(crate::state::KEY_PREFIX));
     let mut ir = Model::from_proto(model);
-    crate::passes::dce::eliminate_dead_code(&mut ir);
-    crate::state::verify_step(&ir).map_err(|e| SplitError::Invalid {
+    let if_id = ir
+        .body_nodes(BodyId::MAIN)
+        .find(|n| {
+            let p = &ir.node(*n).proto;
+            p.op_type() == "If" && p.name() == node
+        })
+        .ok_or_else(|| SplitError::NoApplyNode(node.to_string()))?;
+    let invalid = |errors: String| SplitError::Invalid {
         branch: branch.to_string(),
-        errors: e.to_string(),
+        errors,
+    };
+    // State the branch passes through: the host keeps the value it holds, so the output goes
+    // and whatever read the If's output reads the state input.
+    let mut unchanged = BTreeSet::new();
+    for (slot, input) in through {
+        let Some(out) = ir.node(if_id).outputs[slot] else {
+            continue;
+        };
+        let state = ir
+            .lookup(BodyId::MAIN, &input)
+            .ok_or_else(|| invalid(format!("state input '{input}' is not in the graph")))?;
+        remove_main_outputs(&mut ir, |v| v == out);
+        ir.replace_all_uses(out, state, true)
+            .map_err(|e| invalid(e.to_string()))?;
+        unchanged.insert(input);
+    }
+    ir.inline_if(if_id, which).map_err(|e| match e {
+        InlineError::NoBranch { .. } => no_branch(),
+        e => invalid(e.to_string()),
     })?;
+    let dropped: HashSet<ValueId> = ir
+        .graph_outputs()
+        .into_iter()
+        .filter(|v| drop_outputs.contains(&ir.name(*v)))
+        .collect();
+    remove_main_outputs(&mut ir, |v| dropped.contains(&v));
+    // The branch's initializers moved in with it: none may stand for a state input (the
+    // host feeds those).
+    let state_inputs: HashSet<&str> = manifest.state.iter().map(|e| e.input.as_str()).collect();
+    let stale: Vec<ValueId> = ir
+        .main()
+        .initializers
+        .iter()
+        .map(|(v, _)| *v)
+        .filter(|v| state_inputs.contains(ir.name(*v)))
+        .collect();
+    ir.body_mut(BodyId::MAIN)
+        .initializers
+        .retain(|(v, _)| !stale.contains(v));
+
+    crate::passes::dce::eliminate_dead_code(&mut ir);
+    crate::state::verify_step(&ir).map_err(|e| invalid(e.to_string()))?;
     Ok(Specialised {
         model: ir.to_proto(),
-        unchanged: plan.unchanged,
+        unchanged,
     })
+}
+
+/// Removes every main-graph output whose value `drop` selects, keeping the others' order.
+fn remove_main_outputs(ir: &mut Model, drop: impl Fn(ValueId) -> bool) {
+    while let Some(index) = ir.graph_outputs().into_iter().position(&drop) {
+        ir.remove_output(BodyId::MAIN, index);
+    }
+}
+
+fn graph_attribute<'a>(node: &'a NodeProto, name: &str) -> Option<&'a GraphProto> {
+    node.attribute
+        .iter()
+        .find(|a| a.name() == name && a.r#type() == AttributeType::Graph)
+        .and_then(|a| a.g.as_ref())
 }
 
 /// A copy of `model` without the initializers of its state inputs, made without copying
@@ -242,59 +272,32 @@ pub(crate) fn without_state_initializers(model: &ModelProto, manifest: &Manifest
     }
 }
 
-/// What the main graph knows about its values, for planning the inline.
-struct Inliner<'a> {
-    graph_inputs: HashSet<&'a str>,
-    graph_outputs: HashSet<&'a str>,
-    /// Values some main-graph node produces.
-    produced: HashSet<&'a str>,
-    /// State output name -> state input name.
-    state_of_output: HashMap<&'a str, &'a str>,
-    /// Branch values: the node producing each (by index), and the branch's initializers.
-    branch_producer: HashMap<&'a str, usize>,
-    branch_initializers: HashSet<&'a str>,
-}
-
-/// How the If's outputs are rewired.
-struct Plan {
-    /// Old name -> new name, applied to every node input and output (nested subgraphs too).
-    rename: BTreeMap<String, String>,
-    /// `Identity` nodes for outputs that cannot simply take over a value's name.
-    copies: Vec<NodeProto>,
-    /// Graph outputs removed because their state passes through unchanged.
-    dropped_outputs: HashSet<String>,
-    unchanged: BTreeSet<String>,
-}
-
-impl<'a> Inliner<'a> {
-    fn new(graph: &'a GraphProto, body: &'a GraphProto, manifest: &'a Manifest) -> Self {
-        Inliner {
-            graph_inputs: graph.input.iter().map(|i| i.name()).collect(),
-            graph_outputs: graph.output.iter().map(|o| o.name()).collect(),
-            produced: graph
-                .node
-                .iter()
-                .flat_map(|n| n.output.iter().map(String::as_str))
-                .collect(),
-            state_of_output: manifest
-                .state
-                .iter()
-                .map(|e| (e.output.as_str(), e.input.as_str()))
-                .collect(),
-            branch_producer: body
-                .node
-                .iter()
-                .enumerate()
-                .flat_map(|(i, n)| n.output.iter().map(move |o| (o.as_str(), i)))
-                .collect(),
-            branch_initializers: body.initializer.iter().map(|t| t.name()).collect(),
-        }
-    }
-
-    /// `value` seen through the branch's `Identity` nodes: the value it copies.
-    fn through_identities(&self, body: &'a GraphProto, mut value: &'a str) -> &'a str {
-        while let Some(&i) = self.branch_producer.get(value) {
-            let n = &body.node[i];
+/// The slots of the `If` whose `body` output passes a state through unchanged, with that
+/// state's input: the If output is a graph output, the manifest's next value of a state, and
+/// the branch returns (through its own `Identity` nodes) that state's input as it came in.
+/// Read-only, on the proto: the trainer checks every step it loads with it
+/// ([`check_apply_region`]), and importing the step into the IR would copy its parameters.
+fn passed_through<'a>(
+    graph: &'a GraphProto,
+    if_node: &'a NodeProto,
+    body: &'a GraphProto,
+    manifest: &'a Manifest,
+) -> Vec<(usize, String)> {
+    let graph_inputs: HashSet<&str> = graph.input.iter().map(|i| i.name()).collect();
+    let graph_outputs: HashSet<&str> = graph.output.iter().map(|o| o.name()).collect();
+    let state_of_output: HashMap<&str, &str> = manifest
+        .state
+        .iter()
+        .map(|e| (e.output.as_str(), e.input.as_str()))
+        .collect();
+    let producer: HashMap<&'a str, &'a NodeProto> = body
+        .node
+        .iter()
+        .flat_map(|n| n.output.iter().map(move |o| (o.as_str(), n)))
+        .collect();
+    // The value the branch's Identity nodes forward (the rule of `Model::forwarded`).
+    let forwarded = |mut value: &'a str| -> &'a str {
+        while let Some(n) = producer.get(value) {
             if n.op_type() != "Identity" || !crate::ir::normalize_domain(n.domain()).is_empty() {
                 break;
             }
@@ -304,84 +307,20 @@ impl<'a> Inliner<'a> {
             }
         }
         value
-    }
-
-    fn plan(&self, if_node: &NodeProto, body: &'a GraphProto) -> Plan {
-        let mut plan = Plan {
-            rename: BTreeMap::new(),
-            copies: Vec::new(),
-            dropped_outputs: HashSet::new(),
-            unchanged: BTreeSet::new(),
-        };
-        // Values that already took an If output's name.
-        let mut claimed: HashMap<&str, &str> = HashMap::new();
-        for (if_output, branch_output) in if_node.output.iter().zip(&body.output) {
-            if if_output.is_empty() {
-                continue;
-            }
-            let source = self.through_identities(body, branch_output.name());
-            let computed_in_branch = self.branch_producer.contains_key(source)
-                && !self.branch_initializers.contains(source);
-            let computed_in_main = self.produced.contains(source)
-                && !self.graph_outputs.contains(source)
-                && !self.graph_inputs.contains(source);
-            if (computed_in_branch || computed_in_main) && !claimed.contains_key(source) {
-                // The value's producer writes the If output's name directly.
-                claimed.insert(source, if_output);
-                plan.rename.insert(source.to_string(), if_output.clone());
-                continue;
-            }
-            let is_output = self.graph_outputs.contains(if_output.as_str());
-            let passes_state_through =
-                self.state_of_output.get(if_output.as_str()) == Some(&source);
-            if is_output && passes_state_through {
-                // The state's next value is its current one: no output, the host keeps it.
-                plan.dropped_outputs.insert(if_output.clone());
-                plan.unchanged.insert(source.to_string());
-                plan.rename.insert(if_output.clone(), source.to_string());
-            } else if !is_output && !self.branch_producer.contains_key(source) {
-                // Read only inside the graph: readers take the source itself.
-                let current = claimed.get(source).copied().unwrap_or(source);
-                plan.rename.insert(if_output.clone(), current.to_string());
-            } else {
-                // A graph output that must carry a copy (a constant, a value another output
-                // already took, or a state that is not its own).
-                plan.copies.push(NodeProto {
-                    input: vec![source.to_string()],
-                    output: vec![if_output.clone()],
-                    name: Some(format!("{if_output}.copy")),
-                    op_type: Some("Identity".into()),
-                    ..Default::default()
-                });
-            }
-        }
-        plan
-    }
-}
-
-fn rename_node(node: &mut NodeProto, rename: &BTreeMap<String, String>) {
-    for name in node.input.iter_mut().chain(node.output.iter_mut()) {
-        if let Some(new) = rename.get(name.as_str()) {
-            *name = new.clone();
+    };
+    let mut through = Vec::new();
+    for (slot, (if_output, branch_output)) in if_node.output.iter().zip(&body.output).enumerate() {
+        let source = forwarded(branch_output.name());
+        if !if_output.is_empty()
+            && graph_outputs.contains(if_output.as_str())
+            && state_of_output.get(if_output.as_str()) == Some(&source)
+            && graph_inputs.contains(source)
+            && !producer.contains_key(source)
+        {
+            through.push((slot, source.to_string()));
         }
     }
-    for attribute in &mut node.attribute {
-        for g in attribute.g.iter_mut().chain(attribute.graphs.iter_mut()) {
-            rename_captures(g, rename);
-        }
-    }
-}
-
-/// Renames the outer values a nested subgraph reads (its own values have other names).
-fn rename_captures(graph: &mut GraphProto, rename: &BTreeMap<String, String>) {
-    for node in &mut graph.node {
-        rename_node(node, rename);
-    }
-    for output in &mut graph.output {
-        if let Some(new) = rename.get(output.name()) {
-            output.name = Some(new.clone());
-        }
-    }
+    through
 }
 
 /// A specialisation as a file of its own, for hosts other than ours (`rewrite --split`):
@@ -521,12 +460,7 @@ pub fn check_apply_region(model: &ModelProto, manifest: &Manifest) -> Result<(),
         .map(|e| e.input.as_str())
         .collect();
     for (branch, updates) in [("else_branch", false), ("then_branch", true)] {
-        let Some(body) = if_node
-            .attribute
-            .iter()
-            .find(|a| a.name() == branch && a.r#type() == AttributeType::Graph)
-            .and_then(|a| a.g.as_ref())
-        else {
+        let Some(body) = graph_attribute(if_node, branch) else {
             return bad(format!("it has no {branch}"));
         };
         if body.output.len() != if_node.output.len() {
@@ -536,9 +470,10 @@ pub fn check_apply_region(model: &ModelProto, manifest: &Manifest) -> Result<(),
                 if_node.output.len()
             ));
         }
-        let unchanged = Inliner::new(graph, body, manifest)
-            .plan(if_node, body)
-            .unchanged;
+        let unchanged: BTreeSet<String> = passed_through(graph, if_node, body, manifest)
+            .into_iter()
+            .map(|(_, input)| input)
+            .collect();
         for p in &params {
             if unchanged.contains(*p) == updates {
                 return bad(if updates {

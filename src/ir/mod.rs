@@ -18,6 +18,7 @@ pub mod builder;
 pub mod emit;
 mod export;
 mod import;
+pub mod inline;
 mod names;
 pub mod print;
 pub mod text;
