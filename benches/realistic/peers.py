@@ -234,6 +234,11 @@ def main() -> None:
     ap.add_argument("--cell-ms", type=float, default=600)
     ap.add_argument("--rss-windows", type=int, default=4)
     a = ap.parse_args()
+    if a.column == "ort_api" or (a.rss_child and a.rss_child[0] == "ort_api"):
+        # onnxruntime-training's import-time validation imports ORTModule and through it torch
+        # (+560 MiB RSS) when torch is installed, as it is in this venv; the training API
+        # needs none of it, and a user of the API alone would not have torch loaded.
+        sys.modules["torch"] = None
 
     if a.rss_child:
         column, model, b, t = a.rss_child

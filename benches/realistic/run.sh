@@ -16,6 +16,7 @@
 #   THREADS   comma list (default 1,2)
 #   RSS       1 (default) to measure peak RSS, 0 to skip it
 #   OUT       raw JSON lines, logs and table.md (default target/bench-realistic/<time>)
+#   BENCH_EXE the bench executable to copy instead of building it
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -35,6 +36,7 @@ if [[ -z "${ORT_DYLIB_PATH:-}" && ! -x "$root/.venv-ort/bin/python" ]]; then
     bash scripts/install-ort.sh >/dev/null
 fi
 mkdir -p "$out"
+rev="$(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD -- src 2>/dev/null || echo ' + uncommitted src changes')"
 IFS=, read -ra want <<<"$only"
 for m in "${want[@]}"; do
     if [[ ! -f "$models/$m/meta.json" || ! -f "$models/$m/grads.npz" ]]; then
@@ -45,9 +47,14 @@ for m in "${want[@]}"; do
 done
 
 # Build once and run a private copy: someone rebuilding src/ mid-run must not change the code.
-log "building (cargo bench --bench realistic --no-run)"
-exe="$(cargo bench --bench realistic --no-run --message-format=json 2>/dev/null \
-    | grep -o '"executable":"[^"]*realistic-[^"]*"' | tail -n1 | cut -d'"' -f4)"
+# BENCH_EXE: an executable built before (cargo bench --bench realistic --no-run) instead.
+if [[ -n "${BENCH_EXE:-}" ]]; then
+    exe="$BENCH_EXE"
+else
+    log "building (cargo bench --bench realistic --no-run)"
+    exe="$(cargo bench --bench realistic --no-run --message-format=json 2>/dev/null \
+        | grep -o '"executable":"[^"]*realistic-[^"]*"' | tail -n1 | cut -d'"' -f4)"
+fi
 [[ -n "$exe" && -x "$exe" ]] || { cargo bench --bench realistic --no-run; log "build failed"; exit 1; }
 cp "$exe" "$out/realistic-bench"
 work="$out/work"
@@ -63,6 +70,7 @@ for ((r = 0; r < rounds; r++)); do
     for ((j = 0; j < 3; j++)); do
         kind="${kinds[$(((j + r) % 3))]}"
         log "round $r: $kind"
+        echo "round $r $kind start $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" >>"$out/load.txt"
         if [[ $kind == rust ]]; then
             rust --round "$r" --out "$out/rust.jsonl" --only "$only" --threads "$threads" --cell-ms "$cell_ms"
         else
@@ -84,7 +92,7 @@ if [[ $do_rss == 1 ]]; then
 fi
 
 {
-    echo "onnx-ga $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD -- src 2>/dev/null || echo ' (src modified)'), $(date -u +%Y-%m-%dT%H:%MZ), nproc $(nproc), load average $(cut -d' ' -f1-3 /proc/loadavg)"
+    echo "onnx-ga $rev when the run started$([[ -n "${BENCH_EXE:-}" ]] && echo " (bench executable given: $BENCH_EXE)"), ended $(date -u +%Y-%m-%dT%H:%MZ), nproc $(nproc), load average $(cut -d' ' -f1-3 /proc/loadavg)"
     echo
     "$py" benches/realistic/report.py "$out"
 } | tee "$out/table.md"
