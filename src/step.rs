@@ -46,7 +46,7 @@ pub fn build_step(graph: TrainingGraph, spec: &str, verify_each: bool) -> Result
         (
             reports,
             std::mem::take(&mut cx.state),
-            cx.apply.take(),
+            cx.take_window(),
             std::mem::take(&mut cx.recipe),
         )
     };
@@ -54,15 +54,9 @@ pub fn build_step(graph: TrainingGraph, spec: &str, verify_each: bool) -> Result
     let recipe = crate::recipe::Recipe::from_run(sections, given.iter().map(|o| o.iter()));
     let learning_rate = region
         .as_ref()
-        .and_then(|r| r.learning_rate)
+        .and_then(|w| w.learning_rate())
         .map(|v| model.name(v).to_string());
-    let apply = region.and_then(|r| {
-        Some(state::ApplyTrigger {
-            node: model.node(r.if_node?).proto.name().to_string(),
-            steps: model.name(r.window_size?).to_string(),
-            flush: model.name(r.flush?).to_string(),
-        })
-    });
+    let apply = region.and_then(|w| w.trigger(&model));
 
     // Initial values: the checkpoint's, else the graph's own initializer.
     for p in &signature.params {

@@ -773,34 +773,23 @@ impl Pass for Agc {
         model: &mut Model,
         cx: &mut PassContext<'_>,
     ) -> Result<PassReport, PassError> {
-        let Some(mut region) = cx.apply.take() else {
-            return Err(fail("no apply region: run grad-accum before agc".into()));
-        };
-        if region.optimized {
-            cx.apply = Some(region);
+        if cx.window_mut(PASS)?.optimized() {
             return Err(fail(
                 "the optimizer already consumed the gradients: run agc before optimizer".into(),
             ));
         }
-        let plan = match plan(model, cx.signature, &self.selection) {
-            Ok(p) => p,
-            Err(e) => {
-                cx.apply = Some(region);
-                return Err(fail(e));
-            }
-        };
+        let plan = plan(model, cx.signature, &self.selection).map_err(fail)?;
         cx.recipe.push(self.recipe(&plan));
+        let window = cx.window_mut(PASS)?;
         let by_name: BTreeMap<&str, &ParamUnits> =
             plan.params.iter().map(|p| (p.name.as_str(), p)).collect();
         let nodes_before = model.all_nodes().count();
         let opset = model.opset("").unwrap_or(1);
-        let any_clipped = region.params.iter().any(|p| {
-            by_name
-                .get(p.name.as_str())
-                .is_some_and(|u| u.excluded.is_none())
-        });
+        let any_clipped = window
+            .params()
+            .iter()
+            .any(|p| by_name.get(p.name()).is_some_and(|u| u.excluded.is_none()));
         if !any_clipped {
-            cx.apply = Some(region);
             let final_layer = if plan.final_layer.is_empty() {
                 String::new()
             } else {
@@ -813,7 +802,7 @@ impl Pass for Agc {
             });
         }
         let scalars = {
-            let mut b = region.builder(model, PASS);
+            let mut b = window.builder(model, PASS);
             (
                 b.scalar_f32("agc.clip", self.clip),
                 b.scalar_f32("agc.eps", self.eps),
@@ -823,33 +812,34 @@ impl Pass for Agc {
         let mut clipped = Vec::new();
         let mut excluded = Vec::new();
         let mut notes = Vec::new();
-        for p in region.params.iter_mut() {
-            let Some(units) = by_name.get(p.name.as_str()) else {
-                excluded.push(format!("{} (not in the plan)", p.name));
+        let body = window.body();
+        for p in window.params_mut() {
+            let Some(units) = by_name.get(p.name()) else {
+                excluded.push(format!("{} (not in the plan)", p.name()));
                 continue;
             };
             if let Some(why) = &units.excluded {
-                excluded.push(format!("{} ({why})", p.name));
+                excluded.push(format!("{} ({why})", p.name()));
                 continue;
             }
             if let Some(note) = &units.note {
-                notes.push(format!("{}: {note}", p.name));
+                notes.push(format!("{}: {note}", p.name()));
             }
-            let mut b = Builder::new(model, region.body, PASS);
-            p.grad = emit_clip(
+            let mut b = Builder::new(model, body, PASS);
+            let grad = emit_clip(
                 &mut b,
                 opset,
-                p.value,
-                p.grad,
+                p.value(),
+                p.grad(),
                 &units.units,
-                &p.dims,
+                p.dims(),
                 scalars,
-                &p.name,
+                p.name(),
             );
-            clipped.push(format!("{} {}", p.name, units.units.describe()));
+            p.set_grad(grad);
+            clipped.push(format!("{} {}", p.name(), units.units.describe()));
         }
-        region.clipped = true;
-        cx.apply = Some(region);
+        window.mark_clipped();
         let mut report_notes = vec![format!(
             "clip={} eps={:e}; clipped {}: {}",
             self.clip,

@@ -21,11 +21,9 @@
 //! ONNX Runtime's own accumulation machinery (InPlaceAccumulatorV2, its buffers and
 //! `lazy_reset_grad`) is removed: the accumulators here replace it.
 
-use super::apply::{ApplyMode, ApplyRegion, BnStats};
-use super::{Pass, PassContext, PassError, PassOptions, PassReport};
-use crate::ir::builder::{
-    attr_int, attr_tensor, tensor_bool, tensor_f32, tensor_i64, Builder, NodeAttributes,
-};
+use super::window::{ApplyMode, StateDecl, Trigger, Window};
+use super::{BnStats, Pass, PassContext, PassError, PassOptions, PassReport};
+use crate::ir::builder::{attr_int, attr_tensor, tensor_f32, Builder, NodeAttributes};
 use crate::ir::emit::Emit;
 use crate::ir::{BodyId, Model, ValueId};
 use crate::proto::tensor_proto::DataType;
@@ -189,7 +187,7 @@ impl Pass for GradAccum {
                 file.display()
             )));
         }
-        if cx.apply.is_some() {
+        if cx.window().is_some() {
             return Err(fail(
                 "the graph already has an apply region (grad-accum runs once)".into(),
             ));
@@ -223,63 +221,20 @@ impl Pass for GradAccum {
             ));
         }
 
-        // Control inputs a host may change between windows.
-        let k = model.add_input(
-            main,
-            "ga.accum_steps",
-            crate::ir::tensor_type(DataType::Int64 as i32, &[]),
-            Some(tensor_i64(&[], &[self.steps])),
-        );
-        let flush = model.add_input(
-            main,
-            "ga.flush",
-            crate::ir::tensor_type(DataType::Bool as i32, &[]),
-            Some(tensor_bool(&[], &[false])),
-        );
-
-        let micro_step = ApplyRegion::state_input(model, "ga.micro_step", tensor_i64(&[], &[0]));
-        let opt_step = ApplyRegion::state_input(model, "ga.opt_step", tensor_i64(&[], &[0]));
-        let (count, apply) = {
-            let mut b = Builder::new(model, main, PASS);
-            let one = b.scalar_i64("ga.one", 1);
-            let count = b.op("Add", &[micro_step, one], vec![], "ga.count");
-            let full = b.op("GreaterOrEqual", &[count, k], vec![], "ga.window_full");
-            let apply = b.op("Or", &[full, flush], vec![], "ga.apply");
-            (count, apply)
-        };
+        // Control inputs a host may change between windows, the counters, the apply flag.
+        let trigger = Trigger::new(model, self.steps);
+        let count = trigger.count();
         let weight = match &self.normalize {
             Normalize::Weighted(source) => Some(micro_batch_weight(model, cx, source.as_deref())?),
             _ => None,
         };
 
-        let mut region =
-            ApplyRegion::create(model, self.apply, apply, opt_step, count, self.bn_stats);
-        region.window_size = Some(k);
-        region.flush = Some(flush);
-
-        // Counters and the weight sum.
-        let micro_slot = region.route(
-            model,
-            micro_step,
-            count,
-            Role::MicroStep,
-            None,
-            &mut cx.state,
-        );
-        let zero_i64 = region.builder(model, PASS).scalar_i64("ga.zero_steps", 0);
-        region.set_next(model, &micro_slot, zero_i64);
-        let opt_slot = region.route(
-            model,
-            opt_step,
-            opt_step,
-            Role::OptStep,
-            None,
-            &mut cx.state,
-        );
-        region.set_next(model, &opt_slot, region.step);
+        let window_error = |e: super::window::WindowError| e.in_pass(PASS);
+        let mut window =
+            Window::open(model, self.apply, trigger, &mut cx.state).map_err(window_error)?;
 
         let denominator = match &self.normalize {
-            Normalize::Mean => Some(region.builder(model, PASS).op(
+            Normalize::Mean => Some(window.builder(model, PASS).op(
                 "Cast",
                 &[count],
                 vec![attr_int("to", DataType::Float as i64)],
@@ -288,26 +243,23 @@ impl Pass for GradAccum {
             Normalize::Sum => None,
             Normalize::Weighted(_) => {
                 let weight = weight.expect("weighted has a weight");
-                let weight_sum =
-                    ApplyRegion::state_input(model, "ga.weight_sum", tensor_f32(&[], &[0.0]));
-                let new_sum = Builder::new(model, main, PASS).op(
-                    "Add",
-                    &[weight_sum, weight],
-                    vec![],
-                    "ga.weight_sum_new",
-                );
-                let slot = region.route(
+                let (slot, new_sum) = window.declare_running(
                     model,
-                    weight_sum,
-                    new_sum,
-                    Role::WeightSum,
-                    None,
                     &mut cx.state,
+                    StateDecl::new("ga.weight_sum", tensor_f32(&[], &[0.0]), Role::WeightSum),
+                    |model, weight_sum| {
+                        Builder::new(model, main, PASS).op(
+                            "Add",
+                            &[weight_sum, weight],
+                            vec![],
+                            "ga.weight_sum_new",
+                        )
+                    },
                 );
-                let zero = region
+                let zero = window
                     .builder(model, PASS)
                     .scalar_f32("ga.zero_weight", 0.0);
-                region.set_next(model, &slot, zero);
+                window.set_next(model, slot, zero).map_err(window_error)?;
                 Some(new_sum)
             }
         };
@@ -330,31 +282,30 @@ impl Pass for GradAccum {
                 &dims,
                 &vec![0.0; dims.iter().product::<i64>().max(0) as usize],
             );
-            let acc = ApplyRegion::state_input(model, &format!("ga.acc.{name}"), zeros);
-            let contribution = match weight {
-                Some(w) => Builder::new(model, main, PASS).op(
-                    "Mul",
-                    &[grad, w],
-                    vec![],
-                    &format!("{name}.weighted_grad"),
-                ),
-                None => grad,
-            };
-            let acc_new = Builder::new(model, main, PASS).op(
-                "Add",
-                &[acc, contribution],
-                vec![],
-                &format!("ga.acc.{name}.sum"),
-            );
-            let acc_slot = region.route(
+            let acc_name = format!("ga.acc.{name}");
+            let (acc_slot, acc_new) = window.declare_running(
                 model,
-                acc,
-                acc_new,
-                Role::Accumulator,
-                Some(&name),
                 &mut cx.state,
+                StateDecl::new(&acc_name, zeros, Role::Accumulator).of(&name),
+                |model, acc| {
+                    let contribution = match weight {
+                        Some(w) => Builder::new(model, main, PASS).op(
+                            "Mul",
+                            &[grad, w],
+                            vec![],
+                            &format!("{name}.weighted_grad"),
+                        ),
+                        None => grad,
+                    };
+                    Builder::new(model, main, PASS).op(
+                        "Add",
+                        &[acc, contribution],
+                        vec![],
+                        &format!("ga.acc.{name}.sum"),
+                    )
+                },
             );
-            let mut b = region.builder(model, PASS);
+            let mut b = window.builder(model, PASS);
             let shape = b.ints(&format!("ga.shape.{name}"), &dims);
             let zeroed = b.op(
                 "ConstantOfShape",
@@ -366,33 +317,25 @@ impl Pass for GradAccum {
                 Some(d) => b.op("Div", &[acc_new, d], vec![], &format!("{name}.window_grad")),
                 None => acc_new,
             };
-            region.set_next(model, &acc_slot, zeroed);
-            let slot = region.route(model, param, param, Role::Param, Some(&name), &mut cx.state);
-            region.params.push(super::apply::ApplyParam {
+            window
+                .set_next(model, acc_slot, zeroed)
+                .map_err(window_error)?;
+            window.add_param(
+                model,
+                &mut cx.state,
                 name,
-                value: param,
-                grad: normalized,
-                slot,
+                param,
+                normalized,
                 elem_type,
                 dims,
-            });
+            );
         }
 
-        // The `applied` metric is the apply flag itself.
-        let applied_out = Builder::new(model, main, PASS).op(
-            "Identity",
-            &[apply],
-            vec![],
-            crate::state::APPLIED_OUTPUT,
-        );
-        model.add_output(
-            main,
-            applied_out,
-            Some(crate::ir::tensor_type(DataType::Bool as i32, &[])),
-        );
+        // The `applied` metric is the apply flag itself (until loss-scale narrows it).
+        window.publish_applied(model);
 
         let added = model.all_nodes().count() + removed - nodes_before;
-        cx.apply = Some(region);
+        cx.open_window(window, self.bn_stats);
         Ok(PassReport {
             changed: true,
             added,

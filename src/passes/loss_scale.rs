@@ -45,7 +45,7 @@
 //! and never changes S, but still skips a non-finite window (as DeepSpeed's static scaler
 //! does). A power-of-two S is exact: training is bit-identical to no scaling.
 //!
-//! The skip works through [`ApplyRegion::set_gate`]: the parameters, moments and the
+//! The skip works through [`Window::set_gate`]: the parameters, moments and the
 //! optimizer-step counter that later passes route keep their old values unless `ok`. The
 //! `ga.applied` output becomes false on a skipped window and `ga.skipped` is true there.
 //!
@@ -53,7 +53,7 @@
 //! DynamicScale), so it can never become inf and stick there; and a non-finite window at
 //! the minimum scale skips without aborting (DeepSpeed raises there).
 
-use super::apply::ApplyRegion;
+use super::window::{StateDecl, Window, WindowError};
 use super::{Pass, PassContext, PassError, PassOptions, PassReport};
 use crate::ir::builder::{attr_int, tensor_f32, tensor_i64, Builder};
 use crate::ir::emit::Emit;
@@ -241,36 +241,30 @@ impl Pass for LossScale {
         model: &mut Model,
         cx: &mut PassContext<'_>,
     ) -> Result<PassReport, PassError> {
-        let Some(mut region) = cx.apply.take() else {
-            return Err(fail(
-                "no apply region: run grad-accum before loss-scale".into(),
-            ));
-        };
+        cx.window_mut(PASS)?;
         cx.recipe.push(self.recipe());
-        let result = self.scale(model, cx, &mut region);
-        cx.apply = Some(region);
-        result
+        self.scale(model, cx)
     }
 }
 
+fn window_error(e: WindowError) -> PassError {
+    e.in_pass(PASS)
+}
+
 impl LossScale {
-    fn scale(
-        &self,
-        model: &mut Model,
-        cx: &mut PassContext<'_>,
-        region: &mut ApplyRegion,
-    ) -> Result<PassReport, PassError> {
-        if region.optimized {
+    fn scale(&self, model: &mut Model, cx: &mut PassContext<'_>) -> Result<PassReport, PassError> {
+        let window = cx.window_mut(PASS)?;
+        if window.optimized() {
             return Err(fail(
                 "the apply region already has an optimizer; run loss-scale before optimizer (it decides whether the update happens)".into(),
             ));
         }
-        if region.gate.is_some() {
+        if window.gated() {
             return Err(fail(
                 "the apply region is already gated (loss-scale runs once)".into(),
             ));
         }
-        if region.clipped {
+        if window.clipped() {
             return Err(fail(
                 "agc already clipped the gradients; run loss-scale before agc (it unscales them first)".into(),
             ));
@@ -301,23 +295,30 @@ impl LossScale {
                 "the backward seed '{seed_name}' feeds nothing; there is no backward pass to scale"
             )));
         }
+        let loss_name = cx.signature.loss.clone();
         let nodes_before = model.all_nodes().count();
         let state_before = cx.state.len();
+        let (window, state) = cx.window_and_state(PASS)?;
 
-        // S: state for dynamic scaling, a constant for static.
-        let scale = match self {
+        // S: state for dynamic scaling (its next value set at the boundary, below), a
+        // constant for static.
+        let (scale, scale_slot) = match self {
             LossScale::Dynamic(d) => {
-                ApplyRegion::state_input(model, "ga.loss_scale", tensor_f32(&[], &[d.init]))
+                let slot = window.declare_deferred(
+                    model,
+                    StateDecl::new("ga.loss_scale", tensor_f32(&[], &[d.init]), Role::LossScale),
+                );
+                (slot.input(), Some(slot))
             }
-            LossScale::Static(s) => {
-                model.add_initializer(main, "ga.loss_scale", tensor_f32(&[], &[*s]))
-            }
+            LossScale::Static(s) => (
+                model.add_initializer(main, "ga.loss_scale", tensor_f32(&[], &[*s])),
+                None,
+            ),
         };
 
         // Every micro-step: the seed times S, or NaN when the loss is not finite, so that a
         // non-finite loss poisons this micro-step's gradients (and with them the window's
         // check) even where its gradients would have come out finite.
-        let loss_name = cx.signature.loss.clone();
         let loss = model.lookup(main, &loss_name).ok_or_else(|| {
             fail(format!(
                 "the loss '{loss_name}' is not a value of the graph"
@@ -384,26 +385,26 @@ impl LossScale {
         // At the boundary: unscale, then one finiteness check over every gradient: how many
         // elements are NaN or infinite, counted exactly (IsNaN, IsInf), never by arithmetic
         // that an engine could simplify away.
-        let mut checks = Vec::with_capacity(region.params.len());
+        let mut checks = Vec::with_capacity(window.params().len());
         {
-            let mut b = region.builder(model, PASS);
-            for p in &mut region.params {
+            let mut b = window.builder(model, PASS);
+            for p in window.params_mut() {
                 let unscaled = b.op(
                     "Div",
-                    &[p.grad, scale],
+                    &[p.grad(), scale],
                     vec![],
-                    &format!("{}.unscaled_grad", p.name),
+                    &format!("{}.unscaled_grad", p.name()),
                 );
                 checks.push(nonfinite_count(
                     &mut b,
                     unscaled,
-                    &format!("{}.unscaled_grad", p.name),
+                    &format!("{}.unscaled_grad", p.name()),
                 ));
-                p.grad = unscaled;
+                p.set_grad(unscaled);
             }
         }
         let ok = {
-            let mut b = region.builder(model, PASS);
+            let mut b = window.builder(model, PASS);
             let total = match checks.as_slice() {
                 [one] => *one,
                 many => b.op("Sum", many, vec![], "ga.loss_scale.nonfinite_count"),
@@ -412,53 +413,36 @@ impl LossScale {
             let bad = b.op("Greater", &[total, zero], vec![], "ga.loss_scale.nonfinite");
             b.op("Not", &[bad], vec![], "ga.loss_scale.finite")
         };
-        region.set_gate(model, ok, &cx.state);
+        window.set_gate(model, ok).map_err(window_error)?;
 
-        if let LossScale::Dynamic(d) = self {
-            let tracker =
-                ApplyRegion::state_input(model, "ga.loss_scale.tracker", tensor_i64(&[], &[0]));
-            let (scale_next, tracker_next) = dynamic_update(model, region, d, ok, scale, tracker);
-            let slot = region.route(model, scale, scale, Role::LossScale, None, &mut cx.state);
-            region.set_next(model, &slot, scale_next);
-            let slot = region.route(
+        if let (LossScale::Dynamic(d), Some(scale_slot)) = (self, scale_slot) {
+            let tracker = window.declare_deferred(
                 model,
-                tracker,
-                tracker,
-                Role::GrowthTracker,
-                None,
-                &mut cx.state,
+                StateDecl::new(
+                    "ga.loss_scale.tracker",
+                    tensor_i64(&[], &[0]),
+                    Role::GrowthTracker,
+                ),
             );
-            region.set_next(model, &slot, tracker_next);
+            let (scale_next, tracker_next) =
+                dynamic_update(model, window, d, ok, scale, tracker.input());
+            window
+                .set_deferred(model, state, scale_slot, scale_next)
+                .map_err(window_error)?;
+            window
+                .set_deferred(model, state, tracker, tracker_next)
+                .map_err(window_error)?;
         }
 
         // Metrics: `ga.applied` is true only when the update happened; `ga.skipped` marks a
         // window boundary whose update was dropped.
-        let applied = region.export_flag(model, ok, "ga.applied_finite");
+        let applied = window
+            .gate_applied(model, ok, "ga.applied_finite")
+            .map_err(window_error)?;
         let bool_type = Some(crate::ir::tensor_type(DataType::Bool as i32, &[]));
-        let metric = model
-            .main()
-            .outputs
-            .iter()
-            .map(|(v, _)| *v)
-            .find(|v| model.name(*v) == crate::state::APPLIED_OUTPUT)
-            .and_then(|v| model.producer(v));
-        match metric {
-            Some((node, 0)) if model.node(node).proto.op_type() == "Identity" => {
-                model.set_input(node, 0, Some(applied));
-            }
-            _ => {
-                let out = Builder::new(model, main, PASS).op(
-                    "Identity",
-                    &[applied],
-                    vec![],
-                    crate::state::APPLIED_OUTPUT,
-                );
-                model.add_output(main, out, bool_type.clone());
-            }
-        }
         let skipped = Builder::new(model, main, PASS).op(
             "Xor",
-            &[region.apply, applied],
+            &[window.apply(), applied],
             vec![],
             "ga.skipped",
         );
@@ -478,11 +462,11 @@ impl LossScale {
         }];
         notes.push(format!(
             "gradients of {} parameter{} unscaled and checked",
-            region.params.len(),
-            if region.params.len() == 1 { "" } else { "s" }
+            window.params().len(),
+            if window.params().len() == 1 { "" } else { "s" }
         ));
-        if cx.state.len() > state_before {
-            notes.push(format!("{} state pairs", cx.state.len() - state_before));
+        if state.len() > state_before {
+            notes.push(format!("{} state pairs", state.len() - state_before));
         }
         Ok(PassReport {
             changed: true,
@@ -533,13 +517,13 @@ fn nonfinite_any(b: &mut Builder<'_>, x: ValueId, hint: &str) -> ValueId {
 /// Next S and tracker at a window boundary, inside the region's body.
 fn dynamic_update(
     model: &mut Model,
-    region: &ApplyRegion,
+    window: &Window,
     d: &Dynamic,
     ok: ValueId,
     scale: ValueId,
     tracker: ValueId,
 ) -> (ValueId, ValueId) {
-    let mut b = region.builder(model, PASS);
+    let mut b = window.builder(model, PASS);
     let one = b.scalar_i64("ga.loss_scale.one", 1);
     let zero = b.scalar_i64("ga.loss_scale.zero_windows", 0);
 

@@ -62,7 +62,8 @@ impl Pass for LowerForTract {
         model: &mut Model,
         cx: &mut PassContext<'_>,
     ) -> Result<PassReport, PassError> {
-        lower(model, &mut cx.state, cx.apply.as_ref())
+        let (window, state) = cx.bn_window();
+        lower(model, state, window)
     }
 }
 
@@ -71,9 +72,9 @@ impl Pass for LowerForTract {
 fn lower(
     model: &mut Model,
     state: &mut Vec<crate::state::StateEntry>,
-    apply: Option<&crate::passes::apply::ApplyRegion>,
+    window: Option<&mut crate::passes::window::Window>,
 ) -> Result<PassReport, PassError> {
-    let mut report = LowerForTract::lowerings().lower_model(model, PASS, state, apply)?;
+    let mut report = LowerForTract::lowerings().lower_model(model, PASS, state, window)?;
     let gemms = legalize::lower_half_gemms(model, PASS)?;
     report.changed |= gemms.changed;
     report.added += gemms.added;

@@ -9,7 +9,6 @@
 //! [`plan::StepPlan`] is the one place that orders the passes of a step.
 
 pub mod agc;
-pub mod apply;
 pub mod autodiff;
 pub mod dce;
 pub mod grad_accum;
@@ -20,6 +19,7 @@ pub mod lower_for_tract;
 pub mod optimizer;
 pub mod plan;
 pub mod precision;
+pub mod window;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -34,11 +34,29 @@ pub struct PassContext<'a> {
     pub checkpoint: Option<&'a Checkpoint>,
     /// State pairs created so far (graph input -> graph output carrying its next value).
     pub state: Vec<crate::state::StateEntry>,
-    /// The apply region, once grad-accum has made it.
-    pub apply: Option<apply::ApplyRegion>,
+    /// The window, once grad-accum has opened it; passes borrow it
+    /// ([`window_mut`](Self::window_mut)), nobody takes it out but the step builder.
+    window: Option<window::Window>,
+    /// When BatchNorm running statistics move: a choice of the BatchNorm lowering
+    /// (legalize-ort), written as grad-accum's option `bn_stats` because it only means
+    /// something for a window; kept here, not in the window, and given to the lowering as
+    /// the window or none ([`bn_window`](Self::bn_window)).
+    bn_stats: BnStats,
     /// The recipe so far: at most one section per pass run, with its resolved settings
     /// (the pipeline adds an empty one for a pass that reports none).
     pub recipe: Vec<crate::recipe::Section>,
+}
+
+/// When BatchNorm running statistics move.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BnStats {
+    /// Once per window, from the window's pooled batch statistics (mean of means; mean of
+    /// variances plus variance of means): for equal micro-batches exactly the statistics of
+    /// the window as one batch.
+    Window,
+    /// At every micro-step from that micro-batch's statistics, as ONNX Runtime's training
+    /// build does (in place at each train_step).
+    Micro,
 }
 
 impl<'a> PassContext<'a> {
@@ -47,9 +65,65 @@ impl<'a> PassContext<'a> {
             signature,
             checkpoint,
             state: Vec::new(),
-            apply: None,
+            window: None,
+            bn_stats: BnStats::Window,
             recipe: Vec::new(),
         }
+    }
+
+    /// The window, if grad-accum opened one.
+    pub fn window(&self) -> Option<&window::Window> {
+        self.window.as_ref()
+    }
+
+    /// The window for `pass` to fill, or the error "no apply region: run grad-accum before
+    /// PASS".
+    pub fn window_mut(&mut self, pass: &str) -> Result<&mut window::Window, PassError> {
+        self.window.as_mut().ok_or_else(|| no_window(pass))
+    }
+
+    /// The window and the state manifest together, for a pass that declares state.
+    pub fn window_and_state(
+        &mut self,
+        pass: &str,
+    ) -> Result<(&mut window::Window, &mut Vec<crate::state::StateEntry>), PassError> {
+        match self.window.as_mut() {
+            Some(w) => Ok((w, &mut self.state)),
+            None => Err(no_window(pass)),
+        }
+    }
+
+    /// Opens the window (grad-accum, once), with its BatchNorm policy.
+    fn open_window(&mut self, window: window::Window, bn_stats: BnStats) {
+        self.window = Some(window);
+        self.bn_stats = bn_stats;
+    }
+
+    /// For the BatchNorm lowering: the window when the running statistics pool per window
+    /// (`bn_stats=window`), else none (they move at every micro-step); and the manifest.
+    pub fn bn_window(
+        &mut self,
+    ) -> (
+        Option<&mut window::Window>,
+        &mut Vec<crate::state::StateEntry>,
+    ) {
+        let window = match self.bn_stats {
+            BnStats::Window => self.window.as_mut(),
+            BnStats::Micro => None,
+        };
+        (window, &mut self.state)
+    }
+
+    /// The window, for the step builder once the pipeline has run.
+    pub fn take_window(&mut self) -> Option<window::Window> {
+        self.window.take()
+    }
+}
+
+fn no_window(pass: &str) -> PassError {
+    PassError::Other {
+        pass: pass.into(),
+        message: format!("no apply region: run grad-accum before {pass}"),
     }
 }
 
@@ -347,10 +421,18 @@ impl Pipeline {
             }
             reports.push((pass.spec(), report));
         }
-        if cx.apply.as_ref().is_some_and(|a| !a.optimized) {
+        if cx.window().is_some_and(|w| !w.optimized()) {
             return Err(PassError::Other {
                 pass: "pipeline".into(),
                 message: "grad-accum made an apply region but no optimizer pass filled it; add optimizer(...)".into(),
+            });
+        }
+        if let Some(name) = cx.window().and_then(|w| w.unset_state(model)) {
+            return Err(PassError::Other {
+                pass: "pipeline".into(),
+                message: format!(
+                    "state '{name}' was declared in the window but never given its next value"
+                ),
             });
         }
         Ok(reports)

@@ -16,8 +16,8 @@
 //! The order of floating-point operations follows ORT's kernels, so results agree with the
 //! training build to float rounding.
 
-use super::apply::ApplyRegion;
 use super::legalize::{lower_adamw_for_params, AdamW, AdamWSlots};
+use super::window::{Param, StateDecl, StateSlot, Window, WindowError};
 use super::{Pass, PassContext, PassError, PassOptions, PassReport};
 use crate::ir::builder::{attr_int, tensor_f32, Builder};
 use crate::ir::{BodyId, Model, ValueId};
@@ -566,13 +566,8 @@ impl Pass for Optimizer {
             })?;
         cx.recipe
             .push(self.recipe(cx.signature.optimizer.as_ref(), framework, &hp));
-        let Some(mut region) = cx.apply.take() else {
-            return Err(fail(
-                "no apply region: run grad-accum before optimizer".into(),
-            ));
-        };
-        if region.optimized {
-            cx.apply = Some(region);
+        let (window, state) = cx.window_and_state(PASS)?;
+        if window.optimized() {
             return Err(fail("the apply region already has an optimizer".into()));
         }
         let nodes_before = model.all_nodes().count();
@@ -584,77 +579,65 @@ impl Pass for Optimizer {
         );
         if matches!(hp.kind, Kind::Adam | Kind::AdamW) {
             let fuse_small = self.fuse_small.unwrap_or(FUSE_SMALL_ELEMENTS);
-            adam_family(model, &region, &hp, lr, fuse_small, cx)?;
+            adam_family(model, window, state, &hp, lr, fuse_small)?;
         }
-        for i in 0..region.params.len() {
-            let p = region.params[i].clone();
+        for i in 0..window.params().len() {
+            let p = window.params()[i].clone();
+            let (name, value, grad) = (p.name(), p.value(), p.grad());
             let next = match hp.kind {
                 Kind::Adam | Kind::AdamW => continue,
                 Kind::Sgd => {
-                    let mut b = region.builder(model, PASS);
-                    let g = with_l2(&mut b, &hp, p.grad, p.value, &p.name);
-                    let step = b.op("Mul", &[lr, g], vec![], &format!("{}.sgd_step", p.name));
-                    b.op(
-                        "Sub",
-                        &[p.value, step],
-                        vec![],
-                        &format!("{}.updated", p.name),
-                    )
+                    let mut b = window.builder(model, PASS);
+                    let g = with_l2(&mut b, &hp, grad, value, name);
+                    let step = b.op("Mul", &[lr, g], vec![], &format!("{name}.sgd_step"));
+                    b.op("Sub", &[value, step], vec![], &format!("{name}.updated"))
                 }
                 Kind::Momentum | Kind::Nesterov => {
-                    let buf = moment(model, &region, &p, "momentum", cx);
-                    let mut b = region.builder(model, PASS);
-                    let g = with_l2(&mut b, &hp, p.grad, p.value, &p.name);
+                    let buf = moment(model, window, state, &p, "momentum");
+                    let mut b = window.builder(model, PASS);
+                    let g = with_l2(&mut b, &hp, grad, value, name);
                     let mu = b.scalar_f32("ga.mu", hp.momentum);
                     let decayed = b.op(
                         "Mul",
-                        &[buf.0, mu],
+                        &[buf.input(), mu],
                         vec![],
-                        &format!("{}.momentum_decayed", p.name),
+                        &format!("{name}.momentum_decayed"),
                     );
                     let buf_next = b.op(
                         "Add",
                         &[decayed, g],
                         vec![],
-                        &format!("{}.momentum_new", p.name),
+                        &format!("{name}.momentum_new"),
                     );
                     let direction = if hp.kind == Kind::Nesterov {
                         let look = b.op(
                             "Mul",
                             &[buf_next, mu],
                             vec![],
-                            &format!("{}.nesterov_look", p.name),
+                            &format!("{name}.nesterov_look"),
                         );
                         b.op(
                             "Add",
                             &[g, look],
                             vec![],
-                            &format!("{}.nesterov_direction", p.name),
+                            &format!("{name}.nesterov_direction"),
                         )
                     } else {
                         buf_next
                     };
-                    let step = b.op(
-                        "Mul",
-                        &[lr, direction],
-                        vec![],
-                        &format!("{}.sgd_step", p.name),
-                    );
-                    let next = b.op(
-                        "Sub",
-                        &[p.value, step],
-                        vec![],
-                        &format!("{}.updated", p.name),
-                    );
-                    region.set_next(model, &buf.1, buf_next);
+                    let step = b.op("Mul", &[lr, direction], vec![], &format!("{name}.sgd_step"));
+                    let next = b.op("Sub", &[value, step], vec![], &format!("{name}.updated"));
+                    window
+                        .set_next(model, buf, buf_next)
+                        .map_err(window_error)?;
                     next
                 }
             };
-            region.set_next(model, &p.slot, next);
+            window
+                .set_next(model, p.slot(), next)
+                .map_err(window_error)?;
         }
-        region.optimized = true;
-        region.learning_rate = Some(lr);
-        cx.apply = Some(region);
+        window.mark_optimized(lr);
         Ok(PassReport {
             changed: true,
             added: model.all_nodes().count().saturating_sub(nodes_before),
@@ -686,28 +669,28 @@ fn with_l2(b: &mut Builder<'_>, hp: &Resolved, g: ValueId, p: ValueId, name: &st
     b.op("Add", &[g, decay], vec![], &format!("{name}.grad_l2"))
 }
 
-/// A zero-initialised optimizer moment of `p`, routed through the region.
+fn window_error(e: WindowError) -> PassError {
+    e.in_pass(PASS)
+}
+
+/// A zero-initialised optimizer moment of `p`, declared in the window.
 fn moment(
     model: &mut Model,
-    region: &ApplyRegion,
-    p: &super::apply::ApplyParam,
+    window: &mut Window,
+    state: &mut Vec<crate::state::StateEntry>,
+    p: &Param,
     which: &str,
-    cx: &mut PassContext<'_>,
-) -> (ValueId, super::apply::StateSlot) {
+) -> StateSlot {
     let zeros = tensor_f32(
-        &p.dims,
-        &vec![0.0; p.dims.iter().product::<i64>().max(0) as usize],
+        p.dims(),
+        &vec![0.0; p.dims().iter().product::<i64>().max(0) as usize],
     );
-    let input = ApplyRegion::state_input(model, &format!("ga.{which}.{}", p.name), zeros);
-    let slot = region.route(
+    let name = format!("ga.{which}.{}", p.name());
+    window.declare(
         model,
-        input,
-        input,
-        Role::Moment,
-        Some(&p.name),
-        &mut cx.state,
-    );
-    (input, slot)
+        state,
+        StateDecl::new(&name, zeros, Role::Moment).of(p.name()),
+    )
 }
 
 /// Adam and AdamW through the one implementation of ONNX Runtime's AdamW update
@@ -716,30 +699,31 @@ fn moment(
 /// elements are updated as one flat tensor ([`FUSE_SMALL_ELEMENTS`]).
 fn adam_family(
     model: &mut Model,
-    region: &ApplyRegion,
+    window: &mut Window,
+    state: &mut Vec<crate::state::StateEntry>,
     hp: &Resolved,
     lr: ValueId,
     fuse_small: i64,
-    cx: &mut PassContext<'_>,
 ) -> Result<(), PassError> {
     let mut slots = Vec::new();
     let mut moment_slots = Vec::new();
-    for p in &region.params {
-        let m = moment(model, region, p, "m", cx);
-        let v = moment(model, region, p, "v", cx);
-        let mut b = region.builder(model, PASS);
+    for i in 0..window.params().len() {
+        let p = window.params()[i].clone();
+        let m = moment(model, window, state, &p, "m");
+        let v = moment(model, window, state, &p, "v");
+        let mut b = window.builder(model, PASS);
         let grad = if hp.kind == Kind::Adam {
-            with_l2(&mut b, hp, p.grad, p.value, &p.name)
+            with_l2(&mut b, hp, p.grad(), p.value(), p.name())
         } else {
-            p.grad
+            p.grad()
         };
         slots.push(AdamWSlots {
-            param: p.value,
+            param: p.value(),
             grad,
-            m: m.0,
-            v: v.0,
+            m: m.input(),
+            v: v.input(),
         });
-        moment_slots.push((m.1, v.1));
+        moment_slots.push((m, v));
     }
     let adamw = AdamW {
         beta1: hp.beta1,
@@ -770,18 +754,20 @@ fn adam_family(
     // Which parameters share the flat update: float32 ones of at most `fuse_small`
     // elements, when there are two or more (Split with sizes as an input needs opset 13).
     let small: Vec<usize> = match model.opset("").unwrap_or(0) >= 13 {
-        true => region
-            .params
+        true => window
+            .params()
             .iter()
             .enumerate()
-            .filter(|(_, p)| p.elem_type == DataType::Float as i32 && numel(&p.dims) <= fuse_small)
+            .filter(|(_, p)| {
+                p.elem_type() == DataType::Float as i32 && numel(p.dims()) <= fuse_small
+            })
             .map(|(i, _)| i)
             .collect(),
         false => Vec::new(),
     };
     let small = if small.len() >= 2 { small } else { Vec::new() };
 
-    let mut b = region.builder(model, PASS);
+    let mut b = window.builder(model, PASS);
     let mut update_slots: Vec<AdamWSlots> = slots
         .iter()
         .enumerate()
@@ -790,7 +776,7 @@ fn adam_family(
         .collect();
     let dims: Vec<Vec<i64>> = small
         .iter()
-        .map(|&i| region.params[i].dims.clone())
+        .map(|&i| window.params()[i].dims().to_vec())
         .collect();
     if !small.is_empty() {
         let flat = |b: &mut Builder<'_>, pick: fn(&AdamWSlots) -> ValueId, hint: &str| {
@@ -804,16 +790,18 @@ fn adam_family(
             v: flat(&mut b, |s| s.v, "ga.small_v"),
         });
     }
-    let mut next = lower_adamw_for_params(&mut b, &adamw, lr, region.step, None, &update_slots)
-        .map_err(|(attribute, detail)| fail(format!("{attribute}: {detail} is not supported")))?;
+    let mut next = lower_adamw_for_params(&mut b, &adamw, lr, window.step(), None, &update_slots)
+        .map_err(|(attribute, detail)| {
+        fail(format!("{attribute}: {detail} is not supported"))
+    })?;
     // Back to one (param, m, v) per parameter, in the region's order.
-    let mut per_param = vec![None; region.params.len()];
+    let mut per_param = vec![None; window.params().len()];
     if !small.is_empty() {
         let group = next.pop().expect("the flat group's update");
         let names = |suffix: &str| -> Vec<String> {
             small
                 .iter()
-                .map(|&i| format!("{}.{suffix}", region.params[i].name))
+                .map(|&i| format!("{}.{suffix}", window.params()[i].name()))
                 .collect()
         };
         let params = unflatten(&mut b, group.param, &dims, &names("updated"));
@@ -828,11 +816,15 @@ fn adam_family(
         let n = singles.next().expect("one update per parameter");
         *slot = Some((n.param, n.m, n.v));
     }
-    for ((p, n), (m_slot, v_slot)) in region.params.iter().zip(per_param).zip(moment_slots) {
+    let param_slots: Vec<StateSlot> = window.params().iter().map(Param::slot).collect();
+    for ((p_slot, n), (m_slot, v_slot)) in param_slots.into_iter().zip(per_param).zip(moment_slots)
+    {
         let (param, m, v) = n.expect("every parameter updated");
-        region.set_next(model, &p.slot, param);
-        region.set_next(model, &m_slot, m);
-        region.set_next(model, &v_slot, v);
+        window
+            .set_next(model, p_slot, param)
+            .map_err(window_error)?;
+        window.set_next(model, m_slot, m).map_err(window_error)?;
+        window.set_next(model, v_slot, v).map_err(window_error)?;
     }
     Ok(())
 }

@@ -31,7 +31,7 @@
 use super::{node_error, Lowering};
 use crate::ir::emit::Emit;
 use crate::ir::{BodyId, NodeId, ValueDef, ValueId};
-use crate::passes::apply::{ApplyRegion, BnStats};
+use crate::passes::window::{StateDecl, Window};
 use crate::passes::PassError;
 use crate::state::{Role, StateEntry};
 
@@ -82,10 +82,14 @@ pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassEr
     l.replace(node, 0, y);
     l.replace(node, 3, stats.mean);
     l.replace(node, 4, inv_std);
-    match l.apply.filter(|region| region.bn_stats == BnStats::Window) {
-        Some(region) => {
-            let region = region.clone();
-            pool_per_window(l, &region, node, [mean, var], &stats, momentum, elem)
+    // The lowering is given the window only when the statistics pool per window.
+    match l.window.take() {
+        Some(window) => {
+            // Out of `l` for the call, which borrows `l` too; back whatever the result.
+            let result =
+                pool_per_window(l, &mut *window, node, [mean, var], &stats, momentum, elem);
+            l.window = Some(window);
+            result
         }
         None => {
             let keep = l.scalar("momentum", elem, momentum as f64);
@@ -114,7 +118,7 @@ pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassEr
 /// so K micro-batches of B move the running statistics like one batch of K·B.
 fn pool_per_window(
     l: &mut Lowering<'_, '_>,
-    region: &ApplyRegion,
+    window: &mut Window,
     node: NodeId,
     [mean, var]: [ValueId; 2],
     stats: &BatchStats,
@@ -150,33 +154,32 @@ fn pool_per_window(
         (var, second_moment, "second_moment_sum"),
     ] {
         let name = format!("ga.bn.{}.{what}", l.model().name(stat));
-        let input = ApplyRegion::state_input(l.b.model, &name, zeros.clone());
-        let total = crate::ir::builder::Builder::new(l.b.model, main, super::PASS).op(
-            "Add",
-            &[input, contribution],
-            vec![],
-            &format!("{name}.new"),
-        );
         let stat_name = l.model().name(stat).to_string();
-        let slot = region.route(
+        let (slot, total) = window.declare_running(
             l.b.model,
-            input,
-            total,
-            Role::BnStat,
-            Some(&stat_name),
             l.state,
+            StateDecl::new(&name, zeros.clone(), Role::BnStat).of(&stat_name),
+            |model, input| {
+                crate::ir::builder::Builder::new(model, main, super::PASS).op(
+                    "Add",
+                    &[input, contribution],
+                    vec![],
+                    &format!("{name}.new"),
+                )
+            },
         );
-        let b = region.builder(l.b.model, super::PASS);
-        let zero = b
-            .model
-            .add_initializer(b.body, &format!("{name}.zero"), zeros.clone());
-        region.set_next(l.b.model, &slot, zero);
+        let zero =
+            l.b.model
+                .add_initializer(window.body(), &format!("{name}.zero"), zeros.clone());
+        window
+            .set_next(l.b.model, slot, zero)
+            .map_err(|e| e.in_pass(super::PASS))?;
         sums.push(total);
     }
-    let mut b = region.builder(l.b.model, super::PASS);
+    let mut b = window.builder(l.b.model, super::PASS);
     let n = b.op(
         "Cast",
-        &[region.count],
+        &[window.count()],
         vec![crate::ir::builder::attr_int("to", elem as i64)],
         "bn_micro_steps",
     );
@@ -193,7 +196,7 @@ fn pool_per_window(
     let take = b.scalar_f32("bn_one_minus_momentum", 1.0 - momentum);
     for (stat, pooled) in [(mean, pooled_mean), (var, pooled_var)] {
         let name = l.model().name(stat).to_string();
-        let mut b = region.builder(l.b.model, super::PASS);
+        let mut b = window.builder(l.b.model, super::PASS);
         let old = b.op("Mul", &[stat, keep], vec![], &format!("{name}.running_old"));
         let new = b.op(
             "Mul",
@@ -202,8 +205,14 @@ fn pool_per_window(
             &format!("{name}.running_window"),
         );
         let next = b.op("Add", &[old, new], vec![], &format!("{name}.running_next"));
-        let slot = region.route(l.b.model, stat, stat, Role::BnStat, Some(&name), l.state);
-        region.set_next(l.b.model, &slot, next);
+        let slot = window.declare(
+            l.b.model,
+            l.state,
+            StateDecl::existing(stat, Role::BnStat).of(&name),
+        );
+        window
+            .set_next(l.b.model, slot, next)
+            .map_err(|e| e.in_pass(super::PASS))?;
     }
     Ok(())
 }

@@ -56,7 +56,7 @@ pub fn lower_half_gemms(model: &mut Model, stamp: &'static str) -> Result<PassRe
             b: Builder::new(model, body, stamp),
             state: &mut state,
             constants: &mut constants,
-            apply: None,
+            window: None,
         };
         lower(&mut lowering, node)?;
         report.added += lowering.b.added;

@@ -254,7 +254,8 @@ impl Pass for LegalizeOrt {
         model: &mut Model,
         cx: &mut PassContext<'_>,
     ) -> Result<PassReport, PassError> {
-        self.lower_model(model, PASS, &mut cx.state, cx.apply.as_ref())
+        let (window, state) = cx.bn_window();
+        self.lower_model(model, PASS, state, window)
     }
 }
 
@@ -266,10 +267,10 @@ impl LegalizeOrt {
         model: &mut Model,
         stamp: &'static str,
         state: &mut Vec<crate::state::StateEntry>,
-        apply: Option<&crate::passes::apply::ApplyRegion>,
+        window: Option<&mut crate::passes::window::Window>,
     ) -> Result<PassReport, PassError> {
         let targets: Vec<NodeId> = model.all_nodes().collect();
-        self.lower_nodes(model, stamp, state, apply, &targets)
+        self.lower_nodes(model, stamp, state, window, &targets)
     }
 
     /// [`lower_model`](Self::lower_model) restricted to `targets` (the autodiff lowers the
@@ -279,7 +280,7 @@ impl LegalizeOrt {
         model: &mut Model,
         stamp: &'static str,
         state: &mut Vec<crate::state::StateEntry>,
-        apply: Option<&crate::passes::apply::ApplyRegion>,
+        mut window: Option<&mut crate::passes::window::Window>,
         targets: &[NodeId],
     ) -> Result<PassReport, PassError> {
         let mut report = PassReport::default();
@@ -306,7 +307,7 @@ impl LegalizeOrt {
                 b: Builder::new(model, body, stamp),
                 state: &mut *state,
                 constants: &mut constants,
-                apply,
+                window: window.as_deref_mut(),
             };
             lower(&mut lowering, node)?;
             report.added += lowering.b.added;
@@ -363,8 +364,9 @@ pub struct Lowering<'m, 'c> {
     pub state: &'c mut Vec<crate::state::StateEntry>,
     /// Constants minted in this run of the pass, shared between lowerings.
     pub constants: &'c mut util::Constants,
-    /// The apply region, when grad-accum ran first (BatchNorm statistics may pool per window).
-    pub apply: Option<&'c crate::passes::apply::ApplyRegion>,
+    /// The window, when grad-accum opened one and BatchNorm running statistics pool per
+    /// window (`bn_stats=window`); `None`: they move at every micro-step.
+    pub window: Option<&'c mut crate::passes::window::Window>,
 }
 
 impl Lowering<'_, '_> {

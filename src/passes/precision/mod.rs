@@ -343,7 +343,7 @@ impl Pass for Precision {
         model: &mut Model,
         cx: &mut PassContext<'_>,
     ) -> Result<PassReport, PassError> {
-        if !cx.apply.as_ref().is_some_and(|a| a.optimized) {
+        if !cx.window().is_some_and(|w| w.optimized()) {
             return Err(fail(
                 "no optimized apply region: run precision after grad-accum, loss-scale and optimizer (they build float32 state math on the gradients), and after legalize-ort".into(),
             ));
