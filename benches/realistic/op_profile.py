@@ -51,8 +51,8 @@ def session(path: str, prof_dir: str) -> ort.InferenceSession:
     return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
 
 
-def kernel_times(profile: str, skip_runs: int) -> tuple[collections.Counter, collections.Counter, int]:
-    """(op type -> us, node name -> us, runs) over the runs after the first skip_runs."""
+def kernel_times(profile: str, skip_runs: int) -> tuple[list[tuple[str, str, float]], int]:
+    """(node name, op type, us) of every kernel after the first skip_runs runs, and the runs."""
     with open(profile) as f:
         events = json.load(f)
     runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
@@ -60,22 +60,20 @@ def kernel_times(profile: str, skip_runs: int) -> tuple[collections.Counter, col
     if len(runs) <= skip_runs:
         raise SystemExit(f"{profile}: only {len(runs)} runs")
     t0 = runs[skip_runs]["ts"]
-    by_op, by_node = collections.Counter(), collections.Counter()
+    out = []
     for e in events:
         if e.get("cat") != "Node" or not e.get("name", "").endswith("_kernel_time") or e["ts"] < t0:
             continue
-        op = e.get("args", {}).get("op_name", "?")
-        by_op[op] += e["dur"]
-        by_node[e["name"][: -len("_kernel_time")]] += e["dur"]
-    return by_op, by_node, len(runs) - skip_runs
+        out.append((e["name"][: -len("_kernel_time")], e.get("args", {}).get("op_name", "?"), e["dur"]))
+    return out, len(runs) - skip_runs
 
 
-def then_branch_nodes(model: onnx.ModelProto) -> set[str]:
+def branch_nodes(model: onnx.ModelProto, branch: str) -> set[str]:
     names = set()
     for n in model.graph.node:
         if n.op_type == "If":
             for a in n.attribute:
-                if a.name == "then_branch":
+                if a.name == branch:
                     names.update(x.name for x in a.g.node)
     return names
 
@@ -104,34 +102,60 @@ def main() -> None:
             by = dict(zip(names, outs))
             held = {inp: by[out] for inp, out in meta["state"]}
         floor_prof = s.end_profiling()
-        f_op, _, f_runs = kernel_times(floor_prof, K)
+        f_k, f_runs = kernel_times(floor_prof, K)
         # The step, whole: state fed back as the manifest says.
         step_path = os.path.join(a.work, model, "step.onnx")
         proto = onnx.load(step_path)
         md = {p.key: p.value for p in proto.metadata_props}
         state = json.loads(md["onnx_ga.state"])
         data_inputs = json.loads(md["onnx_ga.data_inputs"])
-        then_nodes = then_branch_nodes(proto)
+        then_nodes = branch_nodes(proto, "then_branch")
+        else_nodes = branch_nodes(proto, "else_branch")
         s = session(step_path, prof)
+        # State without an initializer starts at zeros (the step file does not store it).
+        inits = {t.name for t in proto.graph.initializer}
         held = {}
+        for inp in proto.graph.input:
+            if inp.name in inits or inp.name in data_inputs:
+                continue
+            tt = inp.type.tensor_type
+            dims = [d.dim_value for d in tt.shape.dim]
+            held[inp.name] = np.zeros(dims, onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
         for i in range((a.windows + 1) * K):
             outs = s.run(None, {**{n: mb[i % len(mb)][n] for n in data_inputs}, **held})
             by = dict(zip([o.name for o in s.get_outputs()], outs))
             held = {e["input"]: by[e["output"]] for e in state if e["output"] in by}
         step_prof = s.end_profiling()
-        s_op, s_node, s_runs = kernel_times(step_prof, K)
-        windows = s_runs / K
-        apply_us = sum(v for n, v in s_node.items() if n in then_nodes)
-        total = sum(s_op.values())
-        print(f"\n### {model}, B={b}, 1 thread, {a.windows} windows of K={K} (kernel time, ms per window)\n")
-        print(f"floor: {sum(f_op.values()) / 1e3 / (f_runs / K):.2f} ms per window ({K} runs); "
-              f"step whole: {total / 1e3 / windows:.2f} ms per window, of which the apply If's then-branch "
-              f"(the optimizer) {apply_us / 1e3 / windows:.2f} ms in {len(then_nodes)} nodes\n")
-        print("| op | floor ms/window | step whole ms/window |")
-        print("|---|--:|--:|")
-        ops = sorted(set(f_op) | set(s_op), key=lambda o: -(s_op.get(o, 0)))
+        s_k, s_runs = kernel_times(step_prof, K)
+        fw, sw = f_runs / K, s_runs / K
+
+        def table(kernels, where):
+            c = collections.Counter()
+            for name, op, us in kernels:
+                if op != "If" and where(name):
+                    c[op] += us
+            return c
+
+        floor_ops = table(f_k, lambda n: True)
+        main_ops = table(s_k, lambda n: n not in then_nodes and n not in else_nodes)
+        then_ops = table(s_k, lambda n: n in then_nodes)
+        else_ops = table(s_k, lambda n: n in else_nodes)
+        if_total = sum(us for _, op, us in s_k if op == "If")
+        if_own = if_total - sum(then_ops.values()) - sum(else_ops.values())
+        ms = lambda c, w: sum(c.values()) / 1e3 / w  # noqa: E731
+        print(f"\n### {model}, B={b}, 1 thread, {a.windows} windows of K={K} after one warm-up "
+              "(ONNX Runtime kernel time, ms per window)\n")
+        print(f"floor {ms(floor_ops, fw):.2f}; step whole: main graph {ms(main_ops, sw):.2f}, apply If "
+              f"then-branch (the optimizer, {len(then_nodes)} nodes, once per window) {ms(then_ops, sw):.2f}, "
+              f"else-branch (pass-through, {len(else_nodes)} nodes, K-1 times) {ms(else_ops, sw):.2f}, the If "
+              f"itself {if_own / 1e3 / sw:.2f}\n")
+        print("| op | floor | step: main graph | step: then-branch (apply) | step: else-branch |")
+        print("|---|--:|--:|--:|--:|")
+        ops = sorted(set(floor_ops) | set(main_ops) | set(then_ops) | set(else_ops),
+                     key=lambda o: -(main_ops.get(o, 0) + then_ops.get(o, 0) + else_ops.get(o, 0)))
         for op in ops[: a.top]:
-            print(f"| {op} | {f_op.get(op, 0) / 1e3 / (f_runs / K):.2f} | {s_op.get(op, 0) / 1e3 / windows:.2f} |")
+            print(f"| {op} | {floor_ops.get(op, 0) / 1e3 / fw:.2f} | {main_ops.get(op, 0) / 1e3 / sw:.2f} "
+                  f"| {then_ops.get(op, 0) / 1e3 / sw:.2f} | {else_ops.get(op, 0) / 1e3 / sw:.2f} |")
         for p in glob.glob(os.path.join(prof, "*")):
             os.remove(p)
         os.rmdir(prof)
