@@ -506,6 +506,23 @@ fn is_input_error(error: &anyhow::Error) -> bool {
         )
 }
 
+/// An error making a Trainer is the step's (nothing else is read yet): it names the step
+/// file, except ONNX Runtime missing, which is the setup's.
+pub(crate) fn step_context(e: onnx_ga::train::TrainError, step: &std::path::Path) -> anyhow::Error {
+    let setup = matches!(
+        &e,
+        onnx_ga::train::TrainError::Engine(onnx_ga::engine::EngineError::Runtime(_))
+            | onnx_ga::train::TrainError::Collective(_)
+    );
+    match e {
+        onnx_ga::train::TrainError::Model(m) => {
+            anyhow::Error::new(UsageError(format!("{}: {m}", step.display())))
+        }
+        e if setup => anyhow::Error::new(e),
+        e => anyhow::Error::new(e).context(format!("{}", step.display())),
+    }
+}
+
 /// ONNX Runtime missing, or not loadable from where `ORT_DYLIB_PATH` (or the search) says:
 /// the setup's problem, which the user fixes (exit 2), not a failure of ours.
 fn runtime_is_input(e: &onnx_ga::runtime::RuntimeError) -> bool {
@@ -1047,12 +1064,8 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         },
         split: !args.no_split,
     };
-    let mut trainer = Trainer::with_options(&model, &options).map_err(|e| match e {
-        onnx_ga::train::TrainError::Step(s) => {
-            anyhow::Error::new(s).context(format!("{}", args.model.display()))
-        }
-        other => anyhow::Error::new(other),
-    })?;
+    let mut trainer =
+        Trainer::with_options(&model, &options).map_err(|e| step_context(e, &args.model))?;
     trainer.set_on_nonfinite(on_nonfinite);
     progress.note(format!(
         "runs: {}",

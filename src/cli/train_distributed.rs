@@ -272,13 +272,8 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
         split: true,
     };
     let shared: Box<dyn Collective> = Box::new(collective.clone());
-    let mut trainer = Trainer::with_collective(&model, &options, shared).map_err(|e| match e {
-        TrainError::Step(s) => anyhow::Error::new(s).context(format!("{}", args.model.display())),
-        TrainError::Model(m) => {
-            anyhow::Error::new(UsageError(format!("{}: {m}", args.model.display())))
-        }
-        other => anyhow::Error::new(other),
-    })?;
+    let mut trainer = Trainer::with_collective(&model, &options, shared)
+        .map_err(|e| crate::step_context(e, &args.model))?;
     trainer.set_on_nonfinite(on_nonfinite);
     if let Some(lr) = args.lr {
         trainer
