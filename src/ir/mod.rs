@@ -354,7 +354,9 @@ impl Model {
     }
 
     /// A new graph input of `body`, backed by `default` as an initializer of the same name
-    /// when given (the state convention: a fresh run needs nothing fed).
+    /// when given. (State starts from these while the passes run; `step::build_step` then
+    /// drops the initializers of state that starts at zeros, which hosts make from the
+    /// input's type: `"init": "zeros"` in the manifest.)
     pub fn add_input(
         &mut self,
         body: BodyId,
