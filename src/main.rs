@@ -506,6 +506,27 @@ fn is_input_error(error: &anyhow::Error) -> bool {
         )
 }
 
+/// `--device` and `--engine` as given, checked together: tract runs on the CPU only, and a
+/// GPU means ONNX Runtime (falling back to tract would silently train on the CPU).
+pub(crate) fn device_and_engine(
+    device: &str,
+    engine: &str,
+) -> Result<(onnx_ga::engine::ort::Device, onnx_ga::engine::EngineKind), UsageError> {
+    use onnx_ga::engine::{ort::Device, EngineKind};
+    let device: Device = device.parse().map_err(UsageError)?;
+    let requested: EngineKind = engine.parse().map_err(UsageError)?;
+    let requested = match (requested, device) {
+        (_, Device::Cpu) => requested,
+        (EngineKind::Tract, _) => {
+            return Err(UsageError(format!(
+                "--device {device}: tract runs on the CPU only (use --engine ort)"
+            )))
+        }
+        _ => EngineKind::Ort,
+    };
+    Ok((device, requested))
+}
+
 /// An error making a Trainer is the step's (nothing else is read yet): it names the step
 /// file, except ONNX Runtime missing, which is the setup's.
 pub(crate) fn step_context(e: onnx_ga::train::TrainError, step: &std::path::Path) -> anyhow::Error {
@@ -1033,19 +1054,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     if let Some(path) = &args.save_state {
         onnx_ga::data::StateFormat::of(path)?;
     }
-    let device: onnx_ga::engine::ort::Device = args.device.parse().map_err(UsageError)?;
-    let requested: onnx_ga::engine::EngineKind = args.engine.parse().map_err(UsageError)?;
-    let requested = match (requested, device) {
-        (_, onnx_ga::engine::ort::Device::Cpu) => requested,
-        (onnx_ga::engine::EngineKind::Tract, _) => {
-            return Err(UsageError(format!(
-                "--device {device}: tract runs on the CPU only (use --engine ort)"
-            ))
-            .into())
-        }
-        // A GPU means ONNX Runtime: falling back to tract would silently train on the CPU.
-        _ => onnx_ga::engine::EngineKind::Ort,
-    };
+    let (device, requested) = device_and_engine(&args.device, &args.engine)?;
     let (engine, why) = requested.resolve();
     match requested {
         onnx_ga::engine::EngineKind::Auto => progress.note(format!("engine: {engine} ({why})")),

@@ -238,18 +238,7 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
         ))
         .into());
     }
-    let device: onnx_ga::engine::ort::Device = args.device.parse().map_err(UsageError)?;
-    let requested: onnx_ga::engine::EngineKind = args.engine.parse().map_err(UsageError)?;
-    let requested = match (requested, device) {
-        (_, onnx_ga::engine::ort::Device::Cpu) => requested,
-        (onnx_ga::engine::EngineKind::Tract, _) => {
-            return Err(UsageError(format!(
-                "--device {device}: tract runs on the CPU only (use --engine ort)"
-            ))
-            .into())
-        }
-        _ => onnx_ga::engine::EngineKind::Ort,
-    };
+    let (device, requested) = crate::device_and_engine(&args.device, &args.engine)?;
     let (engine, why) = requested.resolve();
     let threads_warning = super::check_threads(args.threads, engine)?;
     if lead {
