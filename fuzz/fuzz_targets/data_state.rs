@@ -4,54 +4,59 @@
 //! (`check_data`, a micro-batch) and as an init state (`load_state`).
 #![no_main]
 use libfuzzer_sys::fuzz_target;
+use std::cell::RefCell;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, OnceLock};
 
 struct Fixture {
     dir: PathBuf,
     data_inputs: Vec<String>,
-    trainer: Mutex<onnx_ga::train::Trainer>,
+    trainer: RefCell<onnx_ga::train::Trainer>,
 }
 
-fn fixture() -> &'static Fixture {
-    static F: OnceLock<Fixture> = OnceLock::new();
-    F.get_or_init(|| {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-        let graph = onnx_ga::signature::open(
-            &root.join("graphs/mlp_ce_adamw"),
-            &Default::default(),
-        )
+// libFuzzer runs the target on one thread; the Trainer is not Send (its collective seam is
+// a plain trait object), so the fixture is per thread.
+thread_local! {
+    static FIXTURE: Fixture = make_fixture();
+}
+
+fn make_fixture() -> Fixture {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let graph = onnx_ga::signature::open(&root.join("graphs/mlp_ce_adamw"), &Default::default())
         .expect("shipped graph");
-        let step = onnx_ga::step::build_step(
-            graph,
-            "grad-accum(steps=2),optimizer(lr=0.01),legalize-ort,dce",
-            false,
-        )
-        .expect("step");
-        let trainer = onnx_ga::train::Trainer::with_engine(
-            &step.model.to_proto(),
-            onnx_ga::engine::EngineKind::Tract,
-            &Default::default(),
-        )
-        .expect("trainer");
-        let dir = std::env::temp_dir().join(format!("onnx-ga-fuzz-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        Fixture {
-            dir,
-            data_inputs: step.manifest.data_inputs.clone(),
-            trainer: Mutex::new(trainer),
-        }
-    })
+    let step = onnx_ga::step::build_step(
+        graph,
+        "grad-accum(steps=2),optimizer(lr=0.01),legalize-ort,dce",
+        false,
+    )
+    .expect("step");
+    let trainer = onnx_ga::train::Trainer::with_engine(
+        &step.model.to_proto(),
+        onnx_ga::engine::EngineKind::Tract,
+        &Default::default(),
+    )
+    .expect("trainer");
+    let dir = std::env::temp_dir().join(format!("onnx-ga-fuzz-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    Fixture {
+        dir,
+        data_inputs: step.manifest.data_inputs.clone(),
+        trainer: RefCell::new(trainer),
+    }
 }
 
-fuzz_target!(|data: &[u8]| {
-    let fx = fixture();
+fuzz_target!(|data: &[u8]| FIXTURE.with(|fx| check(fx, data)));
+
+fn check(fx: &Fixture, data: &[u8]) {
     // The first byte picks the format.
     let (kind, bytes) = match data.split_first() {
         Some((k, rest)) => (*k, rest),
         None => return,
     };
-    let path = fx.dir.join(if kind & 1 == 0 { "x.npz" } else { "x.safetensors" });
+    let path = fx.dir.join(if kind & 1 == 0 {
+        "x.npz"
+    } else {
+        "x.safetensors"
+    });
     std::fs::write(&path, bytes).unwrap();
     let read = if kind & 1 == 0 {
         onnx_ga::data::read_npz(&path)
@@ -61,7 +66,7 @@ fuzz_target!(|data: &[u8]| {
     let Ok(arrays) = read else {
         return;
     };
-    let mut trainer = fx.trainer.lock().unwrap();
+    let mut trainer = fx.trainer.borrow_mut();
     if let Ok(samples) = trainer.check_data(&arrays, &path) {
         if samples > 0 {
             // What the trainer feeds: the step's data inputs (checked above).
@@ -75,4 +80,4 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     let _ = trainer.load_state(&path);
-});
+}
