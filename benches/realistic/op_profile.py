@@ -8,7 +8,7 @@ Prints, per graph, kernel time per window by op type (top N) and the total, and 
 the time inside the apply `If`'s then-branch (the optimizer) vs everything else.
 
 Usage: .venv-ort/bin/python benches/realistic/op_profile.py WORK_DIR [--models DIR] [--only mlp,gpt]
-       [--windows 3] [--top 10]
+       [--windows 3] [--top 10] [--batch B]
 """
 
 from __future__ import annotations
@@ -85,10 +85,11 @@ def main() -> None:
     ap.add_argument("--only", default="mlp,resnet_bn,resnet,gpt")
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--batch", type=int, help="micro-batch size (default 8, GPT 4)")
     a = ap.parse_args()
     ort.set_default_logger_severity(3)
     for model in a.only.split(","):
-        b = BATCH[model]
+        b = a.batch or BATCH[model]
         mb = batches(a.models, model, b)
         prof = tempfile.mkdtemp(prefix=f"profile-{model}-")
         # The floor: data in, parameters from their initializers (graph inputs with defaults).

@@ -21,6 +21,7 @@ Usage:
   peers.py --round N --column ort_api|torch --out FILE [--only a,b] [--threads 1,2]
   peers.py --rss --column ort_api|torch --out FILE     peak RSS, one fresh process per cell
   peers.py --rss-child COLUMN MODEL B T                one cell's peak RSS (a JSON line)
+  peers.py --profile MODEL B                           ORT's profiler on the ORT API, per op type
 """
 
 from __future__ import annotations
@@ -216,6 +217,57 @@ def rss_child(column: str, models_dir: str, model: str, batch: int, threads: int
                       "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
+def profile_ort_api(models_dir: str, model: str, batch: int, k: int, windows: int, top: int) -> None:
+    """ONNX Runtime's profiler on the training API's session (1 thread): kernel time per
+    window by op type, after one warm-up window; printed as a markdown table."""
+    import collections
+    import glob
+    import tempfile
+
+    import onnxruntime as ort
+
+    prefix = os.path.join(tempfile.mkdtemp(prefix="ort-api-profile-"), model)
+    real = ort.SessionOptions
+
+    class Profiled(real):  # the runner makes its own options: turn profiling on in them
+        def __init__(self):
+            super().__init__()
+            self.enable_profiling = True
+            self.profile_file_prefix = prefix
+
+    ort.SessionOptions = Profiled
+    try:
+        prepare, step = ort_api_runner(models_dir, model, 1, k)
+    finally:
+        ort.SessionOptions = real
+    batches = [prepare(b) for b in micro_batches(load_data(models_dir, model), batch)]
+    for i in range((windows + 1) * k):
+        step(batches[i % len(batches)], i % k)
+    del step, prepare
+    import gc
+
+    gc.collect()
+    files = glob.glob(prefix + "*.json")
+    if not files:
+        raise SystemExit(f"no profile written under {prefix}")
+    by_op = collections.Counter()
+    for path in files:
+        with open(path) as f:
+            events = json.load(f)
+        runs = sorted(e["ts"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
+        t0 = runs[k] if len(runs) > windows * k else 0  # skip the warm-up window of train_step runs
+        for e in events:
+            if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["ts"] >= t0:
+                by_op[e.get("args", {}).get("op_name", "?")] += e["dur"]
+    total = sum(by_op.values())
+    print(f"\n### ORT API, {model}, B={batch}, 1 thread, {windows} windows of K={k} (kernel time, ms per window)\n")
+    print(f"total {total / 1e3 / windows:.2f} ms per window ({len(files)} profiled sessions: training and optimizer)\n")
+    print("| op | ms/window |")
+    print("|---|--:|")
+    for op, us in by_op.most_common(top):
+        print(f"| {op} | {us / 1e3 / windows:.2f} |")
+
+
 def csv(kind):
     return lambda s: [kind(x) for x in s.split(",") if x]
 
@@ -233,13 +285,18 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--cell-ms", type=float, default=600)
     ap.add_argument("--rss-windows", type=int, default=4)
+    ap.add_argument("--profile", nargs=2, metavar=("MODEL", "B"),
+                    help="ORT's profiler on the ORT API (1 thread), op types by kernel time")
     a = ap.parse_args()
-    if a.column == "ort_api" or (a.rss_child and a.rss_child[0] == "ort_api"):
+    if a.column == "ort_api" or a.profile or (a.rss_child and a.rss_child[0] == "ort_api"):
         # onnxruntime-training's import-time validation imports ORTModule and through it torch
         # (+560 MiB RSS) when torch is installed, as it is in this venv; the training API
         # needs none of it, and a user of the API alone would not have torch loaded.
         sys.modules["torch"] = None
 
+    if a.profile:
+        profile_ort_api(a.models, a.profile[0], int(a.profile[1]), a.k, 3, 12)
+        return
     if a.rss_child:
         column, model, b, t = a.rss_child
         rss_child(column, a.models, model, int(b), int(t), a.k, a.rss_windows)
