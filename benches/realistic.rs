@@ -15,8 +15,9 @@
 //!   accumulate / window-start / apply specialisations).
 //! - `step_whole`: the same step run whole (`train --no-split`), its `If` included.
 //!
-//! Modes (cargo passes `--bench`; ignored):
-//! - `--prepare`: build the floor and the step of every model into `--work DIR`
+//! Modes (`cargo bench` passes `--bench`; without it and without a mode, as under `cargo test
+//! --all-targets`, the executable does nothing: the models need torch):
+//! - `--prepare` (the default under `cargo bench`): build the floor and the step of every model into `--work DIR`
 //!   (`<model>/floor.onnx`, `step.onnx`, `prepare.json`) and check them: the floor's loss and
 //!   gradients on the first micro-batch against torch's (`grads.npz` from generate.py), and
 //!   the split step against the whole one over two windows (bit-identical parameters);
@@ -77,6 +78,7 @@ struct Opts {
 
 #[derive(Clone, Debug)]
 enum Mode {
+    Nothing,
     Prepare,
     Round(usize),
     Rss,
@@ -99,10 +101,11 @@ fn parse_opts() -> Result<Opts> {
     };
     let mut args = std::env::args().skip(1);
     let mut mode = None;
+    let mut bench = false;
     while let Some(a) = args.next() {
         let mut value = |what: &str| args.next().ok_or_else(|| anyhow!("{what} needs a value"));
         match a.as_str() {
-            "--bench" => {}
+            "--bench" => bench = true,
             "--models" => o.models_dir = PathBuf::from(value("--models")?),
             "--work" => o.work = PathBuf::from(value("--work")?),
             "--only" => o.only = value("--only")?.split(',').map(String::from).collect(),
@@ -130,7 +133,13 @@ fn parse_opts() -> Result<Opts> {
             _ => {}
         }
     }
-    o.mode = mode.unwrap_or(Mode::Prepare);
+    o.mode = match (mode, bench) {
+        (Some(m), _) => m,
+        (None, true) => Mode::Prepare,
+        // `cargo test --all-targets` runs this executable without `--bench`: the models are
+        // made by benches/realistic/run.sh (torch), which the tests never need.
+        (None, false) => Mode::Nothing,
+    };
     Ok(o)
 }
 
@@ -774,6 +783,10 @@ fn rss(o: &Opts) -> Result<()> {
 fn main() -> Result<()> {
     let o = parse_opts()?;
     match o.mode.clone() {
+        Mode::Nothing => {
+            eprintln!("realistic bench: nothing to do without --bench (bash benches/realistic/run.sh runs it)");
+            Ok(())
+        }
         Mode::Prepare => prepare(&o),
         Mode::Round(r) => {
             let out = o.out.clone().context("--round needs --out FILE")?;
