@@ -600,18 +600,18 @@ fn measure(k: u64, cell: Duration, mut step: impl FnMut(u64) -> Result<bool>) ->
 
 /// The runner of one column: `step(i)` runs micro-step i and says whether it applied.
 enum Runner {
-    Floor(Floor),
+    Floor(Box<Floor>),
     Trainer(Box<Trainer>),
 }
 
 fn runner(o: &Opts, model: &str, column: &str, threads: usize) -> Result<Runner> {
     let dir = o.work.join(model);
     Ok(match column {
-        "floor" => Runner::Floor(Floor::new(
+        "floor" => Runner::Floor(Box::new(Floor::new(
             &load(&dir.join("floor.onnx"))?,
             &floor_meta(o, model)?,
             threads,
-        )?),
+        )?)),
         "step" | "step_whole" => {
             let step = load(&dir.join("step.onnx"))?;
             let options = TrainOptions {
