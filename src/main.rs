@@ -527,6 +527,25 @@ pub(crate) fn device_and_engine(
     Ok((device, requested))
 }
 
+/// `train --lr` and `--accum-steps`: the step's control inputs, set by the host.
+pub(crate) fn host_controls(
+    trainer: &mut onnx_ga::train::Trainer,
+    lr: Option<f32>,
+    accum_steps: Option<i64>,
+) -> Result<(), UsageError> {
+    if let Some(lr) = lr {
+        trainer
+            .set_learning_rate(lr)
+            .map_err(|e| UsageError(format!("--lr {lr}: {e}")))?;
+    }
+    if let Some(k) = accum_steps {
+        trainer
+            .set_accum_steps(k)
+            .map_err(|e| UsageError(format!("--accum-steps {k}: {e}")))?;
+    }
+    Ok(())
+}
+
 /// An error making a Trainer is the step's (nothing else is read yet): it names the step
 /// file, except ONNX Runtime missing, which is the setup's.
 pub(crate) fn step_context(e: onnx_ga::train::TrainError, step: &std::path::Path) -> anyhow::Error {
@@ -1084,16 +1103,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             "the exported graph whole"
         }
     ));
-    if let Some(lr) = args.lr {
-        trainer
-            .set_learning_rate(lr)
-            .map_err(|e| UsageError(format!("--lr {lr}: {e}")))?;
-    }
-    if let Some(k) = args.accum_steps {
-        trainer
-            .set_accum_steps(k)
-            .map_err(|e| UsageError(format!("--accum-steps {k}: {e}")))?;
-    }
+    host_controls(&mut trainer, args.lr, args.accum_steps)?;
     let data = onnx_ga::data::read_npz_only(&args.data, &trainer.manifest.data_inputs)?;
     if let Some(note) = onnx_ga::data::ignored_note(&args.data, &data.ignored) {
         progress.note(note);

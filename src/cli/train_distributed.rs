@@ -264,16 +264,7 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
     let mut trainer = Trainer::with_collective(&model, &options, shared)
         .map_err(|e| crate::step_context(e, &args.model))?;
     trainer.set_on_nonfinite(on_nonfinite);
-    if let Some(lr) = args.lr {
-        trainer
-            .set_learning_rate(lr)
-            .map_err(|e| UsageError(format!("--lr {lr}: {e}")))?;
-    }
-    if let Some(k) = args.accum_steps {
-        trainer
-            .set_accum_steps(k)
-            .map_err(|e| UsageError(format!("--accum-steps {k}: {e}")))?;
-    }
+    crate::host_controls(&mut trainer, args.lr, args.accum_steps)?;
     let data = onnx_ga::data::read_npz_only(&args.data, &trainer.manifest.data_inputs)?;
     if let Some(note) = onnx_ga::data::ignored_note(&args.data, &data.ignored) {
         if lead {
