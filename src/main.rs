@@ -839,7 +839,7 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
                 ))
                 .into());
             }
-            use onnx_ga::passes::plan::{Accumulation, AgcPlan, OptimizerPlan, StepPlan};
+            use onnx_ga::passes::plan::{Accumulation, AgcPlan, StepPlan};
             let agc = match args.agc {
                 Some(clip) => {
                     let mut options = Vec::new();
@@ -860,8 +860,14 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
                 },
                 loss_scale,
                 agc,
-                optimizer: OptimizerPlan {
-                    kind: args.optimizer.clone(),
+                optimizer: onnx_ga::passes::optimizer::Optimizer {
+                    // clap checked both names against the same lists.
+                    kind: args
+                        .optimizer
+                        .as_deref()
+                        .map(str::parse)
+                        .transpose()
+                        .map_err(UsageError)?,
                     lr: args.lr,
                     weight_decay: args.weight_decay,
                     beta1: args.beta1,
@@ -869,7 +875,13 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
                     eps: args.eps,
                     momentum: args.momentum,
                     fuse_small: args.fuse_small,
-                    formula: args.optimizer_formula.clone(),
+                    formula: args
+                        .optimizer_formula
+                        .as_deref()
+                        .map(str::parse)
+                        .transpose()
+                        .map_err(UsageError)?,
+                    ..Default::default()
                 },
                 precision: match args.precision.as_str() {
                     "fp32" => None,

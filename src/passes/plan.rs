@@ -38,20 +38,6 @@ impl Default for Accumulation {
     }
 }
 
-/// `optimizer`'s settings; `None` is the producer's (the artifacts') or the pass's default.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct OptimizerPlan {
-    pub kind: Option<String>,
-    pub lr: Option<f32>,
-    pub weight_decay: Option<f32>,
-    pub beta1: Option<f32>,
-    pub beta2: Option<f32>,
-    pub eps: Option<f32>,
-    pub momentum: Option<f32>,
-    pub fuse_small: Option<i64>,
-    pub formula: Option<String>,
-}
-
 /// Adaptive gradient clipping: `clip` and the rest of `agc`'s options as spec text
 /// (`eps=...`, `include_final=true`, `exclude=...`, `axes=...`).
 #[derive(Clone, Debug, PartialEq)]
@@ -77,7 +63,9 @@ pub struct StepPlan {
     /// The `loss-scale` pass spec (`None`: no loss scaling).
     pub loss_scale: Option<String>,
     pub agc: Option<AgcPlan>,
-    pub optimizer: OptimizerPlan,
+    /// The optimizer pass itself: its options are its fields (`None`: the producer's or
+    /// the formula's default).
+    pub optimizer: super::optimizer::Optimizer,
     /// `fp16` or `bf16` (`None`: float32).
     pub precision: Option<String>,
     pub engine: TargetEngine,
@@ -95,7 +83,7 @@ impl StepPlan {
             options.extend(agc.options.iter().cloned());
             passes.push(spec_text(super::agc::PASS, &options));
         }
-        passes.push(self.optimizer.spec());
+        passes.push(super::Pass::spec(&self.optimizer));
         passes.push(super::legalize::PASS.to_string());
         if let Some(half) = &self.precision {
             passes.push(format!("{}(dtype={half})", super::precision::PASS));
@@ -129,34 +117,6 @@ impl Accumulation {
     }
 }
 
-impl OptimizerPlan {
-    fn spec(&self) -> String {
-        let mut options = Vec::new();
-        if let Some(kind) = &self.kind {
-            options.push(format!("kind={kind}"));
-        }
-        for (name, value) in [
-            ("lr", self.lr),
-            ("weight_decay", self.weight_decay),
-            ("beta1", self.beta1),
-            ("beta2", self.beta2),
-            ("eps", self.eps),
-            ("momentum", self.momentum),
-        ] {
-            if let Some(v) = value {
-                options.push(format!("{name}={v}"));
-            }
-        }
-        if let Some(n) = self.fuse_small {
-            options.push(format!("fuse_small={n}"));
-        }
-        if let Some(f) = &self.formula {
-            options.push(format!("formula={f}"));
-        }
-        spec_text(super::optimizer::PASS, &options)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -183,8 +143,8 @@ mod tests {
                 clip: 0.01,
                 options: vec!["eps=0.001".into()],
             }),
-            optimizer: OptimizerPlan {
-                kind: Some("adamw".into()),
+            optimizer: super::super::optimizer::Optimizer {
+                kind: Some("adamw".parse().unwrap()),
                 lr: Some(0.01),
                 ..Default::default()
             },
