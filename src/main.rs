@@ -386,25 +386,8 @@ struct AgcSelectArgs {
 }
 
 impl AgcSelectArgs {
-    /// The options of the `agc` pass spec, without clip and eps.
-    fn spec_options(&self) -> Result<Vec<String>, UsageError> {
-        let bad = |what: &str, text: &str| {
-            UsageError(format!(
-                "{what} '{text}': ',', ';', '(' and ')' cannot be used in a pipeline spec"
-            ))
-        };
-        let mut options = Vec::new();
-        if self.agc_include_final {
-            options.push("include_final=true".to_string());
-        }
-        for glob in &self.agc_exclude {
-            if glob.contains([',', ';', '(', ')']) {
-                return Err(bad("--agc-exclude", glob));
-            }
-        }
-        if !self.agc_exclude.is_empty() {
-            options.push(format!("exclude={}", self.agc_exclude.join(";")));
-        }
+    /// `--agc-axes` as the `agc` pass writes it (`NAME:A/B;...`), checked.
+    fn axes_text(&self) -> Result<String, UsageError> {
         let mut axes = Vec::new();
         for item in &self.agc_axes {
             let Some((name, list)) = item.rsplit_once('=') else {
@@ -413,26 +396,58 @@ impl AgcSelectArgs {
                 )));
             };
             if name.is_empty() || name.contains([',', ';', '(', ')']) {
-                return Err(bad("--agc-axes", item));
+                return Err(spec_chars("--agc-axes", item));
             }
             axes.push(format!("{name}:{}", list.replace(',', "/")));
         }
+        Ok(axes.join(";"))
+    }
+
+    /// The options of the `agc` pass spec, without clip and eps.
+    fn spec_options(&self) -> Result<Vec<String>, UsageError> {
+        let mut options = Vec::new();
+        if self.agc_include_final {
+            options.push("include_final=true".to_string());
+        }
+        for glob in &self.agc_exclude {
+            if glob.contains([',', ';', '(', ')']) {
+                return Err(spec_chars("--agc-exclude", glob));
+            }
+        }
+        if !self.agc_exclude.is_empty() {
+            options.push(format!("exclude={}", self.agc_exclude.join(";")));
+        }
+        let axes = self.axes_text()?;
         if !axes.is_empty() {
-            let text = axes.join(";");
-            onnx_ga::passes::agc::parse_axes_overrides(&text)
+            onnx_ga::passes::agc::parse_axes_overrides(&axes)
                 .map_err(|e| UsageError(format!("--agc-axes: {e}")))?;
-            options.push(format!("axes={text}"));
+            options.push(format!("axes={axes}"));
         }
         Ok(options)
     }
 
+    /// The selection itself (for `inspect --agc`), built directly, not through a spec.
     fn selection(&self) -> Result<onnx_ga::passes::agc::Selection, UsageError> {
-        let spec = format!("agc({})", self.spec_options()?.join(","));
-        let parsed = onnx_ga::passes::parse_spec(&spec).map_err(|e| UsageError(e.to_string()))?;
-        Ok(onnx_ga::passes::agc::Agc::from_options(&parsed[0])
-            .map_err(|e| UsageError(e.to_string()))?
-            .selection)
+        Ok(onnx_ga::passes::agc::Selection {
+            include_final: self.agc_include_final,
+            // As the pass reads `exclude=`: trimmed, empty ones dropped.
+            exclude: self
+                .agc_exclude
+                .iter()
+                .map(|g| g.trim().to_string())
+                .filter(|g| !g.is_empty())
+                .collect(),
+            axes: onnx_ga::passes::agc::parse_axes_overrides(&self.axes_text()?)
+                .map_err(|e| UsageError(format!("--agc-axes: {e}")))?,
+        })
     }
+}
+
+/// An option value that a pipeline spec cannot carry.
+fn spec_chars(flag: &str, text: &str) -> UsageError {
+    UsageError(format!(
+        "{flag} '{text}': ',', ';', '(' and ')' cannot be used in a pipeline spec"
+    ))
 }
 
 fn parse_grad(s: &str) -> Result<(String, String), String> {

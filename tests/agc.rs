@@ -959,3 +959,67 @@ fn cli_rewrite_and_inspect_agc() {
     assert_eq!(run.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&run.stderr).contains("--pipeline"));
 }
+
+/// `inspect --agc` with `--agc-exclude` and `--agc-axes` shows the plan `rewrite --agc`
+/// builds with them: the same lines for every parameter.
+#[test]
+fn inspect_agc_plan_with_selection_equals_the_rewrites() {
+    let selection = ["--agc-exclude", "bn.*", "--agc-axes", "conv.weight=1,2,3"];
+    let inspect = std::process::Command::new(env!("CARGO_BIN_EXE_onnx-ga"))
+        .args(["inspect", "graphs/cnn_bn", "--agc"])
+        .args(selection)
+        .current_dir(root())
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&inspect.stdout).into_owned()
+        + &String::from_utf8_lossy(&inspect.stderr);
+    assert!(inspect.status.success(), "{shown}");
+    for line in [
+        "conv.weight  [4,3,3,3]    axes [1,2,3]     4 units  clipped; overridden (axes=...)",
+        "bn.weight    [4]          whole             1 unit  not clipped (excluded by 'bn.*')",
+    ] {
+        assert!(shown.contains(line), "{line}\n---\n{shown}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("step.onnx");
+    let rewrite = std::process::Command::new(env!("CARGO_BIN_EXE_onnx-ga"))
+        .args(["rewrite", "graphs/cnn_bn", "-o"])
+        .arg(&out)
+        .args(["--lr", "0.01", "--agc", "0.02"])
+        .args(selection)
+        .current_dir(root())
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&rewrite.stderr);
+    assert!(rewrite.status.success(), "{said}");
+    // inspect: one line per parameter after "agc units"; rewrite: "clipped N: ...; not
+    // clipped: ..." in the agc pass's report.
+    let units = shown.split("agc units").nth(1).expect("an agc section");
+    let report = said
+        .lines()
+        .find(|l| l.starts_with("agc("))
+        .expect("the agc report");
+    let not_clipped = report
+        .split("not clipped:")
+        .nth(1)
+        .expect("a not-clipped list");
+    for name in [
+        "conv.weight",
+        "conv.bias",
+        "bn.weight",
+        "bn.bias",
+        "fc.weight",
+        "fc.bias",
+    ] {
+        let in_inspect = units
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{name} ")))
+            .map(|l| !l.contains("not clipped"));
+        let in_rewrite = !not_clipped.contains(&format!("{name} "));
+        assert_eq!(
+            in_inspect,
+            Some(in_rewrite),
+            "{name}:\n{units}\n---\n{report}"
+        );
+    }
+}
