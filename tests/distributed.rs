@@ -515,7 +515,7 @@ fn a_killed_rank_fails_the_job_without_a_state_file() {
     let step = rewritten(d, "long", "mlp_ce_adamw", &["--lr", "0.001"]);
     let state = d.join("state.npz");
     let m = d.join("m.jsonl");
-    let mut child = mpi_command(
+    let child = mpi_command(
         &mpirun,
         2,
         &train_args(

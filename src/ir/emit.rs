@@ -11,15 +11,9 @@
 
 use super::builder::{attr_int, attr_ints, Builder};
 use super::ValueId;
-use crate::proto::{tensor_proto::DataType, AttributeProto, TensorProto};
+use crate::proto::{AttributeProto, TensorProto};
 
-const FLOAT: i32 = DataType::Float as i32;
-const DOUBLE: i32 = DataType::Double as i32;
-const FLOAT16: i32 = DataType::Float16 as i32;
-const BFLOAT16: i32 = DataType::Bfloat16 as i32;
-const INT64: i32 = DataType::Int64 as i32;
-const INT32: i32 = DataType::Int32 as i32;
-const BOOL: i32 = DataType::Bool as i32;
+use crate::proto::elem::{BFLOAT16, BOOL, DOUBLE, FLOAT, FLOAT16, INT32, INT64};
 
 /// Little-endian bytes of `value` as ONNX element type `elem`: the float types, int64 and
 /// int32.

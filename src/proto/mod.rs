@@ -61,3 +61,18 @@ impl TypeProto {
         )
     }
 }
+
+/// `TensorProto.DataType` numbers as the `i32` the protos hold: one table for every pass
+/// that compares or writes element types.
+pub mod elem {
+    use super::tensor_proto::DataType;
+
+    pub const FLOAT: i32 = DataType::Float as i32;
+    pub const DOUBLE: i32 = DataType::Double as i32;
+    pub const FLOAT16: i32 = DataType::Float16 as i32;
+    pub const BFLOAT16: i32 = DataType::Bfloat16 as i32;
+    pub const INT64: i32 = DataType::Int64 as i32;
+    pub const INT32: i32 = DataType::Int32 as i32;
+    pub const BOOL: i32 = DataType::Bool as i32;
+    pub const STRING: i32 = DataType::String as i32;
+}

@@ -9,15 +9,9 @@ use crate::ir::builder::{attr_int, tensor_i64};
 use crate::ir::emit::Emit;
 use crate::ir::{BodyId, Model, NodeId, ValueId};
 use crate::passes::PassError;
-use crate::proto::{tensor_proto::DataType, AttributeProto, TensorProto};
+use crate::proto::{AttributeProto, TensorProto};
 
-pub(super) const FLOAT: i32 = DataType::Float as i32;
-pub(super) const DOUBLE: i32 = DataType::Double as i32;
-pub(super) const FLOAT16: i32 = DataType::Float16 as i32;
-pub(super) const BFLOAT16: i32 = DataType::Bfloat16 as i32;
-pub(super) const INT64: i32 = DataType::Int64 as i32;
-pub(super) const INT32: i32 = DataType::Int32 as i32;
-pub(super) const BOOL: i32 = DataType::Bool as i32;
+pub(super) use crate::proto::elem::{BFLOAT16, BOOL, DOUBLE, FLOAT, FLOAT16, INT32, INT64};
 
 /// Constants minted during one run of the pass, keyed by body, element type, dims and
 /// bytes, so that e.g. every `ReluGrad` of a graph compares against the same `0.0`.

@@ -34,7 +34,7 @@ use std::path::Path;
 use super::{Pass, PassContext, PassError, PassOptions, PassReport};
 use crate::ir::builder::{attr_int, tensor_i64, Builder, NodeAttributes};
 use crate::ir::{BodyId, Model, NodeId, ValueId};
-use crate::proto::{tensor_proto::DataType, AttributeProto, TensorProto};
+use crate::proto::{AttributeProto, TensorProto};
 use crate::signature::{ExplicitRoles, SignatureError, TrainingGraph};
 
 pub const PASS: &str = "legalize-training";
@@ -50,9 +50,7 @@ const MIN_IR_VERSION: i64 = 7;
 /// `Where`, and `Greater` on int64, exist from opset 9.
 const MIN_OPSET: i64 = 9;
 
-pub(super) const FLOAT: i32 = DataType::Float as i32;
-pub(super) const DOUBLE: i32 = DataType::Double as i32;
-pub(super) const INT64: i32 = DataType::Int64 as i32;
+pub(super) use crate::proto::elem::{DOUBLE, FLOAT, INT64};
 
 type LowerFn = fn(&mut Lowering<'_, '_>, NodeId) -> Result<(), PassError>;
 

@@ -89,18 +89,12 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use super::{Pass, PassContext, PassError, PassOptions, PassReport};
 use crate::ir::builder::{attr_int, attr_tensor, Builder};
 use crate::ir::{BodyId, Model, NodeId, Use, ValueDef, ValueId, PASS_KEY};
-use crate::proto::{attribute_proto::AttributeType, tensor_proto::DataType, type_proto};
+use crate::proto::{attribute_proto::AttributeType, type_proto};
 use crate::proto::{AttributeProto, TensorProto};
 
 pub const PASS: &str = "precision";
 
-const FLOAT: i32 = DataType::Float as i32;
-const FLOAT16: i32 = DataType::Float16 as i32;
-const BFLOAT16: i32 = DataType::Bfloat16 as i32;
-const INT32: i32 = DataType::Int32 as i32;
-const INT64: i32 = DataType::Int64 as i32;
-const BOOL: i32 = DataType::Bool as i32;
-const STRING: i32 = DataType::String as i32;
+use crate::proto::elem::{BFLOAT16, BOOL, FLOAT, FLOAT16, INT32, INT64, STRING};
 
 /// The default block list: ops that stay float32 (see the module documentation).
 pub const DEFAULT_KEEP: &[&str] = &[
