@@ -50,6 +50,24 @@ fn refused(name: &str, tmp: &Path, args: &[&str], culprit: &str, output: Option<
     insta::assert_snapshot!(name, doc);
 }
 
+/// A step rewritten from the shipped MLP, in `tmp`.
+fn rewritten_step(tmp: &Path) -> std::path::PathBuf {
+    let step = tmp.join("step.onnx");
+    let (code, doc) = case(
+        tmp,
+        &[
+            "rewrite",
+            "graphs/mlp_ce_adamw",
+            "-o",
+            step.to_str().unwrap(),
+            "--lr",
+            "0.01",
+        ],
+    );
+    assert_eq!(code, Some(0), "{doc}");
+    step
+}
+
 #[test]
 fn a_model_that_does_not_exist() {
     let tmp = tempfile::tempdir().unwrap();
@@ -211,19 +229,7 @@ fn passes_out_of_order() {
 #[test]
 fn data_without_the_steps_inputs() {
     let tmp = tempfile::tempdir().unwrap();
-    let step = tmp.path().join("step.onnx");
-    let (code, doc) = case(
-        tmp.path(),
-        &[
-            "rewrite",
-            "graphs/mlp_ce_adamw",
-            "-o",
-            step.to_str().unwrap(),
-            "--lr",
-            "0.01",
-        ],
-    );
-    assert_eq!(code, Some(0), "{doc}");
+    let step = rewritten_step(tmp.path());
     let state = tmp.path().join("state.npz");
     refused(
         "data_of_another_model",
@@ -250,19 +256,7 @@ fn data_without_the_steps_inputs() {
 #[test]
 fn rewriting_a_step_again() {
     let tmp = tempfile::tempdir().unwrap();
-    let step = tmp.path().join("step.onnx");
-    let (code, doc) = case(
-        tmp.path(),
-        &[
-            "rewrite",
-            "graphs/mlp_ce_adamw",
-            "-o",
-            step.to_str().unwrap(),
-            "--lr",
-            "0.01",
-        ],
-    );
-    assert_eq!(code, Some(0), "{doc}");
+    let step = rewritten_step(tmp.path());
     let again = tmp.path().join("again.onnx");
     refused(
         "rewrite_a_step",

@@ -17,12 +17,11 @@
 //! shape is fully declared); without that MaxPool in the graph, dX's declared shape, which
 //! is also all that ONNX Runtime's kernel goes by.
 
-use super::util::dims;
+use super::util::{dims, scatter_flat, ScatterNames};
 use super::{node_error, Lowering};
-use crate::ir::builder::{attr_int, attr_ints, attr_string, attr_tensor};
+use crate::ir::builder::{attr_int, attr_ints};
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
-use crate::proto::TensorProto;
 
 pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassError> {
     let dy = l.input(node, 0)?;
@@ -65,26 +64,13 @@ pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassEr
                 "size",
             ),
         };
-        let zero = TensorProto {
-            dims: vec![1],
-            data_type: Some(elem),
-            raw_data: Some(vec![0; super::util::elem_size(elem)]),
-            ..Default::default()
+        let names = ScatterNames {
+            zeros: "zeros",
+            indices: "indices_flat",
+            values: "dY_flat",
+            result: "dX_flat",
         };
-        let zeros = l.op(
-            "ConstantOfShape",
-            &[size],
-            vec![attr_tensor("value", zero)],
-            "zeros",
-        );
-        let flat_indices = l.op("Reshape", &[indices, flat], vec![], "indices_flat");
-        let flat_dy = l.op("Reshape", &[dy, flat], vec![], "dY_flat");
-        let scattered = l.op(
-            "ScatterElements",
-            &[zeros, flat_indices, flat_dy],
-            vec![attr_int("axis", 0), attr_string("reduction", "add")],
-            "dX_flat",
-        );
+        let scattered = scatter_flat(l, elem, flat, size, indices, dy, true, names);
         l.op("Reshape", &[scattered, shape.value], vec![], "dX")
     };
     l.replace(node, 0, dx);

@@ -13,11 +13,11 @@
 //! `output_shape` the output shape follows from the kernel, strides and pads; that form is
 //! an error naming the node (none of our lowerings emits it).
 
+use super::util::{scatter_flat, ScatterNames};
 use super::{node_error, Lowering};
-use crate::ir::builder::{attr_int, attr_tensor};
+use crate::ir::builder::attr_int;
 use crate::ir::NodeId;
 use crate::passes::PassError;
-use crate::proto::TensorProto;
 
 pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassError> {
     let x = l.input(node, 0)?;
@@ -40,26 +40,13 @@ pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassEr
         vec![attr_int("keepdims", 1)],
         "unpool_size",
     );
-    let zero = TensorProto {
-        dims: vec![1],
-        data_type: Some(elem),
-        raw_data: Some(vec![0; super::util::elem_size(elem)]),
-        ..Default::default()
+    let names = ScatterNames {
+        zeros: "unpool_zeros",
+        indices: "unpool_indices_flat",
+        values: "unpool_x_flat",
+        result: "unpool_flat",
     };
-    let zeros = l.op(
-        "ConstantOfShape",
-        &[size],
-        vec![attr_tensor("value", zero)],
-        "unpool_zeros",
-    );
-    let flat_indices = l.op("Reshape", &[indices, flat], vec![], "unpool_indices_flat");
-    let flat_x = l.op("Reshape", &[x, flat], vec![], "unpool_x_flat");
-    let scattered = l.op(
-        "ScatterElements",
-        &[zeros, flat_indices, flat_x],
-        vec![attr_int("axis", 0)],
-        "unpool_flat",
-    );
+    let scattered = scatter_flat(l, elem, flat, size, indices, x, false, names);
     let y = l.op("Reshape", &[scattered, shape], vec![], "unpool");
     l.replace(node, 0, y);
     Ok(())

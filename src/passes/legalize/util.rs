@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use super::{node_error, Lowering};
-use crate::ir::builder::{attr_int, tensor_i64};
+use crate::ir::builder::{attr_int, attr_string, attr_tensor, tensor_i64};
 use crate::ir::emit::Emit;
 use crate::ir::{BodyId, Model, NodeId, ValueId};
 use crate::passes::PassError;
@@ -263,4 +263,53 @@ fn axes_name(axes: &[i64]) -> String {
         })
         .collect();
     format!("axes_{}", parts.join("_"))
+}
+
+/// The names [`scatter_flat`] gives its values (each lowering keeps its own).
+pub(super) struct ScatterNames<'a> {
+    pub zeros: &'a str,
+    pub indices: &'a str,
+    pub values: &'a str,
+    pub result: &'a str,
+}
+
+/// `ScatterElements(zeros[size], Reshape(indices, flat), Reshape(values, flat), axis = 0)`:
+/// each value put at (with `add`, added to) the flat position its index names in a zero
+/// tensor of `size` elements of `elem`. `flat` is the `[-1]` shape, `size` a 1-element int64
+/// tensor. MaxUnpool and MaxPoolGrad are both this scatter over the flattened output.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn scatter_flat(
+    l: &mut Lowering<'_, '_>,
+    elem: i32,
+    flat: ValueId,
+    size: ValueId,
+    indices: ValueId,
+    values: ValueId,
+    add: bool,
+    names: ScatterNames<'_>,
+) -> ValueId {
+    let zero = TensorProto {
+        dims: vec![1],
+        data_type: Some(elem),
+        raw_data: Some(vec![0; elem_size(elem)]),
+        ..Default::default()
+    };
+    let zeros = l.op(
+        "ConstantOfShape",
+        &[size],
+        vec![attr_tensor("value", zero)],
+        names.zeros,
+    );
+    let flat_indices = l.op("Reshape", &[indices, flat], vec![], names.indices);
+    let flat_values = l.op("Reshape", &[values, flat], vec![], names.values);
+    let mut attributes = vec![attr_int("axis", 0)];
+    if add {
+        attributes.push(attr_string("reduction", "add"));
+    }
+    l.op(
+        "ScatterElements",
+        &[zeros, flat_indices, flat_values],
+        attributes,
+        names.result,
+    )
 }
