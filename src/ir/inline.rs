@@ -86,6 +86,10 @@ pub enum InlineError {
         branch: &'static str,
         count: usize,
     },
+    /// A use of the If's outputs that the inline could not move (a malformed graph the
+    /// checks before it missed); the model is left half inlined, so the caller drops it.
+    #[error("If node '{node}': an output is still in use after inlining: {detail}")]
+    StillUsed { node: String, detail: String },
 }
 
 /// What an inline did.
@@ -263,8 +267,11 @@ impl Model {
         if let Some(other) = other {
             self.discard_body(other);
         }
-        self.remove_node(node)
-            .expect("every use of the If's outputs was moved");
+        let label = self.node(node).proto.name().to_string();
+        self.remove_node(node).map_err(|e| InlineError::StillUsed {
+            node: label,
+            detail: e.to_string(),
+        })?;
         Ok(Inlined {
             outputs,
             nodes: moved,
