@@ -8,6 +8,7 @@ pub mod atomic;
 pub mod checkpoint;
 pub mod data;
 pub mod engine;
+pub mod fused_ops;
 pub mod index_check;
 pub mod input;
 pub mod inspect;

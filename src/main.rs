@@ -168,6 +168,10 @@ struct TrainArgs {
     /// graph per branch (the default; same results, faster).
     #[arg(long)]
     no_split: bool,
+    /// Run the optimizer's update as the step writes it, in standard ops, instead of as
+    /// onnx-ga's fused AdamW kernel (ONNX Runtime on the CPU; same results, bit for bit).
+    #[arg(long)]
+    no_fused_kernels: bool,
     /// Learning rate for this run (default: the one the step was rewritten with).
     #[arg(long)]
     lr: Option<f32>,
@@ -1115,6 +1119,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             threads: args.threads,
             optimize: true,
             device,
+            fused_kernels: !args.no_fused_kernels,
             ..Default::default()
         },
         split: !args.no_split,
@@ -1130,6 +1135,12 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             "the exported graph whole"
         }
     ));
+    if trainer.fused_updates() > 0 {
+        progress.note(format!(
+            "optimizer: {} AdamW update(s) run as onnx-ga's fused CPU kernel (--no-fused-kernels: as written)",
+            trainer.fused_updates()
+        ));
+    }
     host_controls(&mut trainer, args.lr, args.accum_steps)?;
     let data = onnx_ga::data::read_npz_only(&args.data, &trainer.manifest.data_inputs)?;
     if let Some(note) = onnx_ga::data::ignored_note(&args.data, &data.ignored) {

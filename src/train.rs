@@ -184,6 +184,8 @@ pub struct Trainer {
     /// ([`Trainer::with_collective`]); the split runner's `apply` is then the apply-only
     /// specialisation.
     pub(crate) replica: Option<crate::train::distributed::window::Replica>,
+    /// Optimizer updates the sessions run fused (`passes::fuse_adamw`), summed over them.
+    fused_updates: usize,
 }
 
 impl Trainer {
@@ -292,6 +294,8 @@ impl Trainer {
             false => None,
         };
         let micro_step_input = crate::split::micro_step_input(&manifest).map(str::to_string);
+        // Parameter updates the sessions run as one fused kernel each (`fuse-adamw`).
+        let mut fused = 0;
         let mut runner = match (split, micro_step_input) {
             (Some(split), Some(micro_step_input)) => {
                 let window_size = scalar_i64(&initial(&split.trigger.steps)?).ok_or_else(|| {
@@ -312,13 +316,18 @@ impl Trainer {
                     None => &split.apply,
                 };
                 let start = match window_start::window_start(&split.accumulate, &manifest) {
-                    Some(s) => Some(Box::new(open_engine(kind, &s.model, &session)?)),
+                    Some(s) => Some(Box::new(open_engine(kind, &s.model, &session, &mut fused)?)),
                     None => None,
                 };
                 Runner::Split {
-                    accumulate: Box::new(open_engine(kind, &split.accumulate.model, &session)?),
+                    accumulate: Box::new(open_engine(
+                        kind,
+                        &split.accumulate.model,
+                        &session,
+                        &mut fused,
+                    )?),
                     start,
-                    apply: Box::new(open_engine(kind, &apply.model, &session)?),
+                    apply: Box::new(open_engine(kind, &apply.model, &session, &mut fused)?),
                     unchanged_on_accumulate: split.accumulate.unchanged,
                     unchanged_on_apply: apply.unchanged.clone(),
                     window_size,
@@ -330,7 +339,7 @@ impl Trainer {
                 "data-parallel training needs a step with an If apply region (rewrite --apply if)"
                     .into(),
             )),
-            _ => Runner::Whole(open_engine(kind, model, &options.session)?),
+            _ => Runner::Whole(open_engine(kind, model, &options.session, &mut fused)?),
         };
         let replica = match (collective, &apply_only, &runner) {
             (
@@ -379,12 +388,19 @@ impl Trainer {
             on_nonfinite: OnNonFinite::default(),
             graph_skips: graph.output.iter().any(|o| o.name() == SKIPPED),
             replica,
+            fused_updates: fused,
         })
     }
 
     /// The engine that runs the steps.
     pub fn engine(&self) -> EngineKind {
         self.kind
+    }
+
+    /// How many parameter updates the sessions run as one fused kernel each, summed over
+    /// the sessions (0: the step runs as written; see `SessionOptions::fused_kernels`).
+    pub fn fused_updates(&self) -> usize {
+        self.fused_updates
     }
 
     /// What to do with a micro-step whose loss is not finite (see [`OnNonFinite`]).
@@ -901,6 +917,7 @@ fn open_engine(
     kind: EngineKind,
     model: &ModelProto,
     options: &SessionOptions,
+    fused: &mut usize,
 ) -> Result<Engine, TrainError> {
     if kind.resolve().0 == EngineKind::Tract {
         let prepared = crate::passes::lower_for_tract::prepare(model).map_err(|e| {
@@ -909,6 +926,16 @@ fn open_engine(
                 message: e.to_string(),
             })
         })?;
+        return Ok(Engine::new(kind, &prepared, options)?);
+    }
+    if options.fused_kernels && options.device == crate::engine::ort::Device::Cpu {
+        let (prepared, count) = crate::passes::fuse_adamw::prepare(model).map_err(|e| {
+            TrainError::Engine(EngineError::Ort {
+                context: "fusing the optimizer".into(),
+                message: e.to_string(),
+            })
+        })?;
+        *fused += count;
         return Ok(Engine::new(kind, &prepared, options)?);
     }
     Ok(Engine::new(kind, model, options)?)

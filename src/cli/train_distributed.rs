@@ -256,6 +256,7 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
             threads: args.threads,
             optimize: true,
             device,
+            fused_kernels: !args.no_fused_kernels,
             ..Default::default()
         },
         split: true,

@@ -2,6 +2,7 @@
 //! the `tract` cargo feature, on by default). [`Engine`] is either, behind one `run`.
 
 pub mod ort;
+mod ort_ops;
 #[cfg(feature = "tract")]
 pub mod tract;
 

@@ -81,6 +81,11 @@ pub struct SessionOptions {
     /// needs. The trainer's two specialisations turn it off (at 2 threads on a 2-core
     /// machine the split step went from 0.70x to 1.5x the speed of 1 thread; benches/README.md).
     pub spin: bool,
+    /// Register onnx-ga's fused CPU kernels ([`crate::fused_ops`]) with the session, and let
+    /// the trainer swap the standard-op AdamW update for them in memory
+    /// (`passes::fuse_adamw`; on the CPU only: on CUDA a CPU kernel would copy every
+    /// parameter to the host and back). Off runs the step exactly as written.
+    pub fused_kernels: bool,
 }
 
 impl Default for SessionOptions {
@@ -92,6 +97,7 @@ impl Default for SessionOptions {
             io_binding: false,
             shared_arena: false,
             spin: true,
+            fused_kernels: true,
         }
     }
 }
@@ -140,6 +146,12 @@ impl OrtSession {
                 .with_env_allocators()
                 .map_err(|e| ort_err("shared arena")(e.into()))?;
         }
+        if options.fused_kernels && options.device == Device::Cpu {
+            let domain = super::ort_ops::domain().map_err(ort_err("onnx-ga's fused kernels"))?;
+            builder = builder
+                .with_operators(domain)
+                .map_err(|e| ort_err("onnx-ga's fused kernels")(e.into()))?;
+        }
         let device_memory = match options.device {
             Device::Cpu if options.io_binding => Some(MemoryInfo::default()),
             Device::Cpu => None,
@@ -168,9 +180,12 @@ impl OrtSession {
                 )
             }
         };
-        let session = builder
-            .commit_from_memory(bytes)
-            .map_err(ort_err("loading the model"))?;
+        let fused_domain = options.fused_kernels && options.device == Device::Cpu;
+        let session = super::ort_ops::first_registration(fused_domain, || {
+            builder
+                .commit_from_memory(bytes)
+                .map_err(ort_err("loading the model"))
+        })?;
         let input_names = session
             .inputs()
             .iter()

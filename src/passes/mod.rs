@@ -11,6 +11,7 @@
 pub mod agc;
 pub mod autodiff;
 pub mod dce;
+pub mod fuse_adamw;
 pub mod grad_accum;
 pub mod legalize;
 pub mod legalize_training;

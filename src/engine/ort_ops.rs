@@ -1,0 +1,189 @@
+//! onnx-ga's fused operators ([`crate::fused_ops`]) as ONNX Runtime custom operators
+//! (CPU), registered with every session [`super::ort::OrtSession`] opens with
+//! `fused_kernels`. A model only contains them after `passes::fuse_adamw` ran on it in
+//! memory; files never do.
+
+use std::sync::Mutex;
+
+use ::ort::operator::{
+    BoxedKernel, ComputeContext, KernelContext, Operator, OperatorDomain, OperatorInput,
+    OperatorOutput, ShapeInferenceContext,
+};
+use ::ort::value::TensorElementType;
+
+use crate::fused_ops::{
+    adamw_slot, adamw_update, AdamWOutputs, AdamWScalars, ADAMW_UPDATE, DOMAIN,
+};
+
+/// The domain with every fused operator, for a session builder.
+pub fn domain() -> ::ort::Result<OperatorDomain> {
+    OperatorDomain::new(DOMAIN)?.add(AdamWUpdate)
+}
+
+/// Runs `make_session`, serialised with every other until one session with the fused
+/// domain (`with_domain`) has been made. ONNX Runtime 1.31.1 adds a custom domain to ONNX's
+/// process-wide domain table when a session is made, checking first whether it is there,
+/// without a lock: two sessions made at once on two threads can both add it, and the second
+/// fails ("the domain is already exist", measured in the test harness's parallel tests). Once
+/// it is in the table, the check finds it and sessions are made concurrently again.
+pub fn first_registration<T, E>(
+    with_domain: bool,
+    make_session: impl FnOnce() -> Result<T, E>,
+) -> Result<T, E> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static REGISTERED: AtomicBool = AtomicBool::new(false);
+    static FIRST: Mutex<()> = Mutex::new(());
+    if !with_domain || REGISTERED.load(Ordering::Acquire) {
+        return make_session();
+    }
+    let _first = FIRST
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let made = make_session();
+    if made.is_ok() {
+        REGISTERED.store(true, Ordering::Release);
+    }
+    made
+}
+
+/// Elements per task of the intra-op thread pool: large enough that a task's overhead is
+/// small, small enough that 2-4 threads share a 1M-element parameter evenly.
+const CHUNK: usize = 1 << 16;
+
+struct AdamWUpdate;
+
+impl Operator for AdamWUpdate {
+    type Kernel<'attr> = BoxedKernel<'attr>;
+
+    fn name(&self) -> &str {
+        ADAMW_UPDATE
+    }
+
+    fn inputs(&self) -> impl IntoIterator<Item = OperatorInput> {
+        (0..adamw_slot::COUNT).map(|slot| match slot {
+            adamw_slot::A
+            | adamw_slot::C
+            | adamw_slot::LR_WD
+            | adamw_slot::GRAD_ADDEND
+            | adamw_slot::GRAD_DIVISOR => OperatorInput::optional(TensorElementType::Float32),
+            _ => OperatorInput::required(TensorElementType::Float32),
+        })
+    }
+
+    fn outputs(&self) -> impl IntoIterator<Item = OperatorOutput> {
+        [(); 3].map(|_| OperatorOutput::required(TensorElementType::Float32))
+    }
+
+    fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
+        let param = ctx.inputs()[adamw_slot::PARAM].clone();
+        for slot in 0..3 {
+            ctx.set_output(slot, &param)?;
+        }
+        Ok(())
+    }
+
+    fn create_kernel<'attr>(&self, _: &KernelContext<'attr>) -> ::ort::Result<Self::Kernel<'attr>> {
+        Ok(Box::new(|ctx: &ComputeContext| adamw_kernel(ctx)))
+    }
+}
+
+fn adamw_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
+    let missing =
+        |slot: usize| ::ort::Error::new(format!("{ADAMW_UPDATE}: input {slot} is missing"));
+    let scalar = |slot: usize| -> ::ort::Result<Option<f32>> {
+        let Some(value) = ctx.input(slot)? else {
+            return Ok(None);
+        };
+        let (_, data) = value.try_extract_tensor::<f32>()?;
+        match data {
+            [x] => Ok(Some(*x)),
+            _ => Err(::ort::Error::new(format!(
+                "{ADAMW_UPDATE}: input {slot} has {} elements, not one",
+                data.len()
+            ))),
+        }
+    };
+    let required = |slot: usize| scalar(slot)?.ok_or_else(|| missing(slot));
+    let corrections = match (scalar(adamw_slot::A)?, scalar(adamw_slot::C)?) {
+        (Some(a), Some(c)) => Some((a, c)),
+        (None, None) => None,
+        _ => {
+            return Err(::ort::Error::new(format!(
+                "{ADAMW_UPDATE}: the bias corrections a and c come together"
+            )))
+        }
+    };
+    let s = AdamWScalars {
+        alpha: required(adamw_slot::ALPHA)?,
+        one_minus_alpha: required(adamw_slot::ONE_MINUS_ALPHA)?,
+        beta: required(adamw_slot::BETA)?,
+        one_minus_beta: required(adamw_slot::ONE_MINUS_BETA)?,
+        epsilon: required(adamw_slot::EPSILON)?,
+        lr: required(adamw_slot::LR)?,
+        corrections,
+        lr_wd: scalar(adamw_slot::LR_WD)?,
+        divisor: scalar(adamw_slot::GRAD_DIVISOR)?,
+    };
+    let tensor = |slot: usize| ctx.input(slot)?.ok_or_else(|| missing(slot));
+    let (p, g, m, v) = (
+        tensor(adamw_slot::PARAM)?,
+        tensor(adamw_slot::GRAD)?,
+        tensor(adamw_slot::M)?,
+        tensor(adamw_slot::V)?,
+    );
+    let (shape, p) = p.try_extract_tensor::<f32>()?;
+    let shape = shape.to_vec();
+    let (_, g) = g.try_extract_tensor::<f32>()?;
+    let (_, m) = m.try_extract_tensor::<f32>()?;
+    let (_, v) = v.try_extract_tensor::<f32>()?;
+    let addend = ctx.input(adamw_slot::GRAD_ADDEND)?;
+    let addend = match &addend {
+        Some(a) => Some(a.try_extract_tensor::<f32>()?.1),
+        None => None,
+    };
+    let sizes = [g.len(), m.len(), v.len()];
+    if sizes
+        .iter()
+        .chain(addend.map(<[f32]>::len).as_ref())
+        .any(|&l| l != p.len())
+    {
+        return Err(::ort::Error::new(format!(
+            "{ADAMW_UPDATE}: parameter ({}), gradient, moments and addend differ in size ({sizes:?}, {:?})",
+            p.len(),
+            addend.map(<[f32]>::len)
+        )));
+    }
+    let output = |slot: usize| {
+        ctx.output(slot, shape.clone())?
+            .ok_or_else(|| ::ort::Error::new(format!("{ADAMW_UPDATE}: output {slot} missing")))
+    };
+    let (mut p_out, mut m_out, mut v_out) = (output(0)?, output(1)?, output(2)?);
+    let (_, p_out) = p_out.try_extract_tensor_mut::<f32>()?;
+    let (_, m_out) = m_out.try_extract_tensor_mut::<f32>()?;
+    let (_, v_out) = v_out.try_extract_tensor_mut::<f32>()?;
+    if p.len() <= CHUNK {
+        adamw_update(&s, (p, g, addend, m, v), (p_out, m_out, v_out));
+        return Ok(());
+    }
+    // Disjoint chunks, each taken once by one task of ONNX Runtime's intra-op pool.
+    let tasks: Vec<Mutex<Option<AdamWOutputs<'_>>>> = p_out
+        .chunks_mut(CHUNK)
+        .zip(m_out.chunks_mut(CHUNK))
+        .zip(v_out.chunks_mut(CHUNK))
+        .map(|((p, m), v)| Mutex::new(Some((p, m, v))))
+        .collect();
+    ctx.par_for(tasks.len(), 0, |i| {
+        let taken = tasks[i].lock().map(|mut t| t.take());
+        if let Ok(Some(out)) = taken {
+            let range = i * CHUNK..((i + 1) * CHUNK).min(p.len());
+            let inputs = (
+                &p[range.clone()],
+                &g[range.clone()],
+                addend.map(|a| &a[range.clone()]),
+                &m[range.clone()],
+                &v[range],
+            );
+            adamw_update(&s, inputs, out);
+        }
+    })
+}

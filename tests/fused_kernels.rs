@@ -1,0 +1,237 @@
+//! onnx-ga's fused AdamW kernel (src/fused_ops.rs, swapped in by src/passes/fuse_adamw.rs
+//! for ONNX Runtime on the CPU) against the standard-op update it replaces: the same step
+//! file trained with `fused_kernels` on and off must agree bit for bit, losses and every
+//! state tensor, over 8 windows: Adam and AdamW in both modes, ORT's, torch's and Keras'
+//! formulas, with AGC, loss scaling and weighted normalisation, split and whole, 1 and 2
+//! threads. Each case also checks that the fused trainer did fuse (and how many updates), so
+//! that it cannot pass by running the standard graph twice.
+
+mod common;
+
+use std::path::Path;
+
+use common::{ort_available, read_npz, root};
+use onnx_ga::data::Tensor;
+use onnx_ga::engine::ort::SessionOptions;
+use onnx_ga::proto::ModelProto;
+use onnx_ga::train::{micro_batch, TrainOptions, Trainer};
+use std::collections::BTreeMap;
+
+const MICRO_STEPS: u64 = 32;
+
+fn options(fused: bool, threads: usize, split: bool) -> TrainOptions {
+    TrainOptions {
+        session: SessionOptions {
+            threads,
+            fused_kernels: fused,
+            ..SessionOptions::default()
+        },
+        split,
+        ..TrainOptions::default()
+    }
+}
+
+/// Trains `step` for [`MICRO_STEPS`] micro-batches of 8 with and without the fused kernels
+/// and asserts that both train alike; returns how many updates the fused trainer fused.
+fn fused_trains_like_standard(
+    what: &str,
+    step: &ModelProto,
+    data: &BTreeMap<String, Tensor>,
+    threads: usize,
+    split: bool,
+) -> usize {
+    let mut fused = Trainer::with_options(step, &options(true, threads, split))
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let mut standard = Trainer::with_options(step, &options(false, 1, split)).unwrap();
+    assert_eq!(standard.fused_updates(), 0, "{what}");
+    let samples = fused.check_data(data, Path::new("data.npz")).unwrap();
+    for i in 0..MICRO_STEPS {
+        let batch = micro_batch(data, samples, 8, i);
+        let (a, b) = (
+            fused.step(&batch, false).unwrap(),
+            standard.step(&batch, false).unwrap(),
+        );
+        assert_eq!(a, b, "{what}: micro-step {i}");
+    }
+    let (a, b) = (fused.state().unwrap(), standard.state().unwrap());
+    for (name, value) in b {
+        assert_eq!(
+            &a[name], value,
+            "{what}: state '{name}' after {MICRO_STEPS} micro-steps"
+        );
+    }
+    fused.fused_updates()
+}
+
+fn shipped(model: &str) -> BTreeMap<String, Tensor> {
+    read_npz(&root().join("graphs").join(model).join("data.npz"))
+}
+
+/// Every Adam-family update of the shipped graphs is fused, whatever surrounds it.
+#[test]
+fn fused_adamw_trains_bit_identically_on_shipped_graphs() {
+    if !ort_available() {
+        return;
+    }
+    let optimizers = [
+        // ONNX Runtime's AdamW (adam_mode 1), its defaults.
+        "optimizer(lr=0.01)",
+        // adam_mode 1 with decoupled weight decay, and without bias correction.
+        "optimizer(kind=adamw,lr=0.01,weight_decay=0.1,adam_mode=1)",
+        "optimizer(kind=adamw,lr=0.01,adam_mode=1,correct_bias=false)",
+        // PyTorch's AdamW (adam_mode 0), with and without decay.
+        "optimizer(kind=adamw,lr=0.01,weight_decay=0.1,adam_mode=0)",
+        "optimizer(kind=adamw,lr=0.01,weight_decay=0,adam_mode=0)",
+        // Adam with L2 (the gradient plus wd p), and Keras' formula.
+        "optimizer(kind=adam,lr=0.01,weight_decay=0.01)",
+        "optimizer(kind=adam,lr=0.01,formula=keras)",
+    ];
+    for model in ["mlp_ce_adamw", "transformer_block", "cnn_bn"] {
+        let data = shipped(model);
+        for optimizer in optimizers {
+            for around in [
+                "grad-accum(steps=4),{opt}",
+                "grad-accum(steps=4),agc(clip=0.01,include_final=true),{opt}",
+                "grad-accum(steps=4),loss-scale(init=1024,interval=2),{opt}",
+                "grad-accum(steps=4,normalize=weighted),{opt}",
+            ] {
+                let spec = format!("{},legalize-ort,dce", around.replace("{opt}", optimizer));
+                let step = common::rewrite_shipped(model, &spec);
+                let what = format!("{model}: {spec}");
+                let fused = fused_trains_like_standard(&what, &step, &data, 1, true);
+                assert!(fused >= 1, "{what}: {fused} updates fused");
+            }
+        }
+    }
+}
+
+/// The whole step (its apply `If`: the update sits in the then-branch) and two threads (the
+/// kernel splits large tensors across ONNX Runtime's pool) train alike too.
+#[test]
+fn fused_adamw_whole_and_on_two_threads() {
+    if !ort_available() {
+        return;
+    }
+    for model in ["mlp_ce_adamw", "transformer_block"] {
+        let data = shipped(model);
+        let spec = "grad-accum(steps=4),loss-scale(init=1024,interval=2),optimizer(kind=adamw,lr=0.01,weight_decay=0.1,adam_mode=0),legalize-ort,dce";
+        let step = common::rewrite_shipped(model, spec);
+        let whole = fused_trains_like_standard(&format!("{model} whole"), &step, &data, 1, false);
+        let split = fused_trains_like_standard(&format!("{model} split"), &step, &data, 1, true);
+        // The whole step has one session, the split one an apply session with the update.
+        assert!(
+            whole >= 1 && whole == split,
+            "{model}: whole {whole}, split {split}"
+        );
+        fused_trains_like_standard(&format!("{model} threads 2"), &step, &data, 2, true);
+    }
+}
+
+/// Forward models through our autodiff with torch's AdamW (adam_mode 0, the default for
+/// them) and Keras' Adam: the tensors are larger than one kernel chunk nowhere here, so the
+/// two-thread run below uses a parameter of more than 65536 elements.
+#[test]
+fn fused_adamw_on_forward_models() {
+    if !ort_available() {
+        return;
+    }
+    for (model, export, optimizer) in [
+        ("torch_mlp", "legacy", "optimizer(kind=adamw,lr=0.01)"),
+        ("torch_cnn", "legacy", "optimizer(kind=adamw,lr=0.01)"),
+        (
+            "keras_mlp",
+            "keras",
+            "optimizer(kind=adam,lr=0.01,formula=keras)",
+        ),
+    ] {
+        let dir = root().join("graphs/forward").join(model);
+        let path = dir.join(format!("{export}.onnx"));
+        let proto = onnx_ga::model::load_model_with_data(&path).unwrap();
+        let graph = onnx_ga::signature::forward(proto, &path);
+        let spec = format!(
+            "autodiff(loss_fn=cross-entropy,grads=internal),grad-accum(steps=4),{optimizer},legalize-ort,dce"
+        );
+        let step = onnx_ga::step::build_step(graph, &spec, true)
+            .unwrap_or_else(|e| panic!("{model}: {e}"))
+            .model
+            .to_proto();
+        let data = read_npz(&dir.join("data.npz"));
+        let what = format!("{model}: {spec}");
+        let fused = fused_trains_like_standard(&what, &step, &data, 1, true);
+        assert!(fused >= 1, "{what}: {fused} updates fused");
+    }
+}
+
+/// A parameter larger than the kernel's chunk (65536 elements) is updated by several tasks
+/// of the intra-op pool: the same bits on 1 and 2 threads as the standard ops.
+#[test]
+fn fused_adamw_splits_large_parameters_across_threads() {
+    if !ort_available() {
+        return;
+    }
+    let step = large_linear_step();
+    let mut data = BTreeMap::new();
+    let x: Vec<f32> = (0..64 * 512)
+        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+        .collect();
+    let y: Vec<f32> = (0..64 * 256)
+        .map(|i| ((i * 104729) % 1000) as f32 / 500.0 - 1.0)
+        .collect();
+    data.insert(
+        "x".to_string(),
+        Tensor::F32(ndarray::ArrayD::from_shape_vec(vec![64, 512], x).unwrap()),
+    );
+    data.insert(
+        "y".to_string(),
+        Tensor::F32(ndarray::ArrayD::from_shape_vec(vec![64, 256], y).unwrap()),
+    );
+    for threads in [1, 2] {
+        let what = format!("linear 512x256, {threads} threads");
+        let fused = fused_trains_like_standard(&what, &step, &data, threads, true);
+        assert_eq!(fused, 2, "{what}: the weight and the bias");
+    }
+}
+
+/// y = x W + b with W of 512 x 256 = 131072 elements, mean squared error, AdamW mode 0.
+fn large_linear_step() -> ModelProto {
+    use onnx_ga::ir::builder::Builder;
+    use onnx_ga::ir::{tensor_type, BodyId, Model};
+    let mut model = Model::from_proto(ModelProto {
+        ir_version: Some(8),
+        opset_import: vec![onnx_ga::proto::OperatorSetIdProto {
+            domain: Some(String::new()),
+            version: Some(17),
+        }],
+        graph: Some(Default::default()),
+        ..Default::default()
+    });
+    let float = onnx_ga::proto::elem::FLOAT;
+    let x = model.add_input(BodyId::MAIN, "x", tensor_type(float, &[8, 512]), None);
+    let y = model.add_input(BodyId::MAIN, "y", tensor_type(float, &[8, 256]), None);
+    let w: Vec<f32> = (0..512 * 256)
+        .map(|i| ((i * 31) % 97) as f32 / 970.0 - 0.05)
+        .collect();
+    let w = model.add_initializer(
+        BodyId::MAIN,
+        "w",
+        onnx_ga::ir::builder::tensor_f32(&[512, 256], &w),
+    );
+    let b = model.add_initializer(
+        BodyId::MAIN,
+        "b",
+        onnx_ga::ir::builder::tensor_f32(&[256], &vec![0.0; 256]),
+    );
+    let mut builder = Builder::new(&mut model, BodyId::MAIN, "test");
+    let xw = builder.op("MatMul", &[x, w], vec![], "xw");
+    let out = builder.op("Add", &[xw, b], vec![], "out");
+    model.add_output(BodyId::MAIN, out, Some(tensor_type(float, &[8, 256])));
+    let _ = y;
+    let proto = model.to_proto();
+    let path = Path::new("large_linear.onnx");
+    let graph = onnx_ga::signature::forward(proto, path);
+    let spec = "autodiff(loss_fn=mse,labels=y,grads=internal),grad-accum(steps=4),optimizer(kind=adamw,lr=0.01),legalize-ort,dce";
+    onnx_ga::step::build_step(graph, spec, true)
+        .unwrap_or_else(|e| panic!("{spec}: {e}"))
+        .model
+        .to_proto()
+}
