@@ -22,6 +22,7 @@ macro_rules! value_enum {
     };
 }
 
+pub mod adamw;
 pub mod atomic;
 pub mod checkpoint;
 pub mod data;
