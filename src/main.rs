@@ -297,8 +297,8 @@ struct ForwardArgs {
     /// Train a forward model with this loss on a model output (autodiff builds the backward
     /// pass). Without it, `--loss NAME` alone (no `--grad`) differentiates the model's own
     /// scalar loss.
-    #[arg(long, value_parser = ["cross-entropy", "nll", "mse", "l1", "bce-logits"])]
-    loss_fn: Option<String>,
+    #[arg(long, value_enum)]
+    loss_fn: Option<onnx_ga::passes::autodiff::LossFn>,
     /// The model output the loss reads (default: the first output).
     #[arg(long, value_name = "NAME", requires = "loss_fn")]
     model_output: Option<String>,
@@ -321,8 +321,8 @@ struct ForwardArgs {
     #[arg(long, value_name = "GLOB")]
     trainable: Vec<String>,
     /// Dropout in training mode (its mask reused by the backward) or removed.
-    #[arg(long, default_value = "train", value_parser = ["train", "off"])]
-    dropout: String,
+    #[arg(long, value_enum, default_value = "train")]
+    dropout: onnx_ga::passes::autodiff::DropoutMode,
 }
 
 impl ForwardArgs {
@@ -335,7 +335,7 @@ impl ForwardArgs {
         let mut options = Vec::new();
         match (&self.loss_fn, &roles.loss) {
             (Some(f), _) => {
-                options.push(format!("loss_fn={f}"));
+                options.push(format!("loss_fn={}", f.as_str()));
                 if let Some(o) = &self.model_output {
                     options.push(format!("output={o}"));
                 }
@@ -367,8 +367,8 @@ impl ForwardArgs {
         if !self.trainable.is_empty() {
             options.push(format!("trainable={}", self.trainable.join("|")));
         }
-        if self.dropout != "train" {
-            options.push(format!("dropout={}", self.dropout));
+        if self.dropout != onnx_ga::passes::autodiff::DropoutMode::Train {
+            options.push(format!("dropout={}", self.dropout.as_str()));
         }
         Ok(Some(onnx_ga::passes::spec_text("autodiff", &options)))
     }
