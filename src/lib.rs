@@ -4,6 +4,25 @@
 //! graph over it, [`signature`] finds the training roles (loss, seed, parameters, gradients),
 //! passes rewrite the graph, and [`ir`] exports it back losslessly.
 
+/// clap's `ValueEnum` for a library enum, from its `as_str` names, the variants in the
+/// order given (the order `--help` lists them): the CLI takes the words a pipeline spec
+/// does. Written out rather than derived, because the derive would turn each variant's
+/// documentation into `--help` text.
+macro_rules! value_enum {
+    ($ty:ty: $($variant:expr),+ $(,)?) => {
+        impl clap::ValueEnum for $ty {
+            fn value_variants<'a>() -> &'a [Self] {
+                &[$($variant),+]
+            }
+
+            fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+                Some(clap::builder::PossibleValue::new(self.as_str()))
+            }
+        }
+    };
+}
+
+pub mod adamw;
 pub mod atomic;
 pub mod checkpoint;
 pub mod data;

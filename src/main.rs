@@ -71,8 +71,8 @@ struct RewriteArgs {
     #[arg(long, default_value = "mean")]
     normalize: String,
     /// The optimizer (default: the one in optimizer_model.onnx).
-    #[arg(long, value_parser = ["sgd", "momentum", "nesterov", "adam", "adamw"])]
-    optimizer: Option<String>,
+    #[arg(long, value_enum)]
+    optimizer: Option<onnx_ga::passes::optimizer::Kind>,
     /// Learning rate (an initializer-backed input of the step; a host may change it).
     #[arg(long)]
     lr: Option<f32>,
@@ -86,8 +86,8 @@ struct RewriteArgs {
     eps: Option<f32>,
     /// Whose optimizer formula and defaults: torch (torch.optim, the default for a forward
     /// model), ort (ONNX Runtime's AdamWOptimizer, the default for ORT artifacts) or keras.
-    #[arg(long, value_parser = ["torch", "ort", "keras"])]
-    optimizer_formula: Option<String>,
+    #[arg(long, value_enum)]
+    optimizer_formula: Option<onnx_ga::passes::optimizer::Formula>,
     /// Momentum factor of the momentum and nesterov optimizers.
     #[arg(long)]
     momentum: Option<f32>,
@@ -96,12 +96,12 @@ struct RewriteArgs {
     #[arg(long, value_name = "N")]
     fuse_small: Option<i64>,
     /// How the window's update is applied: an If (default) or Where selects.
-    #[arg(long, default_value = "if", value_parser = ["if", "where"])]
-    apply: String,
+    #[arg(long, value_enum, default_value = "if")]
+    apply: onnx_ga::passes::window::ApplyMode,
     /// When BatchNorm running statistics move: once per window from pooled statistics, or
     /// at every micro-step (ONNX Runtime's training build).
-    #[arg(long, default_value = "window", value_parser = ["window", "micro"])]
-    bn_stats: String,
+    #[arg(long, value_enum, default_value = "window")]
+    bn_stats: onnx_ga::passes::BnStats,
     /// A full pipeline spec instead of the one the options above build, e.g.
     /// `legalize-ort` alone or `grad-accum(steps=4),optimizer(kind=sgd,lr=0.1),legalize-ort,dce`.
     #[arg(long)]
@@ -135,8 +135,8 @@ struct RewriteArgs {
     #[arg(long, value_name = "H")]
     loss_scale_hysteresis: Option<i64>,
     /// The engine the step is for: tract also lowers the ops tract lacks (lower-for-tract).
-    #[arg(long, default_value = "ort", value_parser = ["ort", "tract"])]
-    engine: String,
+    #[arg(long, value_enum, default_value = "ort")]
+    engine: onnx_ga::passes::plan::TargetEngine,
     #[command(flatten)]
     roles: RoleArgs,
     #[command(flatten)]
@@ -158,8 +158,8 @@ struct TrainArgs {
     steps: u64,
     /// The engine: ONNX Runtime, tract (pure Rust), or auto: ONNX Runtime when its library
     /// is found, else tract.
-    #[arg(long, default_value = "auto", value_parser = ["auto", "ort", "tract"])]
-    engine: String,
+    #[arg(long, value_enum, default_value = "auto")]
+    engine: onnx_ga::engine::EngineKind,
     /// Where ONNX Runtime runs: cpu, or cuda / cuda:N (needs an ONNX Runtime built with
     /// CUDA). State stays on the device between micro-steps.
     #[arg(long, default_value = "cpu")]
@@ -297,8 +297,8 @@ struct ForwardArgs {
     /// Train a forward model with this loss on a model output (autodiff builds the backward
     /// pass). Without it, `--loss NAME` alone (no `--grad`) differentiates the model's own
     /// scalar loss.
-    #[arg(long, value_parser = ["cross-entropy", "nll", "mse", "l1", "bce-logits"])]
-    loss_fn: Option<String>,
+    #[arg(long, value_enum)]
+    loss_fn: Option<onnx_ga::passes::autodiff::LossFn>,
     /// The model output the loss reads (default: the first output).
     #[arg(long, value_name = "NAME", requires = "loss_fn")]
     model_output: Option<String>,
@@ -321,8 +321,8 @@ struct ForwardArgs {
     #[arg(long, value_name = "GLOB")]
     trainable: Vec<String>,
     /// Dropout in training mode (its mask reused by the backward) or removed.
-    #[arg(long, default_value = "train", value_parser = ["train", "off"])]
-    dropout: String,
+    #[arg(long, value_enum, default_value = "train")]
+    dropout: onnx_ga::passes::autodiff::DropoutMode,
 }
 
 impl ForwardArgs {
@@ -335,7 +335,7 @@ impl ForwardArgs {
         let mut options = Vec::new();
         match (&self.loss_fn, &roles.loss) {
             (Some(f), _) => {
-                options.push(format!("loss_fn={f}"));
+                options.push(format!("loss_fn={}", f.as_str()));
                 if let Some(o) = &self.model_output {
                     options.push(format!("output={o}"));
                 }
@@ -367,8 +367,8 @@ impl ForwardArgs {
         if !self.trainable.is_empty() {
             options.push(format!("trainable={}", self.trainable.join("|")));
         }
-        if self.dropout != "train" {
-            options.push(format!("dropout={}", self.dropout));
+        if self.dropout != onnx_ga::passes::autodiff::DropoutMode::Train {
+            options.push(format!("dropout={}", self.dropout.as_str()));
         }
         Ok(Some(onnx_ga::passes::spec_text("autodiff", &options)))
     }
@@ -407,30 +407,19 @@ impl AgcSelectArgs {
         Ok(axes.join(";"))
     }
 
-    /// The options of the `agc` pass spec, without clip and eps.
-    fn spec_options(&self) -> Result<Vec<String>, UsageError> {
-        let mut options = Vec::new();
-        if self.agc_include_final {
-            options.push("include_final=true".to_string());
+    /// `--agc-exclude` globs a pipeline spec can carry.
+    fn check_exclude(&self) -> Result<(), UsageError> {
+        match self
+            .agc_exclude
+            .iter()
+            .find(|g| g.contains([',', ';', '(', ')']))
+        {
+            Some(glob) => Err(spec_chars("--agc-exclude", glob)),
+            None => Ok(()),
         }
-        for glob in &self.agc_exclude {
-            if glob.contains([',', ';', '(', ')']) {
-                return Err(spec_chars("--agc-exclude", glob));
-            }
-        }
-        if !self.agc_exclude.is_empty() {
-            options.push(format!("exclude={}", self.agc_exclude.join(";")));
-        }
-        let axes = self.axes_text()?;
-        if !axes.is_empty() {
-            onnx_ga::passes::agc::parse_axes_overrides(&axes)
-                .map_err(|e| UsageError(format!("--agc-axes: {e}")))?;
-            options.push(format!("axes={axes}"));
-        }
-        Ok(options)
     }
 
-    /// The selection itself (for `inspect --agc`), built directly, not through a spec.
+    /// The selection itself (`inspect --agc`, and the plan of `rewrite --agc`).
     fn selection(&self) -> Result<onnx_ga::passes::agc::Selection, UsageError> {
         Ok(onnx_ga::passes::agc::Selection {
             include_final: self.agc_include_final,
@@ -529,11 +518,10 @@ fn is_input_error(error: &anyhow::Error) -> bool {
 /// GPU means ONNX Runtime (falling back to tract would silently train on the CPU).
 pub(crate) fn device_and_engine(
     device: &str,
-    engine: &str,
+    requested: onnx_ga::engine::EngineKind,
 ) -> Result<(onnx_ga::engine::ort::Device, onnx_ga::engine::EngineKind), UsageError> {
     use onnx_ga::engine::{ort::Device, EngineKind};
     let device: Device = device.parse().map_err(UsageError)?;
-    let requested: EngineKind = engine.parse().map_err(UsageError)?;
     let requested = match (requested, device) {
         (_, Device::Cpu) => requested,
         (EngineKind::Tract, _) => {
@@ -858,35 +846,38 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
                 ))
                 .into());
             }
-            use onnx_ga::passes::plan::{Accumulation, AgcPlan, StepPlan};
+            use onnx_ga::passes::plan::{AgcPlan, StepPlan};
             let agc = match args.agc {
                 Some(clip) => {
-                    let mut options = Vec::new();
-                    if let Some(eps) = args.agc_eps {
-                        options.push(format!("eps={eps}"));
-                    }
-                    options.extend(args.agc_select.spec_options()?);
-                    Some(AgcPlan { clip, options })
+                    args.agc_select.check_exclude()?;
+                    Some(AgcPlan {
+                        clip,
+                        eps: args.agc_eps,
+                        selection: args.agc_select.selection()?,
+                    })
                 }
                 None => None,
             };
+            // Checked here, as the pass would check its spec.
+            let normalize = args
+                .normalize
+                .replacen('=', ":", 1)
+                .parse()
+                .map_err(|message| onnx_ga::passes::PassError::Spec {
+                    spec: onnx_ga::passes::grad_accum::PASS.into(),
+                    message,
+                })?;
             let plan = StepPlan {
-                accumulation: Accumulation {
+                accumulation: onnx_ga::passes::grad_accum::GradAccum {
                     steps: args.accum_steps,
-                    normalize: Some(args.normalize.replacen('=', ":", 1)),
-                    apply: Some(args.apply.clone()),
-                    bn_stats: Some(args.bn_stats.clone()),
+                    normalize,
+                    apply: args.apply,
+                    bn_stats: args.bn_stats,
                 },
                 loss_scale,
                 agc,
                 optimizer: onnx_ga::passes::optimizer::Optimizer {
-                    // clap checked both names against the same lists.
-                    kind: args
-                        .optimizer
-                        .as_deref()
-                        .map(str::parse)
-                        .transpose()
-                        .map_err(UsageError)?,
+                    kind: args.optimizer,
                     lr: args.lr,
                     weight_decay: args.weight_decay,
                     beta1: args.beta1,
@@ -894,22 +885,14 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
                     eps: args.eps,
                     momentum: args.momentum,
                     fuse_small: args.fuse_small,
-                    formula: args
-                        .optimizer_formula
-                        .as_deref()
-                        .map(str::parse)
-                        .transpose()
-                        .map_err(UsageError)?,
+                    formula: args.optimizer_formula,
                     ..Default::default()
                 },
                 precision: match args.precision.as_str() {
                     "fp32" => None,
-                    half => Some(half.to_string()),
+                    half => Some(half.parse().map_err(UsageError)?),
                 },
-                engine: match args.engine.as_str() {
-                    "tract" => onnx_ga::passes::plan::TargetEngine::Tract,
-                    _ => onnx_ga::passes::plan::TargetEngine::Ort,
-                },
+                engine: args.engine,
             };
             plan.spec()
         }
@@ -920,8 +903,10 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
         None => spec,
         Some(ad) => onnx_ga::passes::autodiff::with_autodiff(&spec, ad)?,
     };
-    let spec = match args.engine.as_str() {
-        "tract" if !spec.contains(onnx_ga::passes::lower_for_tract::PASS) => {
+    let spec = match args.engine {
+        onnx_ga::passes::plan::TargetEngine::Tract
+            if !spec.contains(onnx_ga::passes::lower_for_tract::PASS) =>
+        {
             format!("{spec},{}", onnx_ga::passes::lower_for_tract::PASS)
         }
         _ => spec,
@@ -985,7 +970,7 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
     // A step its engine cannot load is written (another engine may), but never silently.
     let lacking = onnx_ga::inspect::training_only_ops(&step.model);
     if let Ok(view) = onnx_ga::inspect::StepView::of(&step.model, &step.manifest, &lacking) {
-        for warning in view.engine_warnings(&args.engine) {
+        for warning in view.engine_warnings(args.engine.as_str()) {
             eprintln!("warning: {warning}");
         }
     }
@@ -1104,7 +1089,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     if let Some(path) = &args.save_state {
         onnx_ga::data::StateFormat::of(path)?;
     }
-    let (device, requested) = device_and_engine(&args.device, &args.engine)?;
+    let (device, requested) = device_and_engine(&args.device, args.engine)?;
     let (engine, why) = requested.resolve();
     match requested {
         onnx_ga::engine::EngineKind::Auto => progress.note(format!("engine: {engine} ({why})")),

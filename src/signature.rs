@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+use crate::adamw::AdamW;
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::ir::{print::type_text, Model, ValueId};
 use crate::model::ModelError;
@@ -175,6 +176,45 @@ pub enum OptimizerSpec {
     },
     /// ORT `SGDOptimizerV2`: p = p - lr g.
     Sgd,
+}
+
+impl OptimizerSpec {
+    /// The AdamW it configures, if it is one.
+    pub fn adamw(&self) -> Option<AdamW> {
+        match *self {
+            OptimizerSpec::Adamw {
+                beta1,
+                beta2,
+                epsilon,
+                weight_decay,
+                correct_bias,
+                adam_mode,
+            } => Some(AdamW {
+                beta1,
+                beta2,
+                epsilon,
+                weight_decay,
+                correct_bias,
+                adam_mode,
+                decimal_complements: false,
+            }),
+            OptimizerSpec::Sgd => None,
+        }
+    }
+}
+
+/// The record of an AdamW read from ORT's optimizer (its attributes: [`AdamW`]).
+impl From<AdamW> for OptimizerSpec {
+    fn from(a: AdamW) -> Self {
+        OptimizerSpec::Adamw {
+            beta1: a.beta1,
+            beta2: a.beta2,
+            epsilon: a.epsilon,
+            weight_decay: a.weight_decay,
+            correct_bias: a.correct_bias,
+            adam_mode: a.adam_mode,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -814,10 +854,10 @@ fn ort_optimizer(
             },
         )
     })?;
-    let float = |name: &str, default: f32| -> Result<f32, SignatureError> {
+    let float = |name: &str| -> Result<Option<f32>, SignatureError> {
         match node.attribute.iter().find(|a| a.name() == name) {
-            None => Ok(default),
-            Some(a) if a.r#type() == AttributeType::Float => Ok(a.f()),
+            None => Ok(None),
+            Some(a) if a.r#type() == AttributeType::Float => Ok(Some(a.f())),
             Some(_) => Err(inconsistent(
                 file,
                 format!(
@@ -828,10 +868,10 @@ fn ort_optimizer(
             )),
         }
     };
-    let int = |name: &str, default: i64| -> Result<i64, SignatureError> {
+    let int = |name: &str| -> Result<Option<i64>, SignatureError> {
         match node.attribute.iter().find(|a| a.name() == name) {
-            None => Ok(default),
-            Some(a) if a.r#type() == AttributeType::Int => Ok(a.i()),
+            None => Ok(None),
+            Some(a) if a.r#type() == AttributeType::Int => Ok(Some(a.i())),
             Some(_) => Err(inconsistent(
                 file,
                 format!(
@@ -842,18 +882,15 @@ fn ort_optimizer(
             )),
         }
     };
-    let spec = match node.op_type() {
-        "AdamWOptimizer" => OptimizerSpec::Adamw {
-            // ORT's attribute names: alpha is beta1, beta is beta2 (defaults from its op schema).
-            beta1: float("alpha", 0.9)?,
-            beta2: float("beta", 0.999)?,
-            epsilon: float("epsilon", 1e-8)?,
-            weight_decay: float("weight_decay", 0.0)?,
-            correct_bias: int("correct_bias", 1)? != 0,
-            adam_mode: int("adam_mode", 0)?,
-        },
-        _ => OptimizerSpec::Sgd,
-    };
+    let spec =
+        match node.op_type() {
+            "AdamWOptimizer" => OptimizerSpec::from(AdamW::from_ort_attributes(
+                float,
+                int,
+                |bias| Ok(bias != 0),
+            )?),
+            _ => OptimizerSpec::Sgd,
+        };
     let group = checkpoint.and_then(|c| c.optimizer_groups.first());
     Ok(Optimizer {
         spec,

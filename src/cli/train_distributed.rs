@@ -238,7 +238,7 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
         ))
         .into());
     }
-    let (device, requested) = crate::device_and_engine(&args.device, &args.engine)?;
+    let (device, requested) = crate::device_and_engine(&args.device, args.engine)?;
     let (engine, why) = requested.resolve();
     let threads_warning = super::check_threads(args.threads, engine)?;
     if lead {

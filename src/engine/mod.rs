@@ -45,13 +45,22 @@ impl std::str::FromStr for EngineKind {
     }
 }
 
-impl std::fmt::Display for EngineKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
+impl EngineKind {
+    /// The word of `train --engine`.
+    pub fn as_str(self) -> &'static str {
+        match self {
             EngineKind::Auto => "auto",
             EngineKind::Ort => "ort",
             EngineKind::Tract => "tract",
-        })
+        }
+    }
+}
+
+value_enum!(EngineKind: EngineKind::Auto, EngineKind::Ort, EngineKind::Tract);
+
+impl std::fmt::Display for EngineKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

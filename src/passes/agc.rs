@@ -93,6 +93,49 @@ pub struct Selection {
     pub axes: Vec<AxesOverride>,
 }
 
+impl Selection {
+    /// The selection as `agc` options: `include_final=true`, `exclude=A;B`,
+    /// `axes=NAME:all;NAME:1/2`, each only when it selects something.
+    pub fn options_text(&self) -> Vec<String> {
+        let mut options = Vec::new();
+        if self.include_final {
+            options.push("include_final=true".into());
+        }
+        if !self.exclude.is_empty() {
+            options.push(format!("exclude={}", self.exclude.join(";")));
+        }
+        if !self.axes.is_empty() {
+            let items: Vec<String> = self
+                .axes
+                .iter()
+                .map(|(name, axes)| match axes {
+                    None => format!("{name}:all"),
+                    Some(a) => format!(
+                        "{name}:{}",
+                        a.iter()
+                            .map(|x| x.to_string())
+                            .collect::<Vec<_>>()
+                            .join("/")
+                    ),
+                })
+                .collect();
+            options.push(format!("axes={}", items.join(";")));
+        }
+        options
+    }
+}
+
+/// The options of an `agc` spec: `clip`, `eps` (`None`: not written, the default), then
+/// the selection's.
+pub fn options_text(clip: f32, eps: Option<f32>, selection: &Selection) -> Vec<String> {
+    let mut options = vec![format!("clip={clip}")];
+    if let Some(eps) = eps {
+        options.push(format!("eps={eps}"));
+    }
+    options.extend(selection.options_text());
+    options
+}
+
 /// The AGC plan of one trainable parameter.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ParamUnits {
@@ -740,32 +783,10 @@ impl Pass for Agc {
     }
 
     fn spec(&self) -> String {
-        let mut options = vec![format!("clip={}", self.clip), format!("eps={}", self.eps)];
-        if self.selection.include_final {
-            options.push("include_final=true".into());
-        }
-        if !self.selection.exclude.is_empty() {
-            options.push(format!("exclude={}", self.selection.exclude.join(";")));
-        }
-        if !self.selection.axes.is_empty() {
-            let items: Vec<String> = self
-                .selection
-                .axes
-                .iter()
-                .map(|(name, axes)| match axes {
-                    None => format!("{name}:all"),
-                    Some(a) => format!(
-                        "{name}:{}",
-                        a.iter()
-                            .map(|x| x.to_string())
-                            .collect::<Vec<_>>()
-                            .join("/")
-                    ),
-                })
-                .collect();
-            options.push(format!("axes={}", items.join(";")));
-        }
-        super::spec_text(PASS, &options)
+        super::spec_text(
+            PASS,
+            &options_text(self.clip, Some(self.eps), &self.selection),
+        )
     }
 
     fn run(

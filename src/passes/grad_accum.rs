@@ -40,13 +40,54 @@ pub enum Normalize {
     Weighted(Option<String>),
 }
 
-#[derive(Clone, Debug)]
+impl Normalize {
+    /// The text of grad-accum's `normalize=` option.
+    pub fn text(&self) -> String {
+        match self {
+            Normalize::Mean => "mean".to_string(),
+            Normalize::Sum => "sum".to_string(),
+            Normalize::Weighted(None) => "weighted".to_string(),
+            Normalize::Weighted(Some(input)) => format!("weighted:{input}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Normalize {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "mean" => Ok(Normalize::Mean),
+            "sum" => Ok(Normalize::Sum),
+            "weighted" => Ok(Normalize::Weighted(None)),
+            other => match other.strip_prefix("weighted:") {
+                Some(input) => Ok(Normalize::Weighted(Some(input.to_string()))),
+                None => Err(format!(
+                    "normalize={other}: expected mean, sum, weighted or weighted:INPUT"
+                )),
+            },
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
 pub struct GradAccum {
     pub steps: i64,
     pub normalize: Normalize,
     pub apply: ApplyMode,
     /// When BatchNorm running statistics move (lowered by legalize-ort after this pass).
     pub bn_stats: BnStats,
+}
+
+/// The pass's defaults: K = 1, mean, an `If`, statistics per window.
+impl Default for GradAccum {
+    fn default() -> Self {
+        GradAccum {
+            steps: 1,
+            normalize: Normalize::Mean,
+            apply: ApplyMode::If,
+            bn_stats: BnStats::Window,
+        }
+    }
 }
 
 impl GradAccum {
@@ -56,43 +97,45 @@ impl GradAccum {
             spec: PASS.into(),
             message,
         };
-        let steps: i64 = options.parse("steps")?.unwrap_or(1);
+        let default = GradAccum::default();
+        let steps: i64 = options.parse("steps")?.unwrap_or(default.steps);
         if steps < 1 {
             return Err(spec_error(format!("steps={steps}: must be at least 1")));
         }
-        let normalize = match options.get("normalize").unwrap_or("mean") {
-            "mean" => Normalize::Mean,
-            "sum" => Normalize::Sum,
-            "weighted" => Normalize::Weighted(None),
-            other => match other.strip_prefix("weighted:") {
-                Some(input) => Normalize::Weighted(Some(input.to_string())),
-                None => {
-                    return Err(spec_error(format!(
-                        "normalize={other}: expected mean, sum, weighted or weighted:INPUT"
-                    )))
-                }
-            },
-        };
-        let apply = match options.get("apply").unwrap_or("if") {
-            "if" => ApplyMode::If,
-            "where" => ApplyMode::Where,
-            other => return Err(spec_error(format!("apply={other}: expected if or where"))),
-        };
-        let bn_stats = match options.get("bn_stats").unwrap_or("window") {
-            "window" => BnStats::Window,
-            "micro" => BnStats::Micro,
-            other => {
-                return Err(spec_error(format!(
-                    "bn_stats={other}: expected window or micro"
-                )))
-            }
-        };
+        let word = |key: &str, default: &'static str| options.get(key).unwrap_or(default);
         Ok(GradAccum {
             steps,
-            normalize,
-            apply,
-            bn_stats,
+            normalize: word("normalize", "mean").parse().map_err(spec_error)?,
+            apply: word("apply", default.apply.as_str())
+                .parse()
+                .map_err(spec_error)?,
+            bn_stats: word("bn_stats", default.bn_stats.as_str())
+                .parse()
+                .map_err(spec_error)?,
         })
+    }
+
+    /// The options as spec text: every one but `bn_stats=window` (the pass's own spec,
+    /// recorded in a step), or with `changed_only` just those that differ from the
+    /// defaults (a [`super::plan::StepPlan`]'s, so that the recipe tells the defaults
+    /// apart).
+    pub fn options_text(&self, changed_only: bool) -> Vec<String> {
+        let default = GradAccum::default();
+        let mut options = Vec::new();
+        if !changed_only || self.steps != default.steps {
+            options.push(format!("steps={}", self.steps));
+        }
+        if !changed_only || self.normalize != default.normalize {
+            options.push(format!("normalize={}", self.normalize.text()));
+        }
+        if !changed_only || self.apply != default.apply {
+            options.push(format!("apply={}", self.apply.as_str()));
+        }
+        // bn_stats=window is the default and stays implicit either way.
+        if self.bn_stats != default.bn_stats {
+            options.push(format!("bn_stats={}", self.bn_stats.as_str()));
+        }
+        options
     }
 }
 
@@ -109,12 +152,7 @@ impl GradAccum {
         use crate::recipe::Origin::Default;
         let mut s = crate::recipe::Section::new(PASS);
         s.set("steps", self.steps, Default);
-        let normalize = match &self.normalize {
-            Normalize::Mean => "mean".to_string(),
-            Normalize::Sum => "sum".to_string(),
-            Normalize::Weighted(None) => "weighted".to_string(),
-            Normalize::Weighted(Some(input)) => format!("weighted:{input}"),
-        };
+        let normalize = self.normalize.text();
         s.set("normalize", normalize, Default);
         match &self.normalize {
             Normalize::Mean => s.note(
@@ -130,16 +168,8 @@ impl GradAccum {
                 s.note("normalize", format!("weights: data input '{input}'"))
             }
         }
-        let apply = match self.apply {
-            ApplyMode::If => "if",
-            ApplyMode::Where => "where",
-        };
-        s.set("apply", apply, Default);
-        let bn = match self.bn_stats {
-            BnStats::Window => "window",
-            BnStats::Micro => "micro",
-        };
-        s.set("bn_stats", bn, Default);
+        s.set("apply", self.apply.as_str(), Default);
+        s.set("bn_stats", self.bn_stats.as_str(), Default);
         s
     }
 }
@@ -154,26 +184,7 @@ impl Pass for GradAccum {
     }
 
     fn spec(&self) -> String {
-        let normalize = match &self.normalize {
-            Normalize::Mean => "mean".to_string(),
-            Normalize::Sum => "sum".to_string(),
-            Normalize::Weighted(None) => "weighted".to_string(),
-            Normalize::Weighted(Some(input)) => format!("weighted:{input}"),
-        };
-        let apply = match self.apply {
-            ApplyMode::If => "if",
-            ApplyMode::Where => "where",
-        };
-        // bn_stats=window is the default and stays implicit.
-        let bn = if self.bn_stats == BnStats::Micro {
-            ",bn_stats=micro"
-        } else {
-            ""
-        };
-        format!(
-            "{PASS}(steps={},normalize={normalize},apply={apply}{bn})",
-            self.steps
-        )
+        super::spec_text(PASS, &self.options_text(false))
     }
 
     fn run(

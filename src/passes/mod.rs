@@ -60,6 +60,29 @@ pub enum BnStats {
     Micro,
 }
 
+impl BnStats {
+    /// The word in grad-accum's `bn_stats=` option and `--bn-stats`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BnStats::Window => "window",
+            BnStats::Micro => "micro",
+        }
+    }
+}
+
+impl std::str::FromStr for BnStats {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "window" => Ok(BnStats::Window),
+            "micro" => Ok(BnStats::Micro),
+            other => Err(format!("bn_stats={other}: expected window or micro")),
+        }
+    }
+}
+
+value_enum!(BnStats: BnStats::Window, BnStats::Micro);
+
 impl<'a> PassContext<'a> {
     pub fn new(signature: &'a mut TrainingSignature, checkpoint: Option<&'a Checkpoint>) -> Self {
         PassContext {

@@ -12,38 +12,19 @@
 //! optimizer has written its math; half precision once only standard ops are left; `dce`;
 //! the lowering for tract last.
 
+use super::agc::Selection;
+use super::grad_accum::GradAccum;
+use super::precision::HalfType;
 use super::spec_text;
 
-/// `grad-accum`'s settings (`None`: the pass's default).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Accumulation {
-    /// Micro-batches per optimizer step (K; default 1).
-    pub steps: i64,
-    /// `mean` (the default), `sum` or `weighted:INPUT`.
-    pub normalize: Option<String>,
-    /// How the update is applied: `if` (the default) or `where`.
-    pub apply: Option<String>,
-    /// BatchNorm running statistics: `window` (the default) or `micro`.
-    pub bn_stats: Option<String>,
-}
-
-impl Default for Accumulation {
-    fn default() -> Self {
-        Accumulation {
-            steps: 1,
-            normalize: None,
-            apply: None,
-            bn_stats: None,
-        }
-    }
-}
-
-/// Adaptive gradient clipping: `clip` and the rest of `agc`'s options as spec text
-/// (`eps=...`, `include_final=true`, `exclude=...`, `axes=...`).
+/// Adaptive gradient clipping: the `agc` pass's options, `eps` kept apart from its default
+/// so that the recipe tells a given one from the default.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AgcPlan {
     pub clip: f32,
-    pub options: Vec<String>,
+    /// `None`: the pass's default.
+    pub eps: Option<f32>,
+    pub selection: Selection,
 }
 
 /// The engine the step is written for.
@@ -56,64 +37,63 @@ pub enum TargetEngine {
     Tract,
 }
 
+impl TargetEngine {
+    /// The word of `rewrite --engine`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TargetEngine::Ort => "ort",
+            TargetEngine::Tract => "tract",
+        }
+    }
+}
+
+value_enum!(TargetEngine: TargetEngine::Ort, TargetEngine::Tract);
+
 /// What to build.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StepPlan {
-    pub accumulation: Accumulation,
+    /// The grad-accum pass itself; only the settings that differ from its defaults are
+    /// printed.
+    pub accumulation: GradAccum,
     /// The `loss-scale` pass spec (`None`: no loss scaling).
     pub loss_scale: Option<String>,
     pub agc: Option<AgcPlan>,
     /// The optimizer pass itself: its options are its fields (`None`: the producer's or
     /// the formula's default).
     pub optimizer: super::optimizer::Optimizer,
-    /// `fp16` or `bf16` (`None`: float32).
-    pub precision: Option<String>,
+    /// Half precision (`None`: float32).
+    pub precision: Option<HalfType>,
     pub engine: TargetEngine,
 }
 
 impl StepPlan {
     /// The pipeline spec, in the order the module documentation explains.
     pub fn spec(&self) -> String {
-        let mut passes = vec![self.accumulation.spec()];
+        let mut passes = vec![spec_text(
+            super::grad_accum::PASS,
+            &self.accumulation.options_text(true),
+        )];
         if let Some(loss_scale) = &self.loss_scale {
             passes.push(loss_scale.clone());
         }
         if let Some(agc) = &self.agc {
-            let mut options = vec![format!("clip={}", agc.clip)];
-            options.extend(agc.options.iter().cloned());
+            let options = super::agc::options_text(agc.clip, agc.eps, &agc.selection);
             passes.push(spec_text(super::agc::PASS, &options));
         }
         passes.push(super::Pass::spec(&self.optimizer));
         passes.push(super::legalize::PASS.to_string());
         if let Some(half) = &self.precision {
-            passes.push(format!("{}(dtype={half})", super::precision::PASS));
+            passes.push(format!(
+                "{}(dtype={})",
+                super::precision::PASS,
+                half.as_str()
+            ));
         }
         passes.push("dce".to_string());
         if self.engine == TargetEngine::Tract {
             passes.push(super::lower_for_tract::PASS.to_string());
         }
         passes.join(",")
-    }
-}
-
-impl Accumulation {
-    fn spec(&self) -> String {
-        let mut options = Vec::new();
-        if self.steps != 1 {
-            options.push(format!("steps={}", self.steps));
-        }
-        // A value equal to grad-accum's default is not printed either.
-        for (key, value, default) in [
-            ("normalize", &self.normalize, "mean"),
-            ("apply", &self.apply, "if"),
-            ("bn_stats", &self.bn_stats, "window"),
-        ] {
-            match value {
-                Some(v) if v != default => options.push(format!("{key}={v}")),
-                _ => {}
-            }
-        }
-        spec_text(super::grad_accum::PASS, &options)
     }
 }
 
@@ -132,23 +112,24 @@ mod tests {
     #[test]
     fn every_piece_takes_its_place() {
         let plan = StepPlan {
-            accumulation: Accumulation {
+            accumulation: GradAccum {
                 steps: 4,
-                normalize: Some("mean".into()),
-                apply: Some("where".into()),
+                normalize: super::super::grad_accum::Normalize::Mean,
+                apply: super::super::window::ApplyMode::Where,
                 ..Default::default()
             },
             loss_scale: Some("loss-scale".into()),
             agc: Some(AgcPlan {
                 clip: 0.01,
-                options: vec!["eps=0.001".into()],
+                eps: Some(0.001),
+                selection: Selection::default(),
             }),
             optimizer: super::super::optimizer::Optimizer {
                 kind: Some("adamw".parse().unwrap()),
                 lr: Some(0.01),
                 ..Default::default()
             },
-            precision: Some("fp16".into()),
+            precision: Some(HalfType::Fp16),
             engine: TargetEngine::Tract,
         };
         assert_eq!(

@@ -32,6 +32,29 @@ pub enum ApplyMode {
     Where,
 }
 
+impl ApplyMode {
+    /// The word in grad-accum's `apply=` option and `--apply`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ApplyMode::If => "if",
+            ApplyMode::Where => "where",
+        }
+    }
+}
+
+impl std::str::FromStr for ApplyMode {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "if" => Ok(ApplyMode::If),
+            "where" => Ok(ApplyMode::Where),
+            other => Err(format!("apply={other}: expected if or where")),
+        }
+    }
+}
+
+value_enum!(ApplyMode: ApplyMode::If, ApplyMode::Where);
+
 /// The provenance of the nodes the window itself makes.
 pub const PASS: &str = "grad-accum";
 

@@ -14,9 +14,8 @@
 //! stays a graph input (fed, unread), so the host feeds the same values to every
 //! specialisation. Exact: `0 + g` is `g` (up to the sign of a zero gradient).
 
-use std::collections::{BTreeMap, HashMap};
-
-use crate::proto::{GraphProto, ModelProto, NodeProto};
+use crate::ir::builder::NodeAttributes;
+use crate::ir::{BodyId, Model, NodeId, NodeSpec, Use, ValueDef, ValueId};
 use crate::split::Specialised;
 use crate::state::Manifest;
 use crate::state::Role;
@@ -24,146 +23,114 @@ use crate::state::Role;
 /// The accumulate specialisation without its reads of the (zero) accumulators; `None` when
 /// no accumulator is read in a way this can drop.
 pub fn window_start(accumulate: &Specialised, manifest: &Manifest) -> Option<Specialised> {
-    let mut model: ModelProto = accumulate.model.clone();
-    let graph = model.graph.as_mut()?;
+    let mut model = Model::from_proto(accumulate.model.clone());
     let mut changed = 0;
     for entry in manifest
         .state
         .iter()
         .filter(|e| e.role == Role::Accumulator)
     {
-        if drop_read(graph, &entry.input) {
+        let Some(acc) = model.lookup(BodyId::MAIN, &entry.input) else {
+            continue;
+        };
+        if drop_read(&mut model, acc) {
             changed += 1;
         }
     }
     (changed > 0).then(|| Specialised {
-        model,
+        model: model.to_proto(),
         unchanged: accumulate.unchanged.clone(),
     })
 }
 
-/// Drops the one read of `acc` in `graph`, if it is one this knows.
-fn drop_read(graph: &mut GraphProto, acc: &str) -> bool {
-    let readers: Vec<usize> = graph
-        .node
+/// Drops the one read of `acc`, if it is one this knows: a node of the main graph reading
+/// it once, nothing else reading it (no other node, no subgraph).
+fn drop_read(model: &mut Model, acc: ValueId) -> bool {
+    let in_main = |model: &Model, u: &Use| match *u {
+        Use::Node { node, .. } => model.node(node).body == BodyId::MAIN,
+        Use::Output { body, .. } => body == BodyId::MAIN,
+    };
+    let uses = model.uses(acc);
+    if uses.iter().any(|u| !in_main(model, u)) {
+        return false;
+    }
+    let readers: Vec<(NodeId, usize)> = uses
         .iter()
-        .enumerate()
-        .filter(|(_, n)| n.input.iter().any(|i| i == acc))
-        .map(|(i, _)| i)
+        .filter_map(|u| match *u {
+            Use::Node { node, slot } => Some((node, slot)),
+            Use::Output { .. } => None,
+        })
         .collect();
-    let [index] = readers[..] else {
+    let [(node, slot)] = readers[..] else {
         return false;
     };
-    if graph.node.iter().any(|n| subgraphs_mention(n, acc)) {
+    let n = model.node(node);
+    if n.outputs.len() != 1 {
         return false;
     }
-    let node = &graph.node[index];
-    if node.input.iter().filter(|i| *i == acc).count() != 1 || node.output.len() != 1 {
+    let Some(out) = n.outputs[0] else {
         return false;
-    }
-    let standard = crate::ir::normalize_domain(node.domain()).is_empty();
-    match node.op_type() {
-        "Add" if standard && node.input.len() == 2 => {
-            let other = if node.input[0] == acc {
-                node.input[1].clone()
-            } else {
-                node.input[0].clone()
+    };
+    let standard = crate::ir::normalize_domain(n.proto.domain()).is_empty();
+    match n.proto.op_type() {
+        "Add" if standard && n.inputs.len() == 2 => {
+            let Some(other) = n.inputs[1 - slot] else {
+                return false;
             };
-            let out = node.output[0].clone();
-            graph.node.remove(index);
-            forward(graph, &other, &out, index);
+            let at = model.main().nodes.iter().position(|m| *m == node);
+            let carrier = other_carrier(model, other, out, at);
+            model.replace_value(out, carrier);
+            model
+                .remove_node(node)
+                .expect("the Add's output was handed on");
             true
         }
-        "Gemm" if standard && node.input.len() == 3 && node.input[2] == acc => {
-            let beta = node
-                .attribute
-                .iter()
-                .find(|a| a.name() == "beta")
-                .map_or(1.0, |a| a.f());
-            if beta != 1.0 {
+        "Gemm" if standard && n.inputs.len() == 3 && slot == 2 => {
+            // A beta of another type is not 1 either.
+            let beta = n.proto.attr_float("beta").map(|b| b.unwrap_or(1.0));
+            if beta != Ok(1.0) {
                 return false;
             }
-            graph.node[index].input.truncate(2);
+            model.set_input(node, 2, None);
+            model.node_mut(node).inputs.truncate(2);
             true
         }
         _ => false,
     }
 }
 
-/// Makes `out` carry `value`: `value`'s producer writes `out` (its readers read `out`), or,
-/// when `value` is not a plain node output, an `Identity` at `at` copies it.
-fn forward(graph: &mut GraphProto, value: &str, out: &str, at: usize) {
-    let is_io = graph.input.iter().any(|i| i.name() == value)
-        || graph.output.iter().any(|o| o.name() == value)
-        || graph.initializer.iter().any(|t| t.name() == value);
-    let produced = graph
-        .node
+/// The value that takes the place of `out` (the dropped `Add`'s output): `value` itself
+/// when a node of the main graph computes it and it is not a graph output already (it then
+/// takes `out`'s name), else an `Identity` of it, placed where the `Add` was (`at`).
+fn other_carrier(model: &mut Model, value: ValueId, out: ValueId, at: Option<usize>) -> ValueId {
+    let produced = matches!(model.value(value).def, ValueDef::Node { .. });
+    let is_output = model
+        .uses(value)
         .iter()
-        .any(|n| n.output.iter().any(|o| o == value));
-    if is_io || !produced {
-        graph.node.insert(
-            at,
-            NodeProto {
-                input: vec![value.to_string()],
-                output: vec![out.to_string()],
-                name: Some(format!("{out}.first")),
-                op_type: Some("Identity".into()),
-                ..Default::default()
-            },
-        );
-        return;
+        .any(|u| matches!(u, Use::Output { .. }));
+    if produced && !is_output {
+        return value;
     }
-    let rename: BTreeMap<String, String> = [(value.to_string(), out.to_string())].into();
-    for n in &mut graph.node {
-        rename_all(n, &rename);
+    let hint = format!("{}.first", model.name(out));
+    let identity = model.add_node(
+        BodyId::MAIN,
+        NodeSpec {
+            op_type: "Identity",
+            domain: "",
+            inputs: &[Some(value)],
+            output_hints: &[&hint],
+            attributes: Vec::new(),
+            name_hint: Some(&hint),
+            pass: None,
+        },
+    );
+    // At the Add's place in the node list, so the export keeps its order.
+    if let Some(at) = at {
+        let nodes = &mut model.body_mut(BodyId::MAIN).nodes;
+        let id = nodes.pop().expect("the Identity was just added");
+        nodes.insert(at, id);
     }
-    // Shape annotations of the old name now describe the new one's value.
-    let types: HashMap<String, usize> = graph
-        .value_info
-        .iter()
-        .enumerate()
-        .map(|(i, v)| (v.name().to_string(), i))
-        .collect();
-    if let Some(&i) = types.get(value) {
-        if types.contains_key(out) {
-            graph.value_info.remove(i);
-        } else {
-            graph.value_info[i].name = Some(out.to_string());
-        }
-    }
-}
-
-fn rename_all(node: &mut NodeProto, rename: &BTreeMap<String, String>) {
-    for name in node.input.iter_mut().chain(node.output.iter_mut()) {
-        if let Some(new) = rename.get(name.as_str()) {
-            *name = new.clone();
-        }
-    }
-    for attribute in &mut node.attribute {
-        for g in attribute.g.iter_mut().chain(attribute.graphs.iter_mut()) {
-            for n in &mut g.node {
-                rename_all(n, rename);
-            }
-            for o in &mut g.output {
-                if let Some(new) = rename.get(o.name()) {
-                    o.name = Some(new.clone());
-                }
-            }
-        }
-    }
-}
-
-/// Whether a subgraph of `node` names `value` anywhere (reads it from the outer scope).
-fn subgraphs_mention(node: &NodeProto, value: &str) -> bool {
-    node.attribute.iter().any(|a| {
-        a.g.iter().chain(a.graphs.iter()).any(|g| {
-            g.output.iter().any(|o| o.name() == value)
-                || g.node.iter().any(|n| {
-                    n.input.iter().chain(n.output.iter()).any(|i| i == value)
-                        || subgraphs_mention(n, value)
-                })
-        })
-    })
+    model.output(identity, 0)
 }
 
 #[cfg(test)]
@@ -206,7 +173,8 @@ mod tests {
             // Still an input: the host feeds every specialisation the same state.
             assert!(g.input.iter().any(|i| i.name() == e.input));
         }
-        let reads = |g: &GraphProto| g.node.iter().filter(|n| n.op_type() == "Add").count();
+        let reads =
+            |g: &crate::proto::GraphProto| g.node.iter().filter(|n| n.op_type() == "Add").count();
         let accumulate = split.accumulate.model.graph.as_ref().unwrap();
         assert_eq!(
             reads(accumulate) - reads(g),

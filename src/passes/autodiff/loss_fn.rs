@@ -57,6 +57,14 @@ impl LossFn {
     }
 }
 
+value_enum!(
+    LossFn: LossFn::CrossEntropy,
+    LossFn::Nll,
+    LossFn::Mse,
+    LossFn::L1,
+    LossFn::BceLogits,
+);
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct LossSpec {
     pub function: LossFn,

@@ -29,6 +29,18 @@ pub enum DropoutMode {
     Off,
 }
 
+impl DropoutMode {
+    /// The word of autodiff's `dropout=` option and `--dropout`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropoutMode::Train => "train",
+            DropoutMode::Off => "off",
+        }
+    }
+}
+
+value_enum!(DropoutMode: DropoutMode::Train, DropoutMode::Off);
+
 /// What normalisation changed, for the report.
 #[derive(Default)]
 pub struct Normalized {

@@ -29,78 +29,10 @@ use crate::ir::emit::Emit;
 use crate::ir::{BodyId, NodeId, Use, ValueDef, ValueId};
 use crate::passes::PassError;
 use crate::proto::tensor_proto::DataType;
-use crate::signature::OptimizerSpec;
 use crate::state::{Role, StateEntry};
 
-/// AdamW as ONNX Runtime's `AdamWOptimizer` computes it (its attribute defaults).
-#[derive(Clone, Debug, PartialEq)]
-pub struct AdamW {
-    /// `alpha`
-    pub beta1: f32,
-    /// `beta`
-    pub beta2: f32,
-    pub epsilon: f32,
-    pub weight_decay: f32,
-    pub correct_bias: bool,
-    /// 0: PyTorch AdamW, 1: Hugging Face AdamW.
-    pub adam_mode: i64,
-    /// 1 - β1 and 1 - β2 from the decimal β the user wrote, as Keras 2.15 Adam computes
-    /// them (in Python's double, then rounded to float), instead of in float from the
-    /// rounded β as ONNX Runtime's kernel does: 1 - f32(0.999) is 1.3e-5 off 1 - 0.999.
-    /// (torch's AdamW is measured closer to its float32 run without it.)
-    pub decimal_complements: bool,
-}
-
-impl Default for AdamW {
-    fn default() -> Self {
-        AdamW {
-            beta1: 0.9,
-            beta2: 0.999,
-            epsilon: 1e-8,
-            weight_decay: 0.0,
-            correct_bias: true,
-            adam_mode: 0,
-            decimal_complements: false,
-        }
-    }
-}
-
-impl AdamW {
-    /// The AdamW of a training signature (ORT's optimizer_model.onnx), if it is one.
-    pub fn from_spec(spec: &OptimizerSpec) -> Option<AdamW> {
-        match *spec {
-            OptimizerSpec::Adamw {
-                beta1,
-                beta2,
-                epsilon,
-                weight_decay,
-                correct_bias,
-                adam_mode,
-            } => Some(AdamW {
-                beta1,
-                beta2,
-                epsilon,
-                weight_decay,
-                correct_bias,
-                adam_mode,
-                decimal_complements: false,
-            }),
-            OptimizerSpec::Sgd => None,
-        }
-    }
-
-    /// An attribute value the lowering does not implement: `(attribute, detail)`.
-    pub fn unsupported(&self) -> Option<(&'static str, String)> {
-        match (self.adam_mode, self.correct_bias) {
-            (0 | 1, true) | (1, false) => None,
-            (0, false) => Some((
-                "correct_bias",
-                "0 with adam_mode 0 (ONNX Runtime rejects it too)".into(),
-            )),
-            (mode, _) => Some(("adam_mode", format!("{mode}"))),
-        }
-    }
-}
+/// The hyperparameters: ORT's attributes and defaults are declared in [`crate::adamw`].
+pub use crate::adamw::AdamW;
 
 /// One parameter's tensors going into an AdamW step.
 #[derive(Clone, Copy, Debug)]
@@ -270,20 +202,15 @@ pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassEr
     let lr = l.input(node, 0)?;
     let step = l.input(node, 1)?;
     let update = l.optional_input(node, 6);
-    let defaults = AdamW::default();
-    let adamw = AdamW {
-        beta1: l.float_attr(node, "alpha", defaults.beta1)?,
-        beta2: l.float_attr(node, "beta", defaults.beta2)?,
-        epsilon: l.float_attr(node, "epsilon", defaults.epsilon)?,
-        weight_decay: l.float_attr(node, "weight_decay", defaults.weight_decay)?,
-        correct_bias: match l.int_attr(node, "correct_bias", 1)? {
-            0 => false,
-            1 => true,
-            other => return Err(l.unsupported(node, "correct_bias", format!("{other}"))),
+    let adamw = AdamW::from_ort_attributes(
+        |name| l.float_attr_given(node, name),
+        |name| l.int_attr_given(node, name),
+        |correct_bias| match correct_bias {
+            0 => Ok(false),
+            1 => Ok(true),
+            other => Err(l.unsupported(node, "correct_bias", format!("{other}"))),
         },
-        adam_mode: l.int_attr(node, "adam_mode", defaults.adam_mode)?,
-        decimal_complements: false,
-    };
+    )?;
     if let Some((attribute, detail)) = adamw.unsupported() {
         return Err(l.unsupported(node, attribute, detail));
     }

@@ -415,23 +415,29 @@ impl Lowering<'_, '_> {
     }
 
     pub fn int_attr(&self, node: NodeId, name: &str, default: i64) -> Result<i64, PassError> {
-        let v = self
-            .model()
+        Ok(self.int_attr_given(node, name)?.unwrap_or(default))
+    }
+
+    /// An int attribute, `None` when the node does not have it.
+    pub fn int_attr_given(&self, node: NodeId, name: &str) -> Result<Option<i64>, PassError> {
+        self.model()
             .node(node)
             .proto
             .attr_int(name)
-            .map_err(|m| node_error(self.model(), node, m))?;
-        Ok(v.unwrap_or(default))
+            .map_err(|m| node_error(self.model(), node, m))
     }
 
     pub fn float_attr(&self, node: NodeId, name: &str, default: f32) -> Result<f32, PassError> {
-        let v = self
-            .model()
+        Ok(self.float_attr_given(node, name)?.unwrap_or(default))
+    }
+
+    /// A float attribute, `None` when the node does not have it.
+    pub fn float_attr_given(&self, node: NodeId, name: &str) -> Result<Option<f32>, PassError> {
+        self.model()
             .node(node)
             .proto
             .attr_float(name)
-            .map_err(|m| node_error(self.model(), node, m))?;
-        Ok(v.unwrap_or(default))
+            .map_err(|m| node_error(self.model(), node, m))
     }
 
     pub fn ints_attr(&self, node: NodeId, name: &str) -> Result<Option<Vec<i64>>, PassError> {
