@@ -127,6 +127,24 @@ fn fused_adamw_whole_and_on_two_threads() {
     }
 }
 
+/// Mixed precision: fp16 with dynamic loss scaling and bf16 keep float32 master weights and
+/// moments, so their updates fuse too (bf16 compute has no ONNX Runtime CPU kernel for every
+/// op; fp16 runs on the CPU).
+#[test]
+fn fused_adamw_with_mixed_precision() {
+    if !ort_available() {
+        return;
+    }
+    for model in ["mlp_ce_adamw", "transformer_block"] {
+        let data = shipped(model);
+        let spec = "grad-accum(steps=4),loss-scale,optimizer(lr=0.01),legalize-ort,precision(dtype=fp16),dce";
+        let step = common::rewrite_shipped(model, spec);
+        let what = format!("{model}: {spec}");
+        let fused = fused_trains_like_standard(&what, &step, &data, 1, true);
+        assert!(fused >= 1, "{what}: {fused} updates fused");
+    }
+}
+
 /// Forward models through our autodiff with torch's AdamW (adam_mode 0, the default for
 /// them) and Keras' Adam: the tensors are larger than one kernel chunk nowhere here, so the
 /// two-thread run below uses a parameter of more than 65536 elements.
