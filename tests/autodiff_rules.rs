@@ -45,6 +45,7 @@
 //! clip                                       f64  1.3e-10
 //! clip_max_only                              f64  1.1e-10
 //! concat                                     f64  1.2e-10
+//! conv_channel_slices                        f32  2.0e-4
 //! conv_dilation                              f32  1.1e-4
 //! conv_group                                 f32  3.4e-4
 //! conv_plain                                 f32  2.3e-4
@@ -768,6 +769,9 @@ cases! {
         vec![attr_int("group", 2), attr_ints("pads", &[1, 0, 1, 0])]);
     conv_dilation: 17, F32 => |n| conv_case(n, &[1, 2, 6, 6], &[2, 2, 2, 2],
         vec![attr_ints("dilations", &[2, 2])]);
+    // 16 input channels, stride 1: dW is lowered on two slices of X's channels.
+    conv_channel_slices: 17, F32 => |n| conv_case(n, &[1, 16, 3, 3], &[2, 16, 3, 2],
+        vec![attr_ints("pads", &[1, 0, 1, 1])]);
     conv_transpose_plain: 17, F32 => |n| conv_transpose_case(n, &[1, 2, 4, 4], &[2, 3, 3, 3], true, vec![]);
     conv_transpose_stride_pads_output_padding: 17, F32 => |n| conv_transpose_case(n, &[2, 2, 3, 3], &[2, 2, 3, 3], true, vec![
         attr_ints("strides", &[2, 3]),

@@ -11,6 +11,8 @@
 //!      cols(X) = Conv(X, I; group C, the forward geometry)    [N, C·k·k, P]
 //!      (I: C copies of the k·k identity filters, so channel c·kk + i is tap i of channel c)
 //!      = Reshape(Transpose(ReduceSum_n(MatMul(cols [N,G,C/G·kk,P], dYᵀ [N,G,P,M/G]))), W's shape)
+//!      with a kernel above 1×1, stride 1, G = 1 and C >= 16 (C even): the same on the two
+//!      halves of X's channels, dW[:, half] from Slice(X, half), Concat'ed on the cols axis
 //! ```
 //!
 //! The unfolding Conv has exactly the forward Conv's windows, so no remainder or padding
@@ -19,6 +21,20 @@
 //! 1.31.1, one thread, N=32, 64→64 channels, 32×32, 3×3: 21 ms against 38 ms for the
 //! textbook `Conv(Xᵀ, dYᵀ)ᵀ` with stride and dilation swapped, whose GEMMs are 9 wide; the
 //! training build's whole ConvGrad takes 34 ms, dX included.)
+//!
+//! Slicing the channels (issue 14 item 4; `benches/conv_backward.py`, standard ORT 1.31.1,
+//! the ResNet-8's geometries, spinning off as the trainer runs, on a 2-core machine another
+//! build was loading): each slice's cols is half as large and its MatMul reads it soon after
+//! the unfolding wrote it. dW median ratio to the whole form, batch 8/32 at 1 thread:
+//! 16→16 3×3 at 32×32 0.88/0.84 (whole 0.74/3.5 ms), 32→32 at 16×16 0.96/0.89, 64→64 at
+//! 8×8 0.95/0.83 (at 2 threads 0.87-0.99); four slices won more at 1 thread but lost at 2
+//! (up to 1.04), sixteen lose (1.1-1.5). Strided 3×3 (0.93-1.19) and 1×1 (1.2-3.4) gain
+//! nothing and stay whole. Each element is the same per-image GEMM row, and the ResNet-8's
+//! gradients came out bit-identical. Its whole gradient graph, interleaved sessions: batch
+//! 32 0.93-0.96 at 1 thread, 0.88-0.92 at 2; batch 8 0.99 at 1 thread, 0.92-1.01 at 2.
+//! Chunking the batch instead measured as well (0.79-0.81 at batch 32 for 16→16) but needs
+//! N, which forward models leave symbolic. Every other standard-op dX or dW tried was
+//! slower at 1 thread: `benches/README.md`.
 //!
 //! Each gradient is computed only when its output is used. `auto_pad` `SAME_*` becomes
 //! explicit pads (ONNX Runtime's own ConvGrad ignores `auto_pad` and computes with zero pads,
@@ -55,6 +71,11 @@ pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassEr
     }
     Ok(())
 }
+
+/// dW on this many slices of X's channels (see `ConvAttrs::channel_slices`).
+const CHANNEL_SLICES: i64 = 2;
+/// The fewest input channels for which dW is sliced.
+const SLICE_CHANNELS: i64 = 16;
 
 /// The forward Conv's attributes, resolved: explicit pads, defaults filled in.
 struct ConvAttrs {
@@ -238,22 +259,26 @@ impl ConvAttrs {
             ));
         }
         let (m, per_group) = (w_dims[0], w_dims[1]);
-        let taps: i64 = self.kernel.iter().product();
-        let cols = self.unfold(l, x, per_group * self.group)?;
-
-        let g = self.group;
-        let cols_shape = l.int64s("cols_shape", &[0, g, per_group * taps, -1]);
-        let cols = l.op("Reshape", &[cols, cols_shape], vec![], "cols");
-        let dy_shape = l.int64s("dY_shape", &[0, g, m / g, -1]);
-        let dy_groups = l.op("Reshape", &[dy, dy_shape], vec![], "dY_groups");
-        let dy_t = l.op(
-            "Transpose",
-            &[dy_groups],
-            vec![attr_ints("perm", &[0, 1, 3, 2])],
-            "dY_t",
-        );
-        let per_image = l.op("MatMul", &[cols, dy_t], vec![], "dW_per_image");
-        let summed = l.reduce("ReduceSum", per_image, &[0], false, "dW_t");
+        let channels = per_group * self.group;
+        let summed = match self.channel_slices(channels) {
+            None => {
+                let filters = self.unfold_filters(l, channels);
+                self.dw_images(l, x, dy, filters, m, channels)
+            }
+            Some(slices) => {
+                let per_slice = channels / slices;
+                let filters = self.unfold_filters(l, per_slice);
+                let axis = l.int64s("channel_axis", &[1]);
+                let mut parts = Vec::new();
+                for i in 0..slices {
+                    let starts = l.int64s("slice_start", &[i * per_slice]);
+                    let ends = l.int64s("slice_end", &[(i + 1) * per_slice]);
+                    let xs = l.op("Slice", &[x, starts, ends, axis], vec![], "X_channels");
+                    parts.push(self.dw_images(l, xs, dy, filters, m, per_slice));
+                }
+                l.op("Concat", &parts, vec![attr_int("axis", 1)], "dW_t")
+            }
+        };
         let dw_t = l.op(
             "Transpose",
             &[summed],
@@ -264,20 +289,57 @@ impl ConvAttrs {
         Ok(l.op("Reshape", &[dw_t, w_shape], vec![], "dW"))
     }
 
-    /// cols(X) `[N, C·kk, *P]`: channel `c·kk + i` holds tap `i` of channel `c` at every
-    /// output position, by a Conv with the forward geometry and identity filters.
-    fn unfold(
+    /// How many slices of X's channels dW is computed on, `None` for one: a kernel larger
+    /// than 1×1 without stride, one group, at least `SLICE_CHANNELS` input channels divisible
+    /// by `CHANNEL_SLICES` (measured, the header).
+    fn channel_slices(&self, channels: i64) -> Option<i64> {
+        let sliced = self.group == 1
+            && self.kernel.iter().any(|k| *k > 1)
+            && self.strides.iter().all(|s| *s == 1)
+            && channels >= SLICE_CHANNELS
+            && channels % CHANNEL_SLICES == 0;
+        sliced.then_some(CHANNEL_SLICES)
+    }
+
+    /// `Σ_n cols(X)[n, g] · dY[n, g]ᵀ` over the images of `x` and `dy`: `[G, C/G·kk, M/G]`.
+    fn dw_images(
         &self,
         l: &mut Lowering<'_, '_>,
         x: ValueId,
+        dy: ValueId,
+        filters: Option<ValueId>,
+        m: i64,
         channels: i64,
-    ) -> Result<ValueId, PassError> {
+    ) -> ValueId {
+        let g = self.group;
+        let rows = channels / g * self.kernel.iter().product::<i64>();
+        let cols = match filters {
+            Some(f) => self.unfold(l, x, f, channels),
+            None => x,
+        };
+        let cols_shape = l.int64s("cols_shape", &[0, g, rows, -1]);
+        let cols = l.op("Reshape", &[cols, cols_shape], vec![], "cols");
+        let dy_shape = l.int64s("dY_shape", &[0, g, m / g, -1]);
+        let dy_groups = l.op("Reshape", &[dy, dy_shape], vec![], "dY_groups");
+        let dy_t = l.op(
+            "Transpose",
+            &[dy_groups],
+            vec![attr_ints("perm", &[0, 1, 3, 2])],
+            "dY_t",
+        );
+        let per_image = l.op("MatMul", &[cols, dy_t], vec![], "dW_per_image");
+        l.reduce("ReduceSum", per_image, &[0], false, "dW_t")
+    }
+
+    /// The identity filters of [`Self::unfold`], `None` where X is its own unfolding (a 1×1
+    /// kernel without stride or padding).
+    fn unfold_filters(&self, l: &mut Lowering<'_, '_>, channels: i64) -> Option<ValueId> {
         let nd = self.nd();
         if self.kernel.iter().all(|k| *k == 1)
             && self.strides.iter().all(|s| *s == 1)
             && self.pads.iter().all(|p| *p == 0)
         {
-            return Ok(x);
+            return None;
         }
         let taps: i64 = self.kernel.iter().product();
         let mut identity = vec![0f32; (taps * taps) as usize];
@@ -299,6 +361,19 @@ impl ConvAttrs {
             let repeats = l.int64s("repeats", &repeats);
             filters = l.op("Tile", &[filters, repeats], vec![], "identity_taps");
         }
+        Some(filters)
+    }
+
+    /// cols(X) `[N, C·kk, *P]`: channel `c·kk + i` holds tap `i` of channel `c` at every
+    /// output position, by a Conv with the forward geometry and the identity `filters`
+    /// ([`Self::unfold_filters`], C·kk of them).
+    fn unfold(
+        &self,
+        l: &mut Lowering<'_, '_>,
+        x: ValueId,
+        filters: ValueId,
+        channels: i64,
+    ) -> ValueId {
         let mut attrs = vec![
             attr_int("group", channels),
             attr_ints("kernel_shape", &self.kernel),
@@ -306,7 +381,7 @@ impl ConvAttrs {
         push_unless(&mut attrs, "strides", &self.strides, 1);
         push_unless(&mut attrs, "dilations", &self.dilations, 1);
         push_unless(&mut attrs, "pads", &self.pads, 0);
-        Ok(l.op("Conv", &[x, filters], attrs, "cols"))
+        l.op("Conv", &[x, filters], attrs, "cols")
     }
 }
 
