@@ -782,6 +782,17 @@ impl Pass for Agc {
         super::Phase::Clip
     }
 
+    /// The window, its gradients not yet consumed by an optimizer.
+    fn requires(&self, _model: &Model, cx: &PassContext<'_>) -> Result<(), PassError> {
+        super::requires_window(cx, PASS)?;
+        if cx.window().is_some_and(|w| w.optimized()) {
+            return Err(fail(
+                "the optimizer already consumed the gradients: run agc before optimizer".into(),
+            ));
+        }
+        Ok(())
+    }
+
     fn spec(&self) -> String {
         super::spec_text(
             PASS,
@@ -794,11 +805,6 @@ impl Pass for Agc {
         model: &mut Model,
         cx: &mut PassContext<'_>,
     ) -> Result<PassReport, PassError> {
-        if cx.window_mut(PASS)?.optimized() {
-            return Err(fail(
-                "the optimizer already consumed the gradients: run agc before optimizer".into(),
-            ));
-        }
         let plan = plan(model, cx.signature, &self.selection).map_err(fail)?;
         cx.recipe.push(self.recipe(&plan));
         let window = cx.window_mut(PASS)?;

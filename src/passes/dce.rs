@@ -11,6 +11,17 @@ impl Pass for DeadCodeElimination {
         "dce"
     }
 
+    /// No node is left that nothing reads.
+    fn ensures(&self, model: &Model, _cx: &PassContext<'_>) -> Result<(), PassError> {
+        match model.all_nodes().find(|&n| is_dead(model, n)) {
+            None => Ok(()),
+            Some(n) => Err(super::broken(
+                "dce",
+                format!("node '{}' is dead", model.node(n).proto.name()),
+            )),
+        }
+    }
+
     fn run(
         &mut self,
         model: &mut Model,
@@ -30,17 +41,7 @@ impl Pass for DeadCodeElimination {
 pub fn eliminate_dead_code(model: &mut Model) -> usize {
     let mut removed = 0;
     loop {
-        let dead: Vec<_> = model
-            .all_nodes()
-            .filter(|n| {
-                model
-                    .node(*n)
-                    .outputs
-                    .iter()
-                    .flatten()
-                    .all(|v| model.uses(*v).is_empty())
-            })
-            .collect();
+        let dead: Vec<_> = model.all_nodes().filter(|&n| is_dead(model, n)).collect();
         if dead.is_empty() {
             break;
         }
@@ -70,4 +71,14 @@ pub fn eliminate_dead_code(model: &mut Model) -> usize {
             .retain(|(v, _)| !unused.contains(v));
     }
     removed
+}
+
+/// No output of `node` is read (by a node or as a graph output).
+fn is_dead(model: &Model, node: crate::ir::NodeId) -> bool {
+    model
+        .node(node)
+        .outputs
+        .iter()
+        .flatten()
+        .all(|v| model.uses(*v).is_empty())
 }

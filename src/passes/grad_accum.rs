@@ -187,6 +187,15 @@ impl Pass for GradAccum {
         super::spec_text(PASS, &self.options_text(false))
     }
 
+    /// The window is open, with the parameters it updates.
+    fn ensures(&self, _model: &Model, cx: &PassContext<'_>) -> Result<(), PassError> {
+        match cx.window() {
+            Some(w) if !w.params().is_empty() => Ok(()),
+            Some(_) => Err(super::broken(PASS, "the window has no parameter".into())),
+            None => Err(super::broken(PASS, "no apply region opened".into())),
+        }
+    }
+
     fn run(
         &mut self,
         model: &mut Model,

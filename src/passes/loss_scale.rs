@@ -221,6 +221,17 @@ impl Pass for LossScale {
         super::Phase::LossScale
     }
 
+    /// The window, before the optimizer (the scale decides whether its update happens).
+    fn requires(&self, _model: &Model, cx: &PassContext<'_>) -> Result<(), PassError> {
+        super::requires_window(cx, PASS)?;
+        if cx.window().is_some_and(|w| w.optimized()) {
+            return Err(fail(
+                "the apply region already has an optimizer; run loss-scale before optimizer (it decides whether the update happens)".into(),
+            ));
+        }
+        Ok(())
+    }
+
     fn spec(&self) -> String {
         match self {
             LossScale::Static(s) => format!("{PASS}(static={})", number(*s)),
@@ -254,11 +265,6 @@ fn window_error(e: WindowError) -> PassError {
 impl LossScale {
     fn scale(&self, model: &mut Model, cx: &mut PassContext<'_>) -> Result<PassReport, PassError> {
         let window = cx.window_mut(PASS)?;
-        if window.optimized() {
-            return Err(fail(
-                "the apply region already has an optimizer; run loss-scale before optimizer (it decides whether the update happens)".into(),
-            ));
-        }
         if window.gated() {
             return Err(fail(
                 "the apply region is already gated (loss-scale runs once)".into(),

@@ -57,6 +57,24 @@ impl Pass for LowerForTract {
         super::Phase::Lower
     }
 
+    /// Only standard-domain ops are left (tract runs no com.microsoft op).
+    fn ensures(&self, model: &Model, _cx: &PassContext<'_>) -> Result<(), PassError> {
+        let left = model.all_nodes().find(|&n| {
+            crate::ir::normalize_domain(model.node(n).proto.domain()) == "com.microsoft"
+        });
+        match left {
+            None => Ok(()),
+            Some(n) => Err(super::broken(
+                PASS,
+                format!(
+                    "com.microsoft op {} ('{}') is left",
+                    model.node(n).proto.op_type(),
+                    model.node(n).proto.name()
+                ),
+            )),
+        }
+    }
+
     fn run(
         &mut self,
         model: &mut Model,

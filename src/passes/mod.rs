@@ -235,8 +235,34 @@ pub trait Pass {
     fn spec(&self) -> String {
         self.name().to_string()
     }
+    /// What must hold before [`run`](Self::run); the pipeline checks it before the pass
+    /// touches the graph (an error here is the user's: a pipeline that cannot work).
+    fn requires(&self, _model: &Model, _cx: &PassContext<'_>) -> Result<(), PassError> {
+        Ok(())
+    }
     fn run(&mut self, model: &mut Model, cx: &mut PassContext<'_>)
         -> Result<PassReport, PassError>;
+    /// What [`run`](Self::run) guarantees, checked by the pipeline right after it, before
+    /// the verifier (an error here is a bug in the pass, reported as [`broken`]).
+    fn ensures(&self, _model: &Model, _cx: &PassContext<'_>) -> Result<(), PassError> {
+        Ok(())
+    }
+}
+
+/// The error of a pass whose [`Pass::ensures`] does not hold after its run.
+pub fn broken(pass: &str, what: String) -> PassError {
+    PassError::Other {
+        pass: pass.into(),
+        message: format!("internal error: the pass broke its own guarantee: {what}"),
+    }
+}
+
+/// [`Pass::requires`] of a pass that works in the apply region: grad-accum ran before.
+pub fn requires_window(cx: &PassContext<'_>, pass: &str) -> Result<(), PassError> {
+    match cx.window() {
+        Some(_) => Ok(()),
+        None => Err(no_window(pass)),
+    }
 }
 
 /// The spec text of a pass: `name`, or `name(a=1,b=2)` when it has options.
@@ -427,7 +453,9 @@ impl Pipeline {
         for pass in &mut self.passes {
             let sections = cx.recipe.len();
             let before: std::collections::HashSet<_> = model.all_nodes().collect();
+            pass.requires(model, cx)?;
             let mut report = pass.run(model, cx)?;
+            pass.ensures(model, cx)?;
             // Counted here, not by each pass: a pass that replaced one node by two added
             // two and removed one (not "+1 nodes").
             let after: std::collections::HashSet<_> = model.all_nodes().collect();
@@ -499,5 +527,98 @@ fn phase_rule(phase: Phase) -> Option<&'static str> {
              math on the gradients), and after legalize-ort",
         ),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod contract_tests {
+    use super::*;
+    use crate::ir::builder::Builder;
+    use crate::ir::BodyId;
+
+    fn signature() -> TrainingSignature {
+        TrainingSignature {
+            source: crate::signature::Source::Plain {
+                file: "m.onnx".into(),
+            },
+            data_inputs: Vec::new(),
+            loss: "loss".into(),
+            seed: None,
+            params: Vec::new(),
+            lazy_reset_grad: None,
+            optimizer: None,
+        }
+    }
+
+    fn one_relu() -> Model {
+        let mut model = Model::from_proto(crate::proto::ModelProto {
+            ir_version: Some(8),
+            graph: Some(Default::default()),
+            ..Default::default()
+        });
+        let ty = crate::ir::tensor_type(crate::proto::elem::FLOAT, &[2]);
+        let x = model.add_input(BodyId::MAIN, "x", ty.clone(), None);
+        let y = Builder::new(&mut model, BodyId::MAIN, "test").op("Relu", &[x], vec![], "y");
+        model.add_output(BodyId::MAIN, y, Some(ty));
+        model
+    }
+
+    /// A pass that leaves a dead node while claiming dce's guarantee.
+    struct LeavesDeadNode;
+    impl Pass for LeavesDeadNode {
+        fn name(&self) -> &'static str {
+            "leaves-dead-node"
+        }
+        fn run(
+            &mut self,
+            model: &mut Model,
+            _: &mut PassContext<'_>,
+        ) -> Result<PassReport, PassError> {
+            let x = model.graph_inputs()[0];
+            Builder::new(model, BodyId::MAIN, "test").op("Neg", &[x], vec![], "unused");
+            Ok(PassReport::default())
+        }
+        fn ensures(&self, model: &Model, cx: &PassContext<'_>) -> Result<(), PassError> {
+            dce::DeadCodeElimination.ensures(model, cx)
+        }
+    }
+
+    #[test]
+    fn a_broken_guarantee_is_an_internal_error_naming_the_pass() {
+        let mut model = one_relu();
+        let mut sig = signature();
+        let mut cx = PassContext::new(&mut sig, None);
+        let mut pipeline = Pipeline {
+            passes: vec![Box::new(LeavesDeadNode)],
+            verify_each: true,
+        };
+        let e = pipeline.run(&mut model, &mut cx).unwrap_err().to_string();
+        assert!(
+            e.contains("dce") && e.contains("broke its own guarantee") && e.contains("is dead"),
+            "{e}"
+        );
+    }
+
+    /// A pass that needs the window is refused before it touches the graph.
+    #[test]
+    fn an_unmet_requirement_stops_the_pipeline_before_the_pass_runs() {
+        for spec in ["optimizer", "agc(clip=0.01)", "loss-scale"] {
+            let mut model = one_relu();
+            let nodes = model.all_nodes().count();
+            let mut sig = signature();
+            let mut cx = PassContext::new(&mut sig, None);
+            let e = Pipeline::parse(spec)
+                .unwrap()
+                .run(&mut model, &mut cx)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("run grad-accum before"), "{spec}: {e}");
+            assert_eq!(
+                model.all_nodes().count(),
+                nodes,
+                "{spec}: the graph was touched"
+            );
+            assert!(cx.recipe.is_empty(), "{spec}: the pass ran");
+        }
     }
 }

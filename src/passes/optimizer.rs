@@ -553,6 +553,23 @@ impl Pass for Optimizer {
         PASS
     }
 
+    /// The window, not yet optimized.
+    fn requires(&self, _model: &Model, cx: &PassContext<'_>) -> Result<(), PassError> {
+        super::requires_window(cx, PASS)?;
+        if cx.window().is_some_and(|w| w.optimized()) {
+            return Err(fail("the apply region already has an optimizer".into()));
+        }
+        Ok(())
+    }
+
+    /// Every parameter has its update, and the window knows it has an optimizer.
+    fn ensures(&self, _model: &Model, cx: &PassContext<'_>) -> Result<(), PassError> {
+        match cx.window().is_some_and(|w| w.optimized()) {
+            true => Ok(()),
+            false => Err(super::broken(PASS, "the window has no optimizer".into())),
+        }
+    }
+
     fn phase(&self) -> super::Phase {
         super::Phase::Optimize
     }
@@ -613,9 +630,6 @@ impl Pass for Optimizer {
         cx.recipe
             .push(self.recipe(cx.signature.optimizer.as_ref(), framework, &hp));
         let (window, state) = cx.window_and_state(PASS)?;
-        if window.optimized() {
-            return Err(fail("the apply region already has an optimizer".into()));
-        }
         let nodes_before = model.all_nodes().count();
         let lr = model.add_input(
             BodyId::MAIN,

@@ -226,6 +226,25 @@ impl Pass for LegalizeOrt {
         super::Phase::Legalize
     }
 
+    /// Nothing that only ONNX Runtime's training build runs is left.
+    fn ensures(&self, model: &Model, _cx: &PassContext<'_>) -> Result<(), PassError> {
+        let left = model.all_nodes().find(|&n| {
+            let p = &model.node(n).proto;
+            crate::ops::is_training_only(p.domain(), p.op_type())
+        });
+        match left {
+            None => Ok(()),
+            Some(n) => Err(crate::passes::broken(
+                PASS,
+                format!(
+                    "training-only op {} ('{}') is left",
+                    model.node(n).proto.op_type(),
+                    model.node(n).proto.name()
+                ),
+            )),
+        }
+    }
+
     fn spec(&self) -> String {
         let mut options = Vec::new();
         if self.fused_matmul {
