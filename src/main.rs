@@ -762,7 +762,10 @@ fn check_micro_batch(batch: usize, samples: usize, data: &Path) -> Result<(), Us
 struct UsageError(String);
 
 /// The `loss-scale(...)` pass of `--precision` and `--loss-scale*`, if any.
-fn loss_scale_spec(args: &RewriteArgs) -> Result<Option<String>, UsageError> {
+fn loss_scale_plan(
+    args: &RewriteArgs,
+) -> Result<Option<onnx_ga::passes::plan::LossScalePlan>, UsageError> {
+    use onnx_ga::passes::plan::LossScalePlan;
     if args.pipeline.is_some() && args.precision != "fp32" {
         return Err(UsageError(format!(
             "--precision builds its pass into the default pipeline; with --pipeline add precision(dtype={}) there instead",
@@ -790,25 +793,13 @@ fn loss_scale_spec(args: &RewriteArgs) -> Result<Option<String>, UsageError> {
     }
     match mode {
         "none" => Ok(None),
-        "dynamic" => {
-            let mut options = Vec::new();
-            if let Some(v) = args.loss_scale_init {
-                options.push(format!("init={v:e}"));
-            }
-            if let Some(v) = args.loss_scale_interval {
-                options.push(format!("interval={v}"));
-            }
-            if let Some(v) = args.loss_scale_hysteresis {
-                options.push(format!("hysteresis={v}"));
-            }
-            Ok(Some(if options.is_empty() {
-                "loss-scale".to_string()
-            } else {
-                format!("loss-scale({})", options.join(","))
-            }))
-        }
+        "dynamic" => Ok(Some(LossScalePlan::Dynamic {
+            init: args.loss_scale_init,
+            interval: args.loss_scale_interval,
+            hysteresis: args.loss_scale_hysteresis,
+        })),
         other => match other.strip_prefix("static:").map(str::parse::<f32>) {
-            Some(Ok(s)) => Ok(Some(format!("loss-scale(static={s:e})"))),
+            Some(Ok(s)) => Ok(Some(LossScalePlan::Static(s))),
             _ => Err(UsageError(format!(
                 "--loss-scale {other}: expected dynamic, static:S (S a number) or none"
             ))),
@@ -829,7 +820,7 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
         refuse_overwrite(flag, path, &inputs)?;
         check_writable(flag, path)?;
     }
-    let loss_scale = loss_scale_spec(&args)?;
+    let loss_scale = loss_scale_plan(&args)?;
     if args.pipeline.is_some() && args.agc.is_some() {
         return Err(UsageError(
             "--agc builds its pass into the default pipeline; with --pipeline add agc(clip=...) there instead".into(),

@@ -27,6 +27,52 @@ pub struct AgcPlan {
     pub selection: Selection,
 }
 
+/// Loss scaling as asked for: only the dynamic settings given are printed (the pass's
+/// defaults fill in the rest), so the recipe tells a given value from a default.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LossScalePlan {
+    Dynamic {
+        init: Option<f32>,
+        interval: Option<i64>,
+        hysteresis: Option<i64>,
+    },
+    Static(f32),
+}
+
+impl LossScalePlan {
+    /// Dynamic scaling with every setting at the pass's default.
+    pub const DYNAMIC: LossScalePlan = LossScalePlan::Dynamic {
+        init: None,
+        interval: None,
+        hysteresis: None,
+    };
+
+    /// The `loss-scale` pass's spec.
+    pub fn spec(&self) -> String {
+        let options = match self {
+            LossScalePlan::Static(s) => vec![format!("static={s:e}")],
+            LossScalePlan::Dynamic {
+                init,
+                interval,
+                hysteresis,
+            } => {
+                let mut options = Vec::new();
+                if let Some(v) = init {
+                    options.push(format!("init={v:e}"));
+                }
+                if let Some(v) = interval {
+                    options.push(format!("interval={v}"));
+                }
+                if let Some(v) = hysteresis {
+                    options.push(format!("hysteresis={v}"));
+                }
+                options
+            }
+        };
+        spec_text(super::loss_scale::PASS, &options)
+    }
+}
+
 /// The engine the step is written for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum TargetEngine {
@@ -55,8 +101,8 @@ pub struct StepPlan {
     /// The grad-accum pass itself; only the settings that differ from its defaults are
     /// printed.
     pub accumulation: GradAccum,
-    /// The `loss-scale` pass spec (`None`: no loss scaling).
-    pub loss_scale: Option<String>,
+    /// Loss scaling (`None`: none).
+    pub loss_scale: Option<LossScalePlan>,
     pub agc: Option<AgcPlan>,
     /// The optimizer pass itself: its options are its fields (`None`: the producer's or
     /// the formula's default).
@@ -74,7 +120,7 @@ impl StepPlan {
             &self.accumulation.options_text(true),
         )];
         if let Some(loss_scale) = &self.loss_scale {
-            passes.push(loss_scale.clone());
+            passes.push(loss_scale.spec());
         }
         if let Some(agc) = &self.agc {
             let options = super::agc::options_text(agc.clip, agc.eps, &agc.selection);
@@ -118,7 +164,7 @@ mod tests {
                 apply: super::super::window::ApplyMode::Where,
                 ..Default::default()
             },
-            loss_scale: Some("loss-scale".into()),
+            loss_scale: Some(LossScalePlan::DYNAMIC),
             agc: Some(AgcPlan {
                 clip: 0.01,
                 eps: Some(0.001),
