@@ -15,6 +15,7 @@
 //! outwards, as ONNX does.
 
 pub mod builder;
+pub mod dtype;
 pub mod emit;
 mod export;
 mod import;

@@ -11,7 +11,7 @@ use crate::ir::{BodyId, Model, NodeId, ValueId};
 use crate::passes::PassError;
 use crate::proto::{AttributeProto, TensorProto};
 
-pub(super) use crate::proto::elem::{BFLOAT16, BOOL, DOUBLE, FLOAT, FLOAT16, INT32, INT64};
+pub(super) use crate::proto::elem::{BFLOAT16, DOUBLE, FLOAT, FLOAT16, INT32, INT64};
 
 /// Constants minted during one run of the pass, keyed by body, element type, dims and
 /// bytes, so that e.g. every `ReluGrad` of a graph compares against the same `0.0`.
@@ -53,35 +53,8 @@ fn elem_type_within(model: &Model, v: ValueId, depth: usize) -> Option<i32> {
             .flatten()
             .and_then(|x| elem_type_within(model, x, depth - 1))
     };
-    let attr = |name: &str| n.proto.attribute.iter().find(|a| a.name() == name);
-    match (n.proto.domain(), n.proto.op_type(), slot) {
-        (_, "Shape" | "Size" | "NonZero" | "ArgMax" | "ArgMin", 0) => Some(INT64),
-        (_, "TopK", 1) => Some(INT64),
-        (_, "Cast", 0) => attr("to").map(|a| a.i() as i32),
-        (
-            _,
-            "Equal" | "Greater" | "GreaterOrEqual" | "Less" | "LessOrEqual" | "Not" | "And" | "Or"
-            | "Xor" | "IsNaN" | "IsInf",
-            0,
-        ) => Some(BOOL),
-        (_, "Constant", 0) => attr("value")
-            .and_then(|a| a.t.as_ref())
-            .map(|t| t.data_type()),
-        (_, "ConstantOfShape", 0) => Some(
-            attr("value")
-                .and_then(|a| a.t.as_ref())
-                .map(|t| t.data_type())
-                .unwrap_or(FLOAT),
-        ),
-        (_, "Where", 0) => input(1).or_else(|| input(2)),
-        // Gradient ops whose output 0 has the type of their dY input (input 0) or, for the
-        // gather/scatter family, of their update input (input 2).
-        ("com.microsoft", "GatherGrad" | "GatherNDGrad", 0) => input(2),
-        (_, "InPlaceAccumulatorV2", 0) => Some(BOOL),
-        // Everything else we meet in training graphs propagates the type of input 0.
-        (_, _, 0) => input(0),
-        _ => None,
-    }
+    // A branch output's type is not walked into: the branches' own declarations say it.
+    crate::ir::dtype::output_elem(&n.proto, slot, input, |_| None)
 }
 
 /// The declared dims of `v` (`None` for a symbolic dim), when its rank is known.

@@ -94,7 +94,7 @@ use crate::proto::{AttributeProto, TensorProto};
 
 pub const PASS: &str = "precision";
 
-use crate::proto::elem::{BFLOAT16, BOOL, FLOAT, FLOAT16, INT32, INT64, STRING};
+use crate::proto::elem::{BFLOAT16, FLOAT, FLOAT16};
 
 /// The default block list: ops that stay float32 (see the module documentation).
 pub const DEFAULT_KEEP: &[&str] = &[
@@ -445,22 +445,6 @@ fn attr<'p>(proto: &'p crate::proto::NodeProto, name: &str) -> Option<&'p Attrib
     proto.attribute.iter().find(|a| a.name() == name)
 }
 
-/// The element type a `Constant` node produces.
-fn constant_elem(proto: &crate::proto::NodeProto) -> Option<i32> {
-    proto.attribute.iter().find_map(|a| match a.name() {
-        "value" => a.t.as_ref().map(|t| t.data_type()),
-        "sparse_value" => a
-            .sparse_tensor
-            .as_ref()
-            .and_then(|s| s.values.as_ref())
-            .map(|t| t.data_type()),
-        "value_float" | "value_floats" => Some(FLOAT),
-        "value_int" | "value_ints" => Some(INT64),
-        "value_string" | "value_strings" => Some(STRING),
-        _ => None,
-    })
-}
-
 fn stamp(proto: &crate::proto::NodeProto) -> Option<&str> {
     proto
         .metadata_props
@@ -543,10 +527,10 @@ impl<'a> Analysis<'a> {
         Ok(())
     }
 
-    /// The element type of output `slot` of `n` from its op's rule.
+    /// The element type of output `slot` of `n` from its op's rule (`ir::dtype`), with the
+    /// types found so far.
     fn rule(&self, n: NodeId, slot: usize) -> Option<i32> {
         let node = self.model.node(n);
-        let p = &node.proto;
         let input = |i: usize| {
             node.inputs
                 .get(i)
@@ -554,35 +538,8 @@ impl<'a> Analysis<'a> {
                 .flatten()
                 .and_then(|v| self.elem.get(&v).copied())
         };
-        let dtype = |default: Option<i32>| attr(p, "dtype").map(|a| a.i() as i32).or(default);
-        match (p.op_type(), slot) {
-            ("Cast", 0) => attr(p, "to").map(|a| a.i() as i32),
-            ("CastLike", 0) => input(1),
-            ("Shape" | "Size" | "NonZero" | "ArgMax" | "ArgMin", 0) => Some(INT64),
-            ("TopK" | "MaxPool", 1) => Some(INT64),
-            ("Unique", s) if s > 0 => Some(INT64),
-            ("Dropout", 1) => Some(BOOL),
-            (
-                "Equal" | "Greater" | "GreaterOrEqual" | "Less" | "LessOrEqual" | "Not" | "And"
-                | "Or" | "Xor" | "IsNaN" | "IsInf",
-                0,
-            ) => Some(BOOL),
-            ("Constant", 0) => constant_elem(p),
-            ("ConstantOfShape", 0) => Some(
-                attr(p, "value")
-                    .and_then(|a| a.t.as_ref())
-                    .map(|t| t.data_type())
-                    .unwrap_or(FLOAT),
-            ),
-            ("OneHot", 0) => input(2),
-            ("Where", 0) => input(1).or_else(|| input(2)),
-            ("RandomNormal" | "RandomUniform", 0) => dtype(Some(FLOAT)),
-            ("RandomNormalLike" | "RandomUniformLike" | "EyeLike" | "Bernoulli", 0) => {
-                dtype(input(0))
-            }
-            ("Multinomial", 0) => dtype(Some(INT32)),
-            ("If", s) => node
-                .subgraphs
+        let branch_output = |s: usize| {
+            node.subgraphs
                 .first()
                 .and_then(|sub| self.model.body(sub.body).outputs.get(s))
                 .and_then(
@@ -590,18 +547,9 @@ impl<'a> Analysis<'a> {
                         Some(e) => Some(e),
                         None => declared_elem(self.model, *v),
                     },
-                ),
-            (
-                "Split"
-                | "BatchNormalization"
-                | "LayerNormalization"
-                | "SoftmaxCrossEntropyLoss"
-                | "NegativeLogLikelihoodLoss",
-                _,
-            ) => input(0),
-            (_, 0) => input(0),
-            _ => None,
-        }
+                )
+        };
+        crate::ir::dtype::output_elem(&node.proto, slot, input, branch_output)
     }
 
     fn is_float(&self, v: ValueId) -> bool {
