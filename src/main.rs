@@ -202,8 +202,8 @@ struct TrainArgs {
     /// A micro-step whose loss is NaN or infinite (on a step without loss scaling, which
     /// skips such windows itself): stop with an error naming it and its data rows, saving
     /// nothing more (the default), or skip: discard its state update and go on.
-    #[arg(long, default_value = "stop", value_parser = ["stop", "skip"])]
-    on_nonfinite: String,
+    #[arg(long, default_value = "stop")]
+    on_nonfinite: onnx_ga::train::OnNonFinite,
     /// Apply the optimizer on the last micro-step even if its window is not full.
     #[arg(long)]
     flush: bool,
@@ -1057,7 +1057,7 @@ fn export(args: ExportArgs) -> Result<(), Failure> {
 }
 
 fn train(args: TrainArgs) -> Result<(), Failure> {
-    use onnx_ga::train::{micro_batch, OnNonFinite, TrainError, Trainer};
+    use onnx_ga::train::{micro_batch, TrainError, Trainer};
     if args.distributed.is_some() {
         return train_distributed::train(args);
     }
@@ -1067,10 +1067,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     if args.save_every == Some(0) {
         return Err(UsageError("--save-every 0: must be at least 1".into()).into());
     }
-    let on_nonfinite: OnNonFinite = args
-        .on_nonfinite
-        .parse()
-        .map_err(|e| UsageError(format!("--on-nonfinite {e}")))?;
+    let on_nonfinite = args.on_nonfinite;
     let (model, model_files) = onnx_ga::model::load_model_with_data_listing(&args.model)?;
     check_train_outputs(&args, &model_files)?;
     check_plot_output(&args, &model_files)?;

@@ -79,6 +79,20 @@ pub enum OnNonFinite {
     Skip,
 }
 
+impl OnNonFinite {
+    /// The word of `train --on-nonfinite`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnNonFinite::Keep => "keep",
+            OnNonFinite::Stop => "stop",
+            OnNonFinite::Skip => "skip",
+        }
+    }
+}
+
+// The CLI offers stop and skip; keep is the library's default for hosts of their own.
+value_enum!(OnNonFinite: OnNonFinite::Stop, OnNonFinite::Skip);
+
 impl std::str::FromStr for OnNonFinite {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {

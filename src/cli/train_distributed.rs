@@ -11,7 +11,7 @@ use std::rc::Rc;
 
 use onnx_ga::data::Tensor;
 use onnx_ga::distributed::{self, Collective};
-use onnx_ga::train::{micro_batch, OnNonFinite, TrainError, Trainer};
+use onnx_ga::train::{micro_batch, TrainError, Trainer};
 
 use super::{
     check_plot_output, check_train_outputs, progress_path, recorded_progress, save_checkpoint,
@@ -204,10 +204,7 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
         )
         .into());
     }
-    let on_nonfinite: OnNonFinite = args
-        .on_nonfinite
-        .parse()
-        .map_err(|e| UsageError(format!("--on-nonfinite {e}")))?;
+    let on_nonfinite = args.on_nonfinite;
     let (model, model_files) = onnx_ga::model::load_model_with_data_listing(&args.model)?;
     // Only rank 0 writes, so only its outputs are checked (the others may run where those
     // paths do not exist).
