@@ -27,7 +27,7 @@ use onnx_ga::data::{read_npz, Tensor};
 use onnx_ga::engine::ort::{OrtSession, SessionOptions};
 use onnx_ga::engine::{Engine, EngineKind, Held};
 use onnx_ga::proto::ModelProto;
-use onnx_ga::signature::{self, ExplicitRoles, OptimizerSpec};
+use onnx_ga::signature::{self, ExplicitRoles};
 use onnx_ga::state::Manifest;
 use onnx_ga::state::Role;
 use onnx_ga::train::{micro_batch, TrainOptions, Trainer};
@@ -218,7 +218,7 @@ struct Prepared {
     floor_manifest: Manifest,
     step_if: ModelProto,
     step_where: ModelProto,
-    adamw: (f32, f32, f32, f32, bool),
+    adamw: onnx_ga::adamw::AdamW,
     lazy_reset: String,
     data: BTreeMap<String, Tensor>,
     samples: usize,
@@ -245,18 +245,12 @@ fn prepare(model: &str, k: u64) -> Result<Prepared> {
         .optimizer
         .as_ref()
         .ok_or_else(|| anyhow!("{model}: no optimizer"))?;
-    let adamw = match opt.spec {
-        OptimizerSpec::Adamw {
-            beta1,
-            beta2,
-            epsilon,
-            weight_decay,
-            correct_bias,
-            adam_mode: 1,
-        } => (beta1, beta2, epsilon, weight_decay, correct_bias),
-        ref other => {
-            bail!("{model}: the host loop implements AdamW adam_mode=1 only, not {other:?}")
-        }
+    let adamw = match opt.spec.adamw() {
+        Some(a) if a.adam_mode == 1 => a,
+        _ => bail!(
+            "{model}: the host loop implements AdamW adam_mode=1 only, not {:?}",
+            opt.spec
+        ),
     };
     let lazy_reset = graph
         .signature
@@ -436,7 +430,7 @@ struct HostLoop {
     /// (gradient output, parameter input, accumulator, m, v)
     params: Vec<HostParam>,
     data_inputs: Vec<String>,
-    adamw: (f32, f32, f32, f32, bool),
+    adamw: onnx_ga::adamw::AdamW,
     k: u64,
     micro: u64,
     t: i32,
@@ -472,7 +466,7 @@ impl HostLoop {
             bn_back,
             params,
             data_inputs: p.floor_manifest.data_inputs.clone(),
-            adamw: p.adamw,
+            adamw: p.adamw.clone(),
             k,
             micro: 0,
             t: 0,
@@ -507,7 +501,14 @@ impl HostLoop {
         }
         // AdamW, ORT's formula (adam_mode 1): bias-corrected step, then decoupled decay.
         self.t += 1;
-        let (b1, b2, eps, wd, correct) = self.adamw;
+        let onnx_ga::adamw::AdamW {
+            beta1: b1,
+            beta2: b2,
+            epsilon: eps,
+            weight_decay: wd,
+            correct_bias: correct,
+            ..
+        } = self.adamw;
         let step_size = if correct {
             LR * (1.0 - b2.powi(self.t)).sqrt() / (1.0 - b1.powi(self.t))
         } else {

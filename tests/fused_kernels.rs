@@ -213,16 +213,8 @@ fn fused_adamw_splits_large_parameters_across_threads() {
 /// y = x W + b with W of 512 x 256 = 131072 elements, mean squared error, AdamW mode 0.
 fn large_linear_step() -> ModelProto {
     use onnx_ga::ir::builder::Builder;
-    use onnx_ga::ir::{tensor_type, BodyId, Model};
-    let mut model = Model::from_proto(ModelProto {
-        ir_version: Some(8),
-        opset_import: vec![onnx_ga::proto::OperatorSetIdProto {
-            domain: Some(String::new()),
-            version: Some(17),
-        }],
-        graph: Some(Default::default()),
-        ..Default::default()
-    });
+    use onnx_ga::ir::{tensor_type, BodyId};
+    let mut model = common::empty_model(17);
     let float = onnx_ga::proto::elem::FLOAT;
     let x = model.add_input(BodyId::MAIN, "x", tensor_type(float, &[8, 512]), None);
     let y = model.add_input(BodyId::MAIN, "y", tensor_type(float, &[8, 256]), None);

@@ -691,16 +691,8 @@ fn trainer_on(step: &ModelProto, engine: onnx_ga::engine::EngineKind) -> Trainer
 #[test]
 fn tract_folds_x_times_zero_which_is_why_the_check_counts() {
     use onnx_ga::ir::builder::{attr_int, Builder};
-    use onnx_ga::ir::{tensor_type, BodyId, Model};
-    let mut model = Model::from_proto(ModelProto {
-        ir_version: Some(8),
-        opset_import: vec![onnx_ga::proto::OperatorSetIdProto {
-            domain: Some(String::new()),
-            version: Some(17),
-        }],
-        graph: Some(Default::default()),
-        ..Default::default()
-    });
+    use onnx_ga::ir::{tensor_type, BodyId};
+    let mut model = common::empty_model(17);
     let main = BodyId::MAIN;
     let x = model.add_input(main, "x", tensor_type(1, &[3]), None);
     let mut b = Builder::new(&mut model, main, "test");
@@ -783,7 +775,7 @@ fn poisoned_window_is_skipped_on_every_engine() {
 #[test]
 fn non_finite_loss_with_finite_gradients_is_skipped_on_every_engine() {
     use onnx_ga::ir::builder::{attr_int, Builder};
-    use onnx_ga::ir::{tensor_type, BodyId, Model};
+    use onnx_ga::ir::{tensor_type, BodyId};
     let base = linear_regression();
     let mut model = Model::from_proto(base);
     let main = BodyId::MAIN;

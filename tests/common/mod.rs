@@ -235,3 +235,17 @@ pub fn python() -> Option<PathBuf> {
     );
     None
 }
+
+/// An empty IR model importing the default opset `opset` (for tests that build a graph).
+#[allow(dead_code)]
+pub fn empty_model(opset: i64) -> onnx_ga::ir::Model {
+    onnx_ga::ir::Model::from_proto(ModelProto {
+        ir_version: Some(8),
+        opset_import: vec![onnx_ga::proto::OperatorSetIdProto {
+            domain: Some(String::new()),
+            version: Some(opset),
+        }],
+        graph: Some(Default::default()),
+        ..Default::default()
+    })
+}
