@@ -775,7 +775,7 @@ fn poisoned_window_is_skipped_on_every_engine() {
 #[test]
 fn non_finite_loss_with_finite_gradients_is_skipped_on_every_engine() {
     use onnx_ga::ir::builder::{attr_int, Builder};
-    use onnx_ga::ir::{tensor_type, BodyId};
+    use onnx_ga::ir::{tensor_type, BodyId, Model};
     let base = linear_regression();
     let mut model = Model::from_proto(base);
     let main = BodyId::MAIN;
