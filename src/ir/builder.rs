@@ -1,5 +1,6 @@
 //! Emitting new nodes: a small builder that mints names, stamps the inserting pass on every
-//! node, and keeps count for the pass report.
+//! node, keeps count for the pass report, and makes constants that a pass reuses within a
+//! body (one `ga.one` per body, however many builders asked for it).
 
 use super::{BodyId, Model, NodeId, NodeSpec, ValueId};
 use crate::proto::{
@@ -62,22 +63,27 @@ impl<'m> Builder<'m> {
         )
     }
 
-    /// A float32 scalar initializer.
+    /// An initializer holding `tensor`, shared with this pass's earlier identical constant
+    /// of the same hint in this body ([`Model::shared_constant`]: the check that it still is
+    /// one). Every constant constructor below goes through it.
+    pub fn constant(&mut self, hint: &str, tensor: TensorProto) -> ValueId {
+        self.model
+            .shared_constant(self.body, self.pass, hint, tensor)
+    }
+
+    /// A float32 scalar constant (shared, see [`Builder::constant`]).
     pub fn scalar_f32(&mut self, hint: &str, value: f32) -> ValueId {
-        self.model
-            .add_initializer(self.body, hint, tensor_f32(&[], &[value]))
+        self.constant(hint, tensor_f32(&[], &[value]))
     }
 
-    /// An int64 initializer of shape `[values.len()]`.
+    /// An int64 constant of shape `[values.len()]` (shared, see [`Builder::constant`]).
     pub fn ints(&mut self, hint: &str, values: &[i64]) -> ValueId {
-        self.model
-            .add_initializer(self.body, hint, tensor_i64(&[values.len() as i64], values))
+        self.constant(hint, tensor_i64(&[values.len() as i64], values))
     }
 
-    /// An int64 scalar initializer.
+    /// An int64 scalar constant (shared, see [`Builder::constant`]).
     pub fn scalar_i64(&mut self, hint: &str, value: i64) -> ValueId {
-        self.model
-            .add_initializer(self.body, hint, tensor_i64(&[], &[value]))
+        self.constant(hint, tensor_i64(&[], &[value]))
     }
 }
 
