@@ -1,5 +1,6 @@
 //! Emitting new nodes: a small builder that mints names, stamps the inserting pass on every
-//! node, and keeps count for the pass report.
+//! node, keeps count for the pass report, and makes constants that a pass reuses within a
+//! body (one `ga.one` per body, however many builders asked for it).
 
 use super::{BodyId, Model, NodeId, NodeSpec, ValueId};
 use crate::proto::{
@@ -62,22 +63,27 @@ impl<'m> Builder<'m> {
         )
     }
 
-    /// A float32 scalar initializer.
+    /// An initializer holding `tensor`, shared with this pass's earlier identical constant
+    /// of the same hint in this body ([`Model::shared_constant`]: the check that it still is
+    /// one). Every constant constructor below goes through it.
+    pub fn constant(&mut self, hint: &str, tensor: TensorProto) -> ValueId {
+        self.model
+            .shared_constant(self.body, self.pass, hint, tensor)
+    }
+
+    /// A float32 scalar constant (shared, see [`Builder::constant`]).
     pub fn scalar_f32(&mut self, hint: &str, value: f32) -> ValueId {
-        self.model
-            .add_initializer(self.body, hint, tensor_f32(&[], &[value]))
+        self.constant(hint, tensor_f32(&[], &[value]))
     }
 
-    /// An int64 initializer of shape `[values.len()]`.
+    /// An int64 constant of shape `[values.len()]` (shared, see [`Builder::constant`]).
     pub fn ints(&mut self, hint: &str, values: &[i64]) -> ValueId {
-        self.model
-            .add_initializer(self.body, hint, tensor_i64(&[values.len() as i64], values))
+        self.constant(hint, tensor_i64(&[values.len() as i64], values))
     }
 
-    /// An int64 scalar initializer.
+    /// An int64 scalar constant (shared, see [`Builder::constant`]).
     pub fn scalar_i64(&mut self, hint: &str, value: i64) -> ValueId {
-        self.model
-            .add_initializer(self.body, hint, tensor_i64(&[], &[value]))
+        self.constant(hint, tensor_i64(&[], &[value]))
     }
 }
 
@@ -204,5 +210,85 @@ fn typed<T>(
 impl NodeAttributes for crate::proto::NodeProto {
     fn attr(&self, name: &str) -> Option<&AttributeProto> {
         self.attribute.iter().find(|a| a.name() == name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::{tensor_type, BodyId};
+
+    fn model() -> Model {
+        let text = "<ir_version: 8, opset_import: [\"\" : 17]>\n\
+                    g (float x, bool c) => (float y) { y = Identity (x) }";
+        Model::from_proto(crate::ir::text::parse_model(text).unwrap_or_else(|e| panic!("{e}")))
+    }
+
+    #[test]
+    fn constants_are_reused_per_body_pass_hint_and_value() {
+        let mut m = model();
+        let main = BodyId::MAIN;
+        let one = Builder::new(&mut m, main, "p").scalar_i64("one", 1);
+        // Another builder of the same pass: the same constant.
+        assert_eq!(Builder::new(&mut m, main, "p").scalar_i64("one", 1), one);
+        assert_eq!(Builder::new(&mut m, main, "p").ints("axes", &[0, 1]), {
+            Builder::new(&mut m, main, "p").ints("axes", &[0, 1])
+        });
+        // Another value, type, shape, hint or pass: a new one.
+        let mut b = Builder::new(&mut m, main, "p");
+        assert_ne!(b.scalar_i64("one", 2), one);
+        assert_ne!(b.ints("one", &[1]), one);
+        assert_ne!(b.scalar_f32("one", 1.0), b.scalar_f32("one", -1.0));
+        assert_ne!(b.scalar_i64("unit", 1), one);
+        assert_ne!(Builder::new(&mut m, main, "q").scalar_i64("one", 1), one);
+        // Another body: a new one.
+        let c = m.lookup(main, "c").unwrap();
+        let node = Builder::new(&mut m, main, "p").node("If", "", &[Some(c)], &["z"], vec![]);
+        let branch = m.add_subgraph(node, "then_branch");
+        let inner = Builder::new(&mut m, branch, "p").scalar_i64("one", 1);
+        assert_ne!(inner, one);
+        assert_eq!(
+            Builder::new(&mut m, branch, "p").scalar_i64("one", 1),
+            inner
+        );
+    }
+
+    #[test]
+    fn a_constant_no_longer_what_it_was_is_not_reused() {
+        let mut m = model();
+        let main = BodyId::MAIN;
+        let x = m.lookup(main, "x").unwrap();
+        let make = |m: &mut Model| Builder::new(m, main, "p").scalar_f32("k", 2.0);
+
+        // Removed (dce drops unused initializers).
+        let k = make(&mut m);
+        m.body_mut(main).initializers.retain(|(v, _)| *v != k);
+        let k2 = make(&mut m);
+        assert_ne!(k2, k);
+        assert_eq!(make(&mut m), k2);
+
+        // Made a graph input.
+        m.promote_initializer_to_input(k2);
+        let k3 = make(&mut m);
+        assert_ne!(k3, k2);
+
+        // Given another value.
+        m.set_initializer(k3, tensor_f32(&[], &[3.0]));
+        let k4 = make(&mut m);
+        assert_ne!(k4, k3);
+
+        // A body output (a state's next value) stays its own.
+        m.add_output(main, k4, Some(tensor_type(crate::proto::elem::FLOAT, &[])));
+        let k5 = make(&mut m);
+        assert_ne!(k5, k4);
+
+        // Read by nodes only: still shared.
+        Builder::new(&mut m, main, "p").op("Mul", &[x, k5], vec![], "y2");
+        assert_eq!(make(&mut m), k5);
+        assert_eq!(
+            m.initializer(k5).and_then(|t| t.name.clone()).as_deref(),
+            Some(m.name(k5))
+        );
+        crate::ir::verify::verify(&m).unwrap();
     }
 }

@@ -5,7 +5,8 @@
 //!
 //! [`Emit`] is the one way passes build default-domain ops: typed constructors (`mul`,
 //! `sqrt`, `select`, ...), so an update reads like its formula, and the opset-aware forms.
-//! The plain [`Builder`] implements it (the optimizer, AGC, loss scaling), and so do the
+//! The plain [`Builder`] implements it (the optimizer, AGC, loss scaling; its constants are
+//! reused per body, pass and hint: [`crate::ir::Model::shared_constant`]), and so do the
 //! legalize lowerings and the autodiff rules, which name their constants in their own way
 //! and keep their own facts.
 

@@ -21,6 +21,7 @@ pub(super) fn import(mut proto: ModelProto) -> Model {
             nodes: Vec::new(),
             values: Vec::new(),
             names: NameAuthority::default(),
+            constants: Default::default(),
         },
         scopes: Vec::new(),
     };

@@ -133,6 +133,21 @@ pub struct Model {
     pub nodes: Vec<Node>,
     pub values: Vec<Value>,
     pub names: NameAuthority,
+    /// The constants [`Model::shared_constant`] made, for reuse; no part of the model
+    /// (never exported), and trusted only after checking the value still is that constant.
+    constants: std::collections::HashMap<ConstantKey, ValueId>,
+}
+
+/// What makes two constants the same one: the body, the pass that made it, its name hint and
+/// its value (element type, dims, bytes).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct ConstantKey {
+    body: BodyId,
+    pass: &'static str,
+    hint: String,
+    elem: i32,
+    dims: Vec<i64>,
+    bytes: Vec<u8>,
 }
 
 /// Errors of IR mutations. Each names the values or nodes involved.
@@ -352,6 +367,58 @@ impl Model {
         let v = self.push_value(name, ValueDef::Initializer { body });
         self.body_mut(body).initializers.push((v, tensor));
         v
+    }
+
+    /// An initializer of `body` holding `tensor`, made by `pass` under a name from `hint`:
+    /// the one that `pass` made before in `body` under the same hint with the same value,
+    /// else a new one ([`add_initializer`](Self::add_initializer)). So a pass asking twice
+    /// for `ga.one` gets one initializer, while a constant of the user's graph or of another
+    /// pass is never shared. The earlier one is reused only while it still is exactly that
+    /// initializer of `body`: not removed (dce), not made a graph input
+    /// ([`promote_initializer_to_input`](Self::promote_initializer_to_input)), not given
+    /// another tensor ([`set_initializer`](Self::set_initializer)), not moved by an inline,
+    /// and not a body output (a state's next value; two outputs must not share one name).
+    /// A pass that will change or promote its constant must make it with `add_initializer`.
+    pub fn shared_constant(
+        &mut self,
+        body: BodyId,
+        pass: &'static str,
+        hint: &str,
+        tensor: TensorProto,
+    ) -> ValueId {
+        let key = ConstantKey {
+            body,
+            pass,
+            hint: hint.to_string(),
+            elem: tensor.data_type(),
+            dims: tensor.dims.clone(),
+            bytes: tensor.raw_data.clone().unwrap_or_default(),
+        };
+        if let Some(&v) = self.constants.get(&key) {
+            if self.is_constant(body, v, &tensor) {
+                return v;
+            }
+        }
+        let v = self.add_initializer(body, hint, tensor);
+        self.constants.insert(key, v);
+        v
+    }
+
+    /// Whether `v` still is a plain initializer of `body` holding exactly `tensor` (under
+    /// its name), read by no body output.
+    fn is_constant(&self, body: BodyId, v: ValueId, tensor: &TensorProto) -> bool {
+        let name = self.name(v);
+        self.value(v).def == (ValueDef::Initializer { body })
+            && !self.uses(v).iter().any(|u| matches!(u, Use::Output { .. }))
+            && self.body(body).initializers.iter().any(|(id, t)| {
+                *id == v
+                    && t.name.as_deref() == Some(name)
+                    && *t
+                        == TensorProto {
+                            name: t.name.clone(),
+                            ..tensor.clone()
+                        }
+            })
     }
 
     /// A new graph input of `body`, backed by `default` as an initializer of the same name

@@ -486,7 +486,7 @@ fn micro_batch_weight(
             raw_data: crate::ir::emit::scalar_bytes(label_elem, value as f64),
             ..Default::default()
         };
-        b.model.add_initializer(b.body, hint, t)
+        b.constant(hint, t)
     };
     let mut b = Builder::new(model, main, PASS);
     // Whether each label is ignored: computed once, where it is first needed.
