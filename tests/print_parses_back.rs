@@ -68,13 +68,7 @@ fn round_trip(printed: &str) -> Result<(), String> {
         format!("parse error {e}\n    at: {line}")
     })?;
     let again = print_model(&Model::from_proto(proto));
-    let strip = |t: &str| {
-        t.lines()
-            .map(|l| l.split("  # ").next().unwrap().to_string())
-            .collect::<Vec<_>>()
-            .join("\n")
-    };
-    if strip(&again) == strip(printed) {
+    if again == printed {
         return Ok(());
     }
     let (line, (a, b)) = printed
@@ -162,4 +156,170 @@ fn every_file_case_output_is_checked() {
             assert_eq!(outputs.len(), 1, "{snap_name}: one printed output expected");
         }
     }
+}
+
+/// What the printer can write that no snapshot holds yet (loops, lists of graphs and tensors,
+/// strings that need escapes, 16-bit floats, bools both ways, elided values of every kind,
+/// values without a type, odd names): one model that has it all round-trips too.
+#[test]
+fn the_printers_rarer_forms_round_trip() {
+    use onnx_ga::proto::attribute_proto::AttributeType;
+    use onnx_ga::proto::tensor_proto::DataType;
+    use onnx_ga::proto::{AttributeProto, TensorProto};
+
+    let source = r#"<ir_version: 9, opset_import: ["" : 17, "com.example" : 1]>
+rare (float[N,?,3] x, int64 trip, bool cond, seq(float[2]) s, optional(int64[3]) o,
+      map(int64, float) m, float[] any_rank, float16[2] h, bool[2] flags) => (float[N,?,3] y, float[2] z, float ::odd/name:1) {
+  y, scan_out = Loop (trip, cond, x) <
+    body = loop_body (int64 i, bool c, float[N,?,3] acc) => (bool c_out, float[N,?,3] acc_out, float[N,?,3] scanned) {
+      c_out = Identity (c)
+      acc_out = Add (acc, acc)
+      scanned = Identity (acc)
+    }
+  >
+  z = com.example.Strings <s = "quote \" backslash \\ tab	newline
+end é", strings = ["a", "\\", "\""], empty: ints = [], nan = nan, pos = inf, neg = -inf, max = 3.4028235e38, tiny = 1e-45, whole: float = 2, ref: int = @outer> (x, "", trip)
+  ::odd/name:1 = Identity (x)
+}"#;
+    let mut proto = text::parse_model(source).unwrap_or_else(|e| panic!("{e}"));
+    let graph = proto.graph.as_mut().unwrap();
+    let t = |name: &str, data_type: DataType, dims: &[i64]| TensorProto {
+        name: Some(name.into()),
+        data_type: Some(data_type as i32),
+        dims: dims.to_vec(),
+        ..Default::default()
+    };
+    let f16 = |v: &[f32]| -> Vec<u8> {
+        v.iter()
+            .flat_map(|f| half::f16::from_f32(*f).to_le_bytes())
+            .collect()
+    };
+    let bf16 = |v: &[f32]| -> Vec<u8> {
+        v.iter()
+            .flat_map(|f| half::bf16::from_f32(*f).to_le_bytes())
+            .collect()
+    };
+    graph.initializer = vec![
+        // Shown: raw 16-bit floats, raw bools, typed bools, raw doubles and int32s.
+        TensorProto {
+            raw_data: Some(f16(&[1.5, -0.0])),
+            ..t("h", DataType::Float16, &[2])
+        },
+        TensorProto {
+            raw_data: Some(bf16(&[3.0, f32::INFINITY, 0.1])),
+            ..t("b16", DataType::Bfloat16, &[3])
+        },
+        TensorProto {
+            raw_data: Some(vec![1, 0]),
+            ..t("flags", DataType::Bool, &[2])
+        },
+        TensorProto {
+            int32_data: vec![0, 1],
+            ..t("flags_typed", DataType::Bool, &[2])
+        },
+        TensorProto {
+            raw_data: Some(0.1f64.to_le_bytes().to_vec()),
+            ..t("d", DataType::Double, &[])
+        },
+        TensorProto {
+            raw_data: Some([-7i32, 9].iter().flat_map(|i| i.to_le_bytes()).collect()),
+            ..t("i32", DataType::Int32, &[2])
+        },
+        TensorProto {
+            float_data: vec![f32::NAN, f32::NEG_INFINITY, f32::MAX, -0.0],
+            ..t("specials", DataType::Float, &[4])
+        },
+        TensorProto {
+            float_data: vec![],
+            ..t("empty", DataType::Float, &[0, 3])
+        },
+        // Elided: more than 8 elements, or a type whose values the printer does not show.
+        TensorProto {
+            float_data: vec![0.5; 12],
+            ..t("big", DataType::Float, &[3, 4])
+        },
+        TensorProto {
+            int32_data: vec![1, 2],
+            ..t("u8", DataType::Uint8, &[2])
+        },
+        TensorProto {
+            int32_data: vec![15360],
+            ..t("h_typed", DataType::Float16, &[1])
+        },
+        TensorProto {
+            string_data: vec![b"x".to_vec()],
+            ..t("strs", DataType::String, &[1])
+        },
+        TensorProto {
+            raw_data: Some(vec![0; 8]),
+            ..t("c64", DataType::Complex64, &[1])
+        },
+    ];
+    // A value without a type.
+    graph.input.push(onnx_ga::proto::ValueInfoProto {
+        name: Some("untyped".into()),
+        ..Default::default()
+    });
+    // A list of graphs and a list of tensors, which ONNX text cannot state.
+    let body = graph.node[0].attribute[0].g.clone().unwrap();
+    let strings = &mut graph.node[1];
+    strings.attribute.push(AttributeProto {
+        name: Some("bodies".into()),
+        r#type: Some(AttributeType::Graphs as i32),
+        graphs: vec![body.clone(), body],
+        ..Default::default()
+    });
+    strings.attribute.push(AttributeProto {
+        name: Some("tensors".into()),
+        r#type: Some(AttributeType::Tensors as i32),
+        tensors: vec![
+            TensorProto {
+                float_data: vec![1.0, 2.0],
+                ..t("", DataType::Float, &[2])
+            },
+            TensorProto {
+                int64_data: vec![0; 9],
+                ..t("", DataType::Int64, &[9])
+            },
+        ],
+        ..Default::default()
+    });
+    strings.attribute.push(AttributeProto {
+        name: Some("big_tensor".into()),
+        r#type: Some(AttributeType::Tensor as i32),
+        t: Some(TensorProto {
+            float_data: vec![1.0; 10],
+            ..t("", DataType::Float, &[10])
+        }),
+        ..Default::default()
+    });
+    // An unnamed subgraph.
+    graph.node[0].attribute[0].g.as_mut().unwrap().name = Some(String::new());
+
+    let printed = print_model(&Model::from_proto(proto));
+    for form in [
+        "<body = ",
+        "bodies[1] = ",
+        "tensors = [float[2] = {1.0, 2.0}, int64[9]]",
+        "big_tensor = float[10]",
+        r#"s = "quote \" backslash \\ tab\tnewline\nend é""#,
+        "float16[2] h = {1.5, -0.0}",
+        "bfloat16[3] b16 = {3.0, inf, 0.100097656}",
+        "bool[2] flags = {true, false}",
+        "bool[2] flags_typed = {0, 1}",
+        "float[4] specials = {NaN, -inf, 3.4028235e38, -0.0}",
+        "float[3,4] big,",
+        "uint8[2] u8,",
+        "? untyped",
+        "empty = []",
+        "ref = @outer",
+        "(x, \"\", trip)",
+    ] {
+        if form == "<body = " {
+            assert!(!printed.contains(form), "branches print after the node");
+        } else {
+            assert!(printed.contains(form), "{form} not in\n{printed}");
+        }
+    }
+    round_trip(&printed).unwrap_or_else(|e| panic!("{e}\n{printed}"));
 }

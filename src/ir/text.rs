@@ -913,11 +913,14 @@ impl<'a> Parser<'a> {
         }
         self.expect("(", "to open the node inputs")?;
         node.input = self.names_until(")", "the node inputs")?;
-        if node.attribute.is_empty() && self.accept("<") {
+        // (Read before looking for attributes after the inputs, which skips comments.)
+        let mut mark = self.comment_ending_line().filter(|_| self.printed);
+        if mark.is_none() && node.attribute.is_empty() && self.accept("<") {
             node.attribute = self.attributes()?;
+            mark = self.comment_ending_line().filter(|_| self.printed);
         }
         if self.printed {
-            if let Some(pass) = self.comment_ending_line() {
+            if let Some(pass) = mark {
                 node.metadata_props.push(StringStringEntryProto {
                     key: Some(super::PASS_KEY.to_string()),
                     value: Some(pass),
@@ -1469,6 +1472,135 @@ mod tests {
     fn empty_optional_inputs_are_empty_names() {
         let g = graph_of("g (float X) => (float Y) { Y = Foo (, X, \"\", X,) }");
         assert_eq!(g.node[0].input, ["", "X", "", "X"]);
+    }
+
+    fn printed_graph_of(body: &str) -> GraphProto {
+        parse_printed(&format!("{HEADER}{body}"))
+            .unwrap_or_else(|e| panic!("{e}"))
+            .graph
+            .unwrap()
+    }
+
+    /// The two readings that differ between the dialects: a value-less entry of `<...>` and
+    /// a comment that ends a node's line.
+    #[test]
+    fn elided_initializers_and_pass_marks_only_when_printed() {
+        let text = "g (float[2] x) => (float[2] y)\n<float[3,4] w, int64[2] k = {1, 2}>\n{\n  y = Add (x, w)  # grad-accum\n  z = Neg (y)\n}";
+        let printed = printed_graph_of(text);
+        assert!(printed.value_info.is_empty());
+        let w = &printed.initializer[0];
+        assert_eq!((w.name(), w.dims.as_slice()), ("w", &[3i64, 4][..]));
+        assert_eq!(w.float_data, vec![0.0; 12]);
+        assert_eq!(printed.initializer[1].int64_data, [1, 2]);
+        let mark = &printed.node[0].metadata_props;
+        assert_eq!(mark.len(), 1);
+        assert_eq!(
+            (mark[0].key(), mark[0].value()),
+            (crate::ir::PASS_KEY, "grad-accum")
+        );
+        assert!(printed.node[1].metadata_props.is_empty());
+
+        let onnx = graph_of(text);
+        assert_eq!(onnx.value_info.len(), 1);
+        assert_eq!(onnx.initializer.len(), 1);
+        assert!(onnx.node[0].metadata_props.is_empty());
+    }
+
+    #[test]
+    fn elided_values_of_every_kind_are_zeros() {
+        let g = printed_graph_of(
+            "g () => ()\n<int64[9] a, bool[9] b, float16[9] c, string[2] d, complex64[1] e, uint4[3] f>\n{\n  y = Foo <t = float[10], ts = [int64[9], float[1] = {1.0}]> ()\n}",
+        );
+        let i = &g.initializer;
+        assert_eq!(i[0].int64_data, vec![0; 9]);
+        assert_eq!((i[1].int32_data.len(), i[2].int32_data.len()), (9, 9));
+        assert_eq!(i[3].string_data, vec![Vec::<u8>::new(); 2]);
+        assert_eq!(i[4].raw_data(), [0u8; 8]);
+        assert_eq!(i[5].raw_data(), [0u8; 2]);
+        let a = &g.node[0].attribute;
+        assert_eq!(a[0].t.as_ref().unwrap().float_data, vec![0.0; 10]);
+        assert_eq!(a[1].r#type(), AttributeType::Tensors);
+        assert_eq!(a[1].tensors[0].int64_data, vec![0; 9]);
+        assert_eq!(a[1].tensors[1].float_data, [1.0]);
+        let e = parse_printed(&format!(
+            "{HEADER}g () => ()\n<float[1000000,1000000] huge>\n{{\n}}"
+        ))
+        .expect_err("too large")
+        .to_string();
+        assert_eq!(
+            e,
+            "3:2: an elided initializer of shape [1000000, 1000000] is too large to fill with zeros"
+        );
+    }
+
+    #[test]
+    fn printed_strings_use_rust_escapes() {
+        let text = r#"g () => () { y = Foo <s = "a\nb\t\"\\\u{1b}é"> () }"#;
+        let printed = printed_graph_of(text);
+        assert_eq!(
+            printed.node[0].attribute[0].s(),
+            "a\nb\t\"\\\u{1b}é".as_bytes()
+        );
+        // onnx's reading: a backslash takes the next character.
+        assert_eq!(
+            graph_of(text).node[0].attribute[0].s(),
+            "anbt\"\\u{1b}é".as_bytes()
+        );
+    }
+
+    /// Readings both dialects share, since onnx's text has no meaning for them.
+    #[test]
+    fn printer_forms_onnx_text_lacks() {
+        for g in [graph_of(DIALECT_SAMPLE), printed_graph_of(DIALECT_SAMPLE)] {
+            assert_eq!(g.input[0].name(), "onnx::Mul_3/x:0");
+            assert_eq!(g.input[1].r#type, None);
+            let flags = &g.initializer[0];
+            assert_eq!(flags.raw_data(), [1, 0]);
+            assert_eq!(g.initializer[1].int32_data, [1, 0]);
+            assert_eq!(
+                g.initializer[2].raw_data(),
+                [half::f16::from_f32(1.5), half::f16::from_f32(-0.0)]
+                    .iter()
+                    .flat_map(|h| h.to_le_bytes())
+                    .collect::<Vec<_>>()
+            );
+            assert_eq!(g.initializer[3].int32_data, [15360]);
+            assert!(g.initializer[4].float_data[0].is_nan());
+            assert_eq!(g.initializer[4].float_data[1], f32::MAX);
+            let node = &g.node[0];
+            assert_eq!(node.op_type(), "If");
+            let names: Vec<&str> = node.attribute.iter().map(|a| a.name()).collect();
+            assert_eq!(names, ["else_branch", "then_branch"]);
+            assert_eq!(node.attribute[0].g.as_ref().unwrap().name(), "");
+            assert_eq!(g.node[1].output, ["then_branch"]);
+            assert!(g.node[2].attribute[0].f().is_nan());
+        }
+    }
+
+    const DIALECT_SAMPLE: &str = "g (float onnx::Mul_3/x:0, ? untyped, bool c) => (float y)
+<bool[2] flags = {true, false}, bool[2] ints = {1, 0}, float16[2] h = {1.5, -0.0}, float16 bits = {15360}, float[2] f = {NaN, 3.4028235e38}>
+{
+  y = If (c)
+    else_branch =  () => (float e)
+    {
+      e = Identity (onnx::Mul_3/x:0)
+    }
+    then_branch = then () => (float t) {
+      t = Neg (onnx::Mul_3/x:0)
+    }
+  then_branch = Identity (y)
+  z = Foo <a = NaN> (y)
+}";
+
+    /// Every prefix of printed text is parsed or refused by `parse_printed`, never a panic.
+    #[test]
+    fn truncated_printed_texts_are_errors_not_panics() {
+        let text = format!("{HEADER}{DIALECT_SAMPLE}");
+        for (end, _) in text.char_indices() {
+            let _ = parse_printed(&text[..end]);
+            let _ = parse_model(&text[..end]);
+        }
+        assert!(parse_printed(&text).is_ok());
     }
 
     #[test]
