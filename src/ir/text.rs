@@ -1,6 +1,6 @@
 //! Parses ONNX's textual syntax (the language of `onnx.parser` / `onnx.printer`, onnx's
 //! docs/Syntax.md) into a `ModelProto`, so that tests can state their input graphs as text
-//! that reads like the printer's output (`tests/cases/**/*.onnxtxt`).
+//! (`tests/cases/**/*.onnxtxt`), and reads back what `ir::print` writes (`parse_printed`).
 //!
 //! What it accepts, and how it differs from onnx 1.23's own parser (whose output it matches
 //! field for field on what both accept: the unit tests compare with references that
@@ -19,11 +19,62 @@
 //! - attributes: int, float (with `inf`, `nan`), string, lists of those, tensors
 //!   (`float[2] {1, 2}`), graphs (an `If` branch), `@ref`; an optional `: type` annotation.
 //!   Lists of tensors or graphs are refused (onnx 1.23 silently drops their elements).
-//! - a superset on purpose: plain identifiers may contain dots (`w.m`), as the printer writes
-//!   them, and a tensor whose value count differs from its shape is an error, not a silently
-//!   short tensor.
-//! - `#` starts a comment to the end of the line, as in onnx: the printer's `# pass` marks
-//!   and a test case's `# key: value` lines are comments to the parser.
+//! - a tensor whose value count differs from its shape is an error, not a silently short
+//!   tensor; a float beyond float32 (one that rounds to infinity) is an error.
+//! - `#` starts a comment to the end of the line, as in onnx: a test case's `# key: value`
+//!   lines are comments to the parser.
+//!
+//! ## The printer's dialect
+//!
+//! `ir::print` writes ONNX text with a few forms of its own (it is made to be read by people:
+//! sorted attributes, branches below their node, provenance marks, long tensors elided). The
+//! parser reads all of them, so that every printed graph parses back and prints identically
+//! (tests/print_parses_back.rs checks every graph in tests/snapshots/).
+//!
+//! Read by both `parse_model` and `parse_printed`, since onnx's text gives them no meaning
+//! (each was a syntax error before):
+//! - value names wider than onnx's identifiers: letters, digits and `_ . : / -`, not starting
+//!   with `-` (`w.m`, `onnx::Mul_3`, `/fc1/Gemm_output_0`, `12`): exporters make such names
+//!   and the printer writes names unquoted. The same for graph names, dim names and node
+//!   labels; `"any text"` stays the way to write any other name.
+//! - graph attributes after their node, one per line, as the printer writes an `If`'s or a
+//!   `Loop`'s bodies: `y = If (c)` then `else_branch = g () => (...) {...}`; `body[0] = ...`
+//!   is element 0 of a list of graphs. A node (`y = Relu (x)`) reads the same up to its
+//!   inputs: only a graph has `=>` after them, which decides.
+//! - a graph with no name (`body =  () => ...`), a value with no type (`? x`).
+//! - `true` and `false` as a bool tensor's values (the printer's form of a bool held as raw
+//!   bytes), read into raw_data; integers keep onnx's reading (int32_data).
+//! - float literals as a float16 or bfloat16 tensor's values (`{1.5, -0.0}`, the printer's
+//!   form of raw 16-bit floats), rounded to the type into raw_data; integers keep onnx's
+//!   reading (the bit pattern, in int32_data).
+//! - `NaN`, Rust's spelling of a NaN, beside onnx's `nan`.
+//!
+//! Read only by `parse_printed`, since the same text means something else in onnx's:
+//! - an entry of a graph's `<...>` list without values is an initializer whose values the
+//!   printer elided (it shows at most 8 elements, of the types whose values it prints), not a
+//!   value info (the printer writes none). It is read as zeros of its declared type and shape,
+//!   in the field that type's values are read into (float_data, int64_data, int32_data for
+//!   bool, the narrow ints and 16-bit floats, uint64_data, string_data of empty strings, raw
+//!   zero bytes for complex, 8-, 4- and 2-bit types), so that it prints elided again: the text
+//!   round-trips, the values do not. (One of at most 8 elements that was elided for being
+//!   stored externally would print its zeros.) The same for a tensor attribute without
+//!   values (`value = float[16]`), alone or in a list. More than 2^26 elements is an error.
+//! - a `# text` comment that ends a node's line (after its inputs, or its attributes after
+//!   them) is the node's provenance: the `onnx_ga.pass` metadata entry (`ir::PASS_KEY`) the
+//!   printer shows that way. A comment on a line of its own stays a comment.
+//! - strings use Rust's escapes (the printer writes them with `{:?}`): `\n`, `\r`, `\t`,
+//!   `\0`, `\u{1b}`; any other escaped character stands for itself. onnx's backslash takes
+//!   the next character as it is (`\n` is `n`).
+//! - a list of tensors (`[float[2] = {1.0, 2.0}, int64[9]]`), and an empty list `[]` without
+//!   a type annotation, read as ints (the printer writes every empty list so; it prints the
+//!   same whatever its type).
+//!
+//! What the printer cannot say does not come back: node names, value infos, doc strings, the
+//! header beyond ir_version and opset_import, elided values, which field held a tensor's
+//! values, and a tensor type without a shape versus a scalar's empty shape (both print
+//! `float`). One form stays ambiguous and is read as a tensor: a TYPE_PROTO attribute (only
+//! `Optional`'s `type` has one), which the printer writes as a type (`type = float[10]`),
+//! the same text as an elided tensor attribute (and refused when it is not a tensor type).
 //!
 //! Every error names the line and column (1-based) where the parser stopped.
 
