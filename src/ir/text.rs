@@ -1,6 +1,6 @@
 //! Parses ONNX's textual syntax (the language of `onnx.parser` / `onnx.printer`, onnx's
 //! docs/Syntax.md) into a `ModelProto`, so that tests can state their input graphs as text
-//! that reads like the printer's output (`tests/cases/**/*.onnxtxt`).
+//! (`tests/cases/**/*.onnxtxt`), and reads back what `ir::print` writes (`parse_printed`).
 //!
 //! What it accepts, and how it differs from onnx 1.23's own parser (whose output it matches
 //! field for field on what both accept: the unit tests compare with references that
@@ -19,11 +19,62 @@
 //! - attributes: int, float (with `inf`, `nan`), string, lists of those, tensors
 //!   (`float[2] {1, 2}`), graphs (an `If` branch), `@ref`; an optional `: type` annotation.
 //!   Lists of tensors or graphs are refused (onnx 1.23 silently drops their elements).
-//! - a superset on purpose: plain identifiers may contain dots (`w.m`), as the printer writes
-//!   them, and a tensor whose value count differs from its shape is an error, not a silently
-//!   short tensor.
-//! - `#` starts a comment to the end of the line, as in onnx: the printer's `# pass` marks
-//!   and a test case's `# key: value` lines are comments to the parser.
+//! - a tensor whose value count differs from its shape is an error, not a silently short
+//!   tensor; a float beyond float32 (one that rounds to infinity) is an error.
+//! - `#` starts a comment to the end of the line, as in onnx: a test case's `# key: value`
+//!   lines are comments to the parser.
+//!
+//! ## The printer's dialect
+//!
+//! `ir::print` writes ONNX text with a few forms of its own (it is made to be read by people:
+//! sorted attributes, branches below their node, provenance marks, long tensors elided). The
+//! parser reads all of them, so that every printed graph parses back and prints identically
+//! (tests/print_parses_back.rs checks every graph in tests/snapshots/).
+//!
+//! Read by both `parse_model` and `parse_printed`, since onnx's text gives them no meaning
+//! (each was a syntax error before):
+//! - value names wider than onnx's identifiers: letters, digits and `_ . : / -`, not starting
+//!   with `-` (`w.m`, `onnx::Mul_3`, `/fc1/Gemm_output_0`, `12`): exporters make such names
+//!   and the printer writes names unquoted. The same for graph names, dim names and node
+//!   labels; `"any text"` stays the way to write any other name.
+//! - graph attributes after their node, one per line, as the printer writes an `If`'s or a
+//!   `Loop`'s bodies: `y = If (c)` then `else_branch = g () => (...) {...}`; `body[0] = ...`
+//!   is element 0 of a list of graphs. A node (`y = Relu (x)`) reads the same up to its
+//!   inputs: only a graph has `=>` after them, which decides.
+//! - a graph with no name (`body =  () => ...`), a value with no type (`? x`).
+//! - `true` and `false` as a bool tensor's values (the printer's form of a bool held as raw
+//!   bytes), read into raw_data; integers keep onnx's reading (int32_data).
+//! - float literals as a float16 or bfloat16 tensor's values (`{1.5, -0.0}`, the printer's
+//!   form of raw 16-bit floats), rounded to the type into raw_data; integers keep onnx's
+//!   reading (the bit pattern, in int32_data).
+//! - `NaN`, Rust's spelling of a NaN, beside onnx's `nan`.
+//!
+//! Read only by `parse_printed`, since the same text means something else in onnx's:
+//! - an entry of a graph's `<...>` list without values is an initializer whose values the
+//!   printer elided (it shows at most 8 elements, of the types whose values it prints), not a
+//!   value info (the printer writes none). It is read as zeros of its declared type and shape,
+//!   in the field that type's values are read into (float_data, int64_data, int32_data for
+//!   bool, the narrow ints and 16-bit floats, uint64_data, string_data of empty strings, raw
+//!   zero bytes for complex, 8-, 4- and 2-bit types), so that it prints elided again: the text
+//!   round-trips, the values do not. (One of at most 8 elements that was elided for being
+//!   stored externally would print its zeros.) The same for a tensor attribute without
+//!   values (`value = float[16]`), alone or in a list. More than 2^26 elements is an error.
+//! - a `# text` comment that ends a node's line (after its inputs, or its attributes after
+//!   them) is the node's provenance: the `onnx_ga.pass` metadata entry (`ir::PASS_KEY`) the
+//!   printer shows that way. A comment on a line of its own stays a comment.
+//! - strings use Rust's escapes (the printer writes them with `{:?}`): `\n`, `\r`, `\t`,
+//!   `\0`, `\u{1b}`; any other escaped character stands for itself. onnx's backslash takes
+//!   the next character as it is (`\n` is `n`).
+//! - a list of tensors (`[float[2] = {1.0, 2.0}, int64[9]]`), and an empty list `[]` without
+//!   a type annotation, read as ints (the printer writes every empty list so; it prints the
+//!   same whatever its type).
+//!
+//! What the printer cannot say does not come back: node names, value infos, doc strings, the
+//! header beyond ir_version and opset_import, elided values, which field held a tensor's
+//! values, and a tensor type without a shape versus a scalar's empty shape (both print
+//! `float`). One form stays ambiguous and is read as a tensor: a TYPE_PROTO attribute (only
+//! `Optional`'s `type` has one), which the printer writes as a type (`type = float[10]`),
+//! the same text as an elided tensor attribute (and refused when it is not a tensor type).
 //!
 //! Every error names the line and column (1-based) where the parser stopped.
 
@@ -64,6 +115,20 @@ pub fn parse_model(text: &str) -> Result<ModelProto, ParseError> {
     Ok(model)
 }
 
+/// Parses a model as `ir::print::print_model` wrote it: ONNX text plus the printer's dialect
+/// (see the module's documentation): a value-less initializer is an elided one (zeros), a
+/// `# pass` comment ending a node's line is its provenance, strings use Rust's escapes.
+pub fn parse_printed(text: &str) -> Result<ModelProto, ParseError> {
+    let mut parser = Parser::new(text);
+    parser.printed = true;
+    let model = parser.model()?;
+    parser.skip_blank();
+    if !parser.at_end() {
+        return Err(parser.error("expected the end of the text after the graph"));
+    }
+    Ok(model)
+}
+
 /// Parses one graph (`name (inputs) => (outputs) {...}`), without a model header.
 pub fn parse_graph(text: &str) -> Result<GraphProto, ParseError> {
     let mut parser = Parser::new(text);
@@ -87,6 +152,8 @@ enum Number {
 enum Constant {
     Number(Number),
     Text(Vec<u8>),
+    /// `true` or `false`, as the printer writes a bool tensor's values.
+    Bool(bool),
 }
 
 struct Parser<'a> {
@@ -96,6 +163,8 @@ struct Parser<'a> {
     /// How many graphs and types are open: recursion is bounded, so a hostile text (a
     /// thousand nested `seq(`) is an error, not a stack overflow.
     depth: usize,
+    /// Reading the printer's output (`parse_printed`): the readings that differ from onnx's.
+    printed: bool,
 }
 
 /// Deepest nesting of graphs (If branches) and types (`seq(seq(...))`) accepted.
@@ -107,6 +176,7 @@ impl<'a> Parser<'a> {
             text,
             offset: 0,
             depth: 0,
+            printed: false,
         }
     }
 
@@ -261,6 +331,32 @@ impl<'a> Parser<'a> {
                     return Ok(out);
                 }
                 Some((_, '\\')) => match chars.next() {
+                    // The printer writes strings with Rust's escapes (`{:?}`).
+                    Some((_, c)) if self.printed && c != 'u' => {
+                        let c = match c {
+                            'n' => '\n',
+                            'r' => '\r',
+                            't' => '\t',
+                            '0' => '\0',
+                            other => other,
+                        };
+                        out.extend(c.to_string().as_bytes())
+                    }
+                    Some((i, 'u')) if self.printed => {
+                        let digits = self.rest()[i + 1..]
+                            .strip_prefix('{')
+                            .and_then(|r| r.split_once('}'))
+                            .map(|(hex, _)| hex);
+                        let c = digits
+                            .and_then(|hex| u32::from_str_radix(hex, 16).ok())
+                            .and_then(char::from_u32)
+                            .ok_or_else(|| self.error_at(start, "a bad \\u{...} escape"))?;
+                        let skip = digits.map_or(0, |hex| hex.len() + 2);
+                        for _ in 0..skip {
+                            chars.next();
+                        }
+                        out.extend(c.to_string().as_bytes())
+                    }
                     Some((_, c)) => out.extend(c.to_string().as_bytes()),
                     None => return Err(self.error_at(start, "unterminated string")),
                 },
@@ -274,13 +370,28 @@ impl<'a> Parser<'a> {
         String::from_utf8(self.quoted()?).map_err(|_| self.error_at(start, "string is not UTF-8"))
     }
 
-    /// `id` or `"any text"`.
-    fn quotable_identifier(&mut self, what: &str) -> Result<String, ParseError> {
+    /// A value's name (a node's input or output, a graph's input, output or initializer, a
+    /// graph, a dim): `"any text"`, or a bare name of letters, digits and `_ . : / -` that
+    /// does not start with `-`. Wider than onnx's identifiers: exporters name values
+    /// `onnx::Mul_3` or `/fc1/Gemm_output_0`, and the printer writes names unquoted.
+    fn value_name(&mut self, what: &str) -> Result<String, ParseError> {
         if self.peek() == Some('"') {
-            self.quoted_text()
-        } else {
-            self.identifier(what)
+            return self.quoted_text();
         }
+        let rest = self.rest();
+        let end = rest
+            .char_indices()
+            .find(|(i, c)| {
+                !(c.is_ascii_alphanumeric()
+                    || matches!(c, '_' | '.' | ':' | '/')
+                    || (*c == '-' && *i > 0))
+            })
+            .map_or(rest.len(), |(i, _)| i);
+        if end == 0 {
+            return Err(self.error(format!("expected {what}, found {}", self.found_plain())));
+        }
+        self.offset += end;
+        Ok(rest[..end].to_string())
     }
 
     fn at_number(&mut self) -> bool {
@@ -300,7 +411,7 @@ impl<'a> Parser<'a> {
         let rest = self.rest();
         let negative = rest.starts_with('-');
         let body = &rest[negative as usize..];
-        for word in ["inf", "nan"] {
+        for word in ["inf", "nan", "NaN"] {
             if body.starts_with(word)
                 && !body[word.len()..].starts_with(|c: char| c.is_ascii_alphanumeric() || c == '_')
             {
@@ -461,12 +572,20 @@ impl<'a> Parser<'a> {
     }
 
     fn graph_body(&mut self) -> Result<GraphProto, ParseError> {
+        // The printer writes a graph without a name as nothing before its `(`.
+        let name = if self.peek() == Some('(') {
+            String::new()
+        } else {
+            self.value_name("a graph name")?
+        };
         let mut graph = GraphProto {
-            name: Some(self.quotable_identifier("a graph name")?),
+            name: Some(name),
             ..Default::default()
         };
         self.expect("(", "to open the graph inputs")?;
-        let inputs = self.list(")", "the graph inputs", |p| p.value_info_or_initializer())?;
+        let inputs = self.list(")", "the graph inputs", |p| {
+            p.value_info_or_initializer(false)
+        })?;
         for (info, initializer) in inputs {
             graph.input.push(info);
             graph.initializer.extend(initializer);
@@ -476,7 +595,7 @@ impl<'a> Parser<'a> {
         graph.output = self.list(")", "the graph outputs", |p| p.value_info())?;
         if self.accept("<") {
             let entries = self.list(">", "the initializer list", |p| {
-                p.value_info_or_initializer()
+                p.value_info_or_initializer(p.printed)
             })?;
             for (info, initializer) in entries {
                 match initializer {
@@ -496,27 +615,52 @@ impl<'a> Parser<'a> {
     }
 
     fn value_info(&mut self) -> Result<ValueInfoProto, ParseError> {
-        let ty = self.type_proto()?;
-        let name = self.quotable_identifier("a value name")?;
+        // `? name`: a value without a type, as the printer writes it.
+        let ty = if self.peek() == Some('?') && !self.rest()[1..].trim_start().starts_with('[') {
+            self.offset += 1;
+            None
+        } else {
+            Some(self.type_proto()?)
+        };
+        let name = self.value_name("a value name")?;
         Ok(ValueInfoProto {
             name: Some(name),
-            r#type: Some(ty),
+            r#type: ty,
             ..Default::default()
         })
     }
 
-    /// `type name` or `type name = {values}` (then also an initializer).
+    /// `type name` or `type name = {values}` (then also an initializer); with `elided`, a
+    /// value-less `type name` is an initializer of zeros.
     fn value_info_or_initializer(
         &mut self,
+        elided: bool,
     ) -> Result<(ValueInfoProto, Option<TensorProto>), ParseError> {
-        let type_start = {
-            self.skip_blank();
-            self.offset
-        };
+        self.skip_blank();
+        let type_start = self.offset;
         let info = self.value_info()?;
         if !self.accept("=") {
+            if elided {
+                // The printer writes no value infos: a value-less entry is an initializer
+                // whose values it elided, read as zeros of its type and shape.
+                let (elem_type, dims) = self.tensor_type_of(&info, type_start)?;
+                let tensor = zeros(elem_type, dims, info.name().to_string())
+                    .map_err(|message| self.error_at(type_start, message))?;
+                return Ok((info, Some(tensor)));
+            }
             return Ok((info, None));
         }
+        let (elem_type, dims) = self.tensor_type_of(&info, type_start)?;
+        let tensor = self.tensor_values(elem_type, dims, info.name().to_string())?;
+        Ok((info, Some(tensor)))
+    }
+
+    /// The element type and known dims of a value info that is to hold a tensor's values.
+    fn tensor_type_of(
+        &self,
+        info: &ValueInfoProto,
+        type_start: usize,
+    ) -> Result<(i32, Vec<i64>), ParseError> {
         let Some(type_proto::Value::TensorType(tensor)) =
             info.r#type.as_ref().and_then(|t| t.value.as_ref())
         else {
@@ -535,8 +679,7 @@ impl<'a> Parser<'a> {
                 })
                 .collect::<Result<Vec<i64>, ParseError>>()?,
         };
-        let tensor = self.tensor_values(tensor.elem_type(), dims, info.name().to_string())?;
-        Ok((info, Some(tensor)))
+        Ok((tensor.elem_type(), dims))
     }
 
     // ---- types -------------------------------------------------------------------------
@@ -625,7 +768,7 @@ impl<'a> Parser<'a> {
                 Some(dimension::Value::DimValue(p.integer("dim")?))
             } else {
                 Some(dimension::Value::DimParam(
-                    p.quotable_identifier("a dim (a size, a name or '?')")?,
+                    p.value_name("a dim (a size, a name or '?')")?,
                 ))
             };
             Ok(Dimension {
@@ -672,6 +815,10 @@ impl<'a> Parser<'a> {
         let number = |c: &Constant| match c {
             Constant::Number(n) => Ok(*n),
             Constant::Text(_) => Err(self.error_at(start, "a string among numbers")),
+            Constant::Bool(_) => Err(self.error_at(
+                start,
+                format!("true or false in a {} tensor", kind.as_str_name()),
+            )),
         };
         let int = |c: &Constant| match number(c)? {
             Number::Int(i) => Ok(i),
@@ -686,11 +833,40 @@ impl<'a> Parser<'a> {
                 Number::Float(f) => f,
             })
         };
+        let is_bool = |c: &Constant| matches!(c, Constant::Bool(_));
+        let is_float = |c: &Constant| matches!(c, Constant::Number(Number::Float(_)));
         match kind {
+            // `{true, false}`, as the printer writes a bool tensor held as raw bytes: read back
+            // as raw bytes (onnx's parser takes bools as integers, kept below).
+            DataType::Bool if !values.is_empty() && values.iter().all(is_bool) => {
+                let bytes = values
+                    .iter()
+                    .map(|v| matches!(v, Constant::Bool(true)) as u8)
+                    .collect();
+                tensor.raw_data = Some(bytes);
+            }
+            // Values written as floats (`{1.0, -0.5}`, as the printer writes 16-bit floats held
+            // as raw bytes): read back as raw bytes, rounded to the type; integers keep onnx's
+            // reading, below (the raw bit pattern, in int32_data).
+            DataType::Float16 | DataType::Bfloat16 if values.iter().any(is_float) => {
+                let mut bytes = Vec::with_capacity(2 * values.len());
+                for v in &values {
+                    let f = float(v)?;
+                    let half = if kind == DataType::Float16 {
+                        half::f16::from_f64(f).to_le_bytes()
+                    } else {
+                        half::bf16::from_f64(f).to_le_bytes()
+                    };
+                    bytes.extend(half);
+                }
+                tensor.raw_data = Some(bytes);
+            }
             DataType::Float => {
                 for v in &values {
                     let f = float(v)?;
-                    if f.is_finite() && f.abs() > f32::MAX as f64 {
+                    // Beyond float32 is what rounds to infinity: `3.4028235e38`, the shortest
+                    // form of f32::MAX that the printer writes, is above it as a double.
+                    if f.is_finite() && (f as f32).is_infinite() {
                         return Err(self.error_at(start, format!("{f} is beyond float32")));
                     }
                     tensor.float_data.push(f as f32);
@@ -733,7 +909,7 @@ impl<'a> Parser<'a> {
                 for v in &values {
                     match v {
                         Constant::Text(s) => tensor.string_data.push(s.clone()),
-                        Constant::Number(_) => {
+                        Constant::Number(_) | Constant::Bool(_) => {
                             return Err(self.error_at(start, "a string tensor takes strings"));
                         }
                     }
@@ -755,6 +931,10 @@ impl<'a> Parser<'a> {
     fn constant(&mut self) -> Result<Constant, ParseError> {
         if self.peek() == Some('"') {
             Ok(Constant::Text(self.quoted()?))
+        } else if self.at_word("true") || self.at_word("false") {
+            let value = self.at_word("true");
+            self.try_identifier();
+            Ok(Constant::Bool(value))
         } else {
             Ok(Constant::Number(self.number()?))
         }
@@ -765,7 +945,7 @@ impl<'a> Parser<'a> {
     fn node(&mut self) -> Result<NodeProto, ParseError> {
         let mut node = NodeProto::default();
         if self.accept("[") {
-            node.name = Some(self.quotable_identifier("a node name")?);
+            node.name = Some(self.value_name("a node name")?);
             self.expect("]", "to close the node name")?;
         }
         node.output = self.names_until("=", "the node outputs")?;
@@ -784,10 +964,141 @@ impl<'a> Parser<'a> {
         }
         self.expect("(", "to open the node inputs")?;
         node.input = self.names_until(")", "the node inputs")?;
-        if node.attribute.is_empty() && self.accept("<") {
+        // (Read before looking for attributes after the inputs, which skips comments.)
+        let mut mark = self.comment_ending_line().filter(|_| self.printed);
+        if mark.is_none() && node.attribute.is_empty() && self.accept("<") {
             node.attribute = self.attributes()?;
+            mark = self.comment_ending_line().filter(|_| self.printed);
+        }
+        if self.printed {
+            if let Some(pass) = mark {
+                node.metadata_props.push(StringStringEntryProto {
+                    key: Some(super::PASS_KEY.to_string()),
+                    value: Some(pass),
+                });
+            }
+        }
+        while self.at_branch() {
+            self.branch(&mut node)?;
         }
         Ok(node)
+    }
+
+    /// The text of a `# comment` that ends the current line (after blanks, on the same line),
+    /// consumed; `None` (nothing consumed) when the line ends without one.
+    fn comment_ending_line(&mut self) -> Option<String> {
+        let rest = self.rest();
+        let after_blanks = rest.trim_start_matches([' ', '\t']);
+        let comment = after_blanks.strip_prefix('#')?;
+        let end = comment.find('\n').unwrap_or(comment.len());
+        let text = comment[..end].trim();
+        self.offset += rest.len() - comment.len() + end;
+        (!text.is_empty()).then(|| text.to_string())
+    }
+
+    /// Whether a graph attribute written after its node comes next, as the printer writes an
+    /// `If`'s branches: `then_branch = name (inputs) => (outputs) {...}` (or `body[0] = ...`
+    /// for an element of a list of graphs). A node (`y = Relu (x)`) reads the same up to its
+    /// inputs; only a graph has `=>` after them.
+    fn at_branch(&mut self) -> bool {
+        let start = self.offset;
+        let found = (|| {
+            self.try_identifier()?;
+            if self.accept("[") {
+                self.integer("").ok()?;
+                self.accept("]").then_some(())?;
+            }
+            self.accept("=").then_some(())?;
+            if self.peek() != Some('(') {
+                self.value_name("").ok()?;
+            }
+            self.accept("(").then_some(())?;
+            self.skip_past_close_paren()?;
+            self.accept("=>").then_some(())
+        })()
+        .is_some();
+        self.offset = start;
+        found
+    }
+
+    /// After a `(`: moves past its matching `)`, over nested brackets and quoted strings.
+    fn skip_past_close_paren(&mut self) -> Option<()> {
+        let mut depth = 1usize;
+        let mut in_string = false;
+        let mut escaped = false;
+        for (i, c) in self.rest().char_indices() {
+            if in_string {
+                match c {
+                    _ if escaped => escaped = false,
+                    '\\' => escaped = true,
+                    '"' => in_string = false,
+                    _ => {}
+                }
+                continue;
+            }
+            match c {
+                '"' => in_string = true,
+                '(' => depth += 1,
+                ')' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        self.offset += i + 1;
+                        return Some(());
+                    }
+                }
+                _ => {}
+            }
+        }
+        None
+    }
+
+    /// One graph attribute written after its node (`at_branch` said one comes next).
+    fn branch(&mut self, node: &mut NodeProto) -> Result<(), ParseError> {
+        let name = self.identifier("a graph attribute's name")?;
+        let element = if self.accept("[") {
+            let start = self.offset;
+            let e = self.integer("list index")?;
+            self.expect("]", "to close the list index")?;
+            Some((e, start))
+        } else {
+            None
+        };
+        self.expect("=", &format!("after '{name}'"))?;
+        let graph = self.graph()?;
+        match element {
+            None => node.attribute.push(AttributeProto {
+                name: Some(name),
+                r#type: Some(AttributeType::Graph as i32),
+                g: Some(graph),
+                ..Default::default()
+            }),
+            Some((e, start)) => {
+                let index = node
+                    .attribute
+                    .iter()
+                    .position(|a| a.name() == name && a.r#type() == AttributeType::Graphs);
+                let index = index.unwrap_or_else(|| {
+                    node.attribute.push(AttributeProto {
+                        name: Some(name.clone()),
+                        r#type: Some(AttributeType::Graphs as i32),
+                        ..Default::default()
+                    });
+                    node.attribute.len() - 1
+                });
+                let graphs = &mut node.attribute[index].graphs;
+                if e != graphs.len() as i64 {
+                    return Err(self.error_at(
+                        start,
+                        format!(
+                            "'{name}[{e}]' comes where '{name}[{}]' is due",
+                            graphs.len()
+                        ),
+                    ));
+                }
+                graphs.push(graph);
+            }
+        }
+        Ok(())
     }
 
     /// Value names separated by commas up to `close` (consumed). A gap or `""` is an omitted
@@ -801,7 +1112,7 @@ impl<'a> Parser<'a> {
             if self.peek_is(",") {
                 names.push(String::new());
             } else {
-                names.push(self.quotable_identifier(&format!("a value name in {what}"))?);
+                names.push(self.value_name(&format!("a value name in {what}"))?);
             }
             if self.accept(close) {
                 return Ok(names);
@@ -849,6 +1160,12 @@ impl<'a> Parser<'a> {
             attribute.ref_attr_name = Some(self.identifier("the referenced attribute")?);
             attribute.r#type = declared.map(|d| d as i32);
             return Ok(attribute);
+        } else if self.printed && self.at_tensor_list() {
+            // The printer writes a list of tensors as `[float[2] = {1.0, 2.0}, ...]`.
+            self.expect("[", "to open the tensors")?;
+            attribute.tensors =
+                self.list("]", "the attribute's tensors", |p| p.tensor_constant())?;
+            AttributeType::Tensors
         } else if self.accept("[") {
             let items = self.list("]", "the attribute's list", |p| p.list_item())?;
             let kind = match (declared, items.first()) {
@@ -856,6 +1173,10 @@ impl<'a> Parser<'a> {
                 (None, Some(Constant::Text(_))) => AttributeType::Strings,
                 (None, Some(Constant::Number(Number::Int(_)))) => AttributeType::Ints,
                 (None, Some(Constant::Number(Number::Float(_)))) => AttributeType::Floats,
+                (None, Some(Constant::Bool(_))) => return Err(mismatch(self, AttributeType::Ints)),
+                // The printer writes any empty list as `[]`, its type unknown; it prints the
+                // same whatever its type.
+                (None, None) if self.printed => AttributeType::Ints,
                 (None, None) => {
                     return Err(self.error_at(
                         start,
@@ -881,6 +1202,7 @@ impl<'a> Parser<'a> {
                         )
                     }
                     (_, Constant::Text(_)) => return Err(mismatch(self, AttributeType::Strings)),
+                    (_, Constant::Bool(_)) => return Err(mismatch(self, AttributeType::Ints)),
                     (_, Constant::Number(Number::Int(_))) => {
                         return Err(mismatch(self, AttributeType::Ints))
                     }
@@ -893,7 +1215,7 @@ impl<'a> Parser<'a> {
         } else if self.peek() == Some('"') {
             attribute.s = Some(self.quoted()?);
             AttributeType::String
-        } else if self.at_number() || self.at_word("inf") || self.at_word("nan") {
+        } else if self.at_number() || self.at_float_word() {
             match (self.number()?, declared) {
                 (Number::Int(i), None | Some(AttributeType::Int)) => {
                     attribute.i = Some(i);
@@ -935,13 +1257,28 @@ impl<'a> Parser<'a> {
         self.peek_identifier().as_deref() == Some(word)
     }
 
+    /// `[` and a tensor type: a list of tensors.
+    fn at_tensor_list(&mut self) -> bool {
+        let start = self.offset;
+        let found = self.accept("[")
+            && self
+                .peek_identifier()
+                .is_some_and(|w| element_type(&w).is_some());
+        self.offset = start;
+        found
+    }
+
+    /// `inf`, `nan`, or `NaN` (Rust's spelling, which the printer writes).
+    fn at_float_word(&mut self) -> bool {
+        matches!(
+            self.peek_identifier().as_deref(),
+            Some("inf" | "nan" | "NaN")
+        )
+    }
+
     /// An element of an attribute list: a number or a string.
     fn list_item(&mut self) -> Result<Constant, ParseError> {
-        if self.peek() == Some('"')
-            || self.at_number()
-            || self.at_word("inf")
-            || self.at_word("nan")
-        {
+        if self.peek() == Some('"') || self.at_number() || self.at_float_word() {
             self.constant()
         } else {
             Err(self.error(format!(
@@ -969,10 +1306,15 @@ impl<'a> Parser<'a> {
                 })
                 .collect::<Result<_, _>>()?,
         };
+        if self.printed && matches!(self.peek(), Some(',' | '>' | ']')) {
+            // A tensor whose values the printer elided: zeros, as for an initializer.
+            return zeros(elem_type as i32, dims, String::new())
+                .map_err(|message| self.error_at(start, message));
+        }
         let name = if self.peek() == Some('{') || self.peek() == Some('=') {
             String::new()
         } else {
-            self.quotable_identifier("a tensor name or '{'")?
+            self.value_name("a tensor name or '{'")?
         };
         self.accept("=");
         self.tensor_values(elem_type as i32, dims, name)
@@ -984,6 +1326,60 @@ fn element_type(word: &str) -> Option<DataType> {
     (1..=32)
         .filter_map(|code| DataType::try_from(code).ok())
         .find(|d| super::print::elem_type_name(*d as i32) == word)
+}
+
+/// Most elements an elided initializer is filled with (a hostile `float[1000000000000] w` is
+/// an error, not an allocation that fails).
+const MAX_ELIDED_ELEMENTS: i64 = 1 << 26;
+
+/// Zeros of `elem_type` and `dims`: what an initializer whose values the printer elided
+/// reads as. They are stored where `tensor_values` stores that type's values (raw bytes for
+/// the types it takes no values of), so that they print elided again.
+fn zeros(elem_type: i32, dims: Vec<i64>, name: String) -> Result<TensorProto, String> {
+    let count = dims
+        .iter()
+        .try_fold(1i64, |acc, d| {
+            (*d >= 0).then(|| acc.checked_mul(*d)).flatten()
+        })
+        .filter(|n| *n <= MAX_ELIDED_ELEMENTS)
+        .ok_or_else(|| {
+            format!("an elided initializer of shape {dims:?} is too large to fill with zeros")
+        })? as usize;
+    let mut tensor = TensorProto {
+        dims,
+        data_type: Some(elem_type),
+        name: Some(name),
+        ..Default::default()
+    };
+    let raw_bytes = |bits: usize| vec![0u8; (count * bits).div_ceil(8)];
+    match DataType::try_from(elem_type).unwrap_or(DataType::Undefined) {
+        DataType::Float => tensor.float_data = vec![0.0; count],
+        DataType::Double => tensor.double_data = vec![0.0; count],
+        DataType::Int64 => tensor.int64_data = vec![0; count],
+        DataType::Int32
+        | DataType::Int16
+        | DataType::Int8
+        | DataType::Uint16
+        | DataType::Uint8
+        | DataType::Bool
+        | DataType::Float16
+        | DataType::Bfloat16 => tensor.int32_data = vec![0; count],
+        DataType::Uint32 | DataType::Uint64 => tensor.uint64_data = vec![0; count],
+        DataType::String => tensor.string_data = vec![Vec::new(); count],
+        DataType::Complex64 => tensor.raw_data = Some(raw_bytes(64)),
+        DataType::Complex128 => tensor.raw_data = Some(raw_bytes(128)),
+        DataType::Float8e4m3fn
+        | DataType::Float8e4m3fnuz
+        | DataType::Float8e5m2
+        | DataType::Float8e5m2fnuz
+        | DataType::Float8e8m0 => tensor.raw_data = Some(raw_bytes(8)),
+        DataType::Uint4 | DataType::Int4 | DataType::Float4e2m1 => {
+            tensor.raw_data = Some(raw_bytes(4))
+        }
+        DataType::Uint2 | DataType::Int2 => tensor.raw_data = Some(raw_bytes(2)),
+        DataType::Undefined => return Err("an elided initializer needs an element type".into()),
+    }
+    Ok(tensor)
 }
 
 fn attribute_type(word: &str) -> Option<AttributeType> {
@@ -1127,6 +1523,135 @@ mod tests {
     fn empty_optional_inputs_are_empty_names() {
         let g = graph_of("g (float X) => (float Y) { Y = Foo (, X, \"\", X,) }");
         assert_eq!(g.node[0].input, ["", "X", "", "X"]);
+    }
+
+    fn printed_graph_of(body: &str) -> GraphProto {
+        parse_printed(&format!("{HEADER}{body}"))
+            .unwrap_or_else(|e| panic!("{e}"))
+            .graph
+            .unwrap()
+    }
+
+    /// The two readings that differ between the dialects: a value-less entry of `<...>` and
+    /// a comment that ends a node's line.
+    #[test]
+    fn elided_initializers_and_pass_marks_only_when_printed() {
+        let text = "g (float[2] x) => (float[2] y)\n<float[3,4] w, int64[2] k = {1, 2}>\n{\n  y = Add (x, w)  # grad-accum\n  z = Neg (y)\n}";
+        let printed = printed_graph_of(text);
+        assert!(printed.value_info.is_empty());
+        let w = &printed.initializer[0];
+        assert_eq!((w.name(), w.dims.as_slice()), ("w", &[3i64, 4][..]));
+        assert_eq!(w.float_data, vec![0.0; 12]);
+        assert_eq!(printed.initializer[1].int64_data, [1, 2]);
+        let mark = &printed.node[0].metadata_props;
+        assert_eq!(mark.len(), 1);
+        assert_eq!(
+            (mark[0].key(), mark[0].value()),
+            (crate::ir::PASS_KEY, "grad-accum")
+        );
+        assert!(printed.node[1].metadata_props.is_empty());
+
+        let onnx = graph_of(text);
+        assert_eq!(onnx.value_info.len(), 1);
+        assert_eq!(onnx.initializer.len(), 1);
+        assert!(onnx.node[0].metadata_props.is_empty());
+    }
+
+    #[test]
+    fn elided_values_of_every_kind_are_zeros() {
+        let g = printed_graph_of(
+            "g () => ()\n<int64[9] a, bool[9] b, float16[9] c, string[2] d, complex64[1] e, uint4[3] f>\n{\n  y = Foo <t = float[10], ts = [int64[9], float[1] = {1.0}]> ()\n}",
+        );
+        let i = &g.initializer;
+        assert_eq!(i[0].int64_data, vec![0; 9]);
+        assert_eq!((i[1].int32_data.len(), i[2].int32_data.len()), (9, 9));
+        assert_eq!(i[3].string_data, vec![Vec::<u8>::new(); 2]);
+        assert_eq!(i[4].raw_data(), [0u8; 8]);
+        assert_eq!(i[5].raw_data(), [0u8; 2]);
+        let a = &g.node[0].attribute;
+        assert_eq!(a[0].t.as_ref().unwrap().float_data, vec![0.0; 10]);
+        assert_eq!(a[1].r#type(), AttributeType::Tensors);
+        assert_eq!(a[1].tensors[0].int64_data, vec![0; 9]);
+        assert_eq!(a[1].tensors[1].float_data, [1.0]);
+        let e = parse_printed(&format!(
+            "{HEADER}g () => ()\n<float[1000000,1000000] huge>\n{{\n}}"
+        ))
+        .expect_err("too large")
+        .to_string();
+        assert_eq!(
+            e,
+            "3:2: an elided initializer of shape [1000000, 1000000] is too large to fill with zeros"
+        );
+    }
+
+    #[test]
+    fn printed_strings_use_rust_escapes() {
+        let text = r#"g () => () { y = Foo <s = "a\nb\t\"\\\u{1b}é"> () }"#;
+        let printed = printed_graph_of(text);
+        assert_eq!(
+            printed.node[0].attribute[0].s(),
+            "a\nb\t\"\\\u{1b}é".as_bytes()
+        );
+        // onnx's reading: a backslash takes the next character.
+        assert_eq!(
+            graph_of(text).node[0].attribute[0].s(),
+            "anbt\"\\u{1b}é".as_bytes()
+        );
+    }
+
+    /// Readings both dialects share, since onnx's text has no meaning for them.
+    #[test]
+    fn printer_forms_onnx_text_lacks() {
+        for g in [graph_of(DIALECT_SAMPLE), printed_graph_of(DIALECT_SAMPLE)] {
+            assert_eq!(g.input[0].name(), "onnx::Mul_3/x:0");
+            assert_eq!(g.input[1].r#type, None);
+            let flags = &g.initializer[0];
+            assert_eq!(flags.raw_data(), [1, 0]);
+            assert_eq!(g.initializer[1].int32_data, [1, 0]);
+            assert_eq!(
+                g.initializer[2].raw_data(),
+                [half::f16::from_f32(1.5), half::f16::from_f32(-0.0)]
+                    .iter()
+                    .flat_map(|h| h.to_le_bytes())
+                    .collect::<Vec<_>>()
+            );
+            assert_eq!(g.initializer[3].int32_data, [15360]);
+            assert!(g.initializer[4].float_data[0].is_nan());
+            assert_eq!(g.initializer[4].float_data[1], f32::MAX);
+            let node = &g.node[0];
+            assert_eq!(node.op_type(), "If");
+            let names: Vec<&str> = node.attribute.iter().map(|a| a.name()).collect();
+            assert_eq!(names, ["else_branch", "then_branch"]);
+            assert_eq!(node.attribute[0].g.as_ref().unwrap().name(), "");
+            assert_eq!(g.node[1].output, ["then_branch"]);
+            assert!(g.node[2].attribute[0].f().is_nan());
+        }
+    }
+
+    const DIALECT_SAMPLE: &str = "g (float onnx::Mul_3/x:0, ? untyped, bool c) => (float y)
+<bool[2] flags = {true, false}, bool[2] ints = {1, 0}, float16[2] h = {1.5, -0.0}, float16 bits = {15360}, float[2] f = {NaN, 3.4028235e38}>
+{
+  y = If (c)
+    else_branch =  () => (float e)
+    {
+      e = Identity (onnx::Mul_3/x:0)
+    }
+    then_branch = then () => (float t) {
+      t = Neg (onnx::Mul_3/x:0)
+    }
+  then_branch = Identity (y)
+  z = Foo <a = NaN> (y)
+}";
+
+    /// Every prefix of printed text is parsed or refused by `parse_printed`, never a panic.
+    #[test]
+    fn truncated_printed_texts_are_errors_not_panics() {
+        let text = format!("{HEADER}{DIALECT_SAMPLE}");
+        for (end, _) in text.char_indices() {
+            let _ = parse_printed(&text[..end]);
+            let _ = parse_model(&text[..end]);
+        }
+        assert!(parse_printed(&text).is_ok());
     }
 
     #[test]
