@@ -169,7 +169,8 @@ struct TrainArgs {
     #[arg(long)]
     no_split: bool,
     /// Run the optimizer's update as the step writes it, in standard ops, instead of as
-    /// onnx-ga's fused AdamW kernel (ONNX Runtime on the CPU; same results, bit for bit).
+    /// onnx-ga's fused kernels (AdamW, Adam, SGD, momentum, Nesterov; ONNX Runtime on the
+    /// CPU; same results, bit for bit).
     #[arg(long)]
     no_fused_kernels: bool,
     /// Learning rate for this run (default: the one the step was rewritten with).
@@ -1110,7 +1111,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     ));
     if trainer.fused_updates() > 0 {
         progress.note(format!(
-            "optimizer: {} AdamW update(s) run as onnx-ga's fused CPU kernel (--no-fused-kernels: as written)",
+            "optimizer: {} parameter update(s) run as onnx-ga's fused CPU kernels (--no-fused-kernels: as written)",
             trainer.fused_updates()
         ));
     }

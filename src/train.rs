@@ -198,7 +198,7 @@ pub struct Trainer {
     /// ([`Trainer::with_collective`]); the split runner's `apply` is then the apply-only
     /// specialisation.
     pub(crate) replica: Option<crate::train::distributed::window::Replica>,
-    /// Optimizer updates the sessions run fused (`passes::fuse_adamw`), summed over them.
+    /// Optimizer updates the sessions run fused (`passes::fuse`), summed over them.
     fused_updates: usize,
 }
 
@@ -330,7 +330,9 @@ impl Trainer {
                     None => &split.apply,
                 };
                 let start = match window_start::window_start(&split.accumulate, &manifest) {
-                    Some(s) => Some(Box::new(open_engine(kind, &s.model, &session, &mut fused)?)),
+                    Some(s) => Some(Box::new(open_engine(
+                        kind, &s.model, &session, &manifest, &mut fused,
+                    )?)),
                     None => None,
                 };
                 Runner::Split {
@@ -338,10 +340,17 @@ impl Trainer {
                         kind,
                         &split.accumulate.model,
                         &session,
+                        &manifest,
                         &mut fused,
                     )?),
                     start,
-                    apply: Box::new(open_engine(kind, &apply.model, &session, &mut fused)?),
+                    apply: Box::new(open_engine(
+                        kind,
+                        &apply.model,
+                        &session,
+                        &manifest,
+                        &mut fused,
+                    )?),
                     unchanged_on_accumulate: split.accumulate.unchanged,
                     unchanged_on_apply: apply.unchanged.clone(),
                     window_size,
@@ -353,7 +362,13 @@ impl Trainer {
                 "data-parallel training needs a step with an If apply region (rewrite --apply if)"
                     .into(),
             )),
-            _ => Runner::Whole(open_engine(kind, model, &options.session, &mut fused)?),
+            _ => Runner::Whole(open_engine(
+                kind,
+                model,
+                &options.session,
+                &manifest,
+                &mut fused,
+            )?),
         };
         let replica = match (collective, &apply_only, &runner) {
             (
@@ -931,6 +946,7 @@ fn open_engine(
     kind: EngineKind,
     model: &ModelProto,
     options: &SessionOptions,
+    manifest: &Manifest,
     fused: &mut usize,
 ) -> Result<Engine, TrainError> {
     if kind.resolve().0 == EngineKind::Tract {
@@ -943,7 +959,7 @@ fn open_engine(
         return Ok(Engine::new(kind, &prepared, options)?);
     }
     if options.fused_kernels && options.device == crate::engine::ort::Device::Cpu {
-        let (prepared, count) = crate::passes::fuse_adamw::prepare(model).map_err(|e| {
+        let (prepared, count) = crate::passes::fuse::prepare(model, manifest).map_err(|e| {
             TrainError::Engine(EngineError::Ort {
                 context: "fusing the optimizer".into(),
                 message: e.to_string(),

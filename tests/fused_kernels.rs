@@ -1,5 +1,5 @@
-//! onnx-ga's fused AdamW kernel (src/fused_ops.rs, swapped in by src/passes/fuse_adamw.rs
-//! for ONNX Runtime on the CPU) against the standard-op update it replaces: the same step
+//! onnx-ga's fused optimizer kernels (src/fused_ops.rs, swapped in by src/passes/fuse/ for
+//! ONNX Runtime on the CPU) against the standard-op updates they replace: the same step
 //! file trained with `fused_kernels` on and off must agree bit for bit, losses and every
 //! state tensor, over 8 windows: Adam and AdamW in both modes, ORT's, torch's and Keras'
 //! formulas, with AGC, loss scaling and weighted normalisation, split and whole, 1 and 2
@@ -101,6 +101,51 @@ fn fused_adamw_trains_bit_identically_on_shipped_graphs() {
                 let fused = fused_trains_like_standard(&what, &step, &data, 1, true);
                 assert!(fused >= 1, "{what}: {fused} updates fused");
             }
+        }
+    }
+}
+
+/// SGD, momentum and Nesterov, with L2 and the window's mean folded in, alone and with AGC,
+/// loss scaling and weighted normalisation.
+#[test]
+fn fused_sgd_family_trains_bit_identically_on_shipped_graphs() {
+    if !ort_available() {
+        return;
+    }
+    let optimizers = [
+        "optimizer(kind=sgd,lr=0.05)",
+        "optimizer(kind=sgd,lr=0.05,weight_decay=0.01)",
+        "optimizer(kind=momentum,lr=0.05,momentum=0.9)",
+        "optimizer(kind=momentum,lr=0.05,momentum=0.9,weight_decay=0.01)",
+        "optimizer(kind=nesterov,lr=0.05,momentum=0.9)",
+        "optimizer(kind=nesterov,lr=0.05,momentum=0.9,weight_decay=0.01)",
+    ];
+    for model in ["mlp_mse_sgd", "mlp_ce_adamw", "cnn_bn"] {
+        let data = shipped(model);
+        for optimizer in optimizers {
+            for around in [
+                "grad-accum(steps=4),{opt}",
+                "grad-accum(steps=4),agc(clip=0.01,include_final=true),{opt}",
+                "grad-accum(steps=4),loss-scale(init=1024,interval=2),{opt}",
+                "grad-accum(steps=4,normalize=sum),{opt}",
+            ] {
+                let spec = format!("{},legalize-ort,dce", around.replace("{opt}", optimizer));
+                let step = common::rewrite_shipped(model, &spec);
+                let what = format!("{model}: {spec}");
+                let fused = fused_trains_like_standard(&what, &step, &data, 1, true);
+                let params = onnx_ga::state::Manifest::from_model(&step)
+                    .unwrap()
+                    .state
+                    .iter()
+                    .filter(|e| e.role == onnx_ga::state::Role::Param)
+                    .count();
+                assert_eq!(fused, params, "{what}: every parameter's update fused");
+            }
+        }
+        if model == "mlp_ce_adamw" {
+            let spec = "grad-accum(steps=4),optimizer(kind=nesterov,lr=0.05,momentum=0.9),legalize-ort,dce";
+            let step = common::rewrite_shipped(model, spec);
+            fused_trains_like_standard(&format!("{model} whole"), &step, &data, 1, false);
         }
     }
 }

@@ -82,8 +82,8 @@ pub struct SessionOptions {
     /// machine the split step went from 0.70x to 1.5x the speed of 1 thread; benches/README.md).
     pub spin: bool,
     /// Register onnx-ga's fused CPU kernels ([`crate::fused_ops`]) with the session, and let
-    /// the trainer swap the standard-op AdamW update for them in memory
-    /// (`passes::fuse_adamw`; on the CPU only: on CUDA a CPU kernel would copy every
+    /// the trainer swap the standard-op optimizer updates for them in memory
+    /// (`passes::fuse`; on the CPU only: on CUDA a CPU kernel would copy every
     /// parameter to the host and back). Off runs the step exactly as written.
     pub fused_kernels: bool,
 }

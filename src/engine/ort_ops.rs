@@ -1,6 +1,6 @@
 //! onnx-ga's fused operators ([`crate::fused_ops`]) as ONNX Runtime custom operators
 //! (CPU), registered with every session [`super::ort::OrtSession`] opens with
-//! `fused_kernels`. A model only contains them after `passes::fuse_adamw` ran on it in
+//! `fused_kernels`. A model only contains them after `passes::fuse` ran on it in
 //! memory; files never do.
 
 use std::sync::Mutex;
@@ -12,12 +12,15 @@ use ::ort::operator::{
 use ::ort::value::TensorElementType;
 
 use crate::fused_ops::{
-    adamw_slot, adamw_update, AdamWOutputs, AdamWScalars, ADAMW_UPDATE, DOMAIN,
+    adamw_slot, adamw_update, sgd_slot, sgd_update, AdamWOutputs, AdamWScalars, SgdScalars,
+    ADAMW_UPDATE, DOMAIN, SGD_UPDATE,
 };
 
 /// The domain with every fused operator, for a session builder.
 pub fn domain() -> ::ort::Result<OperatorDomain> {
-    OperatorDomain::new(DOMAIN)?.add(AdamWUpdate)
+    OperatorDomain::new(DOMAIN)?
+        .add(AdamWUpdate)?
+        .add(SgdUpdate)
 }
 
 /// Runs `make_session`, serialised with every other until one session with the fused
@@ -184,6 +187,150 @@ fn adamw_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
                 &v[range],
             );
             adamw_update(&s, inputs, out);
+        }
+    })
+}
+
+struct SgdUpdate;
+
+impl Operator for SgdUpdate {
+    type Kernel<'attr> = BoxedKernel<'attr>;
+
+    fn name(&self) -> &str {
+        SGD_UPDATE
+    }
+
+    fn inputs(&self) -> impl IntoIterator<Item = OperatorInput> {
+        (0..sgd_slot::COUNT).map(|slot| match slot {
+            sgd_slot::PARAM | sgd_slot::GRAD | sgd_slot::LR => {
+                OperatorInput::required(TensorElementType::Float32)
+            }
+            _ => OperatorInput::optional(TensorElementType::Float32),
+        })
+    }
+
+    fn outputs(&self) -> impl IntoIterator<Item = OperatorOutput> {
+        [
+            OperatorOutput::required(TensorElementType::Float32),
+            OperatorOutput::optional(TensorElementType::Float32),
+        ]
+    }
+
+    fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
+        // Output 1 (the buffer) exists only with a buffer input, which the context cannot
+        // tell from an omitted one: left to the kernel.
+        let param = ctx.inputs()[sgd_slot::PARAM].clone();
+        ctx.set_output(0, &param)
+    }
+
+    fn create_kernel<'attr>(
+        &self,
+        kctx: &KernelContext<'attr>,
+    ) -> ::ort::Result<Self::Kernel<'attr>> {
+        let nesterov = kctx.get::<i64>("nesterov").unwrap_or(0) != 0;
+        Ok(Box::new(move |ctx: &ComputeContext| {
+            sgd_kernel(ctx, nesterov)
+        }))
+    }
+}
+
+/// One input as a float32 slice (`None` when the optional input is absent).
+macro_rules! slice_of {
+    ($value:expr) => {
+        match &$value {
+            Some(v) => Some(v.try_extract_tensor::<f32>()?.1),
+            None => None,
+        }
+    };
+}
+
+fn sgd_kernel(ctx: &ComputeContext, nesterov: bool) -> ::ort::Result<()> {
+    let scalar = |slot: usize| -> ::ort::Result<Option<f32>> {
+        let Some(value) = ctx.input(slot)? else {
+            return Ok(None);
+        };
+        match value.try_extract_tensor::<f32>()?.1 {
+            [x] => Ok(Some(*x)),
+            data => Err(::ort::Error::new(format!(
+                "{SGD_UPDATE}: input {slot} has {} elements, not one",
+                data.len()
+            ))),
+        }
+    };
+    let lr = scalar(sgd_slot::LR)?
+        .ok_or_else(|| ::ort::Error::new(format!("{SGD_UPDATE}: no learning rate")))?;
+    let mu = scalar(sgd_slot::MU)?;
+    let s = SgdScalars {
+        lr,
+        momentum: mu.map(|mu| (mu, nesterov)),
+        wd: scalar(sgd_slot::WD)?,
+        divisor: scalar(sgd_slot::GRAD_DIVISOR)?,
+    };
+    let missing = |slot: usize| ::ort::Error::new(format!("{SGD_UPDATE}: input {slot} is missing"));
+    let p = ctx
+        .input(sgd_slot::PARAM)?
+        .ok_or_else(|| missing(sgd_slot::PARAM))?;
+    let g = ctx
+        .input(sgd_slot::GRAD)?
+        .ok_or_else(|| missing(sgd_slot::GRAD))?;
+    let (buf, addend) = (ctx.input(sgd_slot::BUF)?, ctx.input(sgd_slot::GRAD_ADDEND)?);
+    let (shape, p) = p.try_extract_tensor::<f32>()?;
+    let shape = shape.to_vec();
+    let g = g.try_extract_tensor::<f32>()?.1;
+    let (buf, addend) = (slice_of!(buf), slice_of!(addend));
+    if buf.is_some() != mu.is_some() {
+        return Err(::ort::Error::new(format!(
+            "{SGD_UPDATE}: a momentum buffer and its momentum come together"
+        )));
+    }
+    let sizes = [
+        Some(g.len()),
+        buf.map(<[f32]>::len),
+        addend.map(<[f32]>::len),
+    ];
+    if sizes.iter().flatten().any(|&l| l != p.len()) {
+        return Err(::ort::Error::new(format!(
+            "{SGD_UPDATE}: parameter ({}), gradient, buffer and addend differ in size ({sizes:?})",
+            p.len()
+        )));
+    }
+    let mut p_out = ctx
+        .output(0, shape.clone())?
+        .ok_or_else(|| ::ort::Error::new(format!("{SGD_UPDATE}: output 0 missing")))?;
+    let p_out = p_out.try_extract_tensor_mut::<f32>()?.1;
+    let mut buf_out = match buf {
+        Some(_) => Some(
+            ctx.output(1, shape)?
+                .ok_or_else(|| ::ort::Error::new(format!("{SGD_UPDATE}: output 1 missing")))?,
+        ),
+        None => None,
+    };
+    let buf_out = match &mut buf_out {
+        Some(v) => Some(v.try_extract_tensor_mut::<f32>()?.1),
+        None => None,
+    };
+    if p.len() <= CHUNK {
+        sgd_update(&s, (p, g, addend, buf), (p_out, buf_out));
+        return Ok(());
+    }
+    // Disjoint chunks, each taken once by one task of the intra-op pool (as for AdamW).
+    type Chunk<'a> = (&'a mut [f32], Option<&'a mut [f32]>);
+    let mut buf_chunks = buf_out.map(|b| b.chunks_mut(CHUNK));
+    let tasks: Vec<Mutex<Option<Chunk<'_>>>> = p_out
+        .chunks_mut(CHUNK)
+        .map(|p| Mutex::new(Some((p, buf_chunks.as_mut().and_then(Iterator::next)))))
+        .collect();
+    ctx.par_for(tasks.len(), 0, |i| {
+        let taken = tasks[i].lock().map(|mut t| t.take());
+        if let Ok(Some(out)) = taken {
+            let range = i * CHUNK..((i + 1) * CHUNK).min(p.len());
+            let inputs = (
+                &p[range.clone()],
+                &g[range.clone()],
+                addend.map(|a| &a[range.clone()]),
+                buf.map(|b| &b[range]),
+            );
+            sgd_update(&s, inputs, out);
         }
     })
 }

@@ -11,7 +11,7 @@
 pub mod agc;
 pub mod autodiff;
 pub mod dce;
-pub mod fuse_adamw;
+pub mod fuse;
 pub mod grad_accum;
 pub mod legalize;
 pub mod legalize_training;

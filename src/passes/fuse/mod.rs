@@ -1,0 +1,173 @@
+//! The fused optimizer updates: passes that find the standard-op update of each parameter,
+//! as the optimizer pass writes it, and replace it by one node of onnx-ga's fused operators
+//! ([`crate::fused_ops`]), in memory, for an engine that has their kernels (ONNX Runtime on
+//! the CPU: `engine::ort_ops`). The step file is never fused: it stays standard ONNX.
+//!
+//! Why: the standard-op updates are 4-16 elementwise ops per parameter, each a full pass
+//! over the parameter's bytes; a fused kernel makes one pass (benches/README.md, "Run E").
+//!
+//! - [`adamw`]: Adam and AdamW (`AdamWUpdate`);
+//! - [`sgd`]: SGD, momentum and Nesterov (`SgdUpdate`).
+//!
+//! Both match by structure, with the operand order the optimizer pass writes, and fold in
+//! the window's mean gradient `(acc + d) / K` when nothing else reads it
+//! ([`gradient_prologue`]). The replaced values take the fused node's outputs; the matched
+//! nodes are then dead and removed (a matched value something else also reads keeps its
+//! node, so the rewrite never changes what the graph computes). Ops with attributes, other
+//! domains or non-float32 operands are left alone.
+
+pub mod adamw;
+pub mod sgd;
+
+use crate::ir::{normalize_domain, BodyId, Model, NodeId, Use, ValueId};
+use crate::proto::elem;
+
+pub const PASS: &str = "fuse-optimizer";
+
+/// `model` (a step, or a specialisation of the step `manifest` describes) with its
+/// optimizer updates fused, and how many there were (the model itself, borrowed, when it
+/// has none). Inputs, outputs and metadata stay as they are.
+pub fn prepare<'m>(
+    model: &'m crate::proto::ModelProto,
+    manifest: &crate::state::Manifest,
+) -> Result<(std::borrow::Cow<'m, crate::proto::ModelProto>, usize), super::PassError> {
+    let state = StateNames::of(manifest);
+    let mut ir = Model::from_proto(model.clone());
+    // AdamW first: its weight decay `Sub(p, Mul(p, k))` must not be read as an SGD step.
+    let fused = adamw::fuse_adamw(&mut ir) + sgd::fuse_sgd(&mut ir, &state);
+    if fused == 0 {
+        return Ok((std::borrow::Cow::Borrowed(model), 0));
+    }
+    model_requires_domain(&mut ir);
+    super::dce::eliminate_dead_code(&mut ir);
+    crate::ir::verify::verify(&ir).map_err(|errors| super::PassError::Verify {
+        pass: PASS.into(),
+        errors,
+    })?;
+    Ok((std::borrow::Cow::Owned(ir.to_proto()), fused))
+}
+
+/// The state inputs the step's manifest names as parameters and as optimizer moments.
+pub struct StateNames {
+    pub params: std::collections::BTreeSet<String>,
+    pub moments: std::collections::BTreeSet<String>,
+}
+
+impl StateNames {
+    fn of(manifest: &crate::state::Manifest) -> StateNames {
+        use crate::state::Role;
+        let named = |role: Role| {
+            manifest
+                .state
+                .iter()
+                .filter(|e| e.role == role)
+                .map(|e| e.input.clone())
+                .collect()
+        };
+        StateNames {
+            params: named(Role::Param),
+            moments: named(Role::Moment),
+        }
+    }
+}
+
+fn model_requires_domain(model: &mut Model) {
+    model.require_opset(crate::fused_ops::DOMAIN, crate::fused_ops::DOMAIN_VERSION);
+}
+
+/// The window's mean gradient folded into a kernel: g = Div(x, K), K a scalar, when every
+/// read of g is one of `readers` (the update's own nodes); and x = Add(acc, d) when that sum
+/// is read only by the Div -> `(acc, Some(d), K)`, else `(x, None, K)`.
+pub(crate) fn gradient_prologue(
+    model: &Model,
+    g: ValueId,
+    readers: &[NodeId],
+    rank: usize,
+) -> Option<(ValueId, Option<ValueId>, ValueId)> {
+    let only_readers = model
+        .uses(g)
+        .iter()
+        .all(|u| matches!(u, Use::Node { node, .. } if readers.contains(node)));
+    if !only_readers {
+        return None;
+    }
+    let body = model.node(*readers.first()?).body;
+    let div = made_by(model, g, "Div", body)?;
+    let (x, divisor) = (input(model, div, 0)?, input(model, div, 1)?);
+    let divisor_ok = float32_or_unknown(model, divisor) && scalar_or_unknown(model, divisor, rank);
+    if !divisor_ok || !float32_or_unknown(model, x) {
+        return None;
+    }
+    let sum = made_by(model, x, "Add", body).filter(|_| model.uses(x).len() == 1);
+    Some(match sum {
+        Some(add) => (input(model, add, 0)?, Some(input(model, add, 1)?), divisor),
+        None => (x, None, divisor),
+    })
+}
+
+/// `op` (standard domain, no attributes, `arity` inputs, one output).
+pub(crate) fn is_op(model: &Model, n: NodeId, op: &str, arity: usize) -> bool {
+    let node = model.node(n);
+    node.proto.op_type() == op
+        && normalize_domain(node.proto.domain()).is_empty()
+        && node.proto.attribute.is_empty()
+        && node.inputs.len() == arity
+        && node.inputs.iter().all(Option::is_some)
+        && node.outputs.len() == 1
+}
+
+/// The node of `op` in `body` that makes `v`.
+pub(crate) fn made_by(model: &Model, v: ValueId, op: &str, body: BodyId) -> Option<NodeId> {
+    let (n, _) = model.producer(v)?;
+    let arity = if op == "Sqrt" { 1 } else { 2 };
+    (is_op(model, n, op, arity) && model.node(n).body == body).then_some(n)
+}
+
+/// The one node reading `v`, when it is `op` reading it at `slot`.
+pub(crate) fn sole_use(model: &Model, v: ValueId, op: &str, slot: usize) -> Option<NodeId> {
+    match model.uses(v) {
+        [Use::Node { node, slot: s }] if *s == slot && is_op(model, *node, op, 2) => Some(*node),
+        _ => None,
+    }
+}
+
+pub(crate) fn input(model: &Model, n: NodeId, slot: usize) -> Option<ValueId> {
+    model.node(n).inputs.get(slot).copied().flatten()
+}
+
+pub(crate) fn output(model: &Model, n: NodeId) -> ValueId {
+    model.output(n, 0)
+}
+
+/// The declared rank of a parameter (0 when not declared, as for the flat group of small
+/// parameters: then only rank-0 scalars are taken); `None` when it is not float32.
+pub(crate) fn param_rank(model: &Model, p: ValueId) -> Option<usize> {
+    if !float32_or_unknown(model, p) {
+        return None;
+    }
+    Some(
+        model
+            .value_type(p)
+            .and_then(|t| t.tensor_dims())
+            .map_or(0, |d| d.len()),
+    )
+}
+
+pub(crate) fn float32_or_unknown(model: &Model, v: ValueId) -> bool {
+    match model.value_type(v).and_then(|t| t.tensor_elem()) {
+        Some(e) => e == elem::FLOAT,
+        None => true,
+    }
+}
+
+/// A scalar must not broadcast the parameter to a larger rank (the kernel's outputs take
+/// the parameter's shape): declared rank at most the parameter's, one element.
+pub(crate) fn scalar_or_unknown(model: &Model, v: ValueId, param_rank: usize) -> bool {
+    let Some(dims) = model.value_type(v).and_then(|t| t.tensor_dims()) else {
+        return true;
+    };
+    dims.len() <= param_rank
+        && dims
+            .iter()
+            .all(|d| matches!(d, crate::proto::DeclaredDim::Known(1)))
+}
