@@ -1111,7 +1111,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     ));
     if trainer.fused_updates() > 0 {
         progress.note(format!(
-            "optimizer: {} parameter update(s) run as onnx-ga's fused CPU kernels (--no-fused-kernels: as written)",
+            "optimizer: runs as {} fused update(s) on onnx-ga's CPU kernels (small parameters share one; --no-fused-kernels: as written)",
             trainer.fused_updates()
         ));
     }
