@@ -53,6 +53,21 @@ pub fn first_registration<T, E>(
 /// small, small enough that 2-4 threads share a 1M-element parameter evenly.
 const CHUNK: usize = 1 << 16;
 
+/// Scalar input `slot` of a fused operator's node: `None` when the optional input is
+/// absent, an error naming `op` when it is not one element.
+fn scalar_input(ctx: &ComputeContext, op: &str, slot: usize) -> ::ort::Result<Option<f32>> {
+    let Some(value) = ctx.input(slot)? else {
+        return Ok(None);
+    };
+    match value.try_extract_tensor::<f32>()?.1 {
+        [x] => Ok(Some(*x)),
+        data => Err(::ort::Error::new(format!(
+            "{op}: input {slot} has {} elements, not one",
+            data.len()
+        ))),
+    }
+}
+
 struct AdamWUpdate;
 
 impl Operator for AdamWUpdate {
@@ -93,19 +108,7 @@ impl Operator for AdamWUpdate {
 fn adamw_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
     let missing =
         |slot: usize| ::ort::Error::new(format!("{ADAMW_UPDATE}: input {slot} is missing"));
-    let scalar = |slot: usize| -> ::ort::Result<Option<f32>> {
-        let Some(value) = ctx.input(slot)? else {
-            return Ok(None);
-        };
-        let (_, data) = value.try_extract_tensor::<f32>()?;
-        match data {
-            [x] => Ok(Some(*x)),
-            _ => Err(::ort::Error::new(format!(
-                "{ADAMW_UPDATE}: input {slot} has {} elements, not one",
-                data.len()
-            ))),
-        }
-    };
+    let scalar = |slot: usize| scalar_input(ctx, ADAMW_UPDATE, slot);
     let required = |slot: usize| scalar(slot)?.ok_or_else(|| missing(slot));
     let corrections = match (scalar(adamw_slot::A)?, scalar(adamw_slot::C)?) {
         (Some(a), Some(c)) => Some((a, c)),
@@ -245,18 +248,7 @@ macro_rules! slice_of {
 }
 
 fn sgd_kernel(ctx: &ComputeContext, nesterov: bool) -> ::ort::Result<()> {
-    let scalar = |slot: usize| -> ::ort::Result<Option<f32>> {
-        let Some(value) = ctx.input(slot)? else {
-            return Ok(None);
-        };
-        match value.try_extract_tensor::<f32>()?.1 {
-            [x] => Ok(Some(*x)),
-            data => Err(::ort::Error::new(format!(
-                "{SGD_UPDATE}: input {slot} has {} elements, not one",
-                data.len()
-            ))),
-        }
-    };
+    let scalar = |slot: usize| scalar_input(ctx, SGD_UPDATE, slot);
     let lr = scalar(sgd_slot::LR)?
         .ok_or_else(|| ::ort::Error::new(format!("{SGD_UPDATE}: no learning rate")))?;
     let mu = scalar(sgd_slot::MU)?;
