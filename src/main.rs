@@ -1059,6 +1059,10 @@ fn export(args: ExportArgs) -> Result<(), Failure> {
 
 fn train(args: TrainArgs) -> Result<(), Failure> {
     use onnx_ga::train::{micro_batch, TrainError, Trainer};
+    // Before ONNX Runtime starts: the trainer's sessions share one pool of this size.
+    if args.threads > 1 {
+        onnx_ga::runtime::set_shared_pool_threads(args.threads);
+    }
     if args.distributed.is_some() {
         return train_distributed::train(args);
     }

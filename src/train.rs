@@ -318,11 +318,13 @@ impl Trainer {
                 let micro_step = scalar_i64(&state[&micro_step_input]).ok_or_else(|| {
                     TrainError::Model(format!("'{micro_step_input}' is not an int64 scalar"))
                 })?;
-                // The two sessions run one after the other: one CPU arena serves both, and
-                // neither's thread pool may spin while the other runs.
+                // The sessions run one after the other: one CPU arena serves them all, and
+                // so does one spinning thread pool when the environment's has their thread
+                // count; a pool of their own must not spin while another session runs.
                 let session = SessionOptions {
                     shared_arena: true,
                     spin: false,
+                    shared_pool: true,
                     ..options.session.clone()
                 };
                 let apply = match &apply_only {

@@ -86,6 +86,10 @@ pub struct SessionOptions {
     /// (`passes::fuse`; on the CPU only: on CUDA a CPU kernel would copy every
     /// parameter to the host and back). Off runs the step exactly as written.
     pub fused_kernels: bool,
+    /// Run on the environment's shared intra-op pool when it has `threads` threads
+    /// ([`crate::runtime::shared_pool_threads`]; it spins), instead of a pool of the
+    /// session's own: the trainer sets it for its specialised sessions, which take turns.
+    pub shared_pool: bool,
 }
 
 impl Default for SessionOptions {
@@ -98,6 +102,7 @@ impl Default for SessionOptions {
             shared_arena: false,
             spin: true,
             fused_kernels: true,
+            shared_pool: false,
         }
     }
 }
@@ -122,12 +127,20 @@ impl OrtSession {
 
     pub fn from_bytes(bytes: &[u8], options: &SessionOptions) -> Result<OrtSession, EngineError> {
         let mut builder = crate::runtime::session_builder()?;
-        if !options.spin {
+        let shared_pool = options.shared_pool
+            && options.threads > 1
+            && crate::runtime::shared_pool_threads() == Some(options.threads);
+        if !shared_pool {
+            builder = builder
+                .with_independent_thread_pool()
+                .map_err(|e| ort_err("thread pool")(e.into()))?;
+        }
+        if !options.spin && !shared_pool {
             builder = builder
                 .with_intra_op_spinning(false)
                 .map_err(|e| ort_err("intra-op spinning")(e.into()))?;
         }
-        if options.threads > 0 {
+        if options.threads > 0 && !shared_pool {
             builder = builder
                 .with_intra_threads(options.threads)
                 .map_err(|e| ort_err("threads")(e.into()))?;
