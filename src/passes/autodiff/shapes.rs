@@ -1101,3 +1101,54 @@ pub fn declare(model: &mut Model, shapes: &Shapes) {
         model.set_value_type(v, ty);
     }
 }
+
+#[cfg(test)]
+mod dtype_agreement {
+    use super::*;
+
+    /// The element types these shape facts infer agree with the one table of element-type
+    /// rules (`ir::dtype`) wherever both give one, on every node of the shipped forward
+    /// models (each op's rule seen from the same input types).
+    #[test]
+    fn inferred_element_types_agree_with_ir_dtype() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("graphs/forward");
+        let mut compared = 0;
+        for dir in std::fs::read_dir(&root).unwrap() {
+            let dir = dir.unwrap().path();
+            for name in ["legacy.onnx", "keras.onnx", "dynamo.onnx"] {
+                let path = dir.join(name);
+                if !path.exists() {
+                    continue;
+                }
+                let proto = crate::model::load_model_with_data(&path).unwrap();
+                let model = Model::from_proto(proto);
+                let shapes = Shapes::infer(&model);
+                for node in topological_order(&model, BodyId::MAIN) {
+                    let n = model.node(node);
+                    let input = |i: usize| {
+                        n.inputs
+                            .get(i)
+                            .copied()
+                            .flatten()
+                            .and_then(|v| shapes.get(v).elem)
+                    };
+                    for (slot, facts) in infer_node(&model, &shapes, node).iter().enumerate() {
+                        let rule = crate::ir::dtype::output_elem(&n.proto, slot, input, |_| None);
+                        if let (Some(ours), Some(rule)) = (facts.elem, rule) {
+                            assert_eq!(
+                                ours,
+                                rule,
+                                "{}: {} '{}' output {slot}",
+                                path.display(),
+                                n.proto.op_type(),
+                                n.proto.name()
+                            );
+                            compared += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(compared > 500, "only {compared} outputs compared");
+    }
+}
