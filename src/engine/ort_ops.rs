@@ -12,8 +12,8 @@ use ::ort::operator::{
 use ::ort::value::TensorElementType;
 
 use crate::fused_ops::{
-    adamw_slot, adamw_update, sgd_slot, sgd_update, AdamWOutputs, AdamWScalars, SgdScalars,
-    ADAMW_UPDATE, DOMAIN, SGD_UPDATE,
+    adamw_slot, adamw_update, sgd_slot, sgd_update, AdamWScalars, SgdScalars, ADAMW_UPDATE, DOMAIN,
+    SGD_UPDATE,
 };
 
 /// The domain with every fused operator, for a session builder.
@@ -167,31 +167,46 @@ fn adamw_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
     let (_, p_out) = p_out.try_extract_tensor_mut::<f32>()?;
     let (_, m_out) = m_out.try_extract_tensor_mut::<f32>()?;
     let (_, v_out) = v_out.try_extract_tensor_mut::<f32>()?;
-    if p.len() <= CHUNK {
-        adamw_update(&s, (p, g, addend, m, v), (p_out, m_out, v_out));
-        return Ok(());
-    }
-    // Disjoint chunks, each taken once by one task of ONNX Runtime's intra-op pool.
-    let tasks: Vec<Mutex<Option<AdamWOutputs<'_>>>> = p_out
+    let chunks = p_out
         .chunks_mut(CHUNK)
         .zip(m_out.chunks_mut(CHUNK))
         .zip(v_out.chunks_mut(CHUNK))
-        .map(|((p, m), v)| Mutex::new(Some((p, m, v))))
-        .collect();
-    ctx.par_for(tasks.len(), 0, |i| {
-        let taken = tasks[i].lock().map(|mut t| t.take());
-        if let Ok(Some(out)) = taken {
-            let range = i * CHUNK..((i + 1) * CHUNK).min(p.len());
-            let inputs = (
-                &p[range.clone()],
-                &g[range.clone()],
-                addend.map(|a| &a[range.clone()]),
-                &m[range.clone()],
-                &v[range],
-            );
-            adamw_update(&s, inputs, out);
-        }
+        .map(|((p, m), v)| (p, m, v));
+    in_chunks(ctx, p.len(), chunks, |range, out| {
+        let inputs = (
+            &p[range.clone()],
+            &g[range.clone()],
+            addend.map(|a| &a[range.clone()]),
+            &m[range.clone()],
+            &v[range],
+        );
+        adamw_update(&s, inputs, out);
     })
+}
+
+/// Runs `update(range, outputs)` over `len` elements in chunks of [`CHUNK`], `outputs` giving
+/// each chunk's disjoint output slices in order: inline for one chunk, else as tasks of ONNX
+/// Runtime's intra-op pool, each taking its chunk once.
+fn in_chunks<O: Send>(
+    ctx: &ComputeContext,
+    len: usize,
+    outputs: impl Iterator<Item = O>,
+    update: impl Fn(std::ops::Range<usize>, O) + Sync,
+) -> ::ort::Result<()> {
+    let tasks: Vec<Mutex<Option<O>>> = outputs.map(|o| Mutex::new(Some(o))).collect();
+    let run = |i: usize| {
+        if let Ok(Some(out)) = tasks[i].lock().map(|mut t| t.take()) {
+            update(i * CHUNK..((i + 1) * CHUNK).min(len), out);
+        }
+    };
+    match tasks.len() {
+        0 => Ok(()),
+        1 => {
+            run(0);
+            Ok(())
+        }
+        n => ctx.par_for(n, 0, run),
+    }
 }
 
 struct SgdUpdate;
@@ -301,28 +316,17 @@ fn sgd_kernel(ctx: &ComputeContext, nesterov: bool) -> ::ort::Result<()> {
         Some(v) => Some(v.try_extract_tensor_mut::<f32>()?.1),
         None => None,
     };
-    if p.len() <= CHUNK {
-        sgd_update(&s, (p, g, addend, buf), (p_out, buf_out));
-        return Ok(());
-    }
-    // Disjoint chunks, each taken once by one task of the intra-op pool (as for AdamW).
-    type Chunk<'a> = (&'a mut [f32], Option<&'a mut [f32]>);
     let mut buf_chunks = buf_out.map(|b| b.chunks_mut(CHUNK));
-    let tasks: Vec<Mutex<Option<Chunk<'_>>>> = p_out
+    let chunks = p_out
         .chunks_mut(CHUNK)
-        .map(|p| Mutex::new(Some((p, buf_chunks.as_mut().and_then(Iterator::next)))))
-        .collect();
-    ctx.par_for(tasks.len(), 0, |i| {
-        let taken = tasks[i].lock().map(|mut t| t.take());
-        if let Ok(Some(out)) = taken {
-            let range = i * CHUNK..((i + 1) * CHUNK).min(p.len());
-            let inputs = (
-                &p[range.clone()],
-                &g[range.clone()],
-                addend.map(|a| &a[range.clone()]),
-                buf.map(|b| &b[range]),
-            );
-            sgd_update(&s, inputs, out);
-        }
+        .map(move |p| (p, buf_chunks.as_mut().and_then(Iterator::next)));
+    in_chunks(ctx, p.len(), chunks, |range, out| {
+        let inputs = (
+            &p[range.clone()],
+            &g[range.clone()],
+            addend.map(|a| &a[range.clone()]),
+            buf.map(|b| &b[range]),
+        );
+        sgd_update(&s, inputs, out);
     })
 }

@@ -106,38 +106,36 @@ impl std::error::Error for ParseError {}
 
 /// Parses a whole model: header, then the main graph.
 pub fn parse_model(text: &str) -> Result<ModelProto, ParseError> {
-    let mut parser = Parser::new(text);
-    let model = parser.model()?;
-    parser.skip_blank();
-    if !parser.at_end() {
-        return Err(parser.error("expected the end of the text after the graph"));
-    }
-    Ok(model)
+    parse_whole(text, false, |p| p.model())
 }
 
 /// Parses a model as `ir::print::print_model` wrote it: ONNX text plus the printer's dialect
 /// (see the module's documentation): a value-less initializer is an elided one (zeros), a
 /// `# pass` comment ending a node's line is its provenance, strings use Rust's escapes.
 pub fn parse_printed(text: &str) -> Result<ModelProto, ParseError> {
-    let mut parser = Parser::new(text);
-    parser.printed = true;
-    let model = parser.model()?;
-    parser.skip_blank();
-    if !parser.at_end() {
-        return Err(parser.error("expected the end of the text after the graph"));
-    }
-    Ok(model)
+    parse_whole(text, true, |p| p.model())
 }
 
 /// Parses one graph (`name (inputs) => (outputs) {...}`), without a model header.
 pub fn parse_graph(text: &str) -> Result<GraphProto, ParseError> {
+    parse_whole(text, false, |p| p.graph())
+}
+
+/// `read` over the whole of `text` (in the printer's dialect when `printed`): nothing but
+/// blanks may follow what it reads.
+fn parse_whole<'t, T>(
+    text: &'t str,
+    printed: bool,
+    read: impl FnOnce(&mut Parser<'t>) -> Result<T, ParseError>,
+) -> Result<T, ParseError> {
     let mut parser = Parser::new(text);
-    let graph = parser.graph()?;
+    parser.printed = printed;
+    let parsed = read(&mut parser)?;
     parser.skip_blank();
     if !parser.at_end() {
         return Err(parser.error("expected the end of the text after the graph"));
     }
-    Ok(graph)
+    Ok(parsed)
 }
 
 /// A number as written: the syntax decides int or float, the attribute type may widen.

@@ -31,6 +31,26 @@ pub fn prepare<'m>(
     model: &'m crate::proto::ModelProto,
     manifest: &crate::state::Manifest,
 ) -> Result<(std::borrow::Cow<'m, crate::proto::ModelProto>, usize), super::PassError> {
+    // Every update this fuses gives a parameter its next value: a session that returns none
+    // (the accumulate and window-start specialisations) has nothing to fuse, and is not
+    // copied into the IR for nothing.
+    let param_outputs: std::collections::BTreeSet<&str> = manifest
+        .state
+        .iter()
+        .filter(|e| e.role == crate::state::Role::Param)
+        .map(|e| e.output.as_str())
+        .collect();
+    let graph_outputs = model
+        .graph
+        .as_ref()
+        .map(|g| g.output.as_slice())
+        .unwrap_or(&[]);
+    if !graph_outputs
+        .iter()
+        .any(|o| param_outputs.contains(o.name()))
+    {
+        return Ok((std::borrow::Cow::Borrowed(model), 0));
+    }
     let state = StateNames::of(manifest);
     let mut ir = Model::from_proto(model.clone());
     // AdamW first: its weight decay `Sub(p, Mul(p, k))` must not be read as an SGD step.
@@ -38,7 +58,7 @@ pub fn prepare<'m>(
     if fused == 0 {
         return Ok((std::borrow::Cow::Borrowed(model), 0));
     }
-    model_requires_domain(&mut ir);
+    ir.require_opset(crate::fused_ops::DOMAIN, crate::fused_ops::DOMAIN_VERSION);
     super::dce::eliminate_dead_code(&mut ir);
     crate::ir::verify::verify(&ir).map_err(|errors| super::PassError::Verify {
         pass: PASS.into(),
@@ -71,10 +91,6 @@ impl StateNames {
     }
 }
 
-fn model_requires_domain(model: &mut Model) {
-    model.require_opset(crate::fused_ops::DOMAIN, crate::fused_ops::DOMAIN_VERSION);
-}
-
 /// The window's mean gradient folded into a kernel: g = Div(x, K), K a scalar, when every
 /// read of g is one of `readers` (the update's own nodes); and x = Add(acc, d) when that sum
 /// is read only by the Div -> `(acc, Some(d), K)`, else `(x, None, K)`.
@@ -84,11 +100,7 @@ pub(crate) fn gradient_prologue(
     readers: &[NodeId],
     rank: usize,
 ) -> Option<(ValueId, Option<ValueId>, ValueId)> {
-    let only_readers = model
-        .uses(g)
-        .iter()
-        .all(|u| matches!(u, Use::Node { node, .. } if readers.contains(node)));
-    if !only_readers {
+    if !read_only_by(model, g, readers) {
         return None;
     }
     let body = model.node(*readers.first()?).body;
@@ -103,6 +115,14 @@ pub(crate) fn gradient_prologue(
         Some(add) => (input(model, add, 0)?, Some(input(model, add, 1)?), divisor),
         None => (x, None, divisor),
     })
+}
+
+/// Every read of `v` is by one of `readers` (not a graph output either).
+pub(crate) fn read_only_by(model: &Model, v: ValueId, readers: &[NodeId]) -> bool {
+    model
+        .uses(v)
+        .iter()
+        .all(|u| matches!(u, Use::Node { node, .. } if readers.contains(node)))
 }
 
 /// `op` (standard domain, no attributes, `arity` inputs, one output).

@@ -16,8 +16,8 @@
 //! `Sub(p, Mul(p, k))` has the parameter, not a scalar, where `lr` stands.
 
 use super::{
-    float32_or_unknown, gradient_prologue, input, made_by, output, param_rank, scalar_or_unknown,
-    StateNames, PASS,
+    float32_or_unknown, gradient_prologue, input, made_by, output, param_rank, read_only_by,
+    scalar_or_unknown, StateNames, PASS,
 };
 use crate::fused_ops::{sgd_slot, DOMAIN, SGD_UPDATE};
 use crate::ir::builder::{attr_int, Builder};
@@ -112,7 +112,7 @@ fn match_update(model: &Model, sub: NodeId, state: &StateNames) -> Option<Update
     };
     // L2: g = Add(g0, Mul(p, wd)), read only inside the update.
     let (grad, wd) = match made_by(model, g, "Add", body) {
-        Some(add) if within(model, g, &readers) => {
+        Some(add) if read_only_by(model, g, &readers) => {
             let decay = made_by(model, input(model, add, 1)?, "Mul", body);
             match decay {
                 Some(mul) if input(model, mul, 0)? == param => {
@@ -223,14 +223,6 @@ fn leaves_body(model: &Model, v: ValueId) -> bool {
 fn is_state(model: &Model, v: ValueId, names: &std::collections::BTreeSet<String>) -> bool {
     matches!(model.value(v).def, ValueDef::Input { body: BodyId::MAIN })
         && names.contains(model.name(v))
-}
-
-/// Every read of `v` is by one of `readers`.
-fn within(model: &Model, v: ValueId, readers: &[NodeId]) -> bool {
-    model
-        .uses(v)
-        .iter()
-        .all(|u| matches!(u, Use::Node { node, .. } if readers.contains(node)))
 }
 
 fn is_scalar_initializer(model: &Model, v: ValueId) -> bool {
