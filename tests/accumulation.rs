@@ -3,12 +3,12 @@
 //! accumulation loop, `weighted` makes uneven micro-batches and ignored labels exact, a
 //! partial window can be flushed, and a run resumes bit-identically from saved state.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::{assert_close, ort_available, read_npz, root};
+use crate::common::{assert_close, ort_available, read_npz, root};
 use onnx_ga::data::Tensor;
 use onnx_ga::proto::ModelProto;
 use onnx_ga::signature::{self, ExplicitRoles};

@@ -3,12 +3,12 @@
 //! inactive, K micro-batches equal one full batch (the mean is clipped, not each
 //! micro-batch), every generated model trains with AGC, and the AGC subgraph as a snapshot.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::{assert_close, ort_available, read_npz, root};
+use crate::common::{assert_close, ort_available, read_npz, root};
 use ndarray::{ArrayD, IxDyn};
 use onnx_ga::data::Tensor;
 use onnx_ga::ir::builder::{attr_int, attr_ints, tensor_f32, Builder};

@@ -12,12 +12,12 @@
 //! - ONNX Runtime's training build: the shipped artifacts' forward (eval) models through
 //!   autodiff give the gradients the training build computed (fixtures/<model>/grads.npz).
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use common::{ort_available, read_npz, root, run_ort};
+use crate::common::{ort_available, read_npz, root, run_ort};
 use onnx_ga::data::Tensor;
 use onnx_ga::proto::ModelProto;
 

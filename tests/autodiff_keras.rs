@@ -11,12 +11,12 @@
 //! the kernel, `.../BiasAdd/...` the bias); Conv2D kernels are OIHW in the file, HWIO in Keras,
 //! and the fixtures hold them in the ONNX layout.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use common::{ort_available, read_npz, root, run_ort};
+use crate::common::{ort_available, read_npz, root, run_ort};
 use onnx_ga::data::Tensor;
 use onnx_ga::proto::ModelProto;
 

@@ -159,7 +159,7 @@
 //! unsqueeze                                  f64  7.7e-11
 //! where_broadcast                            f64  1.1e-10
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

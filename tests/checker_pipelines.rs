@@ -4,12 +4,12 @@
 //! AGC, dynamic loss scaling, fp16, `--split` and its two files, `--apply where`,
 //! `--engine tract`). One Python process checks them all.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::process::Command;
 
-use common::root;
+use crate::common::root;
 
 const PIPELINES: &[(&str, &[&str])] = &[
     ("default", &[]),

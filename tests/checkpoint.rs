@@ -8,9 +8,9 @@
 //!   trainable parameter, and `lazy_reset_grad`;
 //! - synthetic checkpoints built in this file with the `flatbuffers` builder, for each error.
 
-mod common;
+use crate::common;
 
-use common::root;
+use crate::common::root;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

@@ -3,12 +3,12 @@
 //! the repository as [ROOT]). A reworded message shows up here for review; the promises
 //! (exit 2, the file, node, tensor or option named, nothing written) are asserted too.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Command;
 
-use common::root;
+use crate::common::root;
 
 /// Runs onnx-ga in the repository root and renders the case as a document.
 fn case(tmp: &Path, args: &[&str]) -> (Option<i32>, String) {

@@ -7,9 +7,9 @@
 //! - a single `training_model.onnx` (no checkpoint) and a plain gradient graph with
 //!   `--loss/--seed/--grad`.
 
-mod common;
+use crate::common;
 
-use common::root;
+use crate::common::root;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -1,12 +1,12 @@
 //! The step's control inputs from the host: the learning rate (for schedules) and K. Each
 //! must train exactly like a step rewritten with that value, split or whole.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::{ort_available, read_npz, root};
+use crate::common::{ort_available, read_npz, root};
 use onnx_ga::data::Tensor;
 use onnx_ga::proto::ModelProto;
 use onnx_ga::state::Role;

@@ -3,13 +3,13 @@
 //! and a run killed with SIGKILL. Every refusal exits with 2, names the file, changes no
 //! input byte and creates no output.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use common::root;
+use crate::common::root;
 use onnx_ga::data::Tensor;
 
 fn onnx_ga(args: &[&str]) -> Output {

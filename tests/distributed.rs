@@ -6,13 +6,13 @@
 //! (`scripts/test.sh` installs the one and passes the other). Without them the tests skip,
 //! except under CI=true, where they fail.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use common::root;
+use crate::common::root;
 use onnx_ga::data::Tensor;
 
 fn s(p: &Path) -> &str {

@@ -3,13 +3,13 @@
 //! run with the trained parameters fed as inputs, on ONNX Runtime from Rust and from Python;
 //! `.safetensors` state files (round trip, Python's `safetensors` package); bad input.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use common::{ort_available, root};
+use crate::common::{ort_available, root};
 use onnx_ga::data::Tensor;
 use onnx_ga::proto::ModelProto;
 use onnx_ga::train::micro_batch;

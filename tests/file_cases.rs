@@ -16,7 +16,7 @@
 //!   so the text stays a faithful copy of the numeric tests' input;
 //! - `expect: error`: the pipeline must fail; the snapshot shows the error.
 //!
-//! The snapshot (tests/snapshots/file_cases__<dir>__<name>.snap) is the case file itself
+//! The snapshot (tests/snapshots/suite__file_cases__<dir>__<name>.snap) is the case file itself
 //! followed by the result printed by `ir::print`: input and expected output in one document.
 //! These are structural snapshots; numeric checks against independent references stay in
 //! the topic tests (legalize_ops_a/b against ORT's training build, rewrite_snapshots against
@@ -25,11 +25,11 @@
 //! A new file must be listed in `cases!` below (`every_case_file_is_listed` fails otherwise),
 //! so that each case is its own test and one mismatch does not hide the others.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 
-use common::root;
+use crate::common::root;
 use onnx_ga::ir::{print::print_model, verify, Model};
 use onnx_ga::passes::{PassContext, Pipeline};
 use onnx_ga::proto::ModelProto;

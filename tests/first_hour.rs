@@ -3,12 +3,12 @@
 //! `rewrite` prints and records, and `inspect` of a rewritten step (snapshots for every
 //! shipped graph with AGC and loss scaling, and its JSON checked against the artifacts).
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::{Command, Output};
 
-use common::root;
+use crate::common::root;
 use serde_json::Value;
 
 fn onnx_ga(args: &[&str]) -> Output {

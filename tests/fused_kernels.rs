@@ -6,11 +6,11 @@
 //! threads. Each case also checks that the fused trainer did fuse (and how many updates), so
 //! that it cannot pass by running the standard graph twice.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 
-use common::{ort_available, read_npz, root};
+use crate::common::{ort_available, read_npz, root};
 use onnx_ga::data::Tensor;
 use onnx_ga::engine::ort::SessionOptions;
 use onnx_ga::proto::ModelProto;

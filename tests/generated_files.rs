@@ -3,11 +3,11 @@
 //! the file byte for byte. A stale table fails here instead of validating against
 //! schemas nobody has.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 
-use common::root;
+use crate::common::root;
 
 /// (generator under scripts/, the file it writes).
 const GENERATED: &[(&str, &str)] = &[

@@ -10,12 +10,12 @@
 //! than the kernel it replaces (see `TOLERANCES`). Run with `--nocapture` to see the measured
 //! errors of every case.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use common::{assert_close, ort_available, read_npz, root, run_ort};
+use crate::common::{assert_close, ort_available, read_npz, root, run_ort};
 use onnx_ga::data::Tensor;
 use onnx_ga::ir::{print::print_model, verify, Model};
 use onnx_ga::passes::{PassContext, PassError, Pipeline};

@@ -9,13 +9,13 @@
 //!   double tensors with a float R, unused outputs, against the spec's formulas in f64.
 //! - Bad nodes: each an error naming the node, the op and what is wrong.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{ort_available, root, run_ort};
+use crate::common::{ort_available, root, run_ort};
 use ndarray::{ArrayD, IxDyn};
 use onnx_ga::data::Tensor;
 use onnx_ga::ir::builder::{attr_float, attr_string};

@@ -7,12 +7,12 @@
 //! The graphs are float32, so an overflow is injected as an input value (an inf, or an
 //! enormous finite value whose gradient times the scale overflows float32).
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::{assert_close, ort_available, read_npz, root};
+use crate::common::{assert_close, ort_available, read_npz, root};
 use onnx_ga::data::Tensor;
 use onnx_ga::proto::ModelProto;
 use onnx_ga::signature::{self, ExplicitRoles};

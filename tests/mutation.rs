@@ -7,14 +7,14 @@
 //!
 //! `MUTATION_CASES` (default 480) and `MUTATION_SEED` (default 11) set the campaign.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::root;
+use crate::common::root;
 use onnx_ga::proto::{AttributeProto, ModelProto, OperatorSetIdProto};
 use prost::Message;
 

@@ -4,7 +4,7 @@
 //! absent are refused for want of a schema or a kernel. A newer ONNX Runtime that changes
 //! either fails here instead of in a user's run.
 
-mod common;
+use crate::common;
 
 use onnx_ga::engine::ort::{OrtSession, SessionOptions};
 use onnx_ga::proto::{

@@ -2,11 +2,11 @@
 //! src/passes/optimizer.rs). The update is elementwise, so fused and per-tensor training must
 //! agree bit for bit, for Adam and both AdamW modes, with and without loss scaling.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 
-use common::{ort_available, read_npz, root};
+use crate::common::{ort_available, read_npz, root};
 use onnx_ga::proto::ModelProto;
 use onnx_ga::train::{micro_batch, Trainer};
 

@@ -12,13 +12,13 @@
 //! bfloat16: every node's output is rounded to the half type), from `.venv-ort`
 //! (scripts/install-ort.sh); it is skipped without it (a failure under CI=true).
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
-use common::{assert_close, ort_available, read_npz, root};
+use crate::common::{assert_close, ort_available, read_npz, root};
 use onnx_ga::data::Tensor;
 use onnx_ga::engine::ort::SessionOptions;
 use onnx_ga::ir::PASS_KEY;

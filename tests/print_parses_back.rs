@@ -7,7 +7,7 @@
 //! the printer's indent; onnx.printer's three-space header in a file case's input is not
 //! ours) down to the first line `}` (the main graph's closing brace; a branch's closes
 //! indented). The file tests' outputs (tests/cases/**/*.onnxtxt) are in their snapshots,
-//! `file_cases__<dir>__<name>.snap`, after the case text; a test below checks that every
+//! `suite__file_cases__<dir>__<name>.snap`, after the case text; a test below checks that every
 //! case that does not expect an error has one.
 //!
 //! Each block is parsed with `text::parse_printed`, imported (`Model::from_proto`) and
@@ -135,7 +135,7 @@ fn every_file_case_output_is_checked() {
     for case in cases {
         let relative = case.strip_prefix(&cases_dir).unwrap().with_extension("");
         let snap_name = format!(
-            "file_cases__{}.snap",
+            "suite__file_cases__{}.snap",
             relative.to_string_lossy().replace('/', "__")
         );
         let snap = root().join("tests/snapshots").join(&snap_name);

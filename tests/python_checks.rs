@@ -2,12 +2,12 @@
 //! `onnx.checker.check_model(full_check=True)` (onnx 1.23.2) and loads in Python
 //! onnxruntime 1.31.1, from `.venv-ort` (scripts/install-ort.sh).
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::root;
+use crate::common::root;
 use onnx_ga::signature::{self, ExplicitRoles};
 
 const MODELS: [&str; 6] = common::SHIPPED_GRAPHS;

@@ -5,11 +5,11 @@
 //! The graph: y = x W, d = y - t, loss = mean(d^2), and its backward pass seeded by the
 //! scalar initializer `loss_grad`: dL/dy = seed * 2 d / N, W_grad = x^T dL/dy.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 
-use common::{assert_close, ort_available};
+use crate::common::{assert_close, ort_available};
 use ndarray::{array, Array2, ArrayD};
 use onnx_ga::data::Tensor;
 use onnx_ga::engine::ort::SessionOptions;
@@ -17,7 +17,7 @@ use onnx_ga::proto::ModelProto;
 use onnx_ga::signature::{self, ExplicitRoles};
 use onnx_ga::train::Trainer;
 
-use common::LINEAR_REGRESSION_W0 as W0;
+use crate::common::LINEAR_REGRESSION_W0 as W0;
 
 fn linear_regression() -> ModelProto {
     common::linear_regression(true, &[])

@@ -3,12 +3,12 @@
 //! for bit, on every shipped graph and with every pass that adds to the apply region
 //! (AGC, dynamic loss scaling with its overflow windows, flush, resume mid-window).
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::{ort_available, read_npz, root};
+use crate::common::{ort_available, read_npz, root};
 use onnx_ga::data::Tensor;
 use onnx_ga::engine::EngineKind;
 use onnx_ga::proto::ModelProto;

@@ -9,12 +9,12 @@
 
 #![cfg(feature = "tract")]
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::{assert_close, ort_available, read_npz, root};
+use crate::common::{assert_close, ort_available, read_npz, root};
 use onnx_ga::data::Tensor;
 use onnx_ga::engine::ort::SessionOptions;
 use onnx_ga::engine::tract::TractSession;

@@ -1,12 +1,12 @@
 //! `onnx-ga rewrite` and `onnx-ga train` as a user runs them: the main job end to end, the
 //! partial-window flush, and bad inputs (each a clear error, exit code 2, nothing written).
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use common::{ort_available, root};
+use crate::common::{ort_available, root};
 use onnx_ga::data::Tensor;
 
 fn onnx_ga(args: &[&str]) -> Output {

@@ -6,12 +6,12 @@
 //! whose apply `If` is not the one its manifest describes (swapped branches) or whose
 //! manifest lists no state is refused by `train`.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use common::root;
+use crate::common::root;
 use onnx_ga::proto::attribute_proto::AttributeType;
 use onnx_ga::proto::{ModelProto, OperatorSetIdProto, TensorProto};
 use prost::Message;

@@ -6,12 +6,12 @@
 //! (the form every step had before), on ONNX Runtime and tract, split and whole, AdamW and
 //! SGD with momentum, over 8 windows.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::{ort_available, read_npz, root};
+use crate::common::{ort_available, read_npz, root};
 use onnx_ga::data::Tensor;
 use onnx_ga::engine::EngineKind;
 use onnx_ga::proto::{ModelProto, TensorProto};
