@@ -9,7 +9,7 @@ pub const DOMAIN: &str = "ai.onnx_ga";
 pub const DOMAIN_VERSION: i64 = 1;
 
 /// `AdamWUpdate(p, g, m, v, alpha, one_minus_alpha, beta, one_minus_beta, epsilon, lr,
-/// [a], [c], [lr_wd], [g_addend], [g_divisor]) -> (p', m', v')`: one parameter's AdamW
+/// [a], [c], [lr_wd], [g_addend], [g_divisor], [keep]) -> (p', m', v')`: one parameter's AdamW
 /// step, element by element, in the order of operations of the standard-op lowering
 /// (`passes::legalize::adamw_optimizer::lower_adamw_for_params`), so that float32 results
 /// are bit-identical to it:
@@ -48,7 +48,9 @@ pub mod adamw_slot {
     pub const GRAD_ADDEND: usize = 13;
     /// The gradient is divided by it, after the addend (optional scalar).
     pub const GRAD_DIVISOR: usize = 14;
-    pub const COUNT: usize = 15;
+    /// The gate (optional bool scalar, [`super::KEEP_NONFINITE`]).
+    pub const KEEP: usize = 15;
+    pub const COUNT: usize = 16;
 }
 
 /// The scalars of one [`ADAMW_UPDATE`].
@@ -67,102 +69,107 @@ pub struct AdamWScalars {
     pub divisor: Option<f32>,
 }
 
-/// The operands of [`adamw_update`]: parameter, gradient, its addend, the two moments.
-pub type AdamWOperands<'a> = (
-    &'a [f32],
-    &'a [f32],
-    Option<&'a [f32]>,
-    &'a [f32],
-    &'a [f32],
-);
-/// Where [`adamw_update`] writes: parameter, first and second moment.
-pub type AdamWOutputs<'a> = (&'a mut [f32], &'a mut [f32], &'a mut [f32]);
+/// Where an update reads the state it updates (parameter, moments, buffer) and writes its
+/// next value: separate buffers, or one buffer per state updated in place (the session bound
+/// the output to the input's buffer: `passes::fuse::in_place`). Every element is read before
+/// it is written, so both give the same numbers.
+pub enum Io<'a, const N: usize> {
+    Apart([&'a [f32]; N], [&'a mut [f32]; N]),
+    InPlace([&'a mut [f32]; N]),
+}
 
-/// One AdamW step over `p`, `g` (plus `addend`), `m`, `v` (equal lengths) into `p_out`,
-/// `m_out`, `v_out`. Each line is one standard op of the lowering, rounded to float32 where
-/// it is: Rust does not contract `a * b + c` into a fused multiply-add, so neither does this.
-pub fn adamw_update(
-    s: &AdamWScalars,
-    (p, g, addend, m, v): AdamWOperands<'_>,
-    (p_out, m_out, v_out): AdamWOutputs<'_>,
-) {
-    let n = p.len();
+impl<const N: usize> Io<'_, N> {
+    /// Elements per state (every one the same, checked).
+    pub fn common_len(&self) -> Option<usize> {
+        let lens: Vec<usize> = match self {
+            Io::Apart(src, dst) => src
+                .iter()
+                .map(|s| s.len())
+                .chain(dst.iter().map(|d| d.len()))
+                .collect(),
+            Io::InPlace(buf) => buf.iter().map(|b| b.len()).collect(),
+        };
+        let n = *lens.first()?;
+        lens.iter().all(|&l| l == n).then_some(n)
+    }
+}
+
+/// `next = f(i, state)` for every element i, state read from `io` and written back.
+/// Monomorphised per `f`, and the slices cut to one length, so that each loop vectorises.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // i indexes N slices at once
+fn each<const N: usize>(io: Io<'_, N>, n: usize, f: impl Fn(usize, [f32; N]) -> [f32; N]) {
+    match io {
+        Io::Apart(src, dst) => {
+            let src = src.map(|s| &s[..n]);
+            let dst = dst.map(|d| &mut d[..n]);
+            for i in 0..n {
+                let next = f(i, std::array::from_fn(|k| src[k][i]));
+                for k in 0..N {
+                    dst[k][i] = next[k];
+                }
+            }
+        }
+        Io::InPlace(buf) => {
+            let buf = buf.map(|b| &mut b[..n]);
+            for i in 0..n {
+                let next = f(i, std::array::from_fn(|k| buf[k][i]));
+                for k in 0..N {
+                    buf[k][i] = next[k];
+                }
+            }
+        }
+    }
+}
+
+/// The gradient an update reads: `g`, plus `addend` when given (equal lengths).
+pub type Gradient<'a> = (&'a [f32], Option<&'a [f32]>);
+
+/// One AdamW step over `g` (plus its addend) and the state `[p, m, v]` in `io` (equal
+/// lengths). Each line is one standard op of the lowering, rounded to float32 where it is:
+/// Rust does not contract `a * b + c` into a fused multiply-add, so neither does this.
+pub fn adamw_update(s: &AdamWScalars, (g, addend): Gradient<'_>, io: Io<'_, 3>) {
+    let n = g.len();
     assert!(
-        [
-            g.len(),
-            m.len(),
-            v.len(),
-            p_out.len(),
-            m_out.len(),
-            v_out.len()
-        ]
-        .iter()
-        .chain(addend.map(<[f32]>::len).as_ref())
-        .all(|&l| l == n),
+        io.common_len() == Some(n) && addend.is_none_or(|d| d.len() == n),
         "AdamWUpdate: operands of different lengths"
     );
-    // One loop per variant, each monomorphised so that it vectorises (the slices cut to
-    // `n` let the compiler drop the bounds checks).
-    let outs = (p_out, m_out, v_out);
+    // One loop per variant, each monomorphised so that it vectorises.
     let (g, addend) = (&g[..n], addend.map(|d| &d[..n]));
     match (addend, s.divisor) {
-        (None, None) => update_with(s, |i| g[i], (p, m, v), outs),
-        (None, Some(k)) => update_with(s, |i| g[i] / k, (p, m, v), outs),
-        (Some(d), None) => update_with(s, |i| g[i] + d[i], (p, m, v), outs),
-        (Some(d), Some(k)) => update_with(s, |i| (g[i] + d[i]) / k, (p, m, v), outs),
+        (None, None) => update_with(s, |i| g[i], io, n),
+        (None, Some(k)) => update_with(s, |i| g[i] / k, io, n),
+        (Some(d), None) => update_with(s, |i| g[i] + d[i], io, n),
+        (Some(d), Some(k)) => update_with(s, |i| (g[i] + d[i]) / k, io, n),
     }
 }
 
 /// The update with gradient element `grad(i)`.
 #[inline(always)]
-fn update_with(
-    s: &AdamWScalars,
-    grad: impl Fn(usize) -> f32,
-    (p, m, v): (&[f32], &[f32], &[f32]),
-    (p_out, m_out, v_out): AdamWOutputs<'_>,
-) {
-    let n = p.len();
-    let (m, v) = (&m[..n], &v[..n]);
-    let (p_out, m_out, v_out) = (&mut p_out[..n], &mut m_out[..n], &mut v_out[..n]);
+fn update_with(s: &AdamWScalars, grad: impl Fn(usize) -> f32, io: Io<'_, 3>, n: usize) {
     match (s.corrections, s.lr_wd) {
-        (None, None) => {
-            for i in 0..n {
-                let (m1, v1) = moments(s, grad(i), m[i], v[i]);
-                let delta = (m1 * s.lr) / (v1.sqrt() + s.epsilon);
-                p_out[i] = p[i] - delta;
-                m_out[i] = m1;
-                v_out[i] = v1;
-            }
-        }
-        (None, Some(k)) => {
-            for i in 0..n {
-                let (m1, v1) = moments(s, grad(i), m[i], v[i]);
-                let delta = (m1 * s.lr) / (v1.sqrt() + s.epsilon);
-                let stepped = p[i] - delta;
-                p_out[i] = stepped - stepped * k;
-                m_out[i] = m1;
-                v_out[i] = v1;
-            }
-        }
-        (Some((a, c)), None) => {
-            for i in 0..n {
-                let (m1, v1) = moments(s, grad(i), m[i], v[i]);
-                let denom = ((v1 / c).sqrt() + s.epsilon) * a;
-                p_out[i] = p[i] - (m1 * s.lr) / denom;
-                m_out[i] = m1;
-                v_out[i] = v1;
-            }
-        }
-        (Some((a, c)), Some(k)) => {
-            for i in 0..n {
-                let (m1, v1) = moments(s, grad(i), m[i], v[i]);
-                let decayed = p[i] - p[i] * k;
-                let denom = ((v1 / c).sqrt() + s.epsilon) * a;
-                p_out[i] = decayed - (m1 * s.lr) / denom;
-                m_out[i] = m1;
-                v_out[i] = v1;
-            }
-        }
+        (None, None) => each(io, n, |i, [p, m, v]| {
+            let (m1, v1) = moments(s, grad(i), m, v);
+            let delta = (m1 * s.lr) / (v1.sqrt() + s.epsilon);
+            [p - delta, m1, v1]
+        }),
+        (None, Some(k)) => each(io, n, |i, [p, m, v]| {
+            let (m1, v1) = moments(s, grad(i), m, v);
+            let delta = (m1 * s.lr) / (v1.sqrt() + s.epsilon);
+            let stepped = p - delta;
+            [stepped - stepped * k, m1, v1]
+        }),
+        (Some((a, c)), None) => each(io, n, |i, [p, m, v]| {
+            let (m1, v1) = moments(s, grad(i), m, v);
+            let denom = ((v1 / c).sqrt() + s.epsilon) * a;
+            [p - (m1 * s.lr) / denom, m1, v1]
+        }),
+        (Some((a, c)), Some(k)) => each(io, n, |i, [p, m, v]| {
+            let (m1, v1) = moments(s, grad(i), m, v);
+            let decayed = p - p * k;
+            let denom = ((v1 / c).sqrt() + s.epsilon) * a;
+            [decayed - (m1 * s.lr) / denom, m1, v1]
+        }),
     }
 }
 
@@ -174,7 +181,7 @@ fn moments(s: &AdamWScalars, g: f32, m: f32, v: f32) -> (f32, f32) {
     (m1, v1)
 }
 
-/// `SgdUpdate(p, g, lr, [buf], [mu], [wd], [g_addend], [g_divisor]) -> (p', [buf'])`,
+/// `SgdUpdate(p, g, lr, [buf], [mu], [wd], [g_addend], [g_divisor], [keep]) -> (p', [buf'])`,
 /// attribute `nesterov` (0 or 1): one parameter's SGD step in the optimizer pass's order of
 /// operations (`passes::optimizer`, bit-identical in float32):
 ///
@@ -198,7 +205,9 @@ pub mod sgd_slot {
     pub const WD: usize = 5;
     pub const GRAD_ADDEND: usize = 6;
     pub const GRAD_DIVISOR: usize = 7;
-    pub const COUNT: usize = 8;
+    /// The gate (optional bool scalar, [`super::KEEP_NONFINITE`]).
+    pub const KEEP: usize = 8;
+    pub const COUNT: usize = 9;
 }
 
 /// The scalars of one [`SGD_UPDATE`].
@@ -211,87 +220,94 @@ pub struct SgdScalars {
     pub divisor: Option<f32>,
 }
 
-/// The operands of [`sgd_update`]: parameter, gradient, its addend, the momentum buffer.
-pub type SgdOperands<'a> = (&'a [f32], &'a [f32], Option<&'a [f32]>, Option<&'a [f32]>);
+/// The state an SGD step updates: the parameter, and its momentum buffer when it has one.
+pub enum SgdIo<'a> {
+    Plain(Io<'a, 1>),
+    Momentum(Io<'a, 2>),
+}
 
-/// One SGD step over `p`, `g` (plus `addend`) and the momentum buffer `buf` when there is
-/// one, into `p_out` and `buf_out`.
-pub fn sgd_update(
-    s: &SgdScalars,
-    (p, g, addend, buf): SgdOperands<'_>,
-    (p_out, buf_out): (&mut [f32], Option<&mut [f32]>),
-) {
-    let n = p.len();
+/// One SGD step over `g` (plus its addend) and the state in `io` (equal lengths).
+pub fn sgd_update(s: &SgdScalars, (g, addend): Gradient<'_>, io: SgdIo<'_>) {
+    let n = g.len();
+    let len = match &io {
+        SgdIo::Plain(io) => io.common_len(),
+        SgdIo::Momentum(io) => io.common_len(),
+    };
     assert!(
-        [g.len(), p_out.len()]
-            .iter()
-            .chain(addend.map(<[f32]>::len).as_ref())
-            .chain(buf.map(<[f32]>::len).as_ref())
-            .all(|&l| l == n)
-            && buf.is_some() == buf_out.is_some()
-            && buf.is_some() == s.momentum.is_some(),
+        len == Some(n)
+            && addend.is_none_or(|d| d.len() == n)
+            && matches!(io, SgdIo::Momentum(_)) == s.momentum.is_some(),
         "SgdUpdate: operands of different lengths, or a buffer without its momentum"
     );
     let (g, addend) = (&g[..n], addend.map(|d| &d[..n]));
-    let outs = (p_out, buf, buf_out);
     match (addend, s.divisor) {
-        (None, None) => sgd_with(s, |i| g[i], p, outs),
-        (None, Some(k)) => sgd_with(s, |i| g[i] / k, p, outs),
-        (Some(d), None) => sgd_with(s, |i| g[i] + d[i], p, outs),
-        (Some(d), Some(k)) => sgd_with(s, |i| (g[i] + d[i]) / k, p, outs),
+        (None, None) => sgd_with(s, |i| g[i], io, n),
+        (None, Some(k)) => sgd_with(s, |i| g[i] / k, io, n),
+        (Some(d), None) => sgd_with(s, |i| g[i] + d[i], io, n),
+        (Some(d), Some(k)) => sgd_with(s, |i| (g[i] + d[i]) / k, io, n),
     }
 }
 
 #[inline(always)]
-fn sgd_with(
-    s: &SgdScalars,
-    grad: impl Fn(usize) -> f32,
-    p: &[f32],
-    (p_out, buf, buf_out): (&mut [f32], Option<&[f32]>, Option<&mut [f32]>),
-) {
+fn sgd_with(s: &SgdScalars, grad: impl Fn(usize) -> f32, io: SgdIo<'_>, n: usize) {
     match s.wd {
         // L2 as its own monomorphised gradient, so that each loop below stays branch-free
         // and vectorises (a branch on wd inside the loop kept it scalar: 8x slower).
-        Some(wd) => sgd_loops(s, |i| grad(i) + p[i] * wd, p, (p_out, buf, buf_out)),
-        None => sgd_loops(s, grad, p, (p_out, buf, buf_out)),
+        Some(wd) => sgd_loops(s, |i, p| grad(i) + p * wd, io, n),
+        None => sgd_loops(s, |i, _| grad(i), io, n),
     }
 }
 
+/// The loops, with gradient element `grad(i, p)` (p: the parameter's element).
 #[inline(always)]
-fn sgd_loops(
-    s: &SgdScalars,
-    grad: impl Fn(usize) -> f32,
-    p: &[f32],
-    (p_out, buf, buf_out): (&mut [f32], Option<&[f32]>, Option<&mut [f32]>),
-) {
-    let n = p.len();
-    let p_out = &mut p_out[..n];
+fn sgd_loops(s: &SgdScalars, grad: impl Fn(usize, f32) -> f32, io: SgdIo<'_>, n: usize) {
     let lr = s.lr;
-    match (s.momentum, buf, buf_out) {
-        (Some((mu, true)), Some(buf), Some(buf_out)) => {
-            let (buf, buf_out) = (&buf[..n], &mut buf_out[..n]);
-            for i in 0..n {
-                let g = grad(i);
-                let b = buf[i] * mu + g;
-                p_out[i] = p[i] - lr * (g + b * mu);
-                buf_out[i] = b;
-            }
-        }
-        (Some((mu, false)), Some(buf), Some(buf_out)) => {
-            let (buf, buf_out) = (&buf[..n], &mut buf_out[..n]);
-            for i in 0..n {
-                let b = buf[i] * mu + grad(i);
-                p_out[i] = p[i] - lr * b;
-                buf_out[i] = b;
-            }
-        }
-        _ => {
-            for i in 0..n {
-                p_out[i] = p[i] - lr * grad(i);
-            }
-        }
+    match (s.momentum, io) {
+        (Some((mu, true)), SgdIo::Momentum(io)) => each(io, n, |i, [p, buf]| {
+            let g = grad(i, p);
+            let b = buf * mu + g;
+            [p - lr * (g + b * mu), b]
+        }),
+        (Some((mu, false)), SgdIo::Momentum(io)) => each(io, n, |i, [p, buf]| {
+            let b = buf * mu + grad(i, p);
+            [p - lr * b, b]
+        }),
+        (_, SgdIo::Plain(io)) => each(io, n, |i, [p]| [p - lr * grad(i, p)]),
+        // sgd_update checked that a buffer comes with its momentum.
+        (None, SgdIo::Momentum(_)) => unreachable!("SgdUpdate: a buffer without momentum"),
     }
 }
+
+/// `AccumulateGrad(acc, g, [keep]) -> acc'`: the window's gradient sum, `acc' = acc + g`
+/// element by element (the standard `Add` it replaces, bit-identical), with the gate of
+/// every fused operator (see [`KEEP_NONFINITE`]).
+pub const ACCUMULATE_GRAD: &str = "AccumulateGrad";
+
+pub mod accumulate_slot {
+    pub const ACC: usize = 0;
+    pub const GRAD: usize = 1;
+    pub const KEEP: usize = 2;
+    pub const COUNT: usize = 3;
+}
+
+/// `acc' = acc + g` over `io` (`[acc]`).
+pub fn accumulate_grad(g: &[f32], io: Io<'_, 1>) {
+    let n = g.len();
+    assert!(
+        io.common_len() == Some(n),
+        "AccumulateGrad: operands of different lengths"
+    );
+    let g = &g[..n];
+    each(io, n, |i, [acc]| [acc + g[i]]);
+}
+
+/// The optional last input of every fused operator, `keep` (a bool scalar): when false,
+/// the node leaves its state as it was (outputs equal to inputs; in place, untouched). The
+/// fuse pass feeds it `Or(loss is finite, <KEEP_NONFINITE input>)`, and the trainer that
+/// input: true unless it discards a micro-step with a non-finite loss (`OnNonFinite::Stop`
+/// or `Skip` without loss scaling). A state updated in place then needs no copy to put
+/// back: the kernel never wrote it.
+pub const KEEP_NONFINITE: &str = "ga.keep_nonfinite";
 
 #[cfg(test)]
 mod tests {
@@ -318,7 +334,15 @@ mod tests {
             [0.01f32, 0.5],
         );
         let (mut po, mut mo, mut vo) = ([0f32; 2], [0f32; 2], [0f32; 2]);
-        adamw_update(&s, (&p, &g, None, &m, &v), (&mut po, &mut mo, &mut vo));
+        adamw_update(
+            &s,
+            (&g, None),
+            Io::Apart([&p, &m, &v], [&mut po, &mut mo, &mut vo]),
+        );
+        // In place: the same numbers.
+        let (mut pi, mut mi, mut vi) = (p, m, v);
+        adamw_update(&s, (&g, None), Io::InPlace([&mut pi, &mut mi, &mut vi]));
+        assert_eq!((pi, mi, vi), (po, mo, vo));
         for i in 0..2 {
             let f = |x: f32| x as f64;
             let m1 = f(m[i]) * f(s.alpha) + f(g[i]) * f(s.one_minus_alpha);
@@ -351,7 +375,15 @@ mod tests {
             [0.1f32, 0.2],
         );
         let (mut po, mut bo) = ([0f32; 2], [0f32; 2]);
-        sgd_update(&s, (&p, &g, Some(&d), Some(&buf)), (&mut po, Some(&mut bo)));
+        let io = SgdIo::Momentum(Io::Apart([&p, &buf], [&mut po, &mut bo]));
+        sgd_update(&s, (&g, Some(&d)), io);
+        let (mut pi, mut bi) = (p, buf);
+        sgd_update(
+            &s,
+            (&g, Some(&d)),
+            SgdIo::Momentum(Io::InPlace([&mut pi, &mut bi])),
+        );
+        assert_eq!((pi, bi), (po, bo));
         for i in 0..2 {
             let f = |x: f32| x as f64;
             let grad = (f(g[i]) + f(d[i])) / 4.0 + f(p[i]) * f(0.01);

@@ -331,9 +331,19 @@ impl Trainer {
                     Some((s, _)) => s,
                     None => &split.apply,
                 };
+                // In place only here: the whole graph's states leave through its If.
+                let in_place = |window_start| crate::passes::fuse::FuseOptions {
+                    in_place: true,
+                    window_start,
+                };
                 let start = match window_start::window_start(&split.accumulate, &manifest) {
                     Some(s) => Some(Box::new(open_engine(
-                        kind, &s.model, &session, &manifest, &mut fused,
+                        kind,
+                        &s.model,
+                        &session,
+                        &manifest,
+                        &mut fused,
+                        in_place(true),
                     )?)),
                     None => None,
                 };
@@ -344,6 +354,7 @@ impl Trainer {
                         &session,
                         &manifest,
                         &mut fused,
+                        in_place(false),
                     )?),
                     start,
                     apply: Box::new(open_engine(
@@ -352,6 +363,7 @@ impl Trainer {
                         &session,
                         &manifest,
                         &mut fused,
+                        in_place(false),
                     )?),
                     unchanged_on_accumulate: split.accumulate.unchanged,
                     unchanged_on_apply: apply.unchanged.clone(),
@@ -370,6 +382,7 @@ impl Trainer {
                 &options.session,
                 &manifest,
                 &mut fused,
+                crate::passes::fuse::FuseOptions::default(),
             )?),
         };
         let replica = match (collective, &apply_only, &runner) {
@@ -432,6 +445,24 @@ impl Trainer {
     /// the sessions (0: the step runs as written; see `SessionOptions::fused_kernels`).
     pub fn fused_updates(&self) -> usize {
         self.fused_updates
+    }
+
+    /// How many states the sessions update in place (`SessionOptions::in_place_updates`),
+    /// summed over the split step's sessions (0: every run writes fresh buffers).
+    pub fn in_place_updates(&self) -> usize {
+        match &self.runner {
+            Runner::Whole(e) => e.in_place().len(),
+            Runner::Split {
+                accumulate,
+                start,
+                apply,
+                ..
+            } => {
+                accumulate.in_place().len()
+                    + start.as_ref().map_or(0, |s| s.in_place().len())
+                    + apply.in_place().len()
+            }
+        }
     }
 
     /// What to do with a micro-step whose loss is not finite (see [`OnNonFinite`]).
@@ -699,7 +730,6 @@ impl Trainer {
         for (name, value) in &self.controls {
             host.push((name, value));
         }
-        let held: Vec<(&str, &Held)> = self.state.iter().map(|(k, v)| (k.as_str(), v)).collect();
         let flush_value = Tensor::Bool(ndarray::arr0(true).into_dyn());
         if flush {
             // Both runners: the apply specialisation still computes its `applied` flag
@@ -711,10 +741,15 @@ impl Trainer {
                 .map_or("ga.flush", |t| &t.flush);
             host.push((name, &flush_value));
         }
+        let keep_nonfinite = Tensor::Bool(
+            ndarray::arr0(self.graph_skips || self.on_nonfinite == OnNonFinite::Keep).into_dyn(),
+        );
+        // The states the session updated in place: their values are already the next ones.
+        let mut updated_in_place: Vec<String> = Vec::new();
         // Which specialisation ran: `Some(applies)`, or `None` for the whole graph.
         let mut micro_step_before = None;
         let (outputs, branch) = match &mut self.runner {
-            Runner::Whole(engine) => (engine.run_held(&host, &held)?, None),
+            Runner::Whole(engine) => (run_on_state(engine, &host, &mut self.state)?, None),
             Runner::Split {
                 accumulate,
                 start,
@@ -732,13 +767,22 @@ impl Trainer {
                     (false, Some(start)) if *micro_step == 0 => start,
                     (false, _) => accumulate,
                 };
-                let outputs = engine.run_held(&host, &held)?;
+                // The fused kernels' gate: false when the host will discard a micro-step
+                // whose loss is not finite, so that they leave what they update in place as
+                // it was.
+                let keep_input = engine.keep_input().map(str::to_string);
+                if let Some(k) = &keep_input {
+                    host.push((k, &keep_nonfinite));
+                }
+                let in_place: Vec<String> =
+                    engine.in_place().iter().map(|(i, _)| i.clone()).collect();
+                let outputs = run_on_state(engine, &host, &mut self.state)?;
+                updated_in_place = in_place;
                 micro_step_before = Some(*micro_step);
                 *micro_step = if applies { 0 } else { *micro_step + 1 };
                 (outputs, Some(applies))
             }
         };
-        drop(held);
         let mut outputs: BTreeMap<String, Held> = outputs.into_iter().collect();
         // When the window ended, whether it updated (loss scaling may skip it) the graph says.
         let applied = match branch {
@@ -771,6 +815,7 @@ impl Trainer {
                     }
                 }
                 None if unchanged.is_some_and(|u| u.contains(&entry.input)) => {}
+                None if updated_in_place.contains(&entry.input) => {}
                 None => {
                     return Err(TrainError::Model(format!(
                         "the run did not produce state output '{}'",
@@ -943,13 +988,16 @@ pub fn micro_batch_rows(samples: usize, batch: usize, step: u64) -> Vec<usize> {
 }
 
 /// A session of `kind` for `model`, prepared for the engine first: tract gets the ops it
-/// lacks lowered in memory (`lower-for-tract`), so one step file serves both engines.
+/// lacks lowered in memory (`lower-for-tract`), so one step file serves both engines; ONNX
+/// Runtime on the CPU gets the fused kernels (`fuse`), and with `fuse.in_place` the plan of
+/// its in-place updates.
 fn open_engine(
     kind: EngineKind,
     model: &ModelProto,
     options: &SessionOptions,
     manifest: &Manifest,
     fused: &mut usize,
+    fuse: crate::passes::fuse::FuseOptions,
 ) -> Result<Engine, TrainError> {
     if kind.resolve().0 == EngineKind::Tract {
         let prepared = crate::passes::lower_for_tract::prepare(model).map_err(|e| {
@@ -961,14 +1009,51 @@ fn open_engine(
         return Ok(Engine::new(kind, &prepared, options)?);
     }
     if options.fused_kernels && options.device == crate::engine::ort::Device::Cpu {
-        let (prepared, count) = crate::passes::fuse::prepare(model, manifest).map_err(|e| {
+        let fuse = crate::passes::fuse::FuseOptions {
+            in_place: fuse.in_place && options.in_place_updates,
+            ..fuse
+        };
+        let prepared = crate::passes::fuse::prepare(model, manifest, fuse).map_err(|e| {
             TrainError::Engine(EngineError::Ort {
                 context: "fusing the optimizer".into(),
                 message: e.to_string(),
             })
         })?;
-        *fused += count;
-        return Ok(Engine::new(kind, &prepared, options)?);
+        *fused += prepared.fused;
+        let mut engine = Engine::new(kind, &prepared.model, options)?;
+        engine.set_in_place(prepared.in_place.pairs, prepared.in_place.keep_input);
+        return Ok(engine);
     }
     Ok(Engine::new(kind, model, options)?)
+}
+
+/// Runs `engine` once on `host` inputs and the trainer's `state`, the states the session
+/// updates in place given apart (their outputs are not returned: `state` holds their next
+/// values after the run).
+fn run_on_state(
+    engine: &mut Engine,
+    host: &[(&str, &Tensor)],
+    state: &mut BTreeMap<String, Held>,
+) -> Result<Vec<(String, Held)>, EngineError> {
+    let in_place: BTreeSet<&str> = engine.in_place().iter().map(|(i, _)| i.as_str()).collect();
+    if in_place.is_empty() {
+        let held: Vec<(&str, &Held)> = state.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        return engine.run_held(host, &held);
+    }
+    // Float state still on the host (parameters before their first update, loaded state)
+    // becomes ONNX Runtime's once: a binding would copy lent memory every run.
+    for (name, value) in state.iter_mut() {
+        if let Held::Host(t @ Tensor::F32(_)) = value {
+            let allocated = crate::engine::ort::to_ort_allocated(name, t)?;
+            *value = Held::Ort(allocated);
+        }
+    }
+    let (mut held, mut updated) = (Vec::new(), Vec::new());
+    for (k, v) in state.iter_mut() {
+        match in_place.contains(k.as_str()) {
+            true => updated.push((k.as_str(), v)),
+            false => held.push((k.as_str(), &*v)),
+        }
+    }
+    engine.run_held_in_place(host, &held, &mut updated)
 }

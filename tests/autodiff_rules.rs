@@ -19,6 +19,7 @@
 //!   (the MaxPoolGrad lowering's MaxUnpool; overlapping MaxPool runs in float64),
 //!   SoftmaxCrossEntropyLoss (the SoftmaxCrossEntropyLossGrad lowering's OneHot with
 //!   float64 values).
+//!
 //! LeakyRelu, Gelu with approximate=tanh, MaxPool itself, GroupNormalization and everything
 //! else run in float64. GroupNormalization at opset 21 computes its first stage in
 //! `stash_type` (default 1, float32), so the float64 case sets stash_type = 11; a float32
@@ -200,12 +201,15 @@ impl Rng {
 }
 
 /// A forward model under construction, in one float type.
+/// A tensor the case feeds: name, shape, values.
+type Probe = (String, Vec<i64>, Vec<f64>);
+
 struct Net {
     model: Model,
     elem: i32,
     rng: Rng,
     /// Trainable initializers: name, dims, values.
-    params: Vec<(String, Vec<i64>, Vec<f64>)>,
+    params: Vec<Probe>,
 }
 
 fn count(dims: &[i64]) -> usize {
@@ -354,7 +358,7 @@ impl Net {
 
     /// Appends `loss = Σ_i ReduceSum(Mul(Y_i, R_i))`, each R_i random of Y_i's shape (read
     /// from a forward run), and returns the forward model.
-    fn finish(mut self, ys: &[ValueId]) -> (ModelProto, Vec<(String, Vec<i64>, Vec<f64>)>) {
+    fn finish(mut self, ys: &[ValueId]) -> (ModelProto, Vec<Probe>) {
         let mut probe = self.model.clone();
         for y in ys {
             probe.add_output(MAIN, *y, None);

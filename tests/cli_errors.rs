@@ -3,8 +3,6 @@
 //! the repository as [ROOT]). A reworded message shows up here for review; the promises
 //! (exit 2, the file, node, tensor or option named, nothing written) are asserted too.
 
-use crate::common;
-
 use std::path::Path;
 use std::process::Command;
 

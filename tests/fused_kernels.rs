@@ -60,6 +60,12 @@ fn fused_trains_like_standard(
             "{what}: state '{name}' after {MICRO_STEPS} micro-steps"
         );
     }
+    // The split sessions update in place (at least the accumulators); the whole graph's
+    // states leave through its If, never in place.
+    match split {
+        true => assert!(fused.in_place_updates() > 0, "{what}: nothing in place"),
+        false => assert_eq!(fused.in_place_updates(), 0, "{what}"),
+    }
     fused.fused_updates()
 }
 
@@ -259,6 +265,76 @@ fn fused_adamw_splits_large_parameters_across_threads() {
         let what = format!("linear 512x256, {threads} threads");
         let fused = fused_trains_like_standard(&what, &step, &data, threads, true);
         assert_eq!(fused, 2, "{what}: the weight and the bias");
+    }
+}
+
+/// In place, a micro-step the host discards (its loss is NaN, `OnNonFinite::Skip` and
+/// `Stop`) leaves every state as it was: the kernels' gate kept them from writing. Checked
+/// against the standard ops (value semantics: the host puts the old values back) with the
+/// NaN at a window's start, inside it and at its apply, and with `Keep`, where the NaN
+/// must reach the state alike.
+#[test]
+fn in_place_updates_leave_a_discarded_micro_step_unwritten() {
+    use onnx_ga::train::OnNonFinite;
+    if !ort_available() {
+        return;
+    }
+    let step = large_linear_step();
+    let mut data = BTreeMap::new();
+    let x: Vec<f32> = (0..64 * 512)
+        .map(|i| ((i * 13) % 100) as f32 / 100.0 - 0.5)
+        .collect();
+    let y: Vec<f32> = (0..64 * 256)
+        .map(|i| ((i * 7) % 50) as f32 / 25.0 - 1.0)
+        .collect();
+    data.insert(
+        "x".to_string(),
+        Tensor::F32(ndarray::ArrayD::from_shape_vec(vec![64, 512], x).unwrap()),
+    );
+    data.insert(
+        "y".to_string(),
+        Tensor::F32(ndarray::ArrayD::from_shape_vec(vec![64, 256], y).unwrap()),
+    );
+    // Micro-steps 4 (a window's start), 6 (inside) and 11 (an apply; K = 4) see NaN inputs.
+    let poisoned = [4u64, 6, 11];
+    for policy in [OnNonFinite::Skip, OnNonFinite::Stop, OnNonFinite::Keep] {
+        let what = format!("{policy:?}");
+        let mut in_place = Trainer::with_options(&step, &options(true, 1, true)).unwrap();
+        let mut standard = Trainer::with_options(&step, &options(false, 1, true)).unwrap();
+        // The two accumulators in the accumulate and the window-start sessions, and the
+        // apply's p, m and v of both parameters.
+        assert_eq!(in_place.in_place_updates(), 2 + 2 + 6, "{what}");
+        in_place.set_on_nonfinite(policy);
+        standard.set_on_nonfinite(policy);
+        let samples = in_place.check_data(&data, Path::new("data.npz")).unwrap();
+        for i in 0..16 {
+            let mut batch = micro_batch(&data, samples, 8, i);
+            if poisoned.contains(&i) {
+                if let Some(Tensor::F32(x)) = batch.get_mut("x") {
+                    x.fill(f32::NAN);
+                }
+            }
+            let (a, b) = (in_place.step(&batch, false), standard.step(&batch, false));
+            match (a, b) {
+                (Ok(a), Ok(b)) => {
+                    assert_eq!(format!("{a:?}"), format!("{b:?}"), "{what}: micro-step {i}")
+                }
+                (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string(), "{what}: {i}"),
+                (a, b) => panic!("{what}: micro-step {i}: {a:?} vs {b:?}"),
+            }
+            let (a, b) = (in_place.state().unwrap(), standard.state().unwrap());
+            for (name, value) in b {
+                let same = match (&a[name], value) {
+                    // NaN != NaN: compare the bits.
+                    (Tensor::F32(x), Tensor::F32(y)) => x
+                        .iter()
+                        .zip(y.iter())
+                        .all(|(p, q)| p.to_bits() == q.to_bits()),
+                    (x, y) => x == y,
+                };
+                assert!(same, "{what}: state '{name}' after micro-step {i}");
+            }
+        }
     }
 }
 

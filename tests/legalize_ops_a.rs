@@ -8,8 +8,6 @@
 //! Tolerance: 1e-6 relative or 1e-7 absolute everywhere. Run with `--nocapture` to see the
 //! measured error of every case.
 
-use crate::common;
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 

@@ -10,8 +10,6 @@
 //! than the kernel it replaces (see `TOLERANCES`). Run with `--nocapture` to see the measured
 //! errors of every case.
 
-use crate::common;
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 

@@ -7,8 +7,6 @@
 //!
 //! `MUTATION_CASES` (default 480) and `MUTATION_SEED` (default 11) set the campaign.
 
-use crate::common;
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

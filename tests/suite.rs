@@ -60,7 +60,9 @@ fn every_test_file_is_a_module_of_the_suite() {
     let mut missing = Vec::new();
     for entry in std::fs::read_dir(&tests).unwrap() {
         let path = entry.unwrap().path();
-        let Some(stem) = path.file_stem().and_then(|s| s.to_str()) else { continue };
+        let Some(stem) = path.file_stem().and_then(|s| s.to_str()) else {
+            continue;
+        };
         if path.extension().is_some_and(|e| e == "rs")
             && stem != "suite"
             && !root_source.contains(&format!("\nmod {stem};\n"))
@@ -68,5 +70,8 @@ fn every_test_file_is_a_module_of_the_suite() {
             missing.push(path.display().to_string());
         }
     }
-    assert!(missing.is_empty(), "not declared in tests/suite.rs: {missing:?}");
+    assert!(
+        missing.is_empty(),
+        "not declared in tests/suite.rs: {missing:?}"
+    );
 }

@@ -283,7 +283,7 @@ fn every_forward_model_trains_alike_on_tract_and_ort() {
     ] {
         let dir = root().join("graphs/forward").join(model);
         let data = read_npz(&dir.join("data.npz"));
-        for export in exports.iter().copied() {
+        for &export in exports.iter() {
             let path = dir.join(format!("{export}.onnx"));
             let proto =
                 onnx_ga::model::load_model_with_data(&path).unwrap_or_else(|e| panic!("{e}"));

@@ -189,6 +189,78 @@ impl Engine {
         }
     }
 
+    /// Declares the states this session updates in place and the gate input the host
+    /// feeds (`passes::fuse::in_place`; ONNX Runtime only, a no-op elsewhere).
+    pub fn set_in_place(&mut self, pairs: Vec<(String, String)>, keep_input: Option<String>) {
+        if let Engine::Ort(s) = self {
+            s.set_in_place(pairs);
+            s.keep_input = keep_input;
+        }
+    }
+
+    /// The (state input, next value) pairs this session updates in place.
+    pub fn in_place(&self) -> &[(String, String)] {
+        match self {
+            Engine::Ort(s) => s.in_place(),
+            #[cfg(feature = "tract")]
+            Engine::Tract(_) => &[],
+        }
+    }
+
+    /// The gate's input ([`crate::fused_ops::KEEP_NONFINITE`]) when the session has one.
+    pub fn keep_input(&self) -> Option<&str> {
+        match self {
+            Engine::Ort(s) => s.keep_input.as_deref(),
+            #[cfg(feature = "tract")]
+            Engine::Tract(_) => None,
+        }
+    }
+
+    /// [`run_held`](Self::run_held) with the states of [`in_place`](Self::in_place)
+    /// given apart, updated in their own buffers (made ONNX Runtime's first when they are
+    /// host tensors); their outputs are not returned.
+    pub fn run_held_in_place(
+        &mut self,
+        host: &[(&str, &Tensor)],
+        held: &[(&str, &Held)],
+        in_place: &mut [(&str, &mut Held)],
+    ) -> Result<Vec<(String, Held)>, EngineError> {
+        if in_place.is_empty() {
+            return self.run_held(host, held);
+        }
+        let Engine::Ort(s) = self else {
+            return Err(EngineError::Input {
+                name: in_place[0].0.to_string(),
+                message: "in-place updates need ONNX Runtime".into(),
+            });
+        };
+        // Held host tensors are copied into the binding each run (the trainer makes its
+        // large ones ONNX Runtime's first); the in-place ones become ONNX Runtime's here.
+        let mut host_feeds: Vec<(&str, &Tensor)> = host.to_vec();
+        let mut ort_feeds = Vec::with_capacity(held.len());
+        for (name, value) in held {
+            match value {
+                Held::Ort(v) => ort_feeds.push((*name, v)),
+                Held::Host(t) => host_feeds.push((*name, t)),
+            }
+        }
+        let mut targets: Vec<(&str, &mut ::ort::value::DynValue)> =
+            Vec::with_capacity(in_place.len());
+        for (name, value) in in_place.iter_mut() {
+            if let Held::Host(t) = &**value {
+                let allocated = ort::to_ort_allocated(name, t)?;
+                **value = Held::Ort(allocated);
+            }
+            if let Held::Ort(v) = &mut **value {
+                targets.push((*name, v));
+            }
+        }
+        Ok(s.run_held_in_place(&host_feeds, &ort_feeds, &mut targets)?
+            .into_iter()
+            .map(|(name, v)| (name, Held::Ort(v)))
+            .collect())
+    }
+
     /// Runs the model once on `host` inputs and `held` ones (outputs of earlier runs, kept
     /// where the engine computed them); returns every output, held, in the model's output
     /// order. Feeding outputs back this way never copies state through the host.

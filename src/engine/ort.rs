@@ -90,6 +90,11 @@ pub struct SessionOptions {
     /// ([`crate::runtime::shared_pool_threads`]; it spins), instead of a pool of the
     /// session's own: the trainer sets it for its specialised sessions, which take turns.
     pub shared_pool: bool,
+    /// With `fused_kernels`: let the trainer's specialised sessions update the states their
+    /// fused kernels write (accumulators, parameters, moments) in place, each output bound
+    /// to its input's buffer (`passes::fuse::in_place`). Off keeps value semantics: every
+    /// run writes fresh buffers.
+    pub in_place_updates: bool,
 }
 
 impl Default for SessionOptions {
@@ -103,6 +108,7 @@ impl Default for SessionOptions {
             spin: true,
             fused_kernels: true,
             shared_pool: false,
+            in_place_updates: true,
         }
     }
 }
@@ -117,6 +123,10 @@ pub struct OrtSession {
     host_outputs: std::collections::HashSet<String>,
     pub input_names: Vec<String>,
     pub output_names: Vec<String>,
+    /// (state input, its next value) pairs updated in place ([`Self::set_in_place`]).
+    in_place: Vec<(String, String)>,
+    /// The input of the fused kernels' gate, fed by the host (`fused_ops::KEEP_NONFINITE`).
+    pub keep_input: Option<String>,
 }
 
 impl OrtSession {
@@ -215,6 +225,8 @@ impl OrtSession {
             host_outputs: Default::default(),
             input_names,
             output_names,
+            in_place: Vec::new(),
+            keep_input: None,
         })
     }
 
@@ -244,6 +256,18 @@ impl OrtSession {
         self.host_outputs = names.iter().map(|n| n.to_string()).collect();
     }
 
+    /// Declares the (state input, its next value) pairs that
+    /// [`run_held_in_place`](Self::run_held_in_place) updates in place (the model's fused
+    /// kernels must allow it: `passes::fuse::in_place`).
+    pub fn set_in_place(&mut self, pairs: Vec<(String, String)>) {
+        self.in_place = pairs;
+    }
+
+    /// The state inputs updated in place, with their outputs.
+    pub fn in_place(&self) -> &[(String, String)] {
+        &self.in_place
+    }
+
     /// Runs the model once with `host` inputs (host arrays, lent without a copy on the CPU)
     /// and `held` inputs (values an earlier run produced, wherever they live). Returns every
     /// output as an ONNX Runtime value on the session's device, in the model's output order.
@@ -252,7 +276,20 @@ impl OrtSession {
         host: &[(&str, &Tensor)],
         held: &[(&str, &DynValue)],
     ) -> Result<Vec<(String, DynValue)>, EngineError> {
-        let Some(memory) = &self.device_memory else {
+        self.run_held_in_place(host, held, &mut [])
+    }
+
+    /// [`run_held`](Self::run_held), with the states of [`in_place`](Self::in_place) given
+    /// separately: each is read from and written into its own buffer (the value must be
+    /// ONNX Runtime's, not lent host memory: [`to_ort_allocated`]). Their outputs are not
+    /// returned: the value given holds the next value after the run.
+    pub fn run_held_in_place(
+        &mut self,
+        host: &[(&str, &Tensor)],
+        held: &[(&str, &DynValue)],
+        in_place: &mut [(&str, &mut DynValue)],
+    ) -> Result<Vec<(String, DynValue)>, EngineError> {
+        if self.device_memory.is_none() && in_place.is_empty() {
             let mut feeds: Vec<(Cow<'_, str>, SessionInputValue<'_>)> =
                 Vec::with_capacity(host.len() + held.len());
             for (name, tensor) in host {
@@ -263,10 +300,13 @@ impl OrtSession {
             }
             let mut outputs = self.session.run(feeds).map_err(ort_err("run"))?;
             return take_outputs(&self.output_names, |name| outputs.remove(name));
-        };
+        }
+        let host_memory = MemoryInfo::default();
+        let memory = self.device_memory.as_ref().unwrap_or(&host_memory);
         // A fresh binding per run: binding every output anew makes ONNX Runtime allocate it
         // from the device arena instead of reusing last run's buffer, which is this run's
-        // state input (reuse would alias an input the run still reads).
+        // state input (reuse would alias an input the run still reads). Only the in-place
+        // outputs are bound to their inputs, on purpose.
         let mut binding = self
             .session
             .create_binding()
@@ -283,8 +323,32 @@ impl OrtSession {
                 .bind_input(*name, *value)
                 .map_err(ort_err(&format!("binding input '{name}'")))?;
         }
-        let host_memory = MemoryInfo::default();
+        let mut bound = std::collections::HashSet::new();
+        for (name, value) in in_place.iter_mut() {
+            let output = self
+                .in_place
+                .iter()
+                .find(|(input, _)| input == name)
+                .map(|(_, output)| output.clone())
+                .ok_or_else(|| EngineError::Input {
+                    name: name.to_string(),
+                    message: "is not a state this session updates in place".into(),
+                })?;
+            // A window start's accumulators are written, not read.
+            if self.input_names.iter().any(|i| i == name) {
+                binding
+                    .bind_input(*name, &**value)
+                    .map_err(ort_err(&format!("binding input '{name}'")))?;
+            }
+            binding
+                .bind_output(output.as_str(), &mut **value)
+                .map_err(ort_err(&format!("binding output '{output}' to '{name}'")))?;
+            bound.insert(output);
+        }
         for name in &self.output_names {
+            if bound.contains(name) {
+                continue;
+            }
             let to = match self.host_outputs.contains(name) {
                 true => &host_memory,
                 false => memory,
@@ -294,7 +358,13 @@ impl OrtSession {
                 .map_err(ort_err(&format!("binding output '{name}'")))?;
         }
         let mut outputs = self.session.run_binding(&binding).map_err(ort_err("run"))?;
-        take_outputs(&self.output_names, |name| outputs.remove(name))
+        let returned: Vec<String> = self
+            .output_names
+            .iter()
+            .filter(|n| !bound.contains(*n))
+            .cloned()
+            .collect();
+        take_outputs(&returned, |name| outputs.remove(name))
     }
 }
 
@@ -332,6 +402,27 @@ pub fn held_to_host(name: &str, value: &DynValue) -> Result<Tensor, EngineError>
         .to(AllocationDevice::CPU, 0)
         .map_err(|e| err(format!("copying to the host: {e}")))?;
     from_ort(name, &copied.into_dyn().view())
+}
+
+/// A host tensor copied into memory ONNX Runtime allocated (float32; other types as
+/// [`to_owned_ort`]): a value a session may write into (`IoBinding` binds outputs only to
+/// such values, never to lent or Rust-owned memory).
+pub fn to_ort_allocated(name: &str, tensor: &Tensor) -> Result<DynValue, EngineError> {
+    let Tensor::F32(a) = tensor else {
+        return to_owned_ort(name, tensor);
+    };
+    let err = |e: ::ort::Error| EngineError::Input {
+        name: name.to_string(),
+        message: e.to_string(),
+    };
+    let allocator = ::ort::memory::Allocator::default();
+    let shape: Vec<i64> = a.shape().iter().map(|&d| d as i64).collect();
+    let mut value = OrtTensor::<f32>::new(&allocator, shape).map_err(err)?;
+    let (_, data) = value.extract_tensor_mut();
+    for (to, from) in data.iter_mut().zip(a.iter()) {
+        *to = *from;
+    }
+    Ok(value.into_dyn())
 }
 
 /// A host tensor as a value ONNX Runtime owns (a copy).

@@ -12,15 +12,16 @@ use ::ort::operator::{
 use ::ort::value::TensorElementType;
 
 use crate::fused_ops::{
-    adamw_slot, adamw_update, sgd_slot, sgd_update, AdamWScalars, SgdScalars, ADAMW_UPDATE, DOMAIN,
-    SGD_UPDATE,
+    accumulate_grad, accumulate_slot, adamw_slot, adamw_update, sgd_slot, sgd_update, AdamWScalars,
+    Io, SgdIo, SgdScalars, ACCUMULATE_GRAD, ADAMW_UPDATE, DOMAIN, SGD_UPDATE,
 };
 
 /// The domain with every fused operator, for a session builder.
 pub fn domain() -> ::ort::Result<OperatorDomain> {
     OperatorDomain::new(DOMAIN)?
         .add(AdamWUpdate)?
-        .add(SgdUpdate)
+        .add(SgdUpdate)?
+        .add(AccumulateGrad)
 }
 
 /// Runs `make_session`, serialised with every other until one session with the fused
@@ -49,6 +50,16 @@ pub fn first_registration<T, E>(
     made
 }
 
+/// One input as a float32 slice (`None` when the optional input is absent).
+macro_rules! slice_of {
+    ($value:expr) => {
+        match &$value {
+            Some(v) => Some(v.try_extract_tensor::<f32>()?.1),
+            None => None,
+        }
+    };
+}
+
 /// Elements per task of the intra-op thread pool: large enough that a task's overhead is
 /// small, small enough that 2-4 threads share a 1M-element parameter evenly.
 const CHUNK: usize = 1 << 16;
@@ -68,6 +79,100 @@ fn scalar_input(ctx: &ComputeContext, op: &str, slot: usize) -> ::ort::Result<Op
     }
 }
 
+/// The gate of a fused operator at `slot` ([`crate::fused_ops::KEEP_NONFINITE`]): true when
+/// absent.
+fn keep_input(ctx: &ComputeContext, op: &str, slot: usize) -> ::ort::Result<bool> {
+    let Some(value) = ctx.input(slot)? else {
+        return Ok(true);
+    };
+    match value.try_extract_tensor::<bool>()?.1 {
+        [keep] => Ok(*keep),
+        data => Err(::ort::Error::new(format!(
+            "{op}: the gate (input {slot}) has {} elements, not one",
+            data.len()
+        ))),
+    }
+}
+
+/// Runs a fused update of the `N` states at input slots `state` into outputs `0..N`, all of
+/// one shape, `update(range, io)` per chunk of [`CHUNK`] elements. In place when the session
+/// bound every output to its state's own buffer (`passes::fuse::in_place`), apart when it
+/// bound none; with `keep` false the state stays as it was (in place: untouched).
+fn run_update<const N: usize>(
+    ctx: &ComputeContext,
+    op: &str,
+    state: [usize; N],
+    keep: bool,
+    update: impl Fn(std::ops::Range<usize>, Io<'_, N>) + Sync,
+) -> ::ort::Result<()> {
+    let missing = |slot: usize| ::ort::Error::new(format!("{op}: input {slot} is missing"));
+    let values = state
+        .iter()
+        .map(|&slot| ctx.input(slot)?.ok_or_else(|| missing(slot)))
+        .collect::<::ort::Result<Vec<_>>>()?;
+    let mut inputs: Vec<&[f32]> = Vec::with_capacity(N);
+    let mut shape = Vec::new();
+    for (k, value) in values.iter().enumerate() {
+        let (s, data) = value.try_extract_tensor::<f32>()?;
+        if k == 0 {
+            shape = s.to_vec();
+        }
+        inputs.push(data);
+    }
+    let len = inputs[0].len();
+    if inputs.iter().any(|i| i.len() != len) {
+        return Err(::ort::Error::new(format!(
+            "{op}: the states it updates differ in size ({:?})",
+            inputs.iter().map(|i| i.len()).collect::<Vec<_>>()
+        )));
+    }
+    let mut outputs = (0..N)
+        .map(|slot| {
+            ctx.output(slot, shape.clone())?
+                .ok_or_else(|| ::ort::Error::new(format!("{op}: output {slot} missing")))
+        })
+        .collect::<::ort::Result<Vec<_>>>()?;
+    let mut outs: Vec<&mut [f32]> = Vec::with_capacity(N);
+    for value in &mut outputs {
+        outs.push(value.try_extract_tensor_mut::<f32>()?.1);
+    }
+    let aliased: Vec<bool> = (0..N)
+        .map(|k| outs[k].as_ptr() == inputs[k].as_ptr())
+        .collect();
+    let in_place = aliased.iter().all(|&a| a);
+    if !in_place && aliased.iter().any(|&a| a) {
+        return Err(::ort::Error::new(format!(
+            "{op}: only some of its outputs share their input's buffer ({aliased:?})"
+        )));
+    }
+    if !keep {
+        if !in_place {
+            for (out, input) in outs.iter_mut().zip(&inputs) {
+                out.copy_from_slice(input);
+            }
+        }
+        return Ok(());
+    }
+    let outs: [&mut [f32]; N] = outs
+        .try_into()
+        .map_err(|_| ::ort::Error::new(format!("{op}: {N} outputs expected")))?;
+    let mut pieces = outs.map(|o| o.chunks_mut(CHUNK));
+    let chunks = std::iter::from_fn(|| {
+        let next: [Option<&mut [f32]>; N] = std::array::from_fn(|k| pieces[k].next());
+        next.iter()
+            .all(Option::is_some)
+            .then(|| next.map(|p| p.unwrap_or_default()))
+    });
+    // In place, the inputs' slices are not read again: the outputs are the same memory.
+    in_chunks(ctx, len, chunks, |range, out| {
+        let io = match in_place {
+            true => Io::InPlace(out),
+            false => Io::Apart(std::array::from_fn(|k| &inputs[k][range.clone()]), out),
+        };
+        update(range, io)
+    })
+}
+
 struct AdamWUpdate;
 
 impl Operator for AdamWUpdate {
@@ -84,6 +189,7 @@ impl Operator for AdamWUpdate {
             | adamw_slot::LR_WD
             | adamw_slot::GRAD_ADDEND
             | adamw_slot::GRAD_DIVISOR => OperatorInput::optional(TensorElementType::Float32),
+            adamw_slot::KEEP => OperatorInput::optional(TensorElementType::Bool),
             _ => OperatorInput::required(TensorElementType::Float32),
         })
     }
@@ -130,57 +236,28 @@ fn adamw_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
         lr_wd: scalar(adamw_slot::LR_WD)?,
         divisor: scalar(adamw_slot::GRAD_DIVISOR)?,
     };
-    let tensor = |slot: usize| ctx.input(slot)?.ok_or_else(|| missing(slot));
-    let (p, g, m, v) = (
-        tensor(adamw_slot::PARAM)?,
-        tensor(adamw_slot::GRAD)?,
-        tensor(adamw_slot::M)?,
-        tensor(adamw_slot::V)?,
-    );
-    let (shape, p) = p.try_extract_tensor::<f32>()?;
-    let shape = shape.to_vec();
-    let (_, g) = g.try_extract_tensor::<f32>()?;
-    let (_, m) = m.try_extract_tensor::<f32>()?;
-    let (_, v) = v.try_extract_tensor::<f32>()?;
+    let grad = ctx
+        .input(adamw_slot::GRAD)?
+        .ok_or_else(|| missing(adamw_slot::GRAD))?;
+    let g = grad.try_extract_tensor::<f32>()?.1;
     let addend = ctx.input(adamw_slot::GRAD_ADDEND)?;
-    let addend = match &addend {
-        Some(a) => Some(a.try_extract_tensor::<f32>()?.1),
-        None => None,
-    };
-    let sizes = [g.len(), m.len(), v.len()];
-    if sizes
-        .iter()
-        .chain(addend.map(<[f32]>::len).as_ref())
-        .any(|&l| l != p.len())
-    {
+    let addend = slice_of!(addend);
+    let keep = keep_input(ctx, ADAMW_UPDATE, adamw_slot::KEEP)?;
+    let param = ctx
+        .input(adamw_slot::PARAM)?
+        .ok_or_else(|| missing(adamw_slot::PARAM))?;
+    let len = param.try_extract_tensor::<f32>()?.1.len();
+    if g.len() != len || addend.is_some_and(|a| a.len() != len) {
         return Err(::ort::Error::new(format!(
-            "{ADAMW_UPDATE}: parameter ({}), gradient, moments and addend differ in size ({sizes:?}, {:?})",
-            p.len(),
+            "{ADAMW_UPDATE}: parameter ({len}), gradient ({}) and addend ({:?}) differ in size",
+            g.len(),
             addend.map(<[f32]>::len)
         )));
     }
-    let output = |slot: usize| {
-        ctx.output(slot, shape.clone())?
-            .ok_or_else(|| ::ort::Error::new(format!("{ADAMW_UPDATE}: output {slot} missing")))
-    };
-    let (mut p_out, mut m_out, mut v_out) = (output(0)?, output(1)?, output(2)?);
-    let (_, p_out) = p_out.try_extract_tensor_mut::<f32>()?;
-    let (_, m_out) = m_out.try_extract_tensor_mut::<f32>()?;
-    let (_, v_out) = v_out.try_extract_tensor_mut::<f32>()?;
-    let chunks = p_out
-        .chunks_mut(CHUNK)
-        .zip(m_out.chunks_mut(CHUNK))
-        .zip(v_out.chunks_mut(CHUNK))
-        .map(|((p, m), v)| (p, m, v));
-    in_chunks(ctx, p.len(), chunks, |range, out| {
-        let inputs = (
-            &p[range.clone()],
-            &g[range.clone()],
-            addend.map(|a| &a[range.clone()]),
-            &m[range.clone()],
-            &v[range],
-        );
-        adamw_update(&s, inputs, out);
+    let state = [adamw_slot::PARAM, adamw_slot::M, adamw_slot::V];
+    run_update(ctx, ADAMW_UPDATE, state, keep, |range, io| {
+        let gradient = (&g[range.clone()], addend.map(|a| &a[range]));
+        adamw_update(&s, gradient, io);
     })
 }
 
@@ -223,6 +300,7 @@ impl Operator for SgdUpdate {
             sgd_slot::PARAM | sgd_slot::GRAD | sgd_slot::LR => {
                 OperatorInput::required(TensorElementType::Float32)
             }
+            sgd_slot::KEEP => OperatorInput::optional(TensorElementType::Bool),
             _ => OperatorInput::optional(TensorElementType::Float32),
         })
     }
@@ -252,16 +330,6 @@ impl Operator for SgdUpdate {
     }
 }
 
-/// One input as a float32 slice (`None` when the optional input is absent).
-macro_rules! slice_of {
-    ($value:expr) => {
-        match &$value {
-            Some(v) => Some(v.try_extract_tensor::<f32>()?.1),
-            None => None,
-        }
-    };
-}
-
 fn sgd_kernel(ctx: &ComputeContext, nesterov: bool) -> ::ort::Result<()> {
     let scalar = |slot: usize| scalar_input(ctx, SGD_UPDATE, slot);
     let lr = scalar(sgd_slot::LR)?
@@ -274,59 +342,97 @@ fn sgd_kernel(ctx: &ComputeContext, nesterov: bool) -> ::ort::Result<()> {
         divisor: scalar(sgd_slot::GRAD_DIVISOR)?,
     };
     let missing = |slot: usize| ::ort::Error::new(format!("{SGD_UPDATE}: input {slot} is missing"));
-    let p = ctx
+    let param = ctx
         .input(sgd_slot::PARAM)?
         .ok_or_else(|| missing(sgd_slot::PARAM))?;
-    let g = ctx
+    let len = param.try_extract_tensor::<f32>()?.1.len();
+    let grad = ctx
         .input(sgd_slot::GRAD)?
         .ok_or_else(|| missing(sgd_slot::GRAD))?;
-    let (buf, addend) = (ctx.input(sgd_slot::BUF)?, ctx.input(sgd_slot::GRAD_ADDEND)?);
-    let (shape, p) = p.try_extract_tensor::<f32>()?;
-    let shape = shape.to_vec();
-    let g = g.try_extract_tensor::<f32>()?.1;
-    let (buf, addend) = (slice_of!(buf), slice_of!(addend));
-    if buf.is_some() != mu.is_some() {
+    let g = grad.try_extract_tensor::<f32>()?.1;
+    let addend = ctx.input(sgd_slot::GRAD_ADDEND)?;
+    let addend = slice_of!(addend);
+    let has_buffer = ctx.input(sgd_slot::BUF)?.is_some();
+    if has_buffer != mu.is_some() {
         return Err(::ort::Error::new(format!(
             "{SGD_UPDATE}: a momentum buffer and its momentum come together"
         )));
     }
-    let sizes = [
-        Some(g.len()),
-        buf.map(<[f32]>::len),
-        addend.map(<[f32]>::len),
-    ];
-    if sizes.iter().flatten().any(|&l| l != p.len()) {
+    if g.len() != len || addend.is_some_and(|a| a.len() != len) {
         return Err(::ort::Error::new(format!(
-            "{SGD_UPDATE}: parameter ({}), gradient, buffer and addend differ in size ({sizes:?})",
-            p.len()
+            "{SGD_UPDATE}: parameter ({len}), gradient ({}) and addend ({:?}) differ in size",
+            g.len(),
+            addend.map(<[f32]>::len)
         )));
     }
-    let mut p_out = ctx
-        .output(0, shape.clone())?
-        .ok_or_else(|| ::ort::Error::new(format!("{SGD_UPDATE}: output 0 missing")))?;
-    let p_out = p_out.try_extract_tensor_mut::<f32>()?.1;
-    let mut buf_out = match buf {
-        Some(_) => Some(
-            ctx.output(1, shape)?
-                .ok_or_else(|| ::ort::Error::new(format!("{SGD_UPDATE}: output 1 missing")))?,
+    let keep = keep_input(ctx, SGD_UPDATE, sgd_slot::KEEP)?;
+    let gradient = |range: std::ops::Range<usize>| (&g[range.clone()], addend.map(|a| &a[range]));
+    match has_buffer {
+        true => run_update(
+            ctx,
+            SGD_UPDATE,
+            [sgd_slot::PARAM, sgd_slot::BUF],
+            keep,
+            |r, io| sgd_update(&s, gradient(r), SgdIo::Momentum(io)),
         ),
-        None => None,
-    };
-    let buf_out = match &mut buf_out {
-        Some(v) => Some(v.try_extract_tensor_mut::<f32>()?.1),
-        None => None,
-    };
-    let mut buf_chunks = buf_out.map(|b| b.chunks_mut(CHUNK));
-    let chunks = p_out
-        .chunks_mut(CHUNK)
-        .map(move |p| (p, buf_chunks.as_mut().and_then(Iterator::next)));
-    in_chunks(ctx, p.len(), chunks, |range, out| {
-        let inputs = (
-            &p[range.clone()],
-            &g[range.clone()],
-            addend.map(|a| &a[range.clone()]),
-            buf.map(|b| &b[range]),
-        );
-        sgd_update(&s, inputs, out);
-    })
+        false => run_update(ctx, SGD_UPDATE, [sgd_slot::PARAM], keep, |r, io| {
+            sgd_update(&s, gradient(r), SgdIo::Plain(io))
+        }),
+    }
+}
+
+struct AccumulateGrad;
+
+impl Operator for AccumulateGrad {
+    type Kernel<'attr> = BoxedKernel<'attr>;
+
+    fn name(&self) -> &str {
+        ACCUMULATE_GRAD
+    }
+
+    fn inputs(&self) -> impl IntoIterator<Item = OperatorInput> {
+        [
+            OperatorInput::required(TensorElementType::Float32),
+            OperatorInput::required(TensorElementType::Float32),
+            OperatorInput::optional(TensorElementType::Bool),
+        ]
+    }
+
+    fn outputs(&self) -> impl IntoIterator<Item = OperatorOutput> {
+        [OperatorOutput::required(TensorElementType::Float32)]
+    }
+
+    fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
+        let acc = ctx.inputs()[accumulate_slot::ACC].clone();
+        ctx.set_output(0, &acc)
+    }
+
+    fn create_kernel<'attr>(&self, _: &KernelContext<'attr>) -> ::ort::Result<Self::Kernel<'attr>> {
+        Ok(Box::new(|ctx: &ComputeContext| accumulate_kernel(ctx)))
+    }
+}
+
+fn accumulate_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
+    let grad = ctx
+        .input(accumulate_slot::GRAD)?
+        .ok_or_else(|| ::ort::Error::new(format!("{ACCUMULATE_GRAD}: the gradient is missing")))?;
+    let g = grad.try_extract_tensor::<f32>()?.1;
+    let keep = keep_input(ctx, ACCUMULATE_GRAD, accumulate_slot::KEEP)?;
+    let acc = ctx.input(accumulate_slot::ACC)?.ok_or_else(|| {
+        ::ort::Error::new(format!("{ACCUMULATE_GRAD}: the accumulator is missing"))
+    })?;
+    let len = acc.try_extract_tensor::<f32>()?.1.len();
+    if g.len() != len {
+        return Err(::ort::Error::new(format!(
+            "{ACCUMULATE_GRAD}: accumulator ({len}) and gradient ({}) differ in size",
+            g.len()
+        )));
+    }
+    run_update(
+        ctx,
+        ACCUMULATE_GRAD,
+        [accumulate_slot::ACC],
+        keep,
+        |range, io| accumulate_grad(&g[range], io),
+    )
 }

@@ -534,6 +534,16 @@ impl Model {
         self.node(node).outputs[slot].expect("node output slot is present")
     }
 
+    /// Sets input `slot` of `node` to `value`, first extending its inputs with omitted ones
+    /// when it has fewer (an optional input after the last one given).
+    pub fn set_input_growing(&mut self, node: NodeId, slot: usize, value: ValueId) {
+        let inputs = &mut self.nodes[node.0 as usize].inputs;
+        if inputs.len() <= slot {
+            inputs.resize(slot + 1, None);
+        }
+        self.set_input(node, slot, Some(value));
+    }
+
     /// Rewires input `slot` of `node` to `value` (or to nothing).
     pub fn set_input(&mut self, node: NodeId, slot: usize, value: Option<ValueId>) {
         if let Some(old) = self.node(node).inputs[slot] {

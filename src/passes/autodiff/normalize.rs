@@ -73,6 +73,8 @@ pub fn normalize(
                 out.dropouts += 1;
             }
             "SplitToSequence" => {
+                // (A match guard would hold the op type's borrow of the model.)
+                #[allow(clippy::collapsible_match)]
                 if split_to_sequence(model, node, pass)? {
                     out.splits += 1;
                 }

@@ -7,7 +7,10 @@
 //! over the parameter's bytes; a fused kernel makes one pass (benches/README.md, "Run E").
 //!
 //! - [`adamw`]: Adam and AdamW (`AdamWUpdate`);
-//! - [`sgd`]: SGD, momentum and Nesterov (`SgdUpdate`).
+//! - [`sgd`]: SGD, momentum and Nesterov (`SgdUpdate`);
+//! - [`accumulate`]: the window's gradient sum (`AccumulateGrad`), with in-place updates;
+//! - [`in_place`]: the gate of every fused node, and which states the session may update in
+//!   place.
 //!
 //! Both match by structure, with the operand order the optimizer pass writes, and fold in
 //! the window's mean gradient `(acc + d) / K` when nothing else reads it
@@ -16,28 +19,55 @@
 //! node, so the rewrite never changes what the graph computes). Ops with attributes, other
 //! domains or non-float32 operands are left alone.
 
+pub mod accumulate;
 pub mod adamw;
+pub mod in_place;
 pub mod sgd;
+
+pub use in_place::InPlacePlan;
 
 use crate::ir::{normalize_domain, BodyId, Model, NodeId, Use, ValueId};
 use crate::proto::elem;
 
 pub const PASS: &str = "fuse-optimizer";
 
+/// A session's model prepared for the fused kernels.
+pub struct Prepared<'m> {
+    /// The model with its updates fused (the model itself, borrowed, when nothing was).
+    pub model: std::borrow::Cow<'m, crate::proto::ModelProto>,
+    /// Optimizer updates fused (AdamW and SGD; accumulations are not counted).
+    pub fused: usize,
+    /// The states the session updates in place (empty unless asked for).
+    pub in_place: InPlacePlan,
+}
+
+/// How [`prepare`] prepares a session.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FuseOptions {
+    /// Fuse the accumulations too, gate every fused node, and plan in-place updates.
+    pub in_place: bool,
+    /// The session is the window-start specialisation: accumulators it does not read go
+    /// in place as well ([`in_place`]).
+    pub window_start: bool,
+}
+
 /// `model` (a step, or a specialisation of the step `manifest` describes) with its
-/// optimizer updates fused, and how many there were (the model itself, borrowed, when it
-/// has none). Inputs, outputs and metadata stay as they are.
+/// optimizer updates fused, and with `options.in_place` its accumulations too and the plan
+/// of its in-place updates. Inputs and outputs stay as they are, except the gate's input
+/// ([`in_place::gate`]), which has a default.
 pub fn prepare<'m>(
     model: &'m crate::proto::ModelProto,
     manifest: &crate::state::Manifest,
-) -> Result<(std::borrow::Cow<'m, crate::proto::ModelProto>, usize), super::PassError> {
-    // Every update this fuses gives a parameter its next value: a session that returns none
-    // (the accumulate and window-start specialisations) has nothing to fuse, and is not
-    // copied into the IR for nothing.
-    let param_outputs: std::collections::BTreeSet<&str> = manifest
+    options: FuseOptions,
+) -> Result<Prepared<'m>, super::PassError> {
+    use crate::state::Role;
+    // Every update this fuses gives a parameter (or, in place, an accumulator) its next
+    // value: a session that returns none has nothing to fuse, and is not copied into the IR
+    // for nothing.
+    let next_values: std::collections::BTreeSet<&str> = manifest
         .state
         .iter()
-        .filter(|e| e.role == crate::state::Role::Param)
+        .filter(|e| e.role == Role::Param || (options.in_place && e.role == Role::Accumulator))
         .map(|e| e.output.as_str())
         .collect();
     let graph_outputs = model
@@ -45,26 +75,56 @@ pub fn prepare<'m>(
         .as_ref()
         .map(|g| g.output.as_slice())
         .unwrap_or(&[]);
-    if !graph_outputs
-        .iter()
-        .any(|o| param_outputs.contains(o.name()))
-    {
-        return Ok((std::borrow::Cow::Borrowed(model), 0));
+    let untouched = |model| Prepared {
+        model: std::borrow::Cow::Borrowed(model),
+        fused: 0,
+        in_place: InPlacePlan::default(),
+    };
+    if !graph_outputs.iter().any(|o| next_values.contains(o.name())) {
+        return Ok(untouched(model));
     }
     let state = StateNames::of(manifest);
     let mut ir = Model::from_proto(model.clone());
     // AdamW first: its weight decay `Sub(p, Mul(p, k))` must not be read as an SGD step.
     let fused = adamw::fuse_adamw(&mut ir) + sgd::fuse_sgd(&mut ir, &state);
-    if fused == 0 {
-        return Ok((std::borrow::Cow::Borrowed(model), 0));
+    if !options.in_place {
+        if fused == 0 {
+            return Ok(untouched(model));
+        }
+        return finish(ir, fused, InPlacePlan::default());
     }
+    let accumulations = accumulate::fuse_accumulate(&mut ir, manifest);
+    let keep = in_place::gate(&mut ir, manifest);
+    // The replaced nodes must be gone first: they still read the states.
+    super::dce::eliminate_dead_code(&mut ir);
+    let plan = in_place::plan(&ir, manifest, keep, options.window_start);
+    if fused + accumulations == 0 {
+        // Nothing fused: the model as it was, with the plan (unread accumulators) over it.
+        return Ok(Prepared {
+            in_place: plan,
+            ..untouched(model)
+        });
+    }
+    finish(ir, fused, plan)
+}
+
+/// The fused model, cleaned and checked.
+fn finish(
+    mut ir: Model,
+    fused: usize,
+    in_place: InPlacePlan,
+) -> Result<Prepared<'static>, super::PassError> {
     ir.require_opset(crate::fused_ops::DOMAIN, crate::fused_ops::DOMAIN_VERSION);
     super::dce::eliminate_dead_code(&mut ir);
     crate::ir::verify::verify(&ir).map_err(|errors| super::PassError::Verify {
         pass: PASS.into(),
         errors,
     })?;
-    Ok((std::borrow::Cow::Owned(ir.to_proto()), fused))
+    Ok(Prepared {
+        model: std::borrow::Cow::Owned(ir.to_proto()),
+        fused,
+        in_place,
+    })
 }
 
 /// The state inputs the step's manifest names as parameters and as optimizer moments.

@@ -1,0 +1,81 @@
+//! The window's gradient sum, `acc' = Add(acc, d)` for each accumulator as grad-accum writes
+//! it, as one [`AccumulateGrad`](crate::fused_ops::ACCUMULATE_GRAD) node: the same sum
+//! (bit-identical), but a kernel that can write into `acc`'s own buffer ([`super::in_place`]),
+//! where `Add` always writes a fresh one.
+//!
+//! Matched: an accumulator's next value made by `Add` of the accumulator itself and a
+//! gradient of its exact shape (either operand order: float addition commutes), the
+//! accumulator read by nothing else.
+
+use super::{input, is_op, output, PASS};
+use crate::fused_ops::{accumulate_slot, ACCUMULATE_GRAD, DOMAIN};
+use crate::ir::builder::Builder;
+use crate::ir::{BodyId, Model, Use, ValueId};
+use crate::state::{Manifest, Role};
+
+/// Fuses every accumulation of the main graph; returns how many.
+pub fn fuse_accumulate(model: &mut Model, manifest: &Manifest) -> usize {
+    let mut fused = 0;
+    for e in manifest
+        .state
+        .iter()
+        .filter(|e| e.role == Role::Accumulator)
+    {
+        let (Some(acc), Some(next)) = (
+            model.lookup(BodyId::MAIN, &e.input),
+            model.lookup(BodyId::MAIN, &e.output),
+        ) else {
+            continue;
+        };
+        let Some(grad) = matched(model, acc, next) else {
+            continue;
+        };
+        let mut inputs = vec![None; accumulate_slot::COUNT];
+        inputs[accumulate_slot::ACC] = Some(acc);
+        inputs[accumulate_slot::GRAD] = Some(grad);
+        inputs.truncate(accumulate_slot::KEEP);
+        let hint = format!("{}.fused", model.name(next));
+        let node = Builder::new(model, BodyId::MAIN, PASS).node(
+            ACCUMULATE_GRAD,
+            DOMAIN,
+            &inputs,
+            &[&hint],
+            Vec::new(),
+        );
+        let new = model.output(node, 0);
+        model.replace_value(next, new);
+        fused += 1;
+    }
+    fused
+}
+
+/// The gradient `d` when `next = Add(acc, d)` or `Add(d, acc)` in the main graph, `acc`
+/// read only there, of a declared static float32 shape, and `d` of the same (or undeclared).
+fn matched(model: &Model, acc: ValueId, next: ValueId) -> Option<ValueId> {
+    let (add, _) = model.producer(next)?;
+    if !is_op(model, add, "Add", 2)
+        || model.node(add).body != BodyId::MAIN
+        || output(model, add) != next
+    {
+        return None;
+    }
+    let (a, b) = (input(model, add, 0)?, input(model, add, 1)?);
+    let grad = match (a == acc, b == acc) {
+        (true, false) => b,
+        (false, true) => a,
+        _ => return None,
+    };
+    let only_here = matches!(model.uses(acc), [Use::Node { node, .. }] if *node == add);
+    let shape = |v: ValueId| {
+        let ty = model.value_type(v)?;
+        (ty.tensor_elem()? == crate::proto::elem::FLOAT).then_some(())?;
+        let dims = ty.tensor_dims()?;
+        dims.iter()
+            .all(|d| matches!(d, crate::proto::DeclaredDim::Known(_)))
+            .then_some(dims)
+    };
+    // An undeclared gradient is taken: grad-accum adds each parameter's gradient, of the
+    // parameter's shape, and the kernel checks the sizes (an error, never a broadcast).
+    let grad_ok = model.value_type(grad).is_none() || shape(grad) == shape(acc);
+    (only_here && shape(acc).is_some() && grad_ok).then_some(grad)
+}
