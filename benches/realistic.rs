@@ -14,6 +14,8 @@
 //! - `step`: the step driven by `onnx_ga::train::Trainer` as `train` runs it (split into its
 //!   accumulate / window-start / apply specialisations).
 //! - `step_whole`: the same step run whole (`train --no-split`), its `If` included.
+//! - `step_copy`: `step` with value semantics (`SessionOptions::in_place_updates` off):
+//!   every run writes its states into fresh buffers, as before in-place updates.
 //!
 //! Modes (`cargo bench` passes `--bench`; without it and without a mode, as under `cargo test
 //! --all-targets`, the executable does nothing: the models need torch):
@@ -45,7 +47,7 @@ use onnx_ga::proto::ModelProto;
 use onnx_ga::state::Manifest;
 use onnx_ga::train::{micro_batch, TrainOptions, Trainer};
 
-const COLUMNS: [&str; 3] = ["floor", "step", "step_whole"];
+const COLUMNS: [&str; 4] = ["floor", "step", "step_whole", "step_copy"];
 /// The AdamW of the PyTorch column and of the ORT artifacts (torch.optim.AdamW's defaults but
 /// the learning rate; the artifacts' AdamW is lr-scheduled from the host the same way).
 const OPTIMIZER: &str = "optimizer(kind=adamw,lr=0.001,weight_decay=0.01)";
@@ -612,15 +614,19 @@ fn runner(o: &Opts, model: &str, column: &str, threads: usize) -> Result<Runner>
             &floor_meta(o, model)?,
             threads,
         )?)),
-        "step" | "step_whole" => {
+        "step" | "step_whole" | "step_copy" => {
             let step = load(&dir.join("step.onnx"))?;
+            let split = column != "step_whole";
             let options = TrainOptions {
-                session: session(threads),
-                split: column == "step",
+                session: SessionOptions {
+                    in_place_updates: column != "step_copy",
+                    ..session(threads)
+                },
+                split,
                 ..Default::default()
             };
             let t = Trainer::with_options(&step, &options)?;
-            if t.is_split() != (column == "step") {
+            if t.is_split() != split {
                 bail!("{model}: {column}: the trainer's split is {}", t.is_split());
             }
             Runner::Trainer(Box::new(t))

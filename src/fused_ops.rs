@@ -69,6 +69,41 @@ pub struct AdamWScalars {
     pub divisor: Option<f32>,
 }
 
+/// Calls `f(args)`, an `#[inline(always)]` kernel body, compiled for the widest vectors the
+/// CPU has (AVX-512, AVX2, else the build's baseline: SSE2 on x86-64), chosen at run time.
+/// The same bits each way: every operation is one IEEE-754 operation per element (add, mul,
+/// div, sqrt), correctly rounded at any width, and none is contracted into an FMA (FMA is
+/// not enabled). Why: the AdamW body's two divisions and square root per element bound it
+/// on the baseline's 4-wide vectors (benches/README.md, "In-place updates").
+macro_rules! with_widest_vectors {
+    ($f:ident($($arg:expr),*)) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx512f")]
+            unsafe fn avx512(f: impl FnOnce()) {
+                f()
+            }
+            #[target_feature(enable = "avx2")]
+            unsafe fn avx2(f: impl FnOnce()) {
+                f()
+            }
+            if std::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU has AVX-512F (checked just above).
+                unsafe { avx512(#[inline(always)] || $f($($arg),*)) }
+            } else if std::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU has AVX2 (checked just above).
+                unsafe { avx2(#[inline(always)] || $f($($arg),*)) }
+            } else {
+                $f($($arg),*)
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            $f($($arg),*)
+        }
+    }};
+}
+
 /// Where an update reads the state it updates (parameter, moments, buffer) and writes its
 /// next value: separate buffers, or one buffer per state updated in place (the session bound
 /// the output to the input's buffer: `passes::fuse::in_place`). Every element is read before
@@ -128,7 +163,12 @@ pub type Gradient<'a> = (&'a [f32], Option<&'a [f32]>);
 /// One AdamW step over `g` (plus its addend) and the state `[p, m, v]` in `io` (equal
 /// lengths). Each line is one standard op of the lowering, rounded to float32 where it is:
 /// Rust does not contract `a * b + c` into a fused multiply-add, so neither does this.
-pub fn adamw_update(s: &AdamWScalars, (g, addend): Gradient<'_>, io: Io<'_, 3>) {
+pub fn adamw_update(s: &AdamWScalars, gradient: Gradient<'_>, io: Io<'_, 3>) {
+    with_widest_vectors!(adamw_portable(s, gradient, io))
+}
+
+#[inline(always)]
+fn adamw_portable(s: &AdamWScalars, (g, addend): Gradient<'_>, io: Io<'_, 3>) {
     let n = g.len();
     assert!(
         io.common_len() == Some(n) && addend.is_none_or(|d| d.len() == n),
@@ -227,7 +267,12 @@ pub enum SgdIo<'a> {
 }
 
 /// One SGD step over `g` (plus its addend) and the state in `io` (equal lengths).
-pub fn sgd_update(s: &SgdScalars, (g, addend): Gradient<'_>, io: SgdIo<'_>) {
+pub fn sgd_update(s: &SgdScalars, gradient: Gradient<'_>, io: SgdIo<'_>) {
+    with_widest_vectors!(sgd_portable(s, gradient, io))
+}
+
+#[inline(always)]
+fn sgd_portable(s: &SgdScalars, (g, addend): Gradient<'_>, io: SgdIo<'_>) {
     let n = g.len();
     let len = match &io {
         SgdIo::Plain(io) => io.common_len(),
@@ -292,6 +337,11 @@ pub mod accumulate_slot {
 
 /// `acc' = acc + g` over `io` (`[acc]`).
 pub fn accumulate_grad(g: &[f32], io: Io<'_, 1>) {
+    with_widest_vectors!(accumulate_portable(g, io))
+}
+
+#[inline(always)]
+fn accumulate_portable(g: &[f32], io: Io<'_, 1>) {
     let n = g.len();
     assert!(
         io.common_len() == Some(n),
