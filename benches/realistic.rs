@@ -487,16 +487,42 @@ fn check(
             ..Default::default()
         },
     )?;
+    // And the split step on the standard ops: the fused kernels (in place, on this CPU's
+    // widest vectors, in a release build) must give the same bits.
+    let mut standard = Trainer::with_options(
+        step,
+        &TrainOptions {
+            session: SessionOptions {
+                fused_kernels: false,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    )?;
     let mut losses = Vec::new();
     for i in 0..2 * o.k as usize {
         let bt = &batches[i % batches.len()];
         let (a, w) = (split.step(bt, false)?, whole.step(bt, false)?);
+        let s = standard.step(bt, false)?;
         if a.applied != w.applied || a.loss.to_bits() != w.loss.to_bits() {
             bail!("{model}: micro-step {i}: split {a:?} vs whole {w:?}");
         }
+        if a.loss.to_bits() != s.loss.to_bits() {
+            bail!("{model}: micro-step {i}: fused {a:?} vs standard ops {s:?}");
+        }
         losses.push(a.loss);
     }
-    let same = split.state()? == whole.state()?;
+    let standard_same = split.state()? == standard.state()?;
+    lines.push(format!(
+        "{model}: step with fused kernels ({} in place) vs standard ops after 2 windows: {}",
+        split.in_place_updates(),
+        if standard_same {
+            "bit-identical, ok"
+        } else {
+            "DIFFER"
+        }
+    ));
+    let same = standard_same && split.state()? == whole.state()?;
     lines.push(format!(
         "{model}: step split vs whole after 2 windows of K={}: {} (losses {:?})",
         o.k,

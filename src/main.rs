@@ -1119,6 +1119,12 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             trainer.fused_updates()
         ));
     }
+    if trainer.in_place_updates() > 0 {
+        progress.note(format!(
+            "state: {} tensor(s) updated in place (accumulators, parameters, moments), not copied each micro-step",
+            trainer.in_place_updates()
+        ));
+    }
     host_controls(&mut trainer, args.lr, args.accum_steps)?;
     let data = onnx_ga::data::read_npz_only(&args.data, &trainer.manifest.data_inputs)?;
     if let Some(note) = onnx_ga::data::ignored_note(&args.data, &data.ignored) {

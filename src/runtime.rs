@@ -375,15 +375,26 @@ pub fn register_shared_cpu_arena() -> Result<(), RuntimeError> {
                 MemoryType::Default,
             )
             .map_err(|e| e.to_string())?;
-            // SAFETY: both pointers are live for the call (the environment is 'static, the
-            // memory info outlives it); a null arena config asks for ONNX Runtime's
-            // defaults; the returned status is consumed by `result_from_status`.
+            // The arena grows by what is asked for, not by doubling (ONNX Runtime's default,
+            // kNextPowerOfTwo): a doubled chunk can take tens of MiB the step never uses.
+            let key = c"arena_extend_strategy";
+            let keys = [key.as_ptr()];
+            let values = [1usize]; // kSameAsRequested
+            let mut config: *mut ort::sys::OrtArenaCfg = std::ptr::null_mut();
+            // SAFETY: the key and value arrays live for the call, `config` receives a new
+            // config (released below); the environment is 'static and the memory info
+            // outlives the registration, which copies the config; each returned status is
+            // consumed by `result_from_status`.
             unsafe {
+                let status =
+                    (ort::api().CreateArenaCfgV2)(keys.as_ptr(), values.as_ptr(), 1, &mut config);
+                ort::Error::result_from_status(status).map_err(|e| e.to_string())?;
                 let status = (ort::api().CreateAndRegisterAllocator)(
                     env.ptr().cast_mut(),
                     info.ptr(),
-                    std::ptr::null(),
+                    config,
                 );
+                (ort::api().ReleaseArenaCfg)(config);
                 ort::Error::result_from_status(status)
             }
             .map_err(|e| e.to_string())
