@@ -3,6 +3,13 @@
 //! that has their kernels swaps a recognised standard-op subgraph for one node in memory
 //! (`passes::fuse`, the ONNX Runtime kernels in `engine::ort_ops`). This module is the
 //! one place both sides read: the rewrite for the slots, the kernel for the arithmetic.
+//!
+//! Every operator ends with two kinds of optional input: the gate ([`KEEP_NONFINITE`]) and,
+//! from its `AFTER` slot on, ordering inputs (variadic, any type): values the kernel never
+//! reads, there only so that the nodes making them run before it. A kernel that updates a
+//! state in place is ordered after every other reader of that state
+//! (`passes::fuse::in_place::plan`): the backward reads a layer's weight again for the
+//! gradient of the layer below, which nothing else orders before the weight's update.
 
 /// The operator domain of the fused operators (never written to a file).
 pub const DOMAIN: &str = "ai.onnx_ga";
@@ -50,6 +57,8 @@ pub mod adamw_slot {
     pub const GRAD_DIVISOR: usize = 14;
     /// The gate (optional bool scalar, [`super::KEEP_NONFINITE`]).
     pub const KEEP: usize = 15;
+    /// Ordering inputs from here on (any number, any type, never read: see the module's comment).
+    pub const AFTER: usize = 16;
     pub const COUNT: usize = 16;
 }
 
@@ -247,6 +256,8 @@ pub mod sgd_slot {
     pub const GRAD_DIVISOR: usize = 7;
     /// The gate (optional bool scalar, [`super::KEEP_NONFINITE`]).
     pub const KEEP: usize = 8;
+    /// Ordering inputs from here on (see the module's comment).
+    pub const AFTER: usize = 9;
     pub const COUNT: usize = 9;
 }
 
@@ -332,6 +343,8 @@ pub mod accumulate_slot {
     pub const ACC: usize = 0;
     pub const GRAD: usize = 1;
     pub const KEEP: usize = 2;
+    /// Ordering inputs from here on (see the module's comment).
+    pub const AFTER: usize = 3;
     pub const COUNT: usize = 3;
 }
 

@@ -183,15 +183,17 @@ impl Operator for AdamWUpdate {
     }
 
     fn inputs(&self) -> impl IntoIterator<Item = OperatorInput> {
-        (0..adamw_slot::COUNT).map(|slot| match slot {
-            adamw_slot::A
-            | adamw_slot::C
-            | adamw_slot::LR_WD
-            | adamw_slot::GRAD_ADDEND
-            | adamw_slot::GRAD_DIVISOR => OperatorInput::optional(TensorElementType::Float32),
-            adamw_slot::KEEP => OperatorInput::optional(TensorElementType::Bool),
-            _ => OperatorInput::required(TensorElementType::Float32),
-        })
+        (0..adamw_slot::COUNT)
+            .map(|slot| match slot {
+                adamw_slot::A
+                | adamw_slot::C
+                | adamw_slot::LR_WD
+                | adamw_slot::GRAD_ADDEND
+                | adamw_slot::GRAD_DIVISOR => OperatorInput::optional(TensorElementType::Float32),
+                adamw_slot::KEEP => OperatorInput::optional(TensorElementType::Bool),
+                _ => OperatorInput::required(TensorElementType::Float32),
+            })
+            .chain([OperatorInput::variadic(0)])
     }
 
     fn outputs(&self) -> impl IntoIterator<Item = OperatorOutput> {
@@ -296,13 +298,15 @@ impl Operator for SgdUpdate {
     }
 
     fn inputs(&self) -> impl IntoIterator<Item = OperatorInput> {
-        (0..sgd_slot::COUNT).map(|slot| match slot {
-            sgd_slot::PARAM | sgd_slot::GRAD | sgd_slot::LR => {
-                OperatorInput::required(TensorElementType::Float32)
-            }
-            sgd_slot::KEEP => OperatorInput::optional(TensorElementType::Bool),
-            _ => OperatorInput::optional(TensorElementType::Float32),
-        })
+        (0..sgd_slot::COUNT)
+            .map(|slot| match slot {
+                sgd_slot::PARAM | sgd_slot::GRAD | sgd_slot::LR => {
+                    OperatorInput::required(TensorElementType::Float32)
+                }
+                sgd_slot::KEEP => OperatorInput::optional(TensorElementType::Bool),
+                _ => OperatorInput::optional(TensorElementType::Float32),
+            })
+            .chain([OperatorInput::variadic(0)])
     }
 
     fn outputs(&self) -> impl IntoIterator<Item = OperatorOutput> {
@@ -395,6 +399,7 @@ impl Operator for AccumulateGrad {
             OperatorInput::required(TensorElementType::Float32),
             OperatorInput::required(TensorElementType::Float32),
             OperatorInput::optional(TensorElementType::Bool),
+            OperatorInput::variadic(0),
         ]
     }
 

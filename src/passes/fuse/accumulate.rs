@@ -33,7 +33,6 @@ pub fn fuse_accumulate(model: &mut Model, manifest: &Manifest) -> usize {
         let mut inputs = vec![None; accumulate_slot::COUNT];
         inputs[accumulate_slot::ACC] = Some(acc);
         inputs[accumulate_slot::GRAD] = Some(grad);
-        inputs.truncate(accumulate_slot::KEEP);
         let hint = format!("{}.fused", model.name(next));
         let node = Builder::new(model, BodyId::MAIN, PASS).node(
             ACCUMULATE_GRAD,

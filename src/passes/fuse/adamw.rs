@@ -55,9 +55,8 @@ pub fn fuse_adamw(model: &mut Model) -> usize {
             inputs[adamw_slot::GRAD_ADDEND] = addend;
             inputs[adamw_slot::GRAD_DIVISOR] = Some(divisor);
         }
-        while inputs.last() == Some(&None) {
-            inputs.pop();
-        }
+        // Every fixed slot is written, the omitted ones empty: ONNX Runtime counts them
+        // before the variadic ordering inputs (`fused_ops`).
         let hints = [u.param_next, u.m_next, u.v_next].map(|v| format!("{}.fused", model.name(v)));
         let hints: Vec<&str> = hints.iter().map(String::as_str).collect();
         let node = Builder::new(model, u.body, PASS).node(

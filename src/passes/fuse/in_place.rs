@@ -12,8 +12,8 @@
 //! A pair (state input s, its next value s') is updated in place when either
 //!
 //! - s' is an output of one of onnx-ga's fused kernels ([`crate::fused_ops`]) that reads s at
-//!   the matching slot, every other reader of s is an ancestor of that kernel (so it has read
-//!   s before the kernel writes), and the kernel has the gate ([`gate`]): a micro-step the
+//!   the matching slot, every other reader of s runs before that kernel (an ancestor, or
+//!   made one by an ordering input: [`plan`]), and the kernel has the gate ([`gate`]): a micro-step the
 //!   host discards (a non-finite loss under `OnNonFinite::Stop`/`Skip`) leaves s untouched,
 //!   with nothing to put back. All of a kernel's states go in place, or none of them.
 //! - s is an accumulator the session does not read at all (the window-start specialisation,
@@ -46,8 +46,11 @@ pub struct InPlacePlan {
     pub keep_input: Option<String>,
 }
 
-/// For one fused operator: its (state input slot, output slot) pairs and its gate's slot.
-fn state_slots(op: &str, inputs: usize) -> Option<(Vec<(usize, usize)>, usize)> {
+/// For one fused operator: its (state input slot, output slot) pairs, its gate's slot and
+/// the first of its ordering slots.
+type StateSlots = (Vec<(usize, usize)>, usize, usize);
+
+fn state_slots(op: &str, inputs: &[Option<ValueId>]) -> Option<StateSlots> {
     match op {
         ADAMW_UPDATE => Some((
             vec![
@@ -56,15 +59,21 @@ fn state_slots(op: &str, inputs: usize) -> Option<(Vec<(usize, usize)>, usize)> 
                 (adamw_slot::V, 2),
             ],
             adamw_slot::KEEP,
+            adamw_slot::AFTER,
         )),
         SGD_UPDATE => {
             let mut pairs = vec![(sgd_slot::PARAM, 0)];
-            if inputs > sgd_slot::BUF {
+            // A momentum buffer only with momentum (else the slot is omitted or absent).
+            if inputs.get(sgd_slot::BUF).is_some_and(Option::is_some) {
                 pairs.push((sgd_slot::BUF, 1));
             }
-            Some((pairs, sgd_slot::KEEP))
+            Some((pairs, sgd_slot::KEEP, sgd_slot::AFTER))
         }
-        ACCUMULATE_GRAD => Some((vec![(accumulate_slot::ACC, 0)], accumulate_slot::KEEP)),
+        ACCUMULATE_GRAD => Some((
+            vec![(accumulate_slot::ACC, 0)],
+            accumulate_slot::KEEP,
+            accumulate_slot::AFTER,
+        )),
         _ => None,
     }
 }
@@ -75,7 +84,7 @@ fn fused_nodes(model: &Model) -> Vec<NodeId> {
         .body_nodes(BodyId::MAIN)
         .filter(|&n| {
             let p = &model.node(n).proto;
-            p.domain() == DOMAIN && state_slots(p.op_type(), 0).is_some()
+            p.domain() == DOMAIN && state_slots(p.op_type(), &[]).is_some()
         })
         .collect()
 }
@@ -104,7 +113,7 @@ pub fn gate(model: &mut Model, manifest: &Manifest) -> Option<String> {
     let keep = b.op("Or", &[finite, k], vec![], "ga.keep");
     for n in nodes {
         let op = model.node(n).proto.op_type().to_string();
-        if let Some((_, slot)) = state_slots(&op, model.node(n).inputs.len()) {
+        if let Some((_, slot, _)) = state_slots(&op, &model.node(n).inputs) {
             model.set_input_growing(n, slot, keep);
         }
     }
@@ -113,57 +122,80 @@ pub fn gate(model: &mut Model, manifest: &Manifest) -> Option<String> {
 
 /// The pairs of `model` (a session of the step `manifest` describes) to update in place;
 /// `unread_accumulators`: whether accumulators the session does not read go in place too
-/// (only for the window-start specialisation: see the module's comment).
+/// (only for the window-start specialisation: see the module's comment). A state that
+/// nodes other than its kernel's ancestors also read (a layer's weight, which the backward
+/// reads again for the gradient of the layer below) goes in place once the kernel is
+/// ordered after them: each such reader's first output becomes one of the kernel's
+/// ordering inputs (`fused_ops`' `AFTER` slots, which it does not read). A reader that
+/// itself depends on the kernel would read the new value: then the kernel's states stay
+/// apart.
 pub fn plan(
-    model: &Model,
+    model: &mut Model,
     manifest: &Manifest,
     keep_input: Option<String>,
     unread_accumulators: bool,
 ) -> InPlacePlan {
     let outputs = model.graph_outputs();
+    let inputs = model.graph_inputs();
     let leaves_once = |v: ValueId| outputs.iter().filter(|&&o| o == v).count() == 1;
-    let is_output = |v: ValueId| outputs.contains(&v);
     let mut pairs = Vec::new();
     for n in fused_nodes(model) {
         let node = model.node(n);
-        let Some((slots, keep_slot)) = state_slots(node.proto.op_type(), node.inputs.len()) else {
+        let Some((slots, keep_slot, after_slot)) = state_slots(node.proto.op_type(), &node.inputs)
+        else {
             continue;
         };
         if node.inputs.get(keep_slot).copied().flatten().is_none() {
             continue;
         }
-        let ancestors = ancestors(model, n);
+        let (ancestors, descendants) = (ancestors(model, n), descendants(model, n));
         let mut kernel_pairs = Vec::new();
-        for (in_slot, out_slot) in slots {
+        let mut after: Vec<ValueId> = Vec::new();
+        for &(in_slot, out_slot) in &slots {
             let (Some(s), Some(Some(next))) =
                 (node.inputs[in_slot], node.outputs.get(out_slot).copied())
             else {
                 break;
             };
-            let pair = manifest
+            let is_pair = manifest
                 .state
                 .iter()
-                .find(|e| e.input == model.name(s) && e.output == model.name(next));
-            let readers_done = model.uses(s).iter().all(|u| match u {
-                Use::Node { node: r, slot } => {
-                    (*r == n && *slot == in_slot) || ancestors.contains(r)
-                }
-                Use::Output { .. } => false,
-            });
-            if pair.is_none()
-                || !model.graph_inputs().contains(&s)
+                .any(|e| e.input == model.name(s) && e.output == model.name(next));
+            if !is_pair
+                || !inputs.contains(&s)
                 || !leaves_once(next)
-                || !readers_done
                 || !same_static_shape(model, s, next)
             {
                 break;
             }
+            let Some(readers) = readers_through_aliases(model, s) else {
+                break;
+            };
+            let mut readers_ok = true;
+            for (r, slot) in readers {
+                match r {
+                    r if r == n => readers_ok &= slot == Some(in_slot),
+                    r if ancestors.contains(&r) => {}
+                    r if model.node(r).body == BodyId::MAIN && !descendants.contains(&r) => {
+                        match model.node(r).outputs.iter().flatten().next() {
+                            Some(&o) if !after.contains(&o) => after.push(o),
+                            Some(_) => {}
+                            None => readers_ok = false,
+                        }
+                    }
+                    _ => readers_ok = false,
+                }
+            }
+            if !readers_ok {
+                break;
+            }
             kernel_pairs.push((model.name(s).to_string(), model.name(next).to_string()));
         }
-        if kernel_pairs.len()
-            == state_slots(node.proto.op_type(), node.inputs.len()).map_or(0, |(s, _)| s.len())
-        {
+        if kernel_pairs.len() == slots.len() {
             pairs.extend(kernel_pairs);
+            for (i, v) in after.into_iter().enumerate() {
+                model.set_input_growing(n, after_slot + i, v);
+            }
         }
     }
     if unread_accumulators {
@@ -183,7 +215,7 @@ pub fn plan(
             if unread
                 && made_here
                 && leaves_once(next)
-                && !is_output(s)
+                && !outputs.contains(&s)
                 && same_static_shape(model, s, next)
             {
                 pairs.push((e.input.clone(), e.output.clone()));
@@ -191,6 +223,78 @@ pub fn plan(
         }
     }
     InPlacePlan { pairs, keep_input }
+}
+
+/// The nodes that read `s`, each with the slot it reads `s` at when it reads it directly,
+/// counting the readers of every value computed from `s` and constants alone (a view of it,
+/// `Transpose(s)`, `Mul(s, scale)`, `Cast(s)`, ...) as readers of `s`. Why: ONNX Runtime
+/// gives some of those outputs the input's own buffer (Reshape, Squeeze, Identity), and its
+/// graph optimizer folds others into their readers (a weight's Transpose into the MatMuls
+/// that read it, a scale into a MatMul), which then read `s` itself, ordered by nothing
+/// else. `None` when such a value leaves the graph.
+fn readers_through_aliases(model: &Model, s: ValueId) -> Option<Vec<(NodeId, Option<usize>)>> {
+    let is_constant = |v: ValueId| {
+        model.initializer(v).is_some() && !model.graph_inputs().contains(&v)
+            || model
+                .producer(v)
+                .is_some_and(|(p, _)| model.node(p).proto.op_type() == "Constant")
+    };
+    let mut derived: BTreeSet<ValueId> = BTreeSet::from([s]);
+    let mut readers: Vec<(NodeId, Option<usize>)> = Vec::new();
+    let mut queue = vec![s];
+    while let Some(v) = queue.pop() {
+        for u in model.uses(v) {
+            let Use::Node { node, slot } = *u else {
+                return None;
+            };
+            if !readers.iter().any(|(r, _)| *r == node) || v == s {
+                readers.push((node, (v == s).then_some(slot)));
+            }
+            let of_s_alone = model.node(node).subgraphs.is_empty()
+                && model
+                    .node(node)
+                    .inputs
+                    .iter()
+                    .flatten()
+                    .all(|&i| derived.contains(&i) || is_constant(i));
+            if of_s_alone {
+                for &o in model.node(node).outputs.iter().flatten() {
+                    if derived.insert(o) {
+                        queue.push(o);
+                    }
+                }
+            }
+        }
+    }
+    Some(readers)
+}
+
+/// Every main-graph node that reads an output of `n`, directly or not (a node inside a
+/// subgraph counts as the main-graph node that owns its body).
+fn descendants(model: &Model, n: NodeId) -> BTreeSet<NodeId> {
+    let mut seen = BTreeSet::new();
+    let mut stack = vec![n];
+    while let Some(m) = stack.pop() {
+        for v in model.node(m).outputs.iter().flatten() {
+            for u in model.uses(*v) {
+                if let Use::Node { node, .. } = u {
+                    let top = main_node_of(model, *node);
+                    if seen.insert(top) {
+                        stack.push(top);
+                    }
+                }
+            }
+        }
+    }
+    seen
+}
+
+/// The main-graph node that `n` is, or whose subgraph holds it.
+fn main_node_of(model: &Model, mut n: NodeId) -> NodeId {
+    while let Some(owner) = model.body(model.node(n).body).owner {
+        n = owner;
+    }
+    n
 }
 
 /// Every main-graph node whose output `n` reads, directly or not. A node with a subgraph

@@ -97,7 +97,7 @@ pub fn prepare<'m>(
     let keep = in_place::gate(&mut ir, manifest);
     // The replaced nodes must be gone first: they still read the states.
     super::dce::eliminate_dead_code(&mut ir);
-    let plan = in_place::plan(&ir, manifest, keep, options.window_start);
+    let plan = in_place::plan(&mut ir, manifest, keep, options.window_start);
     if fused + accumulations == 0 {
         // Nothing fused: the model as it was, with the plan (unread accumulators) over it.
         return Ok(Prepared {

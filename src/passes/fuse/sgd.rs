@@ -48,9 +48,8 @@ pub fn fuse_sgd(model: &mut Model, state: &StateNames) -> usize {
             inputs[sgd_slot::GRAD_ADDEND] = addend;
             inputs[sgd_slot::GRAD_DIVISOR] = Some(divisor);
         }
-        while inputs.last() == Some(&None) {
-            inputs.pop();
-        }
+        // Every fixed slot is written, the omitted ones empty: ONNX Runtime counts them
+        // before the variadic ordering inputs (`fused_ops`).
         let mut replaced = vec![u.param_next];
         replaced.extend(u.momentum.as_ref().map(|m| m.buf_next));
         let hints: Vec<String> = replaced
