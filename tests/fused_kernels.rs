@@ -246,20 +246,9 @@ fn fused_adamw_splits_large_parameters_across_threads() {
         return;
     }
     let step = large_linear_step();
-    let mut data = BTreeMap::new();
-    let x: Vec<f32> = (0..64 * 512)
-        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
-        .collect();
-    let y: Vec<f32> = (0..64 * 256)
-        .map(|i| ((i * 104729) % 1000) as f32 / 500.0 - 1.0)
-        .collect();
-    data.insert(
-        "x".to_string(),
-        Tensor::F32(ndarray::ArrayD::from_shape_vec(vec![64, 512], x).unwrap()),
-    );
-    data.insert(
-        "y".to_string(),
-        Tensor::F32(ndarray::ArrayD::from_shape_vec(vec![64, 256], y).unwrap()),
+    let data = large_linear_data(
+        |i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5,
+        |i| ((i * 104729) % 1000) as f32 / 500.0 - 1.0,
     );
     for threads in [1, 2] {
         let what = format!("linear 512x256, {threads} threads");
@@ -280,20 +269,9 @@ fn in_place_updates_leave_a_discarded_micro_step_unwritten() {
         return;
     }
     let step = large_linear_step();
-    let mut data = BTreeMap::new();
-    let x: Vec<f32> = (0..64 * 512)
-        .map(|i| ((i * 13) % 100) as f32 / 100.0 - 0.5)
-        .collect();
-    let y: Vec<f32> = (0..64 * 256)
-        .map(|i| ((i * 7) % 50) as f32 / 25.0 - 1.0)
-        .collect();
-    data.insert(
-        "x".to_string(),
-        Tensor::F32(ndarray::ArrayD::from_shape_vec(vec![64, 512], x).unwrap()),
-    );
-    data.insert(
-        "y".to_string(),
-        Tensor::F32(ndarray::ArrayD::from_shape_vec(vec![64, 256], y).unwrap()),
+    let data = large_linear_data(
+        |i| ((i * 13) % 100) as f32 / 100.0 - 0.5,
+        |i| ((i * 7) % 50) as f32 / 25.0 - 1.0,
     );
     // Micro-steps 4 (a window's start), 6 (inside) and 11 (an apply; K = 4) see NaN inputs.
     let poisoned = [4u64, 6, 11];
@@ -415,6 +393,22 @@ fn step_accumulators(step: &ModelProto) -> usize {
         .iter()
         .filter(|e| e.role == onnx_ga::state::Role::Accumulator)
         .count()
+}
+
+/// 64 samples for [`large_linear_step`]: x (64 x 512) and y (64 x 256), element i of each
+/// from `x(i)` and `y(i)`.
+fn large_linear_data(
+    x: impl Fn(usize) -> f32,
+    y: impl Fn(usize) -> f32,
+) -> BTreeMap<String, Tensor> {
+    let tensor = |dims: [usize; 2], f: &dyn Fn(usize) -> f32| {
+        let values = (0..dims[0] * dims[1]).map(f).collect();
+        Tensor::F32(ndarray::ArrayD::from_shape_vec(dims.to_vec(), values).unwrap())
+    };
+    BTreeMap::from([
+        ("x".to_string(), tensor([64, 512], &x)),
+        ("y".to_string(), tensor([64, 256], &y)),
+    ])
 }
 
 /// y = x W + b with W of 512 x 256 = 131072 elements, mean squared error, AdamW mode 0.

@@ -141,6 +141,27 @@ impl Held {
     }
 }
 
+/// ONNX Runtime's feeds: host tensors (the `host` inputs and held ones on the host) and
+/// values it holds.
+#[allow(clippy::type_complexity)]
+fn ort_feeds<'a>(
+    host: &[(&'a str, &'a Tensor)],
+    held: &[(&'a str, &'a Held)],
+) -> (
+    Vec<(&'a str, &'a Tensor)>,
+    Vec<(&'a str, &'a ::ort::value::DynValue)>,
+) {
+    let mut host_feeds = host.to_vec();
+    let mut ort_feeds = Vec::with_capacity(held.len());
+    for (name, value) in held {
+        match value {
+            Held::Ort(v) => ort_feeds.push((*name, v)),
+            Held::Host(t) => host_feeds.push((*name, t)),
+        }
+    }
+    (host_feeds, ort_feeds)
+}
+
 /// A session of either engine over one model.
 pub enum Engine {
     Ort(ort::OrtSession),
@@ -236,14 +257,7 @@ impl Engine {
         };
         // Held host tensors are copied into the binding each run (the trainer makes its
         // large ones ONNX Runtime's first); the in-place ones become ONNX Runtime's here.
-        let mut host_feeds: Vec<(&str, &Tensor)> = host.to_vec();
-        let mut ort_feeds = Vec::with_capacity(held.len());
-        for (name, value) in held {
-            match value {
-                Held::Ort(v) => ort_feeds.push((*name, v)),
-                Held::Host(t) => host_feeds.push((*name, t)),
-            }
-        }
+        let (host_feeds, ort_feeds) = ort_feeds(host, held);
         let mut targets: Vec<(&str, &mut ::ort::value::DynValue)> =
             Vec::with_capacity(in_place.len());
         for (name, value) in in_place.iter_mut() {
@@ -271,14 +285,7 @@ impl Engine {
     ) -> Result<Vec<(String, Held)>, EngineError> {
         match self {
             Engine::Ort(s) => {
-                let mut host_feeds: Vec<(&str, &Tensor)> = host.to_vec();
-                let mut ort_feeds = Vec::with_capacity(held.len());
-                for (name, value) in held {
-                    match value {
-                        Held::Ort(v) => ort_feeds.push((*name, v)),
-                        Held::Host(t) => host_feeds.push((*name, t)),
-                    }
-                }
+                let (host_feeds, ort_feeds) = ort_feeds(host, held);
                 Ok(s.run_held(&host_feeds, &ort_feeds)?
                     .into_iter()
                     .map(|(name, v)| (name, Held::Ort(v)))

@@ -7,7 +7,7 @@
 //! gradient of its exact shape (either operand order: float addition commutes), the
 //! accumulator read by nothing else.
 
-use super::{input, is_op, output, PASS};
+use super::{input, is_op, output, static_float32_shape, PASS};
 use crate::fused_ops::{accumulate_slot, ACCUMULATE_GRAD, DOMAIN};
 use crate::ir::builder::Builder;
 use crate::ir::{BodyId, Model, Use, ValueId};
@@ -65,16 +65,10 @@ fn matched(model: &Model, acc: ValueId, next: ValueId) -> Option<ValueId> {
         _ => return None,
     };
     let only_here = matches!(model.uses(acc), [Use::Node { node, .. }] if *node == add);
-    let shape = |v: ValueId| {
-        let ty = model.value_type(v)?;
-        (ty.tensor_elem()? == crate::proto::elem::FLOAT).then_some(())?;
-        let dims = ty.tensor_dims()?;
-        dims.iter()
-            .all(|d| matches!(d, crate::proto::DeclaredDim::Known(_)))
-            .then_some(dims)
-    };
     // An undeclared gradient is taken: grad-accum adds each parameter's gradient, of the
     // parameter's shape, and the kernel checks the sizes (an error, never a broadcast).
-    let grad_ok = model.value_type(grad).is_none() || shape(grad) == shape(acc);
-    (only_here && shape(acc).is_some() && grad_ok).then_some(grad)
+    let acc_shape = static_float32_shape(model, acc);
+    let grad_ok =
+        model.value_type(grad).is_none() || static_float32_shape(model, grad) == acc_shape;
+    (only_here && acc_shape.is_some() && grad_ok).then_some(grad)
 }

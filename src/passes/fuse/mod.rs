@@ -233,6 +233,21 @@ pub(crate) fn param_rank(model: &Model, p: ValueId) -> Option<usize> {
     )
 }
 
+/// The fully known shape of `v` when it is declared float32 with one.
+pub(crate) fn static_float32_shape(model: &Model, v: ValueId) -> Option<Vec<i64>> {
+    let ty = model.value_type(v)?;
+    if ty.tensor_elem()? != elem::FLOAT {
+        return None;
+    }
+    ty.tensor_dims()?
+        .iter()
+        .map(|d| match d {
+            crate::proto::DeclaredDim::Known(k) => Some(*k),
+            _ => None,
+        })
+        .collect()
+}
+
 pub(crate) fn float32_or_unknown(model: &Model, v: ValueId) -> bool {
     match model.value_type(v).and_then(|t| t.tensor_elem()) {
         Some(e) => e == elem::FLOAT,
