@@ -83,7 +83,7 @@ pub struct AdamWScalars {
 /// The same bits each way: every operation is one IEEE-754 operation per element (add, mul,
 /// div, sqrt), correctly rounded at any width, and none is contracted into an FMA (FMA is
 /// not enabled). Why: the AdamW body's two divisions and square root per element bound it
-/// on the baseline's 4-wide vectors (benches/README.md, "In-place updates").
+/// on the baseline's 4-wide vectors (benches/README.md, "Run H").
 macro_rules! with_widest_vectors {
     ($f:ident($($arg:expr),*)) => {{
         #[cfg(target_arch = "x86_64")]

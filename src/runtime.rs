@@ -379,7 +379,7 @@ pub fn register_shared_cpu_arena() -> Result<(), RuntimeError> {
             // kNextPowerOfTwo): a doubled chunk can take tens of MiB the step never uses.
             // Measured (peak RSS, MiB, MLP / GPT B 8 / ResNet-8 BN B 32): doubling 102 / 332 /
             // 141, capped at 16 MiB 102 / 283 / 143, as requested 100 / 263 / 217
-            // (benches/README.md, "Run I"): none best everywhere; as requested wins where the
+            // (benches/README.md, "Run H"): none best everywhere; as requested wins where the
             // parameters are large.
             let keys = [c"arena_extend_strategy".as_ptr()];
             let values = [1usize]; // kSameAsRequested

@@ -7,7 +7,7 @@
 //!
 //! Why: on the 1.9M-parameter MLP the value semantics cost a second buffer per state, and the
 //! working set (parameters, gradients, old and new accumulators) no longer fits the 32 MiB
-//! L3 between runs (benches/README.md, "In-place updates").
+//! L3 between runs (benches/README.md, "Run H").
 //!
 //! A pair (state input s, its next value s') is updated in place when either
 //!
