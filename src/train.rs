@@ -320,8 +320,11 @@ impl Trainer {
                 })?;
                 // The sessions run one after the other: one CPU arena serves them all, and
                 // so does one spinning thread pool when the environment's has their thread
-                // count; a pool of their own must not spin while another session runs.
+                // count; a pool of their own must not spin while another session runs. No
+                // memory pattern: each session's planned block would stay reserved in the
+                // shared arena beside the others' (peak RSS, benches/README.md "Run I").
                 let session = SessionOptions {
+                    memory_pattern: false,
                     shared_arena: true,
                     spin: false,
                     shared_pool: true,
