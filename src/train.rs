@@ -153,6 +153,15 @@ impl Default for TrainOptions {
 }
 
 /// The sessions that run the step.
+/// Which of the runner's sessions ran a micro-step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Session {
+    Whole,
+    Accumulate,
+    WindowStart,
+    Apply,
+}
+
 pub(crate) enum Runner {
     /// The exported step graph as is.
     Whole(Engine),
@@ -174,6 +183,23 @@ pub(crate) enum Runner {
         micro_step: i64,
         micro_step_input: String,
     },
+}
+
+impl Runner {
+    /// The session that runs `which` micro-step (the whole graph's one for any of them).
+    fn session(&self, which: Session) -> &Engine {
+        match (self, which) {
+            (Runner::Whole(engine), _) => engine,
+            (Runner::Split { apply, .. }, Session::Apply) => apply,
+            (
+                Runner::Split {
+                    start: Some(start), ..
+                },
+                Session::WindowStart,
+            ) => start,
+            (Runner::Split { accumulate, .. }, _) => accumulate,
+        }
+    }
 }
 
 pub struct Trainer {
@@ -747,10 +773,9 @@ impl Trainer {
         let keep_nonfinite = Tensor::Bool(
             ndarray::arr0(self.graph_skips || self.on_nonfinite == OnNonFinite::Keep).into_dyn(),
         );
-        // The states the session updated in place: their values are already the next ones.
-        let mut updated_in_place: Vec<String> = Vec::new();
         // Which specialisation ran: `Some(applies)`, or `None` for the whole graph.
         let mut micro_step_before = None;
+        let mut ran = Session::Whole;
         let (outputs, branch) = match &mut self.runner {
             Runner::Whole(engine) => (run_on_state(engine, &host, &mut self.state)?, None),
             Runner::Split {
@@ -766,9 +791,18 @@ impl Trainer {
                 // A window's first micro-step finds every accumulator zero (the apply
                 // zeroed it, or training starts): it need not read them.
                 let engine = match (applies, start) {
-                    (true, _) => apply,
-                    (false, Some(start)) if *micro_step == 0 => start,
-                    (false, _) => accumulate,
+                    (true, _) => {
+                        ran = Session::Apply;
+                        apply
+                    }
+                    (false, Some(start)) if *micro_step == 0 => {
+                        ran = Session::WindowStart;
+                        start
+                    }
+                    (false, _) => {
+                        ran = Session::Accumulate;
+                        accumulate
+                    }
                 };
                 // The fused kernels' gate: false when the host will discard a micro-step
                 // whose loss is not finite, so that they leave what they update in place as
@@ -777,10 +811,7 @@ impl Trainer {
                 if let Some(k) = &keep_input {
                     host.push((k, &keep_nonfinite));
                 }
-                let in_place: Vec<String> =
-                    engine.in_place().iter().map(|(i, _)| i.clone()).collect();
                 let outputs = run_on_state(engine, &host, &mut self.state)?;
-                updated_in_place = in_place;
                 micro_step_before = Some(*micro_step);
                 *micro_step = if applies { 0 } else { *micro_step + 1 };
                 (outputs, Some(applies))
@@ -818,7 +849,8 @@ impl Trainer {
                     }
                 }
                 None if unchanged.is_some_and(|u| u.contains(&entry.input)) => {}
-                None if updated_in_place.contains(&entry.input) => {}
+                // Updated in place: the value held is already the next one.
+                None if self.runner.session(ran).updates_in_place(&entry.input) => {}
                 None => {
                     return Err(TrainError::Model(format!(
                         "the run did not produce state output '{}'",
@@ -1038,8 +1070,7 @@ fn run_on_state(
     host: &[(&str, &Tensor)],
     state: &mut BTreeMap<String, Held>,
 ) -> Result<Vec<(String, Held)>, EngineError> {
-    let in_place: BTreeSet<&str> = engine.in_place().iter().map(|(i, _)| i.as_str()).collect();
-    if in_place.is_empty() {
+    if engine.in_place().is_empty() {
         let held: Vec<(&str, &Held)> = state.iter().map(|(k, v)| (k.as_str(), v)).collect();
         return engine.run_held(host, &held);
     }
@@ -1053,7 +1084,7 @@ fn run_on_state(
     }
     let (mut held, mut updated) = (Vec::new(), Vec::new());
     for (k, v) in state.iter_mut() {
-        match in_place.contains(k.as_str()) {
+        match engine.updates_in_place(k) {
             true => updated.push((k.as_str(), v)),
             false => held.push((k.as_str(), &*v)),
         }

@@ -228,6 +228,15 @@ impl Engine {
         }
     }
 
+    /// Whether the state input `name` is one of [`in_place`](Self::in_place)'s.
+    pub fn updates_in_place(&self, name: &str) -> bool {
+        match self {
+            Engine::Ort(s) => s.updates_in_place(name),
+            #[cfg(feature = "tract")]
+            Engine::Tract(_) => false,
+        }
+    }
+
     /// The gate's input ([`crate::fused_ops::KEEP_NONFINITE`]) when the session has one.
     pub fn keep_input(&self) -> Option<&str> {
         match self {

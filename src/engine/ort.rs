@@ -129,8 +129,10 @@ pub struct OrtSession {
     host_outputs: std::collections::HashSet<String>,
     pub input_names: Vec<String>,
     pub output_names: Vec<String>,
-    /// (state input, its next value) pairs updated in place ([`Self::set_in_place`]).
+    /// (state input, its next value) pairs updated in place ([`Self::set_in_place`]), and
+    /// their inputs, for the lookups of every run.
     in_place: Vec<(String, String)>,
+    in_place_inputs: std::collections::HashSet<String>,
     /// The input of the fused kernels' gate, fed by the host (`fused_ops::KEEP_NONFINITE`).
     pub keep_input: Option<String>,
 }
@@ -237,6 +239,7 @@ impl OrtSession {
             input_names,
             output_names,
             in_place: Vec::new(),
+            in_place_inputs: Default::default(),
             keep_input: None,
         })
     }
@@ -271,7 +274,13 @@ impl OrtSession {
     /// [`run_held_in_place`](Self::run_held_in_place) updates in place (the model's fused
     /// kernels must allow it: `passes::fuse::in_place`).
     pub fn set_in_place(&mut self, pairs: Vec<(String, String)>) {
+        self.in_place_inputs = pairs.iter().map(|(input, _)| input.clone()).collect();
         self.in_place = pairs;
+    }
+
+    /// Whether the state input `name` is updated in place.
+    pub fn updates_in_place(&self, name: &str) -> bool {
+        self.in_place_inputs.contains(name)
     }
 
     /// The state inputs updated in place, with their outputs.
@@ -430,8 +439,12 @@ pub fn to_ort_allocated(name: &str, tensor: &Tensor) -> Result<DynValue, EngineE
     let shape: Vec<i64> = a.shape().iter().map(|&d| d as i64).collect();
     let mut value = OrtTensor::<f32>::new(&allocator, shape).map_err(err)?;
     let (_, data) = value.extract_tensor_mut();
-    for (to, from) in data.iter_mut().zip(a.iter()) {
-        *to = *from;
+    match a.as_slice() {
+        Some(contiguous) => data.copy_from_slice(contiguous),
+        None => data
+            .iter_mut()
+            .zip(a.iter())
+            .for_each(|(to, from)| *to = *from),
     }
     Ok(value.into_dyn())
 }

@@ -833,10 +833,10 @@ impl<'a> Parser<'a> {
         };
         let is_bool = |c: &Constant| matches!(c, Constant::Bool(_));
         let is_float = |c: &Constant| matches!(c, Constant::Number(Number::Float(_)));
-        match kind {
+        match (kind, storage(kind)) {
             // `{true, false}`, as the printer writes a bool tensor held as raw bytes: read back
             // as raw bytes (onnx's parser takes bools as integers, kept below).
-            DataType::Bool if !values.is_empty() && values.iter().all(is_bool) => {
+            (DataType::Bool, _) if !values.is_empty() && values.iter().all(is_bool) => {
                 let bytes = values
                     .iter()
                     .map(|v| matches!(v, Constant::Bool(true)) as u8)
@@ -846,7 +846,7 @@ impl<'a> Parser<'a> {
             // Values written as floats (`{1.0, -0.5}`, as the printer writes 16-bit floats held
             // as raw bytes): read back as raw bytes, rounded to the type; integers keep onnx's
             // reading, below (the raw bit pattern, in int32_data).
-            DataType::Float16 | DataType::Bfloat16 if values.iter().any(is_float) => {
+            (DataType::Float16 | DataType::Bfloat16, _) if values.iter().any(is_float) => {
                 let mut bytes = Vec::with_capacity(2 * values.len());
                 for v in &values {
                     let f = float(v)?;
@@ -859,7 +859,7 @@ impl<'a> Parser<'a> {
                 }
                 tensor.raw_data = Some(bytes);
             }
-            DataType::Float => {
+            (_, Some(Storage::Float)) => {
                 for v in &values {
                     let f = float(v)?;
                     // Beyond float32 is what rounds to infinity: `3.4028235e38`, the shortest
@@ -870,24 +870,17 @@ impl<'a> Parser<'a> {
                     tensor.float_data.push(f as f32);
                 }
             }
-            DataType::Double => {
+            (_, Some(Storage::Double)) => {
                 for v in &values {
                     tensor.double_data.push(float(v)?);
                 }
             }
-            DataType::Int64 => {
+            (_, Some(Storage::Int64)) => {
                 for v in &values {
                     tensor.int64_data.push(int(v)?);
                 }
             }
-            DataType::Int32
-            | DataType::Int16
-            | DataType::Int8
-            | DataType::Uint16
-            | DataType::Uint8
-            | DataType::Bool
-            | DataType::Float16
-            | DataType::Bfloat16 => {
+            (_, Some(Storage::Int32)) => {
                 for v in &values {
                     let i = int(v)?;
                     let narrow = i32::try_from(i)
@@ -895,7 +888,7 @@ impl<'a> Parser<'a> {
                     tensor.int32_data.push(narrow);
                 }
             }
-            DataType::Uint32 | DataType::Uint64 => {
+            (_, Some(Storage::Uint64)) => {
                 for v in &values {
                     let i = int(v)?;
                     let unsigned = u64::try_from(i)
@@ -903,7 +896,7 @@ impl<'a> Parser<'a> {
                     tensor.uint64_data.push(unsigned);
                 }
             }
-            DataType::String => {
+            (_, Some(Storage::String)) => {
                 for v in &values {
                     match v {
                         Constant::Text(s) => tensor.string_data.push(s.clone()),
@@ -913,7 +906,7 @@ impl<'a> Parser<'a> {
                     }
                 }
             }
-            other => {
+            (other, _) => {
                 return Err(self.error_at(
                     start,
                     format!(
@@ -1330,6 +1323,49 @@ fn element_type(word: &str) -> Option<DataType> {
 /// an error, not an allocation that fails).
 const MAX_ELIDED_ELEMENTS: i64 = 1 << 26;
 
+/// Where a TensorProto of one element type keeps its values when they are not raw bytes
+/// (ONNX's typed fields; 8- and 16-bit types and bool widen into `int32_data`), or raw bytes
+/// of `bits` per element for the types no typed field holds. One table for the literal
+/// reader and the elided zeros, so that both store a type where the printer looks for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Storage {
+    Float,
+    Double,
+    Int64,
+    Int32,
+    Uint64,
+    String,
+    Raw { bits: usize },
+}
+
+fn storage(kind: DataType) -> Option<Storage> {
+    Some(match kind {
+        DataType::Float => Storage::Float,
+        DataType::Double => Storage::Double,
+        DataType::Int64 => Storage::Int64,
+        DataType::Int32
+        | DataType::Int16
+        | DataType::Int8
+        | DataType::Uint16
+        | DataType::Uint8
+        | DataType::Bool
+        | DataType::Float16
+        | DataType::Bfloat16 => Storage::Int32,
+        DataType::Uint32 | DataType::Uint64 => Storage::Uint64,
+        DataType::String => Storage::String,
+        DataType::Complex64 => Storage::Raw { bits: 64 },
+        DataType::Complex128 => Storage::Raw { bits: 128 },
+        DataType::Float8e4m3fn
+        | DataType::Float8e4m3fnuz
+        | DataType::Float8e5m2
+        | DataType::Float8e5m2fnuz
+        | DataType::Float8e8m0 => Storage::Raw { bits: 8 },
+        DataType::Uint4 | DataType::Int4 | DataType::Float4e2m1 => Storage::Raw { bits: 4 },
+        DataType::Uint2 | DataType::Int2 => Storage::Raw { bits: 2 },
+        DataType::Undefined => return None,
+    })
+}
+
 /// Zeros of `elem_type` and `dims`: what an initializer whose values the printer elided
 /// reads as. They are stored where `tensor_values` stores that type's values (raw bytes for
 /// the types it takes no values of), so that they print elided again.
@@ -1349,33 +1385,18 @@ fn zeros(elem_type: i32, dims: Vec<i64>, name: String) -> Result<TensorProto, St
         name: Some(name),
         ..Default::default()
     };
-    let raw_bytes = |bits: usize| vec![0u8; (count * bits).div_ceil(8)];
-    match DataType::try_from(elem_type).unwrap_or(DataType::Undefined) {
-        DataType::Float => tensor.float_data = vec![0.0; count],
-        DataType::Double => tensor.double_data = vec![0.0; count],
-        DataType::Int64 => tensor.int64_data = vec![0; count],
-        DataType::Int32
-        | DataType::Int16
-        | DataType::Int8
-        | DataType::Uint16
-        | DataType::Uint8
-        | DataType::Bool
-        | DataType::Float16
-        | DataType::Bfloat16 => tensor.int32_data = vec![0; count],
-        DataType::Uint32 | DataType::Uint64 => tensor.uint64_data = vec![0; count],
-        DataType::String => tensor.string_data = vec![Vec::new(); count],
-        DataType::Complex64 => tensor.raw_data = Some(raw_bytes(64)),
-        DataType::Complex128 => tensor.raw_data = Some(raw_bytes(128)),
-        DataType::Float8e4m3fn
-        | DataType::Float8e4m3fnuz
-        | DataType::Float8e5m2
-        | DataType::Float8e5m2fnuz
-        | DataType::Float8e8m0 => tensor.raw_data = Some(raw_bytes(8)),
-        DataType::Uint4 | DataType::Int4 | DataType::Float4e2m1 => {
-            tensor.raw_data = Some(raw_bytes(4))
+    let kind = DataType::try_from(elem_type).unwrap_or(DataType::Undefined);
+    match storage(kind) {
+        Some(Storage::Float) => tensor.float_data = vec![0.0; count],
+        Some(Storage::Double) => tensor.double_data = vec![0.0; count],
+        Some(Storage::Int64) => tensor.int64_data = vec![0; count],
+        Some(Storage::Int32) => tensor.int32_data = vec![0; count],
+        Some(Storage::Uint64) => tensor.uint64_data = vec![0; count],
+        Some(Storage::String) => tensor.string_data = vec![Vec::new(); count],
+        Some(Storage::Raw { bits }) => {
+            tensor.raw_data = Some(vec![0u8; (count * bits).div_ceil(8)])
         }
-        DataType::Uint2 | DataType::Int2 => tensor.raw_data = Some(raw_bytes(2)),
-        DataType::Undefined => return Err("an elided initializer needs an element type".into()),
+        None => return Err("an elided initializer needs an element type".into()),
     }
     Ok(tensor)
 }

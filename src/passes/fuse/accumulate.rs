@@ -7,26 +7,16 @@
 //! gradient of its exact shape (either operand order: float addition commutes), the
 //! accumulator read by nothing else.
 
-use super::{input, is_op, output, static_float32_shape, PASS};
+use super::{accumulators, input, is_op, output, static_float32_shape, PASS};
 use crate::fused_ops::{accumulate_slot, ACCUMULATE_GRAD, DOMAIN};
 use crate::ir::builder::Builder;
 use crate::ir::{BodyId, Model, Use, ValueId};
-use crate::state::{Manifest, Role};
+use crate::state::Manifest;
 
 /// Fuses every accumulation of the main graph; returns how many.
 pub fn fuse_accumulate(model: &mut Model, manifest: &Manifest) -> usize {
     let mut fused = 0;
-    for e in manifest
-        .state
-        .iter()
-        .filter(|e| e.role == Role::Accumulator)
-    {
-        let (Some(acc), Some(next)) = (
-            model.lookup(BodyId::MAIN, &e.input),
-            model.lookup(BodyId::MAIN, &e.output),
-        ) else {
-            continue;
-        };
+    for (acc, next) in accumulators(model, manifest) {
         let Some(grad) = matched(model, acc, next) else {
             continue;
         };

@@ -33,7 +33,7 @@ use crate::fused_ops::{
 use crate::ir::builder::{tensor_bool, Builder};
 use crate::ir::{tensor_type, BodyId, Model, NodeId, Use, ValueId};
 use crate::proto::elem;
-use crate::state::{Manifest, Role};
+use crate::state::Manifest;
 
 use super::{static_float32_shape, PASS};
 
@@ -168,7 +168,7 @@ pub fn plan(
             {
                 break;
             }
-            let Some(readers) = readers_through_aliases(model, s) else {
+            let Some(readers) = readers_through_derived_values(model, s) else {
                 break;
             };
             let mut readers_ok = true;
@@ -199,17 +199,7 @@ pub fn plan(
         }
     }
     if unread_accumulators {
-        for e in manifest
-            .state
-            .iter()
-            .filter(|e| e.role == Role::Accumulator)
-        {
-            let (Some(s), Some(next)) = (
-                model.lookup(BodyId::MAIN, &e.input),
-                model.lookup(BodyId::MAIN, &e.output),
-            ) else {
-                continue;
-            };
+        for (s, next) in super::accumulators(model, manifest) {
             let unread = model.uses(s).is_empty();
             let made_here = model.producer(next).is_some();
             if unread
@@ -218,7 +208,7 @@ pub fn plan(
                 && !outputs.contains(&s)
                 && same_static_shape(model, s, next)
             {
-                pairs.push((e.input.clone(), e.output.clone()));
+                pairs.push((model.name(s).to_string(), model.name(next).to_string()));
             }
         }
     }
@@ -232,7 +222,10 @@ pub fn plan(
 /// graph optimizer folds others into their readers (a weight's Transpose into the MatMuls
 /// that read it, a scale into a MatMul), which then read `s` itself, ordered by nothing
 /// else. `None` when such a value leaves the graph.
-fn readers_through_aliases(model: &Model, s: ValueId) -> Option<Vec<(NodeId, Option<usize>)>> {
+fn readers_through_derived_values(
+    model: &Model,
+    s: ValueId,
+) -> Option<Vec<(NodeId, Option<usize>)>> {
     let is_constant = |v: ValueId| {
         model.initializer(v).is_some() && !model.graph_inputs().contains(&v)
             || model

@@ -233,6 +233,25 @@ pub(crate) fn param_rank(model: &Model, p: ValueId) -> Option<usize> {
     )
 }
 
+/// Each accumulator of `manifest` that `model`'s main graph has, as (its input, its next
+/// value).
+pub(crate) fn accumulators(
+    model: &Model,
+    manifest: &crate::state::Manifest,
+) -> Vec<(ValueId, ValueId)> {
+    manifest
+        .state
+        .iter()
+        .filter(|e| e.role == crate::state::Role::Accumulator)
+        .filter_map(|e| {
+            Some((
+                model.lookup(BodyId::MAIN, &e.input)?,
+                model.lookup(BodyId::MAIN, &e.output)?,
+            ))
+        })
+        .collect()
+}
+
 /// The fully known shape of `v` when it is declared float32 with one.
 pub(crate) fn static_float32_shape(model: &Model, v: ValueId) -> Option<Vec<i64>> {
     let ty = model.value_type(v)?;
