@@ -479,18 +479,24 @@ impl Trainer {
     /// How many states the sessions update in place (`SessionOptions::in_place_updates`),
     /// summed over the split step's sessions (0: every run writes fresh buffers).
     pub fn in_place_updates(&self) -> usize {
+        self.sum_over_sessions(|e| e.in_place().len())
+    }
+
+    /// How many convolutions the sessions run on ONNX Runtime's blocked kernels
+    /// (`SessionOptions::nchwc_convs`), summed over the split step's sessions.
+    pub fn nchwc_convs(&self) -> usize {
+        self.sum_over_sessions(Engine::nchwc_convs)
+    }
+
+    fn sum_over_sessions(&self, count: impl Fn(&Engine) -> usize) -> usize {
         match &self.runner {
-            Runner::Whole(e) => e.in_place().len(),
+            Runner::Whole(e) => count(e),
             Runner::Split {
                 accumulate,
                 start,
                 apply,
                 ..
-            } => {
-                accumulate.in_place().len()
-                    + start.as_ref().map_or(0, |s| s.in_place().len())
-                    + apply.in_place().len()
-            }
+            } => count(accumulate) + start.as_deref().map_or(0, &count) + count(apply),
         }
     }
 

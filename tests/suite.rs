@@ -37,6 +37,7 @@ mod legalize_training;
 mod loss_scale;
 mod model_io;
 mod mutation;
+mod nchwc_conv;
 mod op_facts;
 mod optimizer_fusion;
 mod ort_runtime;

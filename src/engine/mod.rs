@@ -220,6 +220,15 @@ impl Engine {
     }
 
     /// The (state input, next value) pairs this session updates in place.
+    /// Convolutions on ONNX Runtime's blocked kernels (`SessionOptions::nchwc_convs`).
+    pub fn nchwc_convs(&self) -> usize {
+        match self {
+            Engine::Ort(s) => s.nchwc_convs(),
+            #[cfg(feature = "tract")]
+            Engine::Tract(_) => 0,
+        }
+    }
+
     pub fn in_place(&self) -> &[(String, String)] {
         match self {
             Engine::Ort(s) => s.in_place(),

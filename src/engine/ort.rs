@@ -100,6 +100,11 @@ pub struct SessionOptions {
     /// arena they share, each session's block stays reserved beside the others' (peak RSS
     /// on the ResNet-8 with BatchNorm at B 32: 217 -> 100 MiB; benches/README.md, "Run I").
     pub memory_pattern: bool,
+    /// On the CPU with graph optimizations: run the convolutions the rule of
+    /// `passes::nchwc_conv` admits on ONNX Runtime's blocked-layout (NCHWc) kernels, which
+    /// its own optimizer applies only to constant weights. Within float32 rounding of the
+    /// im2col kernel, not bit-identical. Off runs every convolution as written.
+    pub nchwc_convs: bool,
 }
 
 impl Default for SessionOptions {
@@ -115,6 +120,7 @@ impl Default for SessionOptions {
             shared_pool: false,
             in_place_updates: true,
             memory_pattern: true,
+            nchwc_convs: true,
         }
     }
 }
@@ -135,12 +141,30 @@ pub struct OrtSession {
     in_place_inputs: std::collections::HashSet<String>,
     /// The input of the fused kernels' gate, fed by the host (`fused_ops::KEEP_NONFINITE`).
     pub keep_input: Option<String>,
+    /// See [`Self::nchwc_convs`].
+    nchwc_convs: usize,
 }
 
 impl OrtSession {
     pub fn new(model: &ModelProto, options: &SessionOptions) -> Result<OrtSession, EngineError> {
-        let bytes = crate::model::encode_model(model);
-        Self::from_bytes(&bytes, options)
+        let blocked = match nchwc_block(options)? {
+            Some(block) => {
+                crate::passes::nchwc_conv::rewrite(model, block).map_err(|e| EngineError::Ort {
+                    context: "putting the convolutions on the blocked kernels".into(),
+                    message: e.to_string(),
+                })?
+            }
+            None => None,
+        };
+        let bytes = crate::model::encode_model(blocked.as_ref().map_or(model, |b| &b.model));
+        let mut session = Self::from_bytes(&bytes, options)?;
+        session.nchwc_convs = blocked.map_or(0, |b| b.convs);
+        Ok(session)
+    }
+
+    /// Convolutions this session runs on the blocked kernels (`SessionOptions::nchwc_convs`).
+    pub fn nchwc_convs(&self) -> usize {
+        self.nchwc_convs
     }
 
     pub fn from_bytes(bytes: &[u8], options: &SessionOptions) -> Result<OrtSession, EngineError> {
@@ -241,6 +265,7 @@ impl OrtSession {
             in_place: Vec::new(),
             in_place_inputs: Default::default(),
             keep_input: None,
+            nchwc_convs: 0,
         })
     }
 
@@ -422,6 +447,41 @@ pub fn held_to_host(name: &str, value: &DynValue) -> Result<Tensor, EngineError>
         .to(AllocationDevice::CPU, 0)
         .map_err(|e| err(format!("copying to the host: {e}")))?;
     from_ort(name, &copied.into_dyn().view())
+}
+
+/// The channel block of ONNX Runtime's NCHWc kernels on this CPU, when `options` let a
+/// session use them ([`SessionOptions::nchwc_convs`]) and the blocks are 8 or 16 wide (AVX2,
+/// AVX-512; 4-wide blocks gain nothing over the GEMM). Asked of ONNX Runtime itself, once:
+/// `ReorderInput` pads 4 channels up to one block. The filter layout the rewrite writes
+/// depends on it, so it is never guessed from CPU flags.
+pub fn nchwc_block(options: &SessionOptions) -> Result<Option<i64>, EngineError> {
+    static BLOCK: std::sync::OnceLock<Option<i64>> = std::sync::OnceLock::new();
+    if !(options.nchwc_convs && options.optimize && options.device == Device::Cpu) {
+        return Ok(None);
+    }
+    if let Some(block) = BLOCK.get() {
+        return Ok(*block);
+    }
+    let text = "<ir_version: 8, opset_import: [\"\" : 17, \"com.microsoft.nchwc\" : 1]>\n\
+                probe (float[1,4,1,1] x) => (float y) { y = com.microsoft.nchwc.ReorderInput (x) }";
+    let model = crate::ir::text::parse_model(text).map_err(|e| EngineError::Ort {
+        context: "the NCHWc probe".into(),
+        message: e.to_string(),
+    })?;
+    let plain = SessionOptions {
+        nchwc_convs: false,
+        fused_kernels: false,
+        ..SessionOptions::default()
+    };
+    // A build without ONNX Runtime's contrib kernels has no blocked layout: not an error.
+    let x = Tensor::F32(ndarray::ArrayD::zeros(ndarray::IxDyn(&[1, 4, 1, 1])));
+    let block = OrtSession::new(&model, &plain)
+        .and_then(|mut s| s.run(&[("x", &x)]))
+        .ok()
+        .and_then(|outputs| outputs.into_iter().next())
+        .and_then(|(_, y)| y.shape().get(1).map(|c| *c as i64))
+        .filter(|block| *block >= 8);
+    Ok(*BLOCK.get_or_init(|| block))
 }
 
 /// A host tensor copied into memory ONNX Runtime allocated (float32; other types as

@@ -17,6 +17,7 @@ pub mod legalize;
 pub mod legalize_training;
 pub mod loss_scale;
 pub mod lower_for_tract;
+pub mod nchwc_conv;
 pub mod optimizer;
 pub mod plan;
 pub mod precision;
