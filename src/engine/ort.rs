@@ -138,7 +138,9 @@ pub struct OrtSession {
     /// (state input, its next value) pairs updated in place ([`Self::set_in_place`]), and
     /// their inputs, for the lookups of every run.
     in_place: Vec<(String, String)>,
-    in_place_inputs: std::collections::HashSet<String>,
+    in_place_inputs: std::collections::HashMap<String, String>,
+    /// [`Self::input_names`] as a set: a run looks up every in-place state in it.
+    input_set: std::collections::HashSet<String>,
     /// The input of the fused kernels' gate, fed by the host (`fused_ops::KEEP_NONFINITE`).
     pub keep_input: Option<String>,
     /// See [`Self::nchwc_convs`].
@@ -246,11 +248,12 @@ impl OrtSession {
                 .commit_from_memory(bytes)
                 .map_err(ort_err("loading the model"))
         })?;
-        let input_names = session
+        let input_names: Vec<String> = session
             .inputs()
             .iter()
             .map(|i| i.name().to_string())
             .collect();
+        let input_set = input_names.iter().cloned().collect();
         let output_names = session
             .outputs()
             .iter()
@@ -264,6 +267,7 @@ impl OrtSession {
             output_names,
             in_place: Vec::new(),
             in_place_inputs: Default::default(),
+            input_set,
             keep_input: None,
             nchwc_convs: 0,
         })
@@ -299,13 +303,13 @@ impl OrtSession {
     /// [`run_held_in_place`](Self::run_held_in_place) updates in place (the model's fused
     /// kernels must allow it: `passes::fuse::in_place`).
     pub fn set_in_place(&mut self, pairs: Vec<(String, String)>) {
-        self.in_place_inputs = pairs.iter().map(|(input, _)| input.clone()).collect();
+        self.in_place_inputs = pairs.iter().cloned().collect();
         self.in_place = pairs;
     }
 
     /// Whether the state input `name` is updated in place.
     pub fn updates_in_place(&self, name: &str) -> bool {
-        self.in_place_inputs.contains(name)
+        self.in_place_inputs.contains_key(name)
     }
 
     /// The state inputs updated in place, with their outputs.
@@ -343,8 +347,8 @@ impl OrtSession {
             for (name, value) in held {
                 feeds.push((Cow::Borrowed(*name), SessionInputValue::from(*value)));
             }
-            let mut outputs = self.session.run(feeds).map_err(ort_err("run"))?;
-            return take_outputs(&self.output_names, |name| outputs.remove(name));
+            let outputs = self.session.run(feeds).map_err(ort_err("run"))?;
+            return take_outputs(&self.output_names, outputs);
         }
         let host_memory = MemoryInfo::default();
         let memory = self.device_memory.as_ref().unwrap_or(&host_memory);
@@ -371,16 +375,14 @@ impl OrtSession {
         let mut bound = std::collections::HashSet::new();
         for (name, value) in in_place.iter_mut() {
             let output = self
-                .in_place
-                .iter()
-                .find(|(input, _)| input == name)
-                .map(|(_, output)| output.clone())
+                .in_place_inputs
+                .get(*name)
                 .ok_or_else(|| EngineError::Input {
                     name: name.to_string(),
                     message: "is not a state this session updates in place".into(),
                 })?;
             // A window start's accumulators are written, not read.
-            if self.input_names.iter().any(|i| i == name) {
+            if self.input_set.contains(*name) {
                 binding
                     .bind_input(*name, &**value)
                     .map_err(ort_err(&format!("binding input '{name}'")))?;
@@ -388,10 +390,11 @@ impl OrtSession {
             binding
                 .bind_output(output.as_str(), &mut **value)
                 .map_err(ort_err(&format!("binding output '{output}' to '{name}'")))?;
-            bound.insert(output);
+            bound.insert(output.as_str());
         }
+        let mut returned = Vec::with_capacity(self.output_names.len() - bound.len());
         for name in &self.output_names {
-            if bound.contains(name) {
+            if bound.contains(name.as_str()) {
                 continue;
             }
             let to = match self.host_outputs.contains(name) {
@@ -401,26 +404,26 @@ impl OrtSession {
             binding
                 .bind_output_to_device(name.as_str(), to)
                 .map_err(ort_err(&format!("binding output '{name}'")))?;
+            returned.push(name.clone());
         }
-        let mut outputs = self.session.run_binding(&binding).map_err(ort_err("run"))?;
-        let returned: Vec<String> = self
-            .output_names
-            .iter()
-            .filter(|n| !bound.contains(*n))
-            .cloned()
-            .collect();
-        take_outputs(&returned, |name| outputs.remove(name))
+        let outputs = self.session.run_binding(&binding).map_err(ort_err("run"))?;
+        take_outputs(&returned, outputs)
     }
 }
 
+/// `names`' values from a run's outputs, in that order. One pass: the outputs come in the
+/// order they were asked for (model order, or binding order), and a lookup by name is a
+/// linear search (hundreds of states make that quadratic).
 fn take_outputs(
     names: &[String],
-    mut take: impl FnMut(&str) -> Option<DynValue>,
+    outputs: ::ort::session::SessionOutputs<'_>,
 ) -> Result<Vec<(String, DynValue)>, EngineError> {
+    let mut values: std::collections::HashMap<&str, DynValue> = outputs.into_iter().collect();
     names
         .iter()
         .map(|name| {
-            take(name)
+            values
+                .remove(name.as_str())
                 .map(|v| (name.clone(), v))
                 .ok_or_else(|| EngineError::Output {
                     name: name.clone(),
