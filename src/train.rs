@@ -164,7 +164,7 @@ pub(crate) enum Session {
 
 pub(crate) enum Runner {
     /// The exported step graph as is.
-    Whole(Engine),
+    Whole(Box<Engine>),
     /// One session per branch of the apply `If`; the host picks by the recorded trigger.
     Split {
         accumulate: Box<Engine>,
@@ -405,14 +405,14 @@ impl Trainer {
                 "data-parallel training needs a step with an If apply region (rewrite --apply if)"
                     .into(),
             )),
-            _ => Runner::Whole(open_engine(
+            _ => Runner::Whole(Box::new(open_engine(
                 kind,
                 model,
                 &options.session,
                 &manifest,
                 &mut fused,
                 crate::passes::fuse::FuseOptions::default(),
-            )?),
+            )?)),
         };
         let replica = match (collective, &apply_only, &runner) {
             (
