@@ -173,6 +173,11 @@ struct TrainArgs {
     /// CPU; same results, bit for bit).
     #[arg(long)]
     no_fused_kernels: bool,
+    /// Run every convolution on ONNX Runtime's im2col kernels, as the step writes it,
+    /// instead of the 3x3 and larger ones whose channels fit its blocked (NCHWc) CPU kernels
+    /// there (faster; within float32 rounding, not bit for bit).
+    #[arg(long)]
+    no_nchwc: bool,
     /// Learning rate for this run (default: the one the step was rewritten with).
     #[arg(long)]
     lr: Option<f32>,
@@ -1098,6 +1103,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             optimize: true,
             device,
             fused_kernels: !args.no_fused_kernels,
+            nchwc_convs: !args.no_nchwc,
             ..Default::default()
         },
         split: !args.no_split,
@@ -1123,6 +1129,12 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         progress.note(format!(
             "state: {} tensor(s) updated in place (accumulators, parameters, moments), not copied each micro-step",
             trainer.in_place_updates()
+        ));
+    }
+    if trainer.nchwc_convs() > 0 {
+        progress.note(format!(
+            "convolutions: {} on ONNX Runtime's blocked (NCHWc) CPU kernels, summed over the sessions (--no-nchwc: im2col, as written)",
+            trainer.nchwc_convs()
         ));
     }
     host_controls(&mut trainer, args.lr, args.accum_steps)?;

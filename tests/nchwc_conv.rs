@@ -455,6 +455,53 @@ fn train_blocked_and_plain(step: &ModelProto, what: &str) -> f64 {
     worst.0
 }
 
+/// `train` says how many convolutions run on the blocked kernels, and `--no-nchwc` keeps
+/// them all on the im2col kernels; both train.
+#[test]
+fn train_reports_the_blocked_convolutions_and_no_nchwc_keeps_none() {
+    if !ort_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let step = dir.path().join("step.onnx");
+    std::fs::write(
+        &step,
+        onnx_ga::model::encode_model(&residual_step("optimizer(kind=sgd,lr=0.05)")),
+    )
+    .unwrap();
+    let data = dir.path().join("data.npz");
+    let (x, labels) = (
+        tensor(&[8, 16, 32, 32], 5),
+        Tensor::I64(ndarray::ArrayD::from_shape_vec(vec![8], (0..8).collect()).unwrap()),
+    );
+    onnx_ga::data::write_npz(&data, [("x", &x), ("labels", &labels)]).unwrap();
+    let train = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_onnx-ga"))
+            .arg("train")
+            .arg(&step)
+            .arg("--data")
+            .arg(&data)
+            .args(["--micro-batch", "4", "--steps", "2"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "train {extra:?}: {stderr}");
+        stderr
+    };
+    let line = "on ONNX Runtime's blocked (NCHWc) CPU kernels";
+    let blocked = train(&[]);
+    match block() {
+        Some(_) => assert!(
+            blocked.contains(&format!("convolutions: 12 {line}")),
+            "{blocked}"
+        ),
+        None => assert!(!blocked.contains(line), "{blocked}"),
+    }
+    let plain = train(&["--no-nchwc"]);
+    assert!(!plain.contains(line), "{plain}");
+}
+
 fn residual_step(optimizer: &str) -> ModelProto {
     let text = r#"<ir_version: 8, opset_import: ["" : 17]>
 resnet (float[N,16,32,32] x, int64[N] labels) => (float loss)

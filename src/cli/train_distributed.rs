@@ -254,6 +254,7 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
             optimize: true,
             device,
             fused_kernels: !args.no_fused_kernels,
+            nchwc_convs: !args.no_nchwc,
             ..Default::default()
         },
         split: true,
