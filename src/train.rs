@@ -364,6 +364,7 @@ impl Trainer {
                 let in_place = |window_start| crate::passes::fuse::FuseOptions {
                     in_place: true,
                     window_start,
+                    min_accumulator_elements: session.in_place_min_elements,
                 };
                 let start = match window_start::window_start(&split.accumulate, &manifest) {
                     Some(s) => Some(Box::new(open_engine(

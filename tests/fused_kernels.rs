@@ -19,11 +19,15 @@ use std::collections::BTreeMap;
 
 const MICRO_STEPS: u64 = 32;
 
+/// Every accumulator fused and in place, however small (the trainer's default leaves the
+/// shipped graphs' small ones to `Add`: [`small_accumulators_stay_standard_adds`]), so that
+/// the in-place machinery is exercised on these graphs.
 fn options(fused: bool, threads: usize, split: bool) -> TrainOptions {
     TrainOptions {
         session: SessionOptions {
             threads,
             fused_kernels: fused,
+            in_place_min_elements: 0,
             ..SessionOptions::default()
         },
         split,
@@ -350,6 +354,7 @@ fn in_place_waits_for_every_read_of_a_weight() {
                 let options = TrainOptions {
                     session: SessionOptions {
                         in_place_updates,
+                        in_place_min_elements: 0,
                         ..SessionOptions::default()
                     },
                     ..TrainOptions::default()
@@ -382,6 +387,64 @@ fn in_place_waits_for_every_read_of_a_weight() {
                 assert_eq!(&a[name], value, "{what}: state '{name}'");
             }
         }
+    }
+}
+
+/// With the trainer's defaults, accumulators under `accumulate::MIN_ELEMENTS` stay standard
+/// `Add`s, apart (a custom kernel's dispatch costs more than in place saves there): the
+/// shipped MLP's (at most 4096 elements) all do, and the large linear layer's bias (256)
+/// does while its weight (131072) goes in place. Both train bit for bit like the standard
+/// ops.
+#[test]
+fn small_accumulators_stay_standard_adds() {
+    if !ort_available() {
+        return;
+    }
+    let default = |fused: bool| TrainOptions {
+        session: SessionOptions {
+            fused_kernels: fused,
+            ..SessionOptions::default()
+        },
+        ..TrainOptions::default()
+    };
+    let cases = [
+        (
+            "mlp_ce_adamw",
+            common::rewrite_shipped(
+                "mlp_ce_adamw",
+                "grad-accum(steps=4),optimizer(kind=sgd,lr=0.05),legalize-ort,dce",
+            ),
+            shipped("mlp_ce_adamw"),
+            // SGD updates its 4 parameters in place at the apply; no accumulator goes in
+            // place.
+            4,
+        ),
+        (
+            "linear 512x256",
+            large_linear_step(),
+            large_linear_data(
+                |i| ((i * 13) % 100) as f32 / 100.0 - 0.5,
+                |i| ((i * 7) % 50) as f32 / 25.0 - 1.0,
+            ),
+            // The weight's accumulator in the accumulate and window-start sessions, and the
+            // apply's p, m and v of both parameters.
+            1 + 1 + 6,
+        ),
+    ];
+    for (what, step, data, expected) in cases {
+        let mut fused = Trainer::with_options(&step, &default(true)).unwrap();
+        let mut standard = Trainer::with_options(&step, &default(false)).unwrap();
+        assert_eq!(fused.in_place_updates(), expected, "{what}");
+        let samples = fused.check_data(&data, Path::new("data.npz")).unwrap();
+        for i in 0..MICRO_STEPS {
+            let batch = micro_batch(&data, samples, 8, i);
+            let (a, b) = (
+                fused.step(&batch, false).unwrap(),
+                standard.step(&batch, false).unwrap(),
+            );
+            assert_eq!(a, b, "{what}: micro-step {i}");
+        }
+        assert_eq!(fused.state().unwrap(), standard.state().unwrap(), "{what}");
     }
 }
 

@@ -105,6 +105,10 @@ pub struct SessionOptions {
     /// its own optimizer applies only to constant weights. Within float32 rounding of the
     /// im2col kernel, not bit-identical. Off runs every convolution as written.
     pub nchwc_convs: bool,
+    /// With `in_place_updates`: the smallest accumulator the trainer fuses and updates in
+    /// place (`passes::fuse::accumulate::MIN_ELEMENTS` by default; 0 takes every one, which
+    /// tests use to exercise in-place updates on small graphs).
+    pub in_place_min_elements: i64,
 }
 
 impl Default for SessionOptions {
@@ -121,6 +125,7 @@ impl Default for SessionOptions {
             in_place_updates: true,
             memory_pattern: true,
             nchwc_convs: true,
+            in_place_min_elements: crate::passes::fuse::accumulate::MIN_ELEMENTS,
         }
     }
 }

@@ -19,7 +19,8 @@
 //! - s is an accumulator the session does not read at all (the window-start specialisation,
 //!   which writes the window's first gradient over whatever the buffer held), when the
 //!   caller says so: a discarded window start leaves the step counter at the window's start,
-//!   where the accumulators are never read.
+//!   where the accumulators are never read; of the size the caller asks for
+//!   ([`super::accumulate::MIN_ELEMENTS`] in the trainer).
 //!
 //! In both, s' leaves the graph once, s is not itself an output, and both have one static
 //! shape.
@@ -121,8 +122,9 @@ pub fn gate(model: &mut Model, manifest: &Manifest) -> Option<String> {
 }
 
 /// The pairs of `model` (a session of the step `manifest` describes) to update in place;
-/// `unread_accumulators`: whether accumulators the session does not read go in place too
-/// (only for the window-start specialisation: see the module's comment). A state that
+/// `unread_accumulators`: with the least elements, whether accumulators the session does
+/// not read go in place too (only for the window-start specialisation: see the module's
+/// comment). A state that
 /// nodes other than its kernel's ancestors also read (a layer's weight, which the backward
 /// reads again for the gradient of the layer below) goes in place once the kernel is
 /// ordered after them: each such reader's first output becomes one of the kernel's
@@ -133,7 +135,7 @@ pub fn plan(
     model: &mut Model,
     manifest: &Manifest,
     keep_input: Option<String>,
-    unread_accumulators: bool,
+    unread_accumulators: Option<i64>,
 ) -> InPlacePlan {
     let outputs = model.graph_outputs();
     let inputs = model.graph_inputs();
@@ -198,7 +200,7 @@ pub fn plan(
             }
         }
     }
-    if unread_accumulators {
+    if let Some(min_elements) = unread_accumulators {
         for (s, next) in super::accumulators(model, manifest) {
             let unread = model.uses(s).is_empty();
             let made_here = model.producer(next).is_some();
@@ -207,6 +209,7 @@ pub fn plan(
                 && leaves_once(next)
                 && !outputs.contains(&s)
                 && same_static_shape(model, s, next)
+                && super::at_least(model, s, min_elements)
             {
                 pairs.push((model.name(s).to_string(), model.name(next).to_string()));
             }

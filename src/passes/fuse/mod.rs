@@ -49,6 +49,9 @@ pub struct FuseOptions {
     /// The session is the window-start specialisation: accumulators it does not read go
     /// in place as well ([`in_place`]).
     pub window_start: bool,
+    /// Accumulators of fewer elements stay a standard `Add`, apart
+    /// ([`accumulate::MIN_ELEMENTS`] is the trainer's default; 0 takes every one).
+    pub min_accumulator_elements: i64,
 }
 
 /// `model` (a step, or a specialisation of the step `manifest` describes) with its
@@ -93,11 +96,19 @@ pub fn prepare<'m>(
         }
         return finish(ir, fused, InPlacePlan::default());
     }
-    let accumulations = accumulate::fuse_accumulate(&mut ir, manifest);
+    let accumulations =
+        accumulate::fuse_accumulate(&mut ir, manifest, options.min_accumulator_elements);
     let keep = in_place::gate(&mut ir, manifest);
     // The replaced nodes must be gone first: they still read the states.
     super::dce::eliminate_dead_code(&mut ir);
-    let plan = in_place::plan(&mut ir, manifest, keep, options.window_start);
+    let plan = in_place::plan(
+        &mut ir,
+        manifest,
+        keep,
+        options
+            .window_start
+            .then_some(options.min_accumulator_elements),
+    );
     if fused + accumulations == 0 {
         // Nothing fused: the model as it was, with the plan (unread accumulators) over it.
         return Ok(Prepared {
@@ -265,6 +276,11 @@ pub(crate) fn static_float32_shape(model: &Model, v: ValueId) -> Option<Vec<i64>
             _ => None,
         })
         .collect()
+}
+
+/// Whether `v` is a float32 tensor of a declared static shape of at least `min` elements.
+pub(crate) fn at_least(model: &Model, v: ValueId, min: i64) -> bool {
+    static_float32_shape(model, v).is_some_and(|dims| dims.iter().product::<i64>() >= min)
 }
 
 pub(crate) fn float32_or_unknown(model: &Model, v: ValueId) -> bool {
