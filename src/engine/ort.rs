@@ -150,6 +150,9 @@ pub struct OrtSession {
     pub keep_input: Option<String>,
     /// See [`Self::nchwc_convs`].
     nchwc_convs: usize,
+    /// Inputs of the model that nothing in it reads, left out of the session
+    /// ([`without_unread_inputs`]); a run given them ignores them.
+    unread_inputs: std::collections::HashSet<String>,
 }
 
 impl OrtSession {
@@ -163,9 +166,12 @@ impl OrtSession {
             }
             None => None,
         };
-        let bytes = crate::model::encode_model(blocked.as_ref().map_or(model, |b| &b.model));
+        let model = blocked.as_ref().map_or(model, |b| &b.model);
+        let (pruned, unread) = without_unread_inputs(model);
+        let bytes = crate::model::encode_model(pruned.as_ref().unwrap_or(model));
         let mut session = Self::from_bytes(&bytes, options)?;
         session.nchwc_convs = blocked.map_or(0, |b| b.convs);
+        session.unread_inputs = unread;
         Ok(session)
     }
 
@@ -275,6 +281,7 @@ impl OrtSession {
             input_set,
             keep_input: None,
             nchwc_convs: 0,
+            unread_inputs: Default::default(),
         })
     }
 
@@ -286,7 +293,9 @@ impl OrtSession {
         let mut feeds: Vec<(Cow<'_, str>, SessionInputValue<'_>)> =
             Vec::with_capacity(inputs.len());
         for (name, tensor) in inputs {
-            feeds.push((Cow::Owned(name.to_string()), to_ort(name, tensor)?));
+            if !self.unread_inputs.contains(*name) {
+                feeds.push((Cow::Owned(name.to_string()), to_ort(name, tensor)?));
+            }
         }
         let outputs = self.session.run(feeds).map_err(ort_err("run"))?;
         let mut result = Vec::with_capacity(outputs.len());
@@ -343,6 +352,10 @@ impl OrtSession {
         held: &[(&str, &DynValue)],
         in_place: &mut [(&str, &mut DynValue)],
     ) -> Result<Vec<(String, DynValue)>, EngineError> {
+        let read = |name: &&str| !self.unread_inputs.contains(*name);
+        let host: Vec<(&str, &Tensor)> = host.iter().copied().filter(|(n, _)| read(n)).collect();
+        let held: Vec<(&str, &DynValue)> = held.iter().copied().filter(|(n, _)| read(n)).collect();
+        let (host, held) = (host.as_slice(), held.as_slice());
         if self.device_memory.is_none() && in_place.is_empty() {
             let mut feeds: Vec<(Cow<'_, str>, SessionInputValue<'_>)> =
                 Vec::with_capacity(host.len() + held.len());
@@ -455,6 +468,44 @@ pub fn held_to_host(name: &str, value: &DynValue) -> Result<Tensor, EngineError>
         .to(AllocationDevice::CPU, 0)
         .map_err(|e| err(format!("copying to the host: {e}")))?;
     from_ort(name, &copied.into_dyn().view())
+}
+
+/// `model` without the graph inputs nothing in it reads (no node, in any subgraph, and no
+/// graph output), and their names; `None` when every input is read. Why: a specialised
+/// session keeps every state input of the step, and the accumulate branch reads neither
+/// the moments nor (on the ResNet-8 with BatchNorm) the running statistics: 80 of its 159
+/// inputs, each bound and looked up by name on every run.
+fn without_unread_inputs(
+    model: &ModelProto,
+) -> (Option<ModelProto>, std::collections::HashSet<String>) {
+    fn reads(graph: &crate::proto::GraphProto, into: &mut std::collections::HashSet<String>) {
+        for node in &graph.node {
+            into.extend(node.input.iter().filter(|i| !i.is_empty()).cloned());
+            for a in &node.attribute {
+                a.g.iter().chain(&a.graphs).for_each(|g| reads(g, into));
+            }
+        }
+        into.extend(graph.output.iter().map(|o| o.name().to_string()));
+    }
+    let Some(graph) = model.graph.as_ref() else {
+        return (None, Default::default());
+    };
+    let mut read = std::collections::HashSet::new();
+    reads(graph, &mut read);
+    let unread: std::collections::HashSet<String> = graph
+        .input
+        .iter()
+        .map(|i| i.name().to_string())
+        .filter(|name| !read.contains(name))
+        .collect();
+    if unread.is_empty() {
+        return (None, unread);
+    }
+    let mut pruned = model.clone();
+    let g = pruned.graph.as_mut().expect("checked above");
+    g.input.retain(|i| !unread.contains(i.name()));
+    g.initializer.retain(|t| !unread.contains(t.name()));
+    (Some(pruned), unread)
 }
 
 /// The channel block of ONNX Runtime's NCHWc kernels on this CPU, when `options` let a
