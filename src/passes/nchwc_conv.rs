@@ -114,13 +114,15 @@ fn plan(model: &Model, shapes: &Shapes, node: NodeId, block: i64) -> Option<Plan
     }
     let (x, w) = (n.inputs.first().copied()??, n.inputs.get(1).copied()??);
     let y = n.outputs[0]?;
-    let ints = |name: &str| n.proto.attr_ints(name).ok().flatten();
-    let group = n.proto.attr_int("group").ok().flatten().unwrap_or(1);
-    let auto_pad = n.proto.attr_string("auto_pad").ok().flatten();
+    // An attribute of the wrong type leaves the node as it is: ONNX Runtime says what is
+    // wrong with it, not this rewrite.
+    let ints = |name: &str| n.proto.attr_ints(name).ok();
+    let group = n.proto.attr_int("group").ok()?.unwrap_or(1);
+    let auto_pad = n.proto.attr_string("auto_pad").ok()?;
     if group != 1 || !matches!(auto_pad.as_deref(), None | Some("NOTSET")) {
         return None;
     }
-    if transposed && (ints("output_shape").is_some() || nonzero(ints("output_padding"))) {
+    if transposed && (ints("output_shape")?.is_some() || nonzero(ints("output_padding")?)) {
         return None;
     }
     let float32 = |f: &Facts| f.elem == Some(DataType::Float as i32);
@@ -139,14 +141,14 @@ fn plan(model: &Model, shapes: &Shapes, node: NodeId, block: i64) -> Option<Plan
         return None;
     }
     let [m, c, kh, kw] = w_dims;
-    if let Some(kernel) = ints("kernel_shape") {
+    if let Some(kernel) = ints("kernel_shape")? {
         if kernel != [kh, kw] {
             return None;
         }
     }
-    let pads: [i64; 4] = ints("pads").unwrap_or(vec![0; 4]).try_into().ok()?;
-    let strides: [i64; 2] = ints("strides").unwrap_or(vec![1; 2]).try_into().ok()?;
-    let dilations: [i64; 2] = ints("dilations").unwrap_or(vec![1; 2]).try_into().ok()?;
+    let pads: [i64; 4] = ints("pads")?.unwrap_or(vec![0; 4]).try_into().ok()?;
+    let strides: [i64; 2] = ints("strides")?.unwrap_or(vec![1; 2]).try_into().ok()?;
+    let dilations: [i64; 2] = ints("dilations")?.unwrap_or(vec![1; 2]).try_into().ok()?;
     let (dims, pads) = if transposed {
         // ConvTranspose(dY, W[M, C, kh, kw]) at stride 1 = Conv(dY, W'[C, M, kh, kw]),
         // W'[c, m, i, j] = W[m, c, kh-1-i, kw-1-j], each pad p -> k-1-p.
