@@ -70,6 +70,14 @@ const CONV: Case = Case {
 };
 
 impl Case {
+    /// The output's channels: W's first axis for a Conv, its second for a ConvTranspose.
+    fn out_channels(&self) -> usize {
+        match self.op {
+            "Conv" => self.w[0],
+            _ => self.w[1],
+        }
+    }
+
     fn model(&self) -> ModelProto {
         let dims = |d: &[usize]| {
             d.iter()
@@ -83,11 +91,7 @@ impl Case {
                 .collect::<Vec<_>>()
                 .join(",")
         };
-        let channels = if self.op == "Conv" {
-            self.w[0]
-        } else {
-            self.w[1]
-        };
+        let channels = self.out_channels();
         let (bias_input, bias_arg) = match self.bias {
             true => (format!(", float[{channels}] b"), ", b"),
             false => (String::new(), ""),
@@ -119,12 +123,7 @@ impl Case {
             ("w".to_string(), tensor(&self.w, 2)),
         ]);
         if self.bias {
-            let channels = if self.op == "Conv" {
-                self.w[0]
-            } else {
-                self.w[1]
-            };
-            inputs.insert("b".into(), tensor(&[channels], 3));
+            inputs.insert("b".into(), tensor(&[self.out_channels()], 3));
         }
         inputs
     }
