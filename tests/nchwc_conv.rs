@@ -385,17 +385,7 @@ fn a_residual_network_trains_on_the_blocked_kernels_within_rounding() {
 /// relative and the blocked trainer rewrote what it should; returns the states' largest
 /// relative difference after 8 windows.
 fn train_blocked_and_plain(step: &ModelProto, what: &str) -> f64 {
-    let n = 16usize;
-    let data = BTreeMap::from([
-        ("x".to_string(), tensor(&[n, 16, 32, 32], 5)),
-        (
-            "labels".to_string(),
-            Tensor::I64(
-                ndarray::ArrayD::from_shape_vec(vec![n], (0..n as i64).map(|i| i % 10).collect())
-                    .unwrap(),
-            ),
-        ),
-    ]);
+    let (n, data) = (16, residual_data(16));
     let trainer = |nchwc: bool| {
         let options = TrainOptions {
             session: options(nchwc),
@@ -499,6 +489,49 @@ fn train_reports_the_blocked_convolutions_and_no_nchwc_keeps_none() {
     }
     let plain = train(&["--no-nchwc"]);
     assert!(!plain.contains(line), "{plain}");
+}
+
+/// `--threads 2` trains the blocked kernels as `--threads 1` does, bit for bit: each output
+/// block is summed by one thread in one order, however the pool splits the work.
+#[test]
+fn two_threads_train_the_blocked_kernels_bit_identically() {
+    if !ort_available() {
+        return;
+    }
+    let step = residual_step("optimizer(kind=adamw,lr=0.01)");
+    let (n, data) = (16, residual_data(16));
+    let trainer = |threads: usize| {
+        let options = TrainOptions {
+            session: SessionOptions {
+                threads,
+                ..options(true)
+            },
+            ..TrainOptions::default()
+        };
+        Trainer::with_options(&step, &options).unwrap()
+    };
+    let (mut one, mut two) = (trainer(1), trainer(2));
+    assert_eq!(one.nchwc_convs(), two.nchwc_convs());
+    for i in 0..32 {
+        let batch = micro_batch(&data, n, 4, i);
+        let (a, b) = (one.step(&batch, false).unwrap(), two.step(&batch, false).unwrap());
+        assert_eq!(a, b, "micro-step {i}");
+    }
+    assert_eq!(one.state().unwrap(), two.state().unwrap());
+}
+
+/// `n` samples for [`residual_step`]: x (n x 16 x 32 x 32) and labels cycling through 10.
+fn residual_data(n: usize) -> BTreeMap<String, Tensor> {
+    BTreeMap::from([
+        ("x".to_string(), tensor(&[n, 16, 32, 32], 5)),
+        (
+            "labels".to_string(),
+            Tensor::I64(
+                ndarray::ArrayD::from_shape_vec(vec![n], (0..n as i64).map(|i| i % 10).collect())
+                    .unwrap(),
+            ),
+        ),
+    ])
 }
 
 fn residual_step(optimizer: &str) -> ModelProto {
