@@ -365,6 +365,7 @@ impl Trainer {
                     in_place: true,
                     window_start,
                     min_accumulator_elements: session.in_place_min_elements,
+                    min_in_place_total: session.in_place_min_total,
                 };
                 let start = match window_start::window_start(&split.accumulate, &manifest) {
                     Some(s) => Some(Box::new(open_engine(

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 const MICRO_STEPS: u64 = 32;
 
 /// Every accumulator fused and in place, however small (the trainer's default leaves the
-/// shipped graphs' small ones to `Add`: [`small_accumulators_stay_standard_adds`]), so that
+/// shipped graphs' small ones apart: [`small_states_stay_apart`]), so that
 /// the in-place machinery is exercised on these graphs.
 fn options(fused: bool, threads: usize, split: bool) -> TrainOptions {
     TrainOptions {
@@ -28,6 +28,7 @@ fn options(fused: bool, threads: usize, split: bool) -> TrainOptions {
             threads,
             fused_kernels: fused,
             in_place_min_elements: 0,
+            in_place_min_total: 0,
             ..SessionOptions::default()
         },
         split,
@@ -355,6 +356,7 @@ fn in_place_waits_for_every_read_of_a_weight() {
                     session: SessionOptions {
                         in_place_updates,
                         in_place_min_elements: 0,
+                        in_place_min_total: 0,
                         ..SessionOptions::default()
                     },
                     ..TrainOptions::default()
@@ -390,51 +392,59 @@ fn in_place_waits_for_every_read_of_a_weight() {
     }
 }
 
-/// With the trainer's defaults, accumulators under `accumulate::MIN_ELEMENTS` stay standard
-/// `Add`s, apart (a custom kernel's dispatch costs more than in place saves there): the
-/// shipped MLP's (at most 4096 elements) all do, and the large linear layer's bias (256)
-/// does while its weight (131072) goes in place. Both train bit for bit like the standard
-/// ops.
+/// What the trainer's defaults leave apart, bit for bit like the standard ops either way:
+/// accumulators under `accumulate::MIN_ELEMENTS` stay standard `Add`s (a custom kernel's
+/// dispatch costs more than in place saves there), and a session whose in-place states hold
+/// under `in_place::MIN_SESSION_ELEMENTS` in all binds none (binding costs per state and
+/// run). The shipped MLP and the 512x256 linear layer are under both; with the session
+/// minimum off, the linear layer's weight accumulator (131072 elements) goes in place and its
+/// bias's (256) does not.
 #[test]
-fn small_accumulators_stay_standard_adds() {
+fn small_states_stay_apart() {
     if !ort_available() {
         return;
     }
-    let default = |fused: bool| TrainOptions {
+    let options = |fused: bool, min_total: Option<i64>| TrainOptions {
         session: SessionOptions {
             fused_kernels: fused,
+            in_place_min_total: min_total.unwrap_or(SessionOptions::default().in_place_min_total),
             ..SessionOptions::default()
         },
         ..TrainOptions::default()
     };
-    let cases = [
+    let linear = || {
         (
-            "mlp_ce_adamw",
-            common::rewrite_shipped(
-                "mlp_ce_adamw",
-                "grad-accum(steps=4),optimizer(kind=sgd,lr=0.05),legalize-ort,dce",
-            ),
-            shipped("mlp_ce_adamw"),
-            // SGD updates its 4 parameters in place at the apply; no accumulator goes in
-            // place.
-            4,
-        ),
-        (
-            "linear 512x256",
             large_linear_step(),
             large_linear_data(
                 |i| ((i * 13) % 100) as f32 / 100.0 - 0.5,
                 |i| ((i * 7) % 50) as f32 / 25.0 - 1.0,
             ),
-            // The weight's accumulator in the accumulate and window-start sessions, and the
-            // apply's p, m and v of both parameters.
+        )
+    };
+    let mlp = || {
+        let spec = "grad-accum(steps=4),optimizer(kind=sgd,lr=0.05),legalize-ort,dce";
+        (
+            common::rewrite_shipped("mlp_ce_adamw", spec),
+            shipped("mlp_ce_adamw"),
+        )
+    };
+    let cases = [
+        ("mlp_ce_adamw, defaults", mlp(), None, 0),
+        ("linear 512x256, defaults", linear(), None, 0),
+        // The weight's accumulator in the accumulate and window-start sessions, and the
+        // apply's p, m and v of both parameters.
+        (
+            "linear 512x256, no session minimum",
+            linear(),
+            Some(0),
             1 + 1 + 6,
         ),
     ];
-    for (what, step, data, expected) in cases {
-        let mut fused = Trainer::with_options(&step, &default(true)).unwrap();
-        let mut standard = Trainer::with_options(&step, &default(false)).unwrap();
+    for (what, (step, data), min_total, expected) in cases {
+        let mut fused = Trainer::with_options(&step, &options(true, min_total)).unwrap();
+        let mut standard = Trainer::with_options(&step, &options(false, min_total)).unwrap();
         assert_eq!(fused.in_place_updates(), expected, "{what}");
+        assert!(fused.fused_updates() >= 1, "{what}: the kernels still run");
         let samples = fused.check_data(&data, Path::new("data.npz")).unwrap();
         for i in 0..MICRO_STEPS {
             let batch = micro_batch(&data, samples, 8, i);

@@ -109,6 +109,10 @@ pub struct SessionOptions {
     /// place (`passes::fuse::accumulate::MIN_ELEMENTS` by default; 0 takes every one, which
     /// tests use to exercise in-place updates on small graphs).
     pub in_place_min_elements: i64,
+    /// With `in_place_updates`: a session whose in-place states would hold fewer elements
+    /// in all runs apart (`passes::fuse::in_place::MIN_SESSION_ELEMENTS` by default; 0:
+    /// never apart for being small).
+    pub in_place_min_total: i64,
 }
 
 impl Default for SessionOptions {
@@ -126,6 +130,7 @@ impl Default for SessionOptions {
             memory_pattern: true,
             nchwc_convs: true,
             in_place_min_elements: crate::passes::fuse::accumulate::MIN_ELEMENTS,
+            in_place_min_total: crate::passes::fuse::in_place::MIN_SESSION_ELEMENTS,
         }
     }
 }

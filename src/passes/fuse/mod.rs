@@ -52,6 +52,9 @@ pub struct FuseOptions {
     /// Accumulators of fewer elements stay a standard `Add`, apart
     /// ([`accumulate::MIN_ELEMENTS`] is the trainer's default; 0 takes every one).
     pub min_accumulator_elements: i64,
+    /// A session whose in-place states hold fewer elements in all runs apart, as if
+    /// `in_place` were off ([`in_place::MIN_SESSION_ELEMENTS`] is the trainer's default).
+    pub min_in_place_total: i64,
 }
 
 /// `model` (a step, or a specialisation of the step `manifest` describes) with its
@@ -109,6 +112,13 @@ pub fn prepare<'m>(
             .window_start
             .then_some(options.min_accumulator_elements),
     );
+    if in_place::elements(&ir, &plan) < options.min_in_place_total {
+        let apart = FuseOptions {
+            in_place: false,
+            ..options
+        };
+        return prepare(model, manifest, apart);
+    }
     if fused + accumulations == 0 {
         // Nothing fused: the model as it was, with the plan (unread accumulators) over it.
         return Ok(Prepared {
