@@ -16,11 +16,10 @@ use crate::state::Manifest;
 
 /// The smallest accumulator fused, and the smallest the window start writes in place (a
 /// binding of its own costs a run more than it saves there). Below it the standard `Add` is
-/// faster: ONNX Runtime
-/// dispatches a custom kernel in ~4.5 µs (its inputs and outputs are wrapped and queried
-/// through the C API) against ~1 µs for its own `Add`, and in place saves nothing worth that
-/// at 64 KiB (ResNet-8's 29 accumulators, 78 K parameters: 0.131 ms per micro-step as kernels,
-/// ORT's profiler).
+/// faster: ONNX Runtime dispatches a custom kernel in ~4.5 µs (its inputs and outputs are
+/// wrapped and queried through the C API) against ~1 µs for its own `Add`, and in place
+/// saves nothing worth that at 64 KiB (the ResNet-8 BN's 29 accumulators, 78 K parameters:
+/// 0.131 ms per micro-step as kernels, ORT's profiler).
 pub const MIN_ELEMENTS: i64 = 16384;
 
 /// Fuses every accumulation of the main graph of `min_elements` or more; returns how many.
