@@ -442,7 +442,8 @@ fn check(
         nchwc_convs: false,
         ..session(1)
     };
-    let gradients = |options: &SessionOptions| -> Result<BTreeMap<String, Vec<f32>>> {
+    // The loss and gradients of one run, and how many convolutions it ran blocked.
+    let gradients = |options: &SessionOptions| -> Result<(BTreeMap<String, Vec<f32>>, usize)> {
         let mut f = Floor::new(floor, meta, options)?;
         let outs = f.run(&batch)?;
         let mut host = BTreeMap::new();
@@ -463,9 +464,9 @@ fn check(
                 .collect();
             host.insert(name, values);
         }
-        Ok(host)
+        Ok((host, f.engine.nchwc_convs()))
     };
-    let ours = gradients(&plain)?;
+    let (ours, _) = gradients(&plain)?;
     let loss = ours[&meta.loss][0];
     let torch_loss = reference["loss"]
         .as_f32()
@@ -507,11 +508,8 @@ fn check(
     if !ok {
         bail!("{model}: check failed");
     }
-    let blocked_options = session(1);
-    let blocked_floor = Floor::new(floor, meta, &blocked_options)?;
-    let rewritten = blocked_floor.engine.nchwc_convs();
+    let (blocked, rewritten) = gradients(&session(1))?;
     if rewritten > 0 {
-        let blocked = gradients(&blocked_options)?;
         let blocked_loss = blocked[&meta.loss][0];
         let (mut worst_rel, mut worst_name) = (0f64, String::new());
         for p in params {

@@ -357,10 +357,18 @@ impl OrtSession {
         held: &[(&str, &DynValue)],
         in_place: &mut [(&str, &mut DynValue)],
     ) -> Result<Vec<(String, DynValue)>, EngineError> {
-        let read = |name: &&str| !self.unread_inputs.contains(*name);
-        let host: Vec<(&str, &Tensor)> = host.iter().copied().filter(|(n, _)| read(n)).collect();
-        let held: Vec<(&str, &DynValue)> = held.iter().copied().filter(|(n, _)| read(n)).collect();
-        let (host, held) = (host.as_slice(), held.as_slice());
+        // Most sessions read every input: then the feeds go through as given.
+        let (host, held) = match self.unread_inputs.is_empty() {
+            true => (Cow::Borrowed(host), Cow::Borrowed(held)),
+            false => {
+                let read = |name: &str| !self.unread_inputs.contains(name);
+                (
+                    Cow::Owned(host.iter().copied().filter(|(n, _)| read(n)).collect()),
+                    Cow::Owned(held.iter().copied().filter(|(n, _)| read(n)).collect()),
+                )
+            }
+        };
+        let (host, held) = (&*host, &*held);
         if self.device_memory.is_none() && in_place.is_empty() {
             let mut feeds: Vec<(Cow<'_, str>, SessionInputValue<'_>)> =
                 Vec::with_capacity(host.len() + held.len());

@@ -302,18 +302,28 @@ fn ran_after(
                 return Some(o);
             }
         }
-        for v in model.node(m).outputs.iter().flatten() {
-            for u in model.uses(*v) {
-                if let Use::Node { node, .. } = u {
-                    let top = main_node_of(model, *node);
-                    if seen.insert(top) {
-                        queue.push_back(top);
-                    }
-                }
+        for top in main_readers(model, m) {
+            if seen.insert(top) {
+                queue.push_back(top);
             }
         }
     }
     model.node(r).outputs.iter().flatten().next().copied()
+}
+
+/// The main-graph nodes that read an output of `m` (a node inside a subgraph counts as the
+/// main-graph node that owns its body), once per read.
+fn main_readers(model: &Model, m: NodeId) -> impl Iterator<Item = NodeId> + '_ {
+    model
+        .node(m)
+        .outputs
+        .iter()
+        .flatten()
+        .flat_map(move |v| model.uses(*v))
+        .filter_map(move |u| match u {
+            Use::Node { node, .. } => Some(main_node_of(model, *node)),
+            _ => None,
+        })
 }
 
 /// Every main-graph node that reads an output of `n`, directly or not (a node inside a
@@ -322,14 +332,9 @@ fn descendants(model: &Model, n: NodeId) -> BTreeSet<NodeId> {
     let mut seen = BTreeSet::new();
     let mut stack = vec![n];
     while let Some(m) = stack.pop() {
-        for v in model.node(m).outputs.iter().flatten() {
-            for u in model.uses(*v) {
-                if let Use::Node { node, .. } = u {
-                    let top = main_node_of(model, *node);
-                    if seen.insert(top) {
-                        stack.push(top);
-                    }
-                }
+        for top in main_readers(model, m) {
+            if seen.insert(top) {
+                stack.push(top);
             }
         }
     }
