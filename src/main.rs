@@ -168,11 +168,17 @@ struct TrainArgs {
     /// graph per branch (the default; same results, faster).
     #[arg(long)]
     no_split: bool,
-    /// Run the optimizer's update as the step writes it, in standard ops, instead of as
-    /// onnx-ga's fused kernels (AdamW, Adam, SGD, momentum, Nesterov; ONNX Runtime on the
-    /// CPU; same results, bit for bit).
+    /// Run the step as it is written, in standard ops, instead of on onnx-ga's fused CPU
+    /// kernels (ONNX Runtime on the CPU): the optimizer's update (AdamW, Adam, SGD,
+    /// momentum, Nesterov; same results, bit for bit) and BatchNorm (see
+    /// --no-fused-batch-norm).
     #[arg(long)]
     no_fused_kernels: bool,
+    /// Run training-mode BatchNorm as the step writes it, some 35 standard ops a layer,
+    /// instead of one fused kernel forward and one backward (faster; within float32
+    /// rounding, not bit for bit).
+    #[arg(long)]
+    no_fused_batch_norm: bool,
     /// Run every convolution on ONNX Runtime's im2col kernels, as the step writes it,
     /// instead of the 3x3 and larger ones whose channels fit its blocked (NCHWc) CPU kernels
     /// there (faster; within float32 rounding, not bit for bit).
@@ -1104,6 +1110,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             device,
             fused_kernels: !args.no_fused_kernels,
             nchwc_convs: !args.no_nchwc,
+            fused_batch_norm: !args.no_fused_batch_norm,
             ..Default::default()
         },
         split: !args.no_split,
@@ -1135,6 +1142,12 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         progress.note(format!(
             "convolutions: {} on ONNX Runtime's blocked (NCHWc) CPU kernels, summed over the sessions (--no-nchwc: im2col, as written)",
             trainer.nchwc_convs()
+        ));
+    }
+    if trainer.fused_batch_norms() > 0 {
+        progress.note(format!(
+            "batch norm: {} forward and backward layer(s) on onnx-ga's fused CPU kernels, summed over the sessions (--no-fused-batch-norm: as written)",
+            trainer.fused_batch_norms()
         ));
     }
     host_controls(&mut trainer, args.lr, args.accum_steps)?;

@@ -490,6 +490,12 @@ impl Trainer {
         self.sum_over_sessions(Engine::nchwc_convs)
     }
 
+    /// BatchNorm forwards and backwards on onnx-ga's fused kernels
+    /// (`SessionOptions::fused_batch_norm`), summed over the split step's sessions.
+    pub fn fused_batch_norms(&self) -> usize {
+        self.sum_over_sessions(Engine::fused_batch_norms)
+    }
+
     fn sum_over_sessions(&self, count: impl Fn(&Engine) -> usize) -> usize {
         match &self.runner {
             Runner::Whole(e) => count(e),

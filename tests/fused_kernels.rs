@@ -21,12 +21,14 @@ const MICRO_STEPS: u64 = 32;
 
 /// Every accumulator fused and in place, however small (the trainer's default leaves the
 /// shipped graphs' small ones apart: [`small_states_stay_apart`]), so that
-/// the in-place machinery is exercised on these graphs.
+/// the in-place machinery is exercised on these graphs. BatchNorm stays in standard ops:
+/// its fused kernels sum in another order (tests/fused_batch_norm.rs).
 fn options(fused: bool, threads: usize, split: bool) -> TrainOptions {
     TrainOptions {
         session: SessionOptions {
             threads,
             fused_kernels: fused,
+            fused_batch_norm: false,
             in_place_min_elements: 0,
             in_place_min_total: 0,
             ..SessionOptions::default()
@@ -407,6 +409,7 @@ fn small_states_stay_apart() {
     let options = |fused: bool, min_total: Option<i64>| TrainOptions {
         session: SessionOptions {
             fused_kernels: fused,
+            fused_batch_norm: false,
             in_place_min_total: min_total.unwrap_or(SessionOptions::default().in_place_min_total),
             ..SessionOptions::default()
         },

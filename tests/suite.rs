@@ -26,6 +26,7 @@ mod distributed;
 mod export_trained;
 mod file_cases;
 mod first_hour;
+mod fused_batch_norm;
 mod fused_kernels;
 mod generated_files;
 mod generated_flatbuffers;

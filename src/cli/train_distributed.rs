@@ -255,6 +255,7 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
             device,
             fused_kernels: !args.no_fused_kernels,
             nchwc_convs: !args.no_nchwc,
+            fused_batch_norm: !args.no_fused_batch_norm,
             ..Default::default()
         },
         split: true,

@@ -219,7 +219,6 @@ impl Engine {
         }
     }
 
-    /// The (state input, next value) pairs this session updates in place.
     /// Convolutions on ONNX Runtime's blocked kernels (`SessionOptions::nchwc_convs`).
     pub fn nchwc_convs(&self) -> usize {
         match self {
@@ -229,6 +228,17 @@ impl Engine {
         }
     }
 
+    /// BatchNorm layers on onnx-ga's fused kernels, forward and backward counted apart
+    /// (`SessionOptions::fused_batch_norm`).
+    pub fn fused_batch_norms(&self) -> usize {
+        match self {
+            Engine::Ort(s) => s.fused_batch_norms(),
+            #[cfg(feature = "tract")]
+            Engine::Tract(_) => 0,
+        }
+    }
+
+    /// The (state input, next value) pairs this session updates in place.
     pub fn in_place(&self) -> &[(String, String)] {
         match self {
             Engine::Ort(s) => s.in_place(),

@@ -84,7 +84,8 @@ pub struct SessionOptions {
     /// Register onnx-ga's fused CPU kernels ([`crate::fused_ops`]) with the session, and let
     /// the trainer swap the standard-op optimizer updates for them in memory
     /// (`passes::fuse`; on the CPU only: on CUDA a CPU kernel would copy every
-    /// parameter to the host and back). Off runs the step exactly as written.
+    /// parameter to the host and back), and the session its BatchNorm layers
+    /// ([`Self::fused_batch_norm`]). Off runs the step exactly as written.
     pub fused_kernels: bool,
     /// Run on the environment's shared intra-op pool when it has `threads` threads
     /// ([`crate::runtime::shared_pool_threads`]; it spins), instead of a pool of the
@@ -105,6 +106,11 @@ pub struct SessionOptions {
     /// its own optimizer applies only to constant weights. Within float32 rounding of the
     /// im2col kernel, not bit-identical. Off runs every convolution as written.
     pub nchwc_convs: bool,
+    /// With `fused_kernels`, on the CPU: run each training-mode BatchNorm layer's forward
+    /// and backward, as the legalize lowerings write them, on onnx-ga's two fused kernels
+    /// (`passes::fused_batch_norm`). Within float32 rounding of the standard ops, not
+    /// bit-identical. Off runs them as written.
+    pub fused_batch_norm: bool,
     /// With `in_place_updates`: the smallest accumulator the trainer fuses and updates in
     /// place (`passes::fuse::accumulate::MIN_ELEMENTS` by default; 0 takes every one, which
     /// tests use to exercise in-place updates on small graphs).
@@ -129,6 +135,7 @@ impl Default for SessionOptions {
             in_place_updates: true,
             memory_pattern: true,
             nchwc_convs: true,
+            fused_batch_norm: true,
             in_place_min_elements: crate::passes::fuse::accumulate::MIN_ELEMENTS,
             in_place_min_total: crate::passes::fuse::in_place::MIN_SESSION_ELEMENTS,
         }
@@ -155,6 +162,8 @@ pub struct OrtSession {
     pub keep_input: Option<String>,
     /// See [`Self::nchwc_convs`].
     nchwc_convs: usize,
+    /// See [`Self::fused_batch_norms`].
+    fused_batch_norms: usize,
     /// Inputs of the model that nothing in it reads, left out of the session
     /// ([`without_unread_inputs`]); a run given them ignores them.
     unread_inputs: std::collections::HashSet<String>,
@@ -172,10 +181,24 @@ impl OrtSession {
             None => None,
         };
         let model = blocked.as_ref().map_or(model, |b| &b.model);
+        let fused_bn = match options.fused_batch_norm
+            && options.fused_kernels
+            && options.device == Device::Cpu
+        {
+            true => {
+                crate::passes::fused_batch_norm::rewrite(model).map_err(|e| EngineError::Ort {
+                    context: "putting BatchNorm on the fused kernels".into(),
+                    message: e.to_string(),
+                })?
+            }
+            false => None,
+        };
+        let model = fused_bn.as_ref().map_or(model, |f| &f.model);
         let (pruned, unread) = without_unread_inputs(model);
         let bytes = crate::model::encode_model(pruned.as_ref().unwrap_or(model));
         let mut session = Self::from_bytes(&bytes, options)?;
         session.nchwc_convs = blocked.map_or(0, |b| b.convs);
+        session.fused_batch_norms = fused_bn.map_or(0, |f| f.forward + f.backward);
         session.unread_inputs = unread;
         Ok(session)
     }
@@ -183,6 +206,12 @@ impl OrtSession {
     /// Convolutions this session runs on the blocked kernels (`SessionOptions::nchwc_convs`).
     pub fn nchwc_convs(&self) -> usize {
         self.nchwc_convs
+    }
+
+    /// BatchNorm forwards and backwards this session runs on the fused kernels
+    /// (`SessionOptions::fused_batch_norm`).
+    pub fn fused_batch_norms(&self) -> usize {
+        self.fused_batch_norms
     }
 
     pub fn from_bytes(bytes: &[u8], options: &SessionOptions) -> Result<OrtSession, EngineError> {
@@ -286,6 +315,7 @@ impl OrtSession {
             input_set,
             keep_input: None,
             nchwc_convs: 0,
+            fused_batch_norms: 0,
             unread_inputs: Default::default(),
         })
     }

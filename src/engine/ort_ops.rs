@@ -12,8 +12,10 @@ use ::ort::operator::{
 use ::ort::value::TensorElementType;
 
 use crate::fused_ops::{
-    accumulate_grad, accumulate_slot, adamw_slot, adamw_update, sgd_slot, sgd_update, AdamWScalars,
-    Io, SgdIo, SgdScalars, ACCUMULATE_GRAD, ADAMW_UPDATE, DOMAIN, SGD_UPDATE,
+    accumulate_grad, accumulate_slot, adamw_slot, adamw_update, batch_norm_grad_channel,
+    batch_norm_train_channel, sgd_slot, sgd_update, AdamWScalars, BatchNormLayout, ChannelStats,
+    Io, SgdIo, SgdScalars, ACCUMULATE_GRAD, ADAMW_UPDATE, BATCH_NORM_GRAD, BATCH_NORM_TRAIN,
+    DOMAIN, SGD_UPDATE,
 };
 
 /// The domain with every fused operator, for a session builder.
@@ -21,7 +23,9 @@ pub fn domain() -> ::ort::Result<OperatorDomain> {
     OperatorDomain::new(DOMAIN)?
         .add(AdamWUpdate)?
         .add(SgdUpdate)?
-        .add(AccumulateGrad)
+        .add(AccumulateGrad)?
+        .add(BatchNormTrain)?
+        .add(BatchNormGrad)
 }
 
 /// Runs `make_session`, serialised with every other until one session with the fused
@@ -440,4 +444,221 @@ fn accumulate_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
         keep,
         |range, io| accumulate_grad(&g[range], io),
     )
+}
+
+struct BatchNormTrain;
+
+impl Operator for BatchNormTrain {
+    type Kernel<'attr> = BoxedKernel<'attr>;
+
+    fn name(&self) -> &str {
+        BATCH_NORM_TRAIN
+    }
+
+    fn inputs(&self) -> impl IntoIterator<Item = OperatorInput> {
+        [(); 3].map(|_| OperatorInput::required(TensorElementType::Float32))
+    }
+
+    fn outputs(&self) -> impl IntoIterator<Item = OperatorOutput> {
+        [(); 4].map(|_| OperatorOutput::required(TensorElementType::Float32))
+    }
+
+    fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
+        let (x, scale) = (ctx.inputs()[0].clone(), ctx.inputs()[1].clone());
+        ctx.set_output(0, &x)?;
+        for slot in 1..4 {
+            ctx.set_output(slot, &scale)?;
+        }
+        Ok(())
+    }
+
+    fn create_kernel<'attr>(
+        &self,
+        kctx: &KernelContext<'attr>,
+    ) -> ::ort::Result<Self::Kernel<'attr>> {
+        let epsilon = kctx.get::<f32>("epsilon").ok_or_else(|| {
+            ::ort::Error::new(format!("{BATCH_NORM_TRAIN}: no 'epsilon' attribute"))
+        })?;
+        Ok(Box::new(move |ctx: &ComputeContext| {
+            batch_norm_train_kernel(ctx, epsilon)
+        }))
+    }
+}
+
+/// Input `slot` of `op` as float32 data with its shape.
+fn tensor_input<'a>(
+    ctx: &'a ComputeContext,
+    op: &str,
+    slot: usize,
+) -> ::ort::Result<::ort::value::ValueRef<'a>> {
+    ctx.input(slot)?
+        .ok_or_else(|| ::ort::Error::new(format!("{op}: input {slot} is missing")))
+}
+
+/// X's layout and the per-channel inputs' data, checked to have one value per channel.
+fn batch_norm_layout(
+    op: &str,
+    shape: &[i64],
+    per_channel: &[&[f32]],
+) -> ::ort::Result<BatchNormLayout> {
+    let layout = BatchNormLayout::of(shape).ok_or_else(|| {
+        ::ort::Error::new(format!("{op}: X has shape {shape:?}, not [N, C, ...]"))
+    })?;
+    if let Some(bad) = per_channel.iter().find(|v| v.len() != layout.channels) {
+        return Err(::ort::Error::new(format!(
+            "{op}: a per-channel input has {} values for {} channels",
+            bad.len(),
+            layout.channels
+        )));
+    }
+    Ok(layout)
+}
+
+/// Elements per task of a BatchNorm kernel: whole channels, about this many elements each.
+const BATCH_NORM_TASK: usize = 1 << 15;
+
+/// Runs `f(channel, its output planes)` for every channel of `layout`, the channels grouped
+/// into tasks of about [`BATCH_NORM_TASK`] elements on ONNX Runtime's intra-op pool; returns
+/// each channel's result in order.
+fn per_channel<R: Send>(
+    ctx: &ComputeContext,
+    layout: BatchNormLayout,
+    out: &mut [f32],
+    f: impl Fn(usize, &mut [&mut [f32]]) -> R + Sync,
+) -> ::ort::Result<Vec<R>> {
+    let BatchNormLayout {
+        channels, plane, ..
+    } = layout;
+    if channels == 0 {
+        return Ok(Vec::new());
+    }
+    let mut planes: Vec<Vec<&mut [f32]>> = (0..channels).map(|_| Vec::new()).collect();
+    if plane > 0 {
+        for (p, piece) in out.chunks_mut(plane).enumerate() {
+            planes[p % channels].push(piece);
+        }
+    }
+    let group = (BATCH_NORM_TASK / layout.per_channel().max(1)).clamp(1, channels);
+    // Each task takes its channels' output planes once.
+    type Planes<'a> = Vec<Vec<&'a mut [f32]>>;
+    let mut tasks: Vec<Mutex<Option<Planes<'_>>>> = Vec::new();
+    let mut planes = planes.into_iter();
+    loop {
+        let chunk: Vec<_> = planes.by_ref().take(group).collect();
+        if chunk.is_empty() {
+            break;
+        }
+        tasks.push(Mutex::new(Some(chunk)));
+    }
+    let results: Vec<Mutex<Option<R>>> = (0..channels).map(|_| Mutex::new(None)).collect();
+    let run = |t: usize| {
+        let Ok(Some(mut chunk)) = tasks[t].lock().map(|mut c| c.take()) else {
+            return;
+        };
+        for (k, out) in chunk.iter_mut().enumerate() {
+            let c = t * group + k;
+            let r = f(c, out);
+            if let Ok(mut slot) = results[c].lock() {
+                *slot = Some(r);
+            }
+        }
+    };
+    match tasks.len() {
+        1 => run(0),
+        n => ctx.par_for(n, 0, run)?,
+    }
+    results
+        .into_iter()
+        .map(|r| r.into_inner().ok().flatten())
+        .collect::<Option<Vec<R>>>()
+        .ok_or_else(|| ::ort::Error::new("a BatchNorm task did not run".to_string()))
+}
+
+/// Writes `values` into output `slot`, shaped `[values.len()]`.
+fn write_vector(ctx: &ComputeContext, op: &str, slot: usize, values: &[f32]) -> ::ort::Result<()> {
+    let mut out = ctx
+        .output(slot, vec![values.len() as i64])?
+        .ok_or_else(|| ::ort::Error::new(format!("{op}: output {slot} missing")))?;
+    out.try_extract_tensor_mut::<f32>()?
+        .1
+        .copy_from_slice(values);
+    Ok(())
+}
+
+fn batch_norm_train_kernel(ctx: &ComputeContext, epsilon: f32) -> ::ort::Result<()> {
+    let op = BATCH_NORM_TRAIN;
+    let [x, scale, bias] = [0, 1, 2].map(|slot| tensor_input(ctx, op, slot));
+    let (x, scale, bias) = (x?, scale?, bias?);
+    let (shape, x) = x.try_extract_tensor::<f32>()?;
+    let (scale, bias) = (
+        scale.try_extract_tensor::<f32>()?.1,
+        bias.try_extract_tensor::<f32>()?.1,
+    );
+    let layout = batch_norm_layout(op, shape, &[scale, bias])?;
+    let mut y = ctx
+        .output(0, shape.to_vec())?
+        .ok_or_else(|| ::ort::Error::new(format!("{op}: output 0 missing")))?;
+    let y = y.try_extract_tensor_mut::<f32>()?.1;
+    let stats: Vec<ChannelStats> = per_channel(ctx, layout, y, |c, out| {
+        batch_norm_train_channel(&layout.planes(x, c), out, scale[c], bias[c], epsilon)
+    })?;
+    let column = |f: fn(&ChannelStats) -> f32| stats.iter().map(f).collect::<Vec<f32>>();
+    write_vector(ctx, op, 1, &column(|s| s.mean))?;
+    write_vector(ctx, op, 2, &column(|s| s.var))?;
+    write_vector(ctx, op, 3, &column(|s| s.inv_std))
+}
+
+struct BatchNormGrad;
+
+impl Operator for BatchNormGrad {
+    type Kernel<'attr> = BoxedKernel<'attr>;
+
+    fn name(&self) -> &str {
+        BATCH_NORM_GRAD
+    }
+
+    fn inputs(&self) -> impl IntoIterator<Item = OperatorInput> {
+        [(); 5].map(|_| OperatorInput::required(TensorElementType::Float32))
+    }
+
+    fn outputs(&self) -> impl IntoIterator<Item = OperatorOutput> {
+        [(); 3].map(|_| OperatorOutput::required(TensorElementType::Float32))
+    }
+
+    fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
+        let (x, scale) = (ctx.inputs()[1].clone(), ctx.inputs()[2].clone());
+        ctx.set_output(0, &x)?;
+        ctx.set_output(1, &scale)?;
+        ctx.set_output(2, &scale)
+    }
+
+    fn create_kernel<'attr>(&self, _: &KernelContext<'attr>) -> ::ort::Result<Self::Kernel<'attr>> {
+        Ok(Box::new(|ctx: &ComputeContext| batch_norm_grad_kernel(ctx)))
+    }
+}
+
+fn batch_norm_grad_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
+    let op = BATCH_NORM_GRAD;
+    let [dy, x, scale, mean, inv_std] = [0, 1, 2, 3, 4].map(|slot| tensor_input(ctx, op, slot));
+    let (dy, x, scale, mean, inv_std) = (dy?, x?, scale?, mean?, inv_std?);
+    let (dy_shape, dy) = dy.try_extract_tensor::<f32>()?;
+    let (shape, x) = x.try_extract_tensor::<f32>()?;
+    if dy_shape != shape {
+        return Err(::ort::Error::new(format!(
+            "{op}: dY has shape {dy_shape:?}, X {shape:?}"
+        )));
+    }
+    let [scale, mean, inv_std] = [&scale, &mean, &inv_std].map(|v| v.try_extract_tensor::<f32>());
+    let (scale, mean, inv_std) = (scale?.1, mean?.1, inv_std?.1);
+    let layout = batch_norm_layout(op, shape, &[scale, mean, inv_std])?;
+    let mut dx = ctx
+        .output(0, shape.to_vec())?
+        .ok_or_else(|| ::ort::Error::new(format!("{op}: output 0 missing")))?;
+    let dx = dx.try_extract_tensor_mut::<f32>()?.1;
+    let sums: Vec<(f32, f32)> = per_channel(ctx, layout, dx, |c, out| {
+        let (g, v) = (layout.planes(dy, c), layout.planes(x, c));
+        batch_norm_grad_channel(&g, &v, out, scale[c], mean[c], inv_std[c])
+    })?;
+    write_vector(ctx, op, 1, &sums.iter().map(|s| s.0).collect::<Vec<f32>>())?;
+    write_vector(ctx, op, 2, &sums.iter().map(|s| s.1).collect::<Vec<f32>>())
 }

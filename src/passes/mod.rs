@@ -12,6 +12,7 @@ pub mod agc;
 pub mod autodiff;
 pub mod dce;
 pub mod fuse;
+pub mod fused_batch_norm;
 pub mod grad_accum;
 pub mod legalize;
 pub mod legalize_training;

@@ -1,8 +1,9 @@
 //! onnx-ga's own fused operators: what each computes, its domain, name and input slots. The
 //! exported step never contains them (it stays standard ONNX, so any host runs it); an engine
 //! that has their kernels swaps a recognised standard-op subgraph for one node in memory
-//! (`passes::fuse`, the ONNX Runtime kernels in `engine::ort_ops`). This module is the
-//! one place both sides read: the rewrite for the slots, the kernel for the arithmetic.
+//! (`passes::fuse` for the optimizer updates, `passes::fused_batch_norm` for BatchNorm; the
+//! ONNX Runtime kernels in `engine::ort_ops`). This module is the one place both sides
+//! read: the rewrite for the slots, the kernel for the arithmetic.
 //!
 //! Every operator ends with two kinds of optional input: the gate ([`KEEP_NONFINITE`]) and,
 //! from its `AFTER` slot on, ordering inputs (variadic, any type): values the kernel never
@@ -89,11 +90,11 @@ macro_rules! with_widest_vectors {
         #[cfg(target_arch = "x86_64")]
         {
             #[target_feature(enable = "avx512f")]
-            unsafe fn avx512(f: impl FnOnce()) {
+            unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
                 f()
             }
             #[target_feature(enable = "avx2")]
-            unsafe fn avx2(f: impl FnOnce()) {
+            unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
                 f()
             }
             if std::is_x86_feature_detected!("avx512f") {
@@ -112,6 +113,12 @@ macro_rules! with_widest_vectors {
         }
     }};
 }
+
+mod batch_norm;
+pub use batch_norm::{
+    batch_norm_grad_channel, batch_norm_train_channel, BatchNormLayout, ChannelStats,
+    BATCH_NORM_GRAD, BATCH_NORM_TRAIN,
+};
 
 /// Where an update reads the state it updates (parameter, moments, buffer) and writes its
 /// next value: separate buffers, or one buffer per state updated in place (the session bound
