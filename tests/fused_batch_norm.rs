@@ -232,6 +232,33 @@ fn fused_layers_agree_with_the_definition() {
         let plain = OrtSession::new(&graph, &options(false)).unwrap();
         assert_eq!(plain.fused_batch_norms(), 0, "{}", layer.what);
         drop((fused, plain));
+        // What the fused nodes replace is gone: no forward statistics or affine pass left
+        // behind for some reader of a value they replaced.
+        let rewritten = onnx_ga::passes::fused_batch_norm::rewrite(&graph)
+            .unwrap()
+            .expect("rewritten");
+        let ops: Vec<&str> = rewritten
+            .model
+            .graph
+            .as_ref()
+            .unwrap()
+            .node
+            .iter()
+            .map(|n| n.op_type())
+            .collect();
+        for gone in [
+            "BatchNormalization",
+            "ReduceSumSquare",
+            "ReduceMean",
+            "Reciprocal",
+            "Sqrt",
+        ] {
+            assert!(
+                !ops.contains(&gone),
+                "{}: {gone} left in {ops:?}",
+                layer.what
+            );
+        }
         let want = definition(layer);
         let inputs = layer.inputs();
         let run = |o: &SessionOptions| {

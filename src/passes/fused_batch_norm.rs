@@ -78,21 +78,9 @@ pub fn rewrite(model: &ModelProto) -> Result<Option<Rewritten>, super::PassError
     if forwards.is_empty() && backwards.is_empty() {
         return Ok(None);
     }
-    for f in &forwards {
-        let hints = [f.y, f.mean, f.var, f.inv_std].map(|v| format!("{}.fused", ir.name(v)));
-        let hints: Vec<&str> = hints.iter().map(String::as_str).collect();
-        let node = Builder::new(&mut ir, BodyId::MAIN, PASS).node(
-            BATCH_NORM_TRAIN,
-            DOMAIN,
-            &[Some(f.x), Some(f.scale), Some(f.bias)],
-            &hints,
-            vec![attr_float("epsilon", f.epsilon)],
-        );
-        for (slot, old) in [f.y, f.mean, f.var, f.inv_std].into_iter().enumerate() {
-            let new = ir.output(node, slot);
-            ir.replace_value(old, new);
-        }
-    }
+    // The backwards first: each reads its forward's mean and inv_std, values the forward's
+    // fusion then replaces, its readers with them; made after, a backward would read the
+    // values as matched, and keep the forward's standard ops alive for them.
     for b in &backwards {
         let hints = [b.dx, b.dscale, b.dbias].map(|v| format!("{}.fused", ir.name(v)));
         let hints: Vec<&str> = hints.iter().map(String::as_str).collect();
@@ -105,6 +93,21 @@ pub fn rewrite(model: &ModelProto) -> Result<Option<Rewritten>, super::PassError
             vec![],
         );
         for (slot, old) in [b.dx, b.dscale, b.dbias].into_iter().enumerate() {
+            let new = ir.output(node, slot);
+            ir.replace_value(old, new);
+        }
+    }
+    for f in &forwards {
+        let hints = [f.y, f.mean, f.var, f.inv_std].map(|v| format!("{}.fused", ir.name(v)));
+        let hints: Vec<&str> = hints.iter().map(String::as_str).collect();
+        let node = Builder::new(&mut ir, BodyId::MAIN, PASS).node(
+            BATCH_NORM_TRAIN,
+            DOMAIN,
+            &[Some(f.x), Some(f.scale), Some(f.bias)],
+            &hints,
+            vec![attr_float("epsilon", f.epsilon)],
+        );
+        for (slot, old) in [f.y, f.mean, f.var, f.inv_std].into_iter().enumerate() {
             let new = ir.output(node, slot);
             ir.replace_value(old, new);
         }
