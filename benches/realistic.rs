@@ -30,7 +30,8 @@
 //! Options: `--models dir` (default target/bench-realistic/models), `--work DIR` (default
 //! target/bench-realistic/work), `--only mlp,gpt`, `--threads 1,2`, `--k 4`, `--cell-ms 600`,
 //! `--rss-windows 4`, `--no-nchwc` (convolutions on the im2col kernels, for an A/B),
-//! `--no-fused-batch-norm` (BatchNorm in standard ops, for an A/B).
+//! `--no-fused-batch-norm` (BatchNorm in standard ops, for an A/B), `--no-fused-im2col`
+//! (the weight gradients' unfoldings as grouped convolutions, for an A/B).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -113,6 +114,7 @@ fn parse_opts() -> Result<Opts> {
             "--no-fused-batch-norm" => {
                 NO_FUSED_BN.store(true, std::sync::atomic::Ordering::Relaxed)
             }
+            "--no-fused-im2col" => NO_IM2COL.store(true, std::sync::atomic::Ordering::Relaxed),
             "--models" => o.models_dir = PathBuf::from(value("--models")?),
             "--work" => o.work = PathBuf::from(value("--work")?),
             "--only" => o.only = value("--only")?.split(',').map(String::from).collect(),
@@ -276,6 +278,9 @@ static NO_NCHWC: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::
 /// `--no-fused-batch-norm`: BatchNorm as the lowerings write it in every column, for an A/B
 /// of `SessionOptions::fused_batch_norm`.
 static NO_FUSED_BN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// `--no-fused-im2col`: the weight gradients' unfoldings as grouped convolutions, for an A/B
+/// of `SessionOptions::fused_im2col`.
+static NO_IM2COL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 fn session(threads: usize) -> SessionOptions {
     SessionOptions {
@@ -283,6 +288,7 @@ fn session(threads: usize) -> SessionOptions {
         optimize: true,
         nchwc_convs: !NO_NCHWC.load(std::sync::atomic::Ordering::Relaxed),
         fused_batch_norm: !NO_FUSED_BN.load(std::sync::atomic::Ordering::Relaxed),
+        fused_im2col: !NO_IM2COL.load(std::sync::atomic::Ordering::Relaxed),
         ..Default::default()
     }
 }

@@ -1,4 +1,4 @@
-//! onnx-ga's fused optimizer kernels (src/fused_ops.rs, swapped in by src/passes/fuse/ for
+//! onnx-ga's fused optimizer kernels (src/fused_ops/, swapped in by src/passes/fuse/ for
 //! ONNX Runtime on the CPU) against the standard-op updates they replace: the same step
 //! file trained with `fused_kernels` on and off must agree bit for bit, losses and every
 //! state tensor, over 8 windows: Adam and AdamW in both modes, ORT's, torch's and Keras'

@@ -111,6 +111,10 @@ pub struct SessionOptions {
     /// (`passes::fused_batch_norm`). Within float32 rounding of the standard ops, not
     /// bit-identical. Off runs them as written.
     pub fused_batch_norm: bool,
+    /// With `fused_kernels`, on the CPU: the weight gradients' unfoldings (`Conv` with
+    /// identity filters, `passes/legalize/conv_grad.rs`) on onnx-ga's `Im2Col` kernel
+    /// (`passes::fused_im2col`); bit-identical for finite values.
+    pub fused_im2col: bool,
     /// With `in_place_updates`: the smallest accumulator the trainer fuses and updates in
     /// place (`passes::fuse::accumulate::MIN_ELEMENTS` by default; 0 takes every one, which
     /// tests use to exercise in-place updates on small graphs).
@@ -136,6 +140,7 @@ impl Default for SessionOptions {
             memory_pattern: true,
             nchwc_convs: true,
             fused_batch_norm: true,
+            fused_im2col: true,
             in_place_min_elements: crate::passes::fuse::accumulate::MIN_ELEMENTS,
             in_place_min_total: crate::passes::fuse::in_place::MIN_SESSION_ELEMENTS,
         }
@@ -164,6 +169,8 @@ pub struct OrtSession {
     nchwc_convs: usize,
     /// See [`Self::fused_batch_norms`].
     fused_batch_norms: usize,
+    /// See [`Self::fused_unfoldings`].
+    fused_unfoldings: usize,
     /// Inputs of the model that nothing in it reads, left out of the session
     /// ([`without_unread_inputs`]); a run given them ignores them.
     unread_inputs: std::collections::HashSet<String>,
@@ -194,11 +201,23 @@ impl OrtSession {
             false => None,
         };
         let model = fused_bn.as_ref().map_or(model, |f| &f.model);
+        let unfolded = match options.fused_im2col
+            && options.fused_kernels
+            && options.device == Device::Cpu
+        {
+            true => crate::passes::fused_im2col::rewrite(model).map_err(|e| EngineError::Ort {
+                context: "putting the unfoldings on the fused kernel".into(),
+                message: e.to_string(),
+            })?,
+            false => None,
+        };
+        let model = unfolded.as_ref().map_or(model, |u| &u.model);
         let (pruned, unread) = without_unread_inputs(model);
         let bytes = crate::model::encode_model(pruned.as_ref().unwrap_or(model));
         let mut session = Self::from_bytes(&bytes, options)?;
         session.nchwc_convs = blocked.map_or(0, |b| b.convs);
         session.fused_batch_norms = fused_bn.map_or(0, |f| f.forward + f.backward);
+        session.fused_unfoldings = unfolded.map_or(0, |u| u.unfoldings);
         session.unread_inputs = unread;
         Ok(session)
     }
@@ -212,6 +231,12 @@ impl OrtSession {
     /// (`SessionOptions::fused_batch_norm`).
     pub fn fused_batch_norms(&self) -> usize {
         self.fused_batch_norms
+    }
+
+    /// Weight-gradient unfoldings this session runs on `Im2Col`
+    /// (`SessionOptions::fused_im2col`).
+    pub fn fused_unfoldings(&self) -> usize {
+        self.fused_unfoldings
     }
 
     pub fn from_bytes(bytes: &[u8], options: &SessionOptions) -> Result<OrtSession, EngineError> {
@@ -316,6 +341,7 @@ impl OrtSession {
             keep_input: None,
             nchwc_convs: 0,
             fused_batch_norms: 0,
+            fused_unfoldings: 0,
             unread_inputs: Default::default(),
         })
     }

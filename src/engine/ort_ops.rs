@@ -13,9 +13,9 @@ use ::ort::value::TensorElementType;
 
 use crate::fused_ops::{
     accumulate_grad, accumulate_slot, adamw_slot, adamw_update, batch_norm_grad_channel,
-    batch_norm_train_channel, sgd_slot, sgd_update, AdamWScalars, BatchNormLayout, ChannelStats,
-    Io, SgdIo, SgdScalars, ACCUMULATE_GRAD, ADAMW_UPDATE, BATCH_NORM_GRAD, BATCH_NORM_TRAIN,
-    DOMAIN, SGD_UPDATE,
+    batch_norm_train_channel, im2col_plane, sgd_slot, sgd_update, AdamWScalars, BatchNormLayout,
+    ChannelStats, Io, SgdIo, SgdScalars, Window2d, ACCUMULATE_GRAD, ADAMW_UPDATE, BATCH_NORM_GRAD,
+    BATCH_NORM_TRAIN, DOMAIN, IM2COL, SGD_UPDATE,
 };
 
 /// The domain with every fused operator, for a session builder.
@@ -25,7 +25,8 @@ pub fn domain() -> ::ort::Result<OperatorDomain> {
         .add(SgdUpdate)?
         .add(AccumulateGrad)?
         .add(BatchNormTrain)?
-        .add(BatchNormGrad)
+        .add(BatchNormGrad)?
+        .add(Im2Col)
 }
 
 /// Runs `make_session`, serialised with every other until one session with the fused
@@ -661,4 +662,101 @@ fn batch_norm_grad_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
     })?;
     write_vector(ctx, op, 1, &sums.iter().map(|s| s.0).collect::<Vec<f32>>())?;
     write_vector(ctx, op, 2, &sums.iter().map(|s| s.1).collect::<Vec<f32>>())
+}
+
+struct Im2Col;
+
+impl Operator for Im2Col {
+    type Kernel<'attr> = BoxedKernel<'attr>;
+
+    fn name(&self) -> &str {
+        IM2COL
+    }
+
+    fn inputs(&self) -> impl IntoIterator<Item = OperatorInput> {
+        [OperatorInput::required(TensorElementType::Float32)]
+    }
+
+    fn outputs(&self) -> impl IntoIterator<Item = OperatorOutput> {
+        [OperatorOutput::required(TensorElementType::Float32)]
+    }
+
+    fn create_kernel<'attr>(
+        &self,
+        kctx: &KernelContext<'attr>,
+    ) -> ::ort::Result<Self::Kernel<'attr>> {
+        let ints = |name: &str, len: usize| -> ::ort::Result<Vec<usize>> {
+            let values = kctx.get::<Vec<i64>>(name).unwrap_or_default();
+            let values: Option<Vec<usize>> =
+                values.iter().map(|&v| usize::try_from(v).ok()).collect();
+            values.filter(|v| v.len() == len).ok_or_else(|| {
+                ::ort::Error::new(format!("{IM2COL}: attribute '{name}' is not {len} sizes"))
+            })
+        };
+        let (k, s, p, d) = (
+            ints("kernel_shape", 2)?,
+            ints("strides", 2)?,
+            ints("pads", 4)?,
+            ints("dilations", 2)?,
+        );
+        let window = Window2d {
+            kernel: [k[0], k[1]],
+            strides: [s[0], s[1]],
+            pads: [p[0], p[1], p[2], p[3]],
+            dilations: [d[0], d[1]],
+        };
+        Ok(Box::new(move |ctx: &ComputeContext| {
+            im2col_kernel(ctx, &window)
+        }))
+    }
+}
+
+/// Image-channel planes per task of [`Im2Col`].
+const IM2COL_TASK_ELEMENTS: usize = 1 << 16;
+
+fn im2col_kernel(ctx: &ComputeContext, window: &Window2d) -> ::ort::Result<()> {
+    let x = tensor_input(ctx, IM2COL, 0)?;
+    let (shape, x) = x.try_extract_tensor::<f32>()?;
+    let dims: Option<Vec<usize>> = shape.iter().map(|&d| usize::try_from(d).ok()).collect();
+    let Some(&[n, c, h, w]) = dims.as_deref() else {
+        return Err(::ort::Error::new(format!(
+            "{IM2COL}: X has shape {shape:?}, not [N, C, H, W]"
+        )));
+    };
+    let [ho, wo] = window.output([h, w]).ok_or_else(|| {
+        ::ort::Error::new(format!(
+            "{IM2COL}: the window {window:?} does not fit X {shape:?}"
+        ))
+    })?;
+    let taps = window.taps();
+    let out_shape = vec![n as i64, (c * taps) as i64, ho as i64, wo as i64];
+    let mut out = ctx
+        .output(0, out_shape)?
+        .ok_or_else(|| ::ort::Error::new(format!("{IM2COL}: output 0 missing")))?;
+    let out = out.try_extract_tensor_mut::<f32>()?.1;
+    let (in_plane, out_block) = (h * w, taps * ho * wo);
+    if in_plane == 0 || out_block == 0 {
+        return Ok(());
+    }
+    // Whole (image, channel) blocks per task.
+    let per_task = (IM2COL_TASK_ELEMENTS / out_block).max(1);
+    let tasks: Vec<Mutex<Option<&mut [f32]>>> = out
+        .chunks_mut(per_task * out_block)
+        .map(|chunk| Mutex::new(Some(chunk)))
+        .collect();
+    let run = |t: usize| {
+        let Ok(Some(chunk)) = tasks[t].lock().map(|mut c| c.take()) else {
+            return;
+        };
+        for (k, block) in chunk.chunks_mut(out_block).enumerate() {
+            let plane = t * per_task + k;
+            let src = &x[plane * in_plane..(plane + 1) * in_plane];
+            im2col_plane(window, src, [h, w], block);
+        }
+    };
+    match tasks.len() {
+        1 => run(0),
+        count => ctx.par_for(count, 0, run)?,
+    }
+    Ok(())
 }

@@ -13,6 +13,7 @@ pub mod autodiff;
 pub mod dce;
 pub mod fuse;
 pub mod fused_batch_norm;
+pub mod fused_im2col;
 pub mod grad_accum;
 pub mod legalize;
 pub mod legalize_training;
