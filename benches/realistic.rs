@@ -31,7 +31,8 @@
 //! target/bench-realistic/work), `--only mlp,gpt`, `--threads 1,2`, `--k 4`, `--cell-ms 600`,
 //! `--rss-windows 4`, `--no-nchwc` (convolutions on the im2col kernels, for an A/B),
 //! `--no-fused-batch-norm` (BatchNorm in standard ops, for an A/B), `--no-fused-im2col`
-//! (the weight gradients' unfoldings as grouped convolutions, for an A/B).
+//! (the weight gradients' unfoldings as grouped convolutions, for an A/B),
+//! `--no-fused-relu-grad` (the ReLU gradients in standard ops, for an A/B).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -115,6 +116,9 @@ fn parse_opts() -> Result<Opts> {
                 NO_FUSED_BN.store(true, std::sync::atomic::Ordering::Relaxed)
             }
             "--no-fused-im2col" => NO_IM2COL.store(true, std::sync::atomic::Ordering::Relaxed),
+            "--no-fused-relu-grad" => {
+                NO_RELU_GRAD.store(true, std::sync::atomic::Ordering::Relaxed)
+            }
             "--models" => o.models_dir = PathBuf::from(value("--models")?),
             "--work" => o.work = PathBuf::from(value("--work")?),
             "--only" => o.only = value("--only")?.split(',').map(String::from).collect(),
@@ -281,6 +285,9 @@ static NO_FUSED_BN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBoo
 /// `--no-fused-im2col`: the weight gradients' unfoldings as grouped convolutions, for an A/B
 /// of `SessionOptions::fused_im2col`.
 static NO_IM2COL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// `--no-fused-relu-grad`: the ReLU gradients in standard ops, for an A/B of
+/// `SessionOptions::fused_relu_grad`.
+static NO_RELU_GRAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 fn session(threads: usize) -> SessionOptions {
     SessionOptions {
@@ -289,6 +296,7 @@ fn session(threads: usize) -> SessionOptions {
         nchwc_convs: !NO_NCHWC.load(std::sync::atomic::Ordering::Relaxed),
         fused_batch_norm: !NO_FUSED_BN.load(std::sync::atomic::Ordering::Relaxed),
         fused_im2col: !NO_IM2COL.load(std::sync::atomic::Ordering::Relaxed),
+        fused_relu_grad: !NO_RELU_GRAD.load(std::sync::atomic::Ordering::Relaxed),
         ..Default::default()
     }
 }

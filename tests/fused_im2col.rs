@@ -147,6 +147,12 @@ fn a_step_trains_bit_identically_on_the_kernel() {
     let session = OrtSession::new(&step, &options(true)).unwrap();
     assert_eq!(session.fused_unfoldings(), 5);
     drop(session);
+    trains_bit_identically(&step, options);
+}
+
+/// `step` trained 8 windows with `options(true)` and `options(false)`, on one thread and
+/// two: the same losses and states, bit for bit.
+pub(crate) fn trains_bit_identically(step: &ModelProto, options: fn(bool) -> SessionOptions) {
     let n = 16;
     let data = BTreeMap::from([
         ("x".to_string(), tensor(&[n, 16, 16, 16], 5)),
@@ -167,7 +173,7 @@ fn a_step_trains_bit_identically_on_the_kernel() {
                 },
                 ..TrainOptions::default()
             };
-            Trainer::with_options(&step, &options).unwrap()
+            Trainer::with_options(step, &options).unwrap()
         };
         let (mut fused, mut plain) = (trainer(true), trainer(false));
         for i in 0..32 {
@@ -186,7 +192,8 @@ fn a_step_trains_bit_identically_on_the_kernel() {
     }
 }
 
-fn residual_step() -> ModelProto {
+/// A residual network (x: n x 16 x 16 x 16) with AdamW behind AGC.
+pub(crate) fn residual_step() -> ModelProto {
     let text = r#"<ir_version: 8, opset_import: ["" : 17]>
 resnet (float[N,16,16,16] x, int64[N] labels) => (float loss)
 {

@@ -29,6 +29,7 @@ mod first_hour;
 mod fused_batch_norm;
 mod fused_im2col;
 mod fused_kernels;
+mod fused_relu_grad;
 mod generated_files;
 mod generated_flatbuffers;
 mod hostile_input;

@@ -115,6 +115,10 @@ pub struct SessionOptions {
     /// identity filters, `passes/legalize/conv_grad.rs`) on onnx-ga's `Im2Col` kernel
     /// (`passes::fused_im2col`); bit-identical for finite values.
     pub fused_im2col: bool,
+    /// With `fused_kernels`, on the CPU: the ReLU gradients (`Mul(dY, Cast(Greater(Y, 0)))`,
+    /// `passes/legalize/relu_grad.rs`) on onnx-ga's `ReluGrad` kernel, one pass instead of
+    /// three (`passes::fused_relu_grad`); bit-identical.
+    pub fused_relu_grad: bool,
     /// With `in_place_updates`: the smallest accumulator the trainer fuses and updates in
     /// place (`passes::fuse::accumulate::MIN_ELEMENTS` by default; 0 takes every one, which
     /// tests use to exercise in-place updates on small graphs).
@@ -141,6 +145,7 @@ impl Default for SessionOptions {
             nchwc_convs: true,
             fused_batch_norm: true,
             fused_im2col: true,
+            fused_relu_grad: true,
             in_place_min_elements: crate::passes::fuse::accumulate::MIN_ELEMENTS,
             in_place_min_total: crate::passes::fuse::in_place::MIN_SESSION_ELEMENTS,
         }
@@ -171,6 +176,8 @@ pub struct OrtSession {
     fused_batch_norms: usize,
     /// See [`Self::fused_unfoldings`].
     fused_unfoldings: usize,
+    /// See [`Self::fused_relu_grads`].
+    fused_relu_grads: usize,
     /// Inputs of the model that nothing in it reads, left out of the session
     /// ([`without_unread_inputs`]); a run given them ignores them.
     unread_inputs: std::collections::HashSet<String>,
@@ -212,12 +219,25 @@ impl OrtSession {
             false => None,
         };
         let model = unfolded.as_ref().map_or(model, |u| &u.model);
+        let relu_grads =
+            match options.fused_relu_grad && options.fused_kernels && options.device == Device::Cpu
+            {
+                true => crate::passes::fused_relu_grad::rewrite(model).map_err(|e| {
+                    EngineError::Ort {
+                        context: "putting the ReLU gradients on the fused kernel".into(),
+                        message: e.to_string(),
+                    }
+                })?,
+                false => None,
+            };
+        let model = relu_grads.as_ref().map_or(model, |r| &r.model);
         let (pruned, unread) = without_unread_inputs(model);
         let bytes = crate::model::encode_model(pruned.as_ref().unwrap_or(model));
         let mut session = Self::from_bytes(&bytes, options)?;
         session.nchwc_convs = blocked.map_or(0, |b| b.convs);
         session.fused_batch_norms = fused_bn.map_or(0, |f| f.forward + f.backward);
         session.fused_unfoldings = unfolded.map_or(0, |u| u.unfoldings);
+        session.fused_relu_grads = relu_grads.map_or(0, |r| r.relu_grads);
         session.unread_inputs = unread;
         Ok(session)
     }
@@ -237,6 +257,11 @@ impl OrtSession {
     /// (`SessionOptions::fused_im2col`).
     pub fn fused_unfoldings(&self) -> usize {
         self.fused_unfoldings
+    }
+
+    /// ReLU gradients this session runs on `ReluGrad` (`SessionOptions::fused_relu_grad`).
+    pub fn fused_relu_grads(&self) -> usize {
+        self.fused_relu_grads
     }
 
     pub fn from_bytes(bytes: &[u8], options: &SessionOptions) -> Result<OrtSession, EngineError> {
@@ -342,6 +367,7 @@ impl OrtSession {
             nchwc_convs: 0,
             fused_batch_norms: 0,
             fused_unfoldings: 0,
+            fused_relu_grads: 0,
             unread_inputs: Default::default(),
         })
     }

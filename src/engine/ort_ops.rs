@@ -13,9 +13,9 @@ use ::ort::value::TensorElementType;
 
 use crate::fused_ops::{
     accumulate_grad, accumulate_slot, adamw_slot, adamw_update, batch_norm_grad_channel,
-    batch_norm_train_channel, im2col_plane, sgd_slot, sgd_update, AdamWScalars, BatchNormLayout,
-    ChannelStats, Io, SgdIo, SgdScalars, Window2d, ACCUMULATE_GRAD, ADAMW_UPDATE, BATCH_NORM_GRAD,
-    BATCH_NORM_TRAIN, DOMAIN, IM2COL, SGD_UPDATE,
+    batch_norm_train_channel, im2col_plane, relu_grad, sgd_slot, sgd_update, AdamWScalars,
+    BatchNormLayout, ChannelStats, Io, SgdIo, SgdScalars, Window2d, ACCUMULATE_GRAD, ADAMW_UPDATE,
+    BATCH_NORM_GRAD, BATCH_NORM_TRAIN, DOMAIN, IM2COL, RELU_GRAD, SGD_UPDATE,
 };
 
 /// The domain with every fused operator, for a session builder.
@@ -26,7 +26,8 @@ pub fn domain() -> ::ort::Result<OperatorDomain> {
         .add(AccumulateGrad)?
         .add(BatchNormTrain)?
         .add(BatchNormGrad)?
-        .add(Im2Col)
+        .add(Im2Col)?
+        .add(ReluGrad)
 }
 
 /// Runs `make_session`, serialised with every other until one session with the fused
@@ -447,6 +448,13 @@ fn accumulate_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
     )
 }
 
+/// `ty` has a known rank. ort reports a tensor of unknown rank with no dimensions, which
+/// set as an output would declare a scalar: outputs like such an input are left to the
+/// kernel (none of these operators has a scalar tensor input).
+fn known_rank(ty: &::ort::value::ValueType) -> bool {
+    matches!(ty, ::ort::value::ValueType::Tensor { shape, .. } if !shape.is_empty())
+}
+
 struct BatchNormTrain;
 
 impl Operator for BatchNormTrain {
@@ -466,9 +474,13 @@ impl Operator for BatchNormTrain {
 
     fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
         let (x, scale) = (ctx.inputs()[0].clone(), ctx.inputs()[1].clone());
-        ctx.set_output(0, &x)?;
-        for slot in 1..4 {
-            ctx.set_output(slot, &scale)?;
+        if known_rank(&x) {
+            ctx.set_output(0, &x)?;
+        }
+        if known_rank(&scale) {
+            for slot in 1..4 {
+                ctx.set_output(slot, &scale)?;
+            }
         }
         Ok(())
     }
@@ -628,9 +640,14 @@ impl Operator for BatchNormGrad {
 
     fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
         let (x, scale) = (ctx.inputs()[1].clone(), ctx.inputs()[2].clone());
-        ctx.set_output(0, &x)?;
-        ctx.set_output(1, &scale)?;
-        ctx.set_output(2, &scale)
+        if known_rank(&x) {
+            ctx.set_output(0, &x)?;
+        }
+        if known_rank(&scale) {
+            ctx.set_output(1, &scale)?;
+            ctx.set_output(2, &scale)?;
+        }
+        Ok(())
     }
 
     fn create_kernel<'attr>(&self, _: &KernelContext<'attr>) -> ::ort::Result<Self::Kernel<'attr>> {
@@ -757,6 +774,104 @@ fn im2col_kernel(ctx: &ComputeContext, window: &Window2d) -> ::ort::Result<()> {
     match tasks.len() {
         1 => run(0),
         count => ctx.par_for(count, 0, run)?,
+    }
+    Ok(())
+}
+
+struct ReluGrad;
+
+impl Operator for ReluGrad {
+    type Kernel<'attr> = BoxedKernel<'attr>;
+
+    fn name(&self) -> &str {
+        RELU_GRAD
+    }
+
+    fn inputs(&self) -> impl IntoIterator<Item = OperatorInput> {
+        [(); 2].map(|_| OperatorInput::required(TensorElementType::Float32))
+    }
+
+    fn outputs(&self) -> impl IntoIterator<Item = OperatorOutput> {
+        [OperatorOutput::required(TensorElementType::Float32)]
+    }
+
+    /// dY's shape when Y's is the same (a ReLU's gradient); where they broadcast, or are
+    /// unknown, the kernel says.
+    fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
+        let inputs = ctx.inputs();
+        match inputs.as_slice() {
+            [dy, y] if known_rank(dy) && dy == y => ctx.set_output(0, dy),
+            _ => Ok(()),
+        }
+    }
+
+    fn create_kernel<'attr>(&self, _: &KernelContext<'attr>) -> ::ort::Result<Self::Kernel<'attr>> {
+        Ok(Box::new(|ctx: &ComputeContext| relu_grad_kernel(ctx)))
+    }
+}
+
+fn relu_grad_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
+    let (dy, y) = (
+        tensor_input(ctx, RELU_GRAD, 0)?,
+        tensor_input(ctx, RELU_GRAD, 1)?,
+    );
+    let (shape, dy) = dy.try_extract_tensor::<f32>()?;
+    let (y_shape, y) = y.try_extract_tensor::<f32>()?;
+    if shape != y_shape {
+        return relu_grad_broadcast(ctx, (shape, dy), (y_shape, y));
+    }
+    let mut dx = ctx
+        .output(0, shape.to_vec())?
+        .ok_or_else(|| ::ort::Error::new(format!("{RELU_GRAD}: output 0 missing")))?;
+    let dx = dx.try_extract_tensor_mut::<f32>()?.1;
+    let len = dx.len();
+    in_chunks(ctx, len, dx.chunks_mut(CHUNK), |range, out| {
+        relu_grad(&dy[range.clone()], &y[range], out)
+    })
+}
+
+/// [`ReluGrad`] of operands of different shapes, broadcast as the `Mul` it replaced
+/// broadcasts them (ONNX's rules are numpy's, as ndarray's). A ReLU's own gradient never
+/// gets here; a mask a model makes of another tensor may.
+fn relu_grad_broadcast(
+    ctx: &ComputeContext,
+    (dy_shape, dy): (&::ort::value::Shape, &[f32]),
+    (y_shape, y): (&::ort::value::Shape, &[f32]),
+) -> ::ort::Result<()> {
+    let view = |shape: &::ort::value::Shape, data: &[f32]| {
+        let dims: Vec<usize> = shape.iter().map(|&d| d.max(0) as usize).collect();
+        ndarray::ArrayViewD::from_shape(dims, data)
+            .map(|v| v.to_owned())
+            .map_err(|e| ::ort::Error::new(format!("{RELU_GRAD}: {e}")))
+    };
+    let (dy, y) = (view(dy_shape, dy)?, view(y_shape, y)?);
+    let mask = y.mapv(|v| if v > 0.0 { 1.0f32 } else { 0.0 });
+    // numpy's rule, axes aligned at the end: equal, or one of them 1.
+    let rank = dy.ndim().max(mask.ndim());
+    let dim = |a: &ndarray::ArrayD<f32>, k: usize| {
+        (k + a.ndim()).checked_sub(rank).map_or(1, |i| a.shape()[i])
+    };
+    let target: Option<Vec<usize>> = (0..rank)
+        .map(|k| match (dim(&dy, k), dim(&mask, k)) {
+            (p, q) if p == q || q == 1 => Some(p),
+            (1, q) => Some(q),
+            _ => None,
+        })
+        .collect();
+    let broadcast = target.and_then(|t| Some((dy.broadcast(t.clone())?, mask.broadcast(t)?)));
+    let Some((dy, mask)) = broadcast else {
+        return Err(::ort::Error::new(format!(
+            "{RELU_GRAD}: dY {dy_shape:?} and Y {y_shape:?} do not broadcast"
+        )));
+    };
+    let dx = ndarray::Zip::from(&dy).and(&mask).map_collect(|g, m| g * m);
+    let out_shape: Vec<i64> = dx.shape().iter().map(|&d| d as i64).collect();
+    let mut out = ctx
+        .output(0, out_shape)?
+        .ok_or_else(|| ::ort::Error::new(format!("{RELU_GRAD}: output 0 missing")))?;
+    let out = out.try_extract_tensor_mut::<f32>()?.1;
+    for (o, v) in out.iter_mut().zip(dx.iter()) {
+        *o = *v;
     }
     Ok(())
 }

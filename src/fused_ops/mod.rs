@@ -116,11 +116,13 @@ macro_rules! with_widest_vectors {
 
 mod batch_norm;
 mod im2col;
+mod relu_grad;
 pub use batch_norm::{
     batch_norm_grad_channel, batch_norm_train_channel, BatchNormLayout, ChannelStats,
     BATCH_NORM_GRAD, BATCH_NORM_TRAIN,
 };
 pub use im2col::{im2col_plane, Window2d, IM2COL};
+pub use relu_grad::{relu_grad, RELU_GRAD};
 
 /// Where an update reads the state it updates (parameter, moments, buffer) and writes its
 /// next value: separate buffers, or one buffer per state updated in place (the session bound

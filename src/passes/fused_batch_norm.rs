@@ -35,7 +35,7 @@
 //! the update that reads its gradient ([`super::fuse::in_place`]).
 
 use super::autodiff::shapes::{constant_ints, constant_tensor, Shapes};
-use crate::fused_ops::{BATCH_NORM_GRAD, BATCH_NORM_TRAIN, DOMAIN, DOMAIN_VERSION};
+use crate::fused_ops::{BATCH_NORM_GRAD, BATCH_NORM_TRAIN, DOMAIN};
 use crate::ir::builder::{attr_float, Builder, NodeAttributes};
 use crate::ir::{normalize_domain, BodyId, Model, NodeId, ValueId};
 use crate::proto::{tensor_proto::DataType, ModelProto};
@@ -112,14 +112,8 @@ pub fn rewrite(model: &ModelProto) -> Result<Option<Rewritten>, super::PassError
             ir.replace_value(old, new);
         }
     }
-    ir.require_opset(DOMAIN, DOMAIN_VERSION);
-    super::dce::eliminate_dead_code(&mut ir);
-    crate::ir::verify::verify(&ir).map_err(|errors| super::PassError::Verify {
-        pass: PASS.into(),
-        errors,
-    })?;
     Ok(Some(Rewritten {
-        model: ir.to_proto(),
+        model: super::finish_in_memory(ir, PASS)?,
         forward: forwards.len(),
         backward: backwards.len(),
     }))

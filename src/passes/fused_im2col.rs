@@ -14,7 +14,7 @@
 //! Bit-identical for finite inputs (see `fused_ops::im2col`).
 
 use super::autodiff::shapes::{constant_ints, constant_tensor, Shapes};
-use crate::fused_ops::{DOMAIN, DOMAIN_VERSION, IM2COL};
+use crate::fused_ops::{DOMAIN, IM2COL};
 use crate::ir::builder::{attr_ints, Builder, NodeAttributes};
 use crate::ir::{normalize_domain, BodyId, Model, NodeId, ValueId};
 use crate::proto::{tensor_proto::DataType, ModelProto};
@@ -66,14 +66,8 @@ pub fn rewrite(model: &ModelProto) -> Result<Option<Rewritten>, super::PassError
         let fused = ir.output(node, 0);
         ir.replace_value(cols, fused);
     }
-    ir.require_opset(DOMAIN, DOMAIN_VERSION);
-    super::dce::eliminate_dead_code(&mut ir);
-    crate::ir::verify::verify(&ir).map_err(|errors| super::PassError::Verify {
-        pass: PASS.into(),
-        errors,
-    })?;
     Ok(Some(Rewritten {
-        model: ir.to_proto(),
+        model: super::finish_in_memory(ir, PASS)?,
         unfoldings: found.len(),
     }))
 }

@@ -14,6 +14,7 @@ pub mod dce;
 pub mod fuse;
 pub mod fused_batch_norm;
 pub mod fused_im2col;
+pub mod fused_relu_grad;
 pub mod grad_accum;
 pub mod legalize;
 pub mod legalize_training;
@@ -27,6 +28,22 @@ pub mod window;
 
 use std::collections::BTreeMap;
 use std::fmt;
+
+/// The end of a session's in-memory rewrite onto onnx-ga's fused kernels
+/// ([`fused_batch_norm`], [`fused_im2col`], [`fused_relu_grad`]): the fused domain
+/// required, the replaced nodes removed, the graph verified.
+pub(crate) fn finish_in_memory(
+    mut ir: Model,
+    pass: &str,
+) -> Result<crate::proto::ModelProto, PassError> {
+    ir.require_opset(crate::fused_ops::DOMAIN, crate::fused_ops::DOMAIN_VERSION);
+    dce::eliminate_dead_code(&mut ir);
+    verify::verify(&ir).map_err(|errors| PassError::Verify {
+        pass: pass.into(),
+        errors,
+    })?;
+    Ok(ir.to_proto())
+}
 
 use crate::checkpoint::Checkpoint;
 use crate::ir::{verify, Model};
