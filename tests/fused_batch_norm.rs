@@ -25,9 +25,8 @@ fn options(fused: bool) -> SessionOptions {
 
 /// Deterministic values around `offset`, spread about ±0.5.
 fn values(n: usize, seed: usize, offset: f32) -> Vec<f32> {
-    (0..n)
-        .map(|i| offset + (((i * 7919 + seed * 104729) % 2001) as f32 / 1000.0 - 1.0) * 0.5)
-        .collect()
+    let spread = crate::common::pattern(n, seed);
+    spread.into_iter().map(|v| offset + v).collect()
 }
 
 fn tensor(dims: &[usize], seed: usize, offset: f32) -> Tensor {
@@ -347,12 +346,7 @@ fn a_network_with_batch_norm_trains_on_the_fused_kernels_within_rounding() {
         ("optimizer(kind=adam,lr=0.01)", 1e-6, 1e-5),
         ("optimizer(kind=adamw,lr=0.01)", 1e-6, 1e-5),
     ];
-    let arounds = [
-        "grad-accum(steps=4)",
-        "grad-accum(steps=4),agc(clip=0.01,include_final=true)",
-        "grad-accum(steps=4),loss-scale(init=1024,interval=2)",
-        "grad-accum(steps=4,normalize=weighted)",
-    ];
+    let arounds = crate::common::AROUNDS;
     for (optimizer, losses, states) in optimizers {
         for around in arounds {
             let middle = format!("{around},{optimizer}");
@@ -476,25 +470,7 @@ fn train_two(step: &ModelProto, what: &str, threads: usize) -> (f64, f64) {
         loss = loss.max(((x.loss as f64 - y.loss as f64) / y.loss as f64).abs());
     }
     let (a, b) = (left.state().unwrap(), right.state().unwrap());
-    let mut worst = (0f64, String::new());
-    for (name, value) in b {
-        let (Tensor::F32(a), Tensor::F32(b)) = (&a[name], value) else {
-            assert_eq!(&a[name], value, "{what}: state '{name}'");
-            continue;
-        };
-        let largest = b
-            .iter()
-            .fold(0f32, |m, v| m.max(v.abs()))
-            .max(f32::MIN_POSITIVE);
-        let r = a
-            .iter()
-            .zip(b)
-            .fold(0f64, |m, (a, b)| m.max((*a as f64 - *b as f64).abs()))
-            / largest as f64;
-        if r > worst.0 {
-            worst = (r, name.clone());
-        }
-    }
+    let worst = crate::common::worst_state_gap(what, a, b);
     eprintln!(
         "{what}: losses {loss:e} apart at most; states {:e} after 8 windows ({})",
         worst.0, worst.1

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use crate::common::ort_available;
+use crate::nchwc_conv::{residual_data, residual_step};
 use onnx_ga::data::Tensor;
 use onnx_ga::engine::ort::{OrtSession, SessionOptions};
 use onnx_ga::proto::ModelProto;
@@ -21,16 +22,7 @@ fn options(fused: bool) -> SessionOptions {
     }
 }
 
-fn values(n: usize, seed: usize) -> Vec<f32> {
-    (0..n)
-        .map(|i| (((i * 7919 + seed * 104729) % 2001) as f32 / 1000.0 - 1.0) * 0.5)
-        .collect()
-}
-
-fn tensor(dims: &[usize], seed: usize) -> Tensor {
-    let n = dims.iter().product();
-    Tensor::F32(ndarray::ArrayD::from_shape_vec(dims.to_vec(), values(n, seed)).unwrap())
-}
+use crate::common::{pattern as values, pattern_tensor as tensor};
 
 /// `loss = Σ Conv(x, w) · r` with the attributes given, through our autodiff: the gradient
 /// graph, whose dW unfolds x.
@@ -134,6 +126,10 @@ fn unfoldings_on_the_kernel_give_the_same_bits() {
     }
 }
 
+/// The middle of the residual step these tests train: AdamW behind AGC.
+pub(crate) const AGC_ADAMW: &str =
+    "grad-accum(steps=4),agc(clip=0.01,include_final=true),optimizer(kind=adamw,lr=0.01)";
+
 /// A residual network trained 8 windows with AdamW behind AGC: bit for bit as with the
 /// grouped convolutions, on one thread and two.
 #[test]
@@ -141,7 +137,7 @@ fn a_step_trains_bit_identically_on_the_kernel() {
     if !ort_available() {
         return;
     }
-    let step = residual_step();
+    let step = residual_step(AGC_ADAMW);
     // The first two convolutions' weight gradients each unfold two halves of 16 channels,
     // the strided one's its whole input.
     let session = OrtSession::new(&step, &options(true)).unwrap();
@@ -154,16 +150,7 @@ fn a_step_trains_bit_identically_on_the_kernel() {
 /// two: the same losses and states, bit for bit.
 pub(crate) fn trains_bit_identically(step: &ModelProto, options: fn(bool) -> SessionOptions) {
     let n = 16;
-    let data = BTreeMap::from([
-        ("x".to_string(), tensor(&[n, 16, 16, 16], 5)),
-        (
-            "labels".to_string(),
-            Tensor::I64(
-                ndarray::ArrayD::from_shape_vec(vec![n], (0..n as i64).map(|i| i % 10).collect())
-                    .unwrap(),
-            ),
-        ),
-    ]);
+    let data = residual_data(n);
     for threads in [1, 2] {
         let trainer = |fused: bool| {
             let options = TrainOptions {
@@ -190,48 +177,4 @@ pub(crate) fn trains_bit_identically(step: &ModelProto, options: fn(bool) -> Ses
             "{threads} thread(s)"
         );
     }
-}
-
-/// A residual network (x: n x 16 x 16 x 16) with AdamW behind AGC.
-pub(crate) fn residual_step() -> ModelProto {
-    let text = r#"<ir_version: 8, opset_import: ["" : 17]>
-resnet (float[N,16,16,16] x, int64[N] labels) => (float loss)
-{
-  c1 = Conv <pads = [1,1,1,1]> (x, w1, b1)
-  r1 = Relu (c1)
-  c2 = Conv <pads = [1,1,1,1]> (r1, w2, b2)
-  s = Add (c2, x)
-  r2 = Relu (s)
-  c3 = Conv <pads = [1,1,1,1], strides = [2,2]> (r2, w3, b3)
-  r3 = Relu (c3)
-  p = GlobalAveragePool (r3)
-  f = Flatten (p)
-  logits = Gemm <transB = 1> (f, wf, bf)
-  loss = SoftmaxCrossEntropyLoss <reduction = "mean"> (logits, labels)
-}
-"#;
-    let mut model = onnx_ga::ir::text::parse_model(text).unwrap();
-    let graph = model.graph.as_mut().unwrap();
-    let mut add = |name: &str, dims: &[i64], seed: usize, scale: f32| {
-        let n: i64 = dims.iter().product();
-        let v: Vec<f32> = values(n as usize, seed).iter().map(|v| v * scale).collect();
-        let mut t = onnx_ga::ir::builder::tensor_f32(dims, &v);
-        t.name = Some(name.into());
-        graph.initializer.push(t);
-    };
-    add("w1", &[16, 16, 3, 3], 11, 0.2);
-    add("b1", &[16], 12, 0.1);
-    add("w2", &[16, 16, 3, 3], 13, 0.2);
-    add("b2", &[16], 14, 0.1);
-    add("w3", &[32, 16, 3, 3], 15, 0.2);
-    add("b3", &[32], 16, 0.1);
-    add("wf", &[10, 32], 17, 0.5);
-    add("bf", &[10], 18, 0.1);
-    let mut forward = onnx_ga::signature::forward(model, Path::new("resnet.onnx"));
-    forward.signature.loss = "loss".into();
-    let spec = "autodiff(loss=loss,grads=internal),grad-accum(steps=4),agc(clip=0.01,include_final=true),optimizer(kind=adamw,lr=0.01),legalize-ort,dce";
-    onnx_ga::step::build_step(forward, spec, true)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .model
-        .to_proto()
 }

@@ -8,7 +8,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use crate::common::ort_available;
-use crate::fused_im2col::{residual_step, trains_bit_identically};
+use crate::fused_im2col::{trains_bit_identically, AGC_ADAMW};
+use crate::nchwc_conv::residual_step;
 use onnx_ga::data::Tensor;
 use onnx_ga::engine::ort::{OrtSession, SessionOptions};
 use onnx_ga::proto::ModelProto;
@@ -20,13 +21,7 @@ fn options(fused: bool) -> SessionOptions {
     }
 }
 
-fn tensor(dims: &[usize], seed: usize) -> Tensor {
-    let n: usize = dims.iter().product();
-    let v = (0..n)
-        .map(|i| (((i * 7919 + seed * 104729) % 2001) as f32 / 1000.0 - 1.0) * 0.5)
-        .collect();
-    Tensor::F32(ndarray::ArrayD::from_shape_vec(dims.to_vec(), v).unwrap())
-}
+use crate::common::pattern_tensor as tensor;
 
 /// `body` between `x`, `r` (both of `shape`) and the loss, through our autodiff with p
 /// (of `p_dims`) the parameter.
@@ -119,7 +114,7 @@ fn a_step_trains_bit_identically_on_the_kernel() {
     if !ort_available() {
         return;
     }
-    let step = residual_step();
+    let step = residual_step(AGC_ADAMW);
     // The three ReLUs' gradients (the last one's too: the pool's gradient reaches it).
     assert_eq!(
         OrtSession::new(&step, &options(true))

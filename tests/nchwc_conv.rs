@@ -31,16 +31,7 @@ fn block() -> Option<i64> {
     block
 }
 
-fn values(n: usize, seed: usize) -> Vec<f32> {
-    (0..n)
-        .map(|i| (((i * 7919 + seed * 104729) % 2001) as f32 / 1000.0 - 1.0) * 0.5)
-        .collect()
-}
-
-fn tensor(dims: &[usize], seed: usize) -> Tensor {
-    let n = dims.iter().product();
-    Tensor::F32(ndarray::ArrayD::from_shape_vec(dims.to_vec(), values(n, seed)).unwrap())
-}
+use crate::common::{pattern as values, pattern_tensor as tensor};
 
 /// One convolution's geometry, as the ONNX attributes say it.
 struct Case {
@@ -387,12 +378,7 @@ fn a_residual_network_trains_on_the_blocked_kernels_within_rounding() {
         ("optimizer(kind=adam,lr=0.01)", 1e-5, 1e-4),
         ("optimizer(kind=adamw,lr=0.01)", 1e-5, 1e-4),
     ];
-    let arounds = [
-        "grad-accum(steps=4)",
-        "grad-accum(steps=4),agc(clip=0.01,include_final=true)",
-        "grad-accum(steps=4),loss-scale(init=1024,interval=2)",
-        "grad-accum(steps=4,normalize=weighted)",
-    ];
+    let arounds = crate::common::AROUNDS;
     let (blocked, plain) = (Run::BLOCKED, Run::PLAIN);
     for (optimizer, losses, states) in optimizers {
         for around in arounds {
@@ -482,25 +468,7 @@ fn train_two(step: &ModelProto, what: &str, a: Run, b: Run) -> (f64, f64) {
         loss = loss.max(((x.loss as f64 - y.loss as f64) / y.loss as f64).abs());
     }
     let (a, b) = (left.state().unwrap(), right.state().unwrap());
-    let mut worst = (0f64, String::new());
-    for (name, value) in b {
-        let (Tensor::F32(a), Tensor::F32(b)) = (&a[name], value) else {
-            assert_eq!(&a[name], value, "{what}: state '{name}'");
-            continue;
-        };
-        let largest = b
-            .iter()
-            .fold(0f32, |m, v| m.max(v.abs()))
-            .max(f32::MIN_POSITIVE);
-        let r = a
-            .iter()
-            .zip(b)
-            .fold(0f64, |m, (a, b)| m.max((*a as f64 - *b as f64).abs()))
-            / largest as f64;
-        if r > worst.0 {
-            worst = (r, name.clone());
-        }
-    }
+    let worst = crate::common::worst_state_gap(what, a, b);
     eprintln!(
         "{what}: losses {loss:e} apart at most; states {:e} after 8 windows ({})",
         worst.0, worst.1
@@ -590,7 +558,7 @@ fn two_threads_train_the_blocked_kernels_bit_identically() {
 }
 
 /// `n` samples for [`residual_step`]: x (n x 16 x 32 x 32) and labels cycling through 10.
-fn residual_data(n: usize) -> BTreeMap<String, Tensor> {
+pub(crate) fn residual_data(n: usize) -> BTreeMap<String, Tensor> {
     BTreeMap::from([
         ("x".to_string(), tensor(&[n, 16, 32, 32], 5)),
         (
@@ -605,7 +573,7 @@ fn residual_data(n: usize) -> BTreeMap<String, Tensor> {
 
 /// [`residual_step`]'s forward model through our autodiff and `middle` (grad-accum and the
 /// optimizer, with what surrounds them).
-fn residual_step(middle: &str) -> ModelProto {
+pub(crate) fn residual_step(middle: &str) -> ModelProto {
     let text = r#"<ir_version: 8, opset_import: ["" : 17]>
 resnet (float[N,16,32,32] x, int64[N] labels) => (float loss)
 {

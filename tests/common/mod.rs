@@ -249,3 +249,54 @@ pub fn empty_model(opset: i64) -> onnx_ga::ir::Model {
         ..Default::default()
     })
 }
+
+/// The largest difference between two trainers' states, each tensor's over its largest
+/// magnitude in `b`, and the tensor's name; states that are not float32 must be equal.
+pub fn worst_state_gap(
+    what: &str,
+    a: &BTreeMap<String, Tensor>,
+    b: &BTreeMap<String, Tensor>,
+) -> (f64, String) {
+    let mut worst = (0f64, String::new());
+    for (name, value) in b {
+        let (Tensor::F32(a), Tensor::F32(b)) = (&a[name], value) else {
+            assert_eq!(&a[name], value, "{what}: state '{name}'");
+            continue;
+        };
+        let largest = b
+            .iter()
+            .fold(0f32, |m, v| m.max(v.abs()))
+            .max(f32::MIN_POSITIVE);
+        let r = a
+            .iter()
+            .zip(b)
+            .fold(0f64, |m, (a, b)| m.max((*a as f64 - *b as f64).abs()))
+            / largest as f64;
+        if r > worst.0 {
+            worst = (r, name.clone());
+        }
+    }
+    worst
+}
+
+/// `n` deterministic values spread over [-0.5, 0.5], different for each `seed`.
+pub fn pattern(n: usize, seed: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i * 7919 + seed * 104729) % 2001) as f32 / 1000.0 - 1.0) * 0.5)
+        .collect()
+}
+
+/// A float32 tensor of `dims` filled with [`pattern`].
+pub fn pattern_tensor(dims: &[usize], seed: usize) -> Tensor {
+    let n = dims.iter().product();
+    Tensor::F32(ndarray::ArrayD::from_shape_vec(dims.to_vec(), pattern(n, seed)).unwrap())
+}
+
+/// What a fast path is checked to train within, around each optimizer (issue 14's checks):
+/// K = 4 alone, behind AGC, with loss scaling, with weighted normalisation.
+pub const AROUNDS: [&str; 4] = [
+    "grad-accum(steps=4)",
+    "grad-accum(steps=4),agc(clip=0.01,include_final=true)",
+    "grad-accum(steps=4),loss-scale(init=1024,interval=2)",
+    "grad-accum(steps=4,normalize=weighted)",
+];
