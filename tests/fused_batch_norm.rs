@@ -540,3 +540,39 @@ net (float[N,8,12,12] x, int64[N] labels) => (float loss)
         .model
         .to_proto()
 }
+
+/// The fused kernels read each layer's scale, which the fused optimizer may update in place:
+/// with every state in place (however small) the step trains bit for bit as with none.
+#[test]
+fn in_place_updates_wait_for_the_fused_layers() {
+    if !ort_available() {
+        return;
+    }
+    let step = network_step("grad-accum(steps=4),optimizer(kind=adamw,lr=0.01)");
+    let (n, data) = (16, network_data(16));
+    let trainer = |in_place: bool| {
+        let session = SessionOptions {
+            in_place_updates: in_place,
+            in_place_min_elements: 0,
+            in_place_min_total: 0,
+            ..options(true)
+        };
+        let options = TrainOptions {
+            session,
+            ..TrainOptions::default()
+        };
+        Trainer::with_options(&step, &options).unwrap()
+    };
+    let (mut in_place, mut apart) = (trainer(true), trainer(false));
+    assert!(in_place.in_place_updates() > 0);
+    assert_eq!(in_place.fused_batch_norms(), 12);
+    for i in 0..32 {
+        let batch = micro_batch(&data, n, 4, i);
+        let (a, b) = (
+            in_place.step(&batch, false).unwrap(),
+            apart.step(&batch, false).unwrap(),
+        );
+        assert_eq!(a, b, "micro-step {i}");
+    }
+    assert_eq!(in_place.state().unwrap(), apart.state().unwrap());
+}

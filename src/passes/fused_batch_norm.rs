@@ -244,6 +244,9 @@ fn match_backward(model: &Model, shapes: &Shapes, bn: NodeId) -> Option<Backward
     let (mean, mean_shape) = operands(model, mean_c, "Reshape")?;
     let (inv_std2, inv_std_shape) = operands(model, inv_std_c, "Reshape")?;
     let rank = bias_axes.len() + 1;
+    if rank < 3 {
+        return None;
+    }
     let channel_shape: Vec<i64> = std::iter::once(-1)
         .chain(std::iter::repeat_n(1, rank - 2))
         .collect();
@@ -254,7 +257,6 @@ fn match_backward(model: &Model, shapes: &Shapes, bn: NodeId) -> Option<Backward
         && dy3 == dy
         && x_hat2 == x_hat
         && inv_std2 == inv_std
-        && rank >= 3
         && bias_axes == stat_axes(rank)
         && scale_axes == bias_axes;
     let shaped = [slope_shape, mean_shape, inv_std_shape]
