@@ -7,7 +7,7 @@
 //! Why: ONNX Runtime runs that `Conv` as a grouped convolution, per channel an unfolding
 //! and a GEMM by the identity, so every tap is written twice and multiplied by one; on the
 //! ResNet-8 at B 32 the unfoldings took more time than the weight gradients' GEMMs
-//! (benches/README.md, "Run L"). The kernel writes each tap once.
+//! (benches/README.md, "Run M"). The kernel writes each tap once.
 //!
 //! Matched: a 2-D `Conv` of the main graph without bias, with explicit pads (or none), whose
 //! weight is that identity, tiled over `group` channels (or alone, for one channel).
