@@ -35,6 +35,7 @@
 //! the update that reads its gradient ([`super::fuse::in_place`]).
 
 use super::autodiff::shapes::{constant_ints, constant_tensor, Shapes};
+use super::fuse::{input, is_op};
 use crate::fused_ops::{BATCH_NORM_GRAD, BATCH_NORM_TRAIN, DOMAIN};
 use crate::ir::builder::{attr_float, Builder, NodeAttributes};
 use crate::ir::{normalize_domain, BodyId, Model, NodeId, ValueId};
@@ -154,13 +155,7 @@ fn affine_inputs(model: &Model, n: NodeId) -> Option<(ValueId, ValueId, ValueId)
     if !standard || node.proto.attr_float("epsilon").ok()? != Some(0.0) {
         return None;
     }
-    let known = ["epsilon", "momentum", "training_mode"];
-    if node
-        .proto
-        .attribute
-        .iter()
-        .any(|a| !known.contains(&a.name()))
-    {
+    if !super::only_attributes(&node.proto, &["epsilon", "momentum", "training_mode"]) {
         return None;
     }
     if node.proto.attr_int("training_mode").ok()?.unwrap_or(0) != 0 {
@@ -224,7 +219,7 @@ fn match_backward(model: &Model, shapes: &Shapes, bn: NodeId) -> Option<Backward
         return None;
     };
     let sub = *sub;
-    if !plain(model, sub, "Sub", 2) {
+    if !is_op(model, sub, "Sub", 2) {
         return None;
     }
     let along = input(model, sub, 1)?;
@@ -302,30 +297,16 @@ fn made_by(model: &Model, v: ValueId, op: &str) -> Option<NodeId> {
         .then_some(n)
 }
 
-/// `op` without attributes, of `arity` inputs, all present.
-fn plain(model: &Model, n: NodeId, op: &str, arity: usize) -> bool {
-    let node = model.node(n);
-    node.proto.op_type() == op
-        && normalize_domain(node.proto.domain()).is_empty()
-        && node.proto.attribute.is_empty()
-        && node.inputs.len() == arity
-        && node.inputs.iter().all(Option::is_some)
-}
-
-fn input(model: &Model, n: NodeId, slot: usize) -> Option<ValueId> {
-    model.node(n).inputs.get(slot).copied().flatten()
-}
-
 /// `v = op(a, b)`, a binary op without attributes: `(a, b)`.
 fn operands(model: &Model, v: ValueId, op: &str) -> Option<(ValueId, ValueId)> {
     let n = made_by(model, v, op)?;
-    plain(model, n, op, 2).then_some((input(model, n, 0)?, input(model, n, 1)?))
+    is_op(model, n, op, 2).then_some((input(model, n, 0)?, input(model, n, 1)?))
 }
 
 /// `v = op(a)`, a unary op without attributes: `a`.
 fn single_operand(model: &Model, v: ValueId, op: &str) -> Option<ValueId> {
     let n = made_by(model, v, op)?;
-    plain(model, n, op, 1).then(|| input(model, n, 0))?
+    is_op(model, n, op, 1).then(|| input(model, n, 0))?
 }
 
 /// `v = op(x)` reducing the constant axes it has (attribute or input) with `keepdims` as
@@ -333,13 +314,7 @@ fn single_operand(model: &Model, v: ValueId, op: &str) -> Option<ValueId> {
 fn reduced(model: &Model, v: ValueId, op: &str, keepdims: bool) -> Option<(ValueId, Vec<i64>)> {
     let n = made_by(model, v, op)?;
     let node = model.node(n);
-    let known = ["axes", "keepdims"];
-    if node
-        .proto
-        .attribute
-        .iter()
-        .any(|a| !known.contains(&a.name()))
-    {
+    if !super::only_attributes(&node.proto, &["axes", "keepdims"]) {
         return None;
     }
     if node.proto.attr_int("keepdims").ok()?.unwrap_or(1) != keepdims as i64 {

@@ -99,12 +99,7 @@ fn unfolding(model: &Model, shapes: &Shapes, conv: NodeId) -> Option<Unfolding> 
         "dilations",
         "auto_pad",
     ];
-    if node
-        .proto
-        .attribute
-        .iter()
-        .any(|a| !known.contains(&a.name()))
-    {
+    if !super::only_attributes(&node.proto, &known) {
         return None;
     }
     if !matches!(

@@ -29,6 +29,12 @@ pub mod window;
 use std::collections::BTreeMap;
 use std::fmt;
 
+/// Every attribute of `node` is one of `names`: a pattern that knows what those mean may
+/// match it; any other attribute might change what the node computes.
+pub(crate) fn only_attributes(node: &crate::proto::NodeProto, names: &[&str]) -> bool {
+    node.attribute.iter().all(|a| names.contains(&a.name()))
+}
+
 /// The end of a session's in-memory rewrite onto onnx-ga's fused kernels
 /// ([`fused_batch_norm`], [`fused_im2col`], [`fused_relu_grad`]): the fused domain
 /// required, the replaced nodes removed, the graph verified.
