@@ -17,8 +17,10 @@ use onnx_ga::train::{micro_batch, TrainOptions, Trainer};
 fn options(fused: bool) -> SessionOptions {
     SessionOptions {
         fused_batch_norm: fused,
-        // The convolutions of the network below stay on one kernel on both sides.
+        // The convolutions of the network below stay on one kernel on both sides, their
+        // weight gradients on the standard ops (the bounds below were measured so).
         nchwc_convs: false,
+        fused_conv_weight_grad: false,
         ..SessionOptions::default()
     }
 }
@@ -437,45 +439,29 @@ fn train_reports_the_fused_layers_and_the_flag_keeps_none() {
 }
 
 /// Trains `step` with the fused kernels and without, 32 micro-steps at `threads`, and
-/// checks that the fused side rewrote every layer of every session; returns the losses'
-/// largest relative difference, and the states' after the 8 windows (largest difference
-/// over the tensor's largest magnitude).
+/// checks that the fused side rewrote every layer of every session
+/// ([`crate::common::train_pair`]).
 fn train_two(step: &ModelProto, what: &str, threads: usize) -> (f64, f64) {
-    let (n, data) = (16, network_data(16));
-    let trainer = |fused: bool| {
-        let options = TrainOptions {
-            session: SessionOptions {
-                threads,
-                ..options(fused)
-            },
-            ..TrainOptions::default()
-        };
-        let trainer =
-            Trainer::with_options(step, &options).unwrap_or_else(|e| panic!("{what}: {e}"));
-        // Two layers, forward and backward, in each of the three sessions (accumulate,
-        // window start, apply).
-        let expected = if fused { 3 * 2 * 2 } else { 0 };
-        assert_eq!(trainer.fused_batch_norms(), expected, "{what}: rewritten");
-        trainer
+    let side = |fused: bool| crate::common::Side {
+        session: SessionOptions {
+            threads,
+            ..options(fused)
+        },
+        perturbed: false,
     };
-    let (mut left, mut right) = (trainer(true), trainer(false));
-    let mut loss = 0f64;
-    for i in 0..32 {
-        let batch = micro_batch(&data, n, 4, i);
-        let (x, y) = (
-            left.step(&batch, false).unwrap(),
-            right.step(&batch, false).unwrap(),
-        );
-        assert_eq!(x.applied, y.applied);
-        loss = loss.max(((x.loss as f64 - y.loss as f64) / y.loss as f64).abs());
-    }
-    let (a, b) = (left.state().unwrap(), right.state().unwrap());
-    let worst = crate::common::worst_state_gap(what, a, b);
-    eprintln!(
-        "{what}: losses {loss:e} apart at most; states {:e} after 8 windows ({})",
-        worst.0, worst.1
-    );
-    (loss, worst.0)
+    let data = network_data(16);
+    crate::common::train_pair(
+        step,
+        what,
+        (&data, 16),
+        [&side(true), &side(false)],
+        |t, k| {
+            // Two layers, forward and backward, in each of the three sessions (accumulate,
+            // window start, apply).
+            let expected = if k == 0 { 3 * 2 * 2 } else { 0 };
+            assert_eq!(t.fused_batch_norms(), expected, "{what}: rewritten");
+        },
+    )
 }
 
 /// `n` samples for [`network_step`]: x (n x 8 x 12 x 12) and labels cycling through 10.

@@ -300,3 +300,60 @@ pub const AROUNDS: [&str; 4] = [
     "grad-accum(steps=4),loss-scale(init=1024,interval=2)",
     "grad-accum(steps=4,normalize=weighted)",
 ];
+
+/// One side of [`train_pair`]: its session options, and whether every 97th element of
+/// each micro-batch's `x` is multiplied by 1 + 1.2e-7 (a rounding-sized perturbation: what
+/// chaos alone does to a trajectory, the yardstick for a fast path on a chaotic one).
+#[derive(Clone)]
+pub struct Side {
+    pub session: SessionOptions,
+    pub perturbed: bool,
+}
+
+/// Trains `step` on `a` and `b`, 32 micro-steps of 4 samples from `data` (`n` samples),
+/// `check(trainer, side)` on each trainer made (side 0 or 1: what it rewrote); returns the
+/// losses' largest relative difference, and the states' after the 8 windows (largest
+/// difference over the tensor's largest magnitude, [`worst_state_gap`]).
+pub fn train_pair(
+    step: &ModelProto,
+    what: &str,
+    (data, n): (&BTreeMap<String, Tensor>, usize),
+    [a, b]: [&Side; 2],
+    check: impl Fn(&onnx_ga::train::Trainer, usize),
+) -> (f64, f64) {
+    use onnx_ga::train::{micro_batch, TrainOptions, Trainer};
+    let trainer = |side: &Side, k: usize| {
+        let options = TrainOptions {
+            session: side.session.clone(),
+            ..TrainOptions::default()
+        };
+        let trainer =
+            Trainer::with_options(step, &options).unwrap_or_else(|e| panic!("{what}: {e}"));
+        check(&trainer, k);
+        trainer
+    };
+    let batch_for = |side: &Side, i: u64| {
+        let mut batch = micro_batch(data, n, 4, i);
+        if let (true, Some(Tensor::F32(x))) = (side.perturbed, batch.get_mut("x")) {
+            x.iter_mut().step_by(97).for_each(|v| *v *= 1.0 + 1.2e-7);
+        }
+        batch
+    };
+    let (mut left, mut right) = (trainer(a, 0), trainer(b, 1));
+    let mut loss = 0f64;
+    for i in 0..32 {
+        let (x, y) = (
+            left.step(&batch_for(a, i), false).unwrap(),
+            right.step(&batch_for(b, i), false).unwrap(),
+        );
+        assert_eq!(x.applied, y.applied, "{what}: micro-step {i}");
+        loss = loss.max(((x.loss as f64 - y.loss as f64) / y.loss as f64).abs());
+    }
+    let (sa, sb) = (left.state().unwrap(), right.state().unwrap());
+    let worst = worst_state_gap(what, sa, sb);
+    eprintln!(
+        "{what}: losses {loss:e} apart at most; states {:e} after 8 windows ({})",
+        worst.0, worst.1
+    );
+    (loss, worst.0)
+}
