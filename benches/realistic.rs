@@ -32,9 +32,7 @@
 //! `--rss-windows 4`, `--no-nchwc` (convolutions on the im2col kernels, for an A/B),
 //! `--no-fused-batch-norm` (BatchNorm in standard ops, for an A/B), `--no-fused-im2col`
 //! (the weight gradients' unfoldings as grouped convolutions, for an A/B),
-//! `--no-fused-relu-grad` (the ReLU gradients in standard ops, for an A/B),
-//! `--no-fused-conv-weight-grad` (the stride-1 weight gradients unfolded and multiplied,
-//! for an A/B).
+//! `--no-fused-relu-grad` (the ReLU gradients in standard ops, for an A/B).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -120,9 +118,6 @@ fn parse_opts() -> Result<Opts> {
             "--no-fused-im2col" => NO_IM2COL.store(true, std::sync::atomic::Ordering::Relaxed),
             "--no-fused-relu-grad" => {
                 NO_RELU_GRAD.store(true, std::sync::atomic::Ordering::Relaxed)
-            }
-            "--no-fused-conv-weight-grad" => {
-                NO_WEIGHT_GRAD.store(true, std::sync::atomic::Ordering::Relaxed)
             }
             "--models" => o.models_dir = PathBuf::from(value("--models")?),
             "--work" => o.work = PathBuf::from(value("--work")?),
@@ -293,9 +288,6 @@ static NO_IM2COL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool:
 /// `--no-fused-relu-grad`: the ReLU gradients in standard ops, for an A/B of
 /// `SessionOptions::fused_relu_grad`.
 static NO_RELU_GRAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-/// `--no-fused-conv-weight-grad`: the stride-1 weight gradients unfolded and multiplied, for
-/// an A/B of `SessionOptions::fused_conv_weight_grad`.
-static NO_WEIGHT_GRAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 fn session(threads: usize) -> SessionOptions {
     SessionOptions {
@@ -305,7 +297,6 @@ fn session(threads: usize) -> SessionOptions {
         fused_batch_norm: !NO_FUSED_BN.load(std::sync::atomic::Ordering::Relaxed),
         fused_im2col: !NO_IM2COL.load(std::sync::atomic::Ordering::Relaxed),
         fused_relu_grad: !NO_RELU_GRAD.load(std::sync::atomic::Ordering::Relaxed),
-        fused_conv_weight_grad: !NO_WEIGHT_GRAD.load(std::sync::atomic::Ordering::Relaxed),
         ..Default::default()
     }
 }

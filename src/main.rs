@@ -170,18 +170,10 @@ struct TrainArgs {
     no_split: bool,
     /// Run the step as it is written, in standard ops, instead of on onnx-ga's fused CPU
     /// kernels (ONNX Runtime on the CPU): the optimizer's update (AdamW, Adam, SGD,
-    /// momentum, Nesterov), the weight gradients' unfolding of a convolution's input and
-    /// the ReLU gradients (same results, bit for bit), BatchNorm (see
-    /// --no-fused-batch-norm) and the stride-1 convolution weight gradients (see
-    /// --no-fused-conv-weight-grad).
+    /// momentum, Nesterov) and the weight gradients' unfolding of a convolution's input
+    /// (same results, bit for bit), and BatchNorm (see --no-fused-batch-norm).
     #[arg(long)]
     no_fused_kernels: bool,
-    /// Compute the stride-1 convolutions' weight gradients as the step writes them (the
-    /// input unfolded into its taps, one MatMul per image, a sum over the batch) instead
-    /// of on one fused kernel that never writes the taps (faster; within float32
-    /// rounding, not bit for bit).
-    #[arg(long)]
-    no_fused_conv_weight_grad: bool,
     /// Run training-mode BatchNorm as the step writes it, some 35 standard ops a layer,
     /// instead of one fused kernel forward and one backward (faster; within float32
     /// rounding, not bit for bit).
@@ -1119,7 +1111,6 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             fused_kernels: !args.no_fused_kernels,
             nchwc_convs: !args.no_nchwc,
             fused_batch_norm: !args.no_fused_batch_norm,
-            fused_conv_weight_grad: !args.no_fused_conv_weight_grad,
             ..Default::default()
         },
         split: !args.no_split,
@@ -1157,12 +1148,6 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         progress.note(format!(
             "batch norm: {} forward and backward layer(s) on onnx-ga's fused CPU kernels, summed over the sessions (--no-fused-batch-norm: as written)",
             trainer.fused_batch_norms()
-        ));
-    }
-    if trainer.fused_weight_grads() > 0 {
-        progress.note(format!(
-            "conv weight gradients: {} on onnx-ga's fused CPU kernel, summed over the sessions (--no-fused-conv-weight-grad: as written)",
-            trainer.fused_weight_grads()
         ));
     }
     host_controls(&mut trainer, args.lr, args.accum_steps)?;

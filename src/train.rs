@@ -496,12 +496,6 @@ impl Trainer {
         self.sum_over_sessions(Engine::fused_batch_norms)
     }
 
-    /// Stride-1 convolution weight gradients on onnx-ga's fused kernel
-    /// (`SessionOptions::fused_conv_weight_grad`), summed over the split step's sessions.
-    pub fn fused_weight_grads(&self) -> usize {
-        self.sum_over_sessions(Engine::fused_weight_grads)
-    }
-
     fn sum_over_sessions(&self, count: impl Fn(&Engine) -> usize) -> usize {
         match &self.runner {
             Runner::Whole(e) => count(e),

@@ -17,10 +17,8 @@ use onnx_ga::train::{micro_batch, TrainOptions, Trainer};
 fn options(fused: bool) -> SessionOptions {
     SessionOptions {
         fused_batch_norm: fused,
-        // The convolutions of the network below stay on one kernel on both sides, their
-        // weight gradients on the standard ops (the bounds below were measured so).
+        // The convolutions of the network below stay on one kernel on both sides.
         nchwc_convs: false,
-        fused_conv_weight_grad: false,
         ..SessionOptions::default()
     }
 }

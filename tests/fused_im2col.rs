@@ -18,8 +18,6 @@ use onnx_ga::train::{micro_batch, TrainOptions, Trainer};
 fn options(fused: bool) -> SessionOptions {
     SessionOptions {
         fused_im2col: fused,
-        // Else the stride-1 unfoldings go onto the weight-gradient kernel first.
-        fused_conv_weight_grad: false,
         ..SessionOptions::default()
     }
 }
@@ -28,12 +26,7 @@ use crate::common::{pattern as values, pattern_tensor as tensor};
 
 /// `loss = Σ Conv(x, w) · r` with the attributes given, through our autodiff: the gradient
 /// graph, whose dW unfolds x.
-pub(crate) fn gradient_graph(
-    x: [usize; 4],
-    w: [usize; 4],
-    attrs: &str,
-    y: [usize; 4],
-) -> ModelProto {
+fn gradient_graph(x: [usize; 4], w: [usize; 4], attrs: &str, y: [usize; 4]) -> ModelProto {
     let dims = |d: [usize; 4]| d.map(|v| v.to_string()).join(",");
     let text = format!(
         r#"<ir_version: 8, opset_import: ["" : 17]>

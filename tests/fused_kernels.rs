@@ -29,7 +29,6 @@ fn options(fused: bool, threads: usize, split: bool) -> TrainOptions {
             threads,
             fused_kernels: fused,
             fused_batch_norm: false,
-            fused_conv_weight_grad: false,
             in_place_min_elements: 0,
             in_place_min_total: 0,
             ..SessionOptions::default()

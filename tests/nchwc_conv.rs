@@ -17,9 +17,6 @@ use onnx_ga::train::{micro_batch, TrainOptions, Trainer};
 fn options(nchwc: bool) -> SessionOptions {
     SessionOptions {
         nchwc_convs: nchwc,
-        // The weight gradients on the standard ops on both sides (the bounds below were
-        // measured so; tests/fused_conv_weight_grad.rs checks that kernel).
-        fused_conv_weight_grad: false,
         ..SessionOptions::default()
     }
 }

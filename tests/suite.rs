@@ -27,7 +27,6 @@ mod export_trained;
 mod file_cases;
 mod first_hour;
 mod fused_batch_norm;
-mod fused_conv_weight_grad;
 mod fused_im2col;
 mod fused_kernels;
 mod fused_relu_grad;

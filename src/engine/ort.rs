@@ -115,11 +115,6 @@ pub struct SessionOptions {
     /// identity filters, `passes/legalize/conv_grad.rs`) on onnx-ga's `Im2Col` kernel
     /// (`passes::fused_im2col`); bit-identical for finite values.
     pub fused_im2col: bool,
-    /// With `fused_kernels`, on the CPU: the stride-1 weight gradients (unfolding, per-image
-    /// `MatMul`, `ReduceSum`, `passes/legalize/conv_grad.rs`) on onnx-ga's `ConvWeightGrad`
-    /// kernel, which never writes the taps (`passes::fused_conv_weight_grad`). Within
-    /// float32 rounding, not bit-identical. Off leaves them to [`Self::fused_im2col`].
-    pub fused_conv_weight_grad: bool,
     /// With `fused_kernels`, on the CPU: the ReLU gradients (`Mul(dY, Cast(Greater(Y, 0)))`,
     /// `passes/legalize/relu_grad.rs`) on onnx-ga's `ReluGrad` kernel, one pass instead of
     /// three (`passes::fused_relu_grad`); bit-identical.
@@ -150,7 +145,6 @@ impl Default for SessionOptions {
             nchwc_convs: true,
             fused_batch_norm: true,
             fused_im2col: true,
-            fused_conv_weight_grad: true,
             fused_relu_grad: true,
             in_place_min_elements: crate::passes::fuse::accumulate::MIN_ELEMENTS,
             in_place_min_total: crate::passes::fuse::in_place::MIN_SESSION_ELEMENTS,
@@ -182,8 +176,6 @@ pub struct OrtSession {
     fused_batch_norms: usize,
     /// See [`Self::fused_unfoldings`].
     fused_unfoldings: usize,
-    /// See [`Self::fused_weight_grads`].
-    fused_weight_grads: usize,
     /// See [`Self::fused_relu_grads`].
     fused_relu_grads: usize,
     /// Inputs of the model that nothing in it reads, left out of the session
@@ -216,19 +208,6 @@ impl OrtSession {
             false => None,
         };
         let model = fused_bn.as_ref().map_or(model, |f| &f.model);
-        let weight_grads = match options.fused_conv_weight_grad
-            && options.fused_kernels
-            && options.device == Device::Cpu
-        {
-            true => crate::passes::fused_conv_weight_grad::rewrite(model).map_err(|e| {
-                EngineError::Ort {
-                    context: "putting the weight gradients on the fused kernel".into(),
-                    message: e.to_string(),
-                }
-            })?,
-            false => None,
-        };
-        let model = weight_grads.as_ref().map_or(model, |w| &w.model);
         let unfolded = match options.fused_im2col
             && options.fused_kernels
             && options.device == Device::Cpu
@@ -258,7 +237,6 @@ impl OrtSession {
         session.nchwc_convs = blocked.map_or(0, |b| b.convs);
         session.fused_batch_norms = fused_bn.map_or(0, |f| f.forward + f.backward);
         session.fused_unfoldings = unfolded.map_or(0, |u| u.unfoldings);
-        session.fused_weight_grads = weight_grads.map_or(0, |w| w.weight_grads);
         session.fused_relu_grads = relu_grads.map_or(0, |r| r.relu_grads);
         session.unread_inputs = unread;
         Ok(session)
@@ -279,12 +257,6 @@ impl OrtSession {
     /// (`SessionOptions::fused_im2col`).
     pub fn fused_unfoldings(&self) -> usize {
         self.fused_unfoldings
-    }
-
-    /// Weight gradients this session runs on `ConvWeightGrad`
-    /// (`SessionOptions::fused_conv_weight_grad`).
-    pub fn fused_weight_grads(&self) -> usize {
-        self.fused_weight_grads
     }
 
     /// ReLU gradients this session runs on `ReluGrad` (`SessionOptions::fused_relu_grad`).
@@ -395,7 +367,6 @@ impl OrtSession {
             nchwc_convs: 0,
             fused_batch_norms: 0,
             fused_unfoldings: 0,
-            fused_weight_grads: 0,
             fused_relu_grads: 0,
             unread_inputs: Default::default(),
         })

@@ -13,10 +13,9 @@ use ::ort::value::TensorElementType;
 
 use crate::fused_ops::{
     accumulate_grad, accumulate_slot, adamw_slot, adamw_update, batch_norm_grad_channel,
-    batch_norm_train_channel, conv_weight_grad, im2col_plane, relu_grad, sgd_slot, sgd_update,
-    AdamWScalars, BatchNormLayout, ChannelStats, Io, SgdIo, SgdScalars, WeightGradShape, Window2d,
-    ACCUMULATE_GRAD, ADAMW_UPDATE, BATCH_NORM_GRAD, BATCH_NORM_TRAIN, CONV_WEIGHT_GRAD, DOMAIN,
-    IM2COL, RELU_GRAD, SGD_UPDATE,
+    batch_norm_train_channel, im2col_plane, relu_grad, sgd_slot, sgd_update, AdamWScalars,
+    BatchNormLayout, ChannelStats, Io, SgdIo, SgdScalars, Window2d, ACCUMULATE_GRAD, ADAMW_UPDATE,
+    BATCH_NORM_GRAD, BATCH_NORM_TRAIN, DOMAIN, IM2COL, RELU_GRAD, SGD_UPDATE,
 };
 
 /// The domain with every fused operator, for a session builder.
@@ -28,7 +27,6 @@ pub fn domain() -> ::ort::Result<OperatorDomain> {
         .add(BatchNormTrain)?
         .add(BatchNormGrad)?
         .add(Im2Col)?
-        .add(ConvWeightGrad)?
         .add(ReluGrad)
 }
 
@@ -778,107 +776,6 @@ fn im2col_kernel(ctx: &ComputeContext, window: &Window2d) -> ::ort::Result<()> {
         count => ctx.par_for(count, 0, run)?,
     }
     Ok(())
-}
-
-struct ConvWeightGrad;
-
-impl Operator for ConvWeightGrad {
-    type Kernel<'attr> = BoxedKernel<'attr>;
-
-    fn name(&self) -> &str {
-        CONV_WEIGHT_GRAD
-    }
-
-    fn inputs(&self) -> impl IntoIterator<Item = OperatorInput> {
-        [(); 2].map(|_| OperatorInput::required(TensorElementType::Float32))
-    }
-
-    fn outputs(&self) -> impl IntoIterator<Item = OperatorOutput> {
-        [OperatorOutput::required(TensorElementType::Float32)]
-    }
-
-    fn create_kernel<'attr>(
-        &self,
-        kctx: &KernelContext<'attr>,
-    ) -> ::ort::Result<Self::Kernel<'attr>> {
-        let ints = |name: &str, len: usize| -> ::ort::Result<Vec<usize>> {
-            let values = kctx.get::<Vec<i64>>(name).unwrap_or_default();
-            let values: Option<Vec<usize>> =
-                values.iter().map(|&v| usize::try_from(v).ok()).collect();
-            values.filter(|v| v.len() == len).ok_or_else(|| {
-                ::ort::Error::new(format!(
-                    "{CONV_WEIGHT_GRAD}: attribute '{name}' is not {len} sizes"
-                ))
-            })
-        };
-        let (k, p, d) = (
-            ints("kernel_shape", 2)?,
-            ints("pads", 4)?,
-            ints("dilations", 2)?,
-        );
-        let window = WeightGradShape {
-            n: 0,
-            c: 0,
-            plane: [0, 0],
-            m: 0,
-            kernel: [k[0], k[1]],
-            pads: [p[0], p[1], p[2], p[3]],
-            dilations: [d[0], d[1]],
-        };
-        Ok(Box::new(move |ctx: &ComputeContext| {
-            conv_weight_grad_kernel(ctx, window)
-        }))
-    }
-}
-
-/// [`ConvWeightGrad`] with the window of `window` and the sizes of the inputs.
-fn conv_weight_grad_kernel(ctx: &ComputeContext, window: WeightGradShape) -> ::ort::Result<()> {
-    let op = CONV_WEIGHT_GRAD;
-    let (x, dy) = (tensor_input(ctx, op, 0)?, tensor_input(ctx, op, 1)?);
-    let (x_shape, x) = x.try_extract_tensor::<f32>()?;
-    let (dy_shape, dy) = dy.try_extract_tensor::<f32>()?;
-    let sizes = |shape: &[i64]| -> Option<[usize; 4]> {
-        let dims: Option<Vec<usize>> = shape.iter().map(|&d| usize::try_from(d).ok()).collect();
-        dims?.try_into().ok()
-    };
-    let (Some([n, c, h, w]), Some([dy_n, m, ho, wo])) = (sizes(x_shape), sizes(dy_shape)) else {
-        return Err(::ort::Error::new(format!(
-            "{op}: X {x_shape:?} and dY {dy_shape:?} are not both [N, C, H, W]"
-        )));
-    };
-    let shape = WeightGradShape {
-        n,
-        c,
-        plane: [h, w],
-        m,
-        ..window
-    };
-    if dy_n != n || shape.output() != Some([ho, wo]) {
-        return Err(::ort::Error::new(format!(
-            "{op}: dY {dy_shape:?} is not the stride-1 output of X {x_shape:?} with kernel {:?}, pads {:?}, dilations {:?}",
-            window.kernel, window.pads, window.dilations
-        )));
-    }
-    let mut out = ctx
-        .output(0, vec![1, shape.rows() as i64, m as i64])?
-        .ok_or_else(|| ::ort::Error::new(format!("{op}: output 0 missing")))?;
-    let out = out.try_extract_tensor_mut::<f32>()?.1;
-    let mut pooled = Ok(());
-    let ran = conv_weight_grad(&shape, x, dy, out, |count, task| {
-        pooled = match count {
-            1 => {
-                task(0);
-                Ok(())
-            }
-            count => ctx.par_for(count, 0, task),
-        }
-    });
-    pooled?;
-    ran.ok_or_else(|| {
-        ::ort::Error::new(format!(
-            "{op}: the sizes of X {x_shape:?} and dY {dy_shape:?} do not match its window"
-        ))
-    })
 }
 
 struct ReluGrad;

@@ -115,14 +115,12 @@ macro_rules! with_widest_vectors {
 }
 
 mod batch_norm;
-mod conv_weight_grad;
 mod im2col;
 mod relu_grad;
 pub use batch_norm::{
     batch_norm_grad_channel, batch_norm_train_channel, BatchNormLayout, ChannelStats,
     BATCH_NORM_GRAD, BATCH_NORM_TRAIN,
 };
-pub use conv_weight_grad::{conv_weight_grad, WeightGradShape, CONV_WEIGHT_GRAD};
 pub use im2col::{im2col_plane, Window2d, IM2COL};
 pub use relu_grad::{relu_grad, RELU_GRAD};
 

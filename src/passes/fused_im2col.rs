@@ -73,16 +73,15 @@ pub fn rewrite(model: &ModelProto) -> Result<Option<Rewritten>, super::PassError
 }
 
 /// One matched unfolding: its input and window.
-pub(crate) struct Unfolding {
-    pub x: ValueId,
-    pub kernel: Vec<i64>,
-    pub strides: Vec<i64>,
-    pub pads: Vec<i64>,
-    pub dilations: Vec<i64>,
+struct Unfolding {
+    x: ValueId,
+    kernel: Vec<i64>,
+    strides: Vec<i64>,
+    pads: Vec<i64>,
+    dilations: Vec<i64>,
 }
 
-/// The unfolding `conv` is, when it is one (the module's pattern).
-pub(crate) fn unfolding(model: &Model, shapes: &Shapes, conv: NodeId) -> Option<Unfolding> {
+fn unfolding(model: &Model, shapes: &Shapes, conv: NodeId) -> Option<Unfolding> {
     let node = model.node(conv);
     let standard = node.proto.op_type() == "Conv"
         && normalize_domain(node.proto.domain()).is_empty()
