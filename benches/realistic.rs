@@ -32,7 +32,8 @@
 //! `--rss-windows 4`, `--no-nchwc` (convolutions on the im2col kernels, for an A/B),
 //! `--no-fused-batch-norm` (BatchNorm in standard ops, for an A/B), `--no-fused-im2col`
 //! (the weight gradients' unfoldings as grouped convolutions, for an A/B),
-//! `--no-fused-relu-grad` (the ReLU gradients in standard ops, for an A/B).
+//! `--no-fused-relu-grad` (the ReLU gradients in standard ops, for an A/B),
+//! `--no-fused-gelu-grad` (the GELU gradients in standard ops, for an A/B).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -118,6 +119,9 @@ fn parse_opts() -> Result<Opts> {
             "--no-fused-im2col" => NO_IM2COL.store(true, std::sync::atomic::Ordering::Relaxed),
             "--no-fused-relu-grad" => {
                 NO_RELU_GRAD.store(true, std::sync::atomic::Ordering::Relaxed)
+            }
+            "--no-fused-gelu-grad" => {
+                NO_GELU_GRAD.store(true, std::sync::atomic::Ordering::Relaxed)
             }
             "--models" => o.models_dir = PathBuf::from(value("--models")?),
             "--work" => o.work = PathBuf::from(value("--work")?),
@@ -288,6 +292,9 @@ static NO_IM2COL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool:
 /// `--no-fused-relu-grad`: the ReLU gradients in standard ops, for an A/B of
 /// `SessionOptions::fused_relu_grad`.
 static NO_RELU_GRAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// `--no-fused-gelu-grad`: the GELU gradients in standard ops, for an A/B of
+/// `SessionOptions::fused_gelu_grad`.
+static NO_GELU_GRAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 fn session(threads: usize) -> SessionOptions {
     SessionOptions {
@@ -297,6 +304,7 @@ fn session(threads: usize) -> SessionOptions {
         fused_batch_norm: !NO_FUSED_BN.load(std::sync::atomic::Ordering::Relaxed),
         fused_im2col: !NO_IM2COL.load(std::sync::atomic::Ordering::Relaxed),
         fused_relu_grad: !NO_RELU_GRAD.load(std::sync::atomic::Ordering::Relaxed),
+        fused_gelu_grad: !NO_GELU_GRAD.load(std::sync::atomic::Ordering::Relaxed),
         ..Default::default()
     }
 }

@@ -496,6 +496,12 @@ impl Trainer {
         self.sum_over_sessions(Engine::fused_batch_norms)
     }
 
+    /// Exact-GELU gradients on onnx-ga's fused kernel (`SessionOptions::fused_gelu_grad`),
+    /// summed over the split step's sessions.
+    pub fn fused_gelu_grads(&self) -> usize {
+        self.sum_over_sessions(Engine::fused_gelu_grads)
+    }
+
     fn sum_over_sessions(&self, count: impl Fn(&Engine) -> usize) -> usize {
         match &self.runner {
             Runner::Whole(e) => count(e),

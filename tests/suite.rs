@@ -27,6 +27,7 @@ mod export_trained;
 mod file_cases;
 mod first_hour;
 mod fused_batch_norm;
+mod fused_gelu_grad;
 mod fused_im2col;
 mod fused_kernels;
 mod fused_relu_grad;

@@ -238,6 +238,15 @@ impl Engine {
         }
     }
 
+    /// Exact-GELU gradients on onnx-ga's fused kernel (`SessionOptions::fused_gelu_grad`).
+    pub fn fused_gelu_grads(&self) -> usize {
+        match self {
+            Engine::Ort(s) => s.fused_gelu_grads(),
+            #[cfg(feature = "tract")]
+            Engine::Tract(_) => 0,
+        }
+    }
+
     /// The (state input, next value) pairs this session updates in place.
     pub fn in_place(&self) -> &[(String, String)] {
         match self {

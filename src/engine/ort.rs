@@ -119,6 +119,10 @@ pub struct SessionOptions {
     /// `passes/legalize/relu_grad.rs`) on onnx-ga's `ReluGrad` kernel, one pass instead of
     /// three (`passes::fused_relu_grad`); bit-identical.
     pub fused_relu_grad: bool,
+    /// With `fused_kernels`, on the CPU: the exact GELU's gradients (ten elementwise ops of
+    /// our autodiff) on onnx-ga's `GeluGrad` kernel, one pass (`passes::fused_gelu_grad`).
+    /// The same operations but the exponential's, so within its rounding.
+    pub fused_gelu_grad: bool,
     /// With `in_place_updates`: the smallest accumulator the trainer fuses and updates in
     /// place (`passes::fuse::accumulate::MIN_ELEMENTS` by default; 0 takes every one, which
     /// tests use to exercise in-place updates on small graphs).
@@ -146,6 +150,7 @@ impl Default for SessionOptions {
             fused_batch_norm: true,
             fused_im2col: true,
             fused_relu_grad: true,
+            fused_gelu_grad: true,
             in_place_min_elements: crate::passes::fuse::accumulate::MIN_ELEMENTS,
             in_place_min_total: crate::passes::fuse::in_place::MIN_SESSION_ELEMENTS,
         }
@@ -178,6 +183,8 @@ pub struct OrtSession {
     fused_unfoldings: usize,
     /// See [`Self::fused_relu_grads`].
     fused_relu_grads: usize,
+    /// See [`Self::fused_gelu_grads`].
+    fused_gelu_grads: usize,
     /// Inputs of the model that nothing in it reads, left out of the session
     /// ([`without_unread_inputs`]); a run given them ignores them.
     unread_inputs: std::collections::HashSet<String>,
@@ -231,6 +238,18 @@ impl OrtSession {
                 false => None,
             };
         let model = relu_grads.as_ref().map_or(model, |r| &r.model);
+        let gelu_grads =
+            match options.fused_gelu_grad && options.fused_kernels && options.device == Device::Cpu
+            {
+                true => crate::passes::fused_gelu_grad::rewrite(model).map_err(|e| {
+                    EngineError::Ort {
+                        context: "putting the GELU gradients on the fused kernel".into(),
+                        message: e.to_string(),
+                    }
+                })?,
+                false => None,
+            };
+        let model = gelu_grads.as_ref().map_or(model, |g| &g.model);
         let (pruned, unread) = without_unread_inputs(model);
         let bytes = crate::model::encode_model(pruned.as_ref().unwrap_or(model));
         let mut session = Self::from_bytes(&bytes, options)?;
@@ -238,6 +257,7 @@ impl OrtSession {
         session.fused_batch_norms = fused_bn.map_or(0, |f| f.forward + f.backward);
         session.fused_unfoldings = unfolded.map_or(0, |u| u.unfoldings);
         session.fused_relu_grads = relu_grads.map_or(0, |r| r.relu_grads);
+        session.fused_gelu_grads = gelu_grads.map_or(0, |g| g.gelu_grads);
         session.unread_inputs = unread;
         Ok(session)
     }
@@ -262,6 +282,11 @@ impl OrtSession {
     /// ReLU gradients this session runs on `ReluGrad` (`SessionOptions::fused_relu_grad`).
     pub fn fused_relu_grads(&self) -> usize {
         self.fused_relu_grads
+    }
+
+    /// GELU gradients this session runs on `GeluGrad` (`SessionOptions::fused_gelu_grad`).
+    pub fn fused_gelu_grads(&self) -> usize {
+        self.fused_gelu_grads
     }
 
     pub fn from_bytes(bytes: &[u8], options: &SessionOptions) -> Result<OrtSession, EngineError> {
@@ -368,6 +393,7 @@ impl OrtSession {
             fused_batch_norms: 0,
             fused_unfoldings: 0,
             fused_relu_grads: 0,
+            fused_gelu_grads: 0,
             unread_inputs: Default::default(),
         })
     }

@@ -13,9 +13,10 @@ use ::ort::value::TensorElementType;
 
 use crate::fused_ops::{
     accumulate_grad, accumulate_slot, adamw_slot, adamw_update, batch_norm_grad_channel,
-    batch_norm_train_channel, im2col_plane, relu_grad, sgd_slot, sgd_update, AdamWScalars,
-    BatchNormLayout, ChannelStats, Io, SgdIo, SgdScalars, Window2d, ACCUMULATE_GRAD, ADAMW_UPDATE,
-    BATCH_NORM_GRAD, BATCH_NORM_TRAIN, DOMAIN, IM2COL, RELU_GRAD, SGD_UPDATE,
+    batch_norm_train_channel, gelu_grad, gelu_slot, im2col_plane, relu_grad, sgd_slot, sgd_update,
+    AdamWScalars, BatchNormLayout, ChannelStats, GeluGradScalars, Io, SgdIo, SgdScalars, Window2d,
+    ACCUMULATE_GRAD, ADAMW_UPDATE, BATCH_NORM_GRAD, BATCH_NORM_TRAIN, DOMAIN, GELU_GRAD, IM2COL,
+    RELU_GRAD, SGD_UPDATE,
 };
 
 /// The domain with every fused operator, for a session builder.
@@ -27,6 +28,7 @@ pub fn domain() -> ::ort::Result<OperatorDomain> {
         .add(BatchNormTrain)?
         .add(BatchNormGrad)?
         .add(Im2Col)?
+        .add(GeluGrad)?
         .add(ReluGrad)
 }
 
@@ -776,6 +778,77 @@ fn im2col_kernel(ctx: &ComputeContext, window: &Window2d) -> ::ort::Result<()> {
         count => ctx.par_for(count, 0, run)?,
     }
     Ok(())
+}
+
+struct GeluGrad;
+
+impl Operator for GeluGrad {
+    type Kernel<'attr> = BoxedKernel<'attr>;
+
+    fn name(&self) -> &str {
+        GELU_GRAD
+    }
+
+    fn inputs(&self) -> impl IntoIterator<Item = OperatorInput> {
+        [(); gelu_slot::COUNT].map(|_| OperatorInput::required(TensorElementType::Float32))
+    }
+
+    fn outputs(&self) -> impl IntoIterator<Item = OperatorOutput> {
+        [OperatorOutput::required(TensorElementType::Float32)]
+    }
+
+    /// G's shape (the pass matched G, x, u and A of one shape).
+    fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
+        match ctx.inputs().first() {
+            Some(g) if known_rank(g) => ctx.set_output(0, g),
+            _ => Ok(()),
+        }
+    }
+
+    fn create_kernel<'attr>(&self, _: &KernelContext<'attr>) -> ::ort::Result<Self::Kernel<'attr>> {
+        Ok(Box::new(|ctx: &ComputeContext| gelu_grad_kernel(ctx)))
+    }
+}
+
+fn gelu_grad_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
+    let op = GELU_GRAD;
+    let scalar = |slot: usize| -> ::ort::Result<f32> {
+        scalar_input(ctx, op, slot)?
+            .ok_or_else(|| ::ort::Error::new(format!("{op}: input {slot} is missing")))
+    };
+    let s = GeluGradScalars {
+        half: scalar(gelu_slot::HALF)?,
+        k: scalar(gelu_slot::K)?,
+        sqrt2: scalar(gelu_slot::SQRT2)?,
+        forward_sqrt2: scalar(gelu_slot::FORWARD_SQRT2)?,
+    };
+    let values = [gelu_slot::G, gelu_slot::X, gelu_slot::A]
+        .map(|slot| tensor_input(ctx, op, slot))
+        .into_iter()
+        .collect::<::ort::Result<Vec<_>>>()?;
+    let mut shape = Vec::new();
+    let mut data: Vec<&[f32]> = Vec::with_capacity(3);
+    for (k, value) in values.iter().enumerate() {
+        let (s, d) = value.try_extract_tensor::<f32>()?;
+        if k == 0 {
+            shape = s.to_vec();
+        } else if s.to_vec() != shape {
+            return Err(::ort::Error::new(format!(
+                "{op}: input {} has shape {s:?}, not G's {shape:?}",
+                [gelu_slot::G, gelu_slot::X, gelu_slot::A][k]
+            )));
+        }
+        data.push(d);
+    }
+    let mut dx = ctx
+        .output(0, shape)?
+        .ok_or_else(|| ::ort::Error::new(format!("{op}: output 0 missing")))?;
+    let dx = dx.try_extract_tensor_mut::<f32>()?.1;
+    let len = dx.len();
+    in_chunks(ctx, len, dx.chunks_mut(CHUNK), |range, out| {
+        let part = |k: usize| &data[k][range.clone()];
+        gelu_grad(&s, [part(0), part(1), part(2)], out)
+    })
 }
 
 struct ReluGrad;

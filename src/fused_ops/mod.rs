@@ -115,12 +115,14 @@ macro_rules! with_widest_vectors {
 }
 
 mod batch_norm;
+mod gelu_grad;
 mod im2col;
 mod relu_grad;
 pub use batch_norm::{
     batch_norm_grad_channel, batch_norm_train_channel, BatchNormLayout, ChannelStats,
     BATCH_NORM_GRAD, BATCH_NORM_TRAIN,
 };
+pub use gelu_grad::{gelu_grad, gelu_slot, GeluGradScalars, GELU_GRAD};
 pub use im2col::{im2col_plane, Window2d, IM2COL};
 pub use relu_grad::{relu_grad, RELU_GRAD};
 
