@@ -450,11 +450,16 @@ fn accumulate_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
     )
 }
 
-/// `ty` has a known rank. ort reports a tensor of unknown rank with no dimensions, which
-/// set as an output would declare a scalar: outputs like such an input are left to the
-/// kernel (none of these operators has a scalar tensor input).
-fn known_rank(ty: &::ort::value::ValueType) -> bool {
-    matches!(ty, ::ort::value::ValueType::Tensor { shape, .. } if !shape.is_empty())
+/// `ty` has a known rank and every dimension known. ort reports a tensor of unknown rank
+/// with no dimensions, which set as an output would declare a scalar, and a symbolic
+/// dimension as -1, which set as an output ONNX Runtime's shape inference takes as the
+/// number -1 (a `Reshape` of a fused kernel's output with a symbolic batch then fails to
+/// load: "Invalid dimension value: -64", met with a fused GELU forward of the GPT). Outputs
+/// like such an input are left to the kernel (none of these operators has a scalar tensor
+/// input).
+fn known_shape(ty: &::ort::value::ValueType) -> bool {
+    matches!(ty, ::ort::value::ValueType::Tensor { shape, .. }
+        if !shape.is_empty() && shape.iter().all(|&d| d >= 0))
 }
 
 struct BatchNormTrain;
@@ -476,10 +481,10 @@ impl Operator for BatchNormTrain {
 
     fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
         let (x, scale) = (ctx.inputs()[0].clone(), ctx.inputs()[1].clone());
-        if known_rank(&x) {
+        if known_shape(&x) {
             ctx.set_output(0, &x)?;
         }
-        if known_rank(&scale) {
+        if known_shape(&scale) {
             for slot in 1..4 {
                 ctx.set_output(slot, &scale)?;
             }
@@ -642,10 +647,10 @@ impl Operator for BatchNormGrad {
 
     fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
         let (x, scale) = (ctx.inputs()[1].clone(), ctx.inputs()[2].clone());
-        if known_rank(&x) {
+        if known_shape(&x) {
             ctx.set_output(0, &x)?;
         }
-        if known_rank(&scale) {
+        if known_shape(&scale) {
             ctx.set_output(1, &scale)?;
             ctx.set_output(2, &scale)?;
         }
@@ -800,7 +805,7 @@ impl Operator for GeluGrad {
     /// G's shape (the pass matched G, x, u and A of one shape).
     fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
         match ctx.inputs().first() {
-            Some(g) if known_rank(g) => ctx.set_output(0, g),
+            Some(g) if known_shape(g) => ctx.set_output(0, g),
             _ => Ok(()),
         }
     }
@@ -873,7 +878,7 @@ impl Operator for ReluGrad {
     fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
         let inputs = ctx.inputs();
         match inputs.as_slice() {
-            [dy, y] if known_rank(dy) && dy == y => ctx.set_output(0, dy),
+            [dy, y] if known_shape(dy) && dy == y => ctx.set_output(0, dy),
             _ => Ok(()),
         }
     }
