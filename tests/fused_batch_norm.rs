@@ -516,13 +516,7 @@ net (float[N,8,12,12] x, int64[N] labels) => (float loss)
     }
     add("wf", &[10, 8], 17, 0.5, 0.0);
     add("bf", &[10], 18, 0.1, 0.0);
-    let mut forward = onnx_ga::signature::forward(model, Path::new("net.onnx"));
-    forward.signature.loss = "loss".into();
-    let spec = format!("autodiff(loss=loss,grads=internal),{middle},legalize-ort,dce");
-    onnx_ga::step::build_step(forward, &spec, true)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .model
-        .to_proto()
+    crate::common::ort_step(model, "net.onnx", middle)
 }
 
 /// The fused kernels read each layer's scale, which the fused optimizer may update in place:

@@ -175,13 +175,7 @@ mlp (float[N,16] x, int64[N] labels) => (float loss)
         t.name = Some(name.into());
         graph.initializer.push(t);
     }
-    let mut forward = onnx_ga::signature::forward(model, Path::new("mlp.onnx"));
-    forward.signature.loss = "loss".into();
-    let spec = format!("autodiff(loss=loss,grads=internal),{middle},legalize-ort,dce");
-    onnx_ga::step::build_step(forward, &spec, true)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .model
-        .to_proto()
+    crate::common::ort_step(model, "mlp.onnx", middle)
 }
 
 fn mlp_data(n: usize) -> BTreeMap<String, Tensor> {

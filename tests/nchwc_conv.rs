@@ -6,7 +6,6 @@
 //! so that none can pass by running the plain kernel twice.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
 use crate::common::ort_available;
 use onnx_ga::data::Tensor;
@@ -586,11 +585,5 @@ resnet (float[N,16,32,32] x, int64[N] labels) => (float loss)
     add("b3", &[32], 16, 0.1);
     add("wf", &[10, 32], 17, 0.5);
     add("bf", &[10], 18, 0.1);
-    let mut forward = onnx_ga::signature::forward(model, Path::new("resnet.onnx"));
-    forward.signature.loss = "loss".into();
-    let spec = format!("autodiff(loss=loss,grads=internal),{middle},legalize-ort,dce");
-    onnx_ga::step::build_step(forward, &spec, true)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .model
-        .to_proto()
+    crate::common::ort_step(model, "resnet.onnx", middle)
 }

@@ -357,3 +357,15 @@ pub fn train_pair(
     );
     (loss, worst.0)
 }
+
+/// The training step of the forward model `model` (its output `loss`) for ONNX Runtime:
+/// `autodiff(loss=loss,grads=internal),{middle},legalize-ort,dce`.
+pub fn ort_step(model: ModelProto, file: &str, middle: &str) -> ModelProto {
+    let mut forward = onnx_ga::signature::forward(model, Path::new(file));
+    forward.signature.loss = "loss".into();
+    let spec = format!("autodiff(loss=loss,grads=internal),{middle},legalize-ort,dce");
+    onnx_ga::step::build_step(forward, &spec, true)
+        .unwrap_or_else(|e| panic!("{file}: {e}"))
+        .model
+        .to_proto()
+}
