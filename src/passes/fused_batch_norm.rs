@@ -55,11 +55,7 @@ pub struct Rewritten {
 /// `model` with every BatchNorm lowering the module's patterns match on the fused kernels;
 /// `None` when none is.
 pub fn rewrite(model: &ModelProto) -> Result<Option<Rewritten>, super::PassError> {
-    let has_bn = model
-        .graph
-        .as_ref()
-        .is_some_and(|g| g.node.iter().any(|n| n.op_type() == "BatchNormalization"));
-    if !has_bn {
+    if !super::has_op(model, "BatchNormalization") {
         return Ok(None);
     }
     let mut ir = Model::from_proto(model.clone());

@@ -35,11 +35,7 @@ pub struct Rewritten {
 /// `model` with every GELU gradient the module's pattern matches on `GeluGrad`; `None` when
 /// none is.
 pub fn rewrite(model: &ModelProto) -> Result<Option<Rewritten>, super::PassError> {
-    let has_erf = model
-        .graph
-        .as_ref()
-        .is_some_and(|g| g.node.iter().any(|n| n.op_type() == "Exp"));
-    if !has_erf {
+    if !super::has_op(model, "Exp") {
         return Ok(None);
     }
     let mut ir = Model::from_proto(model.clone());

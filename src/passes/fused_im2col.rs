@@ -31,11 +31,7 @@ pub struct Rewritten {
 /// `model` with every unfolding the module's pattern matches on `Im2Col`; `None` when none
 /// is.
 pub fn rewrite(model: &ModelProto) -> Result<Option<Rewritten>, super::PassError> {
-    let has_conv = model
-        .graph
-        .as_ref()
-        .is_some_and(|g| g.node.iter().any(|n| n.op_type() == "Conv"));
-    if !has_conv {
+    if !super::has_op(model, "Conv") {
         return Ok(None);
     }
     let mut ir = Model::from_proto(model.clone());

@@ -27,11 +27,7 @@ pub struct Rewritten {
 /// `model` with every ReLU gradient the module's pattern matches on `ReluGrad`; `None`
 /// when none is.
 pub fn rewrite(model: &ModelProto) -> Result<Option<Rewritten>, super::PassError> {
-    let has_mask = model
-        .graph
-        .as_ref()
-        .is_some_and(|g| g.node.iter().any(|n| n.op_type() == "Greater"));
-    if !has_mask {
+    if !super::has_op(model, "Greater") {
         return Ok(None);
     }
     let mut ir = Model::from_proto(model.clone());

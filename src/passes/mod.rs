@@ -36,6 +36,15 @@ pub(crate) fn only_attributes(node: &crate::proto::NodeProto, names: &[&str]) ->
     node.attribute.iter().all(|a| names.contains(&a.name()))
 }
 
+/// Some node of `model`'s main graph is an `op`: the cheap test before a session's
+/// in-memory rewrite builds the IR.
+pub(crate) fn has_op(model: &crate::proto::ModelProto, op: &str) -> bool {
+    model
+        .graph
+        .as_ref()
+        .is_some_and(|g| g.node.iter().any(|n| n.op_type() == op))
+}
+
 /// The end of a session's in-memory rewrite onto onnx-ga's fused kernels
 /// ([`fused_batch_norm`], [`fused_gelu_grad`], [`fused_im2col`], [`fused_relu_grad`]): the fused domain
 /// required, the replaced nodes removed, the graph verified.
