@@ -170,8 +170,10 @@ struct TrainArgs {
     no_split: bool,
     /// Run the step as it is written, in standard ops, instead of on onnx-ga's fused CPU
     /// kernels (ONNX Runtime on the CPU): the optimizer's update (AdamW, Adam, SGD,
-    /// momentum, Nesterov) and the weight gradients' unfolding of a convolution's input
-    /// (same results, bit for bit), and BatchNorm (see --no-fused-batch-norm).
+    /// momentum, Nesterov), the weight gradients' unfolding of a convolution's input and
+    /// the ReLU gradients (same results, bit for bit), BatchNorm (see
+    /// --no-fused-batch-norm) and the exact GELU's gradient (the same operations but the
+    /// exponential's: within its rounding).
     #[arg(long)]
     no_fused_kernels: bool,
     /// Run training-mode BatchNorm as the step writes it, some 35 standard ops a layer,
