@@ -202,53 +202,31 @@ impl OrtSession {
             None => None,
         };
         let model = blocked.as_ref().map_or(model, |b| &b.model);
-        let fused_bn = match options.fused_batch_norm
-            && options.fused_kernels
-            && options.device == Device::Cpu
-        {
-            true => {
-                crate::passes::fused_batch_norm::rewrite(model).map_err(|e| EngineError::Ort {
-                    context: "putting BatchNorm on the fused kernels".into(),
-                    message: e.to_string(),
-                })?
-            }
-            false => None,
-        };
+        // onnx-ga's own CPU kernels, each pass on the model the previous one left.
+        let ours = |on: bool| on && options.fused_kernels && options.device == Device::Cpu;
+        let fused_bn = in_memory(
+            ours(options.fused_batch_norm),
+            "putting BatchNorm on the fused kernels",
+            || crate::passes::fused_batch_norm::rewrite(model),
+        )?;
         let model = fused_bn.as_ref().map_or(model, |f| &f.model);
-        let unfolded = match options.fused_im2col
-            && options.fused_kernels
-            && options.device == Device::Cpu
-        {
-            true => crate::passes::fused_im2col::rewrite(model).map_err(|e| EngineError::Ort {
-                context: "putting the unfoldings on the fused kernel".into(),
-                message: e.to_string(),
-            })?,
-            false => None,
-        };
+        let unfolded = in_memory(
+            ours(options.fused_im2col),
+            "putting the unfoldings on the fused kernel",
+            || crate::passes::fused_im2col::rewrite(model),
+        )?;
         let model = unfolded.as_ref().map_or(model, |u| &u.model);
-        let relu_grads =
-            match options.fused_relu_grad && options.fused_kernels && options.device == Device::Cpu
-            {
-                true => crate::passes::fused_relu_grad::rewrite(model).map_err(|e| {
-                    EngineError::Ort {
-                        context: "putting the ReLU gradients on the fused kernel".into(),
-                        message: e.to_string(),
-                    }
-                })?,
-                false => None,
-            };
+        let relu_grads = in_memory(
+            ours(options.fused_relu_grad),
+            "putting the ReLU gradients on the fused kernel",
+            || crate::passes::fused_relu_grad::rewrite(model),
+        )?;
         let model = relu_grads.as_ref().map_or(model, |r| &r.model);
-        let gelu_grads =
-            match options.fused_gelu_grad && options.fused_kernels && options.device == Device::Cpu
-            {
-                true => crate::passes::fused_gelu_grad::rewrite(model).map_err(|e| {
-                    EngineError::Ort {
-                        context: "putting the GELU gradients on the fused kernel".into(),
-                        message: e.to_string(),
-                    }
-                })?,
-                false => None,
-            };
+        let gelu_grads = in_memory(
+            ours(options.fused_gelu_grad),
+            "putting the GELU gradients on the fused kernel",
+            || crate::passes::fused_gelu_grad::rewrite(model),
+        )?;
         let model = gelu_grads.as_ref().map_or(model, |g| &g.model);
         let (pruned, unread) = without_unread_inputs(model);
         let bytes = crate::model::encode_model(pruned.as_ref().unwrap_or(model));
@@ -589,6 +567,22 @@ pub fn held_to_host(name: &str, value: &DynValue) -> Result<Tensor, EngineError>
         .to(AllocationDevice::CPU, 0)
         .map_err(|e| err(format!("copying to the host: {e}")))?;
     from_ort(name, &copied.into_dyn().view())
+}
+
+/// `rewrite()` when `on`: one of a session's in-memory passes onto onnx-ga's kernels, its
+/// error said as what it was `doing`.
+fn in_memory<R>(
+    on: bool,
+    doing: &str,
+    rewrite: impl FnOnce() -> Result<Option<R>, crate::passes::PassError>,
+) -> Result<Option<R>, EngineError> {
+    match on {
+        true => rewrite().map_err(|e| EngineError::Ort {
+            context: doing.into(),
+            message: e.to_string(),
+        }),
+        false => Ok(None),
+    }
 }
 
 /// `model` without the graph inputs nothing in it reads (no node, in any subgraph, and no

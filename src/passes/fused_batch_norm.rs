@@ -34,7 +34,7 @@
 //! fused backward makes from the fused forward's outputs, so both fused nodes run before
 //! the update that reads its gradient ([`super::fuse::in_place`]).
 
-use super::autodiff::shapes::{constant_ints, constant_tensor, Shapes};
+use super::autodiff::shapes::{constant_f32, constant_ints, constant_tensor, Shapes};
 use super::fuse::{input, is_op};
 use crate::fused_ops::{BATCH_NORM_GRAD, BATCH_NORM_TRAIN, DOMAIN};
 use crate::ir::builder::{attr_float, Builder, NodeAttributes};
@@ -170,7 +170,7 @@ fn match_forward(model: &Model, shapes: &Shapes, bn: NodeId) -> Option<Forward> 
     let recip = single_operand(model, inv_std, "Sqrt")?;
     let shifted = single_operand(model, recip, "Reciprocal")?;
     let (var, eps) = operands(model, shifted, "Add")?;
-    let epsilon = scalar_f32(model, eps)?;
+    let epsilon = constant_f32(model, eps)?;
     let (squares, n) = operands(model, var, "Div")?;
     let (per_image, batch_axes) = reduced(model, squares, "ReduceSum", false)?;
     let (centered, spatial) = reduced(model, per_image, "ReduceSumSquare", false)?;
@@ -337,13 +337,6 @@ fn float32_or_unknown(shapes: &Shapes, v: ValueId, rank: usize) -> bool {
     f.elem.is_none_or(|e| e == DataType::Float as i32) && f.rank().is_none_or(|r| r == rank)
 }
 
-/// The one float32 value of a constant scalar (or one-element tensor).
-fn scalar_f32(model: &Model, v: ValueId) -> Option<f32> {
-    let t = crate::data::Tensor::from_tensor_proto(constant_tensor(model, v)?).ok()?;
-    let a = t.as_f32()?;
-    (a.len() == 1).then(|| a.iter().next().copied())?
-}
-
 /// `v` is a constant float32 tensor of `value` everywhere.
 fn filled_with(model: &Model, v: ValueId, value: f32) -> bool {
     constant_tensor(model, v)
@@ -354,7 +347,7 @@ fn filled_with(model: &Model, v: ValueId, value: f32) -> bool {
 /// `n` is the elements per channel of `t`: the constant its static shape gives, or
 /// `Cast(Div(Size(t), Size(scale)))` to float.
 fn is_count(model: &Model, shapes: &Shapes, n: ValueId, t: ValueId, scale: ValueId) -> bool {
-    if let Some(value) = scalar_f32(model, n) {
+    if let Some(value) = constant_f32(model, n) {
         let dims = shapes.get(t).static_dims();
         return dims.is_some_and(|d| {
             d.len() >= 2 && d[1] > 0 && (d.iter().product::<i64>() / d[1]) as f32 == value

@@ -16,11 +16,11 @@
 //! computes exactly those operations in that order, u recomputed as the forward's `Div`;
 //! only `Exp` is its own.
 
-use super::autodiff::shapes::{constant_tensor, Dim, Facts, Shapes};
+use super::autodiff::shapes::{constant_f32, Dim, Facts, Shapes};
 use super::fuse::{input, is_op, read_only_by};
 use crate::fused_ops::{gelu_slot, DOMAIN, GELU_GRAD};
 use crate::ir::builder::Builder;
-use crate::ir::{normalize_domain, BodyId, Model, NodeId, ValueId};
+use crate::ir::{BodyId, Model, NodeId, ValueId};
 use crate::proto::ModelProto;
 
 pub const PASS: &str = "fused-gelu-grad";
@@ -73,10 +73,12 @@ fn only_for(model: &Model, v: ValueId, op: &str, arity: usize, reader: NodeId) -
     let (n, 0) = model.producer(v)? else {
         return None;
     };
-    let ok = is_op(model, n, op, arity)
-        && model.node(n).body == BodyId::MAIN
-        && read_only_by(model, v, &[reader]);
-    ok.then_some(n)
+    (main_op(model, n, op, arity) && read_only_by(model, v, &[reader])).then_some(n)
+}
+
+/// `n` is `op` ([`is_op`]) in the main graph.
+fn main_op(model: &Model, n: NodeId, op: &str, arity: usize) -> bool {
+    is_op(model, n, op, arity) && model.node(n).body == BodyId::MAIN
 }
 
 /// [`only_for`] a two-input op: the node and its inputs.
@@ -93,9 +95,7 @@ fn unary(model: &Model, v: ValueId, op: &str, reader: NodeId) -> Option<(NodeId,
 
 /// `v` is a one-element float32 constant.
 fn scalar(model: &Model, v: ValueId) -> bool {
-    constant_tensor(model, v)
-        .and_then(|t| crate::data::Tensor::from_tensor_proto(t).ok())
-        .is_some_and(|t| t.as_f32().is_some_and(|a| a.len() == 1))
+    constant_f32(model, v).is_some()
 }
 
 /// `[a, b]` with the constant scalar second, when one of them is one.
@@ -114,7 +114,7 @@ fn gelu_gradient(
     shapes: &Shapes,
     add: NodeId,
 ) -> Option<[ValueId; gelu_slot::COUNT]> {
-    if !is_op(model, add, "Add", 2) || model.node(add).body != BodyId::MAIN {
+    if !main_op(model, add, "Add", 2) {
         return None;
     }
     let (p, q) = (input(model, add, 0)?, input(model, add, 1)?);
@@ -151,13 +151,8 @@ fn gelu_gradient(
                 (_, true) => Some((g, x, a0)),
                 _ => None,
             })?;
-    let (mul_g, 0) = model.producer(g)? else {
-        return None;
-    };
+    let mul_g = super::fuse::made_by(model, g, "Mul", BodyId::MAIN)?;
     if !read_only_by(model, g, &[mul_a, mul_da]) {
-        return None;
-    }
-    if !is_op(model, mul_g, "Mul", 2) || model.node(mul_g).body != BodyId::MAIN {
         return None;
     }
     let (upstream, h) = with_scalar(model, [input(model, mul_g, 0)?, input(model, mul_g, 1)?])?;
@@ -193,12 +188,7 @@ fn forward_values(model: &Model, x: ValueId, u: ValueId, a: ValueId) -> Option<V
     let erf_plus_one = made_by(model, a, "Add")
         .and_then(|ins| with_scalar(model, ins))
         .and_then(|(e, _)| model.producer(e))
-        .is_some_and(|(erf, _)| {
-            let node = model.node(erf);
-            node.proto.op_type() == "Erf"
-                && normalize_domain(node.proto.domain()).is_empty()
-                && node.inputs.first().copied().flatten() == Some(u)
-        });
+        .is_some_and(|(erf, _)| main_op(model, erf, "Erf", 1) && input(model, erf, 0) == Some(u));
     divisor.filter(|_| erf_plus_one)
 }
 

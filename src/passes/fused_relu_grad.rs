@@ -9,7 +9,7 @@
 //! gradient has Y's shape; where a model's own mask broadcasts, the kernel broadcasts as
 //! the Mul did. A mask something else also reads keeps its nodes.
 
-use super::autodiff::shapes::constant_tensor;
+use super::autodiff::shapes::constant_f32;
 use crate::fused_ops::{DOMAIN, RELU_GRAD};
 use crate::ir::builder::{Builder, NodeAttributes};
 use crate::ir::{normalize_domain, BodyId, Model, NodeId, ValueId};
@@ -73,13 +73,7 @@ fn masked_product(model: &Model, mul: NodeId) -> Option<(ValueId, ValueId)> {
     };
     let y = standard(model, greater, "Greater", 2)?;
     let zero = model.node(greater).inputs[1]?;
-    let zero = constant_tensor(model, zero)
-        .and_then(|t| crate::data::Tensor::from_tensor_proto(t).ok())
-        .is_some_and(|t| {
-            t.as_f32()
-                .is_some_and(|a| a.len() == 1 && a.iter().all(|&v| v == 0.0))
-        });
-    zero.then_some((dy, y))
+    (constant_f32(model, zero) == Some(0.0)).then_some((dy, y))
 }
 
 /// The node's first input when it is `op` of the standard domain in the main graph, with

@@ -209,6 +209,13 @@ fn fold_ints(model: &Model, v: ValueId, depth: usize) -> Option<Vec<i64>> {
     }
 }
 
+/// The one float32 value of a constant scalar (or one-element tensor).
+pub fn constant_f32(model: &Model, v: ValueId) -> Option<f32> {
+    let t = crate::data::Tensor::from_tensor_proto(constant_tensor(model, v)?).ok()?;
+    let a = t.as_f32()?;
+    (a.len() == 1).then(|| a.iter().next().copied())?
+}
+
 pub fn constant_tensor(model: &Model, v: ValueId) -> Option<&TensorProto> {
     match model.value(v).def {
         ValueDef::Initializer { .. } => model.initializer(v),
