@@ -24,6 +24,8 @@
 //!   gradients on the first micro-batch against torch's (`grads.npz` from generate.py), and
 //!   the split step against the whole one over two windows (bit-identical parameters);
 //! - `--round N --out FILE`: one round of every column and configuration, JSON lines;
+//! - `--pair MODEL B T A B`: two columns in one process, windows alternating, for
+//!   `2 x --cell-ms`: the median ratio of adjacent windows (an A/B on a drifting machine);
 //! - `--rss --out FILE`: peak RSS (VmHWM) of each (model, B, T, column) in a fresh child
 //!   process (`--rss-child MODEL B T COLUMN`), JSON lines.
 //!
@@ -89,6 +91,7 @@ enum Mode {
     Round(usize),
     Rss,
     RssChild(String, usize, usize, String),
+    Pair(String, usize, usize, String, String),
 }
 
 fn parse_opts() -> Result<Opts> {
@@ -145,6 +148,13 @@ fn parse_opts() -> Result<Opts> {
                 let t = value("threads")?.parse()?;
                 let c = value("column")?;
                 mode = Some(Mode::RssChild(m, b, t, c));
+            }
+            "--pair" => {
+                let m = value("model")?;
+                let b = value("batch")?.parse()?;
+                let t = value("threads")?.parse()?;
+                let (a, c) = (value("column A")?, value("column B")?);
+                mode = Some(Mode::Pair(m, b, t, a, c));
             }
             other if other.starts_with('-') => eprintln!("realistic bench: ignoring {other}"),
             _ => {}
@@ -748,13 +758,25 @@ enum Runner {
     Trainer(Box<Trainer>),
 }
 
-fn runner(o: &Opts, model: &str, column: &str, threads: usize) -> Result<Runner> {
+/// `beside_a_step`: the floor shares the environment's pool with a trainer in the same
+/// process (`--pair`); two spinning pools in one process take each other's cores (measured:
+/// ResNet-8 B 32 T 2, step / floor 1.28 beside a floor with its own pool, 1.05 on the shared one).
+fn runner(
+    o: &Opts,
+    model: &str,
+    column: &str,
+    threads: usize,
+    beside_a_step: bool,
+) -> Result<Runner> {
     let dir = o.work.join(model);
     Ok(match column {
         "floor" => Runner::Floor(Box::new(Floor::new(
             &load(&dir.join("floor.onnx"))?,
             &floor_meta(o, model)?,
-            &session(threads),
+            &SessionOptions {
+                shared_pool: beside_a_step,
+                ..session(threads)
+            },
         )?)),
         "step" | "step_whole" | "step_copy" => {
             let step = load(&dir.join("step.onnx"))?;
@@ -799,7 +821,7 @@ fn round(o: &Opts, r: usize) -> Result<Vec<Record>> {
                 for c in 0..COLUMNS.len() {
                     let column = COLUMNS[(c + r + config) % COLUMNS.len()];
                     let t = Instant::now();
-                    let mut run = runner(o, model, column, threads)?;
+                    let mut run = runner(o, model, column, threads, false)?;
                     let setup_s = t.elapsed().as_secs_f64();
                     let n = batches.len() as u64;
                     let m = measure(o.k, o.cell, |i| run.step(&batches[(i % n) as usize]))?;
@@ -844,6 +866,65 @@ fn append(path: &Path, lines: impl IntoIterator<Item = String>) -> Result<()> {
     Ok(())
 }
 
+// ----------------------------------------------------------------------------- pairs
+
+/// Two columns of one configuration in this process, a window of one then a window of the
+/// other, for `--cell-ms` each in all: on a machine whose speed drifts by more than the
+/// effect (this project's 2-core VMs: ±20% between cells seconds apart), adjacent windows
+/// see the same machine, and the median of their ratios is the A/B. Prints one JSON line:
+/// each column's median window (ms per micro-step) and the median and range of A / B.
+fn pair(o: &Opts, model: &str, b: usize, threads: usize, columns: [&str; 2]) -> Result<()> {
+    onnx_ga::runtime::init_onnxruntime()?;
+    let data = Data::open(o, model)?;
+    let batches = data.batches(b);
+    let mut runs = [
+        runner(o, model, columns[0], threads, true)?,
+        runner(o, model, columns[1], threads, true)?,
+    ];
+    let n = batches.len();
+    let k = o.k as usize;
+    let window = |run: &mut Runner, w: usize| -> Result<f64> {
+        let t = Instant::now();
+        for i in 0..k {
+            run.step(&batches[(w * k + i) % n])?;
+        }
+        Ok(t.elapsed().as_secs_f64() * 1e3 / k as f64)
+    };
+    // One warm-up window each, then pairs, the order alternating per pair.
+    window(&mut runs[0], 0)?;
+    window(&mut runs[1], 0)?;
+    let (mut ms, mut ratios) = ([Vec::new(), Vec::new()], Vec::new());
+    let start = Instant::now();
+    let mut w = 1;
+    while start.elapsed() < o.cell * 2 || ratios.len() < 5 {
+        let order = if w % 2 == 0 { [0, 1] } else { [1, 0] };
+        let mut pair = [0.0; 2];
+        for c in order {
+            pair[c] = window(&mut runs[c], w)?;
+        }
+        ms[0].push(pair[0]);
+        ms[1].push(pair[1]);
+        ratios.push(pair[0] / pair[1]);
+        w += 1;
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (a, bb) = (median(&mut ms[0]), median(&mut ms[1]));
+    let r = median(&mut ratios);
+    println!(
+        "{}",
+        serde_json::json!({
+            "model": model, "batch": b, "threads": threads,
+            "a": columns[0], "b": columns[1], "ms_a": a, "ms_b": bb,
+            "a_over_b": r, "min": ratios[0], "max": ratios[ratios.len() - 1],
+            "pairs": ratios.len(),
+        })
+    );
+    Ok(())
+}
+
 // ----------------------------------------------------------------------------- memory
 
 /// `VmRSS`, `VmHWM` of this process in KiB (Linux).
@@ -869,7 +950,7 @@ fn rss_child(o: &Opts, model: &str, b: usize, threads: usize, column: &str) -> R
     drop(data);
     let (base, _) = vm()?;
     let t = Instant::now();
-    let mut run = runner(o, model, column, threads)?;
+    let mut run = runner(o, model, column, threads, false)?;
     let (made, _) = vm()?;
     let setup_s = t.elapsed().as_secs_f64();
     let n = batches.len();
@@ -953,5 +1034,6 @@ fn main() -> Result<()> {
         }
         Mode::Rss => rss(&o),
         Mode::RssChild(m, b, t, c) => rss_child(&o, &m, b, t, &c),
+        Mode::Pair(m, b, t, x, y) => pair(&o, &m, b, t, [&x, &y]),
     }
 }

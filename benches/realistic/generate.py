@@ -201,6 +201,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "target", "bench-realistic", "models"))
     ap.add_argument("--models", default=",".join(models.MODELS))
     a = ap.parse_args()
+    # Absolute: generate() writes the artifacts after a chdir into their folder.
+    a.out = os.path.abspath(a.out)
     torch.set_num_threads(1)
     for name in a.models.split(","):
         meta = generate(name, a.out)
