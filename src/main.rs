@@ -1220,7 +1220,13 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
                 );
                 return Err(UsageError(message).into());
             }
-            Err(e) => return Err(e.into()),
+            // Named by the step file and the micro-step: an engine may first see a problem
+            // of the file here (tract: a control input that lost its initializer).
+            Err(e) => {
+                return Err(step_context(e, &args.model)
+                    .context(format!("micro-step {}", step_index + 1))
+                    .into())
+            }
         };
         metrics.step = step_index + 1;
         progress.record(&metrics);
