@@ -26,6 +26,8 @@
 //! - `--round N --out FILE`: one round of every column and configuration, JSON lines;
 //! - `--pair MODEL B T A B`: two columns in one process, windows alternating, for
 //!   `2 x --cell-ms`: the median ratio of adjacent windows (an A/B on a drifting machine);
+//!   a column `floor:FILE` is another floor file in the model's work folder (a graph change's
+//!   A/B: the floor a build before it wrote against this build's);
 //! - `--rss --out FILE`: peak RSS (VmHWM) of each (model, B, T, column) in a fresh child
 //!   process (`--rss-child MODEL B T COLUMN`), JSON lines.
 //!
@@ -769,9 +771,15 @@ fn runner(
     beside_a_step: bool,
 ) -> Result<Runner> {
     let dir = o.work.join(model);
+    // `floor:FILE`: another floor file in the model's work folder (one a build before a
+    // change wrote), for `--pair floor:floor.before.onnx floor`.
+    let (column, floor_file) = match column.split_once(':') {
+        Some(("floor", file)) => ("floor", file),
+        _ => (column, "floor.onnx"),
+    };
     Ok(match column {
         "floor" => Runner::Floor(Box::new(Floor::new(
-            &load(&dir.join("floor.onnx"))?,
+            &load(&dir.join(floor_file))?,
             &floor_meta(o, model)?,
             &SessionOptions {
                 shared_pool: beside_a_step,
