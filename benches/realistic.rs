@@ -877,7 +877,7 @@ fn append(path: &Path, lines: impl IntoIterator<Item = String>) -> Result<()> {
 // ----------------------------------------------------------------------------- pairs
 
 /// Two columns of one configuration in this process, a window of one then a window of the
-/// other, for `--cell-ms` each in all: on a machine whose speed drifts by more than the
+/// other, for twice `--cell-ms` in all: on a machine whose speed drifts by more than the
 /// effect (this project's 2-core VMs: ±20% between cells seconds apart), adjacent windows
 /// see the same machine, and the median of their ratios is the A/B. Prints one JSON line:
 /// each column's median window (ms per micro-step) and the median and range of A / B.
