@@ -251,6 +251,48 @@ fn data_without_the_steps_inputs() {
     );
 }
 
+/// A step whose learning-rate control lost its default (the initializer of `ga.lr`): the
+/// engine first meets it when it runs (tract at the first micro-step), and the error names
+/// the step file and the micro-step, not the input alone (the mutation campaign's case 467).
+#[test]
+fn a_control_input_without_its_default() {
+    use prost::Message;
+    let tmp = tempfile::tempdir().unwrap();
+    let step = rewritten_step(tmp.path());
+    let mut model =
+        onnx_ga::proto::ModelProto::decode(std::fs::read(&step).unwrap().as_slice()).unwrap();
+    let graph = model.graph.as_mut().unwrap();
+    let before = graph.initializer.len();
+    graph.initializer.retain(|t| t.name() != "ga.lr");
+    assert_eq!(
+        graph.initializer.len(),
+        before - 1,
+        "the step has a ga.lr default"
+    );
+    std::fs::write(&step, model.encode_to_vec()).unwrap();
+    let state = tmp.path().join("state.npz");
+    refused(
+        "a_control_input_without_its_default",
+        tmp.path(),
+        &[
+            "train",
+            step.to_str().unwrap(),
+            "--data",
+            "graphs/mlp_ce_adamw/data.npz",
+            "--micro-batch",
+            "8",
+            "--steps",
+            "4",
+            "--engine",
+            "tract",
+            "--save-state",
+            state.to_str().unwrap(),
+        ],
+        "step.onnx: input 'ga.lr'",
+        Some(&state),
+    );
+}
+
 #[test]
 fn rewriting_a_step_again() {
     let tmp = tempfile::tempdir().unwrap();
