@@ -66,6 +66,25 @@ fn rewritten_step(tmp: &Path) -> std::path::PathBuf {
     step
 }
 
+/// `train STEP --data DATA` for one window of 8-sample micro-batches on tract, saving the
+/// state to `state` (which an error must leave unwritten).
+fn train_on_tract<'a>(step: &'a Path, data: &'a str, state: &'a Path) -> [&'a str; 12] {
+    [
+        "train",
+        step.to_str().unwrap(),
+        "--data",
+        data,
+        "--micro-batch",
+        "8",
+        "--steps",
+        "4",
+        "--engine",
+        "tract",
+        "--save-state",
+        state.to_str().unwrap(),
+    ]
+}
+
 #[test]
 fn a_model_that_does_not_exist() {
     let tmp = tempfile::tempdir().unwrap();
@@ -232,20 +251,7 @@ fn data_without_the_steps_inputs() {
     refused(
         "data_of_another_model",
         tmp.path(),
-        &[
-            "train",
-            step.to_str().unwrap(),
-            "--data",
-            "graphs/mlp_mse_sgd/data.npz",
-            "--micro-batch",
-            "8",
-            "--steps",
-            "4",
-            "--engine",
-            "tract",
-            "--save-state",
-            state.to_str().unwrap(),
-        ],
+        &train_on_tract(&step, "graphs/mlp_mse_sgd/data.npz", &state),
         "data.npz",
         Some(&state),
     );
@@ -274,20 +280,7 @@ fn a_control_input_without_its_default() {
     refused(
         "a_control_input_without_its_default",
         tmp.path(),
-        &[
-            "train",
-            step.to_str().unwrap(),
-            "--data",
-            "graphs/mlp_ce_adamw/data.npz",
-            "--micro-batch",
-            "8",
-            "--steps",
-            "4",
-            "--engine",
-            "tract",
-            "--save-state",
-            state.to_str().unwrap(),
-        ],
+        &train_on_tract(&step, "graphs/mlp_ce_adamw/data.npz", &state),
         "step.onnx: input 'ga.lr'",
         Some(&state),
     );

@@ -17,7 +17,7 @@
 //! An ignored label may lie outside [0, C): it is replaced by class 0 before the gather,
 //! and its term is zeroed by w.
 
-use super::softmax_cross_entropy_loss_grad::{int_scalar, sample_weights};
+use super::softmax_cross_entropy_loss_grad::{sample_weights, IgnoredLabels};
 use super::util::{INT32, INT64};
 use super::Lowering;
 use crate::ir::builder::{attr_int, attr_ints};
@@ -140,15 +140,8 @@ fn nll(l: &mut Lowering<'_, '_>, node: NodeId, log_prob: ValueId) -> Result<(), 
     let t = l.float_type(node, log_prob)?;
 
     // The label to gather at: an ignored one may be out of range, so it reads class 0.
-    let gather_label = match ignore_index {
-        Some(i) => {
-            let ignore = int_scalar(l, "ignore_index", label_type, i);
-            let ignored = l.op("Equal", &[label, ignore], vec![], "sce_ignored");
-            let zero = int_scalar(l, "label_zero", label_type, 0);
-            l.op("Where", &[ignored, zero, label], vec![], "sce_gather_label")
-        }
-        None => label,
-    };
+    let ignored = ignore_index.map(|i| IgnoredLabels::of(l, label, label_type, i));
+    let gather_label = ignored.map_or(label, |i| i.safe_label);
     let index = l.cast(gather_label, INT64, "sce_label_i64");
     let index = l.unsqueeze(index, &[1], "sce_label_n1");
     let picked = l.op(
@@ -178,7 +171,7 @@ fn nll(l: &mut Lowering<'_, '_>, node: NodeId, log_prob: ValueId) -> Result<(), 
             _ => neg,
         }
     } else {
-        let w = sample_weights(l, label, label_type, weight, ignore_index, t);
+        let w = sample_weights(l, label, weight, ignored, t);
         let weighted = l.op("Mul", &[neg, w], vec![], "sce_weighted");
         match reduction.as_str() {
             "mean" => {

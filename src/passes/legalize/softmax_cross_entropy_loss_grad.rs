@@ -36,11 +36,11 @@ pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassEr
     let weight = l.optional_input(node, 3);
     let (reduction, ignore, label_type) =
         super::softmax_cross_entropy_loss::loss_attributes(l, node, label)?;
-    let (has_ignore, ignore_index) = (ignore.is_some(), ignore.unwrap_or(-1));
     let t = l.float_type(node, log_prob)?;
+    let ignored = ignore.map(|i| IgnoredLabels::of(l, label, label_type, i));
 
     // dL: the gradient reaching each sample's loss, shaped to broadcast over the classes.
-    let d_loss = if weight.is_none() && !has_ignore {
+    let d_loss = if weight.is_none() && ignored.is_none() {
         // Every w is 1: a scalar for mean and sum.
         match reduction.as_str() {
             "mean" => {
@@ -52,14 +52,7 @@ pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassEr
             _ => l.unsqueeze(dy, &[1], "sce_dloss_n1"),
         }
     } else {
-        let w = sample_weights(
-            l,
-            label,
-            label_type,
-            weight,
-            has_ignore.then_some(ignore_index),
-            t,
-        );
+        let w = sample_weights(l, label, weight, ignored, t);
         let d_loss = match reduction.as_str() {
             "mean" => {
                 let total = l.op(
@@ -94,20 +87,8 @@ pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassEr
     // by element; benches/README.md, "Run Q").
     //
     // An ignored label may lie outside [0, C) (PyTorch pads with -100), where Gather- and
-    // ScatterElements fail; its dL is 0, so any class is harmless: take class 0.
-    let safe_label = if has_ignore {
-        let ignore = int_scalar(l, "ignore_index", label_type, ignore_index);
-        let ignored = l.op("Equal", &[label, ignore], vec![], "sce_label_ignored");
-        let label_zero = int_scalar(l, "label_zero", label_type, 0);
-        l.op(
-            "Where",
-            &[ignored, label_zero, label],
-            vec![],
-            "sce_safe_label",
-        )
-    } else {
-        label
-    };
+    // ScatterElements fail; its dL is 0, so any class is harmless: the safe label's class 0.
+    let safe_label = ignored.map_or(label, |i| i.safe_label);
     // The class axis is 1: each sample's label index, [N, 1, d1..].
     let index = l.unsqueeze(safe_label, &[1], "sce_label_index");
     let prob = l.op("Exp", &[log_prob], vec![], "sce_prob");
@@ -130,37 +111,53 @@ pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassEr
     Ok(())
 }
 
+/// The samples whose label is `ignore_index`, and the labels with those replaced by class 0:
+/// an ignored label may lie outside [0, C), where a gather or scatter must not read it. Made
+/// once per lowering; the loss and its gradient, and the weights, read the same two values.
+#[derive(Clone, Copy)]
+pub(super) struct IgnoredLabels {
+    pub mask: ValueId,
+    pub safe_label: ValueId,
+}
+
+impl IgnoredLabels {
+    pub fn of(l: &mut Lowering<'_, '_>, label: ValueId, label_type: i32, ignore: i64) -> Self {
+        let ignore = int_scalar(l, "ignore_index", label_type, ignore);
+        let mask = l.op("Equal", &[label, ignore], vec![], "sce_ignored");
+        let class_zero = int_scalar(l, "label_zero", label_type, 0);
+        let safe_label = l.op(
+            "Where",
+            &[mask, class_zero, label],
+            vec![],
+            "sce_safe_label",
+        );
+        IgnoredLabels { mask, safe_label }
+    }
+}
+
 /// w: each sample's class weight (1 without weights), 0 where its label is ignored.
 pub(super) fn sample_weights(
     l: &mut Lowering<'_, '_>,
     label: ValueId,
-    label_type: i32,
     weight: Option<ValueId>,
-    ignore_index: Option<i64>,
+    ignored: Option<IgnoredLabels>,
     t: i32,
 ) -> ValueId {
-    let ignored = ignore_index.map(|i| {
-        let ignore = int_scalar(l, "ignore_index", label_type, i);
-        l.op("Equal", &[label, ignore], vec![], "sce_ignored")
-    });
     let zero = l.scalar("zero", t, 0.0);
     match (weight, ignored) {
         (None, Some(ignored)) => {
             let one = l.scalar("one", t, 1.0);
-            l.op("Where", &[ignored, zero, one], vec![], "sce_w")
+            l.op("Where", &[ignored.mask, zero, one], vec![], "sce_w")
         }
         (Some(weight), None) => l.op("Gather", &[weight, label], vec![], "sce_w"),
         (Some(weight), Some(ignored)) => {
-            // Gather must not see an out-of-range ignored label: look up class 0 instead.
-            let label_zero = int_scalar(l, "label_zero", label_type, 0);
-            let safe = l.op(
-                "Where",
-                &[ignored, label_zero, label],
+            let class_w = l.op(
+                "Gather",
+                &[weight, ignored.safe_label],
                 vec![],
-                "sce_safe_label",
+                "sce_class_w",
             );
-            let class_w = l.op("Gather", &[weight, safe], vec![], "sce_class_w");
-            l.op("Where", &[ignored, zero, class_w], vec![], "sce_w")
+            l.op("Where", &[ignored.mask, zero, class_w], vec![], "sce_w")
         }
         (None, None) => unreachable!("the unweighted, unignored case needs no per-sample weights"),
     }
