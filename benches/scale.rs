@@ -437,7 +437,7 @@ fn main() -> Result<()> {
     let o = parse_opts()?;
     onnx_ga::runtime::init_onnxruntime()?;
     if !o.bench {
-        return check(&build(o.widths[0].min(64), 8)?);
+        return check(&build(o.widths[0], 8)?);
     }
     let sized: Vec<Sized> = o
         .widths

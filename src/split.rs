@@ -48,6 +48,7 @@ pub enum SplitError {
 }
 
 /// One specialisation of the step.
+#[derive(Clone)]
 pub struct Specialised {
     pub model: ModelProto,
     /// State inputs (by name) this specialisation leaves unchanged: it has no output for

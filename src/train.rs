@@ -7,6 +7,7 @@ use std::path::Path;
 
 pub mod distributed;
 mod window_start;
+mod zero_after_apply;
 
 use crate::data::Tensor;
 use crate::engine::ort::SessionOptions;
@@ -176,6 +177,11 @@ pub(crate) enum Runner {
         /// State inputs each specialisation leaves unchanged (it has no output for them).
         unchanged_on_accumulate: BTreeSet<String>,
         unchanged_on_apply: BTreeSet<String>,
+        /// Accumulators the apply leaves holding the window's sums, which count as zero
+        /// until the window start overwrites them ([`zero_after_apply`]); and whether they
+        /// hold such stale sums now.
+        zero_after_apply: BTreeSet<String>,
+        stale_sums: bool,
         /// K: the step's initializer, or what [`Trainer::set_accum_steps`] set.
         window_size: i64,
         /// The micro-step counter the graph holds, mirrored on the host so that no state
@@ -360,6 +366,22 @@ impl Trainer {
                     Some((s, _)) => s,
                     None => &split.apply,
                 };
+                let start_model = window_start::window_start(&split.accumulate, &manifest);
+                // Zeros the next micro-step overwrites unread need not be written (not for
+                // data parallel, whose window ends apart; on ONNX Runtime's CPU, where the
+                // host zeroes a buffer in place when it must).
+                let (apply, zero_after_apply) = match (&start_model, &apply_only) {
+                    (Some(start), None)
+                        if kind.resolve().0 == EngineKind::Ort
+                            && session.device == crate::engine::ort::Device::Cpu =>
+                    {
+                        let unread = zero_after_apply::written_unread(start, &manifest);
+                        let (apply, dropped) =
+                            zero_after_apply::drop_zeroing(apply, &manifest, &unread);
+                        (std::borrow::Cow::Owned(apply), dropped)
+                    }
+                    _ => (std::borrow::Cow::Borrowed(apply), BTreeSet::new()),
+                };
                 // In place only here: the whole graph's states leave through its If.
                 let in_place = |window_start| crate::passes::fuse::FuseOptions {
                     in_place: true,
@@ -367,7 +389,7 @@ impl Trainer {
                     min_accumulator_elements: session.in_place_min_elements,
                     min_in_place_total: session.in_place_min_total,
                 };
-                let start = match window_start::window_start(&split.accumulate, &manifest) {
+                let start = match start_model {
                     Some(s) => Some(Box::new(open_engine(
                         kind,
                         &s.model,
@@ -398,6 +420,8 @@ impl Trainer {
                     )?),
                     unchanged_on_accumulate: split.accumulate.unchanged,
                     unchanged_on_apply: apply.unchanged.clone(),
+                    zero_after_apply,
+                    stale_sums: false,
                     window_size,
                     micro_step,
                     micro_step_input,
@@ -476,6 +500,17 @@ impl Trainer {
     /// the sessions (0: the step runs as written; see `SessionOptions::fused_kernels`).
     pub fn fused_updates(&self) -> usize {
         self.fused_updates
+    }
+
+    /// How many accumulators the apply leaves holding the window's sums for the next window
+    /// start to overwrite, instead of writing zeros into them ([`zero_after_apply`]).
+    pub fn zeros_left_to_the_window_start(&self) -> usize {
+        match &self.runner {
+            Runner::Split {
+                zero_after_apply, ..
+            } => zero_after_apply.len(),
+            Runner::Whole(_) => 0,
+        }
     }
 
     /// How many states the sessions update in place (`SessionOptions::in_place_updates`),
@@ -606,9 +641,21 @@ impl Trainer {
         if let Some(state) = self.host_state.get() {
             return Ok(state);
         }
+        let stale = match &self.runner {
+            Runner::Split {
+                zero_after_apply,
+                stale_sums: true,
+                ..
+            } => Some(zero_after_apply),
+            _ => None,
+        };
         let mut host = BTreeMap::new();
         for (name, value) in &self.state {
-            host.insert(name.clone(), value.to_host(name)?);
+            let mut t = value.to_host(name)?;
+            if stale.is_some_and(|s| s.contains(name)) {
+                zero_after_apply::zero_fill(&mut t);
+            }
+            host.insert(name.clone(), t);
         }
         Ok(self.host_state.get_or_init(|| host))
     }
@@ -652,9 +699,11 @@ impl Trainer {
             micro_step,
             micro_step_input,
             start,
+            stale_sums,
             ..
         } = &mut self.runner
         {
+            *stale_sums = false;
             *micro_step = scalar_i64(&loaded[micro_step_input.as_str()])
                 .ok_or_else(|| bad(format!("'{micro_step_input}' is not an int64 scalar")))?;
             // A file whose window is empty but whose sums are not (not one this trainer
@@ -795,6 +844,7 @@ impl Trainer {
         );
         // Which specialisation ran: `Some(applies)`, or `None` for the whole graph.
         let mut micro_step_before = None;
+        let mut stale_before = false;
         let mut ran = Session::Whole;
         let (outputs, branch) = match &mut self.runner {
             Runner::Whole(engine) => (run_on_state(engine, &host, &mut self.state)?, None),
@@ -804,6 +854,8 @@ impl Trainer {
                 apply,
                 window_size,
                 micro_step,
+                zero_after_apply,
+                stale_sums,
                 ..
             } => {
                 let applies = self.replica.is_none()
@@ -831,9 +883,20 @@ impl Trainer {
                 if let Some(k) = &keep_input {
                     host.push((k, &keep_nonfinite));
                 }
+                // Only the window start may see the last window's sums (it reads none).
+                stale_before = *stale_sums;
+                if *stale_sums && ran != Session::WindowStart {
+                    zero_stale_sums(&mut self.state, zero_after_apply)?;
+                    *stale_sums = false;
+                }
                 let outputs = run_on_state(engine, &host, &mut self.state)?;
                 micro_step_before = Some(*micro_step);
                 *micro_step = if applies { 0 } else { *micro_step + 1 };
+                *stale_sums = match ran {
+                    Session::Apply => !zero_after_apply.is_empty(),
+                    Session::WindowStart => false,
+                    _ => *stale_sums,
+                };
                 (outputs, Some(applies))
             }
         };
@@ -899,10 +962,17 @@ impl Trainer {
                 self.state.insert(name, old);
             }
             self.host_state = host_before;
-            if let (Runner::Split { micro_step, .. }, Some(before)) =
-                (&mut self.runner, micro_step_before)
+            if let (
+                Runner::Split {
+                    micro_step,
+                    stale_sums,
+                    ..
+                },
+                Some(before),
+            ) = (&mut self.runner, micro_step_before)
             {
                 *micro_step = before;
+                *stale_sums = stale_before;
             }
             if self.on_nonfinite == OnNonFinite::Stop {
                 return Err(TrainError::NonFinite {
@@ -1075,11 +1145,58 @@ fn open_engine(
             })
         })?;
         *fused += prepared.fused;
+        dump_session(&prepared.model);
         let mut engine = Engine::new(kind, &prepared.model, options)?;
         engine.set_in_place(prepared.in_place.pairs, prepared.in_place.keep_input);
         return Ok(engine);
     }
     Ok(Engine::new(kind, model, options)?)
+}
+
+/// With `ONNX_GA_DUMP_SESSIONS=DIR` set, writes each session's model as ONNX Runtime gets
+/// it (specialised, fused: what no file holds) to `DIR/session<N>.onnx`, numbered in the
+/// order opened (split: window start, accumulate, apply). For profiling; errors ignored.
+fn dump_session(model: &ModelProto) {
+    if let Some(dir) = std::env::var_os("ONNX_GA_DUMP_SESSIONS") {
+        use prost::Message;
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let _ = std::fs::write(
+            std::path::Path::new(&dir).join(format!("session{n}.onnx")),
+            model.encode_to_vec(),
+        );
+    }
+}
+
+/// Writes zeros into the accumulators `names` of `state` (the last window's sums, which
+/// count as zero: [`zero_after_apply`]), in their own buffers where the engine's are on the
+/// host.
+fn zero_stale_sums(
+    state: &mut BTreeMap<String, Held>,
+    names: &BTreeSet<String>,
+) -> Result<(), TrainError> {
+    for name in names {
+        let Some(held) = state.get_mut(name) else {
+            continue;
+        };
+        if let Held::Ort(v) = held {
+            if let Ok((_, data)) = v.try_extract_tensor_mut::<f32>() {
+                data.fill(0.0);
+                continue;
+            }
+        }
+        let mut t = match held {
+            Held::Host(t) => std::mem::replace(t, Tensor::Bool(ndarray::arr0(false).into_dyn())),
+            Held::Ort(_) => held.to_host(name)?,
+        };
+        if !zero_after_apply::zero_fill(&mut t) {
+            return Err(TrainError::Model(format!(
+                "accumulator '{name}' is not a float tensor"
+            )));
+        }
+        *held = Held::Host(t);
+    }
+    Ok(())
 }
 
 /// Runs `engine` once on `host` inputs and the trainer's `state`, the states the session

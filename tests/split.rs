@@ -275,3 +275,70 @@ fn io_binding_path_trains_bit_identically() {
         }
     }
 }
+
+/// The apply leaves the accumulators the window start overwrites unread holding the
+/// window's sums (`src/train/zero_after_apply.rs`); they must count as zero everywhere they
+/// are seen. Against the whole graph, state compared after every micro-step (the state
+/// handed out right after an apply), with an apply right after an apply (a flush at a
+/// window's first micro-step, then K = 1), and a discarded non-finite window start.
+#[test]
+fn accumulators_left_to_the_window_start_count_as_zero() {
+    if !ort_available() {
+        return;
+    }
+    for model in ["mlp_ce_adamw", "cnn_bn", "transformer_block"] {
+        let data = read_npz(&root().join("graphs").join(model).join("data.npz"));
+        let step = rewrite(
+            model,
+            "grad-accum(steps=4),agc(clip=0.05),optimizer(kind=adamw,lr=0.01),legalize-ort,dce",
+        );
+        let mut whole = trainer(&step, false);
+        let mut split = trainer(&step, true);
+        assert!(
+            split.zeros_left_to_the_window_start() > 0,
+            "{model}: the apply writes zeros the window start overwrites"
+        );
+        let samples = split.check_data(&data, Path::new("data.npz")).unwrap();
+        // Windows: 0-3, 4 (flushed), 5-8, then 9 (a window start after an apply) sees NaN
+        // samples and is discarded, 10-12 (K = 1 from 12 on: it applies), 13, 14, 15.
+        let poisoned = micro_batch(&data, samples, 8, 9);
+        let nan_at = {
+            let (name, t) = poisoned
+                .iter()
+                .find(|(_, t)| matches!(t, Tensor::F32(_)))
+                .expect("a float data input");
+            let mut t = t.clone();
+            if let Tensor::F32(a) = &mut t {
+                a.iter_mut().for_each(|v| *v = f32::NAN);
+            }
+            (name.clone(), t)
+        };
+        for t in [&mut whole, &mut split] {
+            t.set_on_nonfinite(onnx_ga::train::OnNonFinite::Skip);
+        }
+        for i in 0..16u64 {
+            if i == 12 {
+                whole.set_accum_steps(1).unwrap();
+                split.set_accum_steps(1).unwrap();
+            }
+            let mut batch = micro_batch(&data, samples, 8, i);
+            if i == 9 {
+                batch.insert(nan_at.0.clone(), nan_at.1.clone());
+            }
+            // A flush at micro-step 4: the window's first, right after an apply.
+            let flush = i == 4;
+            let (a, b) = (
+                whole.step(&batch, flush).unwrap(),
+                split.step(&batch, flush).unwrap(),
+            );
+            // (NaN is no loss equal to itself: its bits are.)
+            let key = |m: &StepMetrics| (m.applied, m.discarded, m.loss.to_bits());
+            assert_eq!(key(&a), key(&b), "{model}: micro-step {i}: metrics");
+            assert_eq!(b.discarded, i == 9, "{model}: micro-step {i}: discarded");
+            let (sa, sb) = (whole.state().unwrap(), split.state().unwrap());
+            for (name, value) in sa {
+                assert_eq!(value, &sb[name], "{model}: micro-step {i}: state '{name}'");
+            }
+        }
+    }
+}
