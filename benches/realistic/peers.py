@@ -282,6 +282,7 @@ def main() -> None:
     ap.add_argument("--models", default=os.path.join(ROOT, "target", "bench-realistic", "models"))
     ap.add_argument("--only", type=csv(str), default=list(BATCHES))
     ap.add_argument("--threads", type=csv(int), default=[1, 2])
+    ap.add_argument("--batches", type=csv(int), help="only these micro-batch sizes (default: the model's)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--cell-ms", type=float, default=600)
     ap.add_argument("--rss-windows", type=int, default=4)
@@ -306,7 +307,7 @@ def main() -> None:
     t0 = time.perf_counter()
     lines = []
     for model in a.only:
-        for batch in BATCHES[model]:
+        for batch in [b for b in BATCHES[model] if not a.batches or b in a.batches]:
             for threads in a.threads:
                 if a.rss:
                     res = subprocess.run(

@@ -306,6 +306,12 @@ impl OrtSession {
                 .with_memory_pattern(false)
                 .map_err(|e| ort_err("memory pattern")(e.into()))?;
         }
+        // For profiling: ONNX Runtime's own profiler, one JSON file per session.
+        if let Some(prefix) = std::env::var_os("ONNX_GA_ORT_PROFILE") {
+            builder = builder
+                .with_profiling(prefix)
+                .map_err(|e| ort_err("profiling")(e.into()))?;
+        }
         if options.fused_kernels && options.device == Device::Cpu {
             let domain = super::ort_ops::domain().map_err(ort_err("onnx-ga's fused kernels"))?;
             builder = builder

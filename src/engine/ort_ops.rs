@@ -13,8 +13,8 @@ use ::ort::value::TensorElementType;
 
 use crate::fused_ops::{
     accumulate_grad, accumulate_slot, adamw_slot, adamw_update, batch_norm_grad_channel,
-    batch_norm_train_channel, gelu_grad, gelu_slot, im2col_plane, relu_grad, sgd_slot, sgd_update,
-    AdamWScalars, BatchNormLayout, ChannelStats, GeluGradScalars, Io, SgdIo, SgdScalars, Window2d,
+    batch_norm_train_channel, gelu_grad, gelu_slot, relu_grad, sgd_slot, sgd_update, AdamWScalars,
+    BatchNormLayout, ChannelStats, GeluGradScalars, Io, SgdIo, SgdScalars, Unfolding, Window2d,
     ACCUMULATE_GRAD, ADAMW_UPDATE, BATCH_NORM_GRAD, BATCH_NORM_TRAIN, DOMAIN, GELU_GRAD, IM2COL,
     RELU_GRAD, SGD_UPDATE,
 };
@@ -762,6 +762,11 @@ fn im2col_kernel(ctx: &ComputeContext, window: &Window2d) -> ::ort::Result<()> {
     if in_plane == 0 || out_block == 0 {
         return Ok(());
     }
+    let unfolding = Unfolding::new(window, [h, w]).ok_or_else(|| {
+        ::ort::Error::new(format!(
+            "{IM2COL}: the window {window:?} does not fit X {shape:?}"
+        ))
+    })?;
     // Whole (image, channel) blocks per task.
     let per_task = (IM2COL_TASK_ELEMENTS / out_block).max(1);
     let tasks: Vec<Mutex<Option<&mut [f32]>>> = out
@@ -775,7 +780,7 @@ fn im2col_kernel(ctx: &ComputeContext, window: &Window2d) -> ::ort::Result<()> {
         for (k, block) in chunk.chunks_mut(out_block).enumerate() {
             let plane = t * per_task + k;
             let src = &x[plane * in_plane..(plane + 1) * in_plane];
-            im2col_plane(window, src, [h, w], block);
+            unfolding.plane(src, block);
         }
     };
     match tasks.len() {
