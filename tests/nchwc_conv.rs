@@ -270,6 +270,19 @@ fn admitted_convolutions_agree_with_the_definition() {
             ..CONV
         },
         Case {
+            what: "64 -> 64 at 8x8 (the ResNet-8's last block)",
+            x: [2, 64, 8, 8],
+            w: [64, 64, 3, 3],
+            ..CONV
+        },
+        Case {
+            what: "ConvTranspose 64 -> 64 at 8x8",
+            op: "ConvTranspose",
+            x: [2, 64, 8, 8],
+            w: [64, 64, 3, 3],
+            ..CONV
+        },
+        Case {
             what: "ConvTranspose 16 -> 16, stride 1, Relu",
             op: "ConvTranspose",
             bias: false,
@@ -286,7 +299,7 @@ fn admitted_convolutions_agree_with_the_definition() {
 }
 
 /// What the rule leaves to the im2col kernel (each measured slower or not supported on the
-/// blocked one): 1x1 kernels, outputs narrower than 16, channels off the block, groups,
+/// blocked one): 1x1 kernels, outputs narrower than 8, channels off the block, groups,
 /// strided data gradients, constant weights (ONNX Runtime's own transformer takes those).
 #[test]
 fn convolutions_the_rule_leaves_alone() {
@@ -301,8 +314,8 @@ fn convolutions_the_rule_leaves_alone() {
             ..CONV
         },
         Case {
-            what: "8 wide",
-            x: [2, 16, 8, 8],
+            what: "4 wide",
+            x: [2, 16, 4, 4],
             ..CONV
         },
         Case {
