@@ -26,7 +26,7 @@ use onnx_ga::data::Tensor;
 use onnx_ga::engine::ort::SessionOptions;
 use onnx_ga::engine::{Engine, EngineKind, Held};
 use onnx_ga::ir::builder::{attr_int, tensor_f32, tensor_i64, Builder};
-use onnx_ga::ir::{tensor_type, BodyId, Model};
+use onnx_ga::ir::{tensor_type, BodyId, Model, ValueId};
 use onnx_ga::proto::ModelProto;
 use onnx_ga::train::{TrainOptions, Trainer};
 
@@ -40,6 +40,8 @@ struct Opts {
     cell: Duration,
     bench: bool,
     threads: Vec<usize>,
+    /// `--least`: the least a step can add to the floor with standard sessions ([`least`]).
+    least: bool,
 }
 
 fn parse_opts() -> Result<Opts> {
@@ -50,6 +52,7 @@ fn parse_opts() -> Result<Opts> {
         cell: Duration::from_millis(400),
         bench: false,
         threads: vec![1],
+        least: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -75,6 +78,7 @@ fn parse_opts() -> Result<Opts> {
                     .collect::<Result<_>>()?
             }
             "--cell-ms" => o.cell = Duration::from_millis(value("--cell-ms")?.parse()?),
+            "--least" => o.least = true,
             other if other.starts_with('-') => eprintln!("scale bench: ignoring {other}"),
             _ => {}
         }
@@ -95,10 +99,21 @@ fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
         .collect()
 }
 
+/// How [`mlp_gradient_graph`] writes the gradients.
+#[derive(Clone, Copy, PartialEq)]
+enum Gradients {
+    /// As a plain gradient graph: `MatMul` for the weights, `ReduceSum` for the biases.
+    Plain,
+    /// Added into fed accumulators by the nodes that make them, no node more (`--least`):
+    /// `Gemm(A, B, acc, beta = 1)` for the weights, `Gemm(ones[1, batch], dY, acc)` for the
+    /// biases (their accumulators `[1, w]`); `extra_node` adds one `Neg` more.
+    Folded { batch: usize, extra_node: bool },
+}
+
 /// The gradient graph of `loss = mean((relu(x W1 + b1) W2 + b2 - t)^2)` for x, t of width
 /// `w` and a hidden layer of width `w`, its backward pass written out and seeded by the
 /// scalar initializer `loss_grad`. Returns the model and the (parameter, gradient) pairs.
-fn mlp_gradient_graph(w: i64) -> (ModelProto, Vec<(String, String)>) {
+fn mlp_gradient_graph(w: i64, gradients: Gradients) -> (ModelProto, Vec<(String, String)>) {
     let mut model = Model::from_proto(ModelProto {
         ir_version: Some(8),
         opset_import: vec![onnx_ga::proto::OperatorSetIdProto {
@@ -130,7 +145,43 @@ fn mlp_gradient_graph(w: i64) -> (ModelProto, Vec<(String, String)>) {
     let b1 = param("b1", &[w], 2);
     let w2 = param("W2", &[w, w], 3);
     let b2 = param("b2", &[w], 4);
+    let accumulators = match gradients {
+        Gradients::Plain => None,
+        Gradients::Folded { batch, .. } => {
+            let mut acc = |p: &str, dims: &[i64]| {
+                model.add_input(main, &format!("acc_{p}"), tensor_type(FLOAT, dims), None)
+            };
+            let accs = [
+                acc("W1", &[w, w]),
+                acc("b1", &[1, w]),
+                acc("W2", &[w, w]),
+                acc("b2", &[1, w]),
+            ];
+            let ones = vec![1.0; batch];
+            let ones = model.add_initializer(main, "ones", tensor_f32(&[1, batch as i64], &ones));
+            Some((accs, ones))
+        }
+    };
     let mut b = Builder::new(&mut model, main, "scale-bench");
+    // A weight's gradient `A B` and a bias's `sum over rows of dY`, plain or added into its
+    // accumulator by the same node.
+    let beta = || vec![onnx_ga::ir::builder::attr_float("beta", 1.0)];
+    let weight_grad =
+        |b: &mut Builder<'_>, a: ValueId, dy: ValueId, k: usize, name: &str| match accumulators {
+            None => b.op("MatMul", &[a, dy], vec![], name),
+            Some((accs, _)) => b.op("Gemm", &[a, dy, accs[k]], beta(), name),
+        };
+    let bias_grad =
+        |b: &mut Builder<'_>, dy: ValueId, axis0: ValueId, k: usize, name: &str| match accumulators
+        {
+            None => b.op(
+                "ReduceSum",
+                &[dy, axis0],
+                vec![attr_int("keepdims", 0)],
+                name,
+            ),
+            Some((accs, ones)) => b.op("Gemm", &[ones, dy, accs[k]], beta(), name),
+        };
     // Forward.
     let xw = b.op("MatMul", &[x, w1], vec![], "xW1");
     let z = b.op("Add", &[xw, b1], vec![], "z");
@@ -157,27 +208,26 @@ fn mlp_gradient_graph(w: i64) -> (ModelProto, Vec<(String, String)>) {
         .model
         .add_initializer(main, "axis0", tensor_i64(&[1], &[0]));
     let ht = b.op("Transpose", &[h], vec![], "h_t");
-    b.op("MatMul", &[ht, dy], vec![], "W2_grad");
-    b.op(
-        "ReduceSum",
-        &[dy, axis0],
-        vec![attr_int("keepdims", 0)],
-        "b2_grad",
-    );
+    weight_grad(&mut b, ht, dy, 2, "W2_grad");
+    let b2_grad = bias_grad(&mut b, dy, axis0, 3, "b2_grad");
     let w2t = b.op("Transpose", &[w2], vec![], "W2_t");
     let dh = b.op("MatMul", &[dy, w2t], vec![], "dh");
     let zero = b.scalar_f32("zero", 0.0);
     let active = b.op("Greater", &[z, zero], vec![], "active");
     let dz = b.op("Where", &[active, dh, zero], vec![], "dz");
     let xt = b.op("Transpose", &[x], vec![], "x_t");
-    b.op("MatMul", &[xt, dz], vec![], "W1_grad");
-    b.op(
-        "ReduceSum",
-        &[dz, axis0],
-        vec![attr_int("keepdims", 0)],
-        "b1_grad",
-    );
+    weight_grad(&mut b, xt, dz, 0, "W1_grad");
+    bias_grad(&mut b, dz, axis0, 1, "b1_grad");
+    let extra = match gradients {
+        Gradients::Folded {
+            extra_node: true, ..
+        } => Some(b.op("Neg", &[b2_grad], vec![], "extra")),
+        _ => None,
+    };
     model.add_output(main, loss, Some(tensor_type(FLOAT, &[])));
+    if let Some(extra) = extra {
+        model.add_output(main, extra, None);
+    }
     let grads: Vec<(String, String)> = ["W1", "b1", "W2", "b2"]
         .iter()
         .map(|p| (p.to_string(), format!("{p}_grad")))
@@ -195,18 +245,22 @@ struct Sized {
     batches: Vec<BTreeMap<String, Tensor>>,
 }
 
-fn build(width: i64, batch: usize) -> Result<Sized> {
-    let (graph, grads) = mlp_gradient_graph(width);
+/// `graph` with its gradients as outputs too: what a floor returns.
+fn with_gradient_outputs(graph: &ModelProto, grads: &[(String, String)]) -> ModelProto {
     let mut floor = graph.clone();
-    {
-        let g = floor.graph.as_mut().unwrap();
-        for (_, grad) in &grads {
-            g.output.push(onnx_ga::proto::ValueInfoProto {
-                name: Some(grad.clone()),
-                ..Default::default()
-            });
-        }
+    let g = floor.graph.as_mut().unwrap();
+    for (_, grad) in grads {
+        g.output.push(onnx_ga::proto::ValueInfoProto {
+            name: Some(grad.clone()),
+            ..Default::default()
+        });
     }
+    floor
+}
+
+fn build(width: i64, batch: usize) -> Result<Sized> {
+    let (graph, grads) = mlp_gradient_graph(width, Gradients::Plain);
+    let floor = with_gradient_outputs(&graph, &grads);
     let roles = onnx_ga::signature::ExplicitRoles {
         loss: Some("loss".into()),
         seed: Some("loss_grad".into()),
@@ -436,6 +490,9 @@ fn check(s: &Sized) -> Result<()> {
 fn main() -> Result<()> {
     let o = parse_opts()?;
     onnx_ga::runtime::init_onnxruntime()?;
+    if o.least {
+        return least(&o);
+    }
     if !o.bench {
         return check(&build(o.widths[0], 8)?);
     }
@@ -541,5 +598,121 @@ fn main() -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// `--least`: what no step built of standard ONNX Runtime sessions can leave out, at the
+/// first width, one thread. A micro-step that adds to the window's sums must feed them to
+/// the session and get them back: at the least, with no node more than the floor, its
+/// gradients' own nodes add into them (`Gradients::Folded`: a `Gemm`'s C, which cannot be
+/// undone for a discarded micro-step, so this is a bound, not a design). The applying
+/// micro-step runs at least one node more for the update (`extra_node`). The window's first
+/// micro-step writes its gradients as the sums: the floor. So over a window of K the step
+/// costs at least floor + ((K - 1) fed + 1 node) / K. The three sessions run in turn, a
+/// window of K runs each, for `--cell-ms` x 10; medians of the single runs.
+fn least(o: &Opts) -> Result<()> {
+    let (w, batch) = (o.widths[0], o.batch);
+    let plain = build(w, batch)?;
+    let folded = |extra_node| {
+        let (graph, grads) = mlp_gradient_graph(w, Gradients::Folded { batch, extra_node });
+        with_gradient_outputs(&graph, &grads)
+    };
+    let graphs = [
+        ("floor", plain.floor.clone()),
+        ("sums fed", folded(false)),
+        ("sums fed, one node more", folded(true)),
+    ];
+    let options = session_options();
+    let mut runs = Vec::new();
+    for (name, graph) in &graphs {
+        let engine = Engine::new(EngineKind::Ort, graph, &options)?;
+        let g = graph.graph.as_ref().unwrap();
+        let mut held = Vec::new();
+        for input in &g.input {
+            let input = input.name();
+            if input == "x" || input == "t" {
+                continue;
+            }
+            let value = match g.initializer.iter().find(|t| t.name() == input) {
+                Some(init) => Tensor::from_tensor_proto(init).map_err(|m| anyhow!(m))?,
+                None => onnx_ga::train::zeros_of_input(g, input)?,
+            };
+            let ort = onnx_ga::engine::ort::to_owned_ort(input, &value)?;
+            held.push((input.to_string(), Held::Ort(ort)));
+        }
+        runs.push((*name, engine, held, Vec::new()));
+    }
+    // With zero sums the folded graphs return the floor's gradients (a bias's as [1, w]),
+    // within float32 rounding: the graph timed is the right one.
+    let batch0: Vec<(&str, &Tensor)> = plain.batches[0]
+        .iter()
+        .map(|(k, v)| (k.as_str(), v))
+        .collect();
+    let mut outputs = Vec::new();
+    for (_, engine, held, _) in runs.iter_mut() {
+        let held: Vec<(&str, &Held)> = held.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let out = engine.run_held(&batch0, &held)?;
+        let mut flat = BTreeMap::new();
+        for (name, value) in out {
+            if let Tensor::F32(a) = value.to_host(&name)? {
+                flat.insert(name, a.iter().copied().collect::<Vec<f32>>());
+            }
+        }
+        outputs.push(flat);
+    }
+    for (name, want) in &outputs[0] {
+        let largest = want
+            .iter()
+            .fold(0f32, |m, v| m.max(v.abs()))
+            .max(f32::MIN_POSITIVE);
+        for (k, got) in outputs.iter().enumerate().skip(1) {
+            let got = &got[name];
+            let worst = want
+                .iter()
+                .zip(got)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            if got.len() != want.len() || worst / largest > 1e-5 {
+                bail!(
+                    "--least: '{name}' of {} differs from the floor's by {worst:e}",
+                    graphs[k].0
+                );
+            }
+        }
+    }
+    let nb = plain.batches.len();
+    let t0 = Instant::now();
+    let mut i = 0;
+    while t0.elapsed() < o.cell * 10 {
+        for (_, engine, held, times) in runs.iter_mut() {
+            for _ in 0..K {
+                let batch = &plain.batches[i % nb];
+                i += 1;
+                let host: Vec<(&str, &Tensor)> =
+                    batch.iter().map(|(k, v)| (k.as_str(), v)).collect();
+                let held: Vec<(&str, &Held)> = held.iter().map(|(k, v)| (k.as_str(), v)).collect();
+                let s = Instant::now();
+                engine.run_held(&host, &held)?;
+                times.push(s.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+    }
+    let us: Vec<f64> = runs
+        .into_iter()
+        .map(|(_, _, _, times)| median(times))
+        .collect();
+    let (floor, fed, node) = (us[0], us[1] - us[0], us[2] - us[1]);
+    let bound = floor + ((K - 1) as f64 * fed + node) / K as f64;
+    println!(
+        "W = {w} ({} parameters), B = {batch}, one thread, K = {K}: µs per run, medians of single runs",
+        plain.params
+    );
+    println!("| floor | sums fed | sums fed, one node more | fed - floor | the node | least step | least step / floor |");
+    println!("|--:|--:|--:|--:|--:|--:|--:|");
+    println!(
+        "| {floor:.1} | {:.1} | {:.1} | {fed:.1} | {node:.1} | {bound:.1} | {:.3} |",
+        us[1],
+        us[2],
+        bound / floor
+    );
     Ok(())
 }
