@@ -1168,9 +1168,10 @@ fn dump_session(model: &ModelProto) {
     }
 }
 
-/// Writes zeros into the accumulators `names` of `state` (the last window's sums, which
-/// count as zero: [`zero_after_apply`]), in their own buffers where the engine's are on the
-/// host.
+/// Replaces the accumulators `names` of `state` (the last window's sums, which count as
+/// zero: [`zero_after_apply`]) with zeros. Fresh ones, not written in place: a value a run
+/// returned may share its buffer with another (ONNX Runtime may alias an `Identity`), and
+/// this runs only when an apply follows an apply (a flush, K = 1).
 fn zero_stale_sums(
     state: &mut BTreeMap<String, Held>,
     names: &BTreeSet<String>,
@@ -1179,22 +1180,13 @@ fn zero_stale_sums(
         let Some(held) = state.get_mut(name) else {
             continue;
         };
-        if let Held::Ort(v) = held {
-            if let Ok((_, data)) = v.try_extract_tensor_mut::<f32>() {
-                data.fill(0.0);
-                continue;
-            }
-        }
-        let mut t = match held {
-            Held::Host(t) => std::mem::replace(t, Tensor::Bool(ndarray::arr0(false).into_dyn())),
-            Held::Ort(_) => held.to_host(name)?,
-        };
-        if !zero_after_apply::zero_fill(&mut t) {
+        let mut zeros = held.to_host(name)?;
+        if !zero_after_apply::zero_fill(&mut zeros) {
             return Err(TrainError::Model(format!(
                 "accumulator '{name}' is not a float tensor"
             )));
         }
-        *held = Held::Host(t);
+        *held = Held::Host(zeros);
     }
     Ok(())
 }
