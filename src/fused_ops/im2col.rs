@@ -48,15 +48,6 @@ impl Window2d {
     }
 }
 
-/// Unfolds one channel plane `x` (`[h, w]`) into `out`, its `taps` output planes of
-/// `[Ho, Wo]` each, in tap order. (A kernel unfolding many planes makes the
-/// [`Unfolding`] once.)
-pub fn im2col_plane(window: &Window2d, x: &[f32], hw: [usize; 2], out: &mut [f32]) {
-    if let Some(unfolding) = Unfolding::new(window, hw) {
-        unfolding.plane(x, out);
-    }
-}
-
 /// How each tap of a window reads a plane of a given size: worked out once per node, since
 /// a plane of a small image is unfolded in about as long as it takes to work out (the
 /// ResNet-8's 8x8 planes: 64 elements a tap).
@@ -274,7 +265,7 @@ mod tests {
             let x: Vec<f32> = (0..h * w).map(|v| v as f32 + 1.0).collect();
             let [ho, wo] = window.output([h, w]).unwrap();
             let mut out = vec![f32::NAN; window.taps() * ho * wo];
-            im2col_plane(&window, &x, [h, w], &mut out);
+            Unfolding::new(&window, [h, w]).unwrap().plane(&x, &mut out);
             for i in 0..window.kernel[0] {
                 for j in 0..window.kernel[1] {
                     for y in 0..ho {

@@ -123,7 +123,7 @@ pub use batch_norm::{
     BATCH_NORM_GRAD, BATCH_NORM_TRAIN,
 };
 pub use gelu_grad::{gelu_grad, gelu_slot, GeluGradScalars, GELU_GRAD};
-pub use im2col::{im2col_plane, Unfolding, Window2d, IM2COL};
+pub use im2col::{Unfolding, Window2d, IM2COL};
 pub use relu_grad::{relu_grad, RELU_GRAD};
 
 /// Where an update reads the state it updates (parameter, moments, buffer) and writes its
