@@ -232,6 +232,8 @@ pub struct Trainer {
     pub(crate) replica: Option<crate::train::distributed::window::Replica>,
     /// Optimizer updates the sessions run fused (`passes::fuse`), summed over them.
     fused_updates: usize,
+    /// See [`Self::grouped_updates`].
+    grouped_updates: usize,
 }
 
 impl Trainer {
@@ -341,7 +343,7 @@ impl Trainer {
         };
         let micro_step_input = crate::split::micro_step_input(&manifest).map(str::to_string);
         // Parameter updates the sessions run as one fused kernel each (`fuse-adamw`).
-        let mut fused = 0;
+        let mut fused = FusedCounts::default();
         let mut runner = match (split, micro_step_input) {
             (Some(split), Some(micro_step_input)) => {
                 let window_size = scalar_i64(&initial(&split.trigger.steps)?).ok_or_else(|| {
@@ -487,7 +489,8 @@ impl Trainer {
             on_nonfinite: OnNonFinite::default(),
             graph_skips: graph.output.iter().any(|o| o.name() == SKIPPED),
             replica,
-            fused_updates: fused,
+            fused_updates: fused.updates,
+            grouped_updates: fused.grouped,
         })
     }
 
@@ -500,6 +503,13 @@ impl Trainer {
     /// the sessions (0: the step runs as written; see `SessionOptions::fused_kernels`).
     pub fn fused_updates(&self) -> usize {
         self.fused_updates
+    }
+
+    /// How many parameters' AdamW updates run together in one `AdamWUpdates` kernel per
+    /// session, summed over the sessions (`passes::fuse::adamw_group`: sessions that update
+    /// nothing in place).
+    pub fn grouped_updates(&self) -> usize {
+        self.grouped_updates
     }
 
     /// How many accumulators the apply leaves holding the window's sums for the next window
@@ -1112,6 +1122,13 @@ pub fn micro_batch_rows(samples: usize, batch: usize, step: u64) -> Vec<usize> {
     (0..batch).map(|j| (start + j) % samples).collect()
 }
 
+/// What [`open_engine`] fused, summed over the sessions.
+#[derive(Default)]
+struct FusedCounts {
+    updates: usize,
+    grouped: usize,
+}
+
 /// A session of `kind` for `model`, prepared for the engine first: tract gets the ops it
 /// lacks lowered in memory (`lower-for-tract`), so one step file serves both engines; ONNX
 /// Runtime on the CPU gets the fused kernels (`fuse`), and with `fuse.in_place` the plan of
@@ -1121,7 +1138,7 @@ fn open_engine(
     model: &ModelProto,
     options: &SessionOptions,
     manifest: &Manifest,
-    fused: &mut usize,
+    fused: &mut FusedCounts,
     fuse: crate::passes::fuse::FuseOptions,
 ) -> Result<Engine, TrainError> {
     if kind.resolve().0 == EngineKind::Tract {
@@ -1144,7 +1161,8 @@ fn open_engine(
                 message: e.to_string(),
             })
         })?;
-        *fused += prepared.fused;
+        fused.updates += prepared.fused;
+        fused.grouped += prepared.grouped;
         dump_session(&prepared.model);
         let mut engine = Engine::new(kind, &prepared.model, options)?;
         engine.set_in_place(prepared.in_place.pairs, prepared.in_place.keep_input);

@@ -461,6 +461,67 @@ fn small_states_stay_apart() {
     }
 }
 
+/// Sessions that update nothing in place (the trainer's default for models this small) run
+/// every AdamW update that shares its scalars in one `AdamWUpdates` node, the flat group
+/// of small parameters cut back into its members (`passes::fuse::adamw_group`). Each Adam
+/// family formula, alone and behind AGC, loss scaling and weighted normalisation, trains bit
+/// for bit as the standard-op step does, and the grouping happened.
+#[test]
+fn grouped_adamw_updates_train_bit_identically() {
+    if !ort_available() {
+        return;
+    }
+    let options = |fused: bool| TrainOptions {
+        session: SessionOptions {
+            fused_kernels: fused,
+            fused_batch_norm: false,
+            ..SessionOptions::default()
+        },
+        ..TrainOptions::default()
+    };
+    let optimizers = [
+        "optimizer(lr=0.01)",
+        "optimizer(kind=adamw,lr=0.01,weight_decay=0.1,adam_mode=0)",
+        "optimizer(kind=adamw,lr=0.01,adam_mode=1,correct_bias=false)",
+        "optimizer(kind=adam,lr=0.01,weight_decay=0.01)",
+        "optimizer(kind=adam,lr=0.01,formula=keras)",
+    ];
+    for model in ["mlp_ce_adamw", "transformer_block", "cnn_bn"] {
+        let data = shipped(model);
+        for optimizer in optimizers {
+            for around in [
+                "grad-accum(steps=4)",
+                "grad-accum(steps=4),agc(clip=0.01,include_final=true)",
+                "grad-accum(steps=4),loss-scale(init=1024,interval=2)",
+                "grad-accum(steps=4,normalize=weighted)",
+            ] {
+                let spec = format!("{around},{optimizer},legalize-ort,dce");
+                let step = common::rewrite_shipped(model, &spec);
+                let what = format!("{model}: {spec}");
+                let mut fused = Trainer::with_options(&step, &options(true)).unwrap();
+                let mut standard = Trainer::with_options(&step, &options(false)).unwrap();
+                assert_eq!(fused.in_place_updates(), 0, "{what}: this case is apart");
+                assert!(
+                    fused.grouped_updates() >= 2,
+                    "{what}: {} updates grouped",
+                    fused.grouped_updates()
+                );
+                assert_eq!(standard.grouped_updates(), 0, "{what}");
+                let samples = fused.check_data(&data, Path::new("data.npz")).unwrap();
+                for i in 0..MICRO_STEPS {
+                    let batch = micro_batch(&data, samples, 8, i);
+                    let (a, b) = (
+                        fused.step(&batch, false).unwrap(),
+                        standard.step(&batch, false).unwrap(),
+                    );
+                    assert_eq!(a, b, "{what}: micro-step {i}");
+                }
+                assert_eq!(fused.state().unwrap(), standard.state().unwrap(), "{what}");
+            }
+        }
+    }
+}
+
 /// How many accumulators the step's manifest declares.
 fn step_accumulators(step: &ModelProto) -> usize {
     let manifest = onnx_ga::state::Manifest::from_model(step).unwrap();

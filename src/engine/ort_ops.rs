@@ -12,17 +12,18 @@ use ::ort::operator::{
 use ::ort::value::TensorElementType;
 
 use crate::fused_ops::{
-    accumulate_grad, accumulate_slot, adamw_slot, adamw_update, batch_norm_grad_channel,
-    batch_norm_train_channel, gelu_grad, gelu_slot, relu_grad, sgd_slot, sgd_update, AdamWScalars,
-    BatchNormLayout, ChannelStats, GeluGradScalars, Io, SgdIo, SgdScalars, Unfolding, Window2d,
-    ACCUMULATE_GRAD, ADAMW_UPDATE, BATCH_NORM_GRAD, BATCH_NORM_TRAIN, DOMAIN, GELU_GRAD, IM2COL,
-    RELU_GRAD, SGD_UPDATE,
+    accumulate_grad, accumulate_slot, adamw_group_slot, adamw_slot, adamw_update,
+    batch_norm_grad_channel, batch_norm_train_channel, gelu_grad, gelu_slot, relu_grad, sgd_slot,
+    sgd_update, AdamWScalars, BatchNormLayout, ChannelStats, GeluGradScalars, Io, SgdIo,
+    SgdScalars, Unfolding, Window2d, ACCUMULATE_GRAD, ADAMW_UPDATE, ADAMW_UPDATES, BATCH_NORM_GRAD,
+    BATCH_NORM_TRAIN, DOMAIN, GELU_GRAD, IM2COL, RELU_GRAD, SGD_UPDATE,
 };
 
 /// The domain with every fused operator, for a session builder.
 pub fn domain() -> ::ort::Result<OperatorDomain> {
     OperatorDomain::new(DOMAIN)?
         .add(AdamWUpdate)?
+        .add(AdamWUpdates)?
         .add(SgdUpdate)?
         .add(AccumulateGrad)?
         .add(BatchNormTrain)?
@@ -102,14 +103,16 @@ fn keep_input(ctx: &ComputeContext, op: &str, slot: usize) -> ::ort::Result<bool
     }
 }
 
-/// Runs a fused update of the `N` states at input slots `state` into outputs `0..N`, all of
-/// one shape, `update(range, io)` per chunk of [`CHUNK`] elements. In place when the session
+/// Runs a fused update of the `N` states at input slots `state` into outputs
+/// `first_output..first_output + N`, all of one shape, `update(range, io)` per chunk of
+/// [`CHUNK`] elements. In place when the session
 /// bound every output to its state's own buffer (`passes::fuse::in_place`), apart when it
 /// bound none; with `keep` false the state stays as it was (in place: untouched).
 fn run_update<const N: usize>(
     ctx: &ComputeContext,
     op: &str,
     state: [usize; N],
+    first_output: usize,
     keep: bool,
     update: impl Fn(std::ops::Range<usize>, Io<'_, N>) + Sync,
 ) -> ::ort::Result<()> {
@@ -134,7 +137,7 @@ fn run_update<const N: usize>(
             inputs.iter().map(|i| i.len()).collect::<Vec<_>>()
         )));
     }
-    let mut outputs = (0..N)
+    let mut outputs = (first_output..first_output + N)
         .map(|slot| {
             ctx.output(slot, shape.clone())?
                 .ok_or_else(|| ::ort::Error::new(format!("{op}: output {slot} missing")))
@@ -221,31 +224,44 @@ impl Operator for AdamWUpdate {
     }
 }
 
-fn adamw_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
-    let missing =
-        |slot: usize| ::ort::Error::new(format!("{ADAMW_UPDATE}: input {slot} is missing"));
-    let scalar = |slot: usize| scalar_input(ctx, ADAMW_UPDATE, slot);
-    let required = |slot: usize| scalar(slot)?.ok_or_else(|| missing(slot));
-    let corrections = match (scalar(adamw_slot::A)?, scalar(adamw_slot::C)?) {
+/// The scalars of an AdamW update from input slots `slots`, in the order of
+/// [`adamw_group_slot::FROM_SINGLE`] (alpha, 1 - alpha, beta, 1 - beta, epsilon, lr, a, c,
+/// lr_wd, divisor).
+fn adamw_scalars(
+    ctx: &ComputeContext,
+    op: &str,
+    slots: [usize; adamw_group_slot::MEMBERS],
+) -> ::ort::Result<AdamWScalars> {
+    let missing = |slot: usize| ::ort::Error::new(format!("{op}: input {slot} is missing"));
+    let scalar = |k: usize| scalar_input(ctx, op, slots[k]);
+    let required = |k: usize| scalar(k)?.ok_or_else(|| missing(slots[k]));
+    use adamw_group_slot as at;
+    let corrections = match (scalar(at::A)?, scalar(at::C)?) {
         (Some(a), Some(c)) => Some((a, c)),
         (None, None) => None,
         _ => {
             return Err(::ort::Error::new(format!(
-                "{ADAMW_UPDATE}: the bias corrections a and c come together"
+                "{op}: the bias corrections a and c come together"
             )))
         }
     };
-    let s = AdamWScalars {
-        alpha: required(adamw_slot::ALPHA)?,
-        one_minus_alpha: required(adamw_slot::ONE_MINUS_ALPHA)?,
-        beta: required(adamw_slot::BETA)?,
-        one_minus_beta: required(adamw_slot::ONE_MINUS_BETA)?,
-        epsilon: required(adamw_slot::EPSILON)?,
-        lr: required(adamw_slot::LR)?,
+    Ok(AdamWScalars {
+        alpha: required(at::ALPHA)?,
+        one_minus_alpha: required(at::ONE_MINUS_ALPHA)?,
+        beta: required(at::BETA)?,
+        one_minus_beta: required(at::ONE_MINUS_BETA)?,
+        epsilon: required(at::EPSILON)?,
+        lr: required(at::LR)?,
         corrections,
-        lr_wd: scalar(adamw_slot::LR_WD)?,
-        divisor: scalar(adamw_slot::GRAD_DIVISOR)?,
-    };
+        lr_wd: scalar(at::LR_WD)?,
+        divisor: scalar(at::GRAD_DIVISOR)?,
+    })
+}
+
+fn adamw_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
+    let missing =
+        |slot: usize| ::ort::Error::new(format!("{ADAMW_UPDATE}: input {slot} is missing"));
+    let s = adamw_scalars(ctx, ADAMW_UPDATE, adamw_group_slot::FROM_SINGLE)?;
     let grad = ctx
         .input(adamw_slot::GRAD)?
         .ok_or_else(|| missing(adamw_slot::GRAD))?;
@@ -265,10 +281,104 @@ fn adamw_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
         )));
     }
     let state = [adamw_slot::PARAM, adamw_slot::M, adamw_slot::V];
-    run_update(ctx, ADAMW_UPDATE, state, keep, |range, io| {
+    run_update(ctx, ADAMW_UPDATE, state, 0, keep, |range, io| {
         let gradient = (&g[range.clone()], addend.map(|a| &a[range]));
         adamw_update(&s, gradient, io);
     })
+}
+
+struct AdamWUpdates;
+
+impl Operator for AdamWUpdates {
+    type Kernel<'attr> = BoxedKernel<'attr>;
+
+    fn name(&self) -> &str {
+        ADAMW_UPDATES
+    }
+
+    fn inputs(&self) -> impl IntoIterator<Item = OperatorInput> {
+        use adamw_group_slot as at;
+        (0..at::MEMBERS)
+            .map(|slot| match slot {
+                at::A | at::C | at::LR_WD | at::GRAD_DIVISOR => {
+                    OperatorInput::optional(TensorElementType::Float32)
+                }
+                _ => OperatorInput::required(TensorElementType::Float32),
+            })
+            .chain([OperatorInput::variadic(4).homogenous(TensorElementType::Float32)])
+    }
+
+    fn outputs(&self) -> impl IntoIterator<Item = OperatorOutput> {
+        [OperatorOutput::variadic(3).homogenous(TensorElementType::Float32)]
+    }
+
+    fn create_kernel<'attr>(
+        &self,
+        kctx: &KernelContext<'attr>,
+    ) -> ::ort::Result<Self::Kernel<'attr>> {
+        let members = kctx.get::<i64>("members").unwrap_or(0);
+        let members = usize::try_from(members)
+            .ok()
+            .filter(|&m| m > 0)
+            .ok_or_else(|| {
+                ::ort::Error::new(format!("{ADAMW_UPDATES}: attribute 'members' is {members}"))
+            })?;
+        let addends = kctx.get::<i64>("addends").unwrap_or(0) == 1;
+        Ok(Box::new(move |ctx: &ComputeContext| {
+            adamw_group_kernel(ctx, members, addends)
+        }))
+    }
+}
+
+/// Each member's update as [`adamw_kernel`] makes it, one after the other.
+fn adamw_group_kernel(ctx: &ComputeContext, members: usize, addends: bool) -> ::ort::Result<()> {
+    let s = adamw_scalars(ctx, ADAMW_UPDATES, std::array::from_fn(|k| k))?;
+    let width = if addends { 5 } else { 4 };
+    let have = ctx.num_inputs()?;
+    if have != adamw_group_slot::MEMBERS + members * width {
+        return Err(::ort::Error::new(format!(
+            "{ADAMW_UPDATES}: {have} inputs for {members} members of {width}"
+        )));
+    }
+    for k in 0..members {
+        let first = adamw_group_slot::MEMBERS + k * width;
+        let (grad, addend) = (first + 1, addends.then_some(first + 2));
+        let (m, v) = (first + width - 2, first + width - 1);
+        let g = tensor_input(ctx, ADAMW_UPDATES, grad)?;
+        let g = g.try_extract_tensor::<f32>()?.1;
+        let addend = match addend {
+            Some(slot) => Some(tensor_input(ctx, ADAMW_UPDATES, slot)?),
+            None => None,
+        };
+        let addend = match &addend {
+            Some(a) => Some(a.try_extract_tensor::<f32>()?.1),
+            None => None,
+        };
+        let len = tensor_input(ctx, ADAMW_UPDATES, first)?
+            .try_extract_tensor::<f32>()?
+            .1
+            .len();
+        if g.len() != len || addend.is_some_and(|a| a.len() != len) {
+            return Err(::ort::Error::new(format!(
+                "{ADAMW_UPDATES}: member {k}: parameter ({len}), gradient ({}) and addend \
+                 ({:?}) differ in size",
+                g.len(),
+                addend.map(<[f32]>::len)
+            )));
+        }
+        run_update(
+            ctx,
+            ADAMW_UPDATES,
+            [first, m, v],
+            3 * k,
+            true,
+            |range, io| {
+                let gradient = (&g[range.clone()], addend.map(|a| &a[range]));
+                adamw_update(&s, gradient, io);
+            },
+        )?;
+    }
+    Ok(())
 }
 
 /// Runs `update(range, outputs)` over `len` elements in chunks of [`CHUNK`], `outputs` giving
@@ -384,10 +494,11 @@ fn sgd_kernel(ctx: &ComputeContext, nesterov: bool) -> ::ort::Result<()> {
             ctx,
             SGD_UPDATE,
             [sgd_slot::PARAM, sgd_slot::BUF],
+            0,
             keep,
             |r, io| sgd_update(&s, gradient(r), SgdIo::Momentum(io)),
         ),
-        false => run_update(ctx, SGD_UPDATE, [sgd_slot::PARAM], keep, |r, io| {
+        false => run_update(ctx, SGD_UPDATE, [sgd_slot::PARAM], 0, keep, |r, io| {
             sgd_update(&s, gradient(r), SgdIo::Plain(io))
         }),
     }
@@ -445,6 +556,7 @@ fn accumulate_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
         ctx,
         ACCUMULATE_GRAD,
         [accumulate_slot::ACC],
+        0,
         keep,
         |range, io| accumulate_grad(&g[range], io),
     )

@@ -63,6 +63,46 @@ pub mod adamw_slot {
     pub const COUNT: usize = 16;
 }
 
+/// `AdamWUpdates(alpha, one_minus_alpha, beta, one_minus_beta, epsilon, lr, [a], [c],
+/// [lr_wd], [g_divisor], members...) -> (p', m', v')...`: the [`ADAMW_UPDATE`] of several
+/// parameters that share every scalar, in one node. Attribute `members` counts them; each
+/// member is `(p, g, m, v)`, or `(p, g, g_addend, m, v)` when attribute `addends` is 1, and
+/// its outputs are `(p', m', v')` in member order, each of its own `p`'s shape. The same
+/// arithmetic per element as [`ADAMW_UPDATE`] (so the same bits); one dispatch instead of
+/// one per parameter, and no `Concat`/`Split` around a flat group of small parameters
+/// (`passes::fuse::adamw_group`). No gate and no ordering inputs: only sessions that update
+/// nothing in place get it.
+pub const ADAMW_UPDATES: &str = "AdamWUpdates";
+
+/// Input slots of [`ADAMW_UPDATES`] before its members (the scalars of [`adamw_slot`]).
+pub mod adamw_group_slot {
+    pub const ALPHA: usize = 0;
+    pub const ONE_MINUS_ALPHA: usize = 1;
+    pub const BETA: usize = 2;
+    pub const ONE_MINUS_BETA: usize = 3;
+    pub const EPSILON: usize = 4;
+    pub const LR: usize = 5;
+    pub const A: usize = 6;
+    pub const C: usize = 7;
+    pub const LR_WD: usize = 8;
+    pub const GRAD_DIVISOR: usize = 9;
+    /// The first member's first tensor.
+    pub const MEMBERS: usize = 10;
+    /// Each fixed slot's [`super::adamw_slot`] counterpart, in slot order.
+    pub const FROM_SINGLE: [usize; MEMBERS] = [
+        super::adamw_slot::ALPHA,
+        super::adamw_slot::ONE_MINUS_ALPHA,
+        super::adamw_slot::BETA,
+        super::adamw_slot::ONE_MINUS_BETA,
+        super::adamw_slot::EPSILON,
+        super::adamw_slot::LR,
+        super::adamw_slot::A,
+        super::adamw_slot::C,
+        super::adamw_slot::LR_WD,
+        super::adamw_slot::GRAD_DIVISOR,
+    ];
+}
+
 /// The scalars of one [`ADAMW_UPDATE`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamWScalars {

@@ -7,6 +7,8 @@
 //! over the parameter's bytes; a fused kernel makes one pass (benches/README.md, "Run E").
 //!
 //! - [`adamw`]: Adam and AdamW (`AdamWUpdate`);
+//! - [`adamw_group`]: the AdamW updates of a session that updates nothing in place as one
+//!   `AdamWUpdates` node;
 //! - [`sgd`]: SGD, momentum and Nesterov (`SgdUpdate`);
 //! - [`accumulate`]: the window's gradient sum (`AccumulateGrad`), with in-place updates;
 //! - [`in_place`]: the gate of every fused node, and which states the session may update in
@@ -21,6 +23,7 @@
 
 pub mod accumulate;
 pub mod adamw;
+pub mod adamw_group;
 pub mod in_place;
 pub mod sgd;
 
@@ -37,6 +40,8 @@ pub struct Prepared<'m> {
     pub model: std::borrow::Cow<'m, crate::proto::ModelProto>,
     /// Optimizer updates fused (AdamW and SGD; accumulations are not counted).
     pub fused: usize,
+    /// Parameters' AdamW updates run by `AdamWUpdates` nodes ([`adamw_group`]).
+    pub grouped: usize,
     /// The states the session updates in place (empty unless asked for).
     pub in_place: InPlacePlan,
 }
@@ -84,6 +89,7 @@ pub fn prepare<'m>(
     let untouched = |model| Prepared {
         model: std::borrow::Cow::Borrowed(model),
         fused: 0,
+        grouped: 0,
         in_place: InPlacePlan::default(),
     };
     if !graph_outputs.iter().any(|o| next_values.contains(o.name())) {
@@ -97,7 +103,9 @@ pub fn prepare<'m>(
         if fused == 0 {
             return Ok(untouched(model));
         }
-        return finish(ir, fused, InPlacePlan::default());
+        // Nothing in place: one dispatch for the AdamW updates.
+        let grouped = adamw_group::group_adamw(&mut ir);
+        return finish(ir, fused, grouped, InPlacePlan::default());
     }
     let accumulations =
         accumulate::fuse_accumulate(&mut ir, manifest, options.min_accumulator_elements);
@@ -126,13 +134,14 @@ pub fn prepare<'m>(
             ..untouched(model)
         });
     }
-    finish(ir, fused, plan)
+    finish(ir, fused, 0, plan)
 }
 
 /// The fused model, cleaned and checked.
 fn finish(
     mut ir: Model,
     fused: usize,
+    grouped: usize,
     in_place: InPlacePlan,
 ) -> Result<Prepared<'static>, super::PassError> {
     ir.require_opset(crate::fused_ops::DOMAIN, crate::fused_ops::DOMAIN_VERSION);
@@ -144,6 +153,7 @@ fn finish(
     Ok(Prepared {
         model: std::borrow::Cow::Owned(ir.to_proto()),
         fused,
+        grouped,
         in_place,
     })
 }
