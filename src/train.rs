@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 pub mod distributed;
+mod host_counter;
 mod window_start;
 mod zero_after_apply;
 
@@ -188,6 +189,9 @@ pub(crate) enum Runner {
         /// is read back to decide the branch.
         micro_step: i64,
         micro_step_input: String,
+        /// The counter's output, when the accumulate and window-start sessions leave the
+        /// counting to the host ([`host_counter`]).
+        host_counted: Option<String>,
     },
 }
 
@@ -345,7 +349,7 @@ impl Trainer {
         // Parameter updates the sessions run as one fused kernel each (`fuse-adamw`).
         let mut fused = FusedCounts::default();
         let mut runner = match (split, micro_step_input) {
-            (Some(split), Some(micro_step_input)) => {
+            (Some(mut split), Some(micro_step_input)) => {
                 let window_size = scalar_i64(&initial(&split.trigger.steps)?).ok_or_else(|| {
                     TrainError::Model(format!("'{}' is not an int64 scalar", split.trigger.steps))
                 })?;
@@ -367,6 +371,18 @@ impl Trainer {
                 let apply = match &apply_only {
                     Some((s, _)) => s,
                     None => &split.apply,
+                };
+                let host_counted = match host_counter::without_counter(&split.accumulate, &manifest)
+                {
+                    Some(accumulate) => {
+                        split.accumulate = accumulate;
+                        manifest
+                            .state
+                            .iter()
+                            .find(|e| e.role == crate::state::Role::MicroStep)
+                            .map(|e| e.output.clone())
+                    }
+                    None => None,
                 };
                 let start_model = window_start::window_start(&split.accumulate, &manifest);
                 // Zeros the next micro-step overwrites unread need not be written (not for
@@ -427,6 +443,7 @@ impl Trainer {
                     window_size,
                     micro_step,
                     micro_step_input,
+                    host_counted,
                 }
             }
             _ if collective.is_some() => return Err(TrainError::Model(
@@ -510,6 +527,18 @@ impl Trainer {
     /// nothing in place).
     pub fn grouped_updates(&self) -> usize {
         self.grouped_updates
+    }
+
+    /// Whether the host counts the micro-steps that continue a window, instead of the
+    /// sessions that run them ([`host_counter`]).
+    pub fn micro_steps_counted_by_host(&self) -> bool {
+        matches!(
+            &self.runner,
+            Runner::Split {
+                host_counted: Some(_),
+                ..
+            }
+        )
     }
 
     /// How many accumulators the apply leaves holding the window's sums for the next window
@@ -838,8 +867,8 @@ impl Trainer {
         for (name, value) in &self.controls {
             host.push((name, value));
         }
-        let flush_value = Tensor::Bool(ndarray::arr0(true).into_dyn());
-        if flush {
+        let flush_value = flush.then(|| Tensor::Bool(ndarray::arr0(true).into_dyn()));
+        if let Some(flush_value) = &flush_value {
             // Both runners: the apply specialisation still computes its `applied` flag
             // from it.
             let name = self
@@ -847,11 +876,10 @@ impl Trainer {
                 .apply
                 .as_ref()
                 .map_or("ga.flush", |t| &t.flush);
-            host.push((name, &flush_value));
+            host.push((name, flush_value));
         }
-        let keep_nonfinite = Tensor::Bool(
-            ndarray::arr0(self.graph_skips || self.on_nonfinite == OnNonFinite::Keep).into_dyn(),
-        );
+        let keep_nonfinite = self.graph_skips || self.on_nonfinite == OnNonFinite::Keep;
+        let keep_nonfinite = Tensor::Bool(ndarray::arr0(keep_nonfinite).into_dyn());
         // Which specialisation ran: `Some(applies)`, or `None` for the whole graph.
         let mut micro_step_before = None;
         let mut stale_before = false;
@@ -866,6 +894,7 @@ impl Trainer {
                 micro_step,
                 zero_after_apply,
                 stale_sums,
+                host_counted,
                 ..
             } => {
                 let applies = self.replica.is_none()
@@ -899,7 +928,11 @@ impl Trainer {
                     zero_stale_sums(&mut self.state, zero_after_apply)?;
                     *stale_sums = false;
                 }
-                let outputs = run_on_state(engine, &host, &mut self.state)?;
+                let mut outputs = run_on_state(engine, &host, &mut self.state)?;
+                if let (false, Some(counter)) = (applies, host_counted.as_ref()) {
+                    let next = Tensor::I64(ndarray::arr0(*micro_step + 1).into_dyn());
+                    outputs.push((counter.clone(), Held::Host(next)));
+                }
                 micro_step_before = Some(*micro_step);
                 *micro_step = if applies { 0 } else { *micro_step + 1 };
                 *stale_sums = match ran {
@@ -910,11 +943,13 @@ impl Trainer {
                 (outputs, Some(applies))
             }
         };
-        let mut outputs: BTreeMap<String, Held> = outputs.into_iter().collect();
+        // A handful of outputs, in the session's order: found by name, not through a map
+        // built per run (at 8K parameters the host's work around a run is a fifth of it).
+        let mut outputs = outputs;
         // When the window ended, whether it updated (loss scaling may skip it) the graph says.
         let applied = match branch {
-            None => applied_flag(&outputs)?.unwrap_or(false),
-            Some(applies) => applies && applied_flag(&outputs)?.unwrap_or(true),
+            None => applied_flag(named(&outputs, APPLIED))?.unwrap_or(false),
+            Some(applies) => applies && applied_flag(named(&outputs, APPLIED))?.unwrap_or(true),
         };
         let unchanged = match (&self.runner, branch) {
             (
@@ -933,14 +968,15 @@ impl Trainer {
             _ => None,
         };
         // The values replaced, to put back if the host discards this micro-step.
-        let mut replaced = Vec::new();
+        let mut replaced: Vec<(&str, Held)> = Vec::new();
         for entry in &self.manifest.state {
-            match outputs.remove(&entry.output) {
-                Some(next) => {
-                    if let Some(old) = self.state.insert(entry.input.clone(), next) {
-                        replaced.push((entry.input.clone(), old));
+            match take_named(&mut outputs, &entry.output) {
+                Some(next) => match self.state.get_mut(&entry.input) {
+                    Some(held) => replaced.push((&entry.input, std::mem::replace(held, next))),
+                    None => {
+                        self.state.insert(entry.input.clone(), next);
                     }
-                }
+                },
                 None if unchanged.is_some_and(|u| u.contains(&entry.input)) => {}
                 // Updated in place: the value held is already the next one.
                 None if self.runner.session(ran).updates_in_place(&entry.input) => {}
@@ -959,8 +995,7 @@ impl Trainer {
                 self.manifest.loss
             ))
         };
-        let loss = outputs
-            .get(&self.manifest.loss)
+        let loss = named(&outputs, &self.manifest.loss)
             .ok_or_else(loss_missing)?
             .to_host(&self.manifest.loss)?;
         let loss = scalar_f32(Some(&loss)).ok_or_else(loss_missing)?;
@@ -969,7 +1004,9 @@ impl Trainer {
             && matches!(self.on_nonfinite, OnNonFinite::Stop | OnNonFinite::Skip);
         if discard {
             for (name, old) in replaced {
-                self.state.insert(name, old);
+                if let Some(held) = self.state.get_mut(name) {
+                    *held = old;
+                }
             }
             self.host_state = host_before;
             if let (
@@ -991,7 +1028,7 @@ impl Trainer {
                 });
             }
         }
-        let skipped = match (branch, outputs.get(SKIPPED)) {
+        let skipped = match (branch, named(&outputs, SKIPPED)) {
             (Some(applies), _) => applies && !applied && self.graph_skips,
             (None, Some(flag)) => matches!(
                 flag.to_host(SKIPPED)?,
@@ -1021,8 +1058,20 @@ impl Trainer {
 }
 
 /// The `applied` output, when the step has one.
-pub(crate) fn applied_flag(outputs: &BTreeMap<String, Held>) -> Result<Option<bool>, TrainError> {
-    Ok(match outputs.get(APPLIED) {
+/// The output `name` of a run's outputs.
+fn named<'a>(outputs: &'a [(String, Held)], name: &str) -> Option<&'a Held> {
+    outputs.iter().find(|(n, _)| n == name).map(|(_, v)| v)
+}
+
+/// The output `name` of a run's outputs, taken out of them.
+fn take_named(outputs: &mut Vec<(String, Held)>, name: &str) -> Option<Held> {
+    let at = outputs.iter().position(|(n, _)| n == name)?;
+    Some(outputs.swap_remove(at).1)
+}
+
+/// Whether the run's `applied` output (`value`), when it has one, says the update applied.
+pub(crate) fn applied_flag(value: Option<&Held>) -> Result<Option<bool>, TrainError> {
+    Ok(match value {
         Some(v) => Some(matches!(
             v.to_host(APPLIED)?,
             Tensor::Bool(a) if a.iter().next() == Some(&true)

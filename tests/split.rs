@@ -280,7 +280,9 @@ fn io_binding_path_trains_bit_identically() {
 /// window's sums (`src/train/zero_after_apply.rs`); they must count as zero everywhere they
 /// are seen. Against the whole graph, state compared after every micro-step (the state
 /// handed out right after an apply), with an apply right after an apply (a flush at a
-/// window's first micro-step, then K = 1), and a discarded non-finite window start.
+/// window's first micro-step, then K = 1), and a discarded non-finite window start. The
+/// micro-step counter, which the host counts for the sessions that continue a window
+/// (`src/train/host_counter.rs`), is part of that state.
 #[test]
 fn accumulators_left_to_the_window_start_count_as_zero() {
     if !ort_available() {
@@ -298,6 +300,9 @@ fn accumulators_left_to_the_window_start_count_as_zero() {
             split.zeros_left_to_the_window_start() > 0,
             "{model}: the apply writes zeros the window start overwrites"
         );
+        // The counter too is compared below, micro-step by micro-step: the host counts it.
+        assert!(split.micro_steps_counted_by_host(), "{model}");
+        assert!(!whole.micro_steps_counted_by_host(), "{model}");
         let samples = split.check_data(&data, Path::new("data.npz")).unwrap();
         // Windows: 0-3, 4 (flushed), 5-8, then 9 (a window start after an apply) sees NaN
         // samples and is discarded, 10-12 (K = 1 from 12 on: it applies), 13, 14, 15.

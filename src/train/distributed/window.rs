@@ -425,7 +425,8 @@ impl Trainer {
         };
         drop(held);
         let mut outputs: BTreeMap<String, Held> = outputs.into_iter().collect();
-        let applied = crate::train::applied_flag(&outputs)?.unwrap_or(true);
+        let applied =
+            crate::train::applied_flag(outputs.get(crate::state::APPLIED_OUTPUT))?.unwrap_or(true);
         for entry in self.manifest.state.clone() {
             match outputs.remove(&entry.output) {
                 Some(next) => {
