@@ -38,6 +38,33 @@ fn options(fused: bool, threads: usize, split: bool) -> TrainOptions {
     }
 }
 
+/// Steps `fused` and `standard` through the same [`MICRO_STEPS`] micro-batches of 8 of
+/// `data`, asserting that every micro-step's metrics and the final state agree bit for bit.
+fn assert_trains_alike(
+    what: &str,
+    fused: &mut Trainer,
+    standard: &mut Trainer,
+    data: &BTreeMap<String, Tensor>,
+) {
+    let samples = fused.check_data(data, Path::new("data.npz")).unwrap();
+    for i in 0..MICRO_STEPS {
+        let batch = micro_batch(data, samples, 8, i);
+        let (a, b) = (
+            fused.step(&batch, false).unwrap(),
+            standard.step(&batch, false).unwrap(),
+        );
+        assert_eq!(a, b, "{what}: micro-step {i}");
+    }
+    let (a, b) = (fused.state().unwrap(), standard.state().unwrap());
+    assert!(a.keys().eq(b.keys()), "{what}: the same states");
+    for (name, value) in b {
+        assert_eq!(
+            &a[name], value,
+            "{what}: state '{name}' after {MICRO_STEPS} micro-steps"
+        );
+    }
+}
+
 /// Trains `step` for [`MICRO_STEPS`] micro-batches of 8 with and without the fused kernels
 /// and asserts that both train alike; returns how many updates the fused trainer fused.
 fn fused_trains_like_standard(
@@ -51,22 +78,7 @@ fn fused_trains_like_standard(
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     let mut standard = Trainer::with_options(step, &options(false, 1, split)).unwrap();
     assert_eq!(standard.fused_updates(), 0, "{what}");
-    let samples = fused.check_data(data, Path::new("data.npz")).unwrap();
-    for i in 0..MICRO_STEPS {
-        let batch = micro_batch(data, samples, 8, i);
-        let (a, b) = (
-            fused.step(&batch, false).unwrap(),
-            standard.step(&batch, false).unwrap(),
-        );
-        assert_eq!(a, b, "{what}: micro-step {i}");
-    }
-    let (a, b) = (fused.state().unwrap(), standard.state().unwrap());
-    for (name, value) in b {
-        assert_eq!(
-            &a[name], value,
-            "{what}: state '{name}' after {MICRO_STEPS} micro-steps"
-        );
-    }
+    assert_trains_alike(what, &mut fused, &mut standard, data);
     // The split sessions update in place (at least the accumulators); the whole graph's
     // states leave through its If, never in place.
     match split {
@@ -448,16 +460,7 @@ fn small_states_stay_apart() {
         let mut standard = Trainer::with_options(&step, &options(false, min_total)).unwrap();
         assert_eq!(fused.in_place_updates(), expected, "{what}");
         assert!(fused.fused_updates() >= 1, "{what}: the kernels still run");
-        let samples = fused.check_data(&data, Path::new("data.npz")).unwrap();
-        for i in 0..MICRO_STEPS {
-            let batch = micro_batch(&data, samples, 8, i);
-            let (a, b) = (
-                fused.step(&batch, false).unwrap(),
-                standard.step(&batch, false).unwrap(),
-            );
-            assert_eq!(a, b, "{what}: micro-step {i}");
-        }
-        assert_eq!(fused.state().unwrap(), standard.state().unwrap(), "{what}");
+        assert_trains_alike(what, &mut fused, &mut standard, &data);
     }
 }
 
@@ -507,16 +510,7 @@ fn grouped_adamw_updates_train_bit_identically() {
                     fused.grouped_updates()
                 );
                 assert_eq!(standard.grouped_updates(), 0, "{what}");
-                let samples = fused.check_data(&data, Path::new("data.npz")).unwrap();
-                for i in 0..MICRO_STEPS {
-                    let batch = micro_batch(&data, samples, 8, i);
-                    let (a, b) = (
-                        fused.step(&batch, false).unwrap(),
-                        standard.step(&batch, false).unwrap(),
-                    );
-                    assert_eq!(a, b, "{what}: micro-step {i}");
-                }
-                assert_eq!(fused.state().unwrap(), standard.state().unwrap(), "{what}");
+                assert_trains_alike(&what, &mut fused, &mut standard, &data);
             }
         }
     }

@@ -290,18 +290,11 @@ impl FlatGroup {
 /// `x` when `v` is `Reshape(x, [-1])`.
 fn flattened(model: &Model, v: ValueId) -> Option<ValueId> {
     let (n, _) = model.producer(v)?;
-    let node = model.node(n);
-    let is_reshape = node.proto.op_type() == "Reshape"
-        && normalize_domain(node.proto.domain()).is_empty()
-        && node
-            .proto
-            .attribute
-            .iter()
-            .all(|a| a.name() != "allowzero" || a.i() == 0);
     let shape = input(model, n, 1)?;
-    (is_reshape && crate::passes::autodiff::shapes::constant_ints(model, shape)? == [-1])
-        .then(|| input(model, n, 0))
-        .flatten()
+    (plain_reshape(model, n)
+        && crate::passes::autodiff::shapes::constant_ints(model, shape)? == [-1])
+    .then(|| input(model, n, 0))
+    .flatten()
 }
 
 /// The node making `v` (a `Reshape`, as [`flattened`] found it).
@@ -317,14 +310,7 @@ fn reshaped_back(model: &Model, piece: ValueId) -> Option<(Vec<i64>, ValueId)> {
     let [Use::Node { node, slot: 0 }] = model.uses(piece) else {
         return None;
     };
-    let n = model.node(*node);
-    let is_reshape = n.proto.op_type() == "Reshape"
-        && normalize_domain(n.proto.domain()).is_empty()
-        && n.proto
-            .attribute
-            .iter()
-            .all(|a| a.name() != "allowzero" || a.i() == 0);
-    if !is_reshape {
+    if !plain_reshape(model, *node) {
         return None;
     }
     let dims = crate::passes::autodiff::shapes::constant_ints(model, input(model, *node, 1)?)?;
@@ -337,15 +323,7 @@ fn reshaped_back(model: &Model, piece: ValueId) -> Option<(Vec<i64>, ValueId)> {
 /// The `Concat` (axis 0) in `body` that makes `v`.
 fn concat_axis0(model: &Model, v: ValueId, body: BodyId) -> Option<NodeId> {
     let (n, _) = model.producer(v)?;
-    let node = model.node(n);
-    let p = &node.proto;
-    let axis0 =
-        p.attribute.len() == 1 && p.attribute[0].name() == "axis" && p.attribute[0].i() == 0;
-    (p.op_type() == "Concat"
-        && normalize_domain(p.domain()).is_empty()
-        && axis0
-        && node.body == body)
-        .then_some(n)
+    (standard(model, n, "Concat") && axis0(model, n) && model.node(n).body == body).then_some(n)
 }
 
 /// The one `Split` (axis 0, sizes as its second input) reading `v`, and nothing else.
@@ -354,15 +332,29 @@ fn split_of(model: &Model, v: ValueId, body: BodyId) -> Option<NodeId> {
         return None;
     };
     let n = model.node(*node);
-    let p = &n.proto;
-    let axis0 =
-        p.attribute.len() == 1 && p.attribute[0].name() == "axis" && p.attribute[0].i() == 0;
-    (p.op_type() == "Split"
-        && normalize_domain(p.domain()).is_empty()
-        && axis0
+    (standard(model, *node, "Split")
+        && axis0(model, *node)
         && n.inputs.len() == 2
         && n.body == body)
         .then_some(*node)
+}
+
+/// Node `n` is `op` of the standard domain.
+fn standard(model: &Model, n: NodeId, op: &str) -> bool {
+    let p = &model.node(n).proto;
+    p.op_type() == op && normalize_domain(p.domain()).is_empty()
+}
+
+/// Node `n`'s one attribute is `axis = 0`.
+fn axis0(model: &Model, n: NodeId) -> bool {
+    let a = &model.node(n).proto.attribute;
+    a.len() == 1 && a[0].name() == "axis" && a[0].i() == 0
+}
+
+/// Node `n` is a standard `Reshape` that does not copy zeros from its input's shape.
+fn plain_reshape(model: &Model, n: NodeId) -> bool {
+    let allowzero = |a: &crate::proto::AttributeProto| a.name() == "allowzero" && a.i() != 0;
+    standard(model, n, "Reshape") && !model.node(n).proto.attribute.iter().any(allowzero)
 }
 
 /// No member reads, however indirectly, what another member makes.
