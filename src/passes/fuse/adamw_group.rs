@@ -137,21 +137,10 @@ fn unflatten(model: &mut Model, node: NodeId) {
             inputs[adamw_slot::GRAD_ADDEND] = addend;
             inputs[adamw_slot::GRAD_DIVISOR] = Some(divisor);
         }
-        let replaced: Vec<ValueId> = flat
-            .splits
-            .iter()
-            .map(|&split| {
-                let piece = model.output(split, k);
-                match member.reshaped_back {
-                    true => {
-                        reshaped_back(model, piece)
-                            .expect("checked by FlatGroup::of")
-                            .1
-                    }
-                    false => piece,
-                }
-            })
-            .collect();
+        let replaced: Vec<ValueId> = match member.reshaped_back {
+            Some(values) => values.to_vec(),
+            None => flat.splits.iter().map(|&s| model.output(s, k)).collect(),
+        };
         let hints: Vec<String> = replaced
             .iter()
             .map(|&v| format!("{}.fused", model.name(v)))
@@ -181,9 +170,9 @@ struct Member {
     inputs: [ValueId; 4],
     /// The nodes reading the gradient taken: the `Concat`, or the `Reshape` flattening it.
     grad_readers: Vec<NodeId>,
-    /// The parameter is taken in its own shape: the member's outputs replace the
-    /// `Reshape`s that give each `Split` piece that shape back.
-    reshaped_back: bool,
+    /// When the parameter is taken in its own shape: the outputs of the `Reshape`s that
+    /// give each `Split` piece that shape back, which the member's outputs replace.
+    reshaped_back: Option<[ValueId; 3]>,
 }
 
 impl FlatGroup {
@@ -246,29 +235,29 @@ impl FlatGroup {
             // whose gradient or moments differ from its parameter in size (so a layout that
             // differs cannot pass).
             let flat_param = concats[0].1[k];
-            let unflat = flattened(model, flat_param);
             let dims = |v: ValueId| static_float32_shape(model, v);
-            let pieces_reshaped_back = unflat.and_then(|x| {
+            let back = |x: ValueId| -> Option<(ValueId, [ValueId; 3])> {
                 let want = dims(x)?;
-                splits
-                    .iter()
-                    .all(|&s| {
-                        reshaped_back(model, model.output(s, k)).is_some_and(|(to, _)| to == want)
-                    })
-                    .then_some(x)
-            });
-            let param = pieces_reshaped_back.unwrap_or(flat_param);
+                let mut outputs = [x; 3];
+                for (slot, &s) in splits.iter().enumerate() {
+                    let (to, output) = reshaped_back(model, model.output(s, k))?;
+                    if to != want {
+                        return None;
+                    }
+                    outputs[slot] = output;
+                }
+                Some((x, outputs))
+            };
+            let unflat = flattened(model, flat_param).and_then(|(x, _)| back(x));
+            let param = unflat.map_or(flat_param, |(x, _)| x);
+            let reshaped_back = unflat.map(|(_, outputs)| outputs);
             let size: i64 = dims(param)?.iter().product();
             if cut.get(k) != Some(&size) {
                 return None;
             }
-            let reshaped_back = pieces_reshaped_back.is_some();
             let take = |j: usize| {
                 let part = concats[j].1[k];
-                match flattened(model, part) {
-                    Some(x) => (x, flattened_by(model, part)),
-                    None => (part, concats[j].0),
-                }
+                flattened(model, part).unwrap_or((part, concats[j].0))
             };
             let (grad, grad_reader) = take(1);
             members.push(Member {
@@ -287,22 +276,13 @@ impl FlatGroup {
     }
 }
 
-/// `x` when `v` is `Reshape(x, [-1])`.
-fn flattened(model: &Model, v: ValueId) -> Option<ValueId> {
+/// `x` and the node when `v` is `Reshape(x, [-1])`.
+fn flattened(model: &Model, v: ValueId) -> Option<(ValueId, NodeId)> {
     let (n, _) = model.producer(v)?;
     let shape = input(model, n, 1)?;
-    (plain_reshape(model, n)
-        && crate::passes::autodiff::shapes::constant_ints(model, shape)? == [-1])
-    .then(|| input(model, n, 0))
-    .flatten()
-}
-
-/// The node making `v` (a `Reshape`, as [`flattened`] found it).
-fn flattened_by(model: &Model, v: ValueId) -> NodeId {
-    model
-        .producer(v)
-        .expect("a flattened value has a producer")
-        .0
+    let flat = plain_reshape(model, n)
+        && crate::passes::autodiff::shapes::constant_ints(model, shape)? == [-1];
+    flat.then(|| Some((input(model, n, 0)?, n))).flatten()
 }
 
 /// When the one reader of `piece` is a `Reshape` to constant dims: those dims and its output.
