@@ -13,7 +13,7 @@
 //! `cargo bench --bench scale` measures; run without `--bench` (as `cargo test
 //! --all-targets` does) it only checks, at the smallest width, that step and step If train
 //! to bit-identical parameters. Options: `--widths 64,256,1024,2048` `--batch 32`
-//! `--rounds 3` `--cell-ms 400`.
+//! `--rounds 3` `--cell-ms 400`; `--only step` runs one column alone (to profile).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -42,6 +42,9 @@ struct Opts {
     threads: Vec<usize>,
     /// `--least`: the least a step can add to the floor with standard sessions ([`least`]).
     least: bool,
+    /// `--only COLUMN`: run that column alone, `--rounds` cells at the first width, and
+    /// print its times: a run to profile (perf record), not a comparison.
+    only: Option<String>,
 }
 
 fn parse_opts() -> Result<Opts> {
@@ -53,6 +56,7 @@ fn parse_opts() -> Result<Opts> {
         bench: false,
         threads: vec![1],
         least: false,
+        only: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -79,6 +83,7 @@ fn parse_opts() -> Result<Opts> {
             }
             "--cell-ms" => o.cell = Duration::from_millis(value("--cell-ms")?.parse()?),
             "--least" => o.least = true,
+            "--only" => o.only = Some(value("--only")?),
             other if other.starts_with('-') => eprintln!("scale bench: ignoring {other}"),
             _ => {}
         }
@@ -495,6 +500,14 @@ fn main() -> Result<()> {
     }
     if !o.bench {
         return check(&build(o.widths[0], 8)?);
+    }
+    if let Some(column) = &o.only {
+        let s = build(o.widths[0], o.batch)?;
+        for _ in 0..o.rounds {
+            let m = run_cell(&s, column, o.cell)?;
+            println!("{column}: {:.1} µs per micro-step", m.per_step * 1e3);
+        }
+        return Ok(());
     }
     let sized: Vec<Sized> = o
         .widths

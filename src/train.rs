@@ -576,6 +576,12 @@ impl Trainer {
         self.sum_over_sessions(Engine::fused_gelu_grads)
     }
 
+    /// Scalar nodes the host computes instead of the sessions (`engine::host_scalars`),
+    /// summed over them.
+    pub fn host_scalar_nodes(&self) -> usize {
+        self.sum_over_sessions(Engine::host_scalar_nodes)
+    }
+
     fn sum_over_sessions(&self, count: impl Fn(&Engine) -> usize) -> usize {
         match &self.runner {
             Runner::Whole(e) => count(e),
@@ -1057,7 +1063,6 @@ impl Trainer {
     }
 }
 
-/// The `applied` output, when the step has one.
 /// The output `name` of a run's outputs.
 fn named<'a>(outputs: &'a [(String, Held)], name: &str) -> Option<&'a Held> {
     outputs.iter().find(|(n, _)| n == name).map(|(_, v)| v)
@@ -1212,12 +1217,32 @@ fn open_engine(
         })?;
         fused.updates += prepared.fused;
         fused.grouped += prepared.grouped;
-        dump_session(&prepared.model);
-        let mut engine = Engine::new(kind, &prepared.model, options)?;
+        let mut engine = with_host_scalars(kind, &prepared.model, options)?;
         engine.set_in_place(prepared.in_place.pairs, prepared.in_place.keep_input);
         return Ok(engine);
     }
-    Ok(Engine::new(kind, model, options)?)
+    with_host_scalars(kind, model, options)
+}
+
+/// An ONNX Runtime session of `model`, its scalar nodes the host can compute split off
+/// and given to the host (`engine::host_scalars`) when `options` allow.
+fn with_host_scalars(
+    kind: EngineKind,
+    model: &ModelProto,
+    options: &SessionOptions,
+) -> Result<Engine, TrainError> {
+    let split = match options.host_scalars {
+        true => crate::engine::host_scalars::split_off(model),
+        false => None,
+    };
+    let Some((model, scalars)) = split else {
+        dump_session(model);
+        return Ok(Engine::new(kind, model, options)?);
+    };
+    dump_session(&model);
+    let mut engine = Engine::new(kind, &model, options)?;
+    engine.set_host_scalars(scalars);
+    Ok(engine)
 }
 
 /// With `ONNX_GA_DUMP_SESSIONS=DIR` set, writes each session's model as ONNX Runtime gets

@@ -33,6 +33,7 @@ mod fused_kernels;
 mod fused_relu_grad;
 mod generated_files;
 mod generated_flatbuffers;
+mod host_scalars;
 mod hostile_input;
 mod ir_roundtrip;
 mod legalize_ops_a;

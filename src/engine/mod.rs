@@ -1,6 +1,8 @@
 //! Engines that run ONNX graphs: ONNX Runtime through the `ort` crate, and tract (pure Rust,
 //! the `tract` cargo feature, on by default). [`Engine`] is either, behind one `run`.
 
+pub mod host_scalars;
+mod kernel_io;
 pub mod ort;
 mod ort_ops;
 #[cfg(feature = "tract")]
@@ -162,6 +164,46 @@ fn ort_feeds<'a>(
     (host_feeds, ort_feeds)
 }
 
+/// The part of an ONNX Runtime run the host computes ([`host_scalars`]), when the session
+/// has one.
+struct HostPart<'s>(Option<host_scalars::Computed<'s>>);
+
+impl<'s> HostPart<'s> {
+    fn compute(
+        scalars: Option<&'s host_scalars::HostScalars>,
+        host: &[(&str, &Tensor)],
+        held: &[(&str, &Held)],
+    ) -> Result<Self, EngineError> {
+        Ok(HostPart(match scalars {
+            Some(h) => Some(h.evaluate(host, held)?),
+            None => None,
+        }))
+    }
+
+    /// Adds what the session reads of it to the host feeds.
+    fn feed<'f>(&'f self, feeds: &mut Vec<(&'f str, &'f Tensor)>) {
+        if let Some(c) = &self.0 {
+            feeds.extend(c.feeds.iter().map(|(n, t)| (*n, t)));
+        }
+    }
+
+    /// The session's outputs, then the graph outputs the host made.
+    fn outputs_after(self, session: Vec<(String, ::ort::value::DynValue)>) -> Vec<(String, Held)> {
+        let mut outputs: Vec<(String, Held)> = session
+            .into_iter()
+            .map(|(name, v)| (name, Held::Ort(v)))
+            .collect();
+        if let Some(c) = self.0 {
+            outputs.extend(
+                c.outputs
+                    .into_iter()
+                    .map(|(n, t)| (n.to_string(), Held::Host(t))),
+            );
+        }
+        outputs
+    }
+}
+
 /// A session of either engine over one model.
 pub enum Engine {
     Ort(ort::OrtSession),
@@ -216,6 +258,23 @@ impl Engine {
         if let Engine::Ort(s) = self {
             s.set_in_place(pairs);
             s.keep_input = keep_input;
+        }
+    }
+
+    /// Nodes of the model the session was made from that the host computes before each run
+    /// ([`host_scalars::split_off`]; ONNX Runtime only, a no-op elsewhere).
+    pub fn set_host_scalars(&mut self, scalars: host_scalars::HostScalars) {
+        if let Engine::Ort(s) = self {
+            s.set_host_scalars(scalars);
+        }
+    }
+
+    /// How many nodes the host computes for this session.
+    pub fn host_scalar_nodes(&self) -> usize {
+        match self {
+            Engine::Ort(s) => s.host_scalars().map_or(0, |h| h.node_count()),
+            #[cfg(feature = "tract")]
+            Engine::Tract(_) => 0,
         }
     }
 
@@ -292,9 +351,12 @@ impl Engine {
                 message: "in-place updates need ONNX Runtime".into(),
             });
         };
+        let scalars = s.host_scalars();
+        let computed = HostPart::compute(scalars.as_deref(), host, held)?;
         // Held host tensors are copied into the binding each run (the trainer makes its
         // large ones ONNX Runtime's first); the in-place ones become ONNX Runtime's here.
-        let (host_feeds, ort_feeds) = ort_feeds(host, held);
+        let (mut host_feeds, ort_feeds) = ort_feeds(host, held);
+        computed.feed(&mut host_feeds);
         let mut targets: Vec<(&str, &mut ::ort::value::DynValue)> =
             Vec::with_capacity(in_place.len());
         for (name, value) in in_place.iter_mut() {
@@ -306,10 +368,8 @@ impl Engine {
                 targets.push((*name, v));
             }
         }
-        Ok(s.run_held_in_place(&host_feeds, &ort_feeds, &mut targets)?
-            .into_iter()
-            .map(|(name, v)| (name, Held::Ort(v)))
-            .collect())
+        let outputs = s.run_held_in_place(&host_feeds, &ort_feeds, &mut targets)?;
+        Ok(computed.outputs_after(outputs))
     }
 
     /// Runs the model once on `host` inputs and `held` ones (outputs of earlier runs, kept
@@ -322,11 +382,12 @@ impl Engine {
     ) -> Result<Vec<(String, Held)>, EngineError> {
         match self {
             Engine::Ort(s) => {
-                let (host_feeds, ort_feeds) = ort_feeds(host, held);
-                Ok(s.run_held(&host_feeds, &ort_feeds)?
-                    .into_iter()
-                    .map(|(name, v)| (name, Held::Ort(v)))
-                    .collect())
+                let scalars = s.host_scalars();
+                let computed = HostPart::compute(scalars.as_deref(), host, held)?;
+                let (mut host_feeds, ort_feeds) = ort_feeds(host, held);
+                computed.feed(&mut host_feeds);
+                let outputs = s.run_held(&host_feeds, &ort_feeds)?;
+                Ok(computed.outputs_after(outputs))
             }
             #[cfg(feature = "tract")]
             Engine::Tract(s) => {
@@ -357,7 +418,17 @@ impl Engine {
         inputs: &[(&str, &Tensor)],
     ) -> Result<Vec<(String, Tensor)>, EngineError> {
         match self {
-            Engine::Ort(s) => s.run(inputs),
+            Engine::Ort(s) => {
+                let scalars = s.host_scalars();
+                let computed = HostPart::compute(scalars.as_deref(), inputs, &[])?;
+                let mut feeds = inputs.to_vec();
+                computed.feed(&mut feeds);
+                let mut outputs = s.run(&feeds)?;
+                if let Some(c) = computed.0 {
+                    outputs.extend(c.outputs.into_iter().map(|(n, t)| (n.to_string(), t)));
+                }
+                Ok(outputs)
+            }
             #[cfg(feature = "tract")]
             Engine::Tract(s) => s.run(inputs),
         }

@@ -131,6 +131,11 @@ pub struct SessionOptions {
     /// in all runs apart (`passes::fuse::in_place::MIN_SESSION_ELEMENTS` by default; 0:
     /// never apart for being small).
     pub in_place_min_total: i64,
+    /// Let the trainer take the scalar nodes of its sessions whose inputs the host holds
+    /// (counters, controls, the bias corrections) out of them and compute them itself
+    /// before each run (`engine::host_scalars`); bit-identical. Off runs every node in the
+    /// session.
+    pub host_scalars: bool,
 }
 
 impl Default for SessionOptions {
@@ -153,6 +158,7 @@ impl Default for SessionOptions {
             fused_gelu_grad: true,
             in_place_min_elements: crate::passes::fuse::accumulate::MIN_ELEMENTS,
             in_place_min_total: crate::passes::fuse::in_place::MIN_SESSION_ELEMENTS,
+            host_scalars: true,
         }
     }
 }
@@ -188,6 +194,9 @@ pub struct OrtSession {
     /// Inputs of the model that nothing in it reads, left out of the session
     /// ([`without_unread_inputs`]); a run given them ignores them.
     unread_inputs: std::collections::HashSet<String>,
+    /// Scalar nodes taken out of the model, which the host computes before each run
+    /// (`super::host_scalars`; run by [`super::Engine`]).
+    host_scalars: Option<std::sync::Arc<super::host_scalars::HostScalars>>,
 }
 
 impl OrtSession {
@@ -379,6 +388,7 @@ impl OrtSession {
             fused_relu_grads: 0,
             fused_gelu_grads: 0,
             unread_inputs: Default::default(),
+            host_scalars: None,
         })
     }
 
@@ -416,6 +426,16 @@ impl OrtSession {
     pub fn set_in_place(&mut self, pairs: Vec<(String, String)>) {
         self.in_place_inputs = pairs.iter().cloned().collect();
         self.in_place = pairs;
+    }
+
+    /// Gives the host the scalar nodes split off the session's model.
+    pub fn set_host_scalars(&mut self, scalars: super::host_scalars::HostScalars) {
+        self.host_scalars = Some(std::sync::Arc::new(scalars));
+    }
+
+    /// The scalar nodes the host computes for this session.
+    pub fn host_scalars(&self) -> Option<std::sync::Arc<super::host_scalars::HostScalars>> {
+        self.host_scalars.clone()
     }
 
     /// Whether the state input `name` is updated in place.
@@ -534,14 +554,28 @@ impl OrtSession {
     }
 }
 
-/// `names`' values from a run's outputs, in that order. One pass: the outputs come in the
-/// order they were asked for (model order, or binding order), and a lookup by name is a
-/// linear search (hundreds of states make that quadratic).
+/// `names`' values from a run's outputs, in that order. The outputs come in the order they
+/// were asked for (model order, or binding order), so they are taken as they come, their
+/// names checked; only when they do not match does a map find them (a lookup by name is a
+/// linear search: hundreds of states make that quadratic).
 fn take_outputs(
     names: &[String],
     outputs: ::ort::session::SessionOutputs<'_>,
 ) -> Result<Vec<(String, DynValue)>, EngineError> {
-    let mut values: std::collections::HashMap<&str, DynValue> = outputs.into_iter().collect();
+    let values: Vec<(&str, DynValue)> = outputs.into_iter().collect();
+    let in_order = values.len() == names.len()
+        && values
+            .iter()
+            .zip(names)
+            .all(|((got, _), want)| *got == want.as_str());
+    if in_order {
+        return Ok(names
+            .iter()
+            .cloned()
+            .zip(values.into_iter().map(|(_, v)| v))
+            .collect());
+    }
+    let mut values: std::collections::HashMap<&str, DynValue> = values.into_iter().collect();
     names
         .iter()
         .map(|name| {

@@ -11,6 +11,8 @@ use ::ort::operator::{
 };
 use ::ort::value::TensorElementType;
 
+use super::kernel_io;
+
 use crate::fused_ops::{
     accumulate_grad, accumulate_slot, adamw_group_slot, adamw_slot, adamw_update,
     batch_norm_grad_channel, batch_norm_train_channel, gelu_grad, gelu_slot, relu_grad, sgd_slot,
@@ -60,13 +62,35 @@ pub fn first_registration<T, E>(
 }
 
 /// One input as a float32 slice (`None` when the optional input is absent).
-macro_rules! slice_of {
-    ($value:expr) => {
-        match &$value {
-            Some(v) => Some(v.try_extract_tensor::<f32>()?.1),
-            None => None,
-        }
-    };
+/// Optional float input `slot` of `op`: `None` when absent.
+fn optional_f32s<'c>(
+    ctx: &'c ComputeContext,
+    op: &str,
+    slot: usize,
+) -> ::ort::Result<Option<&'c [f32]>> {
+    kernel_io::input(ctx, op, slot)?
+        .map(|value| value.f32s(op, slot))
+        .transpose()
+}
+
+/// Float input `slot` of `op`, which it requires: its shape and data.
+fn f32_input<'c>(
+    ctx: &'c ComputeContext,
+    op: &str,
+    slot: usize,
+) -> ::ort::Result<(&'c [i64], &'c [f32])> {
+    let value = kernel_io::required(ctx, op, slot)?;
+    Ok((value.shape, value.f32s(op, slot)?))
+}
+
+/// Output `slot` of `op`, a float tensor of `shape`, to write.
+fn f32_output<'c>(
+    ctx: &'c ComputeContext,
+    op: &str,
+    slot: usize,
+    shape: &[i64],
+) -> ::ort::Result<&'c mut [f32]> {
+    Ok(kernel_io::output(ctx, op, slot, shape)?.into_slice())
 }
 
 /// Elements per task of the intra-op thread pool: large enough that a task's overhead is
@@ -76,12 +100,10 @@ const CHUNK: usize = 1 << 16;
 /// Scalar input `slot` of a fused operator's node: `None` when the optional input is
 /// absent, an error naming `op` when it is not one element.
 fn scalar_input(ctx: &ComputeContext, op: &str, slot: usize) -> ::ort::Result<Option<f32>> {
-    let Some(value) = ctx.input(slot)? else {
-        return Ok(None);
-    };
-    match value.try_extract_tensor::<f32>()?.1 {
-        [x] => Ok(Some(*x)),
-        data => Err(::ort::Error::new(format!(
+    match optional_f32s(ctx, op, slot)? {
+        None => Ok(None),
+        Some([x]) => Ok(Some(*x)),
+        Some(data) => Err(::ort::Error::new(format!(
             "{op}: input {slot} has {} elements, not one",
             data.len()
         ))),
@@ -91,10 +113,10 @@ fn scalar_input(ctx: &ComputeContext, op: &str, slot: usize) -> ::ort::Result<Op
 /// The gate of a fused operator at `slot` ([`crate::fused_ops::KEEP_NONFINITE`]): true when
 /// absent.
 fn keep_input(ctx: &ComputeContext, op: &str, slot: usize) -> ::ort::Result<bool> {
-    let Some(value) = ctx.input(slot)? else {
+    let Some(value) = kernel_io::input(ctx, op, slot)? else {
         return Ok(true);
     };
-    match value.try_extract_tensor::<bool>()?.1 {
+    match value.bools(op, slot)? {
         [keep] => Ok(*keep),
         data => Err(::ort::Error::new(format!(
             "{op}: the gate (input {slot}) has {} elements, not one",
@@ -116,20 +138,10 @@ fn run_update<const N: usize>(
     keep: bool,
     update: impl Fn(std::ops::Range<usize>, Io<'_, N>) + Sync,
 ) -> ::ort::Result<()> {
-    let missing = |slot: usize| ::ort::Error::new(format!("{op}: input {slot} is missing"));
-    let values = state
+    let inputs = state
         .iter()
-        .map(|&slot| ctx.input(slot)?.ok_or_else(|| missing(slot)))
+        .map(|&slot| kernel_io::required(ctx, op, slot))
         .collect::<::ort::Result<Vec<_>>>()?;
-    let mut inputs: Vec<&[f32]> = Vec::with_capacity(N);
-    let mut shape = Vec::new();
-    for (k, value) in values.iter().enumerate() {
-        let (s, data) = value.try_extract_tensor::<f32>()?;
-        if k == 0 {
-            shape = s.to_vec();
-        }
-        inputs.push(data);
-    }
     let len = inputs[0].len();
     if inputs.iter().any(|i| i.len() != len) {
         return Err(::ort::Error::new(format!(
@@ -137,18 +149,14 @@ fn run_update<const N: usize>(
             inputs.iter().map(|i| i.len()).collect::<Vec<_>>()
         )));
     }
-    let mut outputs = (first_output..first_output + N)
-        .map(|slot| {
-            ctx.output(slot, shape.clone())?
-                .ok_or_else(|| ::ort::Error::new(format!("{op}: output {slot} missing")))
-        })
+    let shape = inputs[0].shape;
+    let outputs = (first_output..first_output + N)
+        .map(|slot| kernel_io::output(ctx, op, slot, shape))
         .collect::<::ort::Result<Vec<_>>>()?;
-    let mut outs: Vec<&mut [f32]> = Vec::with_capacity(N);
-    for value in &mut outputs {
-        outs.push(value.try_extract_tensor_mut::<f32>()?.1);
-    }
-    let aliased: Vec<bool> = (0..N)
-        .map(|k| outs[k].as_ptr() == inputs[k].as_ptr())
+    let aliased: Vec<bool> = outputs
+        .iter()
+        .zip(&inputs)
+        .map(|(o, i)| o.address() == i.address())
         .collect();
     let in_place = aliased.iter().all(|&a| a);
     if !in_place && aliased.iter().any(|&a| a) {
@@ -156,9 +164,22 @@ fn run_update<const N: usize>(
             "{op}: only some of its outputs share their input's buffer ({aliased:?})"
         )));
     }
+    // In place, the states are read through their outputs alone (the same memory).
+    let sources: Vec<&[f32]> = match in_place {
+        true => Vec::new(),
+        false => inputs
+            .iter()
+            .zip(state)
+            .map(|(i, slot)| i.f32s(op, slot))
+            .collect::<::ort::Result<_>>()?,
+    };
+    let mut outs: Vec<&mut [f32]> = outputs
+        .into_iter()
+        .map(kernel_io::Output::into_slice)
+        .collect();
     if !keep {
         if !in_place {
-            for (out, input) in outs.iter_mut().zip(&inputs) {
+            for (out, input) in outs.iter_mut().zip(&sources) {
                 out.copy_from_slice(input);
             }
         }
@@ -174,11 +195,10 @@ fn run_update<const N: usize>(
             .all(Option::is_some)
             .then(|| next.map(|p| p.unwrap_or_default()))
     });
-    // In place, the inputs' slices are not read again: the outputs are the same memory.
     in_chunks(ctx, len, chunks, |range, out| {
         let io = match in_place {
             true => Io::InPlace(out),
-            false => Io::Apart(std::array::from_fn(|k| &inputs[k][range.clone()]), out),
+            false => Io::Apart(std::array::from_fn(|k| &sources[k][range.clone()]), out),
         };
         update(range, io)
     })
@@ -259,20 +279,11 @@ fn adamw_scalars(
 }
 
 fn adamw_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
-    let missing =
-        |slot: usize| ::ort::Error::new(format!("{ADAMW_UPDATE}: input {slot} is missing"));
     let s = adamw_scalars(ctx, ADAMW_UPDATE, adamw_group_slot::FROM_SINGLE)?;
-    let grad = ctx
-        .input(adamw_slot::GRAD)?
-        .ok_or_else(|| missing(adamw_slot::GRAD))?;
-    let g = grad.try_extract_tensor::<f32>()?.1;
-    let addend = ctx.input(adamw_slot::GRAD_ADDEND)?;
-    let addend = slice_of!(addend);
+    let g = f32_input(ctx, ADAMW_UPDATE, adamw_slot::GRAD)?.1;
+    let addend = optional_f32s(ctx, ADAMW_UPDATE, adamw_slot::GRAD_ADDEND)?;
     let keep = keep_input(ctx, ADAMW_UPDATE, adamw_slot::KEEP)?;
-    let param = ctx
-        .input(adamw_slot::PARAM)?
-        .ok_or_else(|| missing(adamw_slot::PARAM))?;
-    let len = param.try_extract_tensor::<f32>()?.1.len();
+    let len = kernel_io::required(ctx, ADAMW_UPDATE, adamw_slot::PARAM)?.len();
     if g.len() != len || addend.is_some_and(|a| a.len() != len) {
         return Err(::ort::Error::new(format!(
             "{ADAMW_UPDATE}: parameter ({len}), gradient ({}) and addend ({:?}) differ in size",
@@ -344,20 +355,12 @@ fn adamw_group_kernel(ctx: &ComputeContext, members: usize, addends: bool) -> ::
         let first = adamw_group_slot::MEMBERS + k * width;
         let (grad, addend) = (first + 1, addends.then_some(first + 2));
         let (m, v) = (first + width - 2, first + width - 1);
-        let g = tensor_input(ctx, ADAMW_UPDATES, grad)?;
-        let g = g.try_extract_tensor::<f32>()?.1;
+        let g = f32_input(ctx, ADAMW_UPDATES, grad)?.1;
         let addend = match addend {
-            Some(slot) => Some(tensor_input(ctx, ADAMW_UPDATES, slot)?),
+            Some(slot) => Some(f32_input(ctx, ADAMW_UPDATES, slot)?.1),
             None => None,
         };
-        let addend = match &addend {
-            Some(a) => Some(a.try_extract_tensor::<f32>()?.1),
-            None => None,
-        };
-        let len = tensor_input(ctx, ADAMW_UPDATES, first)?
-            .try_extract_tensor::<f32>()?
-            .1
-            .len();
+        let len = kernel_io::required(ctx, ADAMW_UPDATES, first)?.len();
         if g.len() != len || addend.is_some_and(|a| a.len() != len) {
             return Err(::ort::Error::new(format!(
                 "{ADAMW_UPDATES}: member {k}: parameter ({len}), gradient ({}) and addend \
@@ -463,18 +466,10 @@ fn sgd_kernel(ctx: &ComputeContext, nesterov: bool) -> ::ort::Result<()> {
         wd: scalar(sgd_slot::WD)?,
         divisor: scalar(sgd_slot::GRAD_DIVISOR)?,
     };
-    let missing = |slot: usize| ::ort::Error::new(format!("{SGD_UPDATE}: input {slot} is missing"));
-    let param = ctx
-        .input(sgd_slot::PARAM)?
-        .ok_or_else(|| missing(sgd_slot::PARAM))?;
-    let len = param.try_extract_tensor::<f32>()?.1.len();
-    let grad = ctx
-        .input(sgd_slot::GRAD)?
-        .ok_or_else(|| missing(sgd_slot::GRAD))?;
-    let g = grad.try_extract_tensor::<f32>()?.1;
-    let addend = ctx.input(sgd_slot::GRAD_ADDEND)?;
-    let addend = slice_of!(addend);
-    let has_buffer = ctx.input(sgd_slot::BUF)?.is_some();
+    let len = kernel_io::required(ctx, SGD_UPDATE, sgd_slot::PARAM)?.len();
+    let g = f32_input(ctx, SGD_UPDATE, sgd_slot::GRAD)?.1;
+    let addend = optional_f32s(ctx, SGD_UPDATE, sgd_slot::GRAD_ADDEND)?;
+    let has_buffer = kernel_io::input(ctx, SGD_UPDATE, sgd_slot::BUF)?.is_some();
     if has_buffer != mu.is_some() {
         return Err(::ort::Error::new(format!(
             "{SGD_UPDATE}: a momentum buffer and its momentum come together"
@@ -537,15 +532,9 @@ impl Operator for AccumulateGrad {
 }
 
 fn accumulate_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
-    let grad = ctx
-        .input(accumulate_slot::GRAD)?
-        .ok_or_else(|| ::ort::Error::new(format!("{ACCUMULATE_GRAD}: the gradient is missing")))?;
-    let g = grad.try_extract_tensor::<f32>()?.1;
+    let g = f32_input(ctx, ACCUMULATE_GRAD, accumulate_slot::GRAD)?.1;
     let keep = keep_input(ctx, ACCUMULATE_GRAD, accumulate_slot::KEEP)?;
-    let acc = ctx.input(accumulate_slot::ACC)?.ok_or_else(|| {
-        ::ort::Error::new(format!("{ACCUMULATE_GRAD}: the accumulator is missing"))
-    })?;
-    let len = acc.try_extract_tensor::<f32>()?.1.len();
+    let len = kernel_io::required(ctx, ACCUMULATE_GRAD, accumulate_slot::ACC)?.len();
     if g.len() != len {
         return Err(::ort::Error::new(format!(
             "{ACCUMULATE_GRAD}: accumulator ({len}) and gradient ({}) differ in size",
@@ -615,16 +604,6 @@ impl Operator for BatchNormTrain {
             batch_norm_train_kernel(ctx, epsilon)
         }))
     }
-}
-
-/// Input `slot` of `op` as float32 data with its shape.
-fn tensor_input<'a>(
-    ctx: &'a ComputeContext,
-    op: &str,
-    slot: usize,
-) -> ::ort::Result<::ort::value::ValueRef<'a>> {
-    ctx.input(slot)?
-        .ok_or_else(|| ::ort::Error::new(format!("{op}: input {slot} is missing")))
 }
 
 /// X's layout and the per-channel inputs' data, checked to have one value per channel.
@@ -708,29 +687,16 @@ fn per_channel<R: Send>(
 
 /// Writes `values` into output `slot`, shaped `[values.len()]`.
 fn write_vector(ctx: &ComputeContext, op: &str, slot: usize, values: &[f32]) -> ::ort::Result<()> {
-    let mut out = ctx
-        .output(slot, vec![values.len() as i64])?
-        .ok_or_else(|| ::ort::Error::new(format!("{op}: output {slot} missing")))?;
-    out.try_extract_tensor_mut::<f32>()?
-        .1
-        .copy_from_slice(values);
+    f32_output(ctx, op, slot, &[values.len() as i64])?.copy_from_slice(values);
     Ok(())
 }
 
 fn batch_norm_train_kernel(ctx: &ComputeContext, epsilon: f32) -> ::ort::Result<()> {
     let op = BATCH_NORM_TRAIN;
-    let [x, scale, bias] = [0, 1, 2].map(|slot| tensor_input(ctx, op, slot));
-    let (x, scale, bias) = (x?, scale?, bias?);
-    let (shape, x) = x.try_extract_tensor::<f32>()?;
-    let (scale, bias) = (
-        scale.try_extract_tensor::<f32>()?.1,
-        bias.try_extract_tensor::<f32>()?.1,
-    );
+    let (shape, x) = f32_input(ctx, op, 0)?;
+    let (scale, bias) = (f32_input(ctx, op, 1)?.1, f32_input(ctx, op, 2)?.1);
     let layout = batch_norm_layout(op, shape, &[scale, bias])?;
-    let mut y = ctx
-        .output(0, shape.to_vec())?
-        .ok_or_else(|| ::ort::Error::new(format!("{op}: output 0 missing")))?;
-    let y = y.try_extract_tensor_mut::<f32>()?.1;
+    let y = f32_output(ctx, op, 0, shape)?;
     let stats: Vec<ChannelStats> = per_channel(ctx, layout, y, |c, out| {
         batch_norm_train_channel(&layout.planes(x, c), out, scale[c], bias[c], epsilon)
     })?;
@@ -776,22 +742,17 @@ impl Operator for BatchNormGrad {
 
 fn batch_norm_grad_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
     let op = BATCH_NORM_GRAD;
-    let [dy, x, scale, mean, inv_std] = [0, 1, 2, 3, 4].map(|slot| tensor_input(ctx, op, slot));
-    let (dy, x, scale, mean, inv_std) = (dy?, x?, scale?, mean?, inv_std?);
-    let (dy_shape, dy) = dy.try_extract_tensor::<f32>()?;
-    let (shape, x) = x.try_extract_tensor::<f32>()?;
+    let (dy_shape, dy) = f32_input(ctx, op, 0)?;
+    let (shape, x) = f32_input(ctx, op, 1)?;
     if dy_shape != shape {
         return Err(::ort::Error::new(format!(
             "{op}: dY has shape {dy_shape:?}, X {shape:?}"
         )));
     }
-    let [scale, mean, inv_std] = [&scale, &mean, &inv_std].map(|v| v.try_extract_tensor::<f32>());
-    let (scale, mean, inv_std) = (scale?.1, mean?.1, inv_std?.1);
+    let scale = f32_input(ctx, op, 2)?.1;
+    let (mean, inv_std) = (f32_input(ctx, op, 3)?.1, f32_input(ctx, op, 4)?.1);
     let layout = batch_norm_layout(op, shape, &[scale, mean, inv_std])?;
-    let mut dx = ctx
-        .output(0, shape.to_vec())?
-        .ok_or_else(|| ::ort::Error::new(format!("{op}: output 0 missing")))?;
-    let dx = dx.try_extract_tensor_mut::<f32>()?.1;
+    let dx = f32_output(ctx, op, 0, shape)?;
     let sums: Vec<(f32, f32)> = per_channel(ctx, layout, dx, |c, out| {
         let (g, v) = (layout.planes(dy, c), layout.planes(x, c));
         batch_norm_grad_channel(&g, &v, out, scale[c], mean[c], inv_std[c])
@@ -851,8 +812,7 @@ impl Operator for Im2Col {
 const IM2COL_TASK_ELEMENTS: usize = 1 << 16;
 
 fn im2col_kernel(ctx: &ComputeContext, window: &Window2d) -> ::ort::Result<()> {
-    let x = tensor_input(ctx, IM2COL, 0)?;
-    let (shape, x) = x.try_extract_tensor::<f32>()?;
+    let (shape, x) = f32_input(ctx, IM2COL, 0)?;
     let dims: Option<Vec<usize>> = shape.iter().map(|&d| usize::try_from(d).ok()).collect();
     let Some(&[n, c, h, w]) = dims.as_deref() else {
         return Err(::ort::Error::new(format!(
@@ -865,11 +825,8 @@ fn im2col_kernel(ctx: &ComputeContext, window: &Window2d) -> ::ort::Result<()> {
         ))
     })?;
     let taps = window.taps();
-    let out_shape = vec![n as i64, (c * taps) as i64, ho as i64, wo as i64];
-    let mut out = ctx
-        .output(0, out_shape)?
-        .ok_or_else(|| ::ort::Error::new(format!("{IM2COL}: output 0 missing")))?;
-    let out = out.try_extract_tensor_mut::<f32>()?.1;
+    let out_shape = [n as i64, (c * taps) as i64, ho as i64, wo as i64];
+    let out = f32_output(ctx, IM2COL, 0, &out_shape)?;
     let (in_plane, out_block) = (h * w, taps * ho * wo);
     if in_plane == 0 || out_block == 0 {
         return Ok(());
@@ -944,28 +901,18 @@ fn gelu_grad_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
         sqrt2: scalar(gelu_slot::SQRT2)?,
         forward_sqrt2: scalar(gelu_slot::FORWARD_SQRT2)?,
     };
-    let values = [gelu_slot::G, gelu_slot::X, gelu_slot::A]
-        .map(|slot| tensor_input(ctx, op, slot))
-        .into_iter()
-        .collect::<::ort::Result<Vec<_>>>()?;
-    let mut shape = Vec::new();
-    let mut data: Vec<&[f32]> = Vec::with_capacity(3);
-    for (k, value) in values.iter().enumerate() {
-        let (s, d) = value.try_extract_tensor::<f32>()?;
-        if k == 0 {
-            shape = s.to_vec();
-        } else if s.to_vec() != shape {
+    let (shape, g) = f32_input(ctx, op, gelu_slot::G)?;
+    let mut data: Vec<&[f32]> = vec![g];
+    for slot in [gelu_slot::X, gelu_slot::A] {
+        let (s, d) = f32_input(ctx, op, slot)?;
+        if s != shape {
             return Err(::ort::Error::new(format!(
-                "{op}: input {} has shape {s:?}, not G's {shape:?}",
-                [gelu_slot::G, gelu_slot::X, gelu_slot::A][k]
+                "{op}: input {slot} has shape {s:?}, not G's {shape:?}"
             )));
         }
         data.push(d);
     }
-    let mut dx = ctx
-        .output(0, shape)?
-        .ok_or_else(|| ::ort::Error::new(format!("{op}: output 0 missing")))?;
-    let dx = dx.try_extract_tensor_mut::<f32>()?.1;
+    let dx = f32_output(ctx, op, 0, shape)?;
     let len = dx.len();
     in_chunks(ctx, len, dx.chunks_mut(CHUNK), |range, out| {
         let part = |k: usize| &data[k][range.clone()];
@@ -1006,19 +953,12 @@ impl Operator for ReluGrad {
 }
 
 fn relu_grad_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
-    let (dy, y) = (
-        tensor_input(ctx, RELU_GRAD, 0)?,
-        tensor_input(ctx, RELU_GRAD, 1)?,
-    );
-    let (shape, dy) = dy.try_extract_tensor::<f32>()?;
-    let (y_shape, y) = y.try_extract_tensor::<f32>()?;
+    let (shape, dy) = f32_input(ctx, RELU_GRAD, 0)?;
+    let (y_shape, y) = f32_input(ctx, RELU_GRAD, 1)?;
     if shape != y_shape {
         return relu_grad_broadcast(ctx, (shape, dy), (y_shape, y));
     }
-    let mut dx = ctx
-        .output(0, shape.to_vec())?
-        .ok_or_else(|| ::ort::Error::new(format!("{RELU_GRAD}: output 0 missing")))?;
-    let dx = dx.try_extract_tensor_mut::<f32>()?.1;
+    let dx = f32_output(ctx, RELU_GRAD, 0, shape)?;
     let len = dx.len();
     in_chunks(ctx, len, dx.chunks_mut(CHUNK), |range, out| {
         relu_grad(&dy[range.clone()], &y[range], out)
@@ -1030,10 +970,10 @@ fn relu_grad_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
 /// gets here; a mask a model makes of another tensor may.
 fn relu_grad_broadcast(
     ctx: &ComputeContext,
-    (dy_shape, dy): (&::ort::value::Shape, &[f32]),
-    (y_shape, y): (&::ort::value::Shape, &[f32]),
+    (dy_shape, dy): (&[i64], &[f32]),
+    (y_shape, y): (&[i64], &[f32]),
 ) -> ::ort::Result<()> {
-    let view = |shape: &::ort::value::Shape, data: &[f32]| {
+    let view = |shape: &[i64], data: &[f32]| {
         let dims: Vec<usize> = shape.iter().map(|&d| d.max(0) as usize).collect();
         ndarray::ArrayViewD::from_shape(dims, data)
             .map(|v| v.to_owned())
@@ -1061,10 +1001,7 @@ fn relu_grad_broadcast(
     };
     let dx = ndarray::Zip::from(&dy).and(&mask).map_collect(|g, m| g * m);
     let out_shape: Vec<i64> = dx.shape().iter().map(|&d| d as i64).collect();
-    let mut out = ctx
-        .output(0, out_shape)?
-        .ok_or_else(|| ::ort::Error::new(format!("{RELU_GRAD}: output 0 missing")))?;
-    let out = out.try_extract_tensor_mut::<f32>()?.1;
+    let out = f32_output(ctx, RELU_GRAD, 0, &out_shape)?;
     for (o, v) in out.iter_mut().zip(dx.iter()) {
         *o = *v;
     }

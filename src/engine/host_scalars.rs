@@ -1,0 +1,596 @@
+//! Scalar nodes the host computes instead of the session.
+//!
+//! A step's apply begins with a chain of scalar arithmetic: the window's count from the
+//! micro-step counter, whether the window is full, the optimizer's step, AdamW's bias
+//! corrections (`Pow`, `Sub`, `Sqrt`, `Div`, `Mul`), the counters' next values. Each is a
+//! node, and ONNX Runtime spends a microsecond or two on a node however small it is: at 8K
+//! parameters those 14 nodes were a third of what the apply costs over the floor
+//! (benches/README.md, "Scaling with model size"). Every input of the chain is a scalar the
+//! host already has (controls, counters, the flush flag, constants), so the host runs it.
+//!
+//! [`split_off`] takes such nodes out of a session's model: a node whose every input is a
+//! scalar graph input, a scalar constant or another such node's output, of an operator in
+//! [`Op`]. Their results that the session's remaining nodes read become graph inputs of
+//! it; the graph outputs they made (the counters' next values, `ga.applied`) are made by
+//! the host. Nodes of constants alone stay where they are (ONNX Runtime folds them) and
+//! are folded here too when the host needs them. [`HostScalars::evaluate`] computes the
+//! chain before each run with float32 arithmetic, as ONNX Runtime's CPU kernels do: the
+//! same IEEE operations, and `Pow` through the same C library's `powf`, so that training
+//! is bit-identical (`tests/host_scalars.rs` checks every operator against ONNX Runtime).
+
+use std::collections::{HashMap, HashSet};
+
+use crate::data::Tensor;
+use crate::proto::{tensor_proto::DataType, ModelProto, NodeProto, ValueInfoProto};
+
+use super::{EngineError, Held};
+
+/// A scalar of one of the element types the host computes with.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Scalar {
+    F32(f32),
+    I64(i64),
+    Bool(bool),
+}
+
+/// The element types of [`Scalar`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Elem {
+    F32,
+    I64,
+    Bool,
+}
+
+impl Elem {
+    fn of_onnx(data_type: i32) -> Option<Elem> {
+        match DataType::try_from(data_type).ok()? {
+            DataType::Float => Some(Elem::F32),
+            DataType::Int64 => Some(Elem::I64),
+            DataType::Bool => Some(Elem::Bool),
+            _ => None,
+        }
+    }
+
+    fn onnx(self) -> i32 {
+        match self {
+            Elem::F32 => DataType::Float as i32,
+            Elem::I64 => DataType::Int64 as i32,
+            Elem::Bool => DataType::Bool as i32,
+        }
+    }
+}
+
+impl Scalar {
+    fn elem(self) -> Elem {
+        match self {
+            Scalar::F32(_) => Elem::F32,
+            Scalar::I64(_) => Elem::I64,
+            Scalar::Bool(_) => Elem::Bool,
+        }
+    }
+
+    /// The one element of `t`, when it has exactly one of a [`Scalar`] type.
+    fn of_tensor(t: &Tensor) -> Option<Scalar> {
+        let one = |len: usize| len == 1;
+        match t {
+            Tensor::F32(a) if one(a.len()) => a.iter().next().map(|&x| Scalar::F32(x)),
+            Tensor::I64(a) if one(a.len()) => a.iter().next().map(|&x| Scalar::I64(x)),
+            Tensor::Bool(a) if one(a.len()) => a.iter().next().map(|&x| Scalar::Bool(x)),
+            _ => None,
+        }
+    }
+
+    /// A tensor of shape `[1; rank]` holding it.
+    fn to_tensor(self, rank: usize) -> Tensor {
+        let shape = ndarray::IxDyn(&vec![1; rank]);
+        match self {
+            Scalar::F32(x) => Tensor::F32(ndarray::ArrayD::from_elem(shape, x)),
+            Scalar::I64(x) => Tensor::I64(ndarray::ArrayD::from_elem(shape, x)),
+            Scalar::Bool(x) => Tensor::Bool(ndarray::ArrayD::from_elem(shape, x)),
+        }
+    }
+}
+
+/// The operators the host computes, each as ONNX Runtime's CPU kernel does for scalars.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    Add,
+    Sub,
+    Mul,
+    /// float32 only: an integer division by zero has no value to give.
+    Div,
+    /// float32 base and exponent: `powf`, as ONNX Runtime's `std::pow`.
+    Pow,
+    Sqrt,
+    Neg,
+    Reciprocal,
+    Identity,
+    Cast(Elem),
+    Equal,
+    Less,
+    LessOrEqual,
+    Greater,
+    GreaterOrEqual,
+    And,
+    Or,
+    Xor,
+    Not,
+}
+
+impl Op {
+    /// The operator of `node` and its result's element type for `inputs`; `None` when the
+    /// host does not compute it (another operator, domain, attribute or input type).
+    fn of(node: &NodeProto, inputs: &[Elem]) -> Option<(Op, Elem)> {
+        if !crate::ir::normalize_domain(node.domain()).is_empty() {
+            return None;
+        }
+        let op_type = node.op_type();
+        let attributes_allowed = match op_type {
+            "Cast" => node
+                .attribute
+                .iter()
+                .all(|a| a.name() == "to" || (a.name() == "saturate" && a.i() == 1)),
+            _ => node.attribute.is_empty(),
+        };
+        if !attributes_allowed {
+            return None;
+        }
+        use Elem::*;
+        let same = |want: &[Elem]| match inputs {
+            [a, b] if a == b && want.contains(a) => Some(*a),
+            _ => None,
+        };
+        let unary = |want: &[Elem]| match inputs {
+            [a] if want.contains(a) => Some(*a),
+            _ => None,
+        };
+        let op = match op_type {
+            "Add" => (Op::Add, same(&[F32, I64])?),
+            "Sub" => (Op::Sub, same(&[F32, I64])?),
+            "Mul" => (Op::Mul, same(&[F32, I64])?),
+            "Div" => (Op::Div, same(&[F32])?),
+            "Pow" => (Op::Pow, same(&[F32])?),
+            "Sqrt" => (Op::Sqrt, unary(&[F32])?),
+            "Neg" => (Op::Neg, unary(&[F32, I64])?),
+            "Reciprocal" => (Op::Reciprocal, unary(&[F32])?),
+            "Identity" => (Op::Identity, unary(&[F32, I64, Bool])?),
+            "Cast" => {
+                let to = node.attribute.iter().find(|a| a.name() == "to")?.i();
+                let to = Elem::of_onnx(i32::try_from(to).ok()?)?;
+                // float -> int or bool would need ONNX Runtime's rounding and NaN rules.
+                let from: &[Elem] = match to {
+                    F32 => &[F32, I64, Bool],
+                    I64 | Bool => &[I64, Bool],
+                };
+                unary(from)?;
+                (Op::Cast(to), to)
+            }
+            "Equal" => (Op::Equal, same(&[F32, I64, Bool]).map(|_| Bool)?),
+            "Less" => (Op::Less, same(&[F32, I64]).map(|_| Bool)?),
+            "LessOrEqual" => (Op::LessOrEqual, same(&[F32, I64]).map(|_| Bool)?),
+            "Greater" => (Op::Greater, same(&[F32, I64]).map(|_| Bool)?),
+            "GreaterOrEqual" => (Op::GreaterOrEqual, same(&[F32, I64]).map(|_| Bool)?),
+            "And" => (Op::And, same(&[Bool])?),
+            "Or" => (Op::Or, same(&[Bool])?),
+            "Xor" => (Op::Xor, same(&[Bool])?),
+            "Not" => (Op::Not, unary(&[Bool])?),
+            // Not `Where`: ONNX Runtime's gives Where(true, -0.0, 0.0) = +0.0 (measured,
+            // tests/host_scalars.rs), not the value it selects.
+            _ => return None,
+        };
+        Some(op)
+    }
+
+    /// The result for `args` (of the types [`Op::of`] accepted).
+    fn apply(self, args: &[Scalar]) -> Option<Scalar> {
+        use Scalar::*;
+        Some(match (self, args) {
+            (Op::Add, [F32(a), F32(b)]) => F32(a + b),
+            (Op::Add, [I64(a), I64(b)]) => I64(a.wrapping_add(*b)),
+            (Op::Sub, [F32(a), F32(b)]) => F32(a - b),
+            (Op::Sub, [I64(a), I64(b)]) => I64(a.wrapping_sub(*b)),
+            (Op::Mul, [F32(a), F32(b)]) => F32(a * b),
+            (Op::Mul, [I64(a), I64(b)]) => I64(a.wrapping_mul(*b)),
+            (Op::Div, [F32(a), F32(b)]) => F32(a / b),
+            (Op::Pow, [F32(a), F32(b)]) => F32(a.powf(*b)),
+            (Op::Sqrt, [F32(a)]) => F32(a.sqrt()),
+            (Op::Neg, [F32(a)]) => F32(-a),
+            (Op::Neg, [I64(a)]) => I64(a.wrapping_neg()),
+            (Op::Reciprocal, [F32(a)]) => F32(1.0 / a),
+            (Op::Identity, [a]) => *a,
+            (Op::Cast(Elem::F32), [F32(a)]) => F32(*a),
+            (Op::Cast(Elem::F32), [I64(a)]) => F32(*a as f32),
+            (Op::Cast(Elem::F32), [Bool(a)]) => F32(if *a { 1.0 } else { 0.0 }),
+            (Op::Cast(Elem::I64), [I64(a)]) => I64(*a),
+            (Op::Cast(Elem::I64), [Bool(a)]) => I64(*a as i64),
+            (Op::Cast(Elem::Bool), [I64(a)]) => Bool(*a != 0),
+            (Op::Cast(Elem::Bool), [Bool(a)]) => Bool(*a),
+            (Op::Equal, [a, b]) => Bool(a == b),
+            (Op::Less, [F32(a), F32(b)]) => Bool(a < b),
+            (Op::Less, [I64(a), I64(b)]) => Bool(a < b),
+            (Op::LessOrEqual, [F32(a), F32(b)]) => Bool(a <= b),
+            (Op::LessOrEqual, [I64(a), I64(b)]) => Bool(a <= b),
+            (Op::Greater, [F32(a), F32(b)]) => Bool(a > b),
+            (Op::Greater, [I64(a), I64(b)]) => Bool(a > b),
+            (Op::GreaterOrEqual, [F32(a), F32(b)]) => Bool(a >= b),
+            (Op::GreaterOrEqual, [I64(a), I64(b)]) => Bool(a >= b),
+            (Op::And, [Bool(a), Bool(b)]) => Bool(*a && *b),
+            (Op::Or, [Bool(a), Bool(b)]) => Bool(*a || *b),
+            (Op::Xor, [Bool(a), Bool(b)]) => Bool(a != b),
+            (Op::Not, [Bool(a)]) => Bool(!a),
+            _ => return None,
+        })
+    }
+}
+
+/// Where a value of the host's chain comes from.
+#[derive(Clone, Debug)]
+enum Source {
+    /// A graph input the run is fed (or its initializer, when not fed).
+    Input {
+        name: String,
+        default: Option<Scalar>,
+    },
+    /// A constant, folded when split off.
+    Constant(Scalar),
+    /// The output of one of [`HostScalars::nodes`].
+    Node,
+}
+
+/// A value of the chain: where it comes from, its type, and its rank (all its dimensions
+/// are 1; a rank-0 and a rank-1 scalar differ to the graph).
+#[derive(Clone, Debug)]
+struct Known {
+    source: Source,
+    elem: Elem,
+    rank: usize,
+}
+
+#[derive(Clone, Debug)]
+struct HostNode {
+    op: Op,
+    /// Indices into [`HostScalars::values`].
+    inputs: Vec<usize>,
+    output: usize,
+}
+
+/// The scalar nodes a session leaves to the host ([`split_off`]).
+#[derive(Clone, Debug)]
+pub struct HostScalars {
+    values: Vec<Known>,
+    /// In graph order: each node's inputs come before it.
+    nodes: Vec<HostNode>,
+    /// Values the session reads as graph inputs, by their name.
+    feeds: Vec<(String, usize)>,
+    /// The graph outputs the host makes, by name.
+    outputs: Vec<(String, usize)>,
+}
+
+/// What the host computed for one run.
+pub struct Computed<'s> {
+    /// To feed to the session.
+    pub feeds: Vec<(&'s str, Tensor)>,
+    /// Graph outputs of the run, made by the host.
+    pub outputs: Vec<(&'s str, Tensor)>,
+}
+
+/// The rank of a graph input declared as a tensor of `elem` with every dimension 1.
+fn scalar_input(info: &ValueInfoProto) -> Option<(Elem, usize)> {
+    use crate::proto::type_proto::Value;
+    let Some(Value::TensorType(t)) = info.r#type.as_ref()?.value.as_ref() else {
+        return None;
+    };
+    let elem = Elem::of_onnx(t.elem_type())?;
+    let dims = &t.shape.as_ref()?.dim;
+    let ones = dims.iter().all(|d| {
+        matches!(
+            d.value,
+            Some(crate::proto::tensor_shape_proto::dimension::Value::DimValue(1))
+        )
+    });
+    ones.then_some((elem, dims.len()))
+}
+
+/// A constant's value, when it is a scalar of a [`Scalar`] type.
+fn constant(t: &crate::proto::TensorProto) -> Option<(Scalar, usize)> {
+    Elem::of_onnx(t.data_type())?;
+    let value = Tensor::from_tensor_proto(t).ok()?;
+    Some((Scalar::of_tensor(&value)?, t.dims.len()))
+}
+
+/// `model` without the scalar nodes the host can compute, and those nodes; `None` when it
+/// has none (or has subgraphs, whose captures this does not follow).
+pub fn split_off(model: &ModelProto) -> Option<(ModelProto, HostScalars)> {
+    let graph = model.graph.as_ref()?;
+    let has_subgraphs = graph.node.iter().any(|n| {
+        n.attribute
+            .iter()
+            .any(|a| a.g.is_some() || !a.graphs.is_empty())
+    });
+    if has_subgraphs {
+        return None;
+    }
+    let initializers: HashMap<&str, &crate::proto::TensorProto> =
+        graph.initializer.iter().map(|t| (t.name(), t)).collect();
+    let mut values: Vec<Known> = Vec::new();
+    let mut by_name: HashMap<String, usize> = HashMap::new();
+    fn add(
+        values: &mut Vec<Known>,
+        by_name: &mut HashMap<String, usize>,
+        name: &str,
+        known: Known,
+    ) {
+        by_name.insert(name.to_string(), values.len());
+        values.push(known);
+    }
+    let graph_inputs: HashSet<&str> = graph.input.iter().map(|i| i.name()).collect();
+    for input in &graph.input {
+        let Some((elem, rank)) = scalar_input(input) else {
+            continue;
+        };
+        let default = match initializers.get(input.name()) {
+            Some(t) => match constant(t) {
+                Some((value, _)) if value.elem() == elem => Some(value),
+                _ => continue,
+            },
+            None => None,
+        };
+        let source = Source::Input {
+            name: input.name().to_string(),
+            default,
+        };
+        add(
+            &mut values,
+            &mut by_name,
+            input.name(),
+            Known { source, elem, rank },
+        );
+    }
+    for t in &graph.initializer {
+        if graph_inputs.contains(t.name()) {
+            continue;
+        }
+        if let Some((value, rank)) = constant(t) {
+            let source = Source::Constant(value);
+            add(
+                &mut values,
+                &mut by_name,
+                t.name(),
+                Known {
+                    source,
+                    elem: value.elem(),
+                    rank,
+                },
+            );
+        }
+    }
+    let mut nodes: Vec<HostNode> = Vec::new();
+    // What becomes of each node of the graph, by index into `graph.node`.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Fate {
+        Session,
+        /// Computed by the host every run.
+        Host,
+        /// Of constants alone: folded here, and left to the session too while a node of
+        /// the session reads it.
+        Folded,
+    }
+    let mut fates = vec![Fate::Session; graph.node.len()];
+    for (index, node) in graph.node.iter().enumerate() {
+        let [output] = node.output.as_slice() else {
+            continue;
+        };
+        let inputs: Option<Vec<usize>> = node
+            .input
+            .iter()
+            .map(|i| by_name.get(i.as_str()).copied())
+            .collect();
+        let Some(inputs) = inputs.filter(|i| !i.is_empty()) else {
+            continue;
+        };
+        let elems: Vec<Elem> = inputs.iter().map(|&i| values[i].elem).collect();
+        let Some((op, elem)) = Op::of(node, &elems) else {
+            continue;
+        };
+        let rank = inputs.iter().map(|&i| values[i].rank).max().unwrap_or(0);
+        let constants: Option<Vec<Scalar>> = inputs
+            .iter()
+            .map(|&i| match values[i].source {
+                Source::Constant(c) => Some(c),
+                _ => None,
+            })
+            .collect();
+        let source = match constants {
+            Some(args) => match op.apply(&args) {
+                Some(value) => {
+                    fates[index] = Fate::Folded;
+                    Source::Constant(value)
+                }
+                None => continue,
+            },
+            None => {
+                fates[index] = Fate::Host;
+                nodes.push(HostNode {
+                    op,
+                    inputs,
+                    output: values.len(),
+                });
+                Source::Node
+            }
+        };
+        add(
+            &mut values,
+            &mut by_name,
+            output,
+            Known { source, elem, rank },
+        );
+    }
+    if !fates.contains(&Fate::Host) {
+        return None;
+    }
+    // A folded node stays while a node the session keeps reads it (backwards: a folded
+    // node may read another).
+    let mut kept: Vec<bool> = fates.iter().map(|f| *f == Fate::Session).collect();
+    let mut read: HashSet<&str> = HashSet::new();
+    for (index, node) in graph.node.iter().enumerate().rev() {
+        let needed = kept[index]
+            || (fates[index] == Fate::Folded
+                && node.output.iter().any(|o| read.contains(o.as_str())));
+        if needed {
+            kept[index] = true;
+            read.extend(node.input.iter().map(String::as_str));
+        }
+    }
+    let node_outputs: HashSet<&str> = graph
+        .node
+        .iter()
+        .zip(&fates)
+        .filter(|(_, f)| **f != Fate::Session)
+        .flat_map(|(n, _)| n.output.iter().map(String::as_str))
+        .collect();
+    // A value the host computes (or folded), not a graph input or initializer.
+    let made_here = |name: &str| node_outputs.contains(name);
+    // What the session still reads of the host's results becomes its inputs.
+    let mut feeds: Vec<(String, usize)> = Vec::new();
+    for (index, node) in graph.node.iter().enumerate() {
+        if !kept[index] || fates[index] == Fate::Folded {
+            continue;
+        }
+        for input in &node.input {
+            let host_made = by_name
+                .get(input.as_str())
+                .is_some_and(|&i| matches!(values[i].source, Source::Node));
+            if host_made && !feeds.iter().any(|(n, _)| n == input) {
+                feeds.push((input.clone(), by_name[input.as_str()]));
+            }
+        }
+    }
+    let outputs: Vec<(String, usize)> = graph
+        .output
+        .iter()
+        .filter(|o| made_here(o.name()))
+        .map(|o| (o.name().to_string(), by_name[o.name()]))
+        .collect();
+    let mut rewritten = model.clone();
+    let g = rewritten.graph.as_mut()?;
+    g.node = graph
+        .node
+        .iter()
+        .zip(&kept)
+        .filter(|(_, k)| **k)
+        .map(|(n, _)| n.clone())
+        .collect();
+    g.output.retain(|o| !made_here(o.name()));
+    let fed: HashSet<&str> = feeds.iter().map(|(n, _)| n.as_str()).collect();
+    // The declarations of what the session no longer makes go; a fed value is declared
+    // as an input.
+    let session_made: HashSet<&str> = graph
+        .node
+        .iter()
+        .zip(&kept)
+        .filter(|(_, k)| **k)
+        .flat_map(|(n, _)| n.output.iter().map(String::as_str))
+        .collect();
+    g.value_info.retain(|v| {
+        let gone = fed.contains(v.name()) || node_outputs.contains(v.name());
+        !gone || session_made.contains(v.name())
+    });
+    for (name, value) in &feeds {
+        let Known { elem, rank, .. } = values[*value];
+        g.input.push(ValueInfoProto {
+            name: Some(name.clone()),
+            r#type: Some(crate::ir::tensor_type(elem.onnx(), &vec![1; rank])),
+            ..Default::default()
+        });
+    }
+    Some((
+        rewritten,
+        HostScalars {
+            values,
+            nodes,
+            feeds,
+            outputs,
+        },
+    ))
+}
+
+impl HostScalars {
+    /// How many nodes the host computes.
+    pub fn node_count(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Computes the chain from this run's inputs: `host` tensors and `held` values (the
+    /// state), or the inputs' initializers where they are not fed.
+    pub fn evaluate<'s>(
+        &'s self,
+        host: &[(&str, &Tensor)],
+        held: &[(&str, &Held)],
+    ) -> Result<Computed<'s>, EngineError> {
+        let mut slots: Vec<Option<Scalar>> = vec![None; self.values.len()];
+        for (slot, known) in self.values.iter().enumerate() {
+            slots[slot] = match &known.source {
+                Source::Constant(c) => Some(*c),
+                Source::Input { name, default } => {
+                    Some(Self::fed(name, known, default, host, held)?)
+                }
+                Source::Node => None,
+            };
+        }
+        for node in &self.nodes {
+            let args: Option<Vec<Scalar>> = node.inputs.iter().map(|&i| slots[i]).collect();
+            slots[node.output] = args.and_then(|a| node.op.apply(&a));
+        }
+        let tensor = |(name, slot): &'s (String, usize)| -> Result<(&'s str, Tensor), EngineError> {
+            let value = slots[*slot].ok_or_else(|| EngineError::Output {
+                name: name.clone(),
+                message: "the host could not compute it".into(),
+            })?;
+            Ok((name.as_str(), value.to_tensor(self.values[*slot].rank)))
+        };
+        Ok(Computed {
+            feeds: self.feeds.iter().map(tensor).collect::<Result<_, _>>()?,
+            outputs: self.outputs.iter().map(tensor).collect::<Result<_, _>>()?,
+        })
+    }
+
+    /// The value of input `name` this run.
+    fn fed(
+        name: &str,
+        known: &Known,
+        default: &Option<Scalar>,
+        host: &[(&str, &Tensor)],
+        held: &[(&str, &Held)],
+    ) -> Result<Scalar, EngineError> {
+        let read_back;
+        let tensor = match host.iter().find(|(n, _)| *n == name) {
+            Some((_, t)) => Some(*t),
+            None => match held.iter().find(|(n, _)| *n == name) {
+                Some((_, Held::Host(t))) => Some(t),
+                Some((_, held @ Held::Ort(_))) => {
+                    read_back = held.to_host(name)?;
+                    Some(&read_back)
+                }
+                None => None,
+            },
+        };
+        let value = match tensor {
+            Some(t) => Scalar::of_tensor(t),
+            None => *default,
+        };
+        match value {
+            Some(v) if v.elem() == known.elem => Ok(v),
+            Some(_) | None if tensor.is_some() => Err(EngineError::Input {
+                name: name.to_string(),
+                message: format!(
+                    "must be one {:?} element (the session reads it as a scalar)",
+                    known.elem
+                ),
+            }),
+            _ => Err(EngineError::Input {
+                name: name.to_string(),
+                message: "was not fed and has no initializer".into(),
+            }),
+        }
+    }
+}
