@@ -42,6 +42,8 @@ struct Opts {
     threads: Vec<usize>,
     /// `--least`: the least a step can add to the floor with standard sessions ([`least`]).
     least: bool,
+    /// `--columns floor,step,step_if` (the default; also `floor_kept`, `floor_shared`).
+    columns: Vec<String>,
     /// `--only COLUMN`: run that column alone, `--rounds` cells at the first width, and
     /// print its times: a run to profile (perf record), not a comparison.
     only: Option<String>,
@@ -57,6 +59,7 @@ fn parse_opts() -> Result<Opts> {
         threads: vec![1],
         least: false,
         only: None,
+        columns: ["floor", "step", "step_if"].map(String::from).to_vec(),
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -84,6 +87,12 @@ fn parse_opts() -> Result<Opts> {
             "--cell-ms" => o.cell = Duration::from_millis(value("--cell-ms")?.parse()?),
             "--least" => o.least = true,
             "--only" => o.only = Some(value("--only")?),
+            "--columns" => {
+                o.columns = value("--columns")?
+                    .split(',')
+                    .map(|c| c.trim().to_string())
+                    .collect()
+            }
             other if other.starts_with('-') => eprintln!("scale bench: ignoring {other}"),
             _ => {}
         }
@@ -436,8 +445,23 @@ fn stream((p, g, m, v): Part<'_>, reps: usize, barrier: &std::sync::Barrier) -> 
 fn run_cell(s: &Sized, column: &str, cell: Duration) -> Result<Measured> {
     let nb = s.batches.len() as u64;
     match column {
-        "floor" => {
-            let mut engine = Engine::new(EngineKind::Ort, &s.floor, &session_options())?;
+        // `floor_kept`: each run's outputs held until the next run has made its own, as a
+        // trainer holds its state; `floor_shared`: the options the trainer gives its
+        // sessions (one arena, no memory pattern, the shared pool, no spinning).
+        "floor" | "floor_kept" | "floor_shared" => {
+            let options = match column {
+                "floor_shared" => SessionOptions {
+                    memory_pattern: false,
+                    shared_arena: true,
+                    spin: false,
+                    shared_pool: true,
+                    ..session_options()
+                },
+                _ => session_options(),
+            };
+            let keep = column == "floor_kept";
+            let mut kept = Vec::new();
+            let mut engine = Engine::new(EngineKind::Ort, &s.floor, &options)?;
             let g = s.floor.graph.as_ref().unwrap();
             let params: Vec<(String, Held)> = ["W1", "b1", "W2", "b2"]
                 .iter()
@@ -454,7 +478,10 @@ fn run_cell(s: &Sized, column: &str, cell: Duration) -> Result<Measured> {
                     batch.iter().map(|(k, v)| (k.as_str(), v)).collect();
                 let held: Vec<(&str, &Held)> =
                     params.iter().map(|(k, v)| (k.as_str(), v)).collect();
-                engine.run_held(&host, &held)?;
+                let outputs = engine.run_held(&host, &held)?;
+                if keep {
+                    kept = outputs;
+                }
                 Ok(false)
             })
         }
@@ -515,7 +542,7 @@ fn main() -> Result<()> {
         .map(|&w| build(w, o.batch))
         .collect::<Result<_>>()?;
     check(&sized[0])?;
-    let columns = ["floor", "step", "step_if"];
+    let columns: Vec<&str> = o.columns.iter().map(String::as_str).collect();
     // (width, column, threads) -> per-round measurements
     let mut cells: BTreeMap<(i64, &str, usize), Vec<Measured>> = BTreeMap::new();
     let nt = o.threads.len();
@@ -544,6 +571,36 @@ fn main() -> Result<()> {
         median(a.iter().zip(b).map(|(a, b)| f(a) / f(b)).collect())
     };
     let per = |m: &Measured| m.per_step;
+    if columns != ["floor", "step", "step_if"] {
+        // Chosen columns: each against the first, per round.
+        let base = columns[0];
+        println!("\nms per micro-step (medians over {} rounds); ratios to '{base}', medians of per-round ratios.\n", o.rounds);
+        println!("| W | T | column | ms | / {base} | non-applying / {base} | applying / {base} |");
+        println!("|--:|--:|---|--:|--:|--:|--:|");
+        for s in &sized {
+            for &t in &o.threads {
+                let w = s.width;
+                for &c in &columns {
+                    let applying = cells[&(w, c, t)]
+                        .iter()
+                        .zip(&cells[&(w, base, t)])
+                        .filter_map(|(a, b)| Some(a.apply? / b.per_step))
+                        .collect::<Vec<f64>>();
+                    let applying = match applying.is_empty() {
+                        true => "".to_string(),
+                        false => format!("{:.2}", median(applying)),
+                    };
+                    println!(
+                        "| {w} | {t} | {c} | {:.4} | {:.3} | {:.3} | {applying} |",
+                        med(w, c, t, |m| Some(m.per_step)),
+                        ratio((w, c, t), (w, base, t), per),
+                        ratio((w, c, t), (w, base, t), |m| m.nonapply),
+                    );
+                }
+            }
+        }
+        return Ok(());
+    }
     println!(
         "\nTwo-layer MLP of width W (x, hidden and output W wide), B = {}, K = {K}, AdamW, \
          T intra-op threads, {} rounds. ms per micro-step (median over windows of window time / K; \

@@ -298,6 +298,143 @@ fn constant(t: &crate::proto::TensorProto) -> Option<(Scalar, usize)> {
     Some((Scalar::of_tensor(&value)?, t.dims.len()))
 }
 
+/// What becomes of a node of the graph.
+#[derive(Clone, Copy, PartialEq)]
+enum Fate {
+    Session,
+    /// Computed by the host every run.
+    Host,
+    /// Of constants alone: folded by the host once, and left to the session too while a
+    /// node of the session reads it.
+    Folded,
+}
+
+/// The values the host knows, by name, as [`split_off`] follows the graph.
+#[derive(Default)]
+struct Chain {
+    values: Vec<Known>,
+    by_name: HashMap<String, usize>,
+    nodes: Vec<HostNode>,
+}
+
+impl Chain {
+    fn add(&mut self, name: &str, known: Known) {
+        self.by_name.insert(name.to_string(), self.values.len());
+        self.values.push(known);
+    }
+
+    /// Whether the host computes `name` every run (not an input or a constant).
+    fn computes(&self, name: &str) -> bool {
+        self.by_name
+            .get(name)
+            .is_some_and(|&i| matches!(self.values[i].source, Source::Node))
+    }
+
+    /// The scalar graph inputs (with their initializers as defaults) and the scalar
+    /// constants of `graph`.
+    fn leaves(graph: &crate::proto::GraphProto) -> Chain {
+        let mut chain = Chain::default();
+        let initializers: HashMap<&str, &crate::proto::TensorProto> =
+            graph.initializer.iter().map(|t| (t.name(), t)).collect();
+        for input in &graph.input {
+            let Some((elem, rank)) = scalar_input(input) else {
+                continue;
+            };
+            let default = match initializers.get(input.name()) {
+                Some(t) => match constant(t) {
+                    Some((value, _)) if value.elem() == elem => Some(value),
+                    _ => continue,
+                },
+                None => None,
+            };
+            let name = input.name().to_string();
+            let source = Source::Input { name, default };
+            chain.add(input.name(), Known { source, elem, rank });
+        }
+        let graph_inputs: HashSet<&str> = graph.input.iter().map(|i| i.name()).collect();
+        for t in graph
+            .initializer
+            .iter()
+            .filter(|t| !graph_inputs.contains(t.name()))
+        {
+            if let Some((value, rank)) = constant(t) {
+                let (source, elem) = (Source::Constant(value), value.elem());
+                chain.add(t.name(), Known { source, elem, rank });
+            }
+        }
+        chain
+    }
+
+    /// Follows `graph`'s nodes in order, taking each that reads only known scalars with an
+    /// operator the host computes; returns what becomes of every node.
+    fn follow(&mut self, graph: &crate::proto::GraphProto) -> Vec<Fate> {
+        let mut fates = vec![Fate::Session; graph.node.len()];
+        for (index, node) in graph.node.iter().enumerate() {
+            let [output] = node.output.as_slice() else {
+                continue;
+            };
+            let inputs: Option<Vec<usize>> = node
+                .input
+                .iter()
+                .map(|i| self.by_name.get(i.as_str()).copied())
+                .collect();
+            let Some(inputs) = inputs.filter(|i| !i.is_empty()) else {
+                continue;
+            };
+            let elems: Vec<Elem> = inputs.iter().map(|&i| self.values[i].elem).collect();
+            let Some((op, elem)) = Op::of(node, &elems) else {
+                continue;
+            };
+            let rank = inputs
+                .iter()
+                .map(|&i| self.values[i].rank)
+                .max()
+                .unwrap_or(0);
+            let constants: Option<Vec<Scalar>> = inputs
+                .iter()
+                .map(|&i| match self.values[i].source {
+                    Source::Constant(c) => Some(c),
+                    _ => None,
+                })
+                .collect();
+            let source = match constants {
+                Some(args) => match op.apply(&args) {
+                    Some(value) => {
+                        fates[index] = Fate::Folded;
+                        Source::Constant(value)
+                    }
+                    None => continue,
+                },
+                None => {
+                    fates[index] = Fate::Host;
+                    let output = self.values.len();
+                    self.nodes.push(HostNode { op, inputs, output });
+                    Source::Node
+                }
+            };
+            self.add(output, Known { source, elem, rank });
+        }
+        fates
+    }
+}
+
+/// Which nodes the session keeps: its own, and the folded ones its own read (backwards: a
+/// folded node may read another).
+fn kept_nodes(graph: &crate::proto::GraphProto, fates: &[Fate]) -> Vec<bool> {
+    let mut kept: Vec<bool> = fates.iter().map(|f| *f == Fate::Session).collect();
+    let mut read: HashSet<&str> = HashSet::new();
+    for (index, node) in graph.node.iter().enumerate().rev() {
+        let needed = kept[index]
+            || (fates[index] == Fate::Folded
+                && node.output.iter().any(|o| read.contains(o.as_str())));
+        if needed {
+            kept[index] = true;
+            read.extend(node.input.iter().map(String::as_str));
+        }
+    }
+    kept
+}
+
 /// `model` without the scalar nodes the host can compute, and those nodes; `None` when it
 /// has none (or has subgraphs, whose captures this does not follow).
 pub fn split_off(model: &ModelProto) -> Option<(ModelProto, HostScalars)> {
@@ -310,166 +447,45 @@ pub fn split_off(model: &ModelProto) -> Option<(ModelProto, HostScalars)> {
     if has_subgraphs {
         return None;
     }
-    let initializers: HashMap<&str, &crate::proto::TensorProto> =
-        graph.initializer.iter().map(|t| (t.name(), t)).collect();
-    let mut values: Vec<Known> = Vec::new();
-    let mut by_name: HashMap<String, usize> = HashMap::new();
-    fn add(
-        values: &mut Vec<Known>,
-        by_name: &mut HashMap<String, usize>,
-        name: &str,
-        known: Known,
-    ) {
-        by_name.insert(name.to_string(), values.len());
-        values.push(known);
-    }
-    let graph_inputs: HashSet<&str> = graph.input.iter().map(|i| i.name()).collect();
-    for input in &graph.input {
-        let Some((elem, rank)) = scalar_input(input) else {
-            continue;
-        };
-        let default = match initializers.get(input.name()) {
-            Some(t) => match constant(t) {
-                Some((value, _)) if value.elem() == elem => Some(value),
-                _ => continue,
-            },
-            None => None,
-        };
-        let source = Source::Input {
-            name: input.name().to_string(),
-            default,
-        };
-        add(
-            &mut values,
-            &mut by_name,
-            input.name(),
-            Known { source, elem, rank },
-        );
-    }
-    for t in &graph.initializer {
-        if graph_inputs.contains(t.name()) {
-            continue;
-        }
-        if let Some((value, rank)) = constant(t) {
-            let source = Source::Constant(value);
-            add(
-                &mut values,
-                &mut by_name,
-                t.name(),
-                Known {
-                    source,
-                    elem: value.elem(),
-                    rank,
-                },
-            );
-        }
-    }
-    let mut nodes: Vec<HostNode> = Vec::new();
-    // What becomes of each node of the graph, by index into `graph.node`.
-    #[derive(Clone, Copy, PartialEq)]
-    enum Fate {
-        Session,
-        /// Computed by the host every run.
-        Host,
-        /// Of constants alone: folded here, and left to the session too while a node of
-        /// the session reads it.
-        Folded,
-    }
-    let mut fates = vec![Fate::Session; graph.node.len()];
-    for (index, node) in graph.node.iter().enumerate() {
-        let [output] = node.output.as_slice() else {
-            continue;
-        };
-        let inputs: Option<Vec<usize>> = node
-            .input
-            .iter()
-            .map(|i| by_name.get(i.as_str()).copied())
-            .collect();
-        let Some(inputs) = inputs.filter(|i| !i.is_empty()) else {
-            continue;
-        };
-        let elems: Vec<Elem> = inputs.iter().map(|&i| values[i].elem).collect();
-        let Some((op, elem)) = Op::of(node, &elems) else {
-            continue;
-        };
-        let rank = inputs.iter().map(|&i| values[i].rank).max().unwrap_or(0);
-        let constants: Option<Vec<Scalar>> = inputs
-            .iter()
-            .map(|&i| match values[i].source {
-                Source::Constant(c) => Some(c),
-                _ => None,
-            })
-            .collect();
-        let source = match constants {
-            Some(args) => match op.apply(&args) {
-                Some(value) => {
-                    fates[index] = Fate::Folded;
-                    Source::Constant(value)
-                }
-                None => continue,
-            },
-            None => {
-                fates[index] = Fate::Host;
-                nodes.push(HostNode {
-                    op,
-                    inputs,
-                    output: values.len(),
-                });
-                Source::Node
-            }
-        };
-        add(
-            &mut values,
-            &mut by_name,
-            output,
-            Known { source, elem, rank },
-        );
-    }
+    let mut chain = Chain::leaves(graph);
+    let fates = chain.follow(graph);
     if !fates.contains(&Fate::Host) {
         return None;
     }
-    // A folded node stays while a node the session keeps reads it (backwards: a folded
-    // node may read another).
-    let mut kept: Vec<bool> = fates.iter().map(|f| *f == Fate::Session).collect();
-    let mut read: HashSet<&str> = HashSet::new();
-    for (index, node) in graph.node.iter().enumerate().rev() {
-        let needed = kept[index]
-            || (fates[index] == Fate::Folded
-                && node.output.iter().any(|o| read.contains(o.as_str())));
-        if needed {
-            kept[index] = true;
-            read.extend(node.input.iter().map(String::as_str));
-        }
-    }
-    let node_outputs: HashSet<&str> = graph
+    let kept = kept_nodes(graph, &fates);
+    let outputs_of = |keep: bool| -> HashSet<&str> {
+        graph
+            .node
+            .iter()
+            .zip(&kept)
+            .filter(|(_, k)| **k == keep)
+            .flat_map(|(n, _)| n.output.iter().map(String::as_str))
+            .collect()
+    };
+    let (session_made, host_made) = (outputs_of(true), outputs_of(false));
+    // What the session's own nodes still read of the host's results becomes its inputs.
+    let mut feeds: Vec<(String, usize)> = Vec::new();
+    for (node, _) in graph
         .node
         .iter()
         .zip(&fates)
-        .filter(|(_, f)| **f != Fate::Session)
-        .flat_map(|(n, _)| n.output.iter().map(String::as_str))
-        .collect();
-    // A value the host computes (or folded), not a graph input or initializer.
-    let made_here = |name: &str| node_outputs.contains(name);
-    // What the session still reads of the host's results becomes its inputs.
-    let mut feeds: Vec<(String, usize)> = Vec::new();
-    for (index, node) in graph.node.iter().enumerate() {
-        if !kept[index] || fates[index] == Fate::Folded {
-            continue;
-        }
+        .zip(&kept)
+        .filter(|((_, f), k)| **k && **f == Fate::Session)
+        .map(|(nf, _)| nf)
+    {
         for input in &node.input {
-            let host_made = by_name
-                .get(input.as_str())
-                .is_some_and(|&i| matches!(values[i].source, Source::Node));
-            if host_made && !feeds.iter().any(|(n, _)| n == input) {
-                feeds.push((input.clone(), by_name[input.as_str()]));
+            if chain.computes(input) && !feeds.iter().any(|(n, _)| n == input) {
+                feeds.push((input.clone(), chain.by_name[input.as_str()]));
             }
         }
     }
+    // Graph outputs of nodes the session no longer runs are the host's, constants or not.
+    let returned = |name: &str| host_made.contains(name);
     let outputs: Vec<(String, usize)> = graph
         .output
         .iter()
-        .filter(|o| made_here(o.name()))
-        .map(|o| (o.name().to_string(), by_name[o.name()]))
+        .filter(|o| returned(o.name()))
+        .map(|o| (o.name().to_string(), chain.by_name[o.name()]))
         .collect();
     let mut rewritten = model.clone();
     let g = rewritten.graph.as_mut()?;
@@ -480,29 +496,20 @@ pub fn split_off(model: &ModelProto) -> Option<(ModelProto, HostScalars)> {
         .filter(|(_, k)| **k)
         .map(|(n, _)| n.clone())
         .collect();
-    g.output.retain(|o| !made_here(o.name()));
-    let fed: HashSet<&str> = feeds.iter().map(|(n, _)| n.as_str()).collect();
+    g.output.retain(|o| !returned(o.name()));
     // The declarations of what the session no longer makes go; a fed value is declared
     // as an input.
-    let session_made: HashSet<&str> = graph
-        .node
-        .iter()
-        .zip(&kept)
-        .filter(|(_, k)| **k)
-        .flat_map(|(n, _)| n.output.iter().map(String::as_str))
-        .collect();
-    g.value_info.retain(|v| {
-        let gone = fed.contains(v.name()) || node_outputs.contains(v.name());
-        !gone || session_made.contains(v.name())
-    });
+    g.value_info
+        .retain(|v| session_made.contains(v.name()) || !host_made.contains(v.name()));
     for (name, value) in &feeds {
-        let Known { elem, rank, .. } = values[*value];
+        let Known { elem, rank, .. } = chain.values[*value];
         g.input.push(ValueInfoProto {
             name: Some(name.clone()),
             r#type: Some(crate::ir::tensor_type(elem.onnx(), &vec![1; rank])),
             ..Default::default()
         });
     }
+    let Chain { values, nodes, .. } = chain;
     Some((
         rewritten,
         HostScalars {
