@@ -42,7 +42,8 @@ struct Opts {
     threads: Vec<usize>,
     /// `--least`: the least a step can add to the floor with standard sessions ([`least`]).
     least: bool,
-    /// `--columns floor,step,step_if` (the default; also `floor_kept`, `floor_shared`).
+    /// `--columns floor,step,step_if` (the default; also `floor_kept`, `floor_shared`,
+    /// `floor_no_pattern`, `floor_arena`, `floor_pool`).
     columns: Vec<String>,
     /// `--only COLUMN`: run that column alone, `--rounds` cells at the first width, and
     /// print its times: a run to profile (perf record), not a comparison.
@@ -447,9 +448,24 @@ fn run_cell(s: &Sized, column: &str, cell: Duration) -> Result<Measured> {
     match column {
         // `floor_kept`: each run's outputs held until the next run has made its own, as a
         // trainer holds its state; `floor_shared`: the options the trainer gives its
-        // sessions (one arena, no memory pattern, the shared pool, no spinning).
-        "floor" | "floor_kept" | "floor_shared" => {
+        // sessions (one arena, no memory pattern, the shared pool, no spinning);
+        // `floor_no_pattern`, `floor_arena`, `floor_pool`: one of those alone.
+        "floor" | "floor_kept" | "floor_shared" | "floor_no_pattern" | "floor_arena"
+        | "floor_pool" => {
             let options = match column {
+                "floor_arena" => SessionOptions {
+                    shared_arena: true,
+                    ..session_options()
+                },
+                "floor_pool" => SessionOptions {
+                    shared_pool: true,
+                    spin: false,
+                    ..session_options()
+                },
+                "floor_no_pattern" => SessionOptions {
+                    memory_pattern: false,
+                    ..session_options()
+                },
                 "floor_shared" => SessionOptions {
                     memory_pattern: false,
                     shared_arena: true,
@@ -485,8 +501,22 @@ fn run_cell(s: &Sized, column: &str, cell: Duration) -> Result<Measured> {
                 Ok(false)
             })
         }
-        "step" | "step_if" => {
-            let mut t = trainer(&s.step, column == "step")?;
+        "step" | "step_if" | "step_in_place" => {
+            let mut t = match column {
+                // Every state the fused kernels update, updated in place (bound per run).
+                "step_in_place" => Trainer::with_options(
+                    &s.step,
+                    &TrainOptions {
+                        session: SessionOptions {
+                            in_place_min_elements: 0,
+                            in_place_min_total: 0,
+                            ..session_options()
+                        },
+                        ..TrainOptions::default()
+                    },
+                )?,
+                _ => trainer(&s.step, column == "step")?,
+            };
             measure(cell, |i| {
                 Ok(t.step(&s.batches[(i % nb) as usize], false)?.applied)
             })

@@ -264,6 +264,8 @@ pub struct HostScalars {
     feeds: Vec<(String, usize)>,
     /// The graph outputs the host makes, by name.
     outputs: Vec<(String, usize)>,
+    /// The graph inputs the host's nodes read (the others it need not look up).
+    read_inputs: Vec<usize>,
 }
 
 /// What the host computed for one run.
@@ -510,6 +512,13 @@ pub fn split_off(model: &ModelProto) -> Option<(ModelProto, HostScalars)> {
         });
     }
     let Chain { values, nodes, .. } = chain;
+    let mut read_inputs: Vec<usize> = nodes
+        .iter()
+        .flat_map(|n| n.inputs.iter().copied())
+        .filter(|&i| matches!(values[i].source, Source::Input { .. }))
+        .collect();
+    read_inputs.sort_unstable();
+    read_inputs.dedup();
     Some((
         rewritten,
         HostScalars {
@@ -517,6 +526,7 @@ pub fn split_off(model: &ModelProto) -> Option<(ModelProto, HostScalars)> {
             nodes,
             feeds,
             outputs,
+            read_inputs,
         },
     ))
 }
@@ -534,15 +544,18 @@ impl HostScalars {
         host: &[(&str, &Tensor)],
         held: &[(&str, &Held)],
     ) -> Result<Computed<'s>, EngineError> {
-        let mut slots: Vec<Option<Scalar>> = vec![None; self.values.len()];
-        for (slot, known) in self.values.iter().enumerate() {
-            slots[slot] = match &known.source {
-                Source::Constant(c) => Some(*c),
-                Source::Input { name, default } => {
-                    Some(Self::fed(name, known, default, host, held)?)
-                }
-                Source::Node => None,
-            };
+        let mut slots: Vec<Option<Scalar>> = self
+            .values
+            .iter()
+            .map(|known| match known.source {
+                Source::Constant(c) => Some(c),
+                _ => None,
+            })
+            .collect();
+        for &slot in &self.read_inputs {
+            if let Source::Input { name, default } = &self.values[slot].source {
+                slots[slot] = Some(Self::fed(name, &self.values[slot], default, host, held)?);
+            }
         }
         for node in &self.nodes {
             let args: Option<Vec<Scalar>> = node.inputs.iter().map(|&i| slots[i]).collect();
