@@ -186,6 +186,11 @@ struct TrainArgs {
     /// there (faster; within float32 rounding, not bit for bit).
     #[arg(long)]
     no_nchwc: bool,
+    /// Let ONNX Runtime run every node of the step, instead of the host computing the
+    /// scalar ones whose inputs it holds (counters, flags, the optimizer's bias
+    /// corrections) before each run; the same results, bit for bit.
+    #[arg(long)]
+    no_host_scalars: bool,
     /// Learning rate for this run (default: the one the step was rewritten with).
     #[arg(long)]
     lr: Option<f32>,
@@ -1113,6 +1118,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             fused_kernels: !args.no_fused_kernels,
             nchwc_convs: !args.no_nchwc,
             fused_batch_norm: !args.no_fused_batch_norm,
+            host_scalars: !args.no_host_scalars,
             ..Default::default()
         },
         split: !args.no_split,

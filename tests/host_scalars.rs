@@ -350,3 +350,79 @@ fn training_with_the_host_computing_scalars_is_bit_identical() {
         }
     }
 }
+
+/// `train --no-host-scalars` runs every node in the sessions and saves the same state, byte
+/// for byte, as the default run where the host computes the scalars.
+#[test]
+fn train_saves_the_same_state_with_and_without_host_scalars() {
+    if !ort_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let onnx_ga = |args: &[&str], dump: &Path| {
+        // The sessions as ONNX Runtime gets them (`ONNX_GA_DUMP_SESSIONS`), to count nodes.
+        std::fs::create_dir_all(dump).unwrap();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_onnx-ga"))
+            .args(args)
+            .env("ONNX_GA_DUMP_SESSIONS", dump)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "onnx-ga {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let step = dir.path().join("step.onnx");
+    let graphs = root().join("graphs/mlp_ce_adamw");
+    onnx_ga(
+        &[
+            "rewrite",
+            graphs.to_str().unwrap(),
+            "-o",
+            step.to_str().unwrap(),
+            "--accum-steps",
+            "4",
+            "--lr",
+            "0.01",
+        ],
+        &dir.path().join("rewrite"),
+    );
+    let data = graphs.join("data.npz");
+    let mut states = Vec::new();
+    let mut nodes = Vec::new();
+    for (name, extra) in [
+        ("host.npz", None),
+        ("session.npz", Some("--no-host-scalars")),
+    ] {
+        let state = dir.path().join(name);
+        let mut args = vec![
+            "train",
+            step.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--micro-batch",
+            "8",
+            "--steps",
+            "30",
+            "--quiet",
+            "--save-state",
+            state.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        let dump = dir.path().join(format!("{name}.sessions"));
+        onnx_ga(&args, &dump);
+        states.push(std::fs::read(&state).unwrap());
+        // Window start, accumulate, apply: the apply's nodes.
+        let apply = std::fs::read(dump.join("session2.onnx")).unwrap();
+        let apply = <onnx_ga::proto::ModelProto as prost::Message>::decode(&*apply).unwrap();
+        nodes.push(apply.graph.unwrap().node.len());
+    }
+    assert!(states[0] == states[1], "the saved states differ");
+    assert!(
+        nodes[0] + 10 <= nodes[1],
+        "the host computes the apply's scalars: {} against {} nodes",
+        nodes[0],
+        nodes[1]
+    );
+}

@@ -256,6 +256,7 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
             fused_kernels: !args.no_fused_kernels,
             nchwc_convs: !args.no_nchwc,
             fused_batch_norm: !args.no_fused_batch_norm,
+            host_scalars: !args.no_host_scalars,
             ..Default::default()
         },
         split: true,
