@@ -98,22 +98,7 @@ fn artifacts(dir: &Path) -> PathBuf {
 
 /// graphs/mlp_ce_adamw rewritten with K=4 (and `extra` flags) to `dir/name`.
 fn rewritten(dir: &Path, name: &str, extra: &[&str]) -> PathBuf {
-    let step = dir.join(name);
-    let graph = root().join("graphs/mlp_ce_adamw");
-    let mut args = vec![
-        "rewrite",
-        s(&graph),
-        "-o",
-        s(&step),
-        "--accum-steps",
-        "4",
-        "--lr",
-        "0.01",
-    ];
-    args.extend_from_slice(extra);
-    let out = onnx_ga(&args);
-    assert!(out.status.success(), "rewrite: {}", stderr(&out));
-    step
+    crate::common::cli_rewritten(dir, name, extra)
 }
 
 fn shipped_data() -> PathBuf {

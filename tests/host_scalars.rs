@@ -373,21 +373,8 @@ fn train_saves_the_same_state_with_and_without_host_scalars() {
             String::from_utf8_lossy(&out.stderr)
         );
     };
-    let step = dir.path().join("step.onnx");
+    let step = crate::common::cli_rewritten(dir.path(), "step.onnx", &[]);
     let graphs = root().join("graphs/mlp_ce_adamw");
-    onnx_ga(
-        &[
-            "rewrite",
-            graphs.to_str().unwrap(),
-            "-o",
-            step.to_str().unwrap(),
-            "--accum-steps",
-            "4",
-            "--lr",
-            "0.01",
-        ],
-        &dir.path().join("rewrite"),
-    );
     let data = graphs.join("data.npz");
     let mut states = Vec::new();
     let mut nodes = Vec::new();

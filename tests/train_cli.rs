@@ -22,20 +22,7 @@ fn stderr(out: &Output) -> String {
 
 /// Rewrites graphs/mlp_ce_adamw with K=4 into `dir`.
 fn rewritten(dir: &Path) -> PathBuf {
-    let step = dir.join("step.onnx");
-    let graphs = root().join("graphs/mlp_ce_adamw");
-    let out = onnx_ga(&[
-        "rewrite",
-        graphs.to_str().unwrap(),
-        "-o",
-        step.to_str().unwrap(),
-        "--accum-steps",
-        "4",
-        "--lr",
-        "0.01",
-    ]);
-    assert!(out.status.success(), "rewrite failed: {}", stderr(&out));
-    step
+    common::cli_rewritten(dir, "step.onnx", &[])
 }
 
 fn listing(dir: &Path) -> Vec<(String, Vec<u8>)> {

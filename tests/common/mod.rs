@@ -369,3 +369,36 @@ pub fn ort_step(model: ModelProto, file: &str, middle: &str) -> ModelProto {
         .model
         .to_proto()
 }
+
+/// Runs the `onnx-ga` binary with `args`.
+pub fn onnx_ga_cli(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_onnx-ga"))
+        .args(args)
+        .output()
+        .expect("run onnx-ga")
+}
+
+/// graphs/mlp_ce_adamw rewritten by `onnx-ga rewrite` with K=4, lr 0.01 (and `extra`
+/// flags) to `dir/name`; panics with its stderr when it fails.
+pub fn cli_rewritten(dir: &Path, name: &str, extra: &[&str]) -> PathBuf {
+    let step = dir.join(name);
+    let graph = root().join("graphs/mlp_ce_adamw");
+    let mut args = vec![
+        "rewrite",
+        graph.to_str().unwrap(),
+        "-o",
+        step.to_str().unwrap(),
+        "--accum-steps",
+        "4",
+        "--lr",
+        "0.01",
+    ];
+    args.extend_from_slice(extra);
+    let out = onnx_ga_cli(&args);
+    assert!(
+        out.status.success(),
+        "rewrite: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    step
+}
