@@ -43,7 +43,8 @@ struct Opts {
     /// `--least`: the least a step can add to the floor with standard sessions ([`least`]).
     least: bool,
     /// `--columns floor,step,step_if` (the default; also `floor_kept`, `floor_shared`,
-    /// `floor_no_pattern`, `floor_arena`, `floor_pool`).
+    /// `floor_no_pattern`, `floor_arena`, `floor_pool`, `floor_bound`, `step_in_place`,
+    /// `step_in_place_total`).
     columns: Vec<String>,
     /// `--only COLUMN`: run that column alone, `--rounds` cells at the first width, and
     /// print its times: a run to profile (perf record), not a comparison.
@@ -501,9 +502,22 @@ fn run_cell(s: &Sized, column: &str, cell: Duration) -> Result<Measured> {
                 Ok(false)
             })
         }
-        "step" | "step_if" | "step_in_place" => {
+        "floor_bound" => floor_bound(s, cell),
+        "step" | "step_if" | "step_in_place" | "step_in_place_total" => {
             let mut t = match column {
-                // Every state the fused kernels update, updated in place (bound per run).
+                // In place in every session however small its state, but small
+                // accumulators still a standard `Add` (the default threshold).
+                "step_in_place_total" => Trainer::with_options(
+                    &s.step,
+                    &TrainOptions {
+                        session: SessionOptions {
+                            in_place_min_total: 0,
+                            ..session_options()
+                        },
+                        ..TrainOptions::default()
+                    },
+                )?,
+                // Every state the fused kernels update, updated in place.
                 "step_in_place" => Trainer::with_options(
                     &s.step,
                     &TrainOptions {
@@ -523,6 +537,99 @@ fn run_cell(s: &Sized, column: &str, cell: Duration) -> Result<Measured> {
         }
         other => bail!("unknown column {other}"),
     }
+}
+
+/// `floor_bound`: the floor through one `IoBinding` made once: the parameters bound, each
+/// batch copied into bound input buffers, every output written into a buffer bound once,
+/// `RunWithBinding` called raw. What a run costs with nothing allocated, wrapped or
+/// released around it; checked first against plain runs of two batches, bit for bit.
+fn floor_bound(s: &Sized, cell: Duration) -> Result<Measured> {
+    use ort::AsPointer;
+    let nb = s.batches.len() as u64;
+    let mut engine = Engine::new(EngineKind::Ort, &s.floor, &session_options())?;
+    let g = s.floor.graph.as_ref().unwrap();
+    let params: Vec<(String, Held)> = ["W1", "b1", "W2", "b2"]
+        .iter()
+        .map(|p| {
+            let init = g.initializer.iter().find(|t| t.name() == *p).unwrap();
+            let value = Tensor::from_tensor_proto(init).map_err(|m| anyhow!(m))?;
+            let held = onnx_ga::engine::ort::to_owned_ort(p, &value)?;
+            Ok((p.to_string(), Held::Ort(held)))
+        })
+        .collect::<Result<_>>()?;
+    // Reference outputs of a plain run, for the check and the output shapes.
+    let reference = |engine: &mut Engine, i: usize| -> Result<Vec<(String, Tensor)>> {
+        let host: Vec<(&str, &Tensor)> =
+            s.batches[i].iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let held: Vec<(&str, &Held)> = params.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let out = engine.run_held(&host, &held)?;
+        out.into_iter()
+            .map(|(n, h)| Ok((n.clone(), h.to_host(&n)?)))
+            .collect()
+    };
+    let want0 = reference(&mut engine, 0)?;
+    let want1 = reference(&mut engine, 1)?;
+    let Engine::Ort(ort_session) = &mut engine else {
+        bail!("ort")
+    };
+    let session = ort_session.raw_session();
+    let mut binding = session.create_binding()?;
+    for (name, held) in &params {
+        let Held::Ort(v) = held else { bail!("held") };
+        binding.bind_input(name.as_str(), v)?;
+    }
+    let mut inputs = Vec::new();
+    for (name, t) in &s.batches[0] {
+        let v = onnx_ga::engine::ort::to_owned_ort(name, t)?;
+        binding.bind_input(name.as_str(), &v)?;
+        inputs.push((name.clone(), v));
+    }
+    let allocator = session.allocator();
+    let mut outputs = Vec::new();
+    for (name, t) in &want0 {
+        let shape: Vec<i64> = t.shape().iter().map(|&d| d as i64).collect();
+        let mut v = ort::value::Tensor::<f32>::new(allocator, shape)?;
+        binding.bind_output(name.as_str(), &mut v)?;
+        outputs.push((name.clone(), v));
+    }
+    let api = ort::api();
+    let run = |i: usize,
+               inputs: &mut Vec<(String, ort::value::DynValue)>,
+               session: &mut ort::session::Session|
+     -> Result<()> {
+        for (name, v) in inputs.iter_mut() {
+            let Tensor::F32(src) = &s.batches[i][name] else {
+                bail!("f32")
+            };
+            let (_, dst) = v.try_extract_tensor_mut::<f32>()?;
+            dst.copy_from_slice(src.as_slice().unwrap());
+        }
+        let status = unsafe {
+            (api.RunWithBinding)(
+                session.ptr() as *mut _,
+                std::ptr::null(),
+                binding.ptr() as *const _,
+            )
+        };
+        if !status.0.is_null() {
+            bail!("RunWithBinding failed");
+        }
+        Ok(())
+    };
+    for (i, want) in [(1usize, &want1), (0, &want0)] {
+        run(i, &mut inputs, session)?;
+        for ((name, got), (_, w)) in outputs.iter().zip(want.iter()) {
+            let (_, got) = got.try_extract_tensor::<f32>()?;
+            let Tensor::F32(w) = w else { bail!("f32") };
+            if got != w.as_slice().unwrap() {
+                bail!("floor_bound: '{name}' differs from a plain run's");
+            }
+        }
+    }
+    measure(cell, |i| {
+        run((i % nb) as usize, &mut inputs, session)?;
+        Ok(false)
+    })
 }
 
 /// Step and step If train to the same parameters, bit for bit (3 windows).

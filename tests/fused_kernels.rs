@@ -577,3 +577,53 @@ fn large_linear_step() -> ModelProto {
         .model
         .to_proto()
 }
+
+/// In place, the session's binding is kept from one run to the next
+/// (`engine/kept_binding.rs`) and binds again only what changed: a flush fed on some
+/// micro-steps only (another set of inputs: a fresh binding), a learning rate changed
+/// between micro-steps (a host input copied into the bound value), states replaced by
+/// another session's outputs (rebound by their buffers). Every micro-step's metrics and
+/// every state bit for bit as the standard ops train.
+#[test]
+fn a_kept_binding_follows_flushes_and_changed_controls() {
+    if !ort_available() {
+        return;
+    }
+    let step = large_linear_step();
+    let data = large_linear_data(
+        |i| ((i * 17) % 100) as f32 / 100.0 - 0.5,
+        |i| ((i * 3) % 50) as f32 / 25.0 - 1.0,
+    );
+    // With the host's scalar chain the sessions never read the flush flag; without it the
+    // apply reads it on flushed micro-steps only.
+    for host_scalars in [true, false] {
+        let with = |fused| {
+            let mut o = options(fused, 1, true);
+            o.session.host_scalars = host_scalars;
+            o
+        };
+        let mut in_place = Trainer::with_options(&step, &with(true)).unwrap();
+        let mut standard = Trainer::with_options(&step, &with(false)).unwrap();
+        assert!(in_place.in_place_updates() > 0);
+        let samples = in_place.check_data(&data, Path::new("data.npz")).unwrap();
+        for i in 0..24u64 {
+            let what = format!("host scalars {host_scalars}, micro-step {i}");
+            if i == 9 || i == 17 {
+                let lr = 0.003 * (i as f32);
+                in_place.set_learning_rate(lr).unwrap();
+                standard.set_learning_rate(lr).unwrap();
+            }
+            let flush = [2u64, 7, 8, 15].contains(&i);
+            let batch = micro_batch(&data, samples, 8, i);
+            let (a, b) = (
+                in_place.step(&batch, flush).unwrap(),
+                standard.step(&batch, flush).unwrap(),
+            );
+            assert_eq!(a, b, "{what}");
+            let (a, b) = (in_place.state().unwrap(), standard.state().unwrap());
+            for (name, value) in b {
+                assert_eq!(&a[name], value, "{what}: state '{name}'");
+            }
+        }
+    }
+}

@@ -2,6 +2,7 @@
 //! the `tract` cargo feature, on by default). [`Engine`] is either, behind one `run`.
 
 pub mod host_scalars;
+mod kept_binding;
 mod kernel_io;
 pub mod ort;
 mod ort_ops;
