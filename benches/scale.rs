@@ -479,16 +479,7 @@ fn run_cell(s: &Sized, column: &str, cell: Duration) -> Result<Measured> {
             let keep = column == "floor_kept";
             let mut kept = Vec::new();
             let mut engine = Engine::new(EngineKind::Ort, &s.floor, &options)?;
-            let g = s.floor.graph.as_ref().unwrap();
-            let params: Vec<(String, Held)> = ["W1", "b1", "W2", "b2"]
-                .iter()
-                .map(|p| {
-                    let init = g.initializer.iter().find(|t| t.name() == *p).unwrap();
-                    let value = Tensor::from_tensor_proto(init).map_err(|m| anyhow!(m))?;
-                    let held = onnx_ga::engine::ort::to_owned_ort(p, &value)?;
-                    Ok((p.to_string(), Held::Ort(held)))
-                })
-                .collect::<Result<_>>()?;
+            let params = held_params(s)?;
             measure(cell, |i| {
                 let batch = &s.batches[(i % nb) as usize];
                 let host: Vec<(&str, &Tensor)> =
@@ -539,6 +530,20 @@ fn run_cell(s: &Sized, column: &str, cell: Duration) -> Result<Measured> {
     }
 }
 
+/// The floor's parameters as values ONNX Runtime holds (as a trainer holds its state).
+fn held_params(s: &Sized) -> Result<Vec<(String, Held)>> {
+    let g = s.floor.graph.as_ref().unwrap();
+    ["W1", "b1", "W2", "b2"]
+        .iter()
+        .map(|p| {
+            let init = g.initializer.iter().find(|t| t.name() == *p).unwrap();
+            let value = Tensor::from_tensor_proto(init).map_err(|m| anyhow!(m))?;
+            let held = onnx_ga::engine::ort::to_owned_ort(p, &value)?;
+            Ok((p.to_string(), Held::Ort(held)))
+        })
+        .collect()
+}
+
 /// `floor_bound`: the floor through one `IoBinding` made once: the parameters bound, each
 /// batch copied into bound input buffers, every output written into a buffer bound once,
 /// `RunWithBinding` called raw. What a run costs with nothing allocated, wrapped or
@@ -547,16 +552,7 @@ fn floor_bound(s: &Sized, cell: Duration) -> Result<Measured> {
     use ort::AsPointer;
     let nb = s.batches.len() as u64;
     let mut engine = Engine::new(EngineKind::Ort, &s.floor, &session_options())?;
-    let g = s.floor.graph.as_ref().unwrap();
-    let params: Vec<(String, Held)> = ["W1", "b1", "W2", "b2"]
-        .iter()
-        .map(|p| {
-            let init = g.initializer.iter().find(|t| t.name() == *p).unwrap();
-            let value = Tensor::from_tensor_proto(init).map_err(|m| anyhow!(m))?;
-            let held = onnx_ga::engine::ort::to_owned_ort(p, &value)?;
-            Ok((p.to_string(), Held::Ort(held)))
-        })
-        .collect::<Result<_>>()?;
+    let params = held_params(s)?;
     // Reference outputs of a plain run, for the check and the output shapes.
     let reference = |engine: &mut Engine, i: usize| -> Result<Vec<(String, Tensor)>> {
         let host: Vec<(&str, &Tensor)> =

@@ -123,19 +123,8 @@ fn train_args<'a>(
     steps: &'a str,
     extra: &[&'a str],
 ) -> Vec<&'a str> {
-    let mut args = vec![
-        "train",
-        s(step),
-        "--data",
-        s(data),
-        "--micro-batch",
-        "8",
-        "--steps",
-        steps,
-    ];
     // Not --quiet: the tests read train's notes (discarded micro-steps, resuming) and summary.
-    args.extend_from_slice(extra);
-    args
+    common::cli_train(step, data, steps, extra)
 }
 
 fn metrics_lines(path: &Path) -> Vec<serde_json::Value> {

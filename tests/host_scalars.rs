@@ -9,6 +9,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use crate::common;
 use crate::common::{ort_available, read_npz, root};
 use onnx_ga::data::Tensor;
 use onnx_ga::engine::host_scalars::split_off;
@@ -383,19 +384,12 @@ fn train_saves_the_same_state_with_and_without_host_scalars() {
         ("session.npz", Some("--no-host-scalars")),
     ] {
         let state = dir.path().join(name);
-        let mut args = vec![
-            "train",
-            step.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-            "--micro-batch",
-            "8",
-            "--steps",
+        let mut args = common::cli_train(
+            &step,
+            &data,
             "30",
-            "--quiet",
-            "--save-state",
-            state.to_str().unwrap(),
-        ];
+            &["--quiet", "--save-state", state.to_str().unwrap()],
+        );
         args.extend(extra);
         let dump = dir.path().join(format!("{name}.sessions"));
         onnx_ga(&args, &dump);

@@ -725,22 +725,19 @@ fn cli_trains_with_tract_and_auto_falls_back_to_it() {
         let metrics = dir.path().join(format!("{tag}.jsonl"));
         let state = dir.path().join(format!("{tag}.npz"));
         let out = onnx_ga(
-            &[
-                "train",
-                step.to_str().unwrap(),
-                "--data",
-                data.to_str().unwrap(),
-                "--micro-batch",
+            &common::cli_train(
+                &step,
+                &data,
                 "8",
-                "--steps",
-                "8",
-                "--engine",
-                engine,
-                "--metrics",
-                metrics.to_str().unwrap(),
-                "--save-state",
-                state.to_str().unwrap(),
-            ],
+                &[
+                    "--engine",
+                    engine,
+                    "--metrics",
+                    metrics.to_str().unwrap(),
+                    "--save-state",
+                    state.to_str().unwrap(),
+                ],
+            ),
             env,
         );
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
@@ -756,18 +753,7 @@ fn cli_trains_with_tract_and_auto_falls_back_to_it() {
     // note's text is checked in engine::tests; this checkout always finds .venv-ort).
     let nowhere = dir.path().join("no-such-library.so");
     let out = onnx_ga(
-        &[
-            "train",
-            step.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-            "--micro-batch",
-            "8",
-            "--steps",
-            "8",
-            "--engine",
-            "auto",
-        ],
+        &common::cli_train(&step, &data, "8", &["--engine", "auto"]),
         &[
             ("ORT_DYLIB_PATH", nowhere.to_str().unwrap()),
             ("CI", "false"),
@@ -902,23 +888,20 @@ fn every_shipped_graph_and_pipeline_trains_on_tract() {
             let state = dir.path().join(format!("{model}_{i}.npz"));
             let data = graphs.join("data.npz");
             let out = onnx_ga(
-                &[
-                    "train",
-                    step.to_str().unwrap(),
-                    "--data",
-                    data.to_str().unwrap(),
-                    "--micro-batch",
-                    "8",
-                    "--steps",
+                &common::cli_train(
+                    &step,
+                    &data,
                     "4",
-                    "--engine",
-                    "tract",
-                    "--quiet",
-                    "--metrics",
-                    metrics.to_str().unwrap(),
-                    "--save-state",
-                    state.to_str().unwrap(),
-                ],
+                    &[
+                        "--engine",
+                        "tract",
+                        "--quiet",
+                        "--metrics",
+                        metrics.to_str().unwrap(),
+                        "--save-state",
+                        state.to_str().unwrap(),
+                    ],
+                ),
                 &[],
             );
             let stderr = String::from_utf8_lossy(&out.stderr);

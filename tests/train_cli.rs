@@ -50,21 +50,18 @@ fn rewrite_then_train_writes_metrics_and_state() {
     let metrics = dir.path().join("metrics.jsonl");
     let state = dir.path().join("state.npz");
     let data = root().join("graphs/mlp_ce_adamw/data.npz");
-    let out = onnx_ga(&[
-        "train",
-        step.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--micro-batch",
-        "8",
-        "--steps",
+    let out = onnx_ga(&common::cli_train(
+        &step,
+        &data,
         "32",
-        "--metrics",
-        metrics.to_str().unwrap(),
-        "--save-state",
-        state.to_str().unwrap(),
-        "--quiet",
-    ]);
+        &[
+            "--metrics",
+            metrics.to_str().unwrap(),
+            "--save-state",
+            state.to_str().unwrap(),
+            "--quiet",
+        ],
+    ));
     assert!(out.status.success(), "train failed: {}", stderr(&out));
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
         .unwrap()
@@ -171,22 +168,9 @@ fn write_data(dir: &Path, name: &str, arrays: &[(&str, Tensor)]) -> PathBuf {
 }
 
 fn train_args(step: &Path, data: &Path, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = [
-        "train",
-        step.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--micro-batch",
-        "8",
-        "--steps",
-        "4",
-        "--quiet",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    args.extend(extra.iter().map(|s| s.to_string()));
-    args
+    let mut args = common::cli_train(step, data, "4", &["--quiet"]);
+    args.extend_from_slice(extra);
+    args.into_iter().map(String::from).collect()
 }
 
 fn input(n: usize) -> Tensor {

@@ -288,19 +288,7 @@ fn step_edited(dir: &Path, edit: impl FnOnce(&mut ModelProto)) -> PathBuf {
 
 fn train(step: &Path, extra: &[&str]) -> Output {
     let data = root().join("graphs/mlp_ce_adamw/data.npz");
-    let mut args = vec![
-        "train",
-        step.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--micro-batch",
-        "8",
-        "--steps",
-        "4",
-        "--engine",
-        "tract",
-        "--quiet",
-    ];
+    let mut args = common::cli_train(step, &data, "4", &["--engine", "tract", "--quiet"]);
     args.extend(extra);
     onnx_ga(&args)
 }

@@ -37,7 +37,7 @@ use ::ort::sys::{OrtIoBinding, OrtStatusPtr, OrtValue};
 use ::ort::value::DynValue;
 use ::ort::AsPointer;
 
-use super::ort::to_owned_ort;
+use super::ort::{take_by_name, to_owned_ort};
 use super::EngineError;
 use crate::data::Tensor;
 
@@ -308,18 +308,9 @@ impl KeptBinding {
         let status =
             unsafe { (api.AllocatorFree)(allocator.ptr() as *mut _, values as *mut c_void) };
         check(status, || "freeing the bound outputs' array".into())?;
-        output_names
-            .iter()
-            .filter(|n| !in_place_output(n))
-            .map(|name| {
-                returned
-                    .remove(name.as_str())
-                    .map(|v| (name.clone(), v))
-                    .ok_or_else(|| EngineError::Output {
-                        name: name.clone(),
-                        message: "the run did not return it".into(),
-                    })
-            })
-            .collect()
+        take_by_name(
+            output_names.iter().filter(|n| !in_place_output(n)),
+            returned,
+        )
     }
 }

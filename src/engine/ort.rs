@@ -531,13 +531,7 @@ impl OrtSession {
         }
         let mut bound = std::collections::HashSet::new();
         for (name, value) in in_place.iter_mut() {
-            let output = self
-                .in_place_inputs
-                .get(*name)
-                .ok_or_else(|| EngineError::Input {
-                    name: name.to_string(),
-                    message: "is not a state this session updates in place".into(),
-                })?;
+            let output = in_place_output(&self.in_place_inputs, name)?;
             // A window start's accumulators are written, not read.
             if self.input_set.contains(*name) {
                 binding
@@ -578,13 +572,7 @@ impl OrtSession {
     ) -> Result<Vec<(String, DynValue)>, EngineError> {
         let mut states = Vec::with_capacity(in_place.len());
         for (name, value) in in_place.iter_mut() {
-            let output = self
-                .in_place_inputs
-                .get(*name)
-                .ok_or_else(|| EngineError::Input {
-                    name: name.to_string(),
-                    message: "is not a state this session updates in place".into(),
-                })?;
+            let output = in_place_output(&self.in_place_inputs, name)?;
             // A window start's accumulators are written, not read.
             let read = self.input_set.contains(*name);
             states.push((*name, output.as_str(), read, &mut **value));
@@ -604,6 +592,18 @@ impl OrtSession {
         self.kept = Some(kept);
         Ok(outputs)
     }
+}
+
+/// The output the in-place state `input` is written to (`pairs`: a session's
+/// `in_place_inputs`).
+fn in_place_output<'p>(
+    pairs: &'p std::collections::HashMap<String, String>,
+    input: &str,
+) -> Result<&'p String, EngineError> {
+    pairs.get(input).ok_or_else(|| EngineError::Input {
+        name: input.to_string(),
+        message: "is not a state this session updates in place".into(),
+    })
 }
 
 /// `names`' values from a run's outputs, in that order. The outputs come in the order they
@@ -627,9 +627,17 @@ fn take_outputs(
             .zip(values.into_iter().map(|(_, v)| v))
             .collect());
     }
-    let mut values: std::collections::HashMap<&str, DynValue> = values.into_iter().collect();
+    let values: std::collections::HashMap<&str, DynValue> = values.into_iter().collect();
+    take_by_name(names.iter(), values)
+}
+
+/// `names`' values taken from `values`, in `names`' order; an error names the first
+/// missing.
+pub(super) fn take_by_name<'n>(
+    names: impl Iterator<Item = &'n String>,
+    mut values: std::collections::HashMap<&str, DynValue>,
+) -> Result<Vec<(String, DynValue)>, EngineError> {
     names
-        .iter()
         .map(|name| {
             values
                 .remove(name.as_str())

@@ -378,6 +378,28 @@ pub fn onnx_ga_cli(args: &[&str]) -> std::process::Output {
         .expect("run onnx-ga")
 }
 
+/// `onnx-ga train STEP --data DATA --micro-batch 8 --steps STEPS` and `extra`: the
+/// arguments every CLI training test starts from.
+pub fn cli_train<'a>(
+    step: &'a Path,
+    data: &'a Path,
+    steps: &'a str,
+    extra: &[&'a str],
+) -> Vec<&'a str> {
+    let mut args = vec![
+        "train",
+        step.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--micro-batch",
+        "8",
+        "--steps",
+        steps,
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
 /// graphs/mlp_ce_adamw rewritten by `onnx-ga rewrite` with K=4, lr 0.01 (and `extra`
 /// flags) to `dir/name`; panics with its stderr when it fails.
 pub fn cli_rewritten(dir: &Path, name: &str, extra: &[&str]) -> PathBuf {
