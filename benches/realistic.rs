@@ -16,6 +16,8 @@
 //! - `step_whole`: the same step run whole (`train --no-split`), its `If` included.
 //! - `step_copy`: `step` with value semantics (`SessionOptions::in_place_updates` off):
 //!   every run writes its states into fresh buffers, as before in-place updates.
+//! - `step_in_place` (only with `--pair`): `step` with every session in place, however
+//!   small its state.
 //!
 //! Modes (`cargo bench` passes `--bench`; without it and without a mode, as under `cargo test
 //! --all-targets`, the executable does nothing: the models need torch):
@@ -786,12 +788,18 @@ fn runner(
                 ..session(threads)
             },
         )?)),
-        "step" | "step_whole" | "step_copy" => {
+        "step" | "step_whole" | "step_copy" | "step_in_place" => {
             let step = load(&dir.join("step.onnx"))?;
             let split = column != "step_whole";
             let options = TrainOptions {
                 session: SessionOptions {
                     in_place_updates: column != "step_copy",
+                    // `step_in_place` (for `--pair`): in place in every session, however
+                    // small its state (`passes/fuse/in_place.rs` `MIN_SESSION_ELEMENTS`).
+                    in_place_min_total: match column {
+                        "step_in_place" => 0,
+                        _ => session(threads).in_place_min_total,
+                    },
                     ..session(threads)
                 },
                 split,
