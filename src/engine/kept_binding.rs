@@ -50,8 +50,9 @@ pub(super) struct KeptBinding {
     input_names: Vec<String>,
     /// The host inputs' own values (bound once), by name.
     host_values: HashMap<String, DynValue>,
-    /// The data pointer bound to each held input and in-place output, by name.
-    bound: HashMap<String, *mut c_void>,
+    /// The address of the buffer bound to each held input and in-place output, by name
+    /// (compared, never dereferenced).
+    bound: HashMap<String, usize>,
     /// The outputs in the order the binding returns them (the order first bound), and
     /// whether each is an in-place state's (not returned to the caller).
     outputs: Vec<(String, bool)>,
@@ -204,14 +205,14 @@ impl KeptBinding {
             }
         }
         for (name, value) in held {
-            let data = data_of(value, name)?;
+            let data = data_of(value, name)? as usize;
             if self.bound.get(*name) != Some(&data) {
                 self.bind_input(name, value.ptr())?;
                 self.bound.insert(name.to_string(), data);
             }
         }
         for (input, output, read, value) in in_place.iter_mut() {
-            let data = data_of(value, input)?;
+            let data = data_of(value, input)? as usize;
             if *read && self.bound.get(*input) != Some(&data) {
                 self.bind_input(input, value.ptr())?;
                 self.bound.insert(input.to_string(), data);

@@ -440,6 +440,14 @@ impl Engine {
 mod tests {
     use super::*;
 
+    /// A session may move to another thread (a kept binding holds buffer addresses as
+    /// numbers, not pointers, for that): this fails to compile otherwise.
+    #[test]
+    fn an_engine_can_move_between_threads() {
+        fn movable<T: Send>() {}
+        movable::<Engine>();
+    }
+
     /// The fallback note of `--engine auto` lists every place searched on its one line
     /// (it once stopped at "Searched:").
     #[test]
