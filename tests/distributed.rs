@@ -90,11 +90,9 @@ fn mpi(mpirun: &Path, ranks: usize, args: &[&str]) -> Output {
 /// `graphs/GRAPH` rewritten with K=4 and `extra` flags.
 fn rewritten(dir: &Path, name: &str, graph: &str, extra: &[&str]) -> PathBuf {
     let step = dir.join(format!("{name}.onnx"));
-    let graph = root().join("graphs").join(graph);
-    let mut args = vec!["rewrite", s(&graph), "-o", s(&step), "--accum-steps", "4"];
+    let mut args = vec!["--accum-steps", "4"];
     args.extend_from_slice(extra);
-    let out = onnx_ga(&args);
-    assert!(out.status.success(), "rewrite {name}: {}", stderr(&out));
+    common::cli_rewrite(graph, &step, &args);
     step
 }
 

@@ -21,13 +21,14 @@
 //!   otherwise write the next run into the buffer the last run returned, which the caller
 //!   now holds.
 //!
-//! A run whose inputs are not the names of the last run (a flush flag fed only sometimes)
-//! starts a fresh binding: an input left bound would be read with its old value.
+//! What the first run bound is kept by position, so that a later run looks nothing up by
+//! name: a run whose inputs or in-place states are not the first run's, in the same order
+//! (a flush flag fed only sometimes), starts a fresh binding, since an input left bound
+//! would be read with its old value.
 //!
 //! Everything goes through ONNX Runtime's C API: ort's `IoBinding` methods copy lent
 //! inputs and wrap every output in more calls than the run's own work at this size.
 
-use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::ptr::{self, NonNull};
 
@@ -37,59 +38,73 @@ use ::ort::sys::{OrtIoBinding, OrtStatusPtr, OrtValue};
 use ::ort::value::DynValue;
 use ::ort::AsPointer;
 
-use super::ort::{take_by_name, to_owned_ort};
+use super::kernel_io::status_message;
+use super::ort::to_owned_ort;
 use super::EngineError;
 use crate::data::Tensor;
 
-/// A session's binding, and what is bound to it.
+/// An in-place state's output, and whether the session reads the state (a window start
+/// only writes its accumulators).
+pub(super) type StateOf<'a> = dyn Fn(&str) -> Result<(String, bool), EngineError> + 'a;
+
+/// An in-place state of the session, as bound.
+struct InPlaceState {
+    input: String,
+    c_input: CString,
+    output: String,
+    c_output: CString,
+    /// Whether the session reads it (a window start only writes its accumulators).
+    read: bool,
+    /// The address of the buffer bound (compared, never dereferenced).
+    address: usize,
+}
+
+/// A session's binding, and what is bound to it, by the position of the runs' arguments.
 pub(super) struct KeptBinding {
     binding: ::ort::session::IoBinding,
     cpu: MemoryInfo<'static>,
-    /// The inputs of the runs this binding serves, in the order the runs give them: host
-    /// ones first, then held ones.
-    input_names: Vec<String>,
-    /// The host inputs' own values (bound once), by name.
-    host_values: HashMap<String, DynValue>,
-    /// The address of the buffer bound to each held input and in-place output, by name
-    /// (compared, never dereferenced).
-    bound: HashMap<String, usize>,
-    /// The outputs in the order the binding returns them (the order first bound), and
-    /// whether each is an in-place state's (not returned to the caller).
-    outputs: Vec<(String, bool)>,
-    names: HashMap<String, CString>,
+    /// Nothing bound yet: the first run binds everything and fixes the positions.
+    fresh: bool,
+    /// The host inputs: name, C name, and the value this binding owns and bound once.
+    host: Vec<(String, CString, DynValue)>,
+    /// The held inputs: name, C name, and the address of the buffer bound (compared, never
+    /// dereferenced).
+    held: Vec<(String, CString, usize)>,
+    in_place: Vec<InPlaceState>,
+    /// The outputs other than the in-place states', in the model's order: name, C name.
+    /// The binding returns the in-place ones first (bound first), then these.
+    returned: Vec<(String, CString)>,
 }
 
 fn check(status: OrtStatusPtr, what: impl FnOnce() -> String) -> Result<(), EngineError> {
-    if status.0.is_null() {
-        return Ok(());
+    match status_message(status) {
+        None => Ok(()),
+        Some(message) => Err(EngineError::Ort {
+            context: what(),
+            message,
+        }),
     }
-    let api = ::ort::api();
-    // SAFETY: a non-null status the API returned, read and released once.
-    let message = unsafe {
-        let message = std::ffi::CStr::from_ptr((api.GetErrorMessage)(status.0))
-            .to_string_lossy()
-            .into_owned();
-        (api.ReleaseStatus)(status.0);
-        message
-    };
-    Err(EngineError::Ort {
-        context: what(),
-        message,
+}
+
+fn c_name(name: &str) -> Result<CString, EngineError> {
+    CString::new(name).map_err(|_| EngineError::Input {
+        name: name.to_string(),
+        message: "has a NUL byte in its name".into(),
     })
 }
 
-/// The data pointer of a tensor value.
-fn data_of(value: &DynValue, name: &str) -> Result<*mut c_void, EngineError> {
+/// The address of a tensor value's buffer.
+fn address_of(value: &DynValue, name: &str) -> Result<usize, EngineError> {
     let mut data = ptr::null_mut();
     // SAFETY: a live tensor value; ONNX Runtime only reads it.
     let status = unsafe { (::ort::api().GetTensorMutableData)(value.ptr() as *mut _, &mut data) };
     check(status, || format!("reading the buffer of '{name}'"))?;
-    Ok(data)
+    Ok(data as usize)
 }
 
 /// Copies `tensor` into `value`, which has its element type and shape.
 fn copy_into(value: &DynValue, tensor: &Tensor, name: &str) -> Result<(), EngineError> {
-    let data = data_of(value, name)?;
+    let data = address_of(value, name)? as *mut c_void;
     macro_rules! copy {
         ($a:expr, $t:ty) => {{
             // SAFETY: `value` holds as many elements of this type as `$a` (checked by the
@@ -113,15 +128,16 @@ fn copy_into(value: &DynValue, tensor: &Tensor, name: &str) -> Result<(), Engine
 
 /// The element type and shape a host value was made for.
 fn same_layout(value: &DynValue, tensor: &Tensor) -> bool {
+    use ::ort::value::TensorElementType as E;
     let Some(shape) = value.dtype().tensor_shape() else {
         return false;
     };
     let dtype = match tensor {
-        Tensor::F32(_) => ::ort::value::TensorElementType::Float32,
-        Tensor::F64(_) => ::ort::value::TensorElementType::Float64,
-        Tensor::I64(_) => ::ort::value::TensorElementType::Int64,
-        Tensor::I32(_) => ::ort::value::TensorElementType::Int32,
-        Tensor::Bool(_) => ::ort::value::TensorElementType::Bool,
+        Tensor::F32(_) => E::Float32,
+        Tensor::F64(_) => E::Float64,
+        Tensor::I64(_) => E::Int64,
+        Tensor::I32(_) => E::Int32,
+        Tensor::Bool(_) => E::Bool,
     };
     value.dtype().tensor_type() == Some(dtype)
         && shape.len() == tensor.shape().len()
@@ -140,122 +156,161 @@ impl KeptBinding {
         Ok(KeptBinding {
             binding,
             cpu: MemoryInfo::default(),
-            input_names: Vec::new(),
-            host_values: HashMap::new(),
-            bound: HashMap::new(),
-            outputs: Vec::new(),
-            names: HashMap::new(),
+            fresh: true,
+            host: Vec::new(),
+            held: Vec::new(),
+            in_place: Vec::new(),
+            returned: Vec::new(),
         })
     }
 
-    /// Whether this binding serves a run of these inputs (the same names, in order).
-    pub(super) fn serves(&self, host: &[(&str, &Tensor)], held: &[(&str, &DynValue)]) -> bool {
-        self.input_names.len() == host.len() + held.len()
-            && host
-                .iter()
-                .map(|(n, _)| *n)
-                .chain(held.iter().map(|(n, _)| *n))
-                .zip(&self.input_names)
-                .all(|(a, b)| a == b)
+    /// Whether this binding serves a run of these inputs and in-place states (the first
+    /// run's names, in order).
+    pub(super) fn serves(
+        &self,
+        host: &[(&str, &Tensor)],
+        held: &[(&str, &DynValue)],
+        in_place: &[(&str, &mut DynValue)],
+    ) -> bool {
+        self.fresh
+            || (host.len() == self.host.len()
+                && held.len() == self.held.len()
+                && in_place.len() == self.in_place.len()
+                && host.iter().zip(&self.host).all(|((a, _), (b, ..))| a == b)
+                && held.iter().zip(&self.held).all(|((a, _), (b, ..))| a == b)
+                && in_place
+                    .iter()
+                    .zip(&self.in_place)
+                    .all(|((a, _), b)| *a == b.input))
     }
 
     fn binding_ptr(&self) -> *mut OrtIoBinding {
         self.binding.ptr() as *mut _
     }
 
-    fn c_name(&mut self, name: &str) -> Result<*const std::ffi::c_char, EngineError> {
-        if !self.names.contains_key(name) {
-            let c = CString::new(name).map_err(|_| EngineError::Input {
-                name: name.to_string(),
-                message: "has a NUL byte in its name".into(),
-            })?;
-            self.names.insert(name.to_string(), c);
-        }
-        Ok(self.names[name].as_ptr())
-    }
-
-    fn bind_input(&mut self, name: &str, value: *const OrtValue) -> Result<(), EngineError> {
-        let c = self.c_name(name)?;
+    fn bind_input(&self, c: &CString, name: &str, value: &DynValue) -> Result<(), EngineError> {
         // SAFETY: a live binding and value; ONNX Runtime keeps its own reference.
-        let status = unsafe { (::ort::api().BindInput)(self.binding_ptr(), c, value) };
+        let status =
+            unsafe { (::ort::api().BindInput)(self.binding_ptr(), c.as_ptr(), value.ptr()) };
         check(status, || format!("binding input '{name}'"))
     }
 
-    /// Runs `session` with `host` and `held` inputs and the `in_place` states (input name,
-    /// output name, value) read from and written into their own buffers; returns the other
-    /// outputs in `output_names`' order. Runs must come with the same inputs
-    /// ([`serves`](Self::serves)) and the same in-place states each time.
+    fn bind_output(&self, c: &CString, name: &str, value: &DynValue) -> Result<(), EngineError> {
+        // SAFETY: a live binding and value (ONNX Runtime's own memory).
+        let status =
+            unsafe { (::ort::api().BindOutput)(self.binding_ptr(), c.as_ptr(), value.ptr()) };
+        check(status, || format!("binding output '{name}'"))
+    }
+
+    /// The first run: binds everything and fixes the positions.
+    fn bind_all(
+        &mut self,
+        output_names: &[String],
+        host: &[(&str, &Tensor)],
+        held: &[(&str, &DynValue)],
+        in_place: &[(&str, &mut DynValue)],
+        state_of: &StateOf,
+    ) -> Result<(), EngineError> {
+        for (name, tensor) in host {
+            let (c, value) = (c_name(name)?, to_owned_ort(name, tensor)?);
+            self.bind_input(&c, name, &value)?;
+            self.host.push((name.to_string(), c, value));
+        }
+        for (name, value) in held {
+            let c = c_name(name)?;
+            self.bind_input(&c, name, value)?;
+            self.held
+                .push((name.to_string(), c, address_of(value, name)?));
+        }
+        // In-place outputs first: the binding returns outputs in the order first bound.
+        let mut outputs = std::collections::HashSet::new();
+        for (input, value) in in_place {
+            let (output, read) = state_of(input)?;
+            let state = InPlaceState {
+                input: input.to_string(),
+                c_input: c_name(input)?,
+                c_output: c_name(&output)?,
+                output: output.clone(),
+                read,
+                address: address_of(value, input)?,
+            };
+            if state.read {
+                self.bind_input(&state.c_input, input, value)?;
+            }
+            self.bind_output(&state.c_output, &output, value)?;
+            self.in_place.push(state);
+            outputs.insert(output);
+        }
+        for name in output_names {
+            if !outputs.contains(name) {
+                self.returned.push((name.clone(), c_name(name)?));
+            }
+        }
+        self.fresh = false;
+        Ok(())
+    }
+
+    /// A later run: binds again what changed.
+    fn bind_changes(
+        &mut self,
+        host: &[(&str, &Tensor)],
+        held: &[(&str, &DynValue)],
+        in_place: &[(&str, &mut DynValue)],
+    ) -> Result<(), EngineError> {
+        for (i, (name, tensor)) in host.iter().enumerate() {
+            if same_layout(&self.host[i].2, tensor) {
+                copy_into(&self.host[i].2, tensor, name)?;
+            } else {
+                let value = to_owned_ort(name, tensor)?;
+                self.bind_input(&self.host[i].1, name, &value)?;
+                self.host[i].2 = value;
+            }
+        }
+        for (i, (name, value)) in held.iter().enumerate() {
+            let address = address_of(value, name)?;
+            if self.held[i].2 != address {
+                self.bind_input(&self.held[i].1, name, value)?;
+                self.held[i].2 = address;
+            }
+        }
+        for (i, (input, value)) in in_place.iter().enumerate() {
+            let address = address_of(value, input)?;
+            let state = &self.in_place[i];
+            if state.address != address {
+                if state.read {
+                    self.bind_input(&state.c_input, input, value)?;
+                }
+                self.bind_output(&state.c_output, &state.output, value)?;
+                self.in_place[i].address = address;
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs `session` with `host` and `held` inputs and the `in_place` states read from and
+    /// written into their own buffers; returns the other outputs in `output_names`' order.
+    /// `state_of` gives an in-place state's output and whether the session reads it (asked
+    /// on the first run only). The caller checks [`serves`](Self::serves) first.
     pub(super) fn run(
         &mut self,
         session: &mut Session,
         output_names: &[String],
         host: &[(&str, &Tensor)],
         held: &[(&str, &DynValue)],
-        in_place: &mut [(&str, &str, bool, &mut DynValue)],
+        in_place: &[(&str, &mut DynValue)],
+        state_of: &StateOf,
     ) -> Result<Vec<(String, DynValue)>, EngineError> {
-        let first = self.input_names.is_empty() && self.outputs.is_empty();
-        for (name, tensor) in host {
-            match self.host_values.get(*name) {
-                Some(value) if same_layout(value, tensor) => copy_into(value, tensor, name)?,
-                _ => {
-                    let value = to_owned_ort(name, tensor)?;
-                    self.bind_input(name, value.ptr())?;
-                    self.host_values.insert(name.to_string(), value);
-                }
-            }
-        }
-        for (name, value) in held {
-            let data = data_of(value, name)? as usize;
-            if self.bound.get(*name) != Some(&data) {
-                self.bind_input(name, value.ptr())?;
-                self.bound.insert(name.to_string(), data);
-            }
-        }
-        for (input, output, read, value) in in_place.iter_mut() {
-            let data = data_of(value, input)? as usize;
-            if *read && self.bound.get(*input) != Some(&data) {
-                self.bind_input(input, value.ptr())?;
-                self.bound.insert(input.to_string(), data);
-            }
-            if self.bound.get(*output) != Some(&data) {
-                let c = self.c_name(output)?;
-                // SAFETY: a live binding and value (ONNX Runtime's own memory).
-                let status =
-                    unsafe { (::ort::api().BindOutput)(self.binding_ptr(), c, value.ptr()) };
-                check(status, || format!("binding output '{output}' to '{input}'"))?;
-                self.bound.insert(output.to_string(), data);
-            }
-        }
-        let in_place_output = |name: &str| in_place.iter().any(|(_, o, _, _)| *o == name);
-        if first {
-            // The binding returns outputs in the order they were first bound: the in-place
-            // ones (above), then the rest in the model's order (below).
-            self.outputs = in_place
-                .iter()
-                .map(|(_, output, _, _)| (output.to_string(), true))
-                .collect();
-        }
-        for name in output_names {
-            if in_place_output(name) {
-                continue;
-            }
-            let c = self.c_name(name)?;
-            // SAFETY: a live binding and memory info.
-            let status =
-                unsafe { (::ort::api().BindOutputToDevice)(self.binding_ptr(), c, self.cpu.ptr()) };
-            check(status, || format!("binding output '{name}'"))?;
-            if first {
-                self.outputs.push((name.clone(), false));
-            }
-        }
-        if first {
-            self.input_names = host
-                .iter()
-                .map(|(n, _)| n.to_string())
-                .chain(held.iter().map(|(n, _)| n.to_string()))
-                .collect();
+        match self.fresh {
+            true => self.bind_all(output_names, host, held, in_place, state_of)?,
+            false => self.bind_changes(host, held, in_place)?,
         }
         let api = ::ort::api();
+        for (name, c) in &self.returned {
+            // SAFETY: a live binding and memory info.
+            let status =
+                unsafe { (api.BindOutputToDevice)(self.binding_ptr(), c.as_ptr(), self.cpu.ptr()) };
+            check(status, || format!("binding output '{name}'"))?;
+        }
         // SAFETY: a live session and binding; runs of one session are not concurrent
         // (`&mut Session`).
         let status = unsafe {
@@ -275,43 +330,36 @@ impl KeptBinding {
             )
         };
         check(status, || "reading the bound outputs".into())?;
-        if count != self.outputs.len() || values.is_null() {
-            // SAFETY: as above; nothing else holds them.
-            unsafe {
-                for i in 0..count {
-                    (api.ReleaseValue)(*values.add(i));
-                }
-                if !values.is_null() {
-                    let status =
-                        (api.AllocatorFree)(allocator.ptr() as *mut _, values as *mut c_void);
-                    let _ = check(status, String::new);
-                }
-            }
-            return Err(EngineError::Ort {
-                context: "reading the bound outputs".into(),
-                message: format!("{count} values for {} outputs", self.outputs.len()),
-            });
-        }
-        let mut returned: HashMap<&str, DynValue> = HashMap::new();
-        for (i, (name, in_place)) in self.outputs.iter().enumerate() {
+        let expected = self.in_place.len() + self.returned.len();
+        let mut returned = Vec::with_capacity(self.returned.len());
+        for i in 0..count {
             // SAFETY: `count` values, each ours to keep or release once.
             let value = unsafe { *values.add(i) };
-            match (*in_place, NonNull::new(value)) {
-                (true, _) | (false, None) => unsafe { (api.ReleaseValue)(value) },
-                (false, Some(value)) => {
+            let name = i
+                .checked_sub(self.in_place.len())
+                .and_then(|k| self.returned.get(k));
+            match (name, NonNull::new(value), count == expected) {
+                (Some((name, _)), Some(value), true) => {
                     // SAFETY: a tensor the run made, with the session's allocator.
                     let value = unsafe { DynValue::from_ptr(value, Some(allocator)) };
-                    returned.insert(name.as_str(), value);
+                    returned.push((name.clone(), value));
                 }
+                // SAFETY: as above; released once, nothing else holds it.
+                _ => unsafe { (api.ReleaseValue)(value) },
             }
         }
-        // SAFETY: the array GetBoundOutputValues allocated with this allocator.
-        let status =
-            unsafe { (api.AllocatorFree)(allocator.ptr() as *mut _, values as *mut c_void) };
-        check(status, || "freeing the bound outputs' array".into())?;
-        take_by_name(
-            output_names.iter().filter(|n| !in_place_output(n)),
-            returned,
-        )
+        if !values.is_null() {
+            // SAFETY: the array GetBoundOutputValues allocated with this allocator.
+            let status =
+                unsafe { (api.AllocatorFree)(allocator.ptr() as *mut _, values as *mut c_void) };
+            check(status, || "freeing the bound outputs' array".into())?;
+        }
+        if count != expected || returned.len() != self.returned.len() {
+            return Err(EngineError::Ort {
+                context: "reading the bound outputs".into(),
+                message: format!("{count} values for {expected} outputs"),
+            });
+        }
+        Ok(returned)
     }
 }

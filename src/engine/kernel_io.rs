@@ -33,21 +33,28 @@ pub(super) struct Output<'c> {
     _kernel: PhantomData<&'c ComputeContext>,
 }
 
-/// `Err` with ONNX Runtime's message when `status` is an error (and frees it).
-fn check(status: OrtStatusPtr, what: impl FnOnce() -> String) -> ::ort::Result<()> {
+/// ONNX Runtime's message when `status` is an error, which it then frees; `None` for success.
+pub(super) fn status_message(status: OrtStatusPtr) -> Option<String> {
     if status.0.is_null() {
-        return Ok(());
+        return None;
     }
     let api = ::ort::api();
     // SAFETY: a non-null status returned by the API, read and released once.
-    let message = unsafe {
+    Some(unsafe {
         let message = CStr::from_ptr((api.GetErrorMessage)(status.0))
             .to_string_lossy()
             .into_owned();
         (api.ReleaseStatus)(status.0);
         message
-    };
-    Err(::ort::Error::new(format!("{}: {message}", what())))
+    })
+}
+
+/// `Err` with ONNX Runtime's message when `status` is an error (and frees it).
+fn check(status: OrtStatusPtr, what: impl FnOnce() -> String) -> ::ort::Result<()> {
+    match status_message(status) {
+        None => Ok(()),
+        Some(message) => Err(::ort::Error::new(format!("{}: {message}", what()))),
+    }
 }
 
 /// The element type, shape and element count of a tensor value.

@@ -578,16 +578,15 @@ impl OrtSession {
         held: &[(&str, &DynValue)],
         in_place: &mut [(&str, &mut DynValue)],
     ) -> Result<Vec<(String, DynValue)>, EngineError> {
-        let mut states = Vec::with_capacity(in_place.len());
-        for (name, value) in in_place.iter_mut() {
-            let output = in_place_output(&self.in_place_inputs, name)?;
-            // A window start's accumulators are written, not read.
-            let read = self.input_set.contains(*name);
-            states.push((*name, output.as_str(), read, &mut **value));
-        }
         let mut kept = match self.kept.take() {
-            Some(k) if k.serves(host, held) => k,
+            Some(k) if k.serves(host, held, in_place) => k,
             _ => Box::new(super::kept_binding::KeptBinding::new(&self.session)?),
+        };
+        let (pairs, inputs) = (&self.in_place_inputs, &self.input_set);
+        // A window start's accumulators are written, not read.
+        let state_of = |name: &str| {
+            let output = in_place_output(pairs, name)?.clone();
+            Ok((output, inputs.contains(name)))
         };
         // A failed run leaves the binding behind: the next starts afresh.
         let outputs = kept.run(
@@ -595,7 +594,8 @@ impl OrtSession {
             &self.output_names,
             host,
             held,
-            &mut states,
+            in_place,
+            &state_of,
         )?;
         self.kept = Some(kept);
         Ok(outputs)
@@ -672,17 +672,9 @@ fn take_outputs(
             .zip(values.into_iter().map(|(_, v)| v))
             .collect());
     }
-    let values: std::collections::HashMap<&str, DynValue> = values.into_iter().collect();
-    take_by_name(names.iter(), values)
-}
-
-/// `names`' values taken from `values`, in `names`' order; an error names the first
-/// missing.
-pub(super) fn take_by_name<'n>(
-    names: impl Iterator<Item = &'n String>,
-    mut values: std::collections::HashMap<&str, DynValue>,
-) -> Result<Vec<(String, DynValue)>, EngineError> {
+    let mut values: std::collections::HashMap<&str, DynValue> = values.into_iter().collect();
     names
+        .iter()
         .map(|name| {
             values
                 .remove(name.as_str())

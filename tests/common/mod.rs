@@ -400,27 +400,32 @@ pub fn cli_train<'a>(
     args
 }
 
-/// graphs/mlp_ce_adamw rewritten by `onnx-ga rewrite` with K=4, lr 0.01 (and `extra`
-/// flags) to `dir/name`; panics with its stderr when it fails.
-pub fn cli_rewritten(dir: &Path, name: &str, extra: &[&str]) -> PathBuf {
-    let step = dir.join(name);
-    let graph = root().join("graphs/mlp_ce_adamw");
+/// `graphs/GRAPH` rewritten by `onnx-ga rewrite` with `extra` flags to `step`; panics
+/// with its stderr when it fails.
+pub fn cli_rewrite(graph: &str, step: &Path, extra: &[&str]) {
+    let graph = root().join("graphs").join(graph);
     let mut args = vec![
         "rewrite",
         graph.to_str().unwrap(),
         "-o",
         step.to_str().unwrap(),
-        "--accum-steps",
-        "4",
-        "--lr",
-        "0.01",
     ];
     args.extend_from_slice(extra);
     let out = onnx_ga_cli(&args);
     assert!(
         out.status.success(),
-        "rewrite: {}",
+        "rewrite {}: {}",
+        graph.display(),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// graphs/mlp_ce_adamw rewritten by `onnx-ga rewrite` with K=4, lr 0.01 (and `extra`
+/// flags) to `dir/name`; panics with its stderr when it fails.
+pub fn cli_rewritten(dir: &Path, name: &str, extra: &[&str]) -> PathBuf {
+    let step = dir.join(name);
+    let mut args = vec!["--accum-steps", "4", "--lr", "0.01"];
+    args.extend_from_slice(extra);
+    cli_rewrite("mlp_ce_adamw", &step, &args);
     step
 }
