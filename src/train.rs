@@ -406,6 +406,12 @@ impl Trainer {
                     window_start,
                     min_accumulator_elements: session.in_place_min_elements,
                     min_in_place_total: session.in_place_min_total,
+                    // The host runs them on one thread: with more, only sessions too small
+                    // for ONNX Runtime's threads to pay.
+                    host_updates: session.host_updates.then_some(match session.threads {
+                        1 => i64::MAX,
+                        _ => session.in_place_min_total,
+                    }),
                 };
                 let start = match start_model {
                     Some(s) => Some(Box::new(open_engine(
@@ -556,6 +562,12 @@ impl Trainer {
     /// summed over the split step's sessions (0: every run writes fresh buffers).
     pub fn in_place_updates(&self) -> usize {
         self.sum_over_sessions(|e| e.in_place().len())
+    }
+
+    /// How many optimizer updates the host runs after the sessions, in place on the state
+    /// (`SessionOptions::host_updates`), summed over the split step's sessions.
+    pub fn host_updates(&self) -> usize {
+        self.sum_over_sessions(Engine::host_updates)
     }
 
     /// How many convolutions the sessions run on ONNX Runtime's blocked kernels
@@ -1219,6 +1231,9 @@ fn open_engine(
         fused.grouped += prepared.grouped;
         let mut engine = with_host_scalars(kind, &prepared.model, options)?;
         engine.set_in_place(prepared.in_place.pairs, prepared.in_place.keep_input);
+        if let Some(updates) = prepared.host_updates {
+            engine.set_host_updates(updates);
+        }
         return Ok(engine);
     }
     with_host_scalars(kind, model, options)

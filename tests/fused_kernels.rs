@@ -258,7 +258,9 @@ fn fused_adamw_on_forward_models() {
 }
 
 /// A parameter larger than the kernel's chunk (65536 elements) is updated by several tasks
-/// of the intra-op pool: the same bits on 1 and 2 threads as the standard ops.
+/// of the intra-op pool in a session: the same bits on 1 and 2 threads as the standard ops,
+/// and as the host's update in one piece (`engine::host_updates`, the apply's default at
+/// one thread; at two, with no session minimum as here, the kernel stays in the session).
 #[test]
 fn fused_adamw_splits_large_parameters_across_threads() {
     if !ort_available() {
@@ -269,10 +271,19 @@ fn fused_adamw_splits_large_parameters_across_threads() {
         |i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5,
         |i| ((i * 104729) % 1000) as f32 / 500.0 - 1.0,
     );
-    for threads in [1, 2] {
-        let what = format!("linear 512x256, {threads} threads");
-        let fused = fused_trains_like_standard(&what, &step, &data, threads, true);
-        assert_eq!(fused, 2, "{what}: the weight and the bias");
+    for host in [true, false] {
+        for threads in [1, 2] {
+            let what = format!("linear 512x256, {threads} threads, host updates {host}");
+            let mut options = options(true, threads, true);
+            options.session.host_updates = host;
+            let mut fused = Trainer::with_options(&step, &options).unwrap();
+            let mut standard =
+                Trainer::with_options(&step, &self::options(false, 1, true)).unwrap();
+            assert_eq!(fused.fused_updates(), 2, "{what}: the weight and the bias");
+            let on_host = host && threads == 1;
+            assert_eq!(fused.host_updates(), if on_host { 2 } else { 0 }, "{what}");
+            assert_trains_alike(&what, &mut fused, &mut standard, &data);
+        }
     }
 }
 
@@ -292,15 +303,23 @@ fn in_place_updates_leave_a_discarded_micro_step_unwritten() {
         |i| ((i * 13) % 100) as f32 / 100.0 - 0.5,
         |i| ((i * 7) % 50) as f32 / 25.0 - 1.0,
     );
-    // Micro-steps 4 (a window's start), 6 (inside) and 11 (an apply; K = 4) see NaN inputs.
-    let poisoned = [4u64, 6, 11];
-    for policy in [OnNonFinite::Skip, OnNonFinite::Stop, OnNonFinite::Keep] {
-        let what = format!("{policy:?}");
-        let mut in_place = Trainer::with_options(&step, &options(true, 1, true)).unwrap();
+    // Micro-steps 4 (a window's start), 6 (inside) and 9 see NaN inputs. A discarded
+    // micro-step does not count, so under Skip and Stop the window after 4 and 6 is 5, 7, 8
+    // and 9: 9 is its apply (under Keep, 9 continues a window).
+    let poisoned = [4u64, 6, 9];
+    let policies = [OnNonFinite::Skip, OnNonFinite::Stop, OnNonFinite::Keep];
+    // The apply's updates on the host (the default) and bound in the session.
+    for (policy, host) in policies.into_iter().flat_map(|p| [(p, true), (p, false)]) {
+        let what = format!("{policy:?}, host updates {host}");
+        let mut fused_options = options(true, 1, true);
+        fused_options.session.host_updates = host;
+        let mut in_place = Trainer::with_options(&step, &fused_options).unwrap();
         let mut standard = Trainer::with_options(&step, &options(false, 1, true)).unwrap();
         // The two accumulators in the accumulate and the window-start sessions, and the
         // apply's p, m and v of both parameters.
         assert_eq!(in_place.in_place_updates(), 2 + 2 + 6, "{what}");
+        // The apply's two on the host, the gate computed there from the loss.
+        assert_eq!(in_place.host_updates(), if host { 2 } else { 0 }, "{what}");
         in_place.set_on_nonfinite(policy);
         standard.set_on_nonfinite(policy);
         let samples = in_place.check_data(&data, Path::new("data.npz")).unwrap();
@@ -423,6 +442,8 @@ fn small_states_stay_apart() {
             fused_kernels: fused,
             fused_batch_norm: false,
             in_place_min_total: min_total.unwrap_or(SessionOptions::default().in_place_min_total),
+            // The updates bound in ONNX Runtime: the host's need no minimum (below).
+            host_updates: false,
             ..SessionOptions::default()
         },
         ..TrainOptions::default()
@@ -478,6 +499,8 @@ fn grouped_adamw_updates_train_bit_identically() {
         session: SessionOptions {
             fused_kernels: fused,
             fused_batch_norm: false,
+            // Else the apply gives its updates to the host (the next test).
+            host_updates: false,
             ..SessionOptions::default()
         },
         ..TrainOptions::default()
@@ -511,6 +534,70 @@ fn grouped_adamw_updates_train_bit_identically() {
                 );
                 assert_eq!(standard.grouped_updates(), 0, "{what}");
                 assert_trains_alike(&what, &mut fused, &mut standard, &data);
+            }
+        }
+    }
+}
+
+/// The trainer's default on the CPU: the apply session's optimizer updates leave it and run
+/// on the host after it, in place on the state (`passes::fuse::host`,
+/// `engine::host_updates`), the gate computed from the loss by the host. Every optimizer
+/// family, alone and behind AGC, loss scaling and weighted normalisation, on one and two
+/// threads, trains bit for bit as the standard-op step does, and the host ran the updates.
+#[test]
+fn host_updates_train_bit_identically() {
+    if !ort_available() {
+        return;
+    }
+    let options = |fused: bool, threads: usize| TrainOptions {
+        session: SessionOptions {
+            fused_kernels: fused,
+            fused_batch_norm: false,
+            threads,
+            ..SessionOptions::default()
+        },
+        ..TrainOptions::default()
+    };
+    let optimizers = [
+        "optimizer(lr=0.01)",
+        "optimizer(kind=adamw,lr=0.01,weight_decay=0.1,adam_mode=0)",
+        "optimizer(kind=adamw,lr=0.01,adam_mode=1,correct_bias=false)",
+        "optimizer(kind=adam,lr=0.01,formula=keras)",
+        "optimizer(kind=sgd,lr=0.05)",
+        "optimizer(kind=momentum,lr=0.05,momentum=0.9,weight_decay=0.01)",
+        "optimizer(kind=nesterov,lr=0.05,momentum=0.9)",
+    ];
+    let arounds = [
+        "grad-accum(steps=4)",
+        "grad-accum(steps=4),agc(clip=0.01,include_final=true)",
+        "grad-accum(steps=4),loss-scale(init=1024,interval=2)",
+        "grad-accum(steps=4,normalize=weighted)",
+        "grad-accum(steps=3)",
+    ];
+    for model in ["mlp_ce_adamw", "transformer_block"] {
+        let data = shipped(model);
+        for optimizer in optimizers {
+            for around in arounds {
+                let spec = format!("{around},{optimizer},legalize-ort,dce");
+                let step = common::rewrite_shipped(model, &spec);
+                for threads in [1, 2] {
+                    let what = format!("{model}: {spec}, {threads} threads");
+                    let mut fused = Trainer::with_options(&step, &options(true, threads)).unwrap();
+                    let mut standard = Trainer::with_options(&step, &options(false, 1)).unwrap();
+                    // Loss scaling gates each update by a `Where` (a window with an
+                    // overflow is skipped): its kernels read into that, so they stay in the
+                    // session (grouped, as above).
+                    match around.contains("loss-scale") {
+                        true => assert_eq!(fused.host_updates(), 0, "{what}"),
+                        false => assert!(
+                            fused.host_updates() >= 2,
+                            "{what}: {}",
+                            fused.host_updates()
+                        ),
+                    }
+                    assert_eq!(standard.host_updates(), 0, "{what}");
+                    assert_trains_alike(&what, &mut fused, &mut standard, &data);
+                }
             }
         }
     }

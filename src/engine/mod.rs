@@ -2,6 +2,7 @@
 //! the `tract` cargo feature, on by default). [`Engine`] is either, behind one `run`.
 
 pub mod host_scalars;
+mod host_updates;
 mod kept_binding;
 mod kernel_io;
 pub mod ort;
@@ -189,6 +190,13 @@ impl<'s> HostPart<'s> {
     }
 
     /// The session's outputs, then the graph outputs the host made.
+    /// The graph outputs the host computed, to read before [`Self::outputs_after`].
+    fn computed_outputs(&self) -> impl Iterator<Item = (&str, &Tensor)> {
+        self.0
+            .iter()
+            .flat_map(|c| c.outputs.iter().map(|(n, t)| (&**n, t)))
+    }
+
     fn outputs_after(self, session: Vec<(String, ::ort::value::DynValue)>) -> Vec<(String, Held)> {
         let mut outputs: Vec<(String, Held)> = session
             .into_iter()
@@ -259,6 +267,24 @@ impl Engine {
         if let Engine::Ort(s) = self {
             s.set_in_place(pairs);
             s.keep_input = keep_input;
+        }
+    }
+
+    /// Optimizer updates taken out of the model, which the host runs after each run, in
+    /// place on states of [`in_place`](Self::in_place) (`passes::fuse::host`; ONNX Runtime
+    /// only, a no-op elsewhere).
+    pub fn set_host_updates(&mut self, updates: crate::passes::fuse::host::HostUpdates) {
+        if let Engine::Ort(s) = self {
+            s.host_updates = Some(Box::new(updates));
+        }
+    }
+
+    /// How many optimizer updates the host runs after each run of this session.
+    pub fn host_updates(&self) -> usize {
+        match self {
+            Engine::Ort(s) => s.host_updates.as_ref().map_or(0, |u| u.updates.len()),
+            #[cfg(feature = "tract")]
+            Engine::Tract(_) => 0,
         }
     }
 
@@ -368,6 +394,26 @@ impl Engine {
             if let Held::Ort(v) = &mut **value {
                 targets.push((*name, v));
             }
+        }
+        if let Some(updates) = s.host_updates.take() {
+            // The session reads the states as any input; the host then updates them.
+            let mut feeds = ort_feeds.clone();
+            feeds.extend(targets.iter().map(|(name, value)| (*name, &**value)));
+            let ran = s.run_held(&host_feeds, &feeds);
+            let result = ran.and_then(|mut outputs| {
+                let mut readable = host_feeds.clone();
+                readable.extend(computed.computed_outputs());
+                let operands = host_updates::Operands {
+                    host: &readable,
+                    held: &ort_feeds,
+                    outputs: &outputs,
+                };
+                host_updates::run(&updates, &operands, &mut targets)?;
+                outputs.retain(|(name, _)| !updates.added_outputs.contains(name));
+                Ok(outputs)
+            });
+            s.host_updates = Some(updates);
+            return Ok(computed.outputs_after(result?));
         }
         let outputs = s.run_held_in_place(&host_feeds, &ort_feeds, &mut targets)?;
         Ok(computed.outputs_after(outputs))

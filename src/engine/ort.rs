@@ -136,6 +136,13 @@ pub struct SessionOptions {
     /// before each run (`engine::host_scalars`); bit-identical. Off runs every node in the
     /// session.
     pub host_scalars: bool,
+    /// With `in_place_updates`: a specialised session whose every in-place state is a
+    /// fused optimizer update's runs those updates on the host after the run, in place, on
+    /// the calling thread (`passes::fuse::host`, `engine::host_updates`): at one thread
+    /// whatever its size, at more only below `in_place_min_total` (above it the session's
+    /// kernel runs on ONNX Runtime's threads). The same kernels, so the same bits. Off
+    /// leaves them in the session.
+    pub host_updates: bool,
 }
 
 impl Default for SessionOptions {
@@ -159,6 +166,7 @@ impl Default for SessionOptions {
             in_place_min_elements: crate::passes::fuse::accumulate::MIN_ELEMENTS,
             in_place_min_total: crate::passes::fuse::in_place::MIN_SESSION_ELEMENTS,
             host_scalars: true,
+            host_updates: true,
         }
     }
 }
@@ -202,6 +210,9 @@ pub struct OrtSession {
     /// The binding of in-place runs on the CPU, kept from one run to the next
     /// ([`super::kept_binding`]).
     kept: Option<Box<super::kept_binding::KeptBinding>>,
+    /// The optimizer updates the host runs after each run, in place
+    /// (`passes::fuse::host`; run by [`super::Engine`]).
+    pub(super) host_updates: Option<Box<crate::passes::fuse::host::HostUpdates>>,
 }
 
 impl OrtSession {
@@ -396,6 +407,7 @@ impl OrtSession {
             read_filter: ReadFilter::default(),
             host_scalars: None,
             kept: None,
+            host_updates: None,
         })
     }
 

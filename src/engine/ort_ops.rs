@@ -244,38 +244,16 @@ impl Operator for AdamWUpdate {
     }
 }
 
-/// The scalars of an AdamW update from input slots `slots`, in the order of
-/// [`adamw_group_slot::FROM_SINGLE`] (alpha, 1 - alpha, beta, 1 - beta, epsilon, lr, a, c,
-/// lr_wd, divisor).
+/// The scalars of an AdamW update from input slots `slots` ([`AdamWScalars::read`]).
 fn adamw_scalars(
     ctx: &ComputeContext,
     op: &str,
     slots: [usize; adamw_group_slot::MEMBERS],
 ) -> ::ort::Result<AdamWScalars> {
-    let missing = |slot: usize| ::ort::Error::new(format!("{op}: input {slot} is missing"));
-    let scalar = |k: usize| scalar_input(ctx, op, slots[k]);
-    let required = |k: usize| scalar(k)?.ok_or_else(|| missing(slots[k]));
-    use adamw_group_slot as at;
-    let corrections = match (scalar(at::A)?, scalar(at::C)?) {
-        (Some(a), Some(c)) => Some((a, c)),
-        (None, None) => None,
-        _ => {
-            return Err(::ort::Error::new(format!(
-                "{op}: the bias corrections a and c come together"
-            )))
-        }
-    };
-    Ok(AdamWScalars {
-        alpha: required(at::ALPHA)?,
-        one_minus_alpha: required(at::ONE_MINUS_ALPHA)?,
-        beta: required(at::BETA)?,
-        one_minus_beta: required(at::ONE_MINUS_BETA)?,
-        epsilon: required(at::EPSILON)?,
-        lr: required(at::LR)?,
-        corrections,
-        lr_wd: scalar(at::LR_WD)?,
-        divisor: scalar(at::GRAD_DIVISOR)?,
+    AdamWScalars::read(slots, |slot| {
+        scalar_input(ctx, op, slot).map_err(|e| e.to_string())
     })
+    .map_err(|message: String| ::ort::Error::new(format!("{op}: {message}")))
 }
 
 fn adamw_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
@@ -456,25 +434,14 @@ impl Operator for SgdUpdate {
 }
 
 fn sgd_kernel(ctx: &ComputeContext, nesterov: bool) -> ::ort::Result<()> {
-    let scalar = |slot: usize| scalar_input(ctx, SGD_UPDATE, slot);
-    let lr = scalar(sgd_slot::LR)?
-        .ok_or_else(|| ::ort::Error::new(format!("{SGD_UPDATE}: no learning rate")))?;
-    let mu = scalar(sgd_slot::MU)?;
-    let s = SgdScalars {
-        lr,
-        momentum: mu.map(|mu| (mu, nesterov)),
-        wd: scalar(sgd_slot::WD)?,
-        divisor: scalar(sgd_slot::GRAD_DIVISOR)?,
-    };
+    let has_buffer = kernel_io::input(ctx, SGD_UPDATE, sgd_slot::BUF)?.is_some();
+    let s = SgdScalars::read(nesterov, has_buffer, |slot| {
+        scalar_input(ctx, SGD_UPDATE, slot).map_err(|e| e.to_string())
+    })
+    .map_err(|message: String| ::ort::Error::new(format!("{SGD_UPDATE}: {message}")))?;
     let len = kernel_io::required(ctx, SGD_UPDATE, sgd_slot::PARAM)?.len();
     let g = f32_input(ctx, SGD_UPDATE, sgd_slot::GRAD)?.1;
     let addend = optional_f32s(ctx, SGD_UPDATE, sgd_slot::GRAD_ADDEND)?;
-    let has_buffer = kernel_io::input(ctx, SGD_UPDATE, sgd_slot::BUF)?.is_some();
-    if has_buffer != mu.is_some() {
-        return Err(::ort::Error::new(format!(
-            "{SGD_UPDATE}: a momentum buffer and its momentum come together"
-        )));
-    }
     if g.len() != len || addend.is_some_and(|a| a.len() != len) {
         return Err(::ort::Error::new(format!(
             "{SGD_UPDATE}: parameter ({len}), gradient ({}) and addend ({:?}) differ in size",

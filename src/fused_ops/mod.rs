@@ -119,6 +119,37 @@ pub struct AdamWScalars {
     pub divisor: Option<f32>,
 }
 
+impl AdamWScalars {
+    /// The scalars of an update whose scalar inputs sit at `slots` (in the order of
+    /// [`adamw_group_slot::FROM_SINGLE`]), `scalar(slot)` reading one (`None`: absent). The
+    /// one reading of these slots, for ONNX Runtime's kernel and the host's alike.
+    pub fn read<E: From<String>>(
+        slots: [usize; adamw_group_slot::MEMBERS],
+        scalar: impl Fn(usize) -> Result<Option<f32>, E>,
+    ) -> Result<AdamWScalars, E> {
+        use adamw_group_slot as at;
+        let get = |k: usize| scalar(slots[k]);
+        let required =
+            |k: usize| get(k)?.ok_or_else(|| E::from(format!("input {} is missing", slots[k])));
+        let corrections = match (get(at::A)?, get(at::C)?) {
+            (Some(a), Some(c)) => Some((a, c)),
+            (None, None) => None,
+            _ => return Err(E::from("the bias corrections a and c come together".into())),
+        };
+        Ok(AdamWScalars {
+            alpha: required(at::ALPHA)?,
+            one_minus_alpha: required(at::ONE_MINUS_ALPHA)?,
+            beta: required(at::BETA)?,
+            one_minus_beta: required(at::ONE_MINUS_BETA)?,
+            epsilon: required(at::EPSILON)?,
+            lr: required(at::LR)?,
+            corrections,
+            lr_wd: get(at::LR_WD)?,
+            divisor: get(at::GRAD_DIVISOR)?,
+        })
+    }
+}
+
 /// Calls `f(args)`, an `#[inline(always)]` kernel body, compiled for the widest vectors the
 /// CPU has (AVX-512, AVX2, else the build's baseline: SSE2 on x86-64), chosen at run time.
 /// The same bits each way: every operation is one IEEE-754 operation per element (add, mul,
@@ -350,6 +381,30 @@ pub struct SgdScalars {
     pub momentum: Option<(f32, bool)>,
     pub wd: Option<f32>,
     pub divisor: Option<f32>,
+}
+
+impl SgdScalars {
+    /// The scalars of an [`SGD_UPDATE`] node, `scalar(slot)` reading its input `slot`
+    /// (`None`: absent); `has_buffer`: whether it updates a momentum buffer.
+    pub fn read<E: From<String>>(
+        nesterov: bool,
+        has_buffer: bool,
+        scalar: impl Fn(usize) -> Result<Option<f32>, E>,
+    ) -> Result<SgdScalars, E> {
+        let lr = scalar(sgd_slot::LR)?.ok_or_else(|| E::from("no learning rate".to_string()))?;
+        let mu = scalar(sgd_slot::MU)?;
+        if has_buffer != mu.is_some() {
+            return Err(E::from(
+                "a momentum buffer and its momentum come together".to_string(),
+            ));
+        }
+        Ok(SgdScalars {
+            lr,
+            momentum: mu.map(|mu| (mu, nesterov)),
+            wd: scalar(sgd_slot::WD)?,
+            divisor: scalar(sgd_slot::GRAD_DIVISOR)?,
+        })
+    }
 }
 
 /// The state an SGD step updates: the parameter, and its momentum buffer when it has one.

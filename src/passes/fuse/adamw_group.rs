@@ -35,13 +35,7 @@ use crate::ir::{normalize_domain, BodyId, Model, NodeId, Use, ValueId};
 /// Unflattens and groups the fused AdamW updates of `model`; returns how many updates went
 /// into `AdamWUpdates` nodes.
 pub fn group_adamw(model: &mut Model) -> usize {
-    // The nodes the fused updates replaced still read their outputs until they go.
-    super::super::dce::eliminate_dead_code(model);
-    let flat: Vec<NodeId> = fused_updates(model).collect();
-    for node in flat {
-        unflatten(model, node);
-    }
-    super::super::dce::eliminate_dead_code(model);
+    unflatten_all(model);
     let mut groups: BTreeMap<GroupKey, Vec<NodeId>> = BTreeMap::new();
     for node in fused_updates(model) {
         let n = model.node(node);
@@ -100,6 +94,17 @@ pub fn group_adamw(model: &mut Model) -> usize {
         grouped += members.len();
     }
     grouped
+}
+
+/// Rewrite 1 on every fused AdamW update of `model` that updates a flat group.
+pub fn unflatten_all(model: &mut Model) {
+    // The nodes the fused updates replaced still read their outputs until they go.
+    super::super::dce::eliminate_dead_code(model);
+    let flat: Vec<NodeId> = fused_updates(model).collect();
+    for node in flat {
+        unflatten(model, node);
+    }
+    super::super::dce::eliminate_dead_code(model);
 }
 
 /// What the members of one `AdamWUpdates` share: their body, their scalar inputs (by

@@ -139,6 +139,15 @@ pub fn gate(model: &mut Model, manifest: &Manifest) -> Option<String> {
     Some(model.name(k).to_string())
 }
 
+/// The value [`gate`] gave the fused nodes of the main graph, when it gave them one.
+pub fn gate_value(model: &Model) -> Option<ValueId> {
+    fused_nodes(model).into_iter().find_map(|n| {
+        let node = model.node(n);
+        let (_, slot, _) = state_slots(node.proto.op_type(), &node.inputs)?;
+        node.inputs.get(slot).copied().flatten()
+    })
+}
+
 /// The pairs of `model` (a session of the step `manifest` describes) to update in place;
 /// `unread_accumulators`: with the least elements, whether accumulators the session does
 /// not read go in place too (only for the window-start specialisation: see the module's

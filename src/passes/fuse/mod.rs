@@ -24,6 +24,7 @@
 pub mod accumulate;
 pub mod adamw;
 pub mod adamw_group;
+pub mod host;
 pub mod in_place;
 pub mod sgd;
 
@@ -44,6 +45,9 @@ pub struct Prepared<'m> {
     pub grouped: usize,
     /// The states the session updates in place (empty unless asked for).
     pub in_place: InPlacePlan,
+    /// The updates of those states the host runs after the session ([`host`]), when it
+    /// runs them all.
+    pub host_updates: Option<host::HostUpdates>,
 }
 
 /// How [`prepare`] prepares a session.
@@ -58,8 +62,13 @@ pub struct FuseOptions {
     /// ([`accumulate::MIN_ELEMENTS`] is the trainer's default; 0 takes every one).
     pub min_accumulator_elements: i64,
     /// A session whose in-place states hold fewer elements in all runs apart, as if
-    /// `in_place` were off ([`in_place::MIN_SESSION_ELEMENTS`] is the trainer's default).
+    /// `in_place` were off ([`in_place::MIN_SESSION_ELEMENTS`] is the trainer's default),
+    /// unless the host updates them all (`host_updates`).
     pub min_in_place_total: i64,
+    /// With `in_place`: a session whose every in-place state is an optimizer update's, and
+    /// which holds fewer elements in them than this, gives those updates to the host
+    /// ([`host`]).
+    pub host_updates: Option<i64>,
 }
 
 /// `model` (a step, or a specialisation of the step `manifest` describes) with its
@@ -91,6 +100,7 @@ pub fn prepare<'m>(
         fused: 0,
         grouped: 0,
         in_place: InPlacePlan::default(),
+        host_updates: None,
     };
     if !graph_outputs.iter().any(|o| next_values.contains(o.name())) {
         return Ok(untouched(model));
@@ -106,6 +116,12 @@ pub fn prepare<'m>(
         // Nothing in place: one dispatch for the AdamW updates.
         let grouped = adamw_group::group_adamw(&mut ir);
         return finish(ir, fused, grouped, InPlacePlan::default());
+    }
+    if let (Some(max_elements), true) = (options.host_updates, fused > 0) {
+        let host = for_host_updates(ir.clone(), manifest, options, fused, max_elements)?;
+        if let Some(prepared) = host {
+            return Ok(prepared);
+        }
     }
     let accumulations =
         accumulate::fuse_accumulate(&mut ir, manifest, options.min_accumulator_elements);
@@ -137,6 +153,45 @@ pub fn prepare<'m>(
     finish(ir, fused, 0, plan)
 }
 
+/// The session of `ir` (its updates fused) with every update in place run by the host
+/// ([`host`]): the flat groups cut into their members first, so that each member's state
+/// goes in place. `None` when some state the plan puts in place is not an optimizer
+/// update's (an accumulator): then the session is prepared as without the host.
+fn for_host_updates(
+    mut ir: Model,
+    manifest: &crate::state::Manifest,
+    options: FuseOptions,
+    fused: usize,
+    max_elements: i64,
+) -> Result<Option<Prepared<'static>>, super::PassError> {
+    adamw_group::unflatten_all(&mut ir);
+    accumulate::fuse_accumulate(&mut ir, manifest, options.min_accumulator_elements);
+    let keep = in_place::gate(&mut ir, manifest);
+    super::dce::eliminate_dead_code(&mut ir);
+    let unread = options
+        .window_start
+        .then_some(options.min_accumulator_elements);
+    // Every fused node reads the one gate value.
+    let gate = keep.as_ref().and_then(|k| {
+        let value = in_place::gate_value(&ir)?;
+        Some(host::Gate {
+            value,
+            loss: manifest.loss.clone(),
+            keep: k.clone(),
+        })
+    });
+    let plan = in_place::plan(&mut ir, manifest, keep, unread);
+    if in_place::elements(&ir, &plan) >= max_elements {
+        return Ok(None);
+    }
+    let Some(updates) = host::peel(&mut ir, &plan, gate.as_ref()) else {
+        return Ok(None);
+    };
+    let mut prepared = finish(ir, fused, 0, plan)?;
+    prepared.host_updates = Some(updates);
+    Ok(Some(prepared))
+}
+
 /// The fused model, cleaned and checked.
 fn finish(
     mut ir: Model,
@@ -155,6 +210,7 @@ fn finish(
         fused,
         grouped,
         in_place,
+        host_updates: None,
     })
 }
 

@@ -1,0 +1,250 @@
+//! The host's side of `passes::fuse::host`: after a run, the optimizer updates the pass took
+//! out of the session, computed by the same kernels as ONNX Runtime's fused nodes
+//! ([`crate::fused_ops`]), in place on the states' own buffers.
+
+use std::ops::Range;
+
+use ::ort::value::DynValue;
+
+use super::EngineError;
+use crate::data::Tensor;
+use crate::fused_ops::{
+    adamw_group_slot, adamw_slot, adamw_update, sgd_slot, sgd_update, AdamWScalars, Io, SgdIo,
+    SgdScalars,
+};
+use crate::passes::fuse::host::{HostOp, HostUpdate, HostUpdates, Operand};
+
+/// What one run offers the updates to read: the host's feeds, the held ones, the session's
+/// outputs.
+pub(super) struct Operands<'a> {
+    pub host: &'a [(&'a str, &'a Tensor)],
+    pub held: &'a [(&'a str, &'a DynValue)],
+    pub outputs: &'a [(String, DynValue)],
+}
+
+/// One operand's data.
+enum Data<'a> {
+    F32(&'a [f32]),
+    Bool(&'a [bool]),
+}
+
+impl<'a> Operands<'a> {
+    fn find(&self, update: &'a HostUpdate, slot: usize) -> Result<Option<Data<'a>>, EngineError> {
+        let Some(Some(operand)) = update.operands.get(slot) else {
+            return Ok(None);
+        };
+        let (name, default) = match operand {
+            Operand::Constant(t) => return tensor_data(t, "a constant").map(Some),
+            Operand::Input { name, default } => (name.as_str(), default.as_ref()),
+            Operand::Output(name) => (name.as_str(), None),
+            Operand::Gate { .. } => return Err(wrong(update, slot, "a tensor")),
+        };
+        if let Some((_, t)) = self.host.iter().find(|(n, _)| *n == name) {
+            return tensor_data(t, name).map(Some);
+        }
+        let value = self
+            .held
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| *v)
+            .or_else(|| self.outputs.iter().find(|(n, _)| n == name).map(|(_, v)| v));
+        let Some(value) = value else {
+            return match default {
+                Some(t) => tensor_data(t, name).map(Some),
+                None => Err(missing(name)),
+            };
+        };
+        if let Ok((_, data)) = value.try_extract_tensor::<f32>() {
+            return Ok(Some(Data::F32(data)));
+        }
+        match value.try_extract_tensor::<bool>() {
+            Ok((_, data)) => Ok(Some(Data::Bool(data))),
+            Err(e) => Err(EngineError::Input {
+                name: name.to_string(),
+                message: format!("a host update reads it: {e}"),
+            }),
+        }
+    }
+
+    fn f32s(&self, update: &'a HostUpdate, slot: usize) -> Result<Option<&'a [f32]>, EngineError> {
+        match self.find(update, slot)? {
+            None => Ok(None),
+            Some(Data::F32(data)) => Ok(Some(data)),
+            Some(Data::Bool(_)) => Err(wrong(update, slot, "float32")),
+        }
+    }
+
+    fn scalar(&self, update: &'a HostUpdate, slot: usize) -> Result<Option<f32>, EngineError> {
+        match self.f32s(update, slot)? {
+            None => Ok(None),
+            Some([x]) => Ok(Some(*x)),
+            Some(_) => Err(wrong(update, slot, "one element")),
+        }
+    }
+
+    /// The gate: true when absent.
+    fn keep(&self, update: &'a HostUpdate, slot: usize) -> Result<bool, EngineError> {
+        if let Some(Some(Operand::Gate { loss, keep })) = update.operands.get(slot) {
+            // As the session's nodes would: Or(Not(Or(IsNaN(loss), IsInf(loss))), keep).
+            let overridden = match self.host.iter().find(|(n, _)| n == keep) {
+                Some((_, Tensor::Bool(k))) => k.iter().next() == Some(&true),
+                Some(_) => return Err(wrong(update, slot, "fed a bool")),
+                None => true,
+            };
+            let finite = match self.outputs.iter().find(|(n, _)| n == loss) {
+                Some((_, value)) => match value.try_extract_tensor::<f32>() {
+                    Ok((_, [l])) => l.is_finite(),
+                    _ => return Err(wrong(update, slot, "a float loss")),
+                },
+                None => return Err(missing(loss)),
+            };
+            return Ok(finite || overridden);
+        }
+        match self.find(update, slot)? {
+            None => Ok(true),
+            Some(Data::Bool([keep])) => Ok(*keep),
+            Some(_) => Err(wrong(update, slot, "one bool")),
+        }
+    }
+}
+
+fn tensor_data<'a>(t: &'a Tensor, name: &str) -> Result<Data<'a>, EngineError> {
+    let not_contiguous = || EngineError::Input {
+        name: name.to_string(),
+        message: "not contiguous".into(),
+    };
+    match t {
+        Tensor::F32(a) => Ok(Data::F32(a.as_slice().ok_or_else(not_contiguous)?)),
+        Tensor::Bool(a) => Ok(Data::Bool(a.as_slice().ok_or_else(not_contiguous)?)),
+        _ => Err(EngineError::Input {
+            name: name.to_string(),
+            message: "a host update reads it, and it is neither float32 nor bool".into(),
+        }),
+    }
+}
+
+fn missing(name: &str) -> EngineError {
+    EngineError::Input {
+        name: name.to_string(),
+        message: "a host update reads it, and the run neither had nor made it".into(),
+    }
+}
+
+fn wrong(update: &HostUpdate, slot: usize, what: &str) -> EngineError {
+    EngineError::Input {
+        name: update.writes.first().cloned().unwrap_or_default(),
+        message: format!("the host update's input {slot} is not {what}"),
+    }
+}
+
+/// Runs every update of `updates` on `operands`, writing into `states` (those the updates
+/// write, by their inputs' names), on the calling thread. (Not on threads of its own: beside ONNX Runtime's pool, which spins after a run,
+/// a second thread made the 2M-parameter apply 2.8x slower at two threads than the
+/// session's kernel on that pool; `passes::fuse::host` leaves such sessions alone.)
+pub(super) fn run(
+    updates: &HostUpdates,
+    operands: &Operands<'_>,
+    states: &mut [(&str, &mut DynValue)],
+) -> Result<(), EngineError> {
+    let mut buffers: Vec<(&str, &mut [f32])> = Vec::with_capacity(states.len());
+    for (name, value) in states.iter_mut() {
+        let (_, data) = value
+            .try_extract_tensor_mut::<f32>()
+            .map_err(|e| EngineError::Input {
+                name: name.to_string(),
+                message: format!("a state the host updates in place: {e}"),
+            })?;
+        buffers.push((*name, data));
+    }
+    for update in &updates.updates {
+        if !operands.keep(update, keep_slot(update.op))? {
+            continue;
+        }
+        // The states it writes, taken out of `buffers` for the update and put back after.
+        let mut taken: Vec<(usize, &mut [f32])> = Vec::with_capacity(update.writes.len());
+        for write in &update.writes {
+            let k = buffers
+                .iter()
+                .position(|(n, _)| n == write)
+                .ok_or_else(|| missing(write))?;
+            taken.push((k, std::mem::take(&mut buffers[k].1)));
+        }
+        let result = {
+            let slices: Vec<&mut [f32]> = taken.iter_mut().map(|(_, s)| &mut **s).collect();
+            run_one(update, operands, slices)
+        };
+        for (k, slice) in taken {
+            buffers[k].1 = slice;
+        }
+        result?;
+    }
+    Ok(())
+}
+
+fn keep_slot(op: HostOp) -> usize {
+    match op {
+        HostOp::AdamW => adamw_slot::KEEP,
+        HostOp::Sgd { .. } => sgd_slot::KEEP,
+    }
+}
+
+fn run_one(
+    update: &HostUpdate,
+    operands: &Operands<'_>,
+    states: Vec<&mut [f32]>,
+) -> Result<(), EngineError> {
+    let len = states.first().map_or(0, |s| s.len());
+    let (grad_slot, addend_slot) = match update.op {
+        HostOp::AdamW => (adamw_slot::GRAD, adamw_slot::GRAD_ADDEND),
+        HostOp::Sgd { .. } => (sgd_slot::GRAD, sgd_slot::GRAD_ADDEND),
+    };
+    let g = operands
+        .f32s(update, grad_slot)?
+        .ok_or_else(|| wrong(update, grad_slot, "given"))?;
+    let addend = operands.f32s(update, addend_slot)?;
+    if states.iter().any(|s| s.len() != len)
+        || g.len() != len
+        || addend.is_some_and(|a| a.len() != len)
+    {
+        return Err(wrong(update, grad_slot, "of its state's size"));
+    }
+    let gradient = |r: &Range<usize>| (&g[r.clone()], addend.map(|a| &a[r.clone()]));
+    let scalar = |slot: usize| operands.scalar(update, slot);
+    let message = |m: String| EngineError::Input {
+        name: update.writes.first().cloned().unwrap_or_default(),
+        message: m,
+    };
+    match update.op {
+        HostOp::AdamW => {
+            let state: [&mut [f32]; 3] = states
+                .try_into()
+                .map_err(|_| wrong(update, adamw_slot::PARAM, "three states"))?;
+            let s = AdamWScalars::read(adamw_group_slot::FROM_SINGLE, |slot| {
+                scalar(slot).map_err(|e| e.to_string())
+            })
+            .map_err(message)?;
+            let [p, m, v] = state;
+            adamw_update(&s, gradient(&(0..len)), Io::InPlace([p, m, v]));
+        }
+        HostOp::Sgd { nesterov } => {
+            let s = SgdScalars::read(nesterov, states.len() == 2, |slot| {
+                scalar(slot).map_err(|e| e.to_string())
+            })
+            .map_err(message)?;
+            match <[&mut [f32]; 2]>::try_from(states) {
+                Ok([p, b]) => sgd_update(
+                    &s,
+                    gradient(&(0..len)),
+                    SgdIo::Momentum(Io::InPlace([p, b])),
+                ),
+                Err(states) => {
+                    let [p]: [&mut [f32]; 1] = states
+                        .try_into()
+                        .map_err(|_| wrong(update, sgd_slot::PARAM, "one state or two"))?;
+                    sgd_update(&s, gradient(&(0..len)), SgdIo::Plain(Io::InPlace([p])))
+                }
+            }
+        }
+    }
+    Ok(())
+}
