@@ -18,6 +18,8 @@
 //!   every run writes its states into fresh buffers, as before in-place updates.
 //! - `step_in_place` (only with `--pair`): `step` with every session in place, however
 //!   small its state.
+//! - `step_session_updates` (only with `--pair`): `step` with the optimizer updates kept in
+//!   the sessions (`SessionOptions::host_updates` off), as before host updates.
 //!
 //! Modes (`cargo bench` passes `--bench`; without it and without a mode, as under `cargo test
 //! --all-targets`, the executable does nothing: the models need torch):
@@ -788,7 +790,7 @@ fn runner(
                 ..session(threads)
             },
         )?)),
-        "step" | "step_whole" | "step_copy" | "step_in_place" => {
+        "step" | "step_whole" | "step_copy" | "step_in_place" | "step_session_updates" => {
             let step = load(&dir.join("step.onnx"))?;
             let split = column != "step_whole";
             let options = TrainOptions {
@@ -800,6 +802,7 @@ fn runner(
                         "step_in_place" => 0,
                         _ => session(threads).in_place_min_total,
                     },
+                    host_updates: column != "step_session_updates",
                     ..session(threads)
                 },
                 split,

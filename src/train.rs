@@ -406,12 +406,9 @@ impl Trainer {
                     window_start,
                     min_accumulator_elements: session.in_place_min_elements,
                     min_in_place_total: session.in_place_min_total,
-                    // The host runs them on one thread: with more, only sessions too small
-                    // for ONNX Runtime's threads to pay.
-                    host_updates: session.host_updates.then_some(match session.threads {
-                        1 => i64::MAX,
-                        _ => session.in_place_min_total,
-                    }),
+                    host_updates: session
+                        .host_updates
+                        .then_some(crate::passes::fuse::host::MAX_ELEMENTS),
                 };
                 let start = match start_model {
                     Some(s) => Some(Box::new(open_engine(

@@ -1,5 +1,6 @@
-//! The host's side of `passes::fuse::host`: after a run, the optimizer updates the pass took
-//! out of the session, computed by the same kernels as ONNX Runtime's fused nodes
+//! The host's side of `passes::fuse::host`: after a run, the optimizer updates and
+//! accumulations the pass took out of the session, computed by the same kernels as ONNX
+//! Runtime's fused nodes
 //! ([`crate::fused_ops`]), in place on the states' own buffers.
 
 use std::ops::Range;
@@ -9,8 +10,8 @@ use ::ort::value::DynValue;
 use super::EngineError;
 use crate::data::Tensor;
 use crate::fused_ops::{
-    adamw_group_slot, adamw_slot, adamw_update, sgd_slot, sgd_update, AdamWScalars, Io, SgdIo,
-    SgdScalars,
+    accumulate_grad, accumulate_slot, adamw_group_slot, adamw_slot, adamw_update, sgd_slot,
+    sgd_update, AdamWScalars, Io, SgdIo, SgdScalars,
 };
 use crate::passes::fuse::host::{HostOp, HostUpdate, HostUpdates, Operand};
 
@@ -138,9 +139,8 @@ fn wrong(update: &HostUpdate, slot: usize, what: &str) -> EngineError {
 }
 
 /// Runs every update of `updates` on `operands`, writing into `states` (those the updates
-/// write, by their inputs' names), on the calling thread. (Not on threads of its own: beside ONNX Runtime's pool, which spins after a run,
-/// a second thread made the 2M-parameter apply 2.8x slower at two threads than the
-/// session's kernel on that pool; `passes::fuse::host` leaves such sessions alone.)
+/// write, by their inputs' names), on the calling thread (`passes::fuse::host::MAX_ELEMENTS`
+/// says why one).
 pub(super) fn run(
     updates: &HostUpdates,
     operands: &Operands<'_>,
@@ -185,6 +185,7 @@ fn keep_slot(op: HostOp) -> usize {
     match op {
         HostOp::AdamW => adamw_slot::KEEP,
         HostOp::Sgd { .. } => sgd_slot::KEEP,
+        HostOp::Accumulate => accumulate_slot::KEEP,
     }
 }
 
@@ -195,13 +196,17 @@ fn run_one(
 ) -> Result<(), EngineError> {
     let len = states.first().map_or(0, |s| s.len());
     let (grad_slot, addend_slot) = match update.op {
-        HostOp::AdamW => (adamw_slot::GRAD, adamw_slot::GRAD_ADDEND),
-        HostOp::Sgd { .. } => (sgd_slot::GRAD, sgd_slot::GRAD_ADDEND),
+        HostOp::AdamW => (adamw_slot::GRAD, Some(adamw_slot::GRAD_ADDEND)),
+        HostOp::Sgd { .. } => (sgd_slot::GRAD, Some(sgd_slot::GRAD_ADDEND)),
+        HostOp::Accumulate => (accumulate_slot::GRAD, None),
     };
     let g = operands
         .f32s(update, grad_slot)?
         .ok_or_else(|| wrong(update, grad_slot, "given"))?;
-    let addend = operands.f32s(update, addend_slot)?;
+    let addend = match addend_slot {
+        Some(slot) => operands.f32s(update, slot)?,
+        None => None,
+    };
     if states.iter().any(|s| s.len() != len)
         || g.len() != len
         || addend.is_some_and(|a| a.len() != len)
@@ -215,6 +220,12 @@ fn run_one(
         message: m,
     };
     match update.op {
+        HostOp::Accumulate => {
+            let [acc]: [&mut [f32]; 1] = states
+                .try_into()
+                .map_err(|_| wrong(update, accumulate_slot::ACC, "one state"))?;
+            accumulate_grad(g, Io::InPlace([acc]));
+        }
         HostOp::AdamW => {
             let state: [&mut [f32]; 3] = states
                 .try_into()

@@ -137,11 +137,11 @@ pub struct SessionOptions {
     /// session.
     pub host_scalars: bool,
     /// With `in_place_updates`: a specialised session whose every in-place state is a
-    /// fused optimizer update's runs those updates on the host after the run, in place, on
-    /// the calling thread (`passes::fuse::host`, `engine::host_updates`): at one thread
-    /// whatever its size, at more only below `in_place_min_total` (above it the session's
-    /// kernel runs on ONNX Runtime's threads). The same kernels, so the same bits. Off
-    /// leaves them in the session.
+    /// fused optimizer update's or accumulation's, and which holds fewer than
+    /// `passes::fuse::host::MAX_ELEMENTS` elements in them, runs those updates on the host
+    /// after the run, in place, on the calling thread (`passes::fuse::host`,
+    /// `engine::host_updates`). The same kernels, so the same bits. Off leaves them in the
+    /// session (bound in place, or apart below `in_place_min_total`).
     pub host_updates: bool,
 }
 

@@ -1,7 +1,8 @@
 //! Optimizer updates the host runs after the session, in place on the trainer's state.
 //!
 //! A session whose every in-place state ([`super::in_place`]) is a parameter or moment of a
-//! fused `AdamWUpdate` or `SgdUpdate` gives those nodes to the host: they leave the model,
+//! fused `AdamWUpdate` or `SgdUpdate`, or an accumulator of an `AccumulateGrad`, gives those
+//! nodes to the host: they leave the model,
 //! whatever they read that the session computes (the gradient, the gate) becomes an output
 //! of it, and after the run the engine computes the update with the same kernel
 //! (`engine::host_updates`, [`crate::fused_ops`]), writing into the state's own buffer.
@@ -19,16 +20,33 @@
 //! state untouched.
 
 use crate::data::Tensor;
-use crate::fused_ops::{adamw_slot, sgd_slot, ADAMW_UPDATE, DOMAIN, SGD_UPDATE};
+use crate::fused_ops::{
+    accumulate_slot, adamw_slot, sgd_slot, ACCUMULATE_GRAD, ADAMW_UPDATE, DOMAIN, SGD_UPDATE,
+};
 use crate::ir::{BodyId, Model, NodeId, Use, ValueId};
 
 use super::InPlacePlan;
+
+/// The most elements a session's in-place states may hold for the host to update them
+/// (1 Mi, as [`super::in_place::MIN_SESSION_ELEMENTS`]: the sessions that would otherwise
+/// run apart). Above it the session keeps its kernels, bound in place: there an
+/// accumulation runs right after the backward made its gradient, still in cache, where the
+/// host's runs after the whole session (the 3.7M-parameter GPT at B 4, one thread: 2.3%
+/// slower with its accumulators on the host), and ONNX Runtime's pool parallelises the
+/// kernels, where the host runs on one thread (a thread of the host's own beside that
+/// pool, which spins after a run, made the 2M-parameter apply 2.8x slower at two threads).
+/// Below it, one thread and the floor's own session win (benches/README.md, "Run U").
+pub const MAX_ELEMENTS: i64 = 1 << 20;
 
 /// Which kernel a host update runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HostOp {
     AdamW,
-    Sgd { nesterov: bool },
+    Sgd {
+        nesterov: bool,
+    },
+    /// The window's gradient sum, `acc += g`.
+    Accumulate,
 }
 
 /// Where a host update reads one operand.
@@ -192,6 +210,11 @@ fn kernel_of(model: &Model, n: NodeId) -> Option<Kernel> {
             }
             Some((HostOp::Sgd { nesterov }, slots, sgd_slot::AFTER))
         }
+        ACCUMULATE_GRAD => Some((
+            HostOp::Accumulate,
+            vec![(accumulate_slot::ACC, 0)],
+            accumulate_slot::AFTER,
+        )),
         _ => None,
     }
 }

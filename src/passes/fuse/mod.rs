@@ -117,7 +117,7 @@ pub fn prepare<'m>(
         let grouped = adamw_group::group_adamw(&mut ir);
         return finish(ir, fused, grouped, InPlacePlan::default());
     }
-    if let (Some(max_elements), true) = (options.host_updates, fused > 0) {
+    if let Some(max_elements) = options.host_updates {
         let host = for_host_updates(ir.clone(), manifest, options, fused, max_elements)?;
         if let Some(prepared) = host {
             return Ok(prepared);
@@ -165,7 +165,9 @@ fn for_host_updates(
     max_elements: i64,
 ) -> Result<Option<Prepared<'static>>, super::PassError> {
     adamw_group::unflatten_all(&mut ir);
-    accumulate::fuse_accumulate(&mut ir, manifest, options.min_accumulator_elements);
+    // Every accumulator: the host adds into a small one without the dispatch and the
+    // binding that keep small ones apart in a session (`accumulate::MIN_ELEMENTS`).
+    accumulate::fuse_accumulate(&mut ir, manifest, 0);
     let keep = in_place::gate(&mut ir, manifest);
     super::dce::eliminate_dead_code(&mut ir);
     let unread = options
