@@ -191,6 +191,11 @@ struct TrainArgs {
     /// corrections) before each run; the same results, bit for bit.
     #[arg(long)]
     no_host_scalars: bool,
+    /// Let ONNX Runtime run the optimizer updates and accumulations of small models (under
+    /// 1 Mi elements of state a session), instead of the host running the same kernels
+    /// after each run, in place; the same results, bit for bit.
+    #[arg(long)]
+    no_host_updates: bool,
     /// Learning rate for this run (default: the one the step was rewritten with).
     #[arg(long)]
     lr: Option<f32>,
@@ -1119,6 +1124,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             nchwc_convs: !args.no_nchwc,
             fused_batch_norm: !args.no_fused_batch_norm,
             host_scalars: !args.no_host_scalars,
+            host_updates: !args.no_host_updates,
             ..Default::default()
         },
         split: !args.no_split,

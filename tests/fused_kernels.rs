@@ -38,6 +38,31 @@ fn options(fused: bool, threads: usize, split: bool) -> TrainOptions {
     }
 }
 
+/// The Adam family's optimizer passes the fused-kernel tests run: AdamW in both modes, with
+/// and without bias correction, Adam with L2, Keras' Adam.
+const ADAM_FAMILY: [&str; 5] = [
+    "optimizer(lr=0.01)",
+    "optimizer(kind=adamw,lr=0.01,weight_decay=0.1,adam_mode=0)",
+    "optimizer(kind=adamw,lr=0.01,adam_mode=1,correct_bias=false)",
+    "optimizer(kind=adam,lr=0.01,weight_decay=0.01)",
+    "optimizer(kind=adam,lr=0.01,formula=keras)",
+];
+
+/// The trainer's default options (fused kernels or not), BatchNorm as written, on `threads`,
+/// with host updates or not.
+fn defaults(fused: bool, threads: usize, host_updates: bool) -> TrainOptions {
+    TrainOptions {
+        session: SessionOptions {
+            fused_kernels: fused,
+            fused_batch_norm: false,
+            threads,
+            host_updates,
+            ..SessionOptions::default()
+        },
+        ..TrainOptions::default()
+    }
+}
+
 /// Steps `fused` and `standard` through the same [`MICRO_STEPS`] micro-batches of 8 of
 /// `data`, asserting that every micro-step's metrics and the final state agree bit for bit.
 fn assert_trains_alike(
@@ -496,23 +521,9 @@ fn grouped_adamw_updates_train_bit_identically() {
     if !ort_available() {
         return;
     }
-    let options = |fused: bool| TrainOptions {
-        session: SessionOptions {
-            fused_kernels: fused,
-            fused_batch_norm: false,
-            // Else the apply gives its updates to the host (the next test).
-            host_updates: false,
-            ..SessionOptions::default()
-        },
-        ..TrainOptions::default()
-    };
-    let optimizers = [
-        "optimizer(lr=0.01)",
-        "optimizer(kind=adamw,lr=0.01,weight_decay=0.1,adam_mode=0)",
-        "optimizer(kind=adamw,lr=0.01,adam_mode=1,correct_bias=false)",
-        "optimizer(kind=adam,lr=0.01,weight_decay=0.01)",
-        "optimizer(kind=adam,lr=0.01,formula=keras)",
-    ];
+    // Else the sessions give their updates to the host (the next test).
+    let options = |fused: bool| defaults(fused, 1, false);
+    let optimizers = ADAM_FAMILY;
     for model in ["mlp_ce_adamw", "transformer_block", "cnn_bn"] {
         let data = shipped(model);
         for optimizer in optimizers {
@@ -551,24 +562,12 @@ fn host_updates_train_bit_identically() {
     if !ort_available() {
         return;
     }
-    let options = |fused: bool, threads: usize| TrainOptions {
-        session: SessionOptions {
-            fused_kernels: fused,
-            fused_batch_norm: false,
-            threads,
-            ..SessionOptions::default()
-        },
-        ..TrainOptions::default()
-    };
-    let optimizers = [
-        "optimizer(lr=0.01)",
-        "optimizer(kind=adamw,lr=0.01,weight_decay=0.1,adam_mode=0)",
-        "optimizer(kind=adamw,lr=0.01,adam_mode=1,correct_bias=false)",
-        "optimizer(kind=adam,lr=0.01,formula=keras)",
+    let options = |fused: bool, threads: usize| defaults(fused, threads, true);
+    let optimizers = ADAM_FAMILY.into_iter().chain([
         "optimizer(kind=sgd,lr=0.05)",
         "optimizer(kind=momentum,lr=0.05,momentum=0.9,weight_decay=0.01)",
         "optimizer(kind=nesterov,lr=0.05,momentum=0.9)",
-    ];
+    ]);
     let arounds = [
         "grad-accum(steps=4)",
         "grad-accum(steps=4),agc(clip=0.01,include_final=true)",
@@ -578,7 +577,7 @@ fn host_updates_train_bit_identically() {
     ];
     for model in ["mlp_ce_adamw", "transformer_block"] {
         let data = shipped(model);
-        for optimizer in optimizers {
+        for optimizer in optimizers.clone() {
             for around in arounds {
                 let spec = format!("{around},{optimizer},legalize-ort,dce");
                 let step = common::rewrite_shipped(model, &spec);
@@ -713,4 +712,25 @@ fn a_kept_binding_follows_flushes_and_changed_controls() {
             }
         }
     }
+}
+
+/// `train --no-host-updates` leaves the accumulations and the apply's updates in the
+/// sessions and saves the same state, byte for byte, as the default run, where the host runs
+/// them for a model this small.
+#[test]
+fn train_saves_the_same_state_with_and_without_host_updates() {
+    if !ort_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let step = common::cli_rewritten(dir.path(), "step.onnx", &[]);
+    let data = root().join("graphs/mlp_ce_adamw/data.npz");
+    let states: Vec<Vec<u8>> = [
+        ("host.npz", &[][..]),
+        ("session.npz", &["--no-host-updates"][..]),
+    ]
+    .into_iter()
+    .map(|(name, extra)| common::cli_trained_state(&step, &data, dir.path(), name, extra, None))
+    .collect();
+    assert!(states[0] == states[1], "the saved states differ");
 }

@@ -360,40 +360,18 @@ fn train_saves_the_same_state_with_and_without_host_scalars() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let onnx_ga = |args: &[&str], dump: &Path| {
-        // The sessions as ONNX Runtime gets them (`ONNX_GA_DUMP_SESSIONS`), to count nodes.
-        std::fs::create_dir_all(dump).unwrap();
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_onnx-ga"))
-            .args(args)
-            .env("ONNX_GA_DUMP_SESSIONS", dump)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "onnx-ga {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
     let step = crate::common::cli_rewritten(dir.path(), "step.onnx", &[]);
-    let graphs = root().join("graphs/mlp_ce_adamw");
-    let data = graphs.join("data.npz");
+    let data = root().join("graphs/mlp_ce_adamw/data.npz");
     let mut states = Vec::new();
     let mut nodes = Vec::new();
     for (name, extra) in [
-        ("host.npz", None),
-        ("session.npz", Some("--no-host-scalars")),
+        ("host.npz", &[][..]),
+        ("session.npz", &["--no-host-scalars"][..]),
     ] {
-        let state = dir.path().join(name);
-        let mut args = common::cli_train(
-            &step,
-            &data,
-            "30",
-            &["--quiet", "--save-state", state.to_str().unwrap()],
-        );
-        args.extend(extra);
+        // The sessions as ONNX Runtime gets them, to count nodes.
         let dump = dir.path().join(format!("{name}.sessions"));
-        onnx_ga(&args, &dump);
-        states.push(std::fs::read(&state).unwrap());
+        let state = common::cli_trained_state(&step, &data, dir.path(), name, extra, Some(&dump));
+        states.push(state);
         // Window start, accumulate, apply: the apply's nodes.
         let apply = std::fs::read(dump.join("session2.onnx")).unwrap();
         let apply = <onnx_ga::proto::ModelProto as prost::Message>::decode(&*apply).unwrap();

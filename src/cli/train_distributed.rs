@@ -257,6 +257,7 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
             nchwc_convs: !args.no_nchwc,
             fused_batch_norm: !args.no_fused_batch_norm,
             host_scalars: !args.no_host_scalars,
+            host_updates: !args.no_host_updates,
             ..Default::default()
         },
         split: true,

@@ -1,7 +1,6 @@
 //! The host's side of `passes::fuse::host`: after a run, the optimizer updates and
 //! accumulations the pass took out of the session, computed by the same kernels as ONNX
-//! Runtime's fused nodes
-//! ([`crate::fused_ops`]), in place on the states' own buffers.
+//! Runtime's fused nodes ([`crate::fused_ops`]), in place on the states' own buffers.
 
 use std::ops::Range;
 

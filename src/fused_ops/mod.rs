@@ -514,20 +514,27 @@ pub const KEEP_NONFINITE: &str = "ga.keep_nonfinite";
 mod tests {
     use super::*;
 
-    /// The closed form in float64 agrees with the float32 update to float32 rounding.
-    #[test]
-    fn adamw_update_is_adamw() {
-        let s = AdamWScalars {
+    /// AdamW's usual scalars (β 0.9 and 0.999, ε 1e-8, lr 1e-3) with these corrections,
+    /// weight decay and divisor.
+    fn adamw(corrections: Option<(f32, f32)>, lr_wd: f32, divisor: Option<f32>) -> AdamWScalars {
+        AdamWScalars {
             alpha: 0.9,
             one_minus_alpha: 1.0 - 0.9,
             beta: 0.999,
             one_minus_beta: 1.0 - 0.999,
             epsilon: 1e-8,
             lr: 1e-3,
-            corrections: Some((1.0 - 0.9f32.powi(3), 1.0 - 0.999f32.powi(3))),
-            lr_wd: Some(1e-3 * 1e-2),
-            divisor: None,
-        };
+            corrections,
+            lr_wd: Some(lr_wd),
+            divisor,
+        }
+    }
+
+    /// The closed form in float64 agrees with the float32 update to float32 rounding.
+    #[test]
+    fn adamw_update_is_adamw() {
+        let corrections = (1.0 - 0.9f32.powi(3), 1.0 - 0.999f32.powi(3));
+        let s = adamw(Some(corrections), 1e-3 * 1e-2, None);
         let (p, g, m, v) = (
             [0.5f32, -1.5],
             [0.25f32, 3.0],
@@ -622,17 +629,7 @@ mod tests {
         let g: Vec<f32> = xs[..n].iter().map(|x| x.clamp(-1e30, 1e30)).collect();
         let d: Vec<f32> = xs[n..2 * n].iter().map(|x| x.clamp(-1e30, 1e30)).collect();
         for k in [4.0f32, 3.0, 0.5] {
-            let s = AdamWScalars {
-                alpha: 0.9,
-                one_minus_alpha: 1.0 - 0.9,
-                beta: 0.999,
-                one_minus_beta: 1.0 - 0.999,
-                epsilon: 1e-8,
-                lr: 1e-3,
-                corrections: None,
-                lr_wd: Some(1e-5),
-                divisor: Some(k),
-            };
+            let s = adamw(None, 1e-5, Some(k));
             let (p, m, v) = (vec![0.5f32; n], vec![0.01f32; n], vec![0.02f32; n]);
             let (mut po, mut mo, mut vo) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
             let io = Io::Apart([&p, &m, &v], [&mut po, &mut mo, &mut vo]);

@@ -429,3 +429,33 @@ pub fn cli_rewritten(dir: &Path, name: &str, extra: &[&str]) -> PathBuf {
     cli_rewrite("mlp_ce_adamw", &step, &args);
     step
 }
+
+/// The state file `onnx-ga train STEP --data DATA ... --steps 30 --quiet --save-state`
+/// writes with `extra` flags (into `dir/NAME`), as bytes; with `dump`, the sessions ONNX
+/// Runtime got go there too (`ONNX_GA_DUMP_SESSIONS`). Panics with stderr when it fails.
+pub fn cli_trained_state(
+    step: &Path,
+    data: &Path,
+    dir: &Path,
+    name: &str,
+    extra: &[&str],
+    dump: Option<&Path>,
+) -> Vec<u8> {
+    let state = dir.join(name);
+    let mut args = cli_train(step, data, "30", &["--quiet", "--save-state"]);
+    args.push(state.to_str().unwrap());
+    args.extend_from_slice(extra);
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_onnx-ga"));
+    command.args(&args);
+    if let Some(dump) = dump {
+        std::fs::create_dir_all(dump).unwrap();
+        command.env("ONNX_GA_DUMP_SESSIONS", dump);
+    }
+    let out = command.output().expect("run onnx-ga");
+    assert!(
+        out.status.success(),
+        "onnx-ga {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::read(&state).unwrap()
+}

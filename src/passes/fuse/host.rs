@@ -1,11 +1,12 @@
-//! Optimizer updates the host runs after the session, in place on the trainer's state.
+//! Optimizer updates and accumulations the host runs after the session, in place on the
+//! trainer's state.
 //!
 //! A session whose every in-place state ([`super::in_place`]) is a parameter or moment of a
-//! fused `AdamWUpdate` or `SgdUpdate`, or an accumulator of an `AccumulateGrad`, gives those
-//! nodes to the host: they leave the model,
-//! whatever they read that the session computes (the gradient, the gate) becomes an output
-//! of it, and after the run the engine computes the update with the same kernel
-//! (`engine::host_updates`, [`crate::fused_ops`]), writing into the state's own buffer.
+//! fused `AdamWUpdate` or `SgdUpdate`, or an accumulator of an `AccumulateGrad`, and small
+//! ([`MAX_ELEMENTS`]), gives those nodes to the host: they leave the model, whatever they
+//! read that the session computes (the gradient) becomes an output of it, and after the run
+//! the engine computes the update with the same kernel (`engine::host_updates`,
+//! [`crate::fused_ops`]), writing into the state's own buffer.
 //!
 //! Why: at small sizes the update costs its dispatch, not its arithmetic. In ONNX Runtime a
 //! fused node reads every operand through the C API, allocates its outputs, and the run
@@ -16,8 +17,8 @@
 //!
 //! The host runs the update after the whole session, so every other reader of a state has
 //! read it by then: the ordering inputs the plan added are dropped with the node. The gate
-//! ([`super::in_place::gate`]) still decides: a micro-step the host discards leaves the
-//! state untouched.
+//! ([`super::in_place::gate`]) still decides, computed by the host from the loss
+//! ([`Operand::Gate`]): a micro-step the host discards leaves the state untouched.
 
 use crate::data::Tensor;
 use crate::fused_ops::{
