@@ -65,9 +65,9 @@ pub struct FuseOptions {
     /// `in_place` were off ([`in_place::MIN_SESSION_ELEMENTS`] is the trainer's default),
     /// unless the host updates them all (`host_updates`).
     pub min_in_place_total: i64,
-    /// With `in_place`: a session whose every in-place state is an optimizer update's, and
-    /// which holds fewer elements in them than this, gives those updates to the host
-    /// ([`host`]).
+    /// With `in_place`: a session whose every in-place state is a fused update's or
+    /// accumulation's, and which holds fewer elements in them than this, gives those
+    /// kernels to the host ([`host`]).
     pub host_updates: Option<i64>,
 }
 
@@ -155,8 +155,9 @@ pub fn prepare<'m>(
 
 /// The session of `ir` (its updates fused) with every update in place run by the host
 /// ([`host`]): the flat groups cut into their members first, so that each member's state
-/// goes in place. `None` when some state the plan puts in place is not an optimizer
-/// update's (an accumulator): then the session is prepared as without the host.
+/// goes in place, and every accumulation fused. `None` when the plan puts a state in place
+/// that no such kernel writes (a window start's unread accumulators), or the states hold
+/// `max_elements` or more: then the session is prepared as without the host.
 fn for_host_updates(
     mut ir: Model,
     manifest: &crate::state::Manifest,
