@@ -14,10 +14,11 @@ use crate::fused_ops::{
 };
 use crate::passes::fuse::host::{HostOp, HostUpdate, HostUpdates, Operand};
 
-/// What one run offers the updates to read: the host's feeds, the held ones, the session's
-/// outputs.
+/// What one run offers the updates to read: the host's feeds, the outputs the host computed
+/// (`engine::host_scalars`), the held feeds, the session's outputs.
 pub(super) struct Operands<'a> {
     pub host: &'a [(&'a str, &'a Tensor)],
+    pub computed: &'a [(&'a str, Tensor)],
     pub held: &'a [(&'a str, &'a DynValue)],
     pub outputs: &'a [(String, DynValue)],
 }
@@ -39,7 +40,9 @@ impl<'a> Operands<'a> {
             Operand::Output(name) => (name.as_str(), None),
             Operand::Gate { .. } => return Err(wrong(update, slot, "a tensor")),
         };
-        if let Some((_, t)) = self.host.iter().find(|(n, _)| *n == name) {
+        let on_host = self.host.iter().map(|(n, t)| (*n, *t));
+        let computed = self.computed.iter().map(|(n, t)| (*n, t));
+        if let Some((_, t)) = on_host.chain(computed).find(|(n, _)| *n == name) {
             return tensor_data(t, name).map(Some);
         }
         let value = self

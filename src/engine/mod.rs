@@ -191,10 +191,8 @@ impl<'s> HostPart<'s> {
 
     /// The session's outputs, then the graph outputs the host made.
     /// The graph outputs the host computed, to read before [`Self::outputs_after`].
-    fn computed_outputs(&self) -> impl Iterator<Item = (&str, &Tensor)> {
-        self.0
-            .iter()
-            .flat_map(|c| c.outputs.iter().map(|(n, t)| (&**n, t)))
+    fn computed_outputs(&self) -> &[(&'s str, Tensor)] {
+        self.0.as_ref().map_or(&[], |c| &c.outputs)
     }
 
     fn outputs_after(self, session: Vec<(String, ::ort::value::DynValue)>) -> Vec<(String, Held)> {
@@ -401,10 +399,9 @@ impl Engine {
             feeds.extend(targets.iter().map(|(name, value)| (*name, &**value)));
             let ran = s.run_held(&host_feeds, &feeds);
             let result = ran.and_then(|mut outputs| {
-                let mut readable = host_feeds.clone();
-                readable.extend(computed.computed_outputs());
                 let operands = host_updates::Operands {
-                    host: &readable,
+                    host: &host_feeds,
+                    computed: computed.computed_outputs(),
                     held: &ort_feeds,
                     outputs: &outputs,
                 };
