@@ -708,8 +708,8 @@ fn main() -> Result<()> {
         // Chosen columns: each against the first, per round.
         let base = columns[0];
         println!("\nms per micro-step (medians over {} rounds); ratios to '{base}', medians of per-round ratios.\n", o.rounds);
-        println!("| W | T | column | ms | / {base} | non-applying / {base} | applying / {base} |");
-        println!("|--:|--:|---|--:|--:|--:|--:|");
+        println!("| W | T | column | ms | / {base} | non-applying / {base} | first / {base} | applying / {base} |");
+        println!("|--:|--:|---|--:|--:|--:|--:|--:|");
         for s in &sized {
             for &t in &o.threads {
                 let w = s.width;
@@ -724,10 +724,11 @@ fn main() -> Result<()> {
                         false => format!("{:.2}", median(applying)),
                     };
                     println!(
-                        "| {w} | {t} | {c} | {:.4} | {:.3} | {:.3} | {applying} |",
+                        "| {w} | {t} | {c} | {:.4} | {:.3} | {:.3} | {:.3} | {applying} |",
                         med(w, c, t, |m| Some(m.per_step)),
                         ratio((w, c, t), (w, base, t), per),
                         ratio((w, c, t), (w, base, t), |m| m.nonapply),
+                        ratio((w, c, t), (w, base, t), |m| m.first),
                     );
                 }
             }

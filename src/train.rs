@@ -561,6 +561,17 @@ impl Trainer {
         self.sum_over_sessions(|e| e.in_place().len())
     }
 
+    /// How many states the window-start session writes in place: its accumulators, which it
+    /// writes and does not read, bound at any size (0 without that session).
+    pub fn window_start_in_place(&self) -> usize {
+        match &self.runner {
+            Runner::Split {
+                start: Some(start), ..
+            } => start.in_place().len(),
+            _ => 0,
+        }
+    }
+
     /// How many optimizer updates the host runs after the sessions, in place on the state
     /// (`SessionOptions::host_updates`), summed over the split step's sessions.
     pub fn host_updates(&self) -> usize {

@@ -17,6 +17,10 @@
 //!   buffer;
 //! - an in-place state's output is bound to the state's own value, likewise again only
 //!   when its buffer changed;
+//! - an output the host only reads before the next run (a gradient the host's updates
+//!   consume: `engine::host_updates`) is written into a buffer the binding keeps: the first
+//!   run's value of it, bound as the output from then on, so that a run allocates, wraps
+//!   and releases nothing for it;
 //! - every other output is bound to the CPU again before each run: ONNX Runtime would
 //!   otherwise write the next run into the buffer the last run returned, which the caller
 //!   now holds.
@@ -71,9 +75,13 @@ pub(super) struct KeptBinding {
     /// dereferenced).
     held: Vec<(String, CString, usize)>,
     in_place: Vec<InPlaceState>,
-    /// The outputs other than the in-place states', in the model's order: name, C name.
-    /// The binding returns the in-place ones first (bound first), then these.
-    returned: Vec<(String, CString)>,
+    /// The outputs other than the in-place states', in the model's order: name, C name,
+    /// and whether the binding keeps its buffer (a transient output). The binding returns
+    /// the in-place ones first (bound first), then these.
+    returned: Vec<(String, CString, bool)>,
+    /// The transient outputs' values: bound as their outputs after the first run, the last
+    /// run's values.
+    transient: Vec<(String, DynValue)>,
 }
 
 fn check(status: OrtStatusPtr, what: impl FnOnce() -> String) -> Result<(), EngineError> {
@@ -161,6 +169,7 @@ impl KeptBinding {
             held: Vec::new(),
             in_place: Vec::new(),
             returned: Vec::new(),
+            transient: Vec::new(),
         })
     }
 
@@ -210,6 +219,7 @@ impl KeptBinding {
         held: &[(&str, &DynValue)],
         in_place: &[(&str, &mut DynValue)],
         state_of: &StateOf,
+        transient: &[String],
     ) -> Result<(), EngineError> {
         for (name, tensor) in host {
             let (c, value) = (c_name(name)?, to_owned_ort(name, tensor)?);
@@ -243,7 +253,8 @@ impl KeptBinding {
         }
         for name in output_names {
             if !outputs.contains(name) {
-                self.returned.push((name.clone(), c_name(name)?));
+                let kept = transient.contains(name);
+                self.returned.push((name.clone(), c_name(name)?, kept));
             }
         }
         self.fresh = false;
@@ -287,10 +298,18 @@ impl KeptBinding {
         Ok(())
     }
 
+    /// The last run's values of the transient outputs.
+    pub(super) fn transient_outputs(&self) -> &[(String, DynValue)] {
+        &self.transient
+    }
+
     /// Runs `session` with `host` and `held` inputs and the `in_place` states read from and
-    /// written into their own buffers; returns the other outputs in `output_names`' order.
-    /// `state_of` gives an in-place state's output and whether the session reads it (asked
-    /// on the first run only). The caller checks [`serves`](Self::serves) first.
+    /// written into their own buffers; returns the other outputs in `output_names`' order,
+    /// but for those named in `transient`, kept in [`transient_outputs`]
+    /// (Self::transient_outputs). `state_of` gives an in-place state's output and whether
+    /// the session reads it; it and `transient` are read on the first run only. The caller
+    /// checks [`serves`](Self::serves) first.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn run(
         &mut self,
         session: &mut Session,
@@ -299,13 +318,19 @@ impl KeptBinding {
         held: &[(&str, &DynValue)],
         in_place: &[(&str, &mut DynValue)],
         state_of: &StateOf,
+        transient: &[String],
     ) -> Result<Vec<(String, DynValue)>, EngineError> {
-        match self.fresh {
-            true => self.bind_all(output_names, host, held, in_place, state_of)?,
+        let first = self.fresh;
+        match first {
+            true => self.bind_all(output_names, host, held, in_place, state_of, transient)?,
             false => self.bind_changes(host, held, in_place)?,
         }
         let api = ::ort::api();
-        for (name, c) in &self.returned {
+        for (name, c, kept) in &self.returned {
+            // A transient output stays bound to its buffer after the first run.
+            if *kept && !first {
+                continue;
+            }
             // SAFETY: a live binding and memory info.
             let status =
                 unsafe { (api.BindOutputToDevice)(self.binding_ptr(), c.as_ptr(), self.cpu.ptr()) };
@@ -317,6 +342,10 @@ impl KeptBinding {
             (api.RunWithBinding)(session.ptr() as *mut _, ptr::null(), self.binding.ptr())
         };
         check(status, || "run".into())?;
+        // Every output written into a buffer of ours: nothing to collect.
+        if !first && self.returned.iter().all(|(.., kept)| *kept) {
+            return Ok(Vec::new());
+        }
         let allocator: &Allocator = session.allocator();
         let mut values: *mut *mut OrtValue = ptr::null_mut();
         let mut count = 0usize;
@@ -332,6 +361,7 @@ impl KeptBinding {
         check(status, || "reading the bound outputs".into())?;
         let expected = self.in_place.len() + self.returned.len();
         let mut returned = Vec::with_capacity(self.returned.len());
+        let mut adopted = Vec::new();
         for i in 0..count {
             // SAFETY: `count` values, each ours to keep or release once.
             let value = unsafe { *values.add(i) };
@@ -339,10 +369,18 @@ impl KeptBinding {
                 .checked_sub(self.in_place.len())
                 .and_then(|k| self.returned.get(k));
             match (name, NonNull::new(value), count == expected) {
-                (Some((name, _)), Some(value), true) => {
+                // A transient output after the first run: the buffer already kept.
+                (Some((_, _, true)), _, true) if !first => {
+                    // SAFETY: as below; released once, the binding holds its own reference.
+                    unsafe { (api.ReleaseValue)(value) }
+                }
+                (Some((name, c, kept)), Some(value), true) => {
                     // SAFETY: a tensor the run made, with the session's allocator.
                     let value = unsafe { DynValue::from_ptr(value, Some(allocator)) };
-                    returned.push((name.clone(), value));
+                    match kept {
+                        true => adopted.push((name.clone(), c.clone(), value)),
+                        false => returned.push((name.clone(), value)),
+                    }
                 }
                 // SAFETY: as above; released once, nothing else holds it.
                 _ => unsafe { (api.ReleaseValue)(value) },
@@ -354,11 +392,17 @@ impl KeptBinding {
                 unsafe { (api.AllocatorFree)(allocator.ptr() as *mut _, values as *mut c_void) };
             check(status, || "freeing the bound outputs' array".into())?;
         }
-        if count != expected || returned.len() != self.returned.len() {
+        let kept = self.returned.iter().filter(|(.., kept)| *kept).count();
+        if count != expected || returned.len() + kept != self.returned.len() {
             return Err(EngineError::Ort {
                 context: "reading the bound outputs".into(),
                 message: format!("{count} values for {expected} outputs"),
             });
+        }
+        // The first run's values of the transient outputs become their buffers.
+        for (name, c, value) in adopted {
+            self.bind_output(&c, &name, &value)?;
+            self.transient.push((name, value));
         }
         Ok(returned)
     }

@@ -166,6 +166,21 @@ fn ort_feeds<'a>(
     (host_feeds, ort_feeds)
 }
 
+/// `outputs` with copies of the small outputs the session's kept binding wrote into its own
+/// buffers ([`ort::OrtSession::set_transient`]).
+fn with_small_copies(
+    s: &ort::OrtSession,
+    mut outputs: Vec<(String, Held)>,
+) -> Result<Vec<(String, Held)>, EngineError> {
+    for (name, value) in s.transient_outputs() {
+        if s.small_outputs().contains(name) {
+            let copy = ort::held_to_host(name, value)?;
+            outputs.push((name.clone(), Held::Host(copy)));
+        }
+    }
+    Ok(outputs)
+}
+
 /// The part of an ONNX Runtime run the host computes ([`host_scalars`]), when the session
 /// has one.
 struct HostPart<'s>(Option<host_scalars::Computed<'s>>);
@@ -212,6 +227,8 @@ impl<'s> HostPart<'s> {
 }
 
 /// A session of either engine over one model.
+// A trainer holds three engines at most, never a collection of them: their size is no cost.
+#[allow(clippy::large_enum_variant)]
 pub enum Engine {
     Ort(ort::OrtSession),
     #[cfg(feature = "tract")]
@@ -273,6 +290,8 @@ impl Engine {
     /// only, a no-op elsewhere).
     pub fn set_host_updates(&mut self, updates: crate::passes::fuse::host::HostUpdates) {
         if let Engine::Ort(s) = self {
+            // The session's runs keep the gradients the updates read.
+            s.set_transient(updates.added_outputs.clone());
             s.host_updates = Some(Box::new(updates));
         }
     }
@@ -397,23 +416,27 @@ impl Engine {
             // The session reads the states as any input; the host then updates them.
             let mut feeds = ort_feeds.clone();
             feeds.extend(targets.iter().map(|(name, value)| (*name, &**value)));
-            let ran = s.run_held(&host_feeds, &feeds);
+            // What the session computes for the host alone (the gradients) stays in buffers
+            // the session keeps, read here before the next run.
+            let ran = s.run_held_transient(&host_feeds, &feeds);
             let result = ran.and_then(|mut outputs| {
                 let operands = host_updates::Operands {
                     host: &host_feeds,
                     computed: computed.computed_outputs(),
                     held: &ort_feeds,
                     outputs: &outputs,
+                    transient: s.transient_outputs(),
                 };
                 host_updates::run(&updates, &operands, &mut targets)?;
+                // On a device the run returned them.
                 outputs.retain(|(name, _)| !updates.added_outputs.contains(name));
                 Ok(outputs)
             });
             s.host_updates = Some(updates);
-            return Ok(computed.outputs_after(result?));
+            return with_small_copies(s, computed.outputs_after(result?));
         }
         let outputs = s.run_held_in_place(&host_feeds, &ort_feeds, &mut targets)?;
-        Ok(computed.outputs_after(outputs))
+        with_small_copies(s, computed.outputs_after(outputs))
     }
 
     /// Runs the model once on `host` inputs and `held` ones (outputs of earlier runs, kept

@@ -213,7 +213,17 @@ pub struct OrtSession {
     /// The optimizer updates the host runs after each run, in place
     /// (`passes::fuse::host`; run by [`super::Engine`]).
     pub(super) host_updates: Option<Box<crate::passes::fuse::host::HostUpdates>>,
+    /// The outputs of static shape and at most [`SMALL_OUTPUT`] elements (the loss, flags).
+    small_outputs: Vec<String>,
+    /// The outputs [`run_held_transient`](Self::run_held_transient) keeps in buffers of its
+    /// binding.
+    transient: Vec<String>,
 }
+
+/// The most elements of an output that a run with a kept binding writes into a buffer of
+/// its own and the host then copies ([`OrtSession::small_outputs`]): a copy of a scalar
+/// costs less than ONNX Runtime allocating it and ort wrapping it.
+pub const SMALL_OUTPUT: i64 = 16;
 
 impl OrtSession {
     pub fn new(model: &ModelProto, options: &SessionOptions) -> Result<OrtSession, EngineError> {
@@ -388,6 +398,16 @@ impl OrtSession {
             .iter()
             .map(|o| o.name().to_string())
             .collect();
+        let small_outputs = session
+            .outputs()
+            .iter()
+            .filter(|o| {
+                o.dtype().tensor_shape().is_some_and(|shape| {
+                    shape.iter().all(|&d| d >= 0) && shape.iter().product::<i64>() <= SMALL_OUTPUT
+                })
+            })
+            .map(|o| o.name().to_string())
+            .collect();
         Ok(OrtSession {
             session,
             device_memory,
@@ -408,6 +428,8 @@ impl OrtSession {
             host_scalars: None,
             kept: None,
             host_updates: None,
+            small_outputs,
+            transient: Vec::new(),
         })
     }
 
@@ -445,6 +467,7 @@ impl OrtSession {
     pub fn set_in_place(&mut self, pairs: Vec<(String, String)>) {
         self.in_place_inputs = pairs.iter().cloned().collect();
         self.in_place = pairs;
+        self.set_transient(Vec::new());
     }
 
     /// Gives the host the scalar nodes split off the session's model.
@@ -495,22 +518,7 @@ impl OrtSession {
         held: &[(&str, &DynValue)],
         in_place: &mut [(&str, &mut DynValue)],
     ) -> Result<Vec<(String, DynValue)>, EngineError> {
-        // Most sessions read every input: then the feeds go through as given.
-        let (host, held) = match self.unread_inputs.is_empty() {
-            true => (Cow::Borrowed(host), Cow::Borrowed(held)),
-            false => {
-                let names = host
-                    .iter()
-                    .map(|(n, _)| *n)
-                    .chain(held.iter().map(|(n, _)| *n));
-                let reads = self.read_filter.reads(names, &self.unread_inputs);
-                let (host_reads, held_reads) = reads.split_at(host.len());
-                (
-                    Cow::Owned(only_read(host, host_reads)),
-                    Cow::Owned(only_read(held, held_reads)),
-                )
-            }
-        };
+        let (host, held) = self.only_read(host, held);
         let (host, held) = (&*host, &*held);
         if self.device_memory.is_none() && in_place.is_empty() {
             let mut feeds: Vec<(Cow<'_, str>, SessionInputValue<'_>)> =
@@ -525,7 +533,10 @@ impl OrtSession {
             return take_outputs(&self.output_names, outputs);
         }
         if self.device_memory.is_none() {
-            return self.run_kept(host, held, in_place);
+            let transient = std::mem::take(&mut self.transient);
+            let outputs = self.run_kept(host, held, in_place, &transient);
+            self.transient = transient;
+            return outputs;
         }
         let host_memory = MemoryInfo::default();
         let memory = self.device_memory.as_ref().unwrap_or(&host_memory);
@@ -583,12 +594,83 @@ impl OrtSession {
 }
 
 impl OrtSession {
-    /// An in-place run on the CPU through the binding kept across runs.
+    /// The feeds the session reads: most sessions read every input, and then they go
+    /// through as given.
+    fn only_read<'f, 'a, 'b>(
+        &mut self,
+        host: &'f [HostFeed<'a>],
+        held: &'f [HeldFeed<'b>],
+    ) -> (Cow<'f, [HostFeed<'a>]>, Cow<'f, [HeldFeed<'b>]>) {
+        if self.unread_inputs.is_empty() {
+            return (Cow::Borrowed(host), Cow::Borrowed(held));
+        }
+        let names = host
+            .iter()
+            .map(|(n, _)| *n)
+            .chain(held.iter().map(|(n, _)| *n));
+        let reads = self.read_filter.reads(names, &self.unread_inputs);
+        let (host_reads, held_reads) = reads.split_at(host.len());
+        (
+            Cow::Owned(only_read(host, host_reads)),
+            Cow::Owned(only_read(held, held_reads)),
+        )
+    }
+
+    /// The outputs of static shape and at most [`SMALL_OUTPUT`] elements.
+    pub fn small_outputs(&self) -> &[String] {
+        &self.small_outputs
+    }
+
+    /// Names the outputs the host reads of a run before the next, which runs through the
+    /// kept binding ([`run_held_transient`](Self::run_held_transient), in-place runs on the
+    /// CPU) write into buffers of the binding's own, with the small outputs, which the
+    /// engine copies out ([`transient_outputs`](Self::transient_outputs)).
+    pub fn set_transient(&mut self, mut names: Vec<String>) {
+        for name in &self.small_outputs {
+            if !names.contains(name) {
+                names.push(name.clone());
+            }
+        }
+        self.transient = names;
+        self.kept = None;
+    }
+
+    /// [`run_held`](Self::run_held) through the binding kept across runs, with the outputs
+    /// [`set_transient`](Self::set_transient) named written into buffers that binding keeps:
+    /// the host reads them right after the run ([`transient_outputs`]
+    /// (Self::transient_outputs)), and the next run overwrites them. They are not returned.
+    /// On a device this is a plain [`run_held`](Self::run_held) that returns every output.
+    pub fn run_held_transient(
+        &mut self,
+        host: &[(&str, &Tensor)],
+        held: &[(&str, &DynValue)],
+    ) -> Result<Vec<(String, DynValue)>, EngineError> {
+        if self.device_memory.is_some() {
+            return self.run_held(host, held);
+        }
+        let (host, held) = self.only_read(host, held);
+        let (host, held) = (&*host, &*held);
+        let transient = std::mem::take(&mut self.transient);
+        let outputs = self.run_kept(host, held, &mut [], &transient);
+        self.transient = transient;
+        outputs
+    }
+
+    /// The last run's values of the outputs [`run_held_transient`](Self::run_held_transient)
+    /// kept, by name (none on a device, where that run returns them).
+    pub fn transient_outputs(&self) -> &[(String, DynValue)] {
+        self.kept.as_ref().map_or(&[], |k| k.transient_outputs())
+    }
+
+    /// A run on the CPU through the binding kept across runs: `in_place` states read and
+    /// written in their own buffers, `transient` outputs kept (see
+    /// [`run_held_transient`](Self::run_held_transient)).
     fn run_kept(
         &mut self,
         host: &[(&str, &Tensor)],
         held: &[(&str, &DynValue)],
         in_place: &mut [(&str, &mut DynValue)],
+        transient: &[String],
     ) -> Result<Vec<(String, DynValue)>, EngineError> {
         let mut kept = match self.kept.take() {
             Some(k) if k.serves(host, held, in_place) => k,
@@ -608,11 +690,16 @@ impl OrtSession {
             held,
             in_place,
             &state_of,
+            transient,
         )?;
         self.kept = Some(kept);
         Ok(outputs)
     }
 }
+
+/// A feed from host memory, and one ONNX Runtime holds.
+type HostFeed<'a> = (&'a str, &'a Tensor);
+type HeldFeed<'a> = (&'a str, &'a DynValue);
 
 /// Which feeds of a run the session reads, remembered for the next run's: a trainer feeds
 /// the same names run after run (its state's, its controls'), and looking each up in the

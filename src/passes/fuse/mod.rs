@@ -128,27 +128,22 @@ pub fn prepare<'m>(
     let keep = in_place::gate(&mut ir, manifest);
     // The replaced nodes must be gone first: they still read the states.
     super::dce::eliminate_dead_code(&mut ir);
-    let plan = in_place::plan(
-        &mut ir,
-        manifest,
-        keep,
-        options
-            .window_start
-            .then_some(options.min_accumulator_elements),
-    );
+    let plan = in_place::plan(&mut ir, manifest, keep, options.window_start);
+    if fused + accumulations == 0 {
+        // Nothing fused (a window start): the model as it was, with the plan (unread
+        // accumulators) over it, at any size: the kept binding writes them without a kernel
+        // or any work per run (`engine::kept_binding`).
+        return Ok(Prepared {
+            in_place: plan,
+            ..untouched(model)
+        });
+    }
     if in_place::elements(&ir, &plan) < options.min_in_place_total {
         let apart = FuseOptions {
             in_place: false,
             ..options
         };
         return prepare(model, manifest, apart);
-    }
-    if fused + accumulations == 0 {
-        // Nothing fused: the model as it was, with the plan (unread accumulators) over it.
-        return Ok(Prepared {
-            in_place: plan,
-            ..untouched(model)
-        });
     }
     finish(ir, fused, 0, plan)
 }
@@ -171,9 +166,6 @@ fn for_host_updates(
     accumulate::fuse_accumulate(&mut ir, manifest, 0);
     let keep = in_place::gate(&mut ir, manifest);
     super::dce::eliminate_dead_code(&mut ir);
-    let unread = options
-        .window_start
-        .then_some(options.min_accumulator_elements);
     // Every fused node reads the one gate value.
     let gate = keep.as_ref().and_then(|k| {
         let value = in_place::gate_value(&ir)?;
@@ -183,7 +175,7 @@ fn for_host_updates(
             keep: k.clone(),
         })
     });
-    let plan = in_place::plan(&mut ir, manifest, keep, unread);
+    let plan = in_place::plan(&mut ir, manifest, keep, options.window_start);
     if in_place::elements(&ir, &plan) >= max_elements {
         return Ok(None);
     }
