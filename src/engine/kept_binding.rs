@@ -18,9 +18,10 @@
 //! - an in-place state's output is bound to the state's own value, likewise again only
 //!   when its buffer changed;
 //! - an output the host only reads before the next run (a gradient the host's updates
-//!   consume: `engine::host_updates`) is written into a buffer the binding keeps: the first
-//!   run's value of it, bound as the output from then on, so that a run allocates, wraps
-//!   and releases nothing for it;
+//!   consume: `engine::host_updates`; a small output the engine copies out, the loss) is
+//!   written into a buffer the binding keeps: the first run's value of it, bound as the
+//!   output from then on, so that a run allocates, wraps and releases nothing for it, and
+//!   when every output is such, nothing is collected after the run;
 //! - every other output is bound to the CPU again before each run: ONNX Runtime would
 //!   otherwise write the next run into the buffer the last run returned, which the caller
 //!   now holds.
