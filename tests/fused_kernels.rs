@@ -679,8 +679,10 @@ fn large_linear_step() -> ModelProto {
 /// (`engine/kept_binding.rs`) and binds again only what changed: a flush fed on some
 /// micro-steps only (another set of inputs: a fresh binding), a learning rate changed
 /// between micro-steps (a host input copied into the bound value), states replaced by
-/// another session's outputs (rebound by their buffers). Every micro-step's metrics and
-/// every state bit for bit as the standard ops train.
+/// another session's outputs (rebound by their buffers). With the host's updates, the
+/// gradients they read and the loss are written into buffers the binding keeps; without
+/// them, the kernels' sessions keep their loss so. Every micro-step's metrics and every
+/// state bit for bit as the standard ops train.
 #[test]
 fn a_kept_binding_follows_flushes_and_changed_controls() {
     if !ort_available() {
@@ -693,18 +695,21 @@ fn a_kept_binding_follows_flushes_and_changed_controls() {
     );
     // With the host's scalar chain the sessions never read the flush flag; without it the
     // apply reads it on flushed micro-steps only.
-    for host_scalars in [true, false] {
+    for (host_scalars, host_updates) in [(true, true), (false, true), (true, false)] {
         let with = |fused| {
             let mut o = options(fused, 1, true);
             o.session.host_scalars = host_scalars;
+            o.session.host_updates = host_updates;
             o
         };
         let mut in_place = Trainer::with_options(&step, &with(true)).unwrap();
         let mut standard = Trainer::with_options(&step, &with(false)).unwrap();
         assert!(in_place.in_place_updates() > 0);
+        assert_eq!(in_place.host_updates() > 0, host_updates);
         let samples = in_place.check_data(&data, Path::new("data.npz")).unwrap();
         for i in 0..24u64 {
-            let what = format!("host scalars {host_scalars}, micro-step {i}");
+            let what =
+                format!("host scalars {host_scalars}, host updates {host_updates}, micro-step {i}");
             if i == 9 || i == 17 {
                 let lr = 0.003 * (i as f32);
                 in_place.set_learning_rate(lr).unwrap();
