@@ -240,52 +240,48 @@ pub struct Trainer {
     grouped_updates: usize,
     /// For each session, by [`Session::index`], and each entry of the manifest's state,
     /// whether a run leaves the state where it is when it returns no output for it
-    /// ([`LeftAlone`]).
+    /// ([`left_alone`]).
     left_alone: [Vec<bool>; 4],
 }
 
-/// Whether a run of `which` leaves each state of `manifest` where it is when it returns no
-/// output for it: the session has no output for it (the runner's `unchanged` sets), or
-/// updates it in place. Fixed once the sessions are built; looked up by name in every run
-/// it cost a tenth of a micro-step's host work at 8K parameters.
-struct LeftAlone;
-
-impl LeftAlone {
-    fn of(runner: &Runner, manifest: &Manifest) -> [Vec<bool>; 4] {
-        let of = |which: Session| {
-            let unchanged = match (runner, which) {
-                (
-                    Runner::Split {
-                        unchanged_on_apply, ..
-                    },
-                    Session::Apply,
-                ) => Some(unchanged_on_apply),
-                (
-                    Runner::Split {
-                        unchanged_on_accumulate,
-                        ..
-                    },
-                    _,
-                ) => Some(unchanged_on_accumulate),
-                (Runner::Whole(_), _) => None,
-            };
-            let engine = runner.session(which);
-            manifest
-                .state
-                .iter()
-                .map(|e| {
-                    unchanged.is_some_and(|u| u.contains(&e.input))
-                        || engine.updates_in_place(&e.input)
-                })
-                .collect()
+/// For each session, by [`Session::index`], and each state of `manifest`: whether a run of
+/// it leaves the state where it is when it returns no output for it, having no output for
+/// it (the runner's `unchanged` sets) or updating it in place. Fixed once the sessions are
+/// built; looked up by name in every run it cost a tenth of a micro-step's host work at 8K
+/// parameters.
+fn left_alone(runner: &Runner, manifest: &Manifest) -> [Vec<bool>; 4] {
+    let of = |which: Session| {
+        let unchanged = match (runner, which) {
+            (
+                Runner::Split {
+                    unchanged_on_apply, ..
+                },
+                Session::Apply,
+            ) => Some(unchanged_on_apply),
+            (
+                Runner::Split {
+                    unchanged_on_accumulate,
+                    ..
+                },
+                _,
+            ) => Some(unchanged_on_accumulate),
+            (Runner::Whole(_), _) => None,
         };
-        [
-            of(Session::Whole),
-            of(Session::Accumulate),
-            of(Session::WindowStart),
-            of(Session::Apply),
-        ]
-    }
+        let engine = runner.session(which);
+        manifest
+            .state
+            .iter()
+            .map(|e| {
+                unchanged.is_some_and(|u| u.contains(&e.input)) || engine.updates_in_place(&e.input)
+            })
+            .collect()
+    };
+    [
+        of(Session::Whole),
+        of(Session::Accumulate),
+        of(Session::WindowStart),
+        of(Session::Apply),
+    ]
 }
 
 impl Session {
@@ -555,7 +551,7 @@ impl Trainer {
                 apply.set_host_outputs(&host_outputs);
             }
         }
-        let left_alone = LeftAlone::of(&runner, &manifest);
+        let left_alone = left_alone(&runner, &manifest);
         Ok(Trainer {
             runner,
             left_alone,

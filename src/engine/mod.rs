@@ -167,7 +167,7 @@ fn ort_feeds<'a>(
 }
 
 /// `outputs` with copies of the small outputs the session's kept binding wrote into its own
-/// buffers ([`ort::OrtSession::set_transient`]).
+/// buffers ([`ort::OrtSession::add_transient`]).
 fn with_small_copies(
     s: &ort::OrtSession,
     mut outputs: Vec<(String, Held)>,
@@ -291,7 +291,7 @@ impl Engine {
     pub fn set_host_updates(&mut self, updates: crate::passes::fuse::host::HostUpdates) {
         if let Engine::Ort(s) = self {
             // The session's runs keep the gradients the updates read.
-            s.set_transient(updates.added_outputs.clone());
+            s.add_transient(&updates.added_outputs);
             s.host_updates = Some(Box::new(updates));
         }
     }

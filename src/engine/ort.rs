@@ -215,8 +215,9 @@ pub struct OrtSession {
     pub(super) host_updates: Option<Box<crate::passes::fuse::host::HostUpdates>>,
     /// The outputs of static shape and at most [`SMALL_OUTPUT`] elements (the loss, flags).
     small_outputs: Vec<String>,
-    /// The outputs [`run_held_transient`](Self::run_held_transient) keeps in buffers of its
-    /// binding.
+    /// The outputs runs through the kept binding write into buffers of the binding's own
+    /// ([`Self::add_transient`]): the small outputs, and what the host reads before the
+    /// next run.
     transient: Vec<String>,
 }
 
@@ -398,7 +399,7 @@ impl OrtSession {
             .iter()
             .map(|o| o.name().to_string())
             .collect();
-        let small_outputs = session
+        let small_outputs: Vec<String> = session
             .outputs()
             .iter()
             .filter(|o| {
@@ -428,8 +429,8 @@ impl OrtSession {
             host_scalars: None,
             kept: None,
             host_updates: None,
+            transient: small_outputs.clone(),
             small_outputs,
-            transient: Vec::new(),
         })
     }
 
@@ -467,7 +468,6 @@ impl OrtSession {
     pub fn set_in_place(&mut self, pairs: Vec<(String, String)>) {
         self.in_place_inputs = pairs.iter().cloned().collect();
         self.in_place = pairs;
-        self.set_transient(Vec::new());
     }
 
     /// Gives the host the scalar nodes split off the session's model.
@@ -533,10 +533,7 @@ impl OrtSession {
             return take_outputs(&self.output_names, outputs);
         }
         if self.device_memory.is_none() {
-            let transient = std::mem::take(&mut self.transient);
-            let outputs = self.run_kept(host, held, in_place, &transient);
-            self.transient = transient;
-            return outputs;
+            return self.run_kept(host, held, in_place);
         }
         let host_memory = MemoryInfo::default();
         let memory = self.device_memory.as_ref().unwrap_or(&host_memory);
@@ -621,22 +618,21 @@ impl OrtSession {
         &self.small_outputs
     }
 
-    /// Names the outputs the host reads of a run before the next, which runs through the
-    /// kept binding ([`run_held_transient`](Self::run_held_transient), in-place runs on the
-    /// CPU) write into buffers of the binding's own, with the small outputs, which the
-    /// engine copies out ([`transient_outputs`](Self::transient_outputs)).
-    pub fn set_transient(&mut self, mut names: Vec<String>) {
-        for name in &self.small_outputs {
-            if !names.contains(name) {
-                names.push(name.clone());
+    /// Adds outputs the host reads of a run before the next to those runs through the kept
+    /// binding ([`run_held_transient`](Self::run_held_transient), in-place runs on the CPU)
+    /// write into buffers of the binding's own; the small outputs are there from the start,
+    /// and the engine copies them out ([`transient_outputs`](Self::transient_outputs)).
+    pub fn add_transient(&mut self, names: &[String]) {
+        for name in names {
+            if !self.transient.contains(name) {
+                self.transient.push(name.clone());
             }
         }
-        self.transient = names;
         self.kept = None;
     }
 
     /// [`run_held`](Self::run_held) through the binding kept across runs, with the outputs
-    /// [`set_transient`](Self::set_transient) named written into buffers that binding keeps:
+    /// [`add_transient`](Self::add_transient) named written into buffers that binding keeps:
     /// the host reads them right after the run ([`transient_outputs`]
     /// (Self::transient_outputs)), and the next run overwrites them. They are not returned.
     /// On a device this is a plain [`run_held`](Self::run_held) that returns every output.
@@ -650,10 +646,7 @@ impl OrtSession {
         }
         let (host, held) = self.only_read(host, held);
         let (host, held) = (&*host, &*held);
-        let transient = std::mem::take(&mut self.transient);
-        let outputs = self.run_kept(host, held, &mut [], &transient);
-        self.transient = transient;
-        outputs
+        self.run_kept(host, held, &mut [])
     }
 
     /// The last run's values of the outputs [`run_held_transient`](Self::run_held_transient)
@@ -663,14 +656,13 @@ impl OrtSession {
     }
 
     /// A run on the CPU through the binding kept across runs: `in_place` states read and
-    /// written in their own buffers, `transient` outputs kept (see
-    /// [`run_held_transient`](Self::run_held_transient)).
+    /// written in their own buffers, the transient outputs kept (see
+    /// [`add_transient`](Self::add_transient)).
     fn run_kept(
         &mut self,
         host: &[(&str, &Tensor)],
         held: &[(&str, &DynValue)],
         in_place: &mut [(&str, &mut DynValue)],
-        transient: &[String],
     ) -> Result<Vec<(String, DynValue)>, EngineError> {
         let mut kept = match self.kept.take() {
             Some(k) if k.serves(host, held, in_place) => k,
@@ -690,7 +682,7 @@ impl OrtSession {
             held,
             in_place,
             &state_of,
-            transient,
+            &self.transient,
         )?;
         self.kept = Some(kept);
         Ok(outputs)
