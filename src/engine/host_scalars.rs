@@ -19,6 +19,7 @@
 //! is bit-identical (`tests/host_scalars.rs` checks every operator against ONNX Runtime).
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::data::Tensor;
 use crate::proto::{tensor_proto::DataType, ModelProto, NodeProto, ValueInfoProto};
@@ -82,7 +83,12 @@ impl Scalar {
 
     /// A tensor of shape `[1; rank]` holding it.
     fn to_tensor(self, rank: usize) -> Tensor {
-        let shape = ndarray::IxDyn(&vec![1; rank]);
+        // The shape's ones from a constant, not collected: made for every run's outputs.
+        const ONES: [usize; 8] = [1; 8];
+        let shape = match ONES.get(..rank) {
+            Some(ones) => ndarray::IxDyn(ones),
+            None => ndarray::IxDyn(&vec![1; rank]),
+        };
         match self {
             Scalar::F32(x) => Tensor::F32(ndarray::ArrayD::from_elem(shape, x)),
             Scalar::I64(x) => Tensor::I64(ndarray::ArrayD::from_elem(shape, x)),
@@ -266,6 +272,10 @@ pub struct HostScalars {
     outputs: Vec<(String, usize)>,
     /// The graph inputs the host's nodes read (the others it need not look up).
     read_inputs: Vec<usize>,
+    /// For each of `read_inputs`, where the last run had it among the host's feeds and
+    /// then the held ones: looked at first (the same place run after run), before a search
+    /// by name.
+    found_at: Vec<FoundAt>,
 }
 
 /// What the host computed for one run.
@@ -526,6 +536,7 @@ pub fn split_off(model: &ModelProto) -> Option<(ModelProto, HostScalars)> {
             nodes,
             feeds,
             outputs,
+            found_at: vec![FoundAt::default(); read_inputs.len()],
             read_inputs,
         },
     ))
@@ -552,14 +563,29 @@ impl HostScalars {
                 _ => None,
             })
             .collect();
-        for &slot in &self.read_inputs {
+        for (&slot, found_at) in self.read_inputs.iter().zip(&self.found_at) {
             if let Source::Input { name, default } = &self.values[slot].source {
-                slots[slot] = Some(Self::fed(name, &self.values[slot], default, host, held)?);
+                let fed = Fed::find(name, host, held, found_at);
+                slots[slot] = Some(Self::fed(name, &self.values[slot], default, fed)?);
             }
         }
         for node in &self.nodes {
-            let args: Option<Vec<Scalar>> = node.inputs.iter().map(|&i| slots[i]).collect();
-            slots[node.output] = args.and_then(|a| node.op.apply(&a));
+            // Every op of [`Op::of`] takes one input or two: on the stack, not collected.
+            let mut args = [Scalar::Bool(false); 2];
+            let n = node.inputs.len();
+            let known = n <= args.len()
+                && node
+                    .inputs
+                    .iter()
+                    .zip(&mut args)
+                    .all(|(&i, arg)| match slots[i] {
+                        Some(v) => {
+                            *arg = v;
+                            true
+                        }
+                        None => false,
+                    });
+            slots[node.output] = known.then(|| node.op.apply(&args[..n])).flatten();
         }
         let tensor = |(name, slot): &'s (String, usize)| -> Result<(&'s str, Tensor), EngineError> {
             let value = slots[*slot].ok_or_else(|| EngineError::Output {
@@ -579,20 +605,16 @@ impl HostScalars {
         name: &str,
         known: &Known,
         default: &Option<Scalar>,
-        host: &[(&str, &Tensor)],
-        held: &[(&str, &Held)],
+        fed: Option<Fed<'_>>,
     ) -> Result<Scalar, EngineError> {
         let read_back;
-        let tensor = match host.iter().find(|(n, _)| *n == name) {
-            Some((_, t)) => Some(*t),
-            None => match held.iter().find(|(n, _)| *n == name) {
-                Some((_, Held::Host(t))) => Some(t),
-                Some((_, held @ Held::Ort(_))) => {
-                    read_back = held.to_host(name)?;
-                    Some(&read_back)
-                }
-                None => None,
-            },
+        let tensor = match fed {
+            Some(Fed::Host(t) | Fed::Held(Held::Host(t))) => Some(t),
+            Some(Fed::Held(held @ Held::Ort(_))) => {
+                read_back = held.to_host(name)?;
+                Some(&read_back)
+            }
+            None => None,
         };
         let value = match tensor {
             Some(t) => Scalar::of_tensor(t),
@@ -612,5 +634,52 @@ impl HostScalars {
                 message: "was not fed and has no initializer".into(),
             }),
         }
+    }
+}
+
+/// Where a run has an input the host reads.
+#[derive(Clone, Copy)]
+enum Fed<'a> {
+    Host(&'a Tensor),
+    Held(&'a Held),
+}
+
+impl<'a> Fed<'a> {
+    /// The input `name` among `host` then `held` (the first found; positions counted across
+    /// both), looked for at `found_at` first; `found_at` is left where it was found.
+    fn find(
+        name: &str,
+        host: &[(&'a str, &'a Tensor)],
+        held: &[(&'a str, &'a Held)],
+        found_at: &FoundAt,
+    ) -> Option<Fed<'a>> {
+        let at = |i: usize| match i.checked_sub(host.len()) {
+            None => (host[i].0 == name).then_some(Fed::Host(host[i].1)),
+            Some(k) => held
+                .get(k)
+                .and_then(|&(n, v)| (n == name).then_some(Fed::Held(v))),
+        };
+        // A held hit stands only when the host feeds no input of that name (the host's
+        // feeds come first; they are few).
+        let hinted = found_at.0.load(Ordering::Relaxed);
+        if let Some(fed) = at(hinted) {
+            if hinted < host.len() || !host.iter().any(|(n, _)| *n == name) {
+                return Some(fed);
+            }
+        }
+        let i = (0..host.len() + held.len()).find(|&i| at(i).is_some())?;
+        found_at.0.store(i, Ordering::Relaxed);
+        at(i)
+    }
+}
+
+/// A position [`Fed::find`] found an input at (a hint: any value is safe). Atomic only so
+/// that a session's host scalars may be shared between threads.
+#[derive(Debug, Default)]
+struct FoundAt(AtomicUsize);
+
+impl Clone for FoundAt {
+    fn clone(&self) -> Self {
+        FoundAt(AtomicUsize::new(self.0.load(Ordering::Relaxed)))
     }
 }

@@ -48,17 +48,23 @@ impl<'a> Operands<'a> {
             Operand::Output(name) => (name.as_str(), None),
             Operand::Gate { .. } => return Err(wrong(update, slot, "a tensor")),
         };
-        let on_host = self.host.iter().map(|(n, t)| (*n, *t));
-        let computed = self.computed.iter().map(|(n, t)| (*n, t));
-        if let Some((_, t)) = on_host.chain(computed).find(|(n, _)| *n == name) {
-            return tensor_data(t, name).map(Some);
+        // A gradient, the usual operand, is among the few kept outputs: looked for there
+        // first, before the feeds.
+        let kept = match operand {
+            Operand::Output(_) => self.output(name),
+            _ => None,
+        };
+        if kept.is_none() {
+            let on_host = self.host.iter().map(|(n, t)| (*n, *t));
+            let computed = self.computed.iter().map(|(n, t)| (*n, t));
+            if let Some((_, t)) = on_host.chain(computed).find(|(n, _)| *n == name) {
+                return tensor_data(t, name).map(Some);
+            }
         }
-        let value = self
-            .held
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, v)| *v)
-            .or_else(|| self.output(name));
+        let value = kept.or_else(|| {
+            let held = self.held.iter().find(|(n, _)| *n == name);
+            held.map(|(_, v)| *v).or_else(|| self.output(name))
+        });
         let Some(value) = value else {
             return match default {
                 Some(t) => tensor_data(t, name).map(Some),
@@ -213,26 +219,32 @@ pub(super) fn run(
         if !shared.keep(operands, update, keep_slot(update.op))? {
             continue;
         }
-        // The states it writes, taken out of `buffers` for the update and put back after.
-        let mut taken: Vec<(usize, &mut [f32])> = Vec::with_capacity(update.writes.len());
-        for write in &update.writes {
-            let k = buffers
+        // The states it writes, taken out of `buffers` for the update and put back after
+        // (in arrays: a run allocates nothing per update).
+        let writes = update.writes.len();
+        if writes > MOST_WRITES {
+            return Err(wrong(update, 0, "an update of at most three states"));
+        }
+        let mut at = [0usize; MOST_WRITES];
+        let mut slices: [&mut [f32]; MOST_WRITES] = Default::default();
+        for (k, write) in update.writes.iter().enumerate() {
+            at[k] = buffers
                 .iter()
                 .position(|(n, _)| n == write)
                 .ok_or_else(|| missing(write))?;
-            taken.push((k, std::mem::take(&mut buffers[k].1)));
+            slices[k] = std::mem::take(&mut buffers[at[k]].1);
         }
-        let result = {
-            let slices: Vec<&mut [f32]> = taken.iter_mut().map(|(_, s)| &mut **s).collect();
-            run_one(update, operands, &mut shared, slices)
-        };
-        for (k, slice) in taken {
-            buffers[k].1 = slice;
+        let result = run_one(update, operands, &mut shared, &mut slices[..writes]);
+        for (k, slice) in slices.into_iter().take(writes).enumerate() {
+            buffers[at[k]].1 = slice;
         }
         result?;
     }
     Ok(())
 }
+
+/// The most states one update writes (AdamW: the parameter and its two moments).
+const MOST_WRITES: usize = 3;
 
 fn keep_slot(op: HostOp) -> usize {
     match op {
@@ -246,7 +258,7 @@ fn run_one<'a>(
     update: &'a HostUpdate,
     operands: &Operands<'a>,
     shared: &mut Shared<'a>,
-    states: Vec<&mut [f32]>,
+    states: &mut [&mut [f32]],
 ) -> Result<(), EngineError> {
     let len = states.first().map_or(0, |s| s.len());
     let (grad_slot, addend_slot) = match update.op {
@@ -275,15 +287,15 @@ fn run_one<'a>(
     };
     match update.op {
         HostOp::Accumulate => {
-            let [acc]: [&mut [f32]; 1] = states
-                .try_into()
-                .map_err(|_| wrong(update, accumulate_slot::ACC, "one state"))?;
-            accumulate_grad(g, Io::InPlace([acc]));
+            let [acc] = states else {
+                return Err(wrong(update, accumulate_slot::ACC, "one state"));
+            };
+            accumulate_grad(g, Io::InPlace([&mut **acc]));
         }
         HostOp::AdamW => {
-            let state: [&mut [f32]; 3] = states
-                .try_into()
-                .map_err(|_| wrong(update, adamw_slot::PARAM, "three states"))?;
+            let [p, m, v] = states else {
+                return Err(wrong(update, adamw_slot::PARAM, "three states"));
+            };
             let s = match shared.adamw {
                 Some((last, s)) if same_operands(last, update, &adamw_group_slot::FROM_SINGLE) => s,
                 _ => {
@@ -295,8 +307,11 @@ fn run_one<'a>(
                     s
                 }
             };
-            let [p, m, v] = state;
-            adamw_update(&s, gradient(&(0..len)), Io::InPlace([p, m, v]));
+            adamw_update(
+                &s,
+                gradient(&(0..len)),
+                Io::InPlace([&mut **p, &mut **m, &mut **v]),
+            );
         }
         HostOp::Sgd { nesterov } => {
             const SCALARS: [usize; 4] = [
@@ -322,18 +337,18 @@ fn run_one<'a>(
                     s
                 }
             };
-            match <[&mut [f32]; 2]>::try_from(states) {
-                Ok([p, b]) => sgd_update(
+            match states {
+                [p, b] => sgd_update(
                     &s,
                     gradient(&(0..len)),
-                    SgdIo::Momentum(Io::InPlace([p, b])),
+                    SgdIo::Momentum(Io::InPlace([&mut **p, &mut **b])),
                 ),
-                Err(states) => {
-                    let [p]: [&mut [f32]; 1] = states
-                        .try_into()
-                        .map_err(|_| wrong(update, sgd_slot::PARAM, "one state or two"))?;
-                    sgd_update(&s, gradient(&(0..len)), SgdIo::Plain(Io::InPlace([p])))
-                }
+                [p] => sgd_update(
+                    &s,
+                    gradient(&(0..len)),
+                    SgdIo::Plain(Io::InPlace([&mut **p])),
+                ),
+                _ => return Err(wrong(update, sgd_slot::PARAM, "one state or two")),
             }
         }
     }

@@ -143,6 +143,15 @@ impl Held {
             Held::Host(t) => Ok(t.clone()),
         }
     }
+
+    /// `f` of the value as a host tensor: read where it is on the host, else copied there
+    /// first (a run's loss and flags, read every run: no copy of a host one).
+    pub fn read_host<R>(&self, name: &str, f: impl FnOnce(&Tensor) -> R) -> Result<R, EngineError> {
+        match self {
+            Held::Ort(v) => Ok(f(&ort::held_to_host(name, v)?)),
+            Held::Host(t) => Ok(f(t)),
+        }
+    }
 }
 
 /// ONNX Runtime's feeds: host tensors (the `host` inputs and held ones on the host) and

@@ -153,26 +153,29 @@ impl AdamWScalars {
 /// Calls `f(args)`, an `#[inline(always)]` kernel body, compiled for the widest vectors the
 /// CPU has (AVX-512, AVX2, else the build's baseline: SSE2 on x86-64), chosen at run time.
 /// The same bits each way: every operation is one IEEE-754 operation per element (add, mul,
-/// div, sqrt), correctly rounded at any width, and none is contracted into an FMA (FMA is
-/// not enabled). Why: the AdamW body's two divisions and square root per element bound it
+/// div, sqrt, and the fused multiply-adds written as such, `mul_add`), correctly rounded at
+/// any width, and nothing else is contracted into an FMA (Rust never contracts `a * b + c`;
+/// where the hardware has no FMA, `mul_add` is still one rounding, in software). Why: the AdamW body's two divisions and square root per element bound it
 /// on the baseline's 4-wide vectors (benches/README.md, "Run H").
 macro_rules! with_widest_vectors {
     ($f:ident($($arg:expr),*)) => {{
         #[cfg(target_arch = "x86_64")]
         {
-            #[target_feature(enable = "avx512f")]
+            #[target_feature(enable = "avx512f,fma")]
             unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
                 f()
             }
-            #[target_feature(enable = "avx2")]
+            #[target_feature(enable = "avx2,fma")]
             unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
                 f()
             }
-            if std::is_x86_feature_detected!("avx512f") {
-                // SAFETY: the CPU has AVX-512F (checked just above).
+            if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("fma") {
+                // SAFETY: the CPU has AVX-512F and FMA (checked just above).
                 unsafe { avx512(#[inline(always)] || $f($($arg),*)) }
-            } else if std::is_x86_feature_detected!("avx2") {
-                // SAFETY: the CPU has AVX2 (checked just above).
+            } else if std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+            {
+                // SAFETY: the CPU has AVX2 and FMA (checked just above).
                 unsafe { avx2(#[inline(always)] || $f($($arg),*)) }
             } else {
                 $f($($arg),*)
@@ -188,6 +191,7 @@ macro_rules! with_widest_vectors {
 mod batch_norm;
 mod gelu_grad;
 mod im2col;
+mod quotient;
 mod relu_grad;
 pub use batch_norm::{
     batch_norm_grad_channel, batch_norm_train_channel, BatchNormLayout, ChannelStats,
@@ -195,6 +199,7 @@ pub use batch_norm::{
 };
 pub use gelu_grad::{gelu_grad, gelu_slot, GeluGradScalars, GELU_GRAD};
 pub use im2col::{Unfolding, Window2d, IM2COL};
+use quotient::KnownDivisor;
 pub use relu_grad::{relu_grad, RELU_GRAD};
 
 /// Where an update reads the state it updates (parameter, moments, buffer) and writes its
@@ -209,16 +214,18 @@ pub enum Io<'a, const N: usize> {
 impl<const N: usize> Io<'_, N> {
     /// Elements per state (every one the same, checked).
     pub fn common_len(&self) -> Option<usize> {
-        let lens: Vec<usize> = match self {
-            Io::Apart(src, dst) => src
-                .iter()
-                .map(|s| s.len())
-                .chain(dst.iter().map(|d| d.len()))
-                .collect(),
-            Io::InPlace(buf) => buf.iter().map(|b| b.len()).collect(),
+        // Without collecting: the host's updates check it on every run.
+        let same = |mut lens: std::slice::Iter<'_, usize>| {
+            let n = *lens.next()?;
+            lens.all(|&l| l == n).then_some(n)
         };
-        let n = *lens.first()?;
-        lens.iter().all(|&l| l == n).then_some(n)
+        match self {
+            Io::Apart(src, dst) => {
+                let n = same(src.map(|s| s.len()).iter())?;
+                dst.iter().all(|d| d.len() == n).then_some(n)
+            }
+            Io::InPlace(buf) => same(buf.each_ref().map(|b| b.len()).iter()),
+        }
     }
 }
 
@@ -268,16 +275,25 @@ fn adamw_portable(s: &AdamWScalars, (g, addend): Gradient<'_>, io: Io<'_, 3>) {
         "AdamWUpdate: operands of different lengths"
     );
     // One loop per variant, each monomorphised so that it vectorises.
-    let (g, addend) = (&g[..n], addend.map(|d| &d[..n]));
-    match (addend, s.divisor.map(Divisor::of)) {
-        (None, None) => update_with(s, |i| g[i], io, n),
-        (None, Some(Divisor::Reciprocal(r))) => update_with(s, |i| g[i] * r, io, n),
-        (None, Some(Divisor::Other(k))) => update_with(s, |i| g[i] / k, io, n),
-        (Some(d), None) => update_with(s, |i| g[i] + d[i], io, n),
-        (Some(d), Some(Divisor::Reciprocal(r))) => update_with(s, |i| (g[i] + d[i]) * r, io, n),
-        (Some(d), Some(Divisor::Other(k))) => update_with(s, |i| (g[i] + d[i]) / k, io, n),
+    let gd = (&g[..n], addend.map_or(&[][..], |d| &d[..n]));
+    match (addend.is_some(), s.divisor.map(Divisor::of)) {
+        (false, None) => update_with(s, gd, |g, _, i| g[i], io, n),
+        (false, Some(Divisor::Reciprocal(r))) => update_with(s, gd, |g, _, i| g[i] * r, io, n),
+        (false, Some(Divisor::Other(k))) => update_with(s, gd, |g, _, i| g[i] / k, io, n),
+        (true, None) => update_with(s, gd, |g, d, i| g[i] + d[i], io, n),
+        (true, Some(Divisor::Reciprocal(r))) => {
+            update_with(s, gd, |g, d, i| (g[i] + d[i]) * r, io, n)
+        }
+        (true, Some(Divisor::Other(k))) => update_with(s, gd, |g, d, i| (g[i] + d[i]) / k, io, n),
     }
 }
+
+/// A gradient's element `i` from the gradient `g` and its addend `d` (empty when none),
+/// given the slices rather than capturing them, so that a loop over blocks can hand it a
+/// block's, of a length the compiler knows: an index it cannot prove in bounds keeps a
+/// loop from vectorising.
+trait GradAt: Fn(&[f32], &[f32], usize) -> f32 {}
+impl<F: Fn(&[f32], &[f32], usize) -> f32> GradAt for F {}
 
 /// How a kernel divides the window's gradient sum by its count K.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -307,7 +323,14 @@ impl Divisor {
 
 /// The update with gradient element `grad(i)`.
 #[inline(always)]
-fn update_with(s: &AdamWScalars, grad: impl Fn(usize) -> f32, io: Io<'_, 3>, n: usize) {
+fn update_with(
+    s: &AdamWScalars,
+    (g, d): (&[f32], &[f32]),
+    grad_at: impl GradAt,
+    io: Io<'_, 3>,
+    n: usize,
+) {
+    let grad = |i| grad_at(g, d, i);
     match (s.corrections, s.lr_wd) {
         (None, None) => each(io, n, |i, [p, m, v]| {
             let (m1, v1) = moments(s, grad(i), m, v);
@@ -320,18 +343,85 @@ fn update_with(s: &AdamWScalars, grad: impl Fn(usize) -> f32, io: Io<'_, 3>, n: 
             let stepped = p - delta;
             [stepped - stepped * k, m1, v1]
         }),
-        (Some((a, c)), None) => each(io, n, |i, [p, m, v]| {
-            let (m1, v1) = moments(s, grad(i), m, v);
-            let denom = ((v1 / c).sqrt() + s.epsilon) * a;
-            [p - (m1 * s.lr) / denom, m1, v1]
-        }),
-        (Some((a, c)), Some(k)) => each(io, n, |i, [p, m, v]| {
-            let (m1, v1) = moments(s, grad(i), m, v);
-            let decayed = p - p * k;
-            let denom = ((v1 / c).sqrt() + s.epsilon) * a;
-            [decayed - (m1 * s.lr) / denom, m1, v1]
-        }),
+        (Some((a, c)), wd) => match (KnownDivisor::new(c), io) {
+            // v'/c without dividing, where the values allow (`quotient`): the same bits.
+            (Some(divisor), Io::InPlace(state)) => {
+                corrected_in_place(s, (a, divisor), wd, (g, d, grad_at), state, n)
+            }
+            (_, io) => each(
+                io,
+                n,
+                #[inline(always)]
+                |i, [p, m, v]| {
+                    let (m1, v1) = moments(s, grad(i), m, v);
+                    [corrected(s, a, wd, p, m1, v1 / c), m1, v1]
+                },
+            ),
+        },
     }
+}
+
+/// Mode 0's update in place, by blocks: the moments first, then the parameters, whose
+/// `v'/c` skips its division when every `v'` of the block is in the divisor's range
+/// ([`KnownDivisor::takes`]). A block is small enough to stay in L1 between its two loops.
+#[inline(always)]
+fn corrected_in_place(
+    s: &AdamWScalars,
+    (a, divisor): (f32, KnownDivisor),
+    wd: Option<f32>,
+    (g, d, grad_at): (&[f32], &[f32], impl GradAt),
+    [p, m, v]: [&mut [f32]; 3],
+    n: usize,
+) {
+    const BLOCK: usize = 64;
+    let c = divisor.divisor();
+    let whole = n - n % BLOCK;
+    let (p, m, v) = (&mut p[..n], &mut m[..n], &mut v[..n]);
+    let mut saved = [0f32; BLOCK];
+    for start in (0..whole).step_by(BLOCK) {
+        // Arrays of a fixed length: loops the compiler vectorises whole.
+        fn block(x: &mut [f32], start: usize) -> &mut [f32; BLOCK] {
+            (&mut x[start..start + BLOCK]).try_into().unwrap()
+        }
+        let (p, m, v) = (block(p, start), block(m, start), block(v, start));
+        // The block's gradient and addend (zeros without one, never read then).
+        let gb: &[f32; BLOCK] = g[start..start + BLOCK].try_into().unwrap();
+        let db: &[f32; BLOCK] = match d.is_empty() {
+            true => &[0.0; BLOCK],
+            false => d[start..start + BLOCK].try_into().unwrap(),
+        };
+        let mut out_of_range = 0u32;
+        for l in 0..BLOCK {
+            let (m1, v1) = moments(s, grad_at(gb, db, l), m[l], v[l]);
+            (m[l], v[l]) = (m1, v1);
+            out_of_range |= !divisor.takes(v1) as u32;
+            saved[l] = p[l];
+            p[l] = corrected(s, a, wd, p[l], m1, divisor.quotient(v1));
+        }
+        // A value out of the range: the block's parameters again, dividing.
+        if out_of_range != 0 {
+            for l in 0..BLOCK {
+                p[l] = corrected(s, a, wd, saved[l], m[l], v[l] / c);
+            }
+        }
+    }
+    for i in whole..n {
+        let (m1, v1) = moments(s, grad_at(g, d, i), m[i], v[i]);
+        (m[i], v[i]) = (m1, v1);
+        p[i] = corrected(s, a, wd, p[i], m1, v1 / c);
+    }
+}
+
+/// Mode 0's parameter step from the corrected second moment `q = v'/c`:
+/// `p' = (p - p·lr_wd) - (m'·lr) / ((√q + ε)·a)`, the decay only with `wd`.
+#[inline(always)]
+fn corrected(s: &AdamWScalars, a: f32, wd: Option<f32>, p: f32, m1: f32, q: f32) -> f32 {
+    let denom = (q.sqrt() + s.epsilon) * a;
+    let decayed = match wd {
+        Some(k) => p - p * k,
+        None => p,
+    };
+    decayed - (m1 * s.lr) / denom
 }
 
 /// m' = m·α + g·(1-α),  v' = v·β + (g·(1-β))·g.
@@ -663,6 +753,63 @@ mod tests {
                     want.to_bits(),
                     "SGD, K = {k}, element {i}"
                 );
+            }
+        }
+    }
+
+    /// Mode 0 in place (its `v'/c` without a division where a block's values allow,
+    /// `quotient`) gives the bits of the update written out with the division, for every
+    /// gradient variant, with and without decay: over blocks whose second moments are all
+    /// in range, blocks holding a zero, a subnormal, a huge value or a NaN, and a tail.
+    #[test]
+    fn the_bias_correction_skips_its_division_to_the_same_bits() {
+        let n = 64 * 6 + 37;
+        let mut state = 0x1234_5679u32;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            (state >> 8) as f32 / (1 << 24) as f32
+        };
+        let g: Vec<f32> = (0..n).map(|_| next() * 2.0 - 1.0).collect();
+        let d: Vec<f32> = (0..n).map(|_| next() - 0.5).collect();
+        let p: Vec<f32> = (0..n).map(|_| next() * 4.0 - 2.0).collect();
+        let m: Vec<f32> = (0..n).map(|_| (next() - 0.5) * 0.1).collect();
+        let mut v: Vec<f32> = (0..n).map(|_| next() * next() * 0.01).collect();
+        // Blocks 2 to 5 hold one value out of the divisor-free range each.
+        for (block, x) in [(2, 0.0), (3, 1e-40), (4, 3e30), (5, f32::NAN)] {
+            v[block * 64 + 17] = x;
+        }
+        for t in [1, 2, 10, 1000] {
+            let corrections = (1.0 - 0.9f32.powi(t), 1.0 - 0.999f32.powi(t));
+            for (lr_wd, addend, divisor) in [
+                (None, false, None),
+                (Some(1e-2f32), true, Some(4.0f32)),
+                (Some(1e-2), false, Some(3.0)),
+                (None, true, None),
+            ] {
+                let mut s = adamw(Some(corrections), lr_wd.unwrap_or(0.0), divisor);
+                s.lr_wd = lr_wd;
+                let addend = addend.then_some(&d[..]);
+                let (mut pi, mut mi, mut vi) = (p.clone(), m.clone(), v.clone());
+                adamw_update(&s, (&g, addend), Io::InPlace([&mut pi, &mut mi, &mut vi]));
+                let (a, c) = corrections;
+                for i in 0..n {
+                    let mut grad = match addend {
+                        Some(d) => g[i] + d[i],
+                        None => g[i],
+                    };
+                    if let Some(k) = divisor {
+                        grad /= k;
+                    }
+                    let m1 = m[i] * s.alpha + grad * s.one_minus_alpha;
+                    let v1 = v[i] * s.beta + (grad * s.one_minus_beta) * grad;
+                    let decayed = lr_wd.map_or(p[i], |k| p[i] - p[i] * k);
+                    let p1 = decayed - (m1 * s.lr) / (((v1 / c).sqrt() + s.epsilon) * a);
+                    for (got, want) in [(pi[i], p1), (mi[i], m1), (vi[i], v1)] {
+                        assert_eq!(got.to_bits(), want.to_bits(), "t {t}, element {i}");
+                    }
+                }
             }
         }
     }
