@@ -390,16 +390,18 @@ fn corrected_in_place(
             true => &[0.0; BLOCK],
             false => d[start..start + BLOCK].try_into().unwrap(),
         };
-        let mut out_of_range = 0u32;
+        let mut refused = 0u32;
         for l in 0..BLOCK {
             let (m1, v1) = moments(s, grad_at(gb, db, l), m[l], v[l]);
             (m[l], v[l]) = (m1, v1);
-            out_of_range |= !divisor.takes(v1) as u32;
+            let (q, exact) = divisor.quotient(v1);
+            refused |= !(divisor.takes(v1) & exact) as u32;
             saved[l] = p[l];
-            p[l] = corrected(s, a, wd, p[l], m1, divisor.quotient(v1));
+            p[l] = corrected(s, a, wd, p[l], m1, q);
         }
-        // A value out of the range: the block's parameters again, dividing.
-        if out_of_range != 0 {
+        // A value out of the range, or a quotient the check refused: the block's
+        // parameters again, dividing.
+        if refused != 0 {
             for l in 0..BLOCK {
                 p[l] = corrected(s, a, wd, saved[l], m[l], v[l] / c);
             }

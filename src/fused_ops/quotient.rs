@@ -6,25 +6,24 @@
 //! With `y = RN(1/c)` made once, for each `v`:
 //!
 //! ```text
-//! q0 = RN(v·y)                 within one ulp of v/c
-//! r  = RN(v - c·q0)            exact, one fused multiply-add
-//! q  = RN(q0 + r·y)            = RN(v/c), one fused multiply-add
+//! q0 = RN(v·y)
+//! r0 = RN(v - c·q0)            one fused multiply-add
+//! q  = RN(q0 + r0·y)           one fused multiply-add
 //! ```
 //!
-//! Markstein's theorem (Handbook of Floating-Point Arithmetic, 2nd ed., §4.7): when `y`
-//! is within half an ulp of `1/c` and `q0` within one ulp of `v/c`, `r` is exact and `q` is
-//! the correctly rounded quotient, barring underflow and overflow. `q0 = RN(v·RN(1/c))` is
-//! within one ulp (Brisebarre, Muller and Raina, "Accelerating correctly rounded
-//! floating-point division when the divisor is known in advance", 2004). So the bits are
-//! the division's: what the standard-op graph computes.
+//! By Markstein's theorem `q` is `RN(v/c)` when `y` is within half an ulp of `1/c` and
+//! `q0` within one ulp of `v/c`, barring underflow and overflow. The kernel does not rest
+//! on that: every `q` is checked with one more fused multiply-add ([`KnownDivisor::
+//! quotient`]), and a block holding a refused one divides. The theorem is why refusals are
+//! rare: none, for every float in range and 57 divisors (`every_quotient_in_range`, run by
+//! hand: 1.3 G values a divisor, 40 s in all). So the bits are the division's: what the
+//! standard-op graph computes.
 //!
 //! Underflow and overflow are kept away by range: the divisor in [2^-60, 1] (a bias
 //! correction 1 - β^t is in (0, 1]), every `v` of a block in [2^-100, 2^60], so that the
-//! quotient lies in [2^-100, 2^120], well inside the normal range, and `r`'s exponent
-//! stays above the subnormals'. A block with any other value (zero, a subnormal, a huge
-//! one, infinity, NaN) divides, as does a divisor out of range. Checked against the
-//! division for every float in range and 57 divisors (`every_quotient_in_range`, run by
-//! hand: 1.3 G values a divisor).
+//! quotient lies in [2^-100, 2^120], well inside the normal range, and the check's bound
+//! `c·h` is normal. A block with any other value (zero, a subnormal, a huge one, infinity,
+//! NaN) divides, as does a divisor out of range.
 
 /// The smallest and largest `v` the division-free quotient takes (see the module's doc).
 const LEAST: f32 = 1.0 / (1u128 << 100) as f32;
@@ -58,12 +57,35 @@ impl KnownDivisor {
         (v >= LEAST) & (v <= MOST)
     }
 
-    /// `v / c`, correctly rounded, for a `v` it [`takes`](Self::takes).
+    /// `v / c` for a `v` it [`takes`](Self::takes), and whether that is the correctly
+    /// rounded quotient, checked: when false, the caller divides.
+    ///
+    /// The check makes the bits certain whatever the error of the first approximation:
+    /// `q` is `RN(v/c)` when `v/c` lies within half an ulp of `q` on its side (a quarter on
+    /// the lower side of a power of two, where the ulp below halves). `r = RN(v - c·q)` (one
+    /// fused multiply-add) is compared with `c·h`, `h` that half-ulp: exact, a float
+    /// times a power of two, normal for every `v` in range. Rounding is monotone, so
+    /// `|r| < c·h` implies `|v - c·q| < c·h`, i.e. `|v/c - q| < h`: a strict test,
+    /// a tie or a wrong `q` falls back.
     #[inline(always)]
-    pub(super) fn quotient(&self, v: f32) -> f32 {
+    pub(super) fn quotient(&self, v: f32) -> (f32, bool) {
         let q0 = v * self.y;
-        let r = (-self.c).mul_add(q0, v);
-        r.mul_add(self.y, q0)
+        let r0 = (-self.c).mul_add(q0, v);
+        let q = r0.mul_add(self.y, q0);
+        let r = (-self.c).mul_add(q, v);
+        // Half an ulp of q (positive, normal: q >= v >= 2^-100), a quarter below a power of
+        // two.
+        let bits = q.to_bits();
+        let half = f32::from_bits((bits & 0x7f80_0000).wrapping_sub(24 << 23));
+        let below = match bits & 0x7f_ffff {
+            0 => half * 0.5,
+            _ => half,
+        };
+        let bound = match r >= 0.0 {
+            true => self.c * half,
+            false => self.c * below,
+        };
+        (q, r.abs() < bound)
     }
 }
 
@@ -129,8 +151,10 @@ mod tests {
             for &v in &values {
                 assert_eq!(d.takes(v), (LEAST..=MOST).contains(&v), "{v:e}");
                 if d.takes(v) {
-                    taken += 1;
-                    assert_eq!(d.quotient(v).to_bits(), (v / c).to_bits(), "{v:e} / {c:e}");
+                    let (q, exact) = d.quotient(v);
+                    taken += exact as usize;
+                    assert!(exact, "{v:e} / {c:e}: the check refused the quotient");
+                    assert_eq!(q.to_bits(), (v / c).to_bits(), "{v:e} / {c:e}");
                 }
             }
         }
@@ -138,6 +162,43 @@ mod tests {
         assert!(KnownDivisor::new(2f32.powi(-61)).is_none());
         assert!(KnownDivisor::new(1.5).is_none());
         assert!(KnownDivisor::new(f32::NAN).is_none());
+    }
+
+    /// The check alone makes the bits certain: with a reciprocal far enough off that the
+    /// one correction often misses the rounding, every quotient it accepts is still the
+    /// division's, and it refuses the others.
+    #[test]
+    fn the_check_refuses_a_wrong_quotient() {
+        let mut state = 0x7f4a_7c15u32;
+        let values: Vec<f32> = (0..1 << 16)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 17;
+                state ^= state << 5;
+                f32::from_bits((127 - 30 + state % 60) << 23 | (state >> 9))
+            })
+            .collect();
+        for c in [0.1f32, 1.0 - 0.999f32.powi(3), 0.75, 1.0 / 3.0] {
+            for off in [1i32 << 11, -(1 << 11)] {
+                let y = f32::from_bits(((1.0 / c).to_bits() as i32 + off) as u32);
+                let d = KnownDivisor { c, y };
+                let (mut accepted, mut refused) = (0, 0);
+                for &v in &values {
+                    let (q, exact) = d.quotient(v);
+                    match exact {
+                        true => {
+                            accepted += 1;
+                            assert_eq!(q.to_bits(), (v / c).to_bits(), "{v:e} / {c:e}");
+                        }
+                        false => refused += 1,
+                    }
+                }
+                assert!(
+                    accepted > 0 && refused > 0,
+                    "c {c}, off {off}: {accepted} {refused}"
+                );
+            }
+        }
     }
 
     /// Every float in range against the division, for the divisors of the test above
@@ -152,7 +213,8 @@ mod tests {
             (first..=last)
                 .map(|bits| {
                     let v = f32::from_bits(bits);
-                    (d.quotient(v).to_bits() != (v / c).to_bits()) as u64
+                    let (q, exact) = d.quotient(v);
+                    (!exact || q.to_bits() != (v / c).to_bits()) as u64
                 })
                 .sum()
         }
