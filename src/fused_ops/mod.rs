@@ -155,8 +155,9 @@ impl AdamWScalars {
 /// The same bits each way: every operation is one IEEE-754 operation per element (add, mul,
 /// div, sqrt, and the fused multiply-adds written as such, `mul_add`), correctly rounded at
 /// any width, and nothing else is contracted into an FMA (Rust never contracts `a * b + c`;
-/// where the hardware has no FMA, `mul_add` is still one rounding, in software). Why: the AdamW body's two divisions and square root per element bound it
-/// on the baseline's 4-wide vectors (benches/README.md, "Run H").
+/// where the hardware has no FMA, `mul_add` is still one rounding, in software). Why: the
+/// AdamW body's divisions and square root per element bound it on the baseline's 4-wide
+/// vectors (benches/README.md, "Run H").
 macro_rules! with_widest_vectors {
     ($f:ident($($arg:expr),*)) => {{
         #[cfg(target_arch = "x86_64")]
@@ -321,7 +322,7 @@ impl Divisor {
     }
 }
 
-/// The update with gradient element `grad(i)`.
+/// The update with gradient element `grad_at(g, d, i)`.
 #[inline(always)]
 fn update_with(
     s: &AdamWScalars,
@@ -361,9 +362,10 @@ fn update_with(
     }
 }
 
-/// Mode 0's update in place, by blocks: the moments first, then the parameters, whose
-/// `v'/c` skips its division when every `v'` of the block is in the divisor's range
-/// ([`KnownDivisor::takes`]). A block is small enough to stay in L1 between its two loops.
+/// Mode 0's update in place, by blocks of 64 elements, `v'/c` without a division
+/// ([`KnownDivisor::quotient`]). A block where a `v'` is out of the divisor's range
+/// ([`KnownDivisor::takes`]) or a quotient is refused computes its parameters again from
+/// the saved ones, dividing: the same bits either way.
 #[inline(always)]
 fn corrected_in_place(
     s: &AdamWScalars,
