@@ -667,9 +667,9 @@ impl<'a> Fed<'a> {
                 return Some(fed);
             }
         }
-        let i = (0..host.len() + held.len()).find(|&i| at(i).is_some())?;
+        let (i, fed) = (0..host.len() + held.len()).find_map(|i| Some((i, at(i)?)))?;
         found_at.0.store(i, Ordering::Relaxed);
-        at(i)
+        Some(fed)
     }
 }
 

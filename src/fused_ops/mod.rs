@@ -377,21 +377,22 @@ fn corrected_in_place(
 ) {
     const BLOCK: usize = 64;
     let c = divisor.divisor();
-    let whole = n - n % BLOCK;
-    let (p, m, v) = (&mut p[..n], &mut m[..n], &mut v[..n]);
+    // Blocks as arrays of a fixed length: loops the compiler vectorises whole.
+    let (p_blocks, p_tail) = p[..n].as_chunks_mut::<BLOCK>();
+    let (m_blocks, m_tail) = m[..n].as_chunks_mut::<BLOCK>();
+    let (v_blocks, v_tail) = v[..n].as_chunks_mut::<BLOCK>();
+    let (g_blocks, g_tail) = g.as_chunks::<BLOCK>();
+    // The addend's blocks, zeros without one (never read then).
+    let (d_blocks, d_tail) = d.as_chunks::<BLOCK>();
+    let (zeros, mut d_blocks) = ([0f32; BLOCK], d_blocks.iter());
     let mut saved = [0f32; BLOCK];
-    for start in (0..whole).step_by(BLOCK) {
-        // Arrays of a fixed length: loops the compiler vectorises whole.
-        fn block(x: &mut [f32], start: usize) -> &mut [f32; BLOCK] {
-            (&mut x[start..start + BLOCK]).try_into().unwrap()
-        }
-        let (p, m, v) = (block(p, start), block(m, start), block(v, start));
-        // The block's gradient and addend (zeros without one, never read then).
-        let gb: &[f32; BLOCK] = g[start..start + BLOCK].try_into().unwrap();
-        let db: &[f32; BLOCK] = match d.is_empty() {
-            true => &[0.0; BLOCK],
-            false => d[start..start + BLOCK].try_into().unwrap(),
-        };
+    let blocks = p_blocks
+        .iter_mut()
+        .zip(m_blocks)
+        .zip(v_blocks)
+        .zip(g_blocks);
+    for (((p, m), v), gb) in blocks {
+        let db = d_blocks.next().unwrap_or(&zeros);
         let mut refused = 0u32;
         for l in 0..BLOCK {
             let (m1, v1) = moments(s, grad_at(gb, db, l), m[l], v[l]);
@@ -409,10 +410,10 @@ fn corrected_in_place(
             }
         }
     }
-    for i in whole..n {
-        let (m1, v1) = moments(s, grad_at(g, d, i), m[i], v[i]);
-        (m[i], v[i]) = (m1, v1);
-        p[i] = corrected(s, a, wd, p[i], m1, v1 / c);
+    for i in 0..p_tail.len() {
+        let (m1, v1) = moments(s, grad_at(g_tail, d_tail, i), m_tail[i], v_tail[i]);
+        (m_tail[i], v_tail[i]) = (m1, v1);
+        p_tail[i] = corrected(s, a, wd, p_tail[i], m1, v1 / c);
     }
 }
 
