@@ -41,7 +41,8 @@
 //! `--no-fused-batch-norm` (BatchNorm in standard ops, for an A/B), `--no-fused-im2col`
 //! (the weight gradients' unfoldings as grouped convolutions, for an A/B),
 //! `--no-fused-relu-grad` (the ReLU gradients in standard ops, for an A/B),
-//! `--no-fused-gelu-grad` (the GELU gradients in standard ops, for an A/B).
+//! `--no-fused-gelu-grad` (the GELU gradients in standard ops, for an A/B),
+//! `--no-fused-weight-grads` (the weight gradients written, then accumulated, for an A/B).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -131,6 +132,9 @@ fn parse_opts() -> Result<Opts> {
             }
             "--no-fused-gelu-grad" => {
                 NO_GELU_GRAD.store(true, std::sync::atomic::Ordering::Relaxed)
+            }
+            "--no-fused-weight-grads" => {
+                NO_WEIGHT_GRADS.store(true, std::sync::atomic::Ordering::Relaxed)
             }
             "--models" => o.models_dir = PathBuf::from(value("--models")?),
             "--work" => o.work = PathBuf::from(value("--work")?),
@@ -311,6 +315,9 @@ static NO_RELU_GRAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBo
 /// `--no-fused-gelu-grad`: the GELU gradients in standard ops, for an A/B of
 /// `SessionOptions::fused_gelu_grad`.
 static NO_GELU_GRAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// `--no-fused-weight-grads`: the weight gradients written, then accumulated, for an A/B of
+/// `SessionOptions::fused_weight_grads`.
+static NO_WEIGHT_GRADS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 fn session(threads: usize) -> SessionOptions {
     SessionOptions {
@@ -321,6 +328,7 @@ fn session(threads: usize) -> SessionOptions {
         fused_im2col: !NO_IM2COL.load(std::sync::atomic::Ordering::Relaxed),
         fused_relu_grad: !NO_RELU_GRAD.load(std::sync::atomic::Ordering::Relaxed),
         fused_gelu_grad: !NO_GELU_GRAD.load(std::sync::atomic::Ordering::Relaxed),
+        fused_weight_grads: !NO_WEIGHT_GRADS.load(std::sync::atomic::Ordering::Relaxed),
         ..Default::default()
     }
 }

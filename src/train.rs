@@ -240,6 +240,8 @@ pub struct Trainer {
     fused_updates: usize,
     /// See [`Self::grouped_updates`].
     grouped_updates: usize,
+    /// See [`Self::accumulated_products`].
+    accumulated_products: usize,
     /// For each session, by [`Session::index`], and each entry of the manifest's state,
     /// whether a run leaves the state where it is when it returns no output for it
     /// ([`left_alone`]).
@@ -483,6 +485,7 @@ impl Trainer {
                     window_start,
                     min_accumulator_elements: session.in_place_min_elements,
                     min_in_place_total: session.in_place_min_total,
+                    products: session.fused_weight_grads,
                     host_updates: session
                         .host_updates
                         .then_some(crate::passes::fuse::host::MAX_ELEMENTS),
@@ -595,6 +598,7 @@ impl Trainer {
             replica,
             fused_updates: fused.updates,
             grouped_updates: fused.grouped,
+            accumulated_products: fused.products,
         })
     }
 
@@ -614,6 +618,13 @@ impl Trainer {
     /// nothing in place).
     pub fn grouped_updates(&self) -> usize {
         self.grouped_updates
+    }
+
+    /// How many weight gradients the sessions make inside their accumulators
+    /// (`SessionOptions::fused_weight_grads`, `passes::fuse::accumulate_product`), summed
+    /// over the sessions.
+    pub fn accumulated_products(&self) -> usize {
+        self.accumulated_products
     }
 
     /// Whether the host counts the micro-steps that continue a window, instead of the
@@ -1276,6 +1287,7 @@ pub fn micro_batch_rows(samples: usize, batch: usize, step: u64) -> Vec<usize> {
 struct FusedCounts {
     updates: usize,
     grouped: usize,
+    products: usize,
 }
 
 /// A session of `kind` for `model`, prepared for the engine first: tract gets the ops it
@@ -1312,6 +1324,7 @@ fn open_engine(
         })?;
         fused.updates += prepared.fused;
         fused.grouped += prepared.grouped;
+        fused.products += prepared.products;
         let mut engine = with_host_scalars(kind, &prepared.model, options)?;
         engine.set_in_place(prepared.in_place.pairs, prepared.in_place.keep_input);
         if let Some(updates) = prepared.host_updates {

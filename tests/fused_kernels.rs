@@ -613,6 +613,76 @@ fn host_updates_train_bit_identically() {
     }
 }
 
+/// The weight's gradient made inside its accumulator (`AccumulateProduct`): at micro-batches
+/// of 8 by onnx-ga's kernel, at 40 (over `fused_ops::SMALL_CONTRACTION`) by ONNX Runtime's
+/// `Gemm` into a buffer of its own and then added. Both train bit for bit as the standard
+/// ops, on one thread and on two (the 512 rows split into tasks), with micro-steps of NaN
+/// inputs discarded (the gate leaves the accumulator unwritten) at a window's start and
+/// inside one; and without the option nothing is fused so.
+#[test]
+fn weight_gradients_made_in_their_accumulators_train_bit_identically() {
+    use onnx_ga::train::OnNonFinite;
+    if !ort_available() {
+        return;
+    }
+    let data = |rows: usize| {
+        let tensor = |cols: usize, f: &dyn Fn(usize) -> f32| {
+            let values = (0..rows * cols).map(f).collect();
+            Tensor::F32(ndarray::ArrayD::from_shape_vec(vec![rows, cols], values).unwrap())
+        };
+        BTreeMap::from([
+            (
+                "x".to_string(),
+                tensor(512, &|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5),
+            ),
+            (
+                "y".to_string(),
+                tensor(256, &|i| ((i * 104729) % 1000) as f32 / 500.0 - 1.0),
+            ),
+        ])
+    };
+    for batch in [8usize, 40] {
+        let step = large_linear_step_of(batch as i64);
+        let data = data(2 * batch + 3);
+        for threads in [1, 2] {
+            let what = format!("micro-batch {batch}, {threads} threads");
+            let mut fused_options = options(true, threads, true);
+            fused_options.session.host_updates = false;
+            let mut fused = Trainer::with_options(&step, &fused_options).unwrap();
+            // The accumulate session's weight (the bias's gradient is a ReduceSum).
+            assert_eq!(fused.accumulated_products(), 1, "{what}");
+            let mut standard = Trainer::with_options(&step, &options(false, 1, true)).unwrap();
+            for trainer in [&mut fused, &mut standard] {
+                trainer.set_on_nonfinite(OnNonFinite::Skip);
+            }
+            let samples = fused.check_data(&data, Path::new("data.npz")).unwrap();
+            for i in 0..24 {
+                let mut micro = micro_batch(&data, samples, batch, i);
+                if [8, 13].contains(&i) {
+                    if let Some(Tensor::F32(x)) = micro.get_mut("x") {
+                        x.fill(f32::NAN);
+                    }
+                }
+                let (a, b) = (fused.step(&micro, false), standard.step(&micro, false));
+                assert_eq!(format!("{a:?}"), format!("{b:?}"), "{what}: micro-step {i}");
+            }
+            let (a, b) = (fused.state().unwrap(), standard.state().unwrap());
+            for (name, value) in b {
+                assert_eq!(&a[name], value, "{what}: state '{name}'");
+            }
+        }
+        let mut off = options(true, 1, true);
+        off.session.host_updates = false;
+        off.session.fused_weight_grads = false;
+        let trainer = Trainer::with_options(&step, &off).unwrap();
+        assert_eq!(
+            trainer.accumulated_products(),
+            0,
+            "micro-batch {batch}, off"
+        );
+    }
+}
+
 /// How many accumulators the step's manifest declares.
 fn step_accumulators(step: &ModelProto) -> usize {
     let manifest = onnx_ga::state::Manifest::from_model(step).unwrap();
@@ -639,14 +709,20 @@ fn large_linear_data(
     ])
 }
 
-/// y = x W + b with W of 512 x 256 = 131072 elements, mean squared error, AdamW mode 0.
+/// y = x W + b with W of 512 x 256 = 131072 elements, mean squared error, AdamW mode 0,
+/// micro-batches of 8.
 fn large_linear_step() -> ModelProto {
+    large_linear_step_of(8)
+}
+
+/// [`large_linear_step`] for micro-batches of `batch`.
+fn large_linear_step_of(batch: i64) -> ModelProto {
     use onnx_ga::ir::builder::Builder;
     use onnx_ga::ir::{tensor_type, BodyId};
     let mut model = common::empty_model(17);
     let float = onnx_ga::proto::elem::FLOAT;
-    let x = model.add_input(BodyId::MAIN, "x", tensor_type(float, &[8, 512]), None);
-    let y = model.add_input(BodyId::MAIN, "y", tensor_type(float, &[8, 256]), None);
+    let x = model.add_input(BodyId::MAIN, "x", tensor_type(float, &[batch, 512]), None);
+    let y = model.add_input(BodyId::MAIN, "y", tensor_type(float, &[batch, 256]), None);
     let w: Vec<f32> = (0..512 * 256)
         .map(|i| ((i * 31) % 97) as f32 / 970.0 - 0.05)
         .collect();
@@ -663,7 +739,7 @@ fn large_linear_step() -> ModelProto {
     let mut builder = Builder::new(&mut model, BodyId::MAIN, "test");
     let xw = builder.op("MatMul", &[x, w], vec![], "xw");
     let out = builder.op("Add", &[xw, b], vec![], "out");
-    model.add_output(BodyId::MAIN, out, Some(tensor_type(float, &[8, 256])));
+    model.add_output(BodyId::MAIN, out, Some(tensor_type(float, &[batch, 256])));
     let _ = y;
     let proto = model.to_proto();
     let path = Path::new("large_linear.onnx");

@@ -21,6 +21,7 @@ use ::ort::AsPointer;
 /// One input tensor of the running kernel.
 pub(super) struct Input<'c> {
     pub shape: &'c [i64],
+    value: *const OrtValue,
     element: ONNXTensorElementDataType,
     data: *const c_void,
     len: usize,
@@ -28,6 +29,7 @@ pub(super) struct Input<'c> {
 
 /// One output tensor the running kernel allocated: where it writes.
 pub(super) struct Output<'c> {
+    value: *mut OrtValue,
     data: *mut f32,
     len: usize,
     _kernel: PhantomData<&'c ComputeContext>,
@@ -50,7 +52,7 @@ pub(super) fn status_message(status: OrtStatusPtr) -> Option<String> {
 }
 
 /// `Err` with ONNX Runtime's message when `status` is an error (and frees it).
-fn check(status: OrtStatusPtr, what: impl FnOnce() -> String) -> ::ort::Result<()> {
+pub(super) fn check(status: OrtStatusPtr, what: impl FnOnce() -> String) -> ::ort::Result<()> {
     match status_message(status) {
         None => Ok(()),
         Some(message) => Err(::ort::Error::new(format!("{}: {message}", what()))),
@@ -124,6 +126,7 @@ pub(super) fn input<'c>(
         let data = data_of(value, op, what)?;
         Ok(Some(Input {
             shape,
+            value,
             element,
             data,
             len,
@@ -148,6 +151,11 @@ impl<'c> Input<'c> {
     /// Where the data starts: to tell whether an output shares this input's buffer.
     pub fn address(&self) -> *const c_void {
         self.data
+    }
+
+    /// The value itself, to hand to an operator the kernel invokes.
+    pub fn value(&self) -> *const OrtValue {
+        self.value
     }
 
     /// The elements as float32; an error naming `op` and `slot` for another type.
@@ -223,6 +231,7 @@ pub(super) fn output<'c>(
         }
         let data = data_of(value, op, what)?.cast::<f32>();
         Ok(Output {
+            value,
             data,
             len,
             _kernel: PhantomData,
@@ -234,6 +243,11 @@ impl<'c> Output<'c> {
     /// Where the data starts: to tell whether the session bound this output to an input.
     pub fn address(&self) -> *const c_void {
         self.data.cast()
+    }
+
+    /// The value itself, for an operator the kernel invokes to write.
+    pub fn value(&self) -> *mut OrtValue {
+        self.value
     }
 
     /// The elements to write.

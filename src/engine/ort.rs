@@ -123,6 +123,11 @@ pub struct SessionOptions {
     /// our autodiff) on onnx-ga's `GeluGrad` kernel, one pass (`passes::fused_gelu_grad`).
     /// The same operations but the exponential's, so within its rounding.
     pub fused_gelu_grad: bool,
+    /// With `fused_kernels` and `in_place_updates`, on the CPU: a weight gradient
+    /// `Gemm(A, B, transA = 1)` and its accumulation as one `AccumulateProduct` node, which
+    /// at a small micro-batch makes the gradient inside the accumulator
+    /// (`passes::fuse::accumulate_product`); bit-identical.
+    pub fused_weight_grads: bool,
     /// With `in_place_updates`: the smallest accumulator the trainer fuses and updates in
     /// place (`passes::fuse::accumulate::MIN_ELEMENTS` by default; 0 takes every one, which
     /// tests use to exercise in-place updates on small graphs).
@@ -163,6 +168,7 @@ impl Default for SessionOptions {
             fused_im2col: true,
             fused_relu_grad: true,
             fused_gelu_grad: true,
+            fused_weight_grads: true,
             in_place_min_elements: crate::passes::fuse::accumulate::MIN_ELEMENTS,
             in_place_min_total: crate::passes::fuse::in_place::MIN_SESSION_ELEMENTS,
             host_scalars: true,

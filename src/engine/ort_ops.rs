@@ -14,11 +14,12 @@ use ::ort::value::TensorElementType;
 use super::kernel_io;
 
 use crate::fused_ops::{
-    accumulate_grad, accumulate_slot, adamw_group_slot, adamw_slot, adamw_update,
-    batch_norm_grad_channel, batch_norm_train_channel, gelu_grad, gelu_slot, relu_grad, sgd_slot,
-    sgd_update, AdamWScalars, BatchNormLayout, ChannelStats, GeluGradScalars, Io, SgdIo,
-    SgdScalars, Unfolding, Window2d, ACCUMULATE_GRAD, ADAMW_UPDATE, ADAMW_UPDATES, BATCH_NORM_GRAD,
-    BATCH_NORM_TRAIN, DOMAIN, GELU_GRAD, IM2COL, RELU_GRAD, SGD_UPDATE,
+    accumulate_grad, accumulate_product, accumulate_product_slot, accumulate_slot,
+    adamw_group_slot, adamw_slot, adamw_update, batch_norm_grad_channel, batch_norm_train_channel,
+    gelu_grad, gelu_slot, has_fast_product, relu_grad, sgd_slot, sgd_update, AdamWScalars,
+    BatchNormLayout, ChannelStats, GeluGradScalars, Io, ProductShape, SgdIo, SgdScalars, Unfolding,
+    Window2d, ACCUMULATE_GRAD, ACCUMULATE_PRODUCT, ADAMW_UPDATE, ADAMW_UPDATES, BATCH_NORM_GRAD,
+    BATCH_NORM_TRAIN, DOMAIN, GELU_GRAD, IM2COL, RELU_GRAD, SGD_UPDATE, SMALL_CONTRACTION,
 };
 
 /// The domain with every fused operator, for a session builder.
@@ -28,6 +29,7 @@ pub fn domain() -> ::ort::Result<OperatorDomain> {
         .add(AdamWUpdates)?
         .add(SgdUpdate)?
         .add(AccumulateGrad)?
+        .add(AccumulateProduct)?
         .add(BatchNormTrain)?
         .add(BatchNormGrad)?
         .add(Im2Col)?
@@ -138,6 +140,19 @@ fn run_update<const N: usize>(
     keep: bool,
     update: impl Fn(std::ops::Range<usize>, Io<'_, N>) + Sync,
 ) -> ::ort::Result<()> {
+    run_update_by(ctx, op, (state, first_output), keep, CHUNK, update)
+}
+
+/// [`run_update`] in chunks of `chunk` elements (at least one).
+fn run_update_by<const N: usize>(
+    ctx: &ComputeContext,
+    op: &str,
+    (state, first_output): ([usize; N], usize),
+    keep: bool,
+    chunk: usize,
+    update: impl Fn(std::ops::Range<usize>, Io<'_, N>) + Sync,
+) -> ::ort::Result<()> {
+    let chunk = chunk.max(1);
     let inputs = state
         .iter()
         .map(|&slot| kernel_io::required(ctx, op, slot))
@@ -188,14 +203,14 @@ fn run_update<const N: usize>(
     let outs: [&mut [f32]; N] = outs
         .try_into()
         .map_err(|_| ::ort::Error::new(format!("{op}: {N} outputs expected")))?;
-    let mut pieces = outs.map(|o| o.chunks_mut(CHUNK));
+    let mut pieces = outs.map(|o| o.chunks_mut(chunk));
     let chunks = std::iter::from_fn(|| {
         let next: [Option<&mut [f32]>; N] = std::array::from_fn(|k| pieces[k].next());
         next.iter()
             .all(Option::is_some)
             .then(|| next.map(|p| p.unwrap_or_default()))
     });
-    in_chunks(ctx, len, chunks, |range, out| {
+    in_chunks(ctx, (len, chunk), chunks, |range, out| {
         let io = match in_place {
             true => Io::InPlace(out),
             false => Io::Apart(std::array::from_fn(|k| &sources[k][range.clone()]), out),
@@ -362,19 +377,19 @@ fn adamw_group_kernel(ctx: &ComputeContext, members: usize, addends: bool) -> ::
     Ok(())
 }
 
-/// Runs `update(range, outputs)` over `len` elements in chunks of [`CHUNK`], `outputs` giving
-/// each chunk's disjoint output slices in order: inline for one chunk, else as tasks of ONNX
-/// Runtime's intra-op pool, each taking its chunk once.
+/// Runs `update(range, outputs)` over `len` elements in chunks of `chunk` (at least one),
+/// `outputs` giving each chunk's disjoint output slices in order: inline for one chunk, else
+/// as tasks of ONNX Runtime's intra-op pool, each taking its chunk once.
 fn in_chunks<O: Send>(
     ctx: &ComputeContext,
-    len: usize,
+    (len, chunk): (usize, usize),
     outputs: impl Iterator<Item = O>,
     update: impl Fn(std::ops::Range<usize>, O) + Sync,
 ) -> ::ort::Result<()> {
     let tasks: Vec<Mutex<Option<O>>> = outputs.map(|o| Mutex::new(Some(o))).collect();
     let run = |i: usize| {
         if let Ok(Some(out)) = tasks[i].lock().map(|mut t| t.take()) {
-            update(i * CHUNK..((i + 1) * CHUNK).min(len), out);
+            update(i * chunk..((i + 1) * chunk).min(len), out);
         }
     };
     match tasks.len() {
@@ -516,6 +531,213 @@ fn accumulate_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
         keep,
         |range, io| accumulate_grad(&g[range], io),
     )
+}
+
+struct AccumulateProduct;
+
+impl Operator for AccumulateProduct {
+    type Kernel<'attr> = BoxedKernel<'attr>;
+
+    fn name(&self) -> &str {
+        ACCUMULATE_PRODUCT
+    }
+
+    fn inputs(&self) -> impl IntoIterator<Item = OperatorInput> {
+        [
+            OperatorInput::required(TensorElementType::Float32),
+            OperatorInput::required(TensorElementType::Float32),
+            OperatorInput::required(TensorElementType::Float32),
+            OperatorInput::optional(TensorElementType::Bool),
+            OperatorInput::variadic(0),
+        ]
+    }
+
+    fn outputs(&self) -> impl IntoIterator<Item = OperatorOutput> {
+        [
+            OperatorOutput::required(TensorElementType::Float32),
+            OperatorOutput::optional(TensorElementType::Float32),
+        ]
+    }
+
+    fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
+        // Output 1, the product where ONNX Runtime's Gemm makes it, is the accumulator's
+        // shape too.
+        let acc = ctx.inputs()[accumulate_product_slot::ACC].clone();
+        ctx.set_output(0, &acc)?;
+        ctx.set_output(1, &acc)
+    }
+
+    fn create_kernel<'attr>(
+        &self,
+        kctx: &KernelContext<'attr>,
+    ) -> ::ort::Result<Self::Kernel<'attr>> {
+        let gemm = InvokedGemm::transposed_a(kctx)?;
+        Ok(Box::new(move |ctx: &ComputeContext| {
+            accumulate_product_kernel(ctx, &gemm)
+        }))
+    }
+}
+
+/// ONNX Runtime's own `Gemm(A, B, transA = 1)` (opset 13, float32), made once per kernel
+/// and run from inside it (`InvokeOp`): MLAS's product where it is faster than ours.
+struct InvokedGemm(std::ptr::NonNull<::ort::sys::OrtOp>);
+
+// SAFETY: the operator is made once and never changed; ONNX Runtime runs an operator's
+// kernel from whichever thread runs the session, as it runs its own.
+unsafe impl Send for InvokedGemm {}
+
+impl InvokedGemm {
+    fn transposed_a(info: &KernelContext<'_>) -> ::ort::Result<InvokedGemm> {
+        use ::ort::sys::{ONNXTensorElementDataType, OrtOpAttrType};
+        use ::ort::AsPointer;
+        let api = ::ort::api();
+        let what = || format!("{ACCUMULATE_PRODUCT}: making ONNX Runtime's Gemm");
+        // CreateOp takes no defaults: every attribute of Gemm, C absent (beta unread).
+        let (trans_a, trans_b, one) = (1i64, 0i64, 1f32);
+        let specs: [(&std::ffi::CStr, *const std::ffi::c_void, OrtOpAttrType); 4] = [
+            (
+                c"transA",
+                (&trans_a as *const i64).cast(),
+                OrtOpAttrType::ORT_OP_ATTR_INT,
+            ),
+            (
+                c"transB",
+                (&trans_b as *const i64).cast(),
+                OrtOpAttrType::ORT_OP_ATTR_INT,
+            ),
+            (
+                c"alpha",
+                (&one as *const f32).cast(),
+                OrtOpAttrType::ORT_OP_ATTR_FLOAT,
+            ),
+            (
+                c"beta",
+                (&one as *const f32).cast(),
+                OrtOpAttrType::ORT_OP_ATTR_FLOAT,
+            ),
+        ];
+        let mut attributes = Vec::with_capacity(specs.len());
+        let mut made = Ok(());
+        for (name, data, kind) in specs {
+            let mut attribute = std::ptr::null_mut();
+            // SAFETY: a C string, one value of `kind` read, an out pointer; released below.
+            let status =
+                unsafe { (api.CreateOpAttr)(name.as_ptr(), data, 1, kind, &mut attribute) };
+            made = kernel_io::check(status, what);
+            if made.is_err() {
+                break;
+            }
+            attributes.push(attribute.cast_const());
+        }
+        let mut type_names = [c"T".as_ptr()];
+        let types = [ONNXTensorElementDataType::ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT];
+        let mut op = std::ptr::null_mut();
+        // SAFETY: the kernel info of the kernel being made, C strings and arrays that live
+        // through the call (ONNX Runtime copies what it keeps), an out pointer.
+        let status = made.map(|()| unsafe {
+            (api.CreateOp)(
+                info.ptr(),
+                c"Gemm".as_ptr(),
+                c"".as_ptr(),
+                13,
+                type_names.as_mut_ptr(),
+                types.as_ptr(),
+                1,
+                attributes.as_ptr(),
+                attributes.len() as i32,
+                2,
+                1,
+                &mut op,
+            )
+        });
+        for attribute in attributes {
+            // SAFETY: made above, read by CreateOp only during the call.
+            unsafe { (api.ReleaseOpAttr)(attribute.cast_mut()) };
+        }
+        kernel_io::check(status?, what)?;
+        std::ptr::NonNull::new(op)
+            .map(InvokedGemm)
+            .ok_or_else(|| ::ort::Error::new(format!("{}: no operator", what())))
+    }
+
+    /// `y = Aᵀ·B`, `y` an output of the running kernel of `[m, n]`.
+    fn run(
+        &self,
+        ctx: &ComputeContext,
+        (a, b): (&kernel_io::Input<'_>, &kernel_io::Input<'_>),
+        y: &kernel_io::Output<'_>,
+    ) -> ::ort::Result<()> {
+        use ::ort::AsPointer;
+        let inputs = [a.value(), b.value()];
+        let outputs = [y.value()];
+        // SAFETY: the running kernel's context and live values; the operator is ours.
+        let status = unsafe {
+            (::ort::api().InvokeOp)(
+                ctx.ptr(),
+                self.0.as_ptr(),
+                inputs.as_ptr(),
+                2,
+                outputs.as_ptr(),
+                1,
+            )
+        };
+        kernel_io::check(status, || {
+            format!("{ACCUMULATE_PRODUCT}: ONNX Runtime's Gemm")
+        })
+    }
+}
+
+impl Drop for InvokedGemm {
+    fn drop(&mut self) {
+        // SAFETY: made by CreateOp, released once.
+        unsafe { (::ort::api().ReleaseOp)(self.0.as_ptr()) };
+    }
+}
+
+fn accumulate_product_kernel(ctx: &ComputeContext, gemm: &InvokedGemm) -> ::ort::Result<()> {
+    use accumulate_product_slot as at;
+    let op = ACCUMULATE_PRODUCT;
+    let (a, b) = (
+        kernel_io::required(ctx, op, at::A)?,
+        kernel_io::required(ctx, op, at::B)?,
+    );
+    let acc = kernel_io::required(ctx, op, at::ACC)?;
+    let shape = match (a.shape, b.shape, acc.shape) {
+        (&[k, m], &[k_b, n], &[m_acc, n_acc]) if k == k_b && m == m_acc && n == n_acc => {
+            let dim = |d: i64| usize::try_from(d).ok();
+            match (dim(k), dim(m), dim(n)) {
+                (Some(k), Some(m), Some(n)) => ProductShape { k, m, n },
+                _ => return Err(::ort::Error::new(format!("{op}: a negative dimension"))),
+            }
+        }
+        (a, b, acc) => {
+            return Err(::ort::Error::new(format!(
+                "{op}: A {a:?}, B {b:?} and the accumulator {acc:?} are not [k, m], [k, n] \
+                 and [m, n]"
+            )))
+        }
+    };
+    let keep = keep_input(ctx, op, at::KEEP)?;
+    let state = ([at::ACC], 0);
+    if shape.k <= SMALL_CONTRACTION && has_fast_product() {
+        let (a, b) = (a.f32s(op, at::A)?, b.f32s(op, at::B)?);
+        // Tasks of whole rows, about CHUNK elements each.
+        let rows = (CHUNK / shape.n.max(1)).max(1);
+        return run_update_by(ctx, op, state, keep, rows * shape.n, |range, io| {
+            accumulate_product(a, b, shape, range.start / shape.n.max(1), io)
+        });
+    }
+    // MLAS's product into output 1 (ONNX Runtime's arena), then added: the standard ops'
+    // computation, bits and passes.
+    if !keep {
+        return run_update(ctx, op, [at::ACC], 0, keep, |_, _| {});
+    }
+    let product = kernel_io::output(ctx, op, 1, acc.shape)?;
+    gemm.run(ctx, (&a, &b), &product)?;
+    let product: &[f32] = product.into_slice();
+    run_update(ctx, op, [at::ACC], 0, keep, |range, io| {
+        accumulate_grad(&product[range], io)
+    })
 }
 
 /// `ty` has a known rank and every dimension known. ort reports a tensor of unknown rank
@@ -881,7 +1103,7 @@ fn gelu_grad_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
     }
     let dx = f32_output(ctx, op, 0, shape)?;
     let len = dx.len();
-    in_chunks(ctx, len, dx.chunks_mut(CHUNK), |range, out| {
+    in_chunks(ctx, (len, CHUNK), dx.chunks_mut(CHUNK), |range, out| {
         let part = |k: usize| &data[k][range.clone()];
         gelu_grad(&s, [part(0), part(1), part(2)], out)
     })
@@ -927,7 +1149,7 @@ fn relu_grad_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
     }
     let dx = f32_output(ctx, RELU_GRAD, 0, shape)?;
     let len = dx.len();
-    in_chunks(ctx, len, dx.chunks_mut(CHUNK), |range, out| {
+    in_chunks(ctx, (len, CHUNK), dx.chunks_mut(CHUNK), |range, out| {
         relu_grad(&dy[range.clone()], &y[range], out)
     })
 }

@@ -192,6 +192,7 @@ macro_rules! with_widest_vectors {
 mod batch_norm;
 mod gelu_grad;
 mod im2col;
+mod product;
 mod quotient;
 mod relu_grad;
 pub use batch_norm::{
@@ -200,6 +201,10 @@ pub use batch_norm::{
 };
 pub use gelu_grad::{gelu_grad, gelu_slot, GeluGradScalars, GELU_GRAD};
 pub use im2col::{Unfolding, Window2d, IM2COL};
+pub use product::{
+    accumulate_product, accumulate_product_slot, has_fast_product, ProductShape,
+    ACCUMULATE_PRODUCT, SMALL_CONTRACTION,
+};
 use quotient::KnownDivisor;
 pub use relu_grad::{relu_grad, RELU_GRAD};
 

@@ -29,8 +29,8 @@
 use std::collections::BTreeSet;
 
 use crate::fused_ops::{
-    accumulate_slot, adamw_slot, sgd_slot, ACCUMULATE_GRAD, ADAMW_UPDATE, DOMAIN, KEEP_NONFINITE,
-    SGD_UPDATE,
+    accumulate_product_slot, accumulate_slot, adamw_slot, sgd_slot, ACCUMULATE_GRAD,
+    ACCUMULATE_PRODUCT, ADAMW_UPDATE, DOMAIN, KEEP_NONFINITE, SGD_UPDATE,
 };
 use crate::ir::builder::{tensor_bool, Builder};
 use crate::ir::{tensor_type, BodyId, Model, NodeId, Use, ValueId};
@@ -93,6 +93,11 @@ fn state_slots(op: &str, inputs: &[Option<ValueId>]) -> Option<StateSlots> {
             vec![(accumulate_slot::ACC, 0)],
             accumulate_slot::KEEP,
             accumulate_slot::AFTER,
+        )),
+        ACCUMULATE_PRODUCT => Some((
+            vec![(accumulate_product_slot::ACC, 0)],
+            accumulate_product_slot::KEEP,
+            accumulate_product_slot::AFTER,
         )),
         _ => None,
     }

@@ -11,6 +11,8 @@
 //!   `AdamWUpdates` node;
 //! - [`sgd`]: SGD, momentum and Nesterov (`SgdUpdate`);
 //! - [`accumulate`]: the window's gradient sum (`AccumulateGrad`), with in-place updates;
+//! - [`accumulate_product`]: a weight gradient made inside its accumulator
+//!   (`AccumulateProduct`), with in-place updates;
 //! - [`in_place`]: the gate of every fused node, and which states the session may update in
 //!   place.
 //!
@@ -22,6 +24,7 @@
 //! domains or non-float32 operands are left alone.
 
 pub mod accumulate;
+pub mod accumulate_product;
 pub mod adamw;
 pub mod adamw_group;
 pub mod host;
@@ -43,6 +46,8 @@ pub struct Prepared<'m> {
     pub fused: usize,
     /// Parameters' AdamW updates run by `AdamWUpdates` nodes ([`adamw_group`]).
     pub grouped: usize,
+    /// Weight gradients made inside their accumulators ([`accumulate_product`]).
+    pub products: usize,
     /// The states the session updates in place (empty unless asked for).
     pub in_place: InPlacePlan,
     /// The updates of those states the host runs after the session ([`host`]), when it
@@ -65,6 +70,9 @@ pub struct FuseOptions {
     /// `in_place` were off ([`in_place::MIN_SESSION_ELEMENTS`] is the trainer's default),
     /// unless the host updates them all (`host_updates`).
     pub min_in_place_total: i64,
+    /// With `in_place`: weight gradients made inside their accumulators
+    /// ([`accumulate_product`]), where the session does not give its updates to the host.
+    pub products: bool,
     /// With `in_place`: a session whose every in-place state is a fused update's or
     /// accumulation's, and which holds fewer elements in them than this, gives those
     /// kernels to the host ([`host`]).
@@ -99,6 +107,7 @@ pub fn prepare<'m>(
         model: std::borrow::Cow::Borrowed(model),
         fused: 0,
         grouped: 0,
+        products: 0,
         in_place: InPlacePlan::default(),
         host_updates: None,
     };
@@ -123,8 +132,12 @@ pub fn prepare<'m>(
             return Ok(prepared);
         }
     }
-    let accumulations =
-        accumulate::fuse_accumulate(&mut ir, manifest, options.min_accumulator_elements);
+    let min = options.min_accumulator_elements;
+    let products = match options.products {
+        true => accumulate_product::fuse_accumulate_products(&mut ir, manifest, min),
+        false => 0,
+    };
+    let accumulations = products + accumulate::fuse_accumulate(&mut ir, manifest, min);
     let keep = in_place::gate(&mut ir, manifest);
     // The replaced nodes must be gone first: they still read the states.
     super::dce::eliminate_dead_code(&mut ir);
@@ -145,7 +158,11 @@ pub fn prepare<'m>(
         };
         return prepare(model, manifest, apart);
     }
-    finish(ir, fused, 0, plan)
+    let prepared = finish(ir, fused, 0, plan)?;
+    Ok(Prepared {
+        products,
+        ..prepared
+    })
 }
 
 /// The session of `ir` (its updates fused) with every update in place run by the host
@@ -204,6 +221,7 @@ fn finish(
         model: std::borrow::Cow::Owned(ir.to_proto()),
         fused,
         grouped,
+        products: 0,
         in_place,
         host_updates: None,
     })

@@ -1,0 +1,353 @@
+//! A weight gradient made inside its accumulator, what the fused `AccumulateProduct`
+//! operator computes where the step writes `Add(acc, Gemm(A, B, transA = 1))`: a linear
+//! layer's weight gradient `Aᵀ·B` (`A` the layer's output gradient and `B` its input, or the
+//! other way round; `k` rows each, the micro-batch) added to the window's sum.
+//!
+//! ```text
+//! AccumulateProduct(acc [m, n], A [k, m], B [k, n], [keep]) -> acc' [m, n]
+//! s_ij  = fma(A[k-1,i], B[k-1,j], ... fma(A[1,i], B[1,j], fma(A[0,i], B[0,j], +0)))
+//! acc'_ij = acc_ij + s_ij
+//! ```
+//!
+//! Why: the standard ops write the gradient, then read it back beside the accumulator and
+//! write the accumulator. With the small `k` that gradient accumulation is for, the product
+//! is a rank-k update that costs about its output's bytes, so the gradient pass and the
+//! accumulation's are the same size: made in the accumulator, the gradient is never
+//! written (the 1.9M-parameter MLP at B 8: its accumulate runs 1.38x the floor, the
+//! window's first one, which writes the gradients as the accumulators, 1.05x;
+//! benches/README.md, "Run X").
+//!
+//! The order is ONNX Runtime's own: MLAS's SGEMM runs one fused multiply-add chain along
+//! `k` from zero for `k` up to 128 (measured against it element by element), and the
+//! accumulation adds the product to the accumulator; so a fused step gives the standard
+//! step's bits. This kernel takes `k` up to [`SMALL_CONTRACTION`], where it beats MLAS plus
+//! the accumulation; above it (or without AVX-512) the operator has ONNX Runtime's own
+//! `Gemm` make the product, and adds it (`engine::ort_ops`): the standard op's bits again.
+
+use super::Io;
+
+/// The fused operator (see the module's comment).
+pub const ACCUMULATE_PRODUCT: &str = "AccumulateProduct";
+
+/// Input slots of [`ACCUMULATE_PRODUCT`].
+pub mod accumulate_product_slot {
+    pub const ACC: usize = 0;
+    /// `[k, m]`: its column `i` multiplies row `i` of the accumulator.
+    pub const A: usize = 1;
+    /// `[k, n]`.
+    pub const B: usize = 2;
+    /// The gate (optional bool scalar, [`super::super::KEEP_NONFINITE`]).
+    pub const KEEP: usize = 3;
+    /// Ordering inputs from here on (see [`super::super`]'s comment).
+    pub const AFTER: usize = 4;
+    pub const COUNT: usize = 4;
+}
+
+/// The largest `k` this kernel takes. Measured on AVX-512 (one thread, the accumulator out
+/// of L2, a 1024 x 1024 weight; benches/README.md, "Run X"): at `k` = 8 the fused update
+/// costs 0.22 ms against MLAS's product (0.20) plus the accumulation (0.31), at 32 0.61
+/// against 0.41 + 0.31; from about 48 MLAS's faster product wins.
+pub const SMALL_CONTRACTION: usize = 32;
+
+/// The shapes of one product: `A` is `[k, m]`, `B` `[k, n]`, the accumulator `[m, n]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProductShape {
+    pub k: usize,
+    pub m: usize,
+    pub n: usize,
+}
+
+/// Whether this CPU runs [`accumulate_product`] at speed (its AVX-512 kernel). Without it
+/// the portable loop gives the same bits, slower than MLAS's product.
+pub fn has_fast_product() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `acc' = acc + Aᵀ·B` for the accumulator's rows `first_row..` that `io` holds (whole rows
+/// of `shape.n`), in the order of the module's comment.
+pub fn accumulate_product(
+    a: &[f32],
+    b: &[f32],
+    shape: ProductShape,
+    first_row: usize,
+    io: Io<'_, 1>,
+) {
+    let acc = match io {
+        Io::InPlace([acc]) => acc,
+        Io::Apart([src], [dst]) => {
+            dst.copy_from_slice(src);
+            dst
+        }
+    };
+    let ProductShape { k, m, n } = shape;
+    let rows = acc.len() / n.max(1);
+    assert!(
+        a.len() == k * m && b.len() == k * n && rows * n == acc.len() && first_row + rows <= m,
+        "AccumulateProduct: A {}, B {} and rows {first_row}+{rows} of {shape:?}",
+        a.len(),
+        b.len(),
+    );
+    #[cfg(target_arch = "x86_64")]
+    if has_fast_product() {
+        // SAFETY: the CPU has AVX-512F and FMA (checked), and the sizes were checked above.
+        unsafe { avx512::rows(a, b, shape, first_row, acc) };
+        return;
+    }
+    with_widest_vectors!(portable_rows(a, b, shape, first_row, acc))
+}
+
+/// The same chains a row at a time, `BLOCK` columns of partial sums on the stack.
+#[inline(always)]
+fn portable_rows(a: &[f32], b: &[f32], shape: ProductShape, first_row: usize, acc: &mut [f32]) {
+    const BLOCK: usize = 256;
+    let ProductShape { k, m, n } = shape;
+    for (r, row) in acc.chunks_exact_mut(n).enumerate() {
+        let i = first_row + r;
+        for (c, out) in row.chunks_mut(BLOCK).enumerate() {
+            let j0 = c * BLOCK;
+            let mut s = [0f32; BLOCK];
+            let s = &mut s[..out.len()];
+            for p in 0..k {
+                let coefficient = a[p * m + i];
+                let b_row = &b[p * n + j0..p * n + j0 + out.len()];
+                for (s, &x) in s.iter_mut().zip(b_row) {
+                    *s = coefficient.mul_add(x, *s);
+                }
+            }
+            for (out, s) in out.iter_mut().zip(s.iter()) {
+                *out += *s;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::ProductShape;
+    use std::arch::x86_64::*;
+
+    const LANES: usize = 16;
+    /// Rows per tile: with two vectors a row, 16 chains in registers, two loads of `B` and
+    /// eight broadcasts of `A` for sixteen multiply-adds (the fastest of 2-8 rows by 1-4
+    /// vectors measured at `k` 8 and 32).
+    const ROWS: usize = 8;
+
+    /// `R` rows of the accumulator from `acc` (row `i` of the product: `first_row + i`) by
+    /// `V` vectors from column `j`, the last of them masked to `mask`'s lanes.
+    ///
+    /// # Safety
+    /// AVX-512F and FMA; `R` rows from `i` and the lanes of `V` vectors from `j` (the last
+    /// masked) within the checked shapes.
+    #[inline(always)]
+    unsafe fn tile<const R: usize, const V: usize, const MASKED: bool>(
+        (a, b, acc): (*const f32, *const f32, *mut f32),
+        shape: ProductShape,
+        (first_row, i, j): (usize, usize, usize),
+        mask: __mmask16,
+    ) {
+        let ProductShape { k, m, n } = shape;
+        let mut s = [[_mm512_setzero_ps(); V]; R];
+        for p in 0..k {
+            let mut x = [_mm512_setzero_ps(); V];
+            for (v, x) in x.iter_mut().enumerate() {
+                let from = b.add(p * n + j + v * LANES);
+                *x = match MASKED && v + 1 == V {
+                    true => _mm512_maskz_loadu_ps(mask, from),
+                    false => _mm512_loadu_ps(from),
+                };
+            }
+            for (r, s) in s.iter_mut().enumerate() {
+                let coefficient = _mm512_set1_ps(*a.add(p * m + first_row + i + r));
+                for v in 0..V {
+                    s[v] = _mm512_fmadd_ps(coefficient, x[v], s[v]);
+                }
+            }
+        }
+        for (r, s) in s.iter().enumerate() {
+            for (v, s) in s.iter().enumerate() {
+                let out = acc.add((i + r) * n + j + v * LANES);
+                match MASKED && v + 1 == V {
+                    true => {
+                        let sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, out), *s);
+                        _mm512_mask_storeu_ps(out, mask, sum);
+                    }
+                    false => _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), *s)),
+                }
+            }
+        }
+    }
+
+    /// `R` rows from `i`, every column.
+    ///
+    /// # Safety
+    /// As [`tile`].
+    #[inline(always)]
+    unsafe fn row_block<const R: usize>(
+        ptrs: (*const f32, *const f32, *mut f32),
+        shape: ProductShape,
+        first_row: usize,
+        i: usize,
+    ) {
+        let n = shape.n;
+        let all = !0 as __mmask16;
+        let mut j = 0;
+        while j + 2 * LANES <= n {
+            tile::<R, 2, false>(ptrs, shape, (first_row, i, j), all);
+            j += 2 * LANES;
+        }
+        if j + LANES <= n {
+            tile::<R, 1, false>(ptrs, shape, (first_row, i, j), all);
+            j += LANES;
+        }
+        if j < n {
+            let mask = ((1u32 << (n - j)) - 1) as __mmask16;
+            tile::<R, 1, true>(ptrs, shape, (first_row, i, j), mask);
+        }
+    }
+
+    /// The rows `acc` holds, from row `first_row` of the product.
+    ///
+    /// # Safety
+    /// AVX-512F and FMA; `a`, `b` and `acc` of the sizes `super::accumulate_product` checks.
+    #[target_feature(enable = "avx512f,fma")]
+    pub(super) unsafe fn rows(
+        a: &[f32],
+        b: &[f32],
+        shape: ProductShape,
+        first_row: usize,
+        acc: &mut [f32],
+    ) {
+        let rows = acc.len() / shape.n.max(1);
+        let ptrs = (a.as_ptr(), b.as_ptr(), acc.as_mut_ptr());
+        let mut i = 0;
+        while i + ROWS <= rows {
+            row_block::<ROWS>(ptrs, shape, first_row, i);
+            i += ROWS;
+        }
+        while i < rows {
+            row_block::<1>(ptrs, shape, first_row, i);
+            i += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A deterministic spread of values of both signs and many magnitudes.
+    fn values(seed: u32, len: usize) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(0x9e37_79b9) | 1;
+        (0..len)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 17;
+                state ^= state << 5;
+                let unit = (state >> 8) as f32 / (1u32 << 24) as f32 - 0.5;
+                unit * 2f32.powi((state % 7) as i32 - 3)
+            })
+            .collect()
+    }
+
+    /// The module's formula, one element at a time.
+    fn chain(a: &[f32], b: &[f32], shape: ProductShape, acc: &[f32]) -> Vec<f32> {
+        let ProductShape { k, m, n } = shape;
+        let mut out = acc.to_vec();
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0f32;
+                for p in 0..k {
+                    s = a[p * m + i].mul_add(b[p * n + j], s);
+                }
+                out[i * n + j] += s;
+            }
+        }
+        out
+    }
+
+    /// Every tile shape and tail of the kernel (rows by 8 and one, columns by 32, 16 and
+    /// masked), in place and apart, row ranges as the threads split them, gives the chain's
+    /// bits; and the chain is the product to float32 rounding (float64 sums).
+    #[test]
+    fn the_product_is_the_fused_chain() {
+        for k in [1, 3, 8, 17, 32] {
+            for m in [1, 7, 8, 9, 17] {
+                for n in [1, 15, 16, 17, 33, 48, 70] {
+                    let shape = ProductShape { k, m, n };
+                    let (a, b) = (values(1, k * m), values(2, k * n));
+                    let acc = values(3, m * n);
+                    let want = chain(&a, &b, shape, &acc);
+                    let mut in_place = acc.clone();
+                    // Two pieces, split at a row as the kernel's tasks are.
+                    let split = m / 2 * n;
+                    let (top, bottom) = in_place.split_at_mut(split);
+                    accumulate_product(&a, &b, shape, 0, Io::InPlace([top]));
+                    accumulate_product(&a, &b, shape, m / 2, Io::InPlace([bottom]));
+                    let mut apart = vec![0f32; m * n];
+                    accumulate_product(&a, &b, shape, 0, Io::Apart([&acc], [&mut apart]));
+                    let mut portable = acc.clone();
+                    portable_rows(&a, &b, shape, 0, &mut portable);
+                    for (what, got) in [
+                        ("in place", &in_place),
+                        ("apart", &apart),
+                        ("portable", &portable),
+                    ] {
+                        let same = got
+                            .iter()
+                            .zip(&want)
+                            .all(|(g, w)| g.to_bits() == w.to_bits());
+                        assert!(same, "{what}, {shape:?}");
+                    }
+                    for i in 0..m {
+                        for j in 0..n {
+                            let exact: f64 = (0..k)
+                                .map(|p| a[p * m + i] as f64 * b[p * n + j] as f64)
+                                .sum::<f64>()
+                                + acc[i * n + j] as f64;
+                            let scale: f64 = (0..k)
+                                .map(|p| (a[p * m + i] as f64 * b[p * n + j] as f64).abs())
+                                .sum::<f64>()
+                                + (acc[i * n + j] as f64).abs();
+                            let error = (want[i * n + j] as f64 - exact).abs();
+                            assert!(
+                                error <= (k + 1) as f64 * f32::EPSILON as f64 * scale,
+                                "{shape:?} ({i}, {j}): {} vs {exact}",
+                                want[i * n + j]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Non-finite operands spread as the standard ops spread them: NaN where the chain
+    /// meets one, and the infinities' signs.
+    #[test]
+    fn non_finite_values_spread_as_in_the_chain() {
+        let shape = ProductShape { k: 2, m: 2, n: 20 };
+        let mut a = values(4, 4);
+        let mut b = values(5, 40);
+        a[1] = f32::INFINITY; // row 1, p = 0
+        b[20 + 3] = f32::NAN; // p = 1, column 3
+        b[5] = 0.0; // inf · 0 in row 1, column 5
+        let acc = values(6, 40);
+        let want = chain(&a, &b, shape, &acc);
+        let mut got = acc.clone();
+        accumulate_product(&a, &b, shape, 0, Io::InPlace([&mut got]));
+        for (g, w) in got.iter().zip(&want) {
+            assert!(
+                g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                "{g} vs {w}"
+            );
+        }
+        assert!(got[3].is_nan() && got[20 + 5].is_nan() && got[20].is_infinite());
+    }
+}

@@ -1,0 +1,147 @@
+//! A weight gradient made inside its accumulator: `acc' = Add(acc, Aᵀ·B)` as one
+//! [`AccumulateProduct`](crate::fused_ops::ACCUMULATE_PRODUCT) node, which at a small
+//! micro-batch adds the product into `acc`'s own buffer without writing the gradient, and
+//! otherwise has ONNX Runtime's `Gemm` make it and adds it: the standard ops' bits either
+//! way (`fused_ops::product`).
+//!
+//! Matched, for an accumulator read only by that `Add` (either operand order) and of at
+//! least the elements the caller asks for, the gradient read by nothing else and made by
+//!
+//! - `Gemm(A, B)` with `transA = 1`, `transB = 0`, `alpha = 1` and no C (the weight gradient
+//!   our autodiff writes for `Gemm`, and PyTorch's `Linear`), or
+//! - `MatMul(Transpose(A), B)`, `A` and `B` of rank 2 as declared or derived
+//!   (`autodiff::shapes`), the transpose's `perm` absent or `[1, 0]` (a rank-2 `MatMul`'s
+//!   weight gradient).
+//!
+//! A product transposed after the `Gemm` (`Transpose(Gemm(..))`, the GPT's) is not matched:
+//! with its large `k` the kernel would run ONNX Runtime's `Gemm` with the operands swapped,
+//! and whether MLAS then sums in the same order is not measured.
+
+use super::{accumulators, at_least, float32_or_unknown, input, output, PASS};
+use crate::fused_ops::{accumulate_product_slot, ACCUMULATE_PRODUCT, DOMAIN};
+use crate::ir::builder::Builder;
+use crate::ir::{normalize_domain, BodyId, Model, NodeId, Use, ValueId};
+use crate::passes::autodiff::shapes::Shapes;
+
+/// Fuses every matched accumulation of the main graph of `min_elements` or more; returns how
+/// many.
+pub fn fuse_accumulate_products(
+    model: &mut Model,
+    manifest: &crate::state::Manifest,
+    min_elements: i64,
+) -> usize {
+    let mut fused = 0;
+    let mut shapes = None;
+    for (acc, next) in accumulators(model, manifest) {
+        let shapes = shapes.get_or_insert_with(|| Shapes::infer(model));
+        let Some((a, b)) = matched(model, shapes, (acc, next), min_elements) else {
+            continue;
+        };
+        let mut inputs = vec![None; accumulate_product_slot::COUNT];
+        inputs[accumulate_product_slot::ACC] = Some(acc);
+        inputs[accumulate_product_slot::A] = Some(a);
+        inputs[accumulate_product_slot::B] = Some(b);
+        let hint = format!("{}.fused", model.name(next));
+        let product = format!("{}.product", model.name(next));
+        let node = Builder::new(model, BodyId::MAIN, PASS).node(
+            ACCUMULATE_PRODUCT,
+            DOMAIN,
+            &inputs,
+            &[&hint, &product],
+            Vec::new(),
+        );
+        let new = model.output(node, 0);
+        model.replace_value(next, new);
+        fused += 1;
+    }
+    fused
+}
+
+/// `(A, B)` when `next = Add(acc, Aᵀ·B)` as the module's comment says.
+fn matched(
+    model: &Model,
+    shapes: &Shapes,
+    (acc, next): (ValueId, ValueId),
+    min_elements: i64,
+) -> Option<(ValueId, ValueId)> {
+    let (add, _) = model.producer(next)?;
+    let main_add = super::is_op(model, add, "Add", 2) && model.node(add).body == BodyId::MAIN;
+    if !main_add || output(model, add) != next {
+        return None;
+    }
+    let (x, y) = (input(model, add, 0)?, input(model, add, 1)?);
+    let gradient = match (x == acc, y == acc) {
+        (true, false) => y,
+        (false, true) => x,
+        _ => return None,
+    };
+    let read_only_here =
+        |v: ValueId| matches!(model.uses(v), [Use::Node { node, .. }] if *node == add);
+    if !read_only_here(acc) || !read_only_here(gradient) || !at_least(model, acc, min_elements) {
+        return None;
+    }
+    let (a, b) = product_operands(model, shapes, gradient)?;
+    (float32_or_unknown(model, a) && float32_or_unknown(model, b)).then_some((a, b))
+}
+
+/// `(A, B)` when `v = Aᵀ·B` by one of the two forms of the module's comment.
+fn product_operands(model: &Model, shapes: &Shapes, v: ValueId) -> Option<(ValueId, ValueId)> {
+    let (n, _) = model.producer(v)?;
+    // A Gemm's C may be named empty (absent).
+    let no_c = model.node(n).inputs.get(2).is_none_or(Option::is_none);
+    let gemm = model.node(n).proto.op_type() == "Gemm" && no_c;
+    if gemm && standard(model, n, "Gemm", 2, 3) && gemm_is_transposed_a_product(model, n) {
+        return Some((input(model, n, 0)?, input(model, n, 1)?));
+    }
+    if !standard(model, n, "MatMul", 2, 2) || !model.node(n).proto.attribute.is_empty() {
+        return None;
+    }
+    let (transposed, b) = (input(model, n, 0)?, input(model, n, 1)?);
+    let (t, _) = model.producer(transposed)?;
+    let perm_ok = model
+        .node(t)
+        .proto
+        .attribute
+        .iter()
+        .all(|attr| attr.name() == "perm" && attr.ints == [1, 0]);
+    if !standard(model, t, "Transpose", 1, 1) || !perm_ok {
+        return None;
+    }
+    let a = input(model, t, 0)?;
+    let rank_two = |v: ValueId| shapes.get(v).rank() == Some(2);
+    (rank_two(a) && rank_two(b)).then_some((a, b))
+}
+
+/// `Gemm` with `transA = 1`, and `transB`, `alpha` and `beta` (the last unread without C)
+/// at most at their defaults otherwise.
+fn gemm_is_transposed_a_product(model: &Model, n: NodeId) -> bool {
+    let mut trans_a = false;
+    for attr in &model.node(n).proto.attribute {
+        let ok = match attr.name() {
+            "transA" => {
+                trans_a = attr.i() == 1;
+                trans_a
+            }
+            "transB" => attr.i() == 0,
+            "alpha" => attr.f() == 1.0,
+            "beta" => true,
+            _ => false,
+        };
+        if !ok {
+            return false;
+        }
+    }
+    trans_a
+}
+
+/// A standard-domain node of `op` in the main graph whose first `given` inputs are given,
+/// with at most `slots` inputs, and one output (attributes are checked by the caller).
+fn standard(model: &Model, n: NodeId, op: &str, given: usize, slots: usize) -> bool {
+    let node = model.node(n);
+    node.proto.op_type() == op
+        && normalize_domain(node.proto.domain()).is_empty()
+        && node.body == BodyId::MAIN
+        && (given..=slots).contains(&node.inputs.len())
+        && node.inputs[..given].iter().all(Option::is_some)
+        && node.outputs.len() == 1
+}
