@@ -8,14 +8,16 @@
 //! least the elements the caller asks for, the gradient read by nothing else and made by
 //!
 //! - `Gemm(A, B)` with `transA = 1`, `transB = 0`, `alpha = 1` and no C (the weight gradient
-//!   our autodiff writes for `Gemm`, and PyTorch's `Linear`), or
+//!   our autodiff writes for `Gemm`, and PyTorch's `Linear`),
 //! - `MatMul(Transpose(A), B)`, `A` and `B` of rank 2 as declared or derived
 //!   (`autodiff::shapes`), the transpose's `perm` absent or `[1, 0]` (a rank-2 `MatMul`'s
-//!   weight gradient).
-//!
-//! A product transposed after the `Gemm` (`Transpose(Gemm(..))`, the GPT's) is not matched:
-//! with its large `k` the kernel would run ONNX Runtime's `Gemm` with the operands swapped,
-//! and whether MLAS then sums in the same order is not measured.
+//!   weight gradient), or
+//! - `Transpose(Gemm(P, Q))`, the `Gemm` as above and read only there, its `perm` absent or
+//!   `[1, 0]`: `Qᵀ·P` (the weight gradient of `MatMul(X, Wᵀ)` as PyTorch exports a
+//!   transposed weight, the GPT's). The products are the same numbers, the chains the same
+//!   order; with large `k` ONNX Runtime's `Gemm` then runs with its operands swapped, whose
+//!   K blocking does not depend on M and N (measured equal at `k` 200-1000, 1 and 2
+//!   threads).
 
 use super::{accumulators, at_least, float32_or_unknown, input, output, PASS};
 use crate::fused_ops::{accumulate_product_slot, ACCUMULATE_PRODUCT, DOMAIN};
@@ -84,32 +86,43 @@ fn matched(
     (float32_or_unknown(model, a) && float32_or_unknown(model, b)).then_some((a, b))
 }
 
-/// `(A, B)` when `v = Aᵀ·B` by one of the two forms of the module's comment.
+/// `(A, B)` when `v = Aᵀ·B` by one of the forms of the module's comment.
 fn product_operands(model: &Model, shapes: &Shapes, v: ValueId) -> Option<(ValueId, ValueId)> {
     let (n, _) = model.producer(v)?;
-    // A Gemm's C may be named empty (absent).
-    let no_c = model.node(n).inputs.get(2).is_none_or(Option::is_none);
-    let gemm = model.node(n).proto.op_type() == "Gemm" && no_c;
-    if gemm && standard(model, n, "Gemm", 2, 3) && gemm_is_transposed_a_product(model, n) {
-        return Some((input(model, n, 0)?, input(model, n, 1)?));
+    if let Some(operands) = gemm_operands(model, n) {
+        return Some(operands);
+    }
+    let transposed_input = |n: NodeId| {
+        let perm_ok = model
+            .node(n)
+            .proto
+            .attribute
+            .iter()
+            .all(|attr| attr.name() == "perm" && attr.ints == [1, 0]);
+        (standard(model, n, "Transpose", 1, 1) && perm_ok).then(|| input(model, n, 0))?
+    };
+    // (Pᵀ·Q)ᵀ = Qᵀ·P, the Gemm read by nothing else.
+    if let Some(g) = transposed_input(n) {
+        let (gemm, _) = model.producer(g)?;
+        let (p, q) = gemm_operands(model, gemm)?;
+        let only_transposed = matches!(model.uses(g), [Use::Node { node, .. }] if *node == n);
+        return only_transposed.then_some((q, p));
     }
     if !standard(model, n, "MatMul", 2, 2) || !model.node(n).proto.attribute.is_empty() {
         return None;
     }
     let (transposed, b) = (input(model, n, 0)?, input(model, n, 1)?);
-    let (t, _) = model.producer(transposed)?;
-    let perm_ok = model
-        .node(t)
-        .proto
-        .attribute
-        .iter()
-        .all(|attr| attr.name() == "perm" && attr.ints == [1, 0]);
-    if !standard(model, t, "Transpose", 1, 1) || !perm_ok {
-        return None;
-    }
-    let a = input(model, t, 0)?;
+    let a = transposed_input(model.producer(transposed)?.0)?;
     let rank_two = |v: ValueId| shapes.get(v).rank() == Some(2);
     (rank_two(a) && rank_two(b)).then_some((a, b))
+}
+
+/// `(A, B)` of `Gemm(A, B)` when `n` is one that computes `Aᵀ·B`.
+fn gemm_operands(model: &Model, n: NodeId) -> Option<(ValueId, ValueId)> {
+    // A Gemm's C may be named empty (absent).
+    let no_c = model.node(n).inputs.get(2).is_none_or(Option::is_none);
+    let gemm = standard(model, n, "Gemm", 2, 3) && no_c && gemm_is_transposed_a_product(model, n);
+    gemm.then(|| Some((input(model, n, 0)?, input(model, n, 1)?)))?
 }
 
 /// `Gemm` with `transA = 1`, and `transB`, `alpha` and `beta` (the last unread without C)
