@@ -384,13 +384,14 @@ fn measure(cell: Duration, mut step: impl FnMut(u64) -> Result<bool>) -> Result<
 /// The least memory traffic any implementation of this step adds to its gradient graph,
 /// timed as plain streams over buffers of the parameters' size on `threads` threads: the
 /// apply reads the parameters, the window's gradient and both moments and writes the
-/// parameters and the moments (7 passes, AdamW's float32 state), and each micro-step of a
-/// window but the first and the applying one reads and writes its accumulator (2 passes; the
-/// first writes the gradient as the accumulator, the applying one reads it into the update).
-/// Returns (apply ms, accumulate ms): medians of `reps` streams, the arithmetic being one add
-/// per element (bandwidth, not AdamW's divisions). The threads are started once and meet at
-/// a barrier around each stream: starting them costs more than a small stream.
-fn stream_bound(params: usize, threads: usize, reps: usize) -> (f64, f64) {
+/// parameters and the moments (7 passes, AdamW's float32 state). A micro-step adds its
+/// gradient into the accumulator as the product makes it (`AccumulateProduct`), reading and
+/// writing the accumulator where the floor writes (and so first reads) the gradient: no
+/// traffic over the floor. Returns the apply's ms: the median of `reps` streams, the
+/// arithmetic being one add per element (bandwidth, not AdamW's divisions). The threads are
+/// started once and meet at a barrier around each stream: starting them costs more than a
+/// small stream.
+fn stream_bound(params: usize, threads: usize, reps: usize) -> f64 {
     let threads = threads.max(1);
     let chunk = params.div_ceil(threads);
     let mut bufs: Vec<Vec<f32>> = (0..4).map(|i| vec![i as f32 * 0.5; params]).collect();
@@ -421,10 +422,10 @@ fn stream_bound(params: usize, threads: usize, reps: usize) -> (f64, f64) {
 /// One thread's share of the parameters, gradient and moments.
 type Part<'a> = (&'a mut [f32], &'a [f32], &'a mut [f32], &'a mut [f32]);
 
-/// [`stream_bound`]'s streams over one part, `reps` times each, in step with the other
-/// threads; their median times in ms.
-fn stream((p, g, m, v): Part<'_>, reps: usize, barrier: &std::sync::Barrier) -> (f64, f64) {
-    let (mut apply, mut accumulate) = (Vec::new(), Vec::new());
+/// [`stream_bound`]'s stream over one part, `reps` times, in step with the other threads;
+/// its median time in ms.
+fn stream((p, g, m, v): Part<'_>, reps: usize, barrier: &std::sync::Barrier) -> f64 {
+    let mut apply = Vec::new();
     for _ in 0..reps {
         barrier.wait();
         let t = Instant::now();
@@ -435,13 +436,8 @@ fn stream((p, g, m, v): Part<'_>, reps: usize, barrier: &std::sync::Barrier) -> 
         }
         barrier.wait();
         apply.push(t.elapsed().as_secs_f64() * 1e3);
-        barrier.wait();
-        let t = Instant::now();
-        m.iter_mut().for_each(|a| *a += 1.0);
-        barrier.wait();
-        accumulate.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    (median(apply), median(accumulate))
+    median(apply)
 }
 
 fn run_cell(s: &Sized, column: &str, cell: Duration) -> Result<Measured> {
@@ -766,22 +762,20 @@ fn main() -> Result<()> {
     }
     // What no implementation of the step can avoid, against what it costs.
     println!(
-        "\nThe traffic bound: floor + (apply stream + (K - 2) x accumulate stream) / K, the \
-         streams timed over buffers of the parameters' size (stream_bound). step/bound: how \
-         much of the step is more than the floor and that traffic.\n"
+        "\nThe traffic bound: floor + apply stream / K, the stream timed over buffers of the \
+         parameters' size (stream_bound; the accumulations add none: each is made in its \
+         product). step/bound: how much of the step is more than the floor and that traffic.\n"
     );
-    println!(
-        "| W | T | floor | apply stream | accumulate stream | bound | bound/floor | step/bound |"
-    );
-    println!("|--:|--:|--:|--:|--:|--:|--:|--:|");
+    println!("| W | T | floor | apply stream | bound | bound/floor | step/bound |");
+    println!("|--:|--:|--:|--:|--:|--:|--:|");
     for s in &sized {
         let w = s.width;
         for &t in &o.threads {
-            let (apply, accumulate) = stream_bound(s.params, t, 15);
+            let apply = stream_bound(s.params, t, 15);
             let floor = med(w, "floor", t, |m| Some(m.per_step));
-            let bound = floor + (apply + (K as f64 - 2.0) * accumulate) / K as f64;
+            let bound = floor + apply / K as f64;
             println!(
-                "| {w} | {t} | {floor:.3} | {apply:.3} | {accumulate:.3} | {bound:.3} | {:.2} | {:.2} |",
+                "| {w} | {t} | {floor:.3} | {apply:.3} | {bound:.3} | {:.2} | {:.2} |",
                 bound / floor,
                 med(w, "step", t, |m| Some(m.per_step)) / bound,
             );
