@@ -614,7 +614,7 @@ fn host_updates_train_bit_identically() {
 }
 
 /// The weight's gradient made inside its accumulator (`AccumulateProduct`): at micro-batches
-/// of 8 by onnx-ga's kernel, at 40 (over `fused_ops::SMALL_CONTRACTION`) by ONNX Runtime's
+/// of 8 by onnx-ga's kernel, at 40 (over `fused_ops::largest_fast_contraction`) by ONNX Runtime's
 /// `Gemm` into a buffer of its own and then added. Both train bit for bit as the standard
 /// ops, on one thread and on two (the 512 rows split into tasks), with micro-steps of NaN
 /// inputs discarded (the gate leaves the accumulator unwritten) at a window's start and

@@ -16,10 +16,10 @@ use super::kernel_io;
 use crate::fused_ops::{
     accumulate_grad, accumulate_product, accumulate_product_slot, accumulate_slot,
     adamw_group_slot, adamw_slot, adamw_update, batch_norm_grad_channel, batch_norm_train_channel,
-    gelu_grad, gelu_slot, has_fast_product, relu_grad, sgd_slot, sgd_update, AdamWScalars,
+    gelu_grad, gelu_slot, largest_fast_contraction, relu_grad, sgd_slot, sgd_update, AdamWScalars,
     BatchNormLayout, ChannelStats, GeluGradScalars, Io, ProductShape, SgdIo, SgdScalars, Unfolding,
     Window2d, ACCUMULATE_GRAD, ACCUMULATE_PRODUCT, ADAMW_UPDATE, ADAMW_UPDATES, BATCH_NORM_GRAD,
-    BATCH_NORM_TRAIN, DOMAIN, GELU_GRAD, IM2COL, RELU_GRAD, SGD_UPDATE, SMALL_CONTRACTION,
+    BATCH_NORM_TRAIN, DOMAIN, GELU_GRAD, IM2COL, RELU_GRAD, SGD_UPDATE,
 };
 
 /// The domain with every fused operator, for a session builder.
@@ -719,7 +719,7 @@ fn accumulate_product_kernel(ctx: &ComputeContext, gemm: &InvokedGemm) -> ::ort:
     };
     let keep = keep_input(ctx, op, at::KEEP)?;
     let state = ([at::ACC], 0);
-    if shape.k <= SMALL_CONTRACTION && has_fast_product() {
+    if shape.k <= largest_fast_contraction() {
         let (a, b) = (a.f32s(op, at::A)?, b.f32s(op, at::B)?);
         // Tasks of whole rows, about CHUNK elements each.
         let rows = (CHUNK / shape.n.max(1)).max(1);

@@ -202,8 +202,8 @@ pub use batch_norm::{
 pub use gelu_grad::{gelu_grad, gelu_slot, GeluGradScalars, GELU_GRAD};
 pub use im2col::{Unfolding, Window2d, IM2COL};
 pub use product::{
-    accumulate_product, accumulate_product_slot, has_fast_product, ProductShape,
-    ACCUMULATE_PRODUCT, SMALL_CONTRACTION,
+    accumulate_product, accumulate_product_slot, largest_fast_contraction, ProductShape,
+    ACCUMULATE_PRODUCT,
 };
 use quotient::KnownDivisor;
 pub use relu_grad::{relu_grad, RELU_GRAD};

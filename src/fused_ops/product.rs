@@ -20,9 +20,10 @@
 //! The order is ONNX Runtime's own: MLAS's SGEMM runs one fused multiply-add chain along
 //! `k` from zero for `k` up to 128 (measured against it element by element), and the
 //! accumulation adds the product to the accumulator; so a fused step gives the standard
-//! step's bits. This kernel takes `k` up to [`SMALL_CONTRACTION`], where it beats MLAS plus
-//! the accumulation; above it (or without AVX-512) the operator has ONNX Runtime's own
-//! `Gemm` make the product, and adds it (`engine::ort_ops`): the standard op's bits again.
+//! step's bits. This kernel takes `k` up to [`largest_fast_contraction`], where it beats
+//! MLAS plus the accumulation; above it (or without AVX2 and FMA) the operator has ONNX
+//! Runtime's own `Gemm` make the product, and adds it (`engine::ort_ops`): the standard op's
+//! bits again.
 
 use super::Io;
 
@@ -43,11 +44,17 @@ pub mod accumulate_product_slot {
     pub const COUNT: usize = 4;
 }
 
-/// The largest `k` this kernel takes. Measured on AVX-512 (one thread, the accumulator out
-/// of L2, a 1024 x 1024 weight; benches/README.md, "Run X"): at `k` = 8 the fused update
-/// costs 0.22 ms against MLAS's product (0.20) plus the accumulation (0.31), at 32 0.61
-/// against 0.41 + 0.31; from about 48 MLAS's faster product wins.
-pub const SMALL_CONTRACTION: usize = 32;
+/// The largest `k` the kernel takes on AVX-512. Measured (one thread, the accumulator out of
+/// L2, a 1024 x 1024 weight; benches/README.md, "Run X"): at `k` = 8 the fused update costs
+/// 0.22 ms against MLAS's product (0.20) plus the accumulation (0.31), at 32 0.61 against
+/// 0.41 + 0.31; from about 48 MLAS's faster product wins.
+const AVX512_CONTRACTION: usize = 32;
+
+/// The largest `k` the kernel takes on AVX2, where it runs at 44-64 GFLOP/s on this CPU
+/// against 47-101 for its AVX-512 form. MLAS's AVX2 product is not measured here (no
+/// AVX2-only machine): taken at half its AVX-512 speed, the kernel wins to about `k` = 24,
+/// so half the AVX-512 limit.
+const AVX2_CONTRACTION: usize = 16;
 
 /// The shapes of one product: `A` is `[k, m]`, `B` `[k, n]`, the accumulator `[m, n]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,17 +64,30 @@ pub struct ProductShape {
     pub n: usize,
 }
 
-/// Whether this CPU runs [`accumulate_product`] at speed (its AVX-512 kernel). Without it
-/// the portable loop gives the same bits, slower than MLAS's product.
-pub fn has_fast_product() -> bool {
+/// The largest `k` for which this CPU's form of the kernel beats ONNX Runtime's product plus
+/// the accumulation: AVX-512 or AVX2, each with FMA; 0 without (the portable loop gives the
+/// same bits, slower).
+pub fn largest_fast_contraction() -> usize {
+    match fast_lanes() {
+        Some(16) => AVX512_CONTRACTION,
+        Some(_) => AVX2_CONTRACTION,
+        None => 0,
+    }
+}
+
+/// The vector width of the kernel's fastest form on this CPU (`None`: the portable loop).
+fn fast_lanes() -> Option<usize> {
     #[cfg(target_arch = "x86_64")]
     {
-        std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("fma")
+        let fma = std::is_x86_feature_detected!("fma");
+        if fma && std::is_x86_feature_detected!("avx512f") {
+            return Some(16);
+        }
+        if fma && std::is_x86_feature_detected!("avx2") {
+            return Some(8);
+        }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    None
 }
 
 /// `acc' = acc + Aᵀ·B` for the accumulator's rows `first_row..` that `io` holds (whole rows
@@ -95,10 +115,11 @@ pub fn accumulate_product(
         b.len(),
     );
     #[cfg(target_arch = "x86_64")]
-    if has_fast_product() {
-        // SAFETY: the CPU has AVX-512F and FMA (checked), and the sizes were checked above.
-        unsafe { avx512::rows(a, b, shape, first_row, acc) };
-        return;
+    match fast_lanes() {
+        // SAFETY: the CPU has the vectors and FMA (checked), the sizes were checked above.
+        Some(16) => return unsafe { simd::rows_avx512(a, b, shape, first_row, acc) },
+        Some(8) => return unsafe { simd::rows_avx2(a, b, shape, first_row, acc) },
+        _ => {}
     }
     with_widest_vectors!(portable_rows(a, b, shape, first_row, acc))
 }
@@ -128,57 +149,159 @@ fn portable_rows(a: &[f32], b: &[f32], shape: ProductShape, first_row: usize, ac
     }
 }
 
+/// The kernel on x86-64 vectors, one body for both widths ([`Lanes`]).
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
+mod simd {
     use super::ProductShape;
     use std::arch::x86_64::*;
 
-    const LANES: usize = 16;
-    /// Rows per tile: with two vectors a row, 16 chains in registers, two loads of `B` and
-    /// eight broadcasts of `A` for sixteen multiply-adds (the fastest of 2-8 rows by 1-4
-    /// vectors measured at `k` 8 and 32).
-    const ROWS: usize = 8;
+    /// One vector of float32 lanes and the operations the kernel uses, each one instruction.
+    /// Every method is unsafe: the CPU must have the width's instructions and FMA, and each
+    /// pointer must hold the lanes it reads or writes (the masked ones: the mask's lanes).
+    trait Lanes: Copy {
+        const LANES: usize;
+        /// Rows per tile: with two vectors a row, twice as many chains in registers, and
+        /// room left for the row of `B` and a broadcast of `A`. AVX-512 (32 registers): 8,
+        /// the fastest of 2-8 rows by 1-4 vectors measured at `k` 8 and 32; AVX2 (16): 4.
+        const ROWS: usize;
+        /// Which lanes a masked load or store touches.
+        type Mask: Copy;
+        /// The first `lanes` lanes (at most [`Self::LANES`]).
+        unsafe fn first(lanes: usize) -> Self::Mask;
+        unsafe fn zero() -> Self;
+        unsafe fn splat(x: f32) -> Self;
+        unsafe fn load(from: *const f32) -> Self;
+        unsafe fn load_masked(mask: Self::Mask, from: *const f32) -> Self;
+        unsafe fn store(self, to: *mut f32);
+        unsafe fn store_masked(self, mask: Self::Mask, to: *mut f32);
+        /// `a·b + self`, one rounding.
+        unsafe fn fma(self, a: Self, b: Self) -> Self;
+        unsafe fn add(self, other: Self) -> Self;
+    }
+
+    impl Lanes for __m512 {
+        const LANES: usize = 16;
+        const ROWS: usize = 8;
+        type Mask = __mmask16;
+        #[inline(always)]
+        unsafe fn first(lanes: usize) -> __mmask16 {
+            ((1u32 << lanes) - 1) as __mmask16
+        }
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            _mm512_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            _mm512_set1_ps(x)
+        }
+        #[inline(always)]
+        unsafe fn load(from: *const f32) -> Self {
+            _mm512_loadu_ps(from)
+        }
+        #[inline(always)]
+        unsafe fn load_masked(mask: __mmask16, from: *const f32) -> Self {
+            _mm512_maskz_loadu_ps(mask, from)
+        }
+        #[inline(always)]
+        unsafe fn store(self, to: *mut f32) {
+            _mm512_storeu_ps(to, self)
+        }
+        #[inline(always)]
+        unsafe fn store_masked(self, mask: __mmask16, to: *mut f32) {
+            _mm512_mask_storeu_ps(to, mask, self)
+        }
+        #[inline(always)]
+        unsafe fn fma(self, a: Self, b: Self) -> Self {
+            _mm512_fmadd_ps(a, b, self)
+        }
+        #[inline(always)]
+        unsafe fn add(self, other: Self) -> Self {
+            _mm512_add_ps(self, other)
+        }
+    }
+
+    impl Lanes for __m256 {
+        const LANES: usize = 8;
+        const ROWS: usize = 4;
+        type Mask = __m256i;
+        #[inline(always)]
+        unsafe fn first(lanes: usize) -> __m256i {
+            let on: [i32; 8] = std::array::from_fn(|l| if l < lanes { -1 } else { 0 });
+            _mm256_loadu_si256(on.as_ptr().cast())
+        }
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            _mm256_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            _mm256_set1_ps(x)
+        }
+        #[inline(always)]
+        unsafe fn load(from: *const f32) -> Self {
+            _mm256_loadu_ps(from)
+        }
+        #[inline(always)]
+        unsafe fn load_masked(mask: __m256i, from: *const f32) -> Self {
+            _mm256_maskload_ps(from, mask)
+        }
+        #[inline(always)]
+        unsafe fn store(self, to: *mut f32) {
+            _mm256_storeu_ps(to, self)
+        }
+        #[inline(always)]
+        unsafe fn store_masked(self, mask: __m256i, to: *mut f32) {
+            _mm256_maskstore_ps(to, mask, self)
+        }
+        #[inline(always)]
+        unsafe fn fma(self, a: Self, b: Self) -> Self {
+            _mm256_fmadd_ps(a, b, self)
+        }
+        #[inline(always)]
+        unsafe fn add(self, other: Self) -> Self {
+            _mm256_add_ps(self, other)
+        }
+    }
 
     /// `R` rows of the accumulator from `acc` (row `i` of the product: `first_row + i`) by
-    /// `V` vectors from column `j`, the last of them masked to `mask`'s lanes.
+    /// `V` vectors from column `j`, with `MASKED` the last of them cut to `mask`'s lanes.
     ///
     /// # Safety
-    /// AVX-512F and FMA; `R` rows from `i` and the lanes of `V` vectors from `j` (the last
-    /// masked) within the checked shapes.
+    /// The width's instructions and FMA; `R` rows from `i` and the lanes of `V` vectors from
+    /// `j` (the last masked) within the checked shapes.
     #[inline(always)]
-    unsafe fn tile<const R: usize, const V: usize, const MASKED: bool>(
+    unsafe fn tile<S: Lanes, const R: usize, const V: usize, const MASKED: bool>(
         (a, b, acc): (*const f32, *const f32, *mut f32),
         shape: ProductShape,
         (first_row, i, j): (usize, usize, usize),
-        mask: __mmask16,
+        mask: S::Mask,
     ) {
         let ProductShape { k, m, n } = shape;
-        let mut s = [[_mm512_setzero_ps(); V]; R];
+        let masked = |v: usize| MASKED && v + 1 == V;
+        let mut s = [[S::zero(); V]; R];
         for p in 0..k {
-            let mut x = [_mm512_setzero_ps(); V];
+            let mut x = [S::zero(); V];
             for (v, x) in x.iter_mut().enumerate() {
-                let from = b.add(p * n + j + v * LANES);
-                *x = match MASKED && v + 1 == V {
-                    true => _mm512_maskz_loadu_ps(mask, from),
-                    false => _mm512_loadu_ps(from),
+                let from = b.add(p * n + j + v * S::LANES);
+                *x = match masked(v) {
+                    true => S::load_masked(mask, from),
+                    false => S::load(from),
                 };
             }
             for (r, s) in s.iter_mut().enumerate() {
-                let coefficient = _mm512_set1_ps(*a.add(p * m + first_row + i + r));
+                let coefficient = S::splat(*a.add(p * m + first_row + i + r));
                 for v in 0..V {
-                    s[v] = _mm512_fmadd_ps(coefficient, x[v], s[v]);
+                    s[v] = s[v].fma(coefficient, x[v]);
                 }
             }
         }
         for (r, s) in s.iter().enumerate() {
             for (v, s) in s.iter().enumerate() {
-                let out = acc.add((i + r) * n + j + v * LANES);
-                match MASKED && v + 1 == V {
-                    true => {
-                        let sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, out), *s);
-                        _mm512_mask_storeu_ps(out, mask, sum);
-                    }
-                    false => _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), *s)),
+                let out = acc.add((i + r) * n + j + v * S::LANES);
+                match masked(v) {
+                    true => S::load_masked(mask, out).add(*s).store_masked(mask, out),
+                    false => S::load(out).add(*s).store(out),
                 }
             }
         }
@@ -189,35 +312,34 @@ mod avx512 {
     /// # Safety
     /// As [`tile`].
     #[inline(always)]
-    unsafe fn row_block<const R: usize>(
+    unsafe fn row_block<S: Lanes, const R: usize>(
         ptrs: (*const f32, *const f32, *mut f32),
         shape: ProductShape,
         first_row: usize,
         i: usize,
     ) {
-        let n = shape.n;
-        let all = !0 as __mmask16;
+        let (n, lanes) = (shape.n, S::LANES);
+        let all = S::first(lanes);
         let mut j = 0;
-        while j + 2 * LANES <= n {
-            tile::<R, 2, false>(ptrs, shape, (first_row, i, j), all);
-            j += 2 * LANES;
+        while j + 2 * lanes <= n {
+            tile::<S, R, 2, false>(ptrs, shape, (first_row, i, j), all);
+            j += 2 * lanes;
         }
-        if j + LANES <= n {
-            tile::<R, 1, false>(ptrs, shape, (first_row, i, j), all);
-            j += LANES;
+        if j + lanes <= n {
+            tile::<S, R, 1, false>(ptrs, shape, (first_row, i, j), all);
+            j += lanes;
         }
         if j < n {
-            let mask = ((1u32 << (n - j)) - 1) as __mmask16;
-            tile::<R, 1, true>(ptrs, shape, (first_row, i, j), mask);
+            tile::<S, R, 1, true>(ptrs, shape, (first_row, i, j), S::first(n - j));
         }
     }
 
     /// The rows `acc` holds, from row `first_row` of the product.
     ///
     /// # Safety
-    /// AVX-512F and FMA; `a`, `b` and `acc` of the sizes `super::accumulate_product` checks.
-    #[target_feature(enable = "avx512f,fma")]
-    pub(super) unsafe fn rows(
+    /// As [`tile`], with `a`, `b` and `acc` of the sizes `super::accumulate_product` checks.
+    #[inline(always)]
+    unsafe fn rows<S: Lanes>(
         a: &[f32],
         b: &[f32],
         shape: ProductShape,
@@ -227,14 +349,47 @@ mod avx512 {
         let rows = acc.len() / shape.n.max(1);
         let ptrs = (a.as_ptr(), b.as_ptr(), acc.as_mut_ptr());
         let mut i = 0;
-        while i + ROWS <= rows {
-            row_block::<ROWS>(ptrs, shape, first_row, i);
-            i += ROWS;
+        while i + S::ROWS <= rows {
+            match S::ROWS {
+                8 => row_block::<S, 8>(ptrs, shape, first_row, i),
+                _ => row_block::<S, 4>(ptrs, shape, first_row, i),
+            }
+            i += S::ROWS;
         }
         while i < rows {
-            row_block::<1>(ptrs, shape, first_row, i);
+            row_block::<S, 1>(ptrs, shape, first_row, i);
             i += 1;
         }
+    }
+
+    /// [`rows`] on AVX-512.
+    ///
+    /// # Safety
+    /// AVX-512F and FMA; the sizes `super::accumulate_product` checks.
+    #[target_feature(enable = "avx512f,fma")]
+    pub(super) unsafe fn rows_avx512(
+        a: &[f32],
+        b: &[f32],
+        shape: ProductShape,
+        first_row: usize,
+        acc: &mut [f32],
+    ) {
+        rows::<__m512>(a, b, shape, first_row, acc)
+    }
+
+    /// [`rows`] on AVX2.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; the sizes `super::accumulate_product` checks.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn rows_avx2(
+        a: &[f32],
+        b: &[f32],
+        shape: ProductShape,
+        first_row: usize,
+        acc: &mut [f32],
+    ) {
+        rows::<__m256>(a, b, shape, first_row, acc)
     }
 }
 
@@ -256,6 +411,31 @@ mod tests {
             .collect()
     }
 
+    type Kernel = fn(&[f32], &[f32], ProductShape, usize, &mut [f32]);
+
+    /// Every way this CPU can run the kernel: the portable loop, and each vector width it has.
+    fn kernels() -> Vec<(&'static str, Kernel)> {
+        let mut kernels: Vec<(&'static str, Kernel)> = vec![("portable", portable_rows)];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("fma") {
+                if std::is_x86_feature_detected!("avx2") {
+                    // SAFETY: the CPU has AVX2 and FMA; the test's sizes are the checked ones.
+                    kernels.push(("avx2", |a, b, s, r, acc| unsafe {
+                        simd::rows_avx2(a, b, s, r, acc)
+                    }));
+                }
+                if std::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: the CPU has AVX-512F and FMA; the sizes as above.
+                    kernels.push(("avx512", |a, b, s, r, acc| unsafe {
+                        simd::rows_avx512(a, b, s, r, acc)
+                    }));
+                }
+            }
+        }
+        kernels
+    }
+
     /// The module's formula, one element at a time.
     fn chain(a: &[f32], b: &[f32], shape: ProductShape, acc: &[f32]) -> Vec<f32> {
         let ProductShape { k, m, n } = shape;
@@ -272,9 +452,10 @@ mod tests {
         out
     }
 
-    /// Every tile shape and tail of the kernel (rows by 8 and one, columns by 32, 16 and
-    /// masked), in place and apart, row ranges as the threads split them, gives the chain's
-    /// bits; and the chain is the product to float32 rounding (float64 sums).
+    /// Every tile shape and tail of the kernel (rows by 8 and one, columns by two vectors, one
+    /// and masked), on every vector width the CPU has and the portable loop, in place and
+    /// apart, row ranges as the threads split them, gives the chain's bits; and the chain is
+    /// the product to float32 rounding (float64 sums).
     #[test]
     fn the_product_is_the_fused_chain() {
         for k in [1, 3, 8, 17, 32] {
@@ -292,13 +473,13 @@ mod tests {
                     accumulate_product(&a, &b, shape, m / 2, Io::InPlace([bottom]));
                     let mut apart = vec![0f32; m * n];
                     accumulate_product(&a, &b, shape, 0, Io::Apart([&acc], [&mut apart]));
-                    let mut portable = acc.clone();
-                    portable_rows(&a, &b, shape, 0, &mut portable);
-                    for (what, got) in [
-                        ("in place", &in_place),
-                        ("apart", &apart),
-                        ("portable", &portable),
-                    ] {
+                    let mut results = vec![("in place", in_place), ("apart", apart)];
+                    for (what, kernel) in kernels() {
+                        let mut got = acc.clone();
+                        kernel(&a, &b, shape, 0, &mut got);
+                        results.push((what, got));
+                    }
+                    for (what, got) in &results {
                         let same = got
                             .iter()
                             .zip(&want)
@@ -328,8 +509,8 @@ mod tests {
         }
     }
 
-    /// Non-finite operands spread as the standard ops spread them: NaN where the chain
-    /// meets one, and the infinities' signs.
+    /// Non-finite operands spread as the standard ops spread them, on every kernel: NaN
+    /// where the chain meets one, and the infinities' signs.
     #[test]
     fn non_finite_values_spread_as_in_the_chain() {
         let shape = ProductShape { k: 2, m: 2, n: 20 };
@@ -342,6 +523,16 @@ mod tests {
         let want = chain(&a, &b, shape, &acc);
         let mut got = acc.clone();
         accumulate_product(&a, &b, shape, 0, Io::InPlace([&mut got]));
+        for (what, kernel) in kernels() {
+            let mut other = acc.clone();
+            kernel(&a, &b, shape, 0, &mut other);
+            for (o, w) in other.iter().zip(&want) {
+                assert!(
+                    o.to_bits() == w.to_bits() || (o.is_nan() && w.is_nan()),
+                    "{what}"
+                );
+            }
+        }
         for (g, w) in got.iter().zip(&want) {
             assert!(
                 g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
