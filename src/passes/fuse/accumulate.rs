@@ -8,10 +8,10 @@
 //! accumulator read by nothing else, of at least the elements the caller asks for
 //! ([`MIN_ELEMENTS`] in the trainer).
 
-use super::{accumulators, at_least, input, is_op, output, static_float32_shape, PASS};
+use super::{accumulators, static_float32_shape, PASS};
 use crate::fused_ops::{accumulate_slot, ACCUMULATE_GRAD, DOMAIN};
 use crate::ir::builder::Builder;
-use crate::ir::{BodyId, Model, Use, ValueId};
+use crate::ir::{BodyId, Model, ValueId};
 use crate::state::Manifest;
 
 /// The smallest accumulator fused, and the smallest the window start writes in place (a
@@ -47,27 +47,14 @@ pub fn fuse_accumulate(model: &mut Model, manifest: &Manifest, min_elements: i64
     fused
 }
 
-/// The gradient `d` when `next = Add(acc, d)` or `Add(d, acc)` in the main graph, `acc`
-/// read only there, of a declared static float32 shape, and `d` of the same (or undeclared).
+/// The gradient `d` of the window's sum `next = Add(acc, d)` ([`super::accumulation`]), `d`
+/// of `acc`'s declared static float32 shape (or undeclared).
 fn matched(model: &Model, acc: ValueId, next: ValueId, min_elements: i64) -> Option<ValueId> {
-    let (add, _) = model.producer(next)?;
-    if !is_op(model, add, "Add", 2)
-        || model.node(add).body != BodyId::MAIN
-        || output(model, add) != next
-    {
-        return None;
-    }
-    let (a, b) = (input(model, add, 0)?, input(model, add, 1)?);
-    let grad = match (a == acc, b == acc) {
-        (true, false) => b,
-        (false, true) => a,
-        _ => return None,
-    };
-    let only_here = matches!(model.uses(acc), [Use::Node { node, .. }] if *node == add);
+    let (_, grad) = super::accumulation(model, (acc, next), min_elements)?;
     // An undeclared gradient is taken: grad-accum adds each parameter's gradient, of the
     // parameter's shape, and the kernel checks the sizes (an error, never a broadcast).
     let acc_shape = static_float32_shape(model, acc);
     let grad_ok =
         model.value_type(grad).is_none() || static_float32_shape(model, grad) == acc_shape;
-    (only_here && at_least(model, acc, min_elements) && grad_ok).then_some(grad)
+    grad_ok.then_some(grad)
 }

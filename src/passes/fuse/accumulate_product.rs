@@ -19,7 +19,7 @@
 //!   K blocking does not depend on M and N (measured equal at `k` 200-1000, 1 and 2
 //!   threads).
 
-use super::{accumulators, at_least, float32_or_unknown, input, output, PASS};
+use super::{accumulators, float32_or_unknown, input, PASS};
 use crate::fused_ops::{accumulate_product_slot, ACCUMULATE_PRODUCT, DOMAIN};
 use crate::ir::builder::Builder;
 use crate::ir::{normalize_domain, BodyId, Model, NodeId, Use, ValueId};
@@ -59,27 +59,16 @@ pub fn fuse_accumulate_products(
     fused
 }
 
-/// `(A, B)` when `next = Add(acc, Aᵀ·B)` as the module's comment says.
+/// `(A, B)` when `next = Add(acc, Aᵀ·B)` ([`super::accumulation`]) as the module's comment
+/// says, the product read only there.
 fn matched(
     model: &Model,
     shapes: &Shapes,
     (acc, next): (ValueId, ValueId),
     min_elements: i64,
 ) -> Option<(ValueId, ValueId)> {
-    let (add, _) = model.producer(next)?;
-    let main_add = super::is_op(model, add, "Add", 2) && model.node(add).body == BodyId::MAIN;
-    if !main_add || output(model, add) != next {
-        return None;
-    }
-    let (x, y) = (input(model, add, 0)?, input(model, add, 1)?);
-    let gradient = match (x == acc, y == acc) {
-        (true, false) => y,
-        (false, true) => x,
-        _ => return None,
-    };
-    let read_only_here =
-        |v: ValueId| matches!(model.uses(v), [Use::Node { node, .. }] if *node == add);
-    if !read_only_here(acc) || !read_only_here(gradient) || !at_least(model, acc, min_elements) {
+    let (add, gradient) = super::accumulation(model, (acc, next), min_elements)?;
+    if !matches!(model.uses(gradient), [Use::Node { node, .. }] if *node == add) {
         return None;
     }
     let (a, b) = product_operands(model, shapes, gradient)?;

@@ -352,6 +352,29 @@ pub(crate) fn accumulators(
         .collect()
 }
 
+/// The window's sum `next = Add(acc, d)` (or `Add(d, acc)`) in the main graph, `acc` read
+/// only there, of at least `min_elements` (a declared static float32 shape): the `Add` and
+/// the gradient `d`. What [`accumulate`] and [`accumulate_product`] fuse.
+pub(crate) fn accumulation(
+    model: &Model,
+    (acc, next): (ValueId, ValueId),
+    min_elements: i64,
+) -> Option<(NodeId, ValueId)> {
+    let (add, _) = model.producer(next)?;
+    let main_add = is_op(model, add, "Add", 2) && model.node(add).body == BodyId::MAIN;
+    if !main_add || output(model, add) != next {
+        return None;
+    }
+    let (a, b) = (input(model, add, 0)?, input(model, add, 1)?);
+    let gradient = match (a == acc, b == acc) {
+        (true, false) => b,
+        (false, true) => a,
+        _ => return None,
+    };
+    let only_here = matches!(model.uses(acc), [Use::Node { node, .. }] if *node == add);
+    (only_here && at_least(model, acc, min_elements)).then_some((add, gradient))
+}
+
 /// The fully known shape of `v` when it is declared float32 with one.
 pub(crate) fn static_float32_shape(model: &Model, v: ValueId) -> Option<Vec<i64>> {
     let ty = model.value_type(v)?;
