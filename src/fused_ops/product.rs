@@ -13,9 +13,8 @@
 //! write the accumulator. With the small `k` that gradient accumulation is for, the product
 //! is a rank-k update that costs about its output's bytes, so the gradient pass and the
 //! accumulation's are the same size: made in the accumulator, the gradient is never
-//! written (the 1.9M-parameter MLP at B 8: its accumulate runs 1.38x the floor, the
-//! window's first one, which writes the gradients as the accumulators, 1.05x;
-//! benches/README.md, "Run X").
+//! written (the 1.9M-parameter MLP at B 8, one thread: a micro-step that only accumulates
+//! went from 1.33 to 1.06x the gradient graph's time; benches/README.md, "Run X").
 //!
 //! The order is ONNX Runtime's own: MLAS's SGEMM runs one fused multiply-add chain along
 //! `k` from zero for `k` up to 128 (measured against it element by element), and the
@@ -50,7 +49,7 @@ pub mod accumulate_product_slot {
 /// 0.41 + 0.31; from about 48 MLAS's faster product wins.
 const AVX512_CONTRACTION: usize = 32;
 
-/// The largest `k` the kernel takes on AVX2, where it runs at 44-64 GFLOP/s on this CPU
+/// The largest `k` the kernel takes on AVX2, where it ran at 44-64 GFLOP/s on run X's CPU
 /// against 47-101 for its AVX-512 form. MLAS's AVX2 product is not measured here (no
 /// AVX2-only machine): taken at half its AVX-512 speed, the kernel wins to about `k` = 24,
 /// so half the AVX-512 limit.
@@ -114,6 +113,9 @@ pub fn accumulate_product(
         a.len(),
         b.len(),
     );
+    if acc.is_empty() {
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     match fast_lanes() {
         // SAFETY: the CPU has the vectors and FMA (checked), the sizes were checked above.
@@ -506,6 +508,28 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Empty operands: `k` = 0 adds zero (as the standard `Gemm`'s zeros and `Add` do), an
+    /// empty accumulator is left alone.
+    #[test]
+    fn empty_shapes() {
+        let acc = values(7, 6);
+        let mut got = acc.clone();
+        let shape = ProductShape { k: 0, m: 2, n: 3 };
+        accumulate_product(&[], &[], shape, 0, Io::InPlace([&mut got]));
+        let plus_zero: Vec<u32> = acc.iter().map(|x| (x + 0.0).to_bits()).collect();
+        assert_eq!(
+            got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            plus_zero
+        );
+        for shape in [
+            ProductShape { k: 3, m: 2, n: 0 },
+            ProductShape { k: 3, m: 0, n: 4 },
+        ] {
+            let (a, b) = (vec![1.0; shape.k * shape.m], vec![1.0; shape.k * shape.n]);
+            accumulate_product(&a, &b, shape, 0, Io::InPlace([&mut []]));
         }
     }
 
