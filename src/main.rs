@@ -1152,6 +1152,12 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             trainer.in_place_updates()
         ));
     }
+    if trainer.accumulated_products() > 0 {
+        progress.note(format!(
+            "weight gradients: {} made inside their accumulators (one kernel, not written and added; --no-fused-kernels: as written)",
+            trainer.accumulated_products()
+        ));
+    }
     if trainer.nchwc_convs() > 0 {
         progress.note(format!(
             "convolutions: {} on ONNX Runtime's blocked (NCHWc) CPU kernels, summed over the sessions (--no-nchwc: im2col, as written)",
