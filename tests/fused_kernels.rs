@@ -384,7 +384,9 @@ fn in_place_updates_leave_a_discarded_micro_step_unwritten() {
 /// again (for the gradient of the layer below), through views ONNX Runtime's optimizer folds
 /// away (a weight's `Transpose` into its MatMuls): the kernels must be ordered after those
 /// reads. Torch's BERT, GPT and ViT exports, SGD and AdamW, 3 windows, every state and loss
-/// bit for bit; and with SGD the apply updates its parameters in place.
+/// bit for bit; and with SGD the apply updates its parameters in place. With the kernels
+/// kept in the sessions (no host updates) the weight gradients are made inside their
+/// accumulators (these exports' `Transpose(Gemm)`), bit for bit alike too.
 #[test]
 fn in_place_waits_for_every_read_of_a_weight() {
     if !ort_available() {
@@ -410,10 +412,11 @@ fn in_place_waits_for_every_read_of_a_weight() {
                 .model
                 .to_proto();
             let data = read_npz(&root().join("graphs/forward").join(model).join("data.npz"));
-            let make = |in_place_updates: bool| {
+            let make = |in_place_updates: bool, host_updates: bool| {
                 let options = TrainOptions {
                     session: SessionOptions {
                         in_place_updates,
+                        host_updates,
                         in_place_min_elements: 0,
                         in_place_min_total: 0,
                         ..SessionOptions::default()
@@ -422,8 +425,15 @@ fn in_place_waits_for_every_read_of_a_weight() {
                 };
                 Trainer::with_options(&step, &options).unwrap_or_else(|e| panic!("{what}: {e}"))
             };
-            let (mut in_place, mut apart) = (make(true), make(false));
+            let (mut in_place, mut apart) = (make(true, true), make(false, true));
+            // The kernels in the sessions: the weight gradients made inside their
+            // accumulators, whatever form the export gives them (`Transpose(Gemm)` here).
+            let mut in_sessions = make(true, false);
             assert_eq!(apart.in_place_updates(), 0, "{what}");
+            assert!(
+                in_sessions.accumulated_products() > 0,
+                "{what}: no product fused"
+            );
             // SGD updates each parameter on its own; AdamW puts these small models' parameters
             // into one flat group, whose update is not in place (its parameter is a Concat).
             let accumulators = step_accumulators(&step);
@@ -437,15 +447,22 @@ fn in_place_waits_for_every_read_of_a_weight() {
             let samples = in_place.check_data(&data, Path::new("data.npz")).unwrap();
             for i in 0..12 {
                 let batch = micro_batch(&data, samples, 4, i);
-                let (a, b) = (
+                let (a, b, c) = (
                     in_place.step(&batch, false).unwrap(),
                     apart.step(&batch, false).unwrap(),
+                    in_sessions.step(&batch, false).unwrap(),
                 );
                 assert_eq!(a, b, "{what}: micro-step {i}");
+                assert_eq!(c, b, "{what}: micro-step {i}, kernels in the sessions");
             }
             let (a, b) = (in_place.state().unwrap(), apart.state().unwrap());
+            let c = in_sessions.state().unwrap();
             for (name, value) in b {
                 assert_eq!(&a[name], value, "{what}: state '{name}'");
+                assert_eq!(
+                    &c[name], value,
+                    "{what}: state '{name}', kernels in the sessions"
+                );
             }
         }
     }
