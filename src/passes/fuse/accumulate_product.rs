@@ -33,10 +33,10 @@ pub fn fuse_accumulate_products(
     min_elements: i64,
 ) -> usize {
     let mut fused = 0;
+    // Ranks are derived only when a `MatMul` form asks for them, once.
     let mut shapes = None;
     for (acc, next) in accumulators(model, manifest) {
-        let shapes = shapes.get_or_insert_with(|| Shapes::infer(model));
-        let Some((a, b)) = matched(model, shapes, (acc, next), min_elements) else {
+        let Some((a, b)) = matched(model, &mut shapes, (acc, next), min_elements) else {
             continue;
         };
         let mut inputs = vec![None; accumulate_product_slot::COUNT];
@@ -63,7 +63,7 @@ pub fn fuse_accumulate_products(
 /// says, the product read only there.
 fn matched(
     model: &Model,
-    shapes: &Shapes,
+    shapes: &mut Option<Shapes>,
     (acc, next): (ValueId, ValueId),
     min_elements: i64,
 ) -> Option<(ValueId, ValueId)> {
@@ -76,7 +76,11 @@ fn matched(
 }
 
 /// `(A, B)` when `v = Aᵀ·B` by one of the forms of the module's comment.
-fn product_operands(model: &Model, shapes: &Shapes, v: ValueId) -> Option<(ValueId, ValueId)> {
+fn product_operands(
+    model: &Model,
+    shapes: &mut Option<Shapes>,
+    v: ValueId,
+) -> Option<(ValueId, ValueId)> {
     let (n, _) = model.producer(v)?;
     if let Some(operands) = gemm_operands(model, n) {
         return Some(operands);
@@ -102,6 +106,7 @@ fn product_operands(model: &Model, shapes: &Shapes, v: ValueId) -> Option<(Value
     }
     let (transposed, b) = (input(model, n, 0)?, input(model, n, 1)?);
     let a = transposed_input(model.producer(transposed)?.0)?;
+    let shapes = shapes.get_or_insert_with(|| Shapes::infer(model));
     let rank_two = |v: ValueId| shapes.get(v).rank() == Some(2);
     (rank_two(a) && rank_two(b)).then_some((a, b))
 }
