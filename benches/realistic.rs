@@ -41,7 +41,8 @@
 //! `--no-fused-batch-norm` (BatchNorm in standard ops, for an A/B), `--no-fused-im2col`
 //! (the weight gradients' unfoldings as grouped convolutions, for an A/B),
 //! `--no-fused-relu-grad` (the ReLU gradients in standard ops, for an A/B),
-//! `--no-fused-gelu-grad` (the GELU gradients in standard ops, for an A/B),
+//! `--no-fused-gelu-grad` (the GELU gradients in standard ops, for an A/B), `--no-fused-gelu`
+//! (the GELU forwards in standard ops),
 //! `--no-fused-weight-grads` (the weight gradients written, then accumulated, for an A/B).
 
 use std::collections::BTreeMap;
@@ -133,6 +134,7 @@ fn parse_opts() -> Result<Opts> {
             "--no-fused-gelu-grad" => {
                 NO_GELU_GRAD.store(true, std::sync::atomic::Ordering::Relaxed)
             }
+            "--no-fused-gelu" => NO_GELU.store(true, std::sync::atomic::Ordering::Relaxed),
             "--no-fused-weight-grads" => {
                 NO_WEIGHT_GRADS.store(true, std::sync::atomic::Ordering::Relaxed)
             }
@@ -315,6 +317,9 @@ static NO_RELU_GRAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBo
 /// `--no-fused-gelu-grad`: the GELU gradients in standard ops, for an A/B of
 /// `SessionOptions::fused_gelu_grad`.
 static NO_GELU_GRAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// `--no-fused-gelu`: the GELU forwards in standard ops, for an A/B of
+/// `SessionOptions::fused_gelu`.
+static NO_GELU: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 /// `--no-fused-weight-grads`: the weight gradients written, then accumulated, for an A/B of
 /// `SessionOptions::fused_weight_grads`.
 static NO_WEIGHT_GRADS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -328,6 +333,7 @@ fn session(threads: usize) -> SessionOptions {
         fused_im2col: !NO_IM2COL.load(std::sync::atomic::Ordering::Relaxed),
         fused_relu_grad: !NO_RELU_GRAD.load(std::sync::atomic::Ordering::Relaxed),
         fused_gelu_grad: !NO_GELU_GRAD.load(std::sync::atomic::Ordering::Relaxed),
+        fused_gelu: !NO_GELU.load(std::sync::atomic::Ordering::Relaxed),
         fused_weight_grads: !NO_WEIGHT_GRADS.load(std::sync::atomic::Ordering::Relaxed),
         ..Default::default()
     }
@@ -628,12 +634,20 @@ fn check(
         fused_gelu_grad: false,
         ..session(1)
     })?;
+    // The GELU forwards apart (their kernel runs the standard ops' operations and ONNX
+    // Runtime's Erf): the same bits as the step with every kernel.
+    let mut gelu_apart = trainer_with(SessionOptions {
+        fused_gelu: false,
+        ..session(1)
+    })?;
+    let mut gelu_same = true;
     let mut losses = Vec::new();
     let mut rounding_gap = 0f64;
     for i in 0..2 * o.k as usize {
         let bt = &batches[i % batches.len()];
         let (a, w) = (split.step(bt, false)?, whole.step(bt, false)?);
         let (s, f) = (standard.step(bt, false)?, optimizer_fused.step(bt, false)?);
+        gelu_same &= gelu_apart.step(bt, false)?.loss.to_bits() == a.loss.to_bits();
         if a.applied != w.applied || a.loss.to_bits() != w.loss.to_bits() {
             bail!("{model}: micro-step {i}: split {a:?} vs whole {w:?}");
         }
@@ -663,7 +677,15 @@ fn check(
             if rounding_ok { "ok" } else { "MISMATCH" }
         ));
     }
-    let same = standard_same && rounding_ok && split.state()? == whole.state()?;
+    if split.fused_gelus() > 0 {
+        gelu_same &= gelu_apart.state()? == split.state()?;
+        lines.push(format!(
+            "{model}: step with {} GELU forwards on their kernel vs their standard ops after 2 windows: {}",
+            split.fused_gelus(),
+            if gelu_same { "bit-identical, ok" } else { "DIFFER" }
+        ));
+    }
+    let same = standard_same && gelu_same && rounding_ok && split.state()? == whole.state()?;
     lines.push(format!(
         "{model}: step split vs whole after 2 windows of K={}: {} (losses {:?})",
         o.k,

@@ -440,6 +440,70 @@ fn stream((p, g, m, v): Part<'_>, reps: usize, barrier: &std::sync::Barrier) -> 
     median(apply)
 }
 
+/// The least arithmetic AdamW's apply needs, in ms: one correctly rounded square root and
+/// one division per parameter (`m / (sqrt(v) + eps)`; the moments' multiplies and adds are
+/// left out), timed hot in L1 over a block of 4096 elements on one core, each form this CPU
+/// has (scalar, AVX2, AVX-512) and the fastest kept, scaled to `params` over `threads`
+/// cores (each core has its own divider). Exact AdamW cannot take less; at 131K
+/// parameters this is more than the apply's memory traffic (benches/README.md, "Run Y").
+fn arithmetic_bound(params: usize, threads: usize) -> f64 {
+    const BLOCK: usize = 4096;
+    let m: Vec<f32> = (0..BLOCK).map(|i| 1e-3 * (i % 17) as f32 - 8e-3).collect();
+    let v: Vec<f32> = (0..BLOCK).map(|i| 1e-6 * (1 + i % 13) as f32).collect();
+    let mut out = vec![0f32; BLOCK];
+    let mut forms: Vec<QuotientForm> = vec![quotients];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") {
+            forms.push(|m, v, out| unsafe { quotients_avx2(m, v, out) });
+        }
+        if std::is_x86_feature_detected!("avx512f") {
+            forms.push(|m, v, out| unsafe { quotients_avx512(m, v, out) });
+        }
+    }
+    let per_element = forms
+        .iter()
+        .map(|form| {
+            let reps = 100;
+            let times = (0..15)
+                .map(|_| {
+                    let t = Instant::now();
+                    for _ in 0..reps {
+                        form(&m, &v, &mut out);
+                        std::hint::black_box(&mut out);
+                    }
+                    t.elapsed().as_secs_f64() * 1e3 / (reps * BLOCK) as f64
+                })
+                .collect();
+            median(times)
+        })
+        .fold(f64::INFINITY, f64::min);
+    per_element * params as f64 / threads.max(1) as f64
+}
+
+/// One form of [`quotients`] (scalar, AVX2, AVX-512).
+type QuotientForm = fn(&[f32], &[f32], &mut [f32]);
+
+/// `out = m / (sqrt(v) + eps)`, each element: what [`arithmetic_bound`] times.
+#[inline(always)]
+fn quotients(m: &[f32], v: &[f32], out: &mut [f32]) {
+    for ((o, m), v) in out.iter_mut().zip(m).zip(v) {
+        *o = *m / (v.sqrt() + 1e-8);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quotients_avx2(m: &[f32], v: &[f32], out: &mut [f32]) {
+    quotients(m, v, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn quotients_avx512(m: &[f32], v: &[f32], out: &mut [f32]) {
+    quotients(m, v, out)
+}
+
 fn run_cell(s: &Sized, column: &str, cell: Duration) -> Result<Measured> {
     let nb = s.batches.len() as u64;
     match column {
@@ -762,20 +826,24 @@ fn main() -> Result<()> {
     }
     // What no implementation of the step can avoid, against what it costs.
     println!(
-        "\nThe traffic bound: floor + apply stream / K, the stream timed over buffers of the \
-         parameters' size (stream_bound; the accumulations add none: each is made in its \
-         product). step/bound: how much of the step is more than the floor and that traffic.\n"
+        "\nThe bound: floor + apply / K, the apply the longer of its traffic (a stream timed \
+         over buffers of the parameters' size: stream_bound; the accumulations add none, each \
+         made in its product) and its arithmetic (a square root and a division per parameter: \
+         arithmetic_bound). step/bound: how much of the step is more than the floor and that.\n"
     );
-    println!("| W | T | floor | apply stream | bound | bound/floor | step/bound |");
-    println!("|--:|--:|--:|--:|--:|--:|--:|");
+    println!(
+        "| W | T | floor | apply stream | apply arithmetic | bound | bound/floor | step/bound |"
+    );
+    println!("|--:|--:|--:|--:|--:|--:|--:|--:|");
     for s in &sized {
         let w = s.width;
         for &t in &o.threads {
-            let apply = stream_bound(s.params, t, 15);
+            let stream = stream_bound(s.params, t, 15);
+            let arithmetic = arithmetic_bound(s.params, t);
             let floor = med(w, "floor", t, |m| Some(m.per_step));
-            let bound = floor + apply / K as f64;
+            let bound = floor + stream.max(arithmetic) / K as f64;
             println!(
-                "| {w} | {t} | {floor:.3} | {apply:.3} | {bound:.3} | {:.2} | {:.2} |",
+                "| {w} | {t} | {floor:.3} | {stream:.3} | {arithmetic:.3} | {bound:.3} | {:.2} | {:.2} |",
                 bound / floor,
                 med(w, "step", t, |m| Some(m.per_step)) / bound,
             );

@@ -691,6 +691,12 @@ impl Trainer {
         self.sum_over_sessions(Engine::fused_gelu_grads)
     }
 
+    /// Exact-GELU forwards on onnx-ga's fused kernel (`SessionOptions::fused_gelu`), summed
+    /// over the split step's sessions.
+    pub fn fused_gelus(&self) -> usize {
+        self.sum_over_sessions(Engine::fused_gelus)
+    }
+
     /// Scalar nodes the host computes instead of the sessions (`engine::host_scalars`),
     /// summed over them.
     pub fn host_scalar_nodes(&self) -> usize {

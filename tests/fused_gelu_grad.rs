@@ -227,3 +227,116 @@ fn an_mlp_with_gelu_trains_on_the_kernel_within_rounding() {
         }
     }
 }
+
+/// GELU as exported, its output y and its `Add` A both graph outputs.
+fn forward_graph(dims: &[usize]) -> ModelProto {
+    let d = dims
+        .iter()
+        .map(|v| v.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let text = format!(
+        r#"<ir_version: 8, opset_import: ["" : 17]>
+gelu (float[{d}] h) => (float[{d}] y, float[{d}] a)
+{{{CONSTANTS}{GELU}
+}}
+"#
+    );
+    onnx_ga::ir::text::parse_model(&text).unwrap()
+}
+
+/// The GELU forward on its kernel (`SessionOptions::fused_gelu`, src/passes/fused_gelu.rs)
+/// against the same session without it, bit for bit, on 1 and 2 threads, from one element
+/// to many chunks of the kernel (the [8, 64, 1024] activation of the realistic bench's GPT
+/// at B 8: eight chunks run by the pool's threads, each calling ONNX Runtime's `Erf`):
+/// y and A over [-9, 9] with NaN, both infinities, signed zeros and subnormals among the
+/// inputs; and the loss and gradient of the autodiff's graph, where the gradient's kernel
+/// reads the forward kernel's A.
+#[test]
+fn gelu_forwards_on_the_kernel_are_the_standard_ops_bit_for_bit() {
+    if !ort_available() {
+        return;
+    }
+    let bits = |t: &Tensor| floats(t).iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+    for dims in [vec![1], vec![3, 5, 7], vec![4, 1000], vec![8, 64, 1024]] {
+        let n: usize = dims.iter().product();
+        let mut h: Vec<f32> = (0..n)
+            .map(|i| 9.0 * (2.0 * i as f32 / n.max(2) as f32 - 1.0))
+            .collect();
+        let specials = [
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            -0.0,
+            0.0,
+            1e-40,
+            -3e-39,
+        ];
+        for (i, v) in specials.into_iter().enumerate().filter(|(i, _)| 2 * i < n) {
+            h[2 * i] = v;
+        }
+        let h = Tensor::F32(ndarray::ArrayD::from_shape_vec(dims.clone(), h).unwrap());
+        let x = tensor(&dims, 4);
+        let r = tensor(&dims, 3);
+        let (forward, gradient) = (forward_graph(&dims), gradient_graph(&dims));
+        for threads in [1, 2] {
+            let run = |graph: &ModelProto, feeds: &[(&str, &Tensor)], fused: bool| {
+                let options = SessionOptions {
+                    fused_gelu: fused,
+                    threads,
+                    ..SessionOptions::default()
+                };
+                let mut s = OrtSession::new(graph, &options).unwrap();
+                assert_eq!(s.fused_gelus(), fused as usize, "{dims:?}: rewritten");
+                s.run(feeds).unwrap()
+            };
+            for (what, graph, feeds) in [
+                ("forward", &forward, vec![("h", &h)]),
+                ("gradient graph", &gradient, vec![("x", &x), ("r", &r)]),
+            ] {
+                let (fused, plain) = (run(graph, &feeds, true), run(graph, &feeds, false));
+                assert_eq!(fused.len(), 2, "{dims:?}: {what}'s two outputs");
+                for ((name, got), (_, want)) in fused.iter().zip(&plain) {
+                    assert!(
+                        bits(got) == bits(want),
+                        "{dims:?}, {threads} threads, {what}: {name} differs"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The MLP with GELU trains bit for bit alike with its forwards on the kernel and on the
+/// standard ops, 8 windows, each optimizer with what surrounds it (three sessions, one GELU
+/// each).
+#[test]
+fn an_mlp_trains_bit_identically_with_its_gelu_forwards_on_the_kernel() {
+    if !ort_available() {
+        return;
+    }
+    let side = |fused: bool| Side {
+        session: SessionOptions {
+            fused_gelu: fused,
+            ..SessionOptions::default()
+        },
+        perturbed: false,
+    };
+    let (fused, plain) = (side(true), side(false));
+    let data = mlp_data(16);
+    for optimizer in [
+        "optimizer(kind=sgd,lr=0.05)",
+        "optimizer(kind=adamw,lr=0.01)",
+    ] {
+        for around in crate::common::AROUNDS {
+            let middle = format!("{around},{optimizer}");
+            let step = mlp_step(&middle);
+            let (loss, state) =
+                crate::common::train_pair(&step, &middle, (&data, 16), [&fused, &plain], |t, k| {
+                    let expected = if k == 0 { 3 } else { 0 };
+                    assert_eq!(t.fused_gelus(), expected, "{middle}: rewritten");
+                });
+            assert_eq!((loss, state), (0.0, 0.0), "{middle}: not bit-identical");
+        }
+    }
+}

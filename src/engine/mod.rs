@@ -359,6 +359,15 @@ impl Engine {
         }
     }
 
+    /// Exact-GELU forwards on onnx-ga's fused kernel (`SessionOptions::fused_gelu`).
+    pub fn fused_gelus(&self) -> usize {
+        match self {
+            Engine::Ort(s) => s.fused_gelus(),
+            #[cfg(feature = "tract")]
+            Engine::Tract(_) => 0,
+        }
+    }
+
     /// The (state input, next value) pairs this session updates in place.
     pub fn in_place(&self) -> &[(String, String)] {
         match self {

@@ -123,6 +123,10 @@ pub struct SessionOptions {
     /// our autodiff) on onnx-ga's `GeluGrad` kernel, one pass (`passes::fused_gelu_grad`).
     /// The same operations but the exponential's, so within its rounding.
     pub fused_gelu_grad: bool,
+    /// With `fused_kernels`, on the CPU: the exact GELU's forwards (five elementwise ops as
+    /// a model exports them) on onnx-ga's `Gelu` kernel, one pass around ONNX Runtime's own
+    /// `Erf`, bit-identical (`passes::fused_gelu`).
+    pub fused_gelu: bool,
     /// With `fused_kernels` and `in_place_updates`, on the CPU: a weight gradient
     /// `Gemm(A, B, transA = 1)` and its accumulation as one `AccumulateProduct` node, which
     /// at a small micro-batch makes the gradient inside the accumulator
@@ -168,6 +172,7 @@ impl Default for SessionOptions {
             fused_im2col: true,
             fused_relu_grad: true,
             fused_gelu_grad: true,
+            fused_gelu: true,
             fused_weight_grads: true,
             in_place_min_elements: crate::passes::fuse::accumulate::MIN_ELEMENTS,
             in_place_min_total: crate::passes::fuse::in_place::MIN_SESSION_ELEMENTS,
@@ -205,6 +210,8 @@ pub struct OrtSession {
     fused_relu_grads: usize,
     /// See [`Self::fused_gelu_grads`].
     fused_gelu_grads: usize,
+    /// See [`Self::fused_gelus`].
+    fused_gelus: usize,
     /// Inputs of the model that nothing in it reads, left out of the session
     /// ([`without_unread_inputs`]); a run given them ignores them.
     unread_inputs: std::collections::HashSet<String>,
@@ -270,6 +277,13 @@ impl OrtSession {
             || crate::passes::fused_gelu_grad::rewrite(model),
         )?;
         let model = gelu_grads.as_ref().map_or(model, |g| &g.model);
+        // After the gradients: theirs reads the forward's ops as nodes.
+        let gelus = in_memory(
+            ours(options.fused_gelu),
+            "putting the GELU forwards on the fused kernel",
+            || crate::passes::fused_gelu::rewrite(model),
+        )?;
+        let model = gelus.as_ref().map_or(model, |g| &g.model);
         let (pruned, unread) = without_unread_inputs(model);
         let bytes = crate::model::encode_model(pruned.as_ref().unwrap_or(model));
         let mut session = Self::from_bytes(&bytes, options)?;
@@ -278,6 +292,7 @@ impl OrtSession {
         session.fused_unfoldings = unfolded.map_or(0, |u| u.unfoldings);
         session.fused_relu_grads = relu_grads.map_or(0, |r| r.relu_grads);
         session.fused_gelu_grads = gelu_grads.map_or(0, |g| g.gelu_grads);
+        session.fused_gelus = gelus.map_or(0, |g| g.gelus);
         session.unread_inputs = unread;
         Ok(session)
     }
@@ -307,6 +322,11 @@ impl OrtSession {
     /// GELU gradients this session runs on `GeluGrad` (`SessionOptions::fused_gelu_grad`).
     pub fn fused_gelu_grads(&self) -> usize {
         self.fused_gelu_grads
+    }
+
+    /// GELU forwards this session runs on `Gelu` (`SessionOptions::fused_gelu`).
+    pub fn fused_gelus(&self) -> usize {
+        self.fused_gelus
     }
 
     pub fn from_bytes(bytes: &[u8], options: &SessionOptions) -> Result<OrtSession, EngineError> {
@@ -430,6 +450,7 @@ impl OrtSession {
             fused_unfoldings: 0,
             fused_relu_grads: 0,
             fused_gelu_grads: 0,
+            fused_gelus: 0,
             unread_inputs: Default::default(),
             read_filter: ReadFilter::default(),
             host_scalars: None,

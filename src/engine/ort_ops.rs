@@ -16,10 +16,11 @@ use super::kernel_io;
 use crate::fused_ops::{
     accumulate_grad, accumulate_product, accumulate_product_slot, accumulate_slot,
     adamw_group_slot, adamw_slot, adamw_update, batch_norm_grad_channel, batch_norm_train_channel,
-    gelu_grad, gelu_slot, largest_fast_contraction, relu_grad, sgd_slot, sgd_update, AdamWScalars,
-    BatchNormLayout, ChannelStats, GeluGradScalars, Io, ProductShape, SgdIo, SgdScalars, Unfolding,
-    Window2d, ACCUMULATE_GRAD, ACCUMULATE_PRODUCT, ADAMW_UPDATE, ADAMW_UPDATES, BATCH_NORM_GRAD,
-    BATCH_NORM_TRAIN, DOMAIN, GELU_GRAD, IM2COL, RELU_GRAD, SGD_UPDATE,
+    gelu_forward_slot, gelu_grad, gelu_quotient, gelu_slot, gelu_tail, largest_fast_contraction,
+    relu_grad, sgd_slot, sgd_update, AdamWScalars, BatchNormLayout, ChannelStats, GeluGradScalars,
+    GeluScalars, Io, ProductShape, SgdIo, SgdScalars, Unfolding, Window2d, ACCUMULATE_GRAD,
+    ACCUMULATE_PRODUCT, ADAMW_UPDATE, ADAMW_UPDATES, BATCH_NORM_GRAD, BATCH_NORM_TRAIN, DOMAIN,
+    GELU, GELU_GRAD, IM2COL, RELU_GRAD, SGD_UPDATE,
 };
 
 /// The domain with every fused operator, for a session builder.
@@ -33,6 +34,7 @@ pub fn domain() -> ::ort::Result<OperatorDomain> {
         .add(BatchNormTrain)?
         .add(BatchNormGrad)?
         .add(Im2Col)?
+        .add(Gelu)?
         .add(GeluGrad)?
         .add(ReluGrad)
 }
@@ -571,63 +573,65 @@ impl Operator for AccumulateProduct {
         &self,
         kctx: &KernelContext<'attr>,
     ) -> ::ort::Result<Self::Kernel<'attr>> {
-        let gemm = InvokedGemm::transposed_a(kctx)?;
+        let gemm = InvokedOp::gemm_transposed_a(kctx)?;
         Ok(Box::new(move |ctx: &ComputeContext| {
             accumulate_product_kernel(ctx, &gemm)
         }))
     }
 }
 
-/// ONNX Runtime's own `Gemm(A, B, transA = 1)` (opset 13, float32), made once per kernel
-/// and run from inside it (`InvokeOp`): MLAS's product where it is faster than ours.
-struct InvokedGemm(std::ptr::NonNull<::ort::sys::OrtOp>);
+/// An operator of ONNX Runtime's own, made once per kernel and run from inside it
+/// (`InvokeOp`) on values of the running kernel: its computation and bits where onnx-ga's
+/// kernel fuses what surrounds it.
+struct InvokedOp {
+    op: std::ptr::NonNull<::ort::sys::OrtOp>,
+    /// What it is, for errors ("ONNX Runtime's Gemm").
+    what: &'static str,
+    /// The fused operator that runs it.
+    owner: &'static str,
+}
 
 // SAFETY: the operator is made once and never changed; ONNX Runtime runs an operator's
-// kernel from whichever thread runs the session, as it runs its own.
-unsafe impl Send for InvokedGemm {}
+// kernel from whichever thread runs the session, as it runs its own, and its kernels'
+// `Compute` keeps no state between calls.
+unsafe impl Send for InvokedOp {}
+unsafe impl Sync for InvokedOp {}
 
-impl InvokedGemm {
-    fn transposed_a(info: &KernelContext<'_>) -> ::ort::Result<InvokedGemm> {
-        use ::ort::sys::{ONNXTensorElementDataType, OrtOpAttrType};
+/// One attribute of an operator made by [`InvokedOp::new`]: its name, a pointer to its one
+/// value, and the value's kind.
+type OpAttribute<'a> = (
+    &'a std::ffi::CStr,
+    *const std::ffi::c_void,
+    ::ort::sys::OrtOpAttrType,
+);
+
+impl InvokedOp {
+    /// `op_type` of the standard domain at opset `version`, float32, `inputs` inputs and one
+    /// output, with `attributes` (CreateOp takes no defaults: every attribute the kernel
+    /// reads).
+    fn new(
+        info: &KernelContext<'_>,
+        (op_type, version): (&std::ffi::CStr, i32),
+        attributes: &[OpAttribute<'_>],
+        inputs: i32,
+        (owner, what): (&'static str, &'static str),
+    ) -> ::ort::Result<InvokedOp> {
+        use ::ort::sys::ONNXTensorElementDataType;
         use ::ort::AsPointer;
         let api = ::ort::api();
-        let what = || format!("{ACCUMULATE_PRODUCT}: making ONNX Runtime's Gemm");
-        // CreateOp takes no defaults: every attribute of Gemm, C absent (beta unread).
-        let (trans_a, trans_b, one) = (1i64, 0i64, 1f32);
-        let specs: [(&std::ffi::CStr, *const std::ffi::c_void, OrtOpAttrType); 4] = [
-            (
-                c"transA",
-                (&trans_a as *const i64).cast(),
-                OrtOpAttrType::ORT_OP_ATTR_INT,
-            ),
-            (
-                c"transB",
-                (&trans_b as *const i64).cast(),
-                OrtOpAttrType::ORT_OP_ATTR_INT,
-            ),
-            (
-                c"alpha",
-                (&one as *const f32).cast(),
-                OrtOpAttrType::ORT_OP_ATTR_FLOAT,
-            ),
-            (
-                c"beta",
-                (&one as *const f32).cast(),
-                OrtOpAttrType::ORT_OP_ATTR_FLOAT,
-            ),
-        ];
-        let mut attributes = Vec::with_capacity(specs.len());
+        let context = || format!("{owner}: making {what}");
+        let mut made_attributes = Vec::with_capacity(attributes.len());
         let mut made = Ok(());
-        for (name, data, kind) in specs {
+        for &(name, data, kind) in attributes {
             let mut attribute = std::ptr::null_mut();
             // SAFETY: a C string, one value of `kind` read, an out pointer; released below.
             let status =
                 unsafe { (api.CreateOpAttr)(name.as_ptr(), data, 1, kind, &mut attribute) };
-            made = kernel_io::check(status, what);
+            made = kernel_io::check(status, context);
             if made.is_err() {
                 break;
             }
-            attributes.push(attribute.cast_const());
+            made_attributes.push(attribute.cast_const());
         }
         let mut type_names = [c"T".as_ptr()];
         let types = [ONNXTensorElementDataType::ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT];
@@ -637,64 +641,101 @@ impl InvokedGemm {
         let status = made.map(|()| unsafe {
             (api.CreateOp)(
                 info.ptr(),
-                c"Gemm".as_ptr(),
+                op_type.as_ptr(),
                 c"".as_ptr(),
-                13,
+                version,
                 type_names.as_mut_ptr(),
                 types.as_ptr(),
                 1,
-                attributes.as_ptr(),
-                attributes.len() as i32,
-                2,
+                made_attributes.as_ptr(),
+                made_attributes.len() as i32,
+                inputs,
                 1,
                 &mut op,
             )
         });
-        for attribute in attributes {
+        for attribute in made_attributes {
             // SAFETY: made above, read by CreateOp only during the call.
             unsafe { (api.ReleaseOpAttr)(attribute.cast_mut()) };
         }
-        kernel_io::check(status?, what)?;
-        std::ptr::NonNull::new(op)
-            .map(InvokedGemm)
-            .ok_or_else(|| ::ort::Error::new(format!("{}: no operator", what())))
+        kernel_io::check(status?, context)?;
+        let op = std::ptr::NonNull::new(op)
+            .ok_or_else(|| ::ort::Error::new(format!("{}: no operator", context())))?;
+        Ok(InvokedOp { op, what, owner })
     }
 
-    /// `y = Aᵀ·B`, `y` an output of the running kernel of `[m, n]`.
+    /// ONNX Runtime's `Gemm(A, B, transA = 1)` (opset 13): MLAS's product where it is faster
+    /// than ours.
+    fn gemm_transposed_a(info: &KernelContext<'_>) -> ::ort::Result<InvokedOp> {
+        use ::ort::sys::OrtOpAttrType::{ORT_OP_ATTR_FLOAT, ORT_OP_ATTR_INT};
+        // C absent: beta is never read.
+        let (trans_a, trans_b, one) = (1i64, 0i64, 1f32);
+        let int = |v: &i64| (v as *const i64).cast();
+        let float = |v: &f32| (v as *const f32).cast();
+        let attributes: [OpAttribute<'_>; 4] = [
+            (c"transA", int(&trans_a), ORT_OP_ATTR_INT),
+            (c"transB", int(&trans_b), ORT_OP_ATTR_INT),
+            (c"alpha", float(&one), ORT_OP_ATTR_FLOAT),
+            (c"beta", float(&one), ORT_OP_ATTR_FLOAT),
+        ];
+        let owner = (ACCUMULATE_PRODUCT, "ONNX Runtime's Gemm");
+        InvokedOp::new(info, (c"Gemm", 13), &attributes, 2, owner)
+    }
+
+    /// ONNX Runtime's `Erf` (opset 13).
+    fn erf(info: &KernelContext<'_>) -> ::ort::Result<InvokedOp> {
+        InvokedOp::new(info, (c"Erf", 13), &[], 1, (GELU, "ONNX Runtime's Erf"))
+    }
+
+    /// Runs it on `inputs` into `output`, values of the running kernel's context (or views
+    /// of their memory).
     fn run(
         &self,
-        ctx: &ComputeContext,
-        (a, b): (&kernel_io::Input<'_>, &kernel_io::Input<'_>),
-        y: &kernel_io::Output<'_>,
+        ctx: RunningContext,
+        inputs: &[*const ::ort::sys::OrtValue],
+        output: *mut ::ort::sys::OrtValue,
     ) -> ::ort::Result<()> {
-        use ::ort::AsPointer;
-        let inputs = [a.value(), b.value()];
-        let outputs = [y.value()];
+        let outputs = [output];
         // SAFETY: the running kernel's context and live values; the operator is ours.
         let status = unsafe {
             (::ort::api().InvokeOp)(
-                ctx.ptr(),
-                self.0.as_ptr(),
+                ctx.0,
+                self.op.as_ptr(),
                 inputs.as_ptr(),
-                2,
+                inputs.len() as i32,
                 outputs.as_ptr(),
                 1,
             )
         };
-        kernel_io::check(status, || {
-            format!("{ACCUMULATE_PRODUCT}: ONNX Runtime's Gemm")
-        })
+        kernel_io::check(status, || format!("{}: {}", self.owner, self.what))
     }
 }
 
-impl Drop for InvokedGemm {
+/// The context of the kernel that is running, for [`InvokedOp::run`] from its tasks too.
+#[derive(Clone, Copy)]
+struct RunningContext(*const ::ort::sys::OrtKernelContext);
+
+// SAFETY: `InvokeOp` only reads the context (its thread pool, allocator and logger) to run
+// the invoked operator on values it is given, and the context outlives the kernel's tasks
+// (`par_for` returns when they are done).
+unsafe impl Send for RunningContext {}
+unsafe impl Sync for RunningContext {}
+
+impl RunningContext {
+    fn of(ctx: &ComputeContext) -> RunningContext {
+        use ::ort::AsPointer;
+        RunningContext(ctx.ptr())
+    }
+}
+
+impl Drop for InvokedOp {
     fn drop(&mut self) {
         // SAFETY: made by CreateOp, released once.
-        unsafe { (::ort::api().ReleaseOp)(self.0.as_ptr()) };
+        unsafe { (::ort::api().ReleaseOp)(self.op.as_ptr()) };
     }
 }
 
-fn accumulate_product_kernel(ctx: &ComputeContext, gemm: &InvokedGemm) -> ::ort::Result<()> {
+fn accumulate_product_kernel(ctx: &ComputeContext, gemm: &InvokedOp) -> ::ort::Result<()> {
     use accumulate_product_slot as at;
     let op = ACCUMULATE_PRODUCT;
     let (a, b) = (
@@ -733,7 +774,11 @@ fn accumulate_product_kernel(ctx: &ComputeContext, gemm: &InvokedGemm) -> ::ort:
         return run_update(ctx, op, [at::ACC], 0, keep, |_, _| {});
     }
     let product = kernel_io::output(ctx, op, 1, acc.shape)?;
-    gemm.run(ctx, (&a, &b), &product)?;
+    gemm.run(
+        RunningContext::of(ctx),
+        &[a.value(), b.value()],
+        product.value(),
+    )?;
     let product: &[f32] = product.into_slice();
     run_update(ctx, op, [at::ACC], 0, keep, |range, io| {
         accumulate_grad(&product[range], io)
@@ -1046,6 +1091,91 @@ fn im2col_kernel(ctx: &ComputeContext, window: &Window2d) -> ::ort::Result<()> {
         count => ctx.par_for(count, 0, run)?,
     }
     Ok(())
+}
+
+struct Gelu;
+
+impl Operator for Gelu {
+    type Kernel<'attr> = BoxedKernel<'attr>;
+
+    fn name(&self) -> &str {
+        GELU
+    }
+
+    fn inputs(&self) -> impl IntoIterator<Item = OperatorInput> {
+        [(); gelu_forward_slot::COUNT].map(|_| OperatorInput::required(TensorElementType::Float32))
+    }
+
+    fn outputs(&self) -> impl IntoIterator<Item = OperatorOutput> {
+        [(); 2].map(|_| OperatorOutput::required(TensorElementType::Float32))
+    }
+
+    /// y and A take x's shape.
+    fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
+        match ctx.inputs().first().cloned() {
+            Some(x) if known_shape(&x) => {
+                ctx.set_output(gelu_forward_slot::Y, &x)?;
+                ctx.set_output(gelu_forward_slot::A, &x)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn create_kernel<'attr>(
+        &self,
+        kctx: &KernelContext<'attr>,
+    ) -> ::ort::Result<Self::Kernel<'attr>> {
+        let erf = InvokedOp::erf(kctx)?;
+        Ok(Box::new(move |ctx: &ComputeContext| gelu_kernel(ctx, &erf)))
+    }
+}
+
+/// [`GELU`] by chunks of [`CHUNK`] elements, each through its three steps while it is in
+/// cache: `u = x / f` written where y goes, ONNX Runtime's `Erf` from there into A's chunk,
+/// then `A` and `y` ([`crate::fused_ops::gelu_tail`]).
+fn gelu_kernel(ctx: &ComputeContext, erf: &InvokedOp) -> ::ort::Result<()> {
+    use ::ort::AsPointer;
+    use gelu_forward_slot as at;
+    let op = GELU;
+    let scalar = |slot: usize| -> ::ort::Result<f32> {
+        scalar_input(ctx, op, slot)?
+            .ok_or_else(|| ::ort::Error::new(format!("{op}: input {slot} is missing")))
+    };
+    let s = GeluScalars {
+        divisor: scalar(at::DIVISOR)?,
+        one: scalar(at::ONE)?,
+        half: scalar(at::HALF)?,
+    };
+    let (shape, x) = f32_input(ctx, op, at::X)?;
+    let y = f32_output(ctx, op, at::Y, shape)?;
+    let a = f32_output(ctx, op, at::A, shape)?;
+    let len = y.len();
+    let failed: Mutex<Option<::ort::Error>> = Mutex::new(None);
+    let running = RunningContext::of(ctx);
+    let chunks = y.chunks_mut(CHUNK).zip(a.chunks_mut(CHUNK));
+    in_chunks(ctx, (len, CHUNK), chunks, |range, (y, a)| {
+        let x = &x[range];
+        gelu_quotient(&s, x, y);
+        let erf_of_u = (|| {
+            let u = ::ort::value::TensorRef::from_array_view(([y.len()], &*y))?;
+            let e = ::ort::value::TensorRefMut::from_array_view_mut(([a.len()], &mut *a))?;
+            // Erf writes A's chunk through this view (the pointer is the view's own).
+            erf.run(running, &[u.ptr()], e.ptr().cast_mut())
+        })();
+        match erf_of_u {
+            Ok(()) => gelu_tail(&s, x, a, y),
+            Err(e) => {
+                if let Ok(mut first) = failed.lock() {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+    })?;
+    match failed.into_inner() {
+        Ok(None) => Ok(()),
+        Ok(Some(e)) => Err(e),
+        Err(_) => Err(::ort::Error::new(format!("{op}: a chunk's task panicked"))),
+    }
 }
 
 struct GeluGrad;

@@ -77,29 +77,39 @@ fn only_for(model: &Model, v: ValueId, op: &str, arity: usize, reader: NodeId) -
 }
 
 /// `n` is `op` ([`is_op`]) in the main graph.
-fn main_op(model: &Model, n: NodeId, op: &str, arity: usize) -> bool {
+pub(super) fn main_op(model: &Model, n: NodeId, op: &str, arity: usize) -> bool {
     is_op(model, n, op, arity) && model.node(n).body == BodyId::MAIN
 }
 
 /// [`only_for`] a two-input op: the node and its inputs.
-fn binary(model: &Model, v: ValueId, op: &str, reader: NodeId) -> Option<(NodeId, [ValueId; 2])> {
+pub(super) fn binary(
+    model: &Model,
+    v: ValueId,
+    op: &str,
+    reader: NodeId,
+) -> Option<(NodeId, [ValueId; 2])> {
     let n = only_for(model, v, op, 2, reader)?;
     Some((n, [input(model, n, 0)?, input(model, n, 1)?]))
 }
 
 /// [`only_for`] a one-input op: the node and its input.
-fn unary(model: &Model, v: ValueId, op: &str, reader: NodeId) -> Option<(NodeId, ValueId)> {
+pub(super) fn unary(
+    model: &Model,
+    v: ValueId,
+    op: &str,
+    reader: NodeId,
+) -> Option<(NodeId, ValueId)> {
     let n = only_for(model, v, op, 1, reader)?;
     Some((n, input(model, n, 0)?))
 }
 
 /// `v` is a one-element float32 constant.
-fn scalar(model: &Model, v: ValueId) -> bool {
+pub(super) fn scalar(model: &Model, v: ValueId) -> bool {
     constant_f32(model, v).is_some()
 }
 
 /// `[a, b]` with the constant scalar second, when one of them is one.
-fn with_scalar(model: &Model, [a, b]: [ValueId; 2]) -> Option<(ValueId, ValueId)> {
+pub(super) fn with_scalar(model: &Model, [a, b]: [ValueId; 2]) -> Option<(ValueId, ValueId)> {
     match (scalar(model, a), scalar(model, b)) {
         (_, true) => Some((a, b)),
         (true, false) => Some((b, a)),

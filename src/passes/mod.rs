@@ -13,6 +13,7 @@ pub mod autodiff;
 pub mod dce;
 pub mod fuse;
 pub mod fused_batch_norm;
+pub mod fused_gelu;
 pub mod fused_gelu_grad;
 pub mod fused_im2col;
 pub mod fused_relu_grad;
@@ -46,7 +47,7 @@ pub(crate) fn has_op(model: &crate::proto::ModelProto, op: &str) -> bool {
 }
 
 /// The end of a session's in-memory rewrite onto onnx-ga's fused kernels
-/// ([`fused_batch_norm`], [`fused_gelu_grad`], [`fused_im2col`], [`fused_relu_grad`]): the fused domain
+/// ([`fused_batch_norm`], [`fused_gelu`], [`fused_gelu_grad`], [`fused_im2col`], [`fused_relu_grad`]): the fused domain
 /// required, the replaced nodes removed, the graph verified.
 pub(crate) fn finish_in_memory(
     mut ir: Model,
