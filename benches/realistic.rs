@@ -42,7 +42,8 @@
 //! (the weight gradients' unfoldings as grouped convolutions, for an A/B),
 //! `--no-fused-relu-grad` (the ReLU gradients in standard ops, for an A/B),
 //! `--no-fused-gelu-grad` (the GELU gradients in standard ops, for an A/B), `--no-fused-gelu`
-//! (the GELU forwards in standard ops),
+//! (the GELU forwards in standard ops), `--no-fused-layer-norm-grad` (the layer-norm
+//! gradients in standard ops),
 //! `--no-fused-weight-grads` (the weight gradients written, then accumulated, for an A/B).
 
 use std::collections::BTreeMap;
@@ -135,6 +136,9 @@ fn parse_opts() -> Result<Opts> {
                 NO_GELU_GRAD.store(true, std::sync::atomic::Ordering::Relaxed)
             }
             "--no-fused-gelu" => NO_GELU.store(true, std::sync::atomic::Ordering::Relaxed),
+            "--no-fused-layer-norm-grad" => {
+                NO_LN_GRAD.store(true, std::sync::atomic::Ordering::Relaxed)
+            }
             "--no-fused-weight-grads" => {
                 NO_WEIGHT_GRADS.store(true, std::sync::atomic::Ordering::Relaxed)
             }
@@ -320,6 +324,9 @@ static NO_GELU_GRAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBo
 /// `--no-fused-gelu`: the GELU forwards in standard ops, for an A/B of
 /// `SessionOptions::fused_gelu`.
 static NO_GELU: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// `--no-fused-layer-norm-grad`: the layer-norm gradients in standard ops, for an A/B of
+/// `SessionOptions::fused_layer_norm_grad`.
+static NO_LN_GRAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 /// `--no-fused-weight-grads`: the weight gradients written, then accumulated, for an A/B of
 /// `SessionOptions::fused_weight_grads`.
 static NO_WEIGHT_GRADS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -334,6 +341,7 @@ fn session(threads: usize) -> SessionOptions {
         fused_relu_grad: !NO_RELU_GRAD.load(std::sync::atomic::Ordering::Relaxed),
         fused_gelu_grad: !NO_GELU_GRAD.load(std::sync::atomic::Ordering::Relaxed),
         fused_gelu: !NO_GELU.load(std::sync::atomic::Ordering::Relaxed),
+        fused_layer_norm_grad: !NO_LN_GRAD.load(std::sync::atomic::Ordering::Relaxed),
         fused_weight_grads: !NO_WEIGHT_GRADS.load(std::sync::atomic::Ordering::Relaxed),
         ..Default::default()
     }
@@ -632,6 +640,7 @@ fn check(
     let mut optimizer_fused = trainer_with(SessionOptions {
         fused_batch_norm: false,
         fused_gelu_grad: false,
+        fused_layer_norm_grad: false,
         ..session(1)
     })?;
     // The GELU forwards apart (their kernel runs the standard ops' operations and ONNX
@@ -669,11 +678,12 @@ fn check(
         }
     ));
     let rounding_ok = rounding_gap < 1e-5;
-    if split.fused_batch_norms() + split.fused_gelu_grads() > 0 {
+    if split.fused_batch_norms() + split.fused_gelu_grads() + split.fused_layer_norm_grads() > 0 {
         lines.push(format!(
-            "{model}: step with {} BatchNorm layers and {} GELU gradients on the fused kernels vs standard ops: losses within {rounding_gap:.1e} (bound 1e-5) {}",
+            "{model}: step with {} BatchNorm layers, {} GELU gradients and {} layer-norm gradients on the fused kernels vs standard ops: losses within {rounding_gap:.1e} (bound 1e-5) {}",
             split.fused_batch_norms(),
             split.fused_gelu_grads(),
+            split.fused_layer_norm_grads(),
             if rounding_ok { "ok" } else { "MISMATCH" }
         ));
     }

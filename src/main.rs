@@ -171,9 +171,10 @@ struct TrainArgs {
     /// Run the step as it is written, in standard ops, instead of on onnx-ga's fused CPU
     /// kernels (ONNX Runtime on the CPU): the optimizer's update (AdamW, Adam, SGD,
     /// momentum, Nesterov), the weight gradients' unfolding of a convolution's input and
-    /// the ReLU gradients (same results, bit for bit), BatchNorm (see
-    /// --no-fused-batch-norm) and the exact GELU's gradient (the same operations but the
-    /// exponential's: within its rounding).
+    /// the ReLU gradients and the exact GELU's forward (same results, bit for bit),
+    /// BatchNorm (see --no-fused-batch-norm), the exact GELU's gradient (the same
+    /// operations but the exponential's: within its rounding) and layer normalisation's
+    /// gradient (within the rounding of its sums).
     #[arg(long)]
     no_fused_kernels: bool,
     /// Run training-mode BatchNorm as the step writes it, some 35 standard ops a layer,
@@ -1168,6 +1169,12 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         progress.note(format!(
             "batch norm: {} forward and backward layer(s) on onnx-ga's fused CPU kernels, summed over the sessions (--no-fused-batch-norm: as written)",
             trainer.fused_batch_norms()
+        ));
+    }
+    if trainer.fused_layer_norm_grads() > 0 {
+        progress.note(format!(
+            "layer norm: {} gradient(s) on onnx-ga's fused CPU kernel, summed over the sessions (within the rounding of its sums; --no-fused-kernels: as written)",
+            trainer.fused_layer_norm_grads()
         ));
     }
     host_controls(&mut trainer, args.lr, args.accum_steps)?;

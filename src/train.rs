@@ -697,6 +697,12 @@ impl Trainer {
         self.sum_over_sessions(Engine::fused_gelus)
     }
 
+    /// Layer-norm gradients on onnx-ga's fused kernel
+    /// (`SessionOptions::fused_layer_norm_grad`), summed over the split step's sessions.
+    pub fn fused_layer_norm_grads(&self) -> usize {
+        self.sum_over_sessions(Engine::fused_layer_norm_grads)
+    }
+
     /// Scalar nodes the host computes instead of the sessions (`engine::host_scalars`),
     /// summed over them.
     pub fn host_scalar_nodes(&self) -> usize {

@@ -21,14 +21,16 @@ const MICRO_STEPS: u64 = 32;
 
 /// Every accumulator fused and in place, however small (the trainer's default leaves the
 /// shipped graphs' small ones apart: [`small_states_stay_apart`]), so that
-/// the in-place machinery is exercised on these graphs. BatchNorm stays in standard ops:
-/// its fused kernels sum in another order (tests/fused_batch_norm.rs).
+/// the in-place machinery is exercised on these graphs. BatchNorm and the layer-norm
+/// gradients stay in standard ops: their fused kernels sum in another order
+/// (tests/fused_batch_norm.rs, tests/fused_layer_norm_grad.rs).
 fn options(fused: bool, threads: usize, split: bool) -> TrainOptions {
     TrainOptions {
         session: SessionOptions {
             threads,
             fused_kernels: fused,
             fused_batch_norm: false,
+            fused_layer_norm_grad: false,
             in_place_min_elements: 0,
             in_place_min_total: 0,
             ..SessionOptions::default()
@@ -48,13 +50,15 @@ const ADAM_FAMILY: [&str; 5] = [
     "optimizer(kind=adam,lr=0.01,formula=keras)",
 ];
 
-/// The trainer's default options (fused kernels or not), BatchNorm as written, on `threads`,
+/// The trainer's default options (fused kernels or not), BatchNorm and the layer-norm
+/// gradients as written, on `threads`,
 /// with host updates or not.
 fn defaults(fused: bool, threads: usize, host_updates: bool) -> TrainOptions {
     TrainOptions {
         session: SessionOptions {
             fused_kernels: fused,
             fused_batch_norm: false,
+            fused_layer_norm_grad: false,
             threads,
             host_updates,
             ..SessionOptions::default()
@@ -484,6 +488,7 @@ fn small_states_stay_apart() {
         session: SessionOptions {
             fused_kernels: fused,
             fused_batch_norm: false,
+            fused_layer_norm_grad: false,
             in_place_min_total: min_total.unwrap_or(SessionOptions::default().in_place_min_total),
             // The updates bound in ONNX Runtime: the host's need no minimum (below).
             host_updates: false,

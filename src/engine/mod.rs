@@ -368,6 +368,16 @@ impl Engine {
         }
     }
 
+    /// Layer-norm gradients on onnx-ga's fused kernel
+    /// (`SessionOptions::fused_layer_norm_grad`).
+    pub fn fused_layer_norm_grads(&self) -> usize {
+        match self {
+            Engine::Ort(s) => s.fused_layer_norm_grads(),
+            #[cfg(feature = "tract")]
+            Engine::Tract(_) => 0,
+        }
+    }
+
     /// The (state input, next value) pairs this session updates in place.
     pub fn in_place(&self) -> &[(String, String)] {
         match self {

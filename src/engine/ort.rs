@@ -127,6 +127,10 @@ pub struct SessionOptions {
     /// a model exports them) on onnx-ga's `Gelu` kernel, one pass around ONNX Runtime's own
     /// `Erf`, bit-identical (`passes::fused_gelu`).
     pub fused_gelu: bool,
+    /// With `fused_kernels`, on the CPU: layer normalisation's gradients (thirteen ops of
+    /// the legalize lowering) on onnx-ga's `LayerNormGrad` kernel, one pass, within the
+    /// rounding of its sums (`passes::fused_layer_norm_grad`).
+    pub fused_layer_norm_grad: bool,
     /// With `fused_kernels` and `in_place_updates`, on the CPU: a weight gradient
     /// `Gemm(A, B, transA = 1)` and its accumulation as one `AccumulateProduct` node, which
     /// at a small micro-batch makes the gradient inside the accumulator
@@ -173,6 +177,7 @@ impl Default for SessionOptions {
             fused_relu_grad: true,
             fused_gelu_grad: true,
             fused_gelu: true,
+            fused_layer_norm_grad: true,
             fused_weight_grads: true,
             in_place_min_elements: crate::passes::fuse::accumulate::MIN_ELEMENTS,
             in_place_min_total: crate::passes::fuse::in_place::MIN_SESSION_ELEMENTS,
@@ -212,6 +217,8 @@ pub struct OrtSession {
     fused_gelu_grads: usize,
     /// See [`Self::fused_gelus`].
     fused_gelus: usize,
+    /// See [`Self::fused_layer_norm_grads`].
+    fused_layer_norm_grads: usize,
     /// Inputs of the model that nothing in it reads, left out of the session
     /// ([`without_unread_inputs`]); a run given them ignores them.
     unread_inputs: std::collections::HashSet<String>,
@@ -284,6 +291,12 @@ impl OrtSession {
             || crate::passes::fused_gelu::rewrite(model),
         )?;
         let model = gelus.as_ref().map_or(model, |g| &g.model);
+        let layer_norm_grads = in_memory(
+            ours(options.fused_layer_norm_grad),
+            "putting the layer-norm gradients on the fused kernel",
+            || crate::passes::fused_layer_norm_grad::rewrite(model),
+        )?;
+        let model = layer_norm_grads.as_ref().map_or(model, |l| &l.model);
         let (pruned, unread) = without_unread_inputs(model);
         let bytes = crate::model::encode_model(pruned.as_ref().unwrap_or(model));
         let mut session = Self::from_bytes(&bytes, options)?;
@@ -293,6 +306,7 @@ impl OrtSession {
         session.fused_relu_grads = relu_grads.map_or(0, |r| r.relu_grads);
         session.fused_gelu_grads = gelu_grads.map_or(0, |g| g.gelu_grads);
         session.fused_gelus = gelus.map_or(0, |g| g.gelus);
+        session.fused_layer_norm_grads = layer_norm_grads.map_or(0, |l| l.layer_norm_grads);
         session.unread_inputs = unread;
         Ok(session)
     }
@@ -327,6 +341,12 @@ impl OrtSession {
     /// GELU forwards this session runs on `Gelu` (`SessionOptions::fused_gelu`).
     pub fn fused_gelus(&self) -> usize {
         self.fused_gelus
+    }
+
+    /// Layer-norm gradients this session runs on `LayerNormGrad`
+    /// (`SessionOptions::fused_layer_norm_grad`).
+    pub fn fused_layer_norm_grads(&self) -> usize {
+        self.fused_layer_norm_grads
     }
 
     pub fn from_bytes(bytes: &[u8], options: &SessionOptions) -> Result<OrtSession, EngineError> {
@@ -451,6 +471,7 @@ impl OrtSession {
             fused_relu_grads: 0,
             fused_gelu_grads: 0,
             fused_gelus: 0,
+            fused_layer_norm_grads: 0,
             unread_inputs: Default::default(),
             read_filter: ReadFilter::default(),
             host_scalars: None,

@@ -17,10 +17,11 @@ use crate::fused_ops::{
     accumulate_grad, accumulate_product, accumulate_product_slot, accumulate_slot,
     adamw_group_slot, adamw_slot, adamw_update, batch_norm_grad_channel, batch_norm_train_channel,
     gelu_forward_slot, gelu_grad, gelu_quotient, gelu_slot, gelu_tail, largest_fast_contraction,
-    relu_grad, sgd_slot, sgd_update, AdamWScalars, BatchNormLayout, ChannelStats, GeluGradScalars,
-    GeluScalars, Io, ProductShape, SgdIo, SgdScalars, Unfolding, Window2d, ACCUMULATE_GRAD,
-    ACCUMULATE_PRODUCT, ADAMW_UPDATE, ADAMW_UPDATES, BATCH_NORM_GRAD, BATCH_NORM_TRAIN, DOMAIN,
-    GELU, GELU_GRAD, IM2COL, RELU_GRAD, SGD_UPDATE,
+    layer_norm_grad_rows, layer_norm_grad_slot, relu_grad, sgd_slot, sgd_update, AdamWScalars,
+    BatchNormLayout, ChannelStats, GeluGradScalars, GeluScalars, Io, ProductShape, SgdIo,
+    SgdScalars, Unfolding, Window2d, ACCUMULATE_GRAD, ACCUMULATE_PRODUCT, ADAMW_UPDATE,
+    ADAMW_UPDATES, BATCH_NORM_GRAD, BATCH_NORM_TRAIN, DOMAIN, GELU, GELU_GRAD, IM2COL,
+    LAYER_NORM_GRAD, LAYER_NORM_GRAD_ROWS, RELU_GRAD, SGD_UPDATE,
 };
 
 /// The domain with every fused operator, for a session builder.
@@ -36,6 +37,7 @@ pub fn domain() -> ::ort::Result<OperatorDomain> {
         .add(Im2Col)?
         .add(Gelu)?
         .add(GeluGrad)?
+        .add(LayerNormGrad)?
         .add(ReluGrad)
 }
 
@@ -1176,6 +1178,98 @@ fn gelu_kernel(ctx: &ComputeContext, erf: &InvokedOp) -> ::ort::Result<()> {
         Ok(Some(e)) => Err(e),
         Err(_) => Err(::ort::Error::new(format!("{op}: a chunk's task panicked"))),
     }
+}
+
+struct LayerNormGrad;
+
+impl Operator for LayerNormGrad {
+    type Kernel<'attr> = BoxedKernel<'attr>;
+
+    fn name(&self) -> &str {
+        LAYER_NORM_GRAD
+    }
+
+    fn inputs(&self) -> impl IntoIterator<Item = OperatorInput> {
+        [(); layer_norm_grad_slot::COUNT]
+            .map(|_| OperatorInput::required(TensorElementType::Float32))
+    }
+
+    fn outputs(&self) -> impl IntoIterator<Item = OperatorOutput> {
+        [(); 3].map(|_| OperatorOutput::required(TensorElementType::Float32))
+    }
+
+    /// dX takes X's shape, dScale and dBias the scale's.
+    fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
+        use layer_norm_grad_slot as at;
+        let inputs = ctx.inputs();
+        let (x, scale) = (inputs[at::X].clone(), inputs[at::SCALE].clone());
+        if known_shape(&x) {
+            ctx.set_output(0, &x)?;
+        }
+        if known_shape(&scale) {
+            ctx.set_output(1, &scale)?;
+            ctx.set_output(2, &scale)?;
+        }
+        Ok(())
+    }
+
+    fn create_kernel<'attr>(&self, _: &KernelContext<'attr>) -> ::ort::Result<Self::Kernel<'attr>> {
+        Ok(Box::new(|ctx: &ComputeContext| layer_norm_grad_kernel(ctx)))
+    }
+}
+
+/// [`LAYER_NORM_GRAD`] by blocks of rows, each block's column sums apart, then added in
+/// block order: the same numbers on any number of threads.
+fn layer_norm_grad_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
+    use layer_norm_grad_slot as at;
+    let op = LAYER_NORM_GRAD;
+    let (shape, dy) = f32_input(ctx, op, at::DY)?;
+    let (x_shape, x) = f32_input(ctx, op, at::X)?;
+    let (scale_shape, scale) = f32_input(ctx, op, at::SCALE)?;
+    let (_, mean) = f32_input(ctx, op, at::MEAN)?;
+    let (_, inv_std) = f32_input(ctx, op, at::INV_STD)?;
+    let n = scale.len();
+    let rows = dy.len().checked_div(n).unwrap_or(0);
+    let fits = x_shape == shape
+        && scale_shape.len() == 1
+        && shape.last().is_some_and(|&d| d as usize == n)
+        && mean.len() == rows
+        && inv_std.len() == rows;
+    if !fits {
+        return Err(::ort::Error::new(format!(
+            "{op}: dY {shape:?}, X {x_shape:?}, scale {scale_shape:?}, {} means and {} \
+             inverse deviations do not make rows of the scale's length",
+            mean.len(),
+            inv_std.len()
+        )));
+    }
+    let dx = f32_output(ctx, op, 0, shape)?;
+    let dscale = f32_output(ctx, op, 1, scale_shape)?;
+    let dbias = f32_output(ctx, op, 2, scale_shape)?;
+    dscale.fill(0.0);
+    dbias.fill(0.0);
+    if rows == 0 {
+        return Ok(());
+    }
+    let block = LAYER_NORM_GRAD_ROWS * n;
+    let mut partial = vec![0f32; rows.div_ceil(LAYER_NORM_GRAD_ROWS) * 2 * n];
+    let blocks = dx.chunks_mut(block).zip(partial.chunks_mut(2 * n));
+    in_chunks(ctx, (dy.len(), block), blocks, |range, (dx, sums)| {
+        let (first, last) = (range.start / n, range.end / n);
+        let (dscale, dbias) = sums.split_at_mut(n);
+        layer_norm_grad_rows(
+            (&dy[range.clone()], &x[range], scale),
+            (&mean[first..last], &inv_std[first..last]),
+            dx,
+            (dscale, dbias),
+        )
+    })?;
+    for sums in partial.chunks_exact(2 * n) {
+        let (s, b) = sums.split_at(n);
+        dscale.iter_mut().zip(s).for_each(|(d, v)| *d += v);
+        dbias.iter_mut().zip(b).for_each(|(d, v)| *d += v);
+    }
+    Ok(())
 }
 
 struct GeluGrad;

@@ -193,6 +193,7 @@ mod batch_norm;
 mod gelu;
 mod gelu_grad;
 mod im2col;
+mod layer_norm_grad;
 mod product;
 mod quotient;
 mod relu_grad;
@@ -203,6 +204,9 @@ pub use batch_norm::{
 pub use gelu::{gelu_forward_slot, gelu_quotient, gelu_tail, GeluScalars, GELU};
 pub use gelu_grad::{gelu_grad, gelu_slot, GeluGradScalars, GELU_GRAD};
 pub use im2col::{Unfolding, Window2d, IM2COL};
+pub use layer_norm_grad::{
+    layer_norm_grad_rows, layer_norm_grad_slot, LAYER_NORM_GRAD, ROWS as LAYER_NORM_GRAD_ROWS,
+};
 pub use product::{
     accumulate_product, accumulate_product_slot, largest_fast_contraction, ProductShape,
     ACCUMULATE_PRODUCT,
