@@ -174,8 +174,9 @@ fn layer_norm_gradient(model: &Model, shapes: &Shapes, sub: NodeId) -> Option<Fo
             .is_none_or(|e| e == DataType::Float as i32)
     };
     let typed = float(x) && [dy, scale, mean, inv_std].into_iter().all(float_or_unknown);
+    // The kernel takes a scale of one axis, the last: a declared parameter's shape.
     let scale_rank = shapes.get(scale).rank();
-    if inv_std_again != inv_std || !typed || rank < 2 || scale_rank.is_some_and(|r| r != 1) {
+    if inv_std_again != inv_std || !typed || rank < 2 || scale_rank != Some(1) {
         return None;
     }
     if row_mean(model, mean_b, rank)? != b {
