@@ -281,7 +281,7 @@ fn stat_axes(rank: usize) -> Vec<i64> {
 
 /// The node making `v` (at output 0) when it is `op` of the standard domain, without
 /// attributes, in the main graph.
-fn made_by(model: &Model, v: ValueId, op: &str) -> Option<NodeId> {
+pub(super) fn made_by(model: &Model, v: ValueId, op: &str) -> Option<NodeId> {
     let (n, 0) = model.producer(v)? else {
         return None;
     };
@@ -294,7 +294,7 @@ fn made_by(model: &Model, v: ValueId, op: &str) -> Option<NodeId> {
 }
 
 /// `v = op(a, b)`, a binary op without attributes: `(a, b)`.
-fn operands(model: &Model, v: ValueId, op: &str) -> Option<(ValueId, ValueId)> {
+pub(super) fn operands(model: &Model, v: ValueId, op: &str) -> Option<(ValueId, ValueId)> {
     let n = made_by(model, v, op)?;
     is_op(model, n, op, 2).then_some((input(model, n, 0)?, input(model, n, 1)?))
 }
@@ -307,8 +307,18 @@ fn single_operand(model: &Model, v: ValueId, op: &str) -> Option<ValueId> {
 
 /// `v = op(x)` reducing the constant axes it has (attribute or input) with `keepdims` as
 /// given and nothing else: `(x, axes)`.
-fn reduced(model: &Model, v: ValueId, op: &str, keepdims: bool) -> Option<(ValueId, Vec<i64>)> {
-    let n = made_by(model, v, op)?;
+pub(super) fn reduced(
+    model: &Model,
+    v: ValueId,
+    op: &str,
+    keepdims: bool,
+) -> Option<(ValueId, Vec<i64>)> {
+    reduction(model, made_by(model, v, op)?, keepdims)
+}
+
+/// The input and axes of the reduction node `n` (its op checked by the caller): constant
+/// axes (attribute or input), `keepdims` as given, no other attribute.
+pub(super) fn reduction(model: &Model, n: NodeId, keepdims: bool) -> Option<(ValueId, Vec<i64>)> {
     let node = model.node(n);
     if !super::only_attributes(&node.proto, &["axes", "keepdims"]) {
         return None;

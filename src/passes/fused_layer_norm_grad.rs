@@ -22,10 +22,11 @@
 //! matched value something else reads too keeps its node, so the rewrite never changes
 //! what the graph computes.
 
-use super::autodiff::shapes::{constant_ints, Shapes};
+use super::autodiff::shapes::Shapes;
 use super::fuse::{input, is_op};
+use super::fused_batch_norm::{operands, reduced, reduction};
 use crate::fused_ops::{layer_norm_grad_slot, DOMAIN, LAYER_NORM_GRAD};
-use crate::ir::builder::{Builder, NodeAttributes};
+use crate::ir::builder::Builder;
 use crate::ir::{normalize_domain, BodyId, Model, NodeId, Use, ValueId};
 use crate::proto::{tensor_proto::DataType, ModelProto};
 
@@ -89,50 +90,9 @@ pub fn rewrite(model: &ModelProto) -> Result<Option<Rewritten>, super::PassError
     }))
 }
 
-/// The node making `v` when it is `op` of the standard domain in the main graph, with one
-/// output.
-fn made_by(model: &Model, v: ValueId, op: &str) -> Option<NodeId> {
-    let (n, 0) = model.producer(v)? else {
-        return None;
-    };
-    let node = model.node(n);
-    (node.proto.op_type() == op
-        && normalize_domain(node.proto.domain()).is_empty()
-        && node.body == BodyId::MAIN
-        && node.outputs.len() == 1)
-        .then_some(n)
-}
-
-/// `v = op(a, b)` without attributes: `[a, b]`.
-fn operands(model: &Model, v: ValueId, op: &str) -> Option<[ValueId; 2]> {
-    let n = made_by(model, v, op)?;
-    is_op(model, n, op, 2).then_some([input(model, n, 0)?, input(model, n, 1)?])
-}
-
-/// The axes and input of a reduction node `n` of `op` with `keepdims` as given and nothing
-/// else (axes an attribute or a constant input).
-fn reduction(model: &Model, n: NodeId, op: &str, keepdims: bool) -> Option<(ValueId, Vec<i64>)> {
-    let node = model.node(n);
-    let plain = node.proto.op_type() == op
-        && normalize_domain(node.proto.domain()).is_empty()
-        && node.body == BodyId::MAIN
-        && super::only_attributes(&node.proto, &["axes", "keepdims"])
-        && node.proto.attr_int("keepdims").ok()?.unwrap_or(1) == keepdims as i64;
-    if !plain {
-        return None;
-    }
-    let axes = match (node.proto.attr_ints("axes").ok()?, input(model, n, 1)) {
-        (Some(axes), None) => axes,
-        (None, Some(axes)) => constant_ints(model, axes)?,
-        _ => return None,
-    };
-    Some((input(model, n, 0)?, axes))
-}
-
 /// `v = ReduceMean(x)` over the last axis of x (rank `rank`), keeping it: `x`.
 fn row_mean(model: &Model, v: ValueId, rank: usize) -> Option<ValueId> {
-    let n = made_by(model, v, "ReduceMean")?;
-    let (x, axes) = reduction(model, n, "ReduceMean", true)?;
+    let (x, axes) = reduced(model, v, "ReduceMean", true)?;
     (axes == [-1] || axes == [rank as i64 - 1]).then_some(x)
 }
 
@@ -141,8 +101,9 @@ fn row_mean(model: &Model, v: ValueId, rank: usize) -> Option<ValueId> {
 fn leading_sum(model: &Model, v: ValueId, rank: usize) -> Option<ValueId> {
     let leading: Vec<i64> = (0..rank as i64 - 1).collect();
     model.uses(v).iter().find_map(|u| match u {
-        Use::Node { node, slot: 0 } => {
-            let (_, axes) = reduction(model, *node, "ReduceSum", false)?;
+        Use::Node { node, slot: 0 } if model.node(*node).proto.op_type() == "ReduceSum" => {
+            let plain = normalize_domain(model.node(*node).proto.domain()).is_empty();
+            let (_, axes) = reduction(model, *node, false).filter(|_| plain)?;
             (axes == leading && !leading.is_empty()).then(|| model.output(*node, 0))
         }
         _ => None,
@@ -155,13 +116,13 @@ fn layer_norm_gradient(model: &Model, shapes: &Shapes, sub: NodeId) -> Option<Fo
         return None;
     }
     let dx = model.output(sub, 0);
-    let [b_centered, xhat_mean_c] = [input(model, sub, 0)?, input(model, sub, 1)?];
-    let [b, mean_b] = operands(model, b_centered, "Sub")?;
-    let [xhat, mean_c] = operands(model, xhat_mean_c, "Mul")?;
-    let [g, inv_std] = operands(model, b, "Mul")?;
-    let [dy, scale] = operands(model, g, "Mul")?;
-    let [centered, inv_std_again] = operands(model, xhat, "Mul")?;
-    let [x, mean] = operands(model, centered, "Sub")?;
+    let (b_centered, xhat_mean_c) = (input(model, sub, 0)?, input(model, sub, 1)?);
+    let (b, mean_b) = operands(model, b_centered, "Sub")?;
+    let (xhat, mean_c) = operands(model, xhat_mean_c, "Mul")?;
+    let (g, inv_std) = operands(model, b, "Mul")?;
+    let (dy, scale) = operands(model, g, "Mul")?;
+    let (centered, inv_std_again) = operands(model, xhat, "Mul")?;
+    let (x, mean) = operands(model, centered, "Sub")?;
     let x_facts = shapes.get(x);
     let rank = x_facts.rank()?;
     // X float32; the others are too where known (the lowering's Mul and Sub make them
@@ -183,7 +144,7 @@ fn layer_norm_gradient(model: &Model, shapes: &Shapes, sub: NodeId) -> Option<Fo
         return None;
     }
     let c = row_mean(model, mean_c, rank)?;
-    if operands(model, c, "Mul")? != [b, xhat] {
+    if operands(model, c, "Mul")? != (b, xhat) {
         return None;
     }
     // dScale: a ReduceSum of Mul(dY, x̂); dBias: one of dY.
