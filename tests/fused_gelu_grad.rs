@@ -295,6 +295,10 @@ fn gelu_forwards_on_the_kernel_are_the_standard_ops_bit_for_bit() {
                 ("gradient graph", &gradient, vec![("x", &x), ("r", &r)]),
             ] {
                 let (fused, plain) = (run(graph, &feeds, true), run(graph, &feeds, false));
+                let names = |outputs: &[(String, Tensor)]| {
+                    outputs.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>()
+                };
+                assert_eq!(names(&fused), names(&plain), "{dims:?}: {what}'s outputs");
                 assert_eq!(fused.len(), 2, "{dims:?}: {what}'s two outputs");
                 for ((name, got), (_, want)) in fused.iter().zip(&plain) {
                     assert!(
