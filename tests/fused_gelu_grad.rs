@@ -37,11 +37,7 @@ const CONSTANTS: &str = r#"
 /// `loss = Σ GELU(x · s) · r` through our autodiff, s a parameter of x's shape (all 1.5):
 /// the gradient graph, whose `s_grad` is `r · GELU'(x · s) · x`.
 fn gradient_graph(dims: &[usize]) -> ModelProto {
-    let d = dims
-        .iter()
-        .map(|v| v.to_string())
-        .collect::<Vec<_>>()
-        .join(",");
+    let d = crate::common::dims_text(dims);
     let text = format!(
         r#"<ir_version: 8, opset_import: ["" : 17]>
 gelu (float[{d}] x, float[{d}] r) => (float loss)
@@ -230,11 +226,7 @@ fn an_mlp_with_gelu_trains_on_the_kernel_within_rounding() {
 
 /// GELU as exported, its output y and its `Add` A both graph outputs.
 fn forward_graph(dims: &[usize]) -> ModelProto {
-    let d = dims
-        .iter()
-        .map(|v| v.to_string())
-        .collect::<Vec<_>>()
-        .join(",");
+    let d = crate::common::dims_text(dims);
     let text = format!(
         r#"<ir_version: 8, opset_import: ["" : 17]>
 gelu (float[{d}] h) => (float[{d}] y, float[{d}] a)

@@ -18,11 +18,7 @@ use onnx_ga::proto::ModelProto;
 /// `loss = Σ LayerNorm(x · s; gamma, beta) · r` over the last axis of `dims`, s, gamma and
 /// beta parameters: its gradient graph (s_grad, gamma_grad, beta_grad).
 fn gradient_graph(dims: &[usize]) -> ModelProto {
-    let d = dims
-        .iter()
-        .map(|v| v.to_string())
-        .collect::<Vec<_>>()
-        .join(",");
+    let d = crate::common::dims_text(dims);
     let text = format!(
         r#"<ir_version: 8, opset_import: ["" : 17]>
 ln (float[{d}] x, float[{d}] r) => (float loss)

@@ -116,6 +116,13 @@ fn scalar_input(ctx: &ComputeContext, op: &str, slot: usize) -> ::ort::Result<Op
     }
 }
 
+/// Scalar input `slot` of a fused operator's node that must be there: an error naming
+/// `op` when it is absent or not one element.
+fn required_scalar(ctx: &ComputeContext, op: &str, slot: usize) -> ::ort::Result<f32> {
+    scalar_input(ctx, op, slot)?
+        .ok_or_else(|| ::ort::Error::new(format!("{op}: input {slot} is missing")))
+}
+
 /// The gate of a fused operator at `slot` ([`crate::fused_ops::KEEP_NONFINITE`]): true when
 /// absent.
 fn keep_input(ctx: &ComputeContext, op: &str, slot: usize) -> ::ort::Result<bool> {
@@ -1139,10 +1146,7 @@ fn gelu_kernel(ctx: &ComputeContext, erf: &InvokedOp) -> ::ort::Result<()> {
     use ::ort::AsPointer;
     use gelu_forward_slot as at;
     let op = GELU;
-    let scalar = |slot: usize| -> ::ort::Result<f32> {
-        scalar_input(ctx, op, slot)?
-            .ok_or_else(|| ::ort::Error::new(format!("{op}: input {slot} is missing")))
-    };
+    let scalar = |slot: usize| required_scalar(ctx, op, slot);
     let s = GeluScalars {
         divisor: scalar(at::DIVISOR)?,
         one: scalar(at::ONE)?,
@@ -1304,10 +1308,7 @@ impl Operator for GeluGrad {
 
 fn gelu_grad_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
     let op = GELU_GRAD;
-    let scalar = |slot: usize| -> ::ort::Result<f32> {
-        scalar_input(ctx, op, slot)?
-            .ok_or_else(|| ::ort::Error::new(format!("{op}: input {slot} is missing")))
-    };
+    let scalar = |slot: usize| required_scalar(ctx, op, slot);
     let s = GeluGradScalars {
         half: scalar(gelu_slot::HALF)?,
         k: scalar(gelu_slot::K)?,

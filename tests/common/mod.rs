@@ -286,6 +286,14 @@ pub fn pattern(n: usize, seed: usize) -> Vec<f32> {
         .collect()
 }
 
+/// `dims` as a shape in the ONNX text format: "3,5,7".
+pub fn dims_text(dims: &[usize]) -> String {
+    dims.iter()
+        .map(|v| v.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// A float32 tensor of `dims` filled with [`pattern`].
 pub fn pattern_tensor(dims: &[usize], seed: usize) -> Tensor {
     let n = dims.iter().product();
