@@ -43,7 +43,7 @@
 //! `--no-fused-relu-grad` (the ReLU gradients in standard ops, for an A/B),
 //! `--no-fused-gelu-grad` (the GELU gradients in standard ops, for an A/B), `--no-fused-gelu`
 //! (the GELU forwards in standard ops), `--no-fused-layer-norm-grad` (the layer-norm
-//! gradients in standard ops),
+//! gradients in standard ops), `--no-bias-in-gemm` (the linear layers' bias adds apart),
 //! `--no-fused-weight-grads` (the weight gradients written, then accumulated, for an A/B).
 
 use std::collections::BTreeMap;
@@ -136,6 +136,9 @@ fn parse_opts() -> Result<Opts> {
                 NO_GELU_GRAD.store(true, std::sync::atomic::Ordering::Relaxed)
             }
             "--no-fused-gelu" => NO_GELU.store(true, std::sync::atomic::Ordering::Relaxed),
+            "--no-bias-in-gemm" => {
+                NO_BIAS_IN_GEMM.store(true, std::sync::atomic::Ordering::Relaxed)
+            }
             "--no-fused-layer-norm-grad" => {
                 NO_LN_GRAD.store(true, std::sync::atomic::Ordering::Relaxed)
             }
@@ -327,6 +330,9 @@ static NO_GELU: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::n
 /// `--no-fused-layer-norm-grad`: the layer-norm gradients in standard ops, for an A/B of
 /// `SessionOptions::fused_layer_norm_grad`.
 static NO_LN_GRAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// `--no-bias-in-gemm`: the linear layers' bias adds apart from their products, for an A/B
+/// of `SessionOptions::bias_in_gemm`.
+static NO_BIAS_IN_GEMM: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 /// `--no-fused-weight-grads`: the weight gradients written, then accumulated, for an A/B of
 /// `SessionOptions::fused_weight_grads`.
 static NO_WEIGHT_GRADS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -342,6 +348,7 @@ fn session(threads: usize) -> SessionOptions {
         fused_gelu_grad: !NO_GELU_GRAD.load(std::sync::atomic::Ordering::Relaxed),
         fused_gelu: !NO_GELU.load(std::sync::atomic::Ordering::Relaxed),
         fused_layer_norm_grad: !NO_LN_GRAD.load(std::sync::atomic::Ordering::Relaxed),
+        bias_in_gemm: !NO_BIAS_IN_GEMM.load(std::sync::atomic::Ordering::Relaxed),
         fused_weight_grads: !NO_WEIGHT_GRADS.load(std::sync::atomic::Ordering::Relaxed),
         ..Default::default()
     }
@@ -641,6 +648,7 @@ fn check(
         fused_batch_norm: false,
         fused_gelu_grad: false,
         fused_layer_norm_grad: false,
+        bias_in_gemm: false,
         ..session(1)
     })?;
     // The GELU forwards apart (their kernel runs the standard ops' operations and ONNX
@@ -678,12 +686,17 @@ fn check(
         }
     ));
     let rounding_ok = rounding_gap < 1e-5;
-    if split.fused_batch_norms() + split.fused_gelu_grads() + split.fused_layer_norm_grads() > 0 {
+    let rounded = split.fused_batch_norms()
+        + split.fused_gelu_grads()
+        + split.fused_layer_norm_grads()
+        + split.biases_in_gemm();
+    if rounded > 0 {
         lines.push(format!(
-            "{model}: step with {} BatchNorm layers, {} GELU gradients and {} layer-norm gradients on the fused kernels vs standard ops: losses within {rounding_gap:.1e} (bound 1e-5) {}",
+            "{model}: step with {} BatchNorm layers, {} GELU gradients and {} layer-norm gradients on the fused kernels and {} biases inside their products vs standard ops: losses within {rounding_gap:.1e} (bound 1e-5) {}",
             split.fused_batch_norms(),
             split.fused_gelu_grads(),
             split.fused_layer_norm_grads(),
+            split.biases_in_gemm(),
             if rounding_ok { "ok" } else { "MISMATCH" }
         ));
     }

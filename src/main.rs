@@ -1177,6 +1177,12 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             trainer.fused_layer_norm_grads()
         ));
     }
+    if trainer.biases_in_gemm() > 0 {
+        progress.note(format!(
+            "linear layers: {} bias(es) added inside their products (Gemm), summed over the sessions (within float32 rounding; --no-fused-kernels: as written)",
+            trainer.biases_in_gemm()
+        ));
+    }
     host_controls(&mut trainer, args.lr, args.accum_steps)?;
     let data = onnx_ga::data::read_npz_only(&args.data, &trainer.manifest.data_inputs)?;
     if let Some(note) = onnx_ga::data::ignored_note(&args.data, &data.ignored) {

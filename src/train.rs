@@ -703,6 +703,12 @@ impl Trainer {
         self.sum_over_sessions(Engine::fused_layer_norm_grads)
     }
 
+    /// Linear layers whose bias is added inside their `Gemm`
+    /// (`SessionOptions::bias_in_gemm`), summed over the split step's sessions.
+    pub fn biases_in_gemm(&self) -> usize {
+        self.sum_over_sessions(Engine::biases_in_gemm)
+    }
+
     /// Scalar nodes the host computes instead of the sessions (`engine::host_scalars`),
     /// summed over them.
     pub fn host_scalar_nodes(&self) -> usize {

@@ -16,6 +16,7 @@ mod autodiff;
 mod autodiff_keras;
 mod autodiff_rules;
 mod bad_inputs;
+mod bias_in_gemm;
 mod checker_pipelines;
 mod checkpoint;
 mod cli_errors;

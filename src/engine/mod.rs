@@ -378,6 +378,15 @@ impl Engine {
         }
     }
 
+    /// Linear layers whose bias is added inside their `Gemm` (`SessionOptions::bias_in_gemm`).
+    pub fn biases_in_gemm(&self) -> usize {
+        match self {
+            Engine::Ort(s) => s.biases_in_gemm(),
+            #[cfg(feature = "tract")]
+            Engine::Tract(_) => 0,
+        }
+    }
+
     /// The (state input, next value) pairs this session updates in place.
     pub fn in_place(&self) -> &[(String, String)] {
         match self {

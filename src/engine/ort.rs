@@ -131,6 +131,10 @@ pub struct SessionOptions {
     /// the legalize lowering) on onnx-ga's `LayerNormGrad` kernel, one pass, within the
     /// rounding of its sums (`passes::fused_layer_norm_grad`).
     pub fused_layer_norm_grad: bool,
+    /// With `fused_kernels`, on the CPU: a linear layer's `MatMul` on more than two axes
+    /// and its bias `Add` as one `Gemm` with the bias as C, between two Reshapes (standard
+    /// ops; `passes::bias_in_gemm`). Within float32 rounding: the bias is added first.
+    pub bias_in_gemm: bool,
     /// With `fused_kernels` and `in_place_updates`, on the CPU: a weight gradient
     /// `Gemm(A, B, transA = 1)` and its accumulation as one `AccumulateProduct` node, which
     /// at a small micro-batch makes the gradient inside the accumulator
@@ -178,6 +182,7 @@ impl Default for SessionOptions {
             fused_gelu_grad: true,
             fused_gelu: true,
             fused_layer_norm_grad: true,
+            bias_in_gemm: true,
             fused_weight_grads: true,
             in_place_min_elements: crate::passes::fuse::accumulate::MIN_ELEMENTS,
             in_place_min_total: crate::passes::fuse::in_place::MIN_SESSION_ELEMENTS,
@@ -219,6 +224,8 @@ pub struct OrtSession {
     fused_gelus: usize,
     /// See [`Self::fused_layer_norm_grads`].
     fused_layer_norm_grads: usize,
+    /// See [`Self::biases_in_gemm`].
+    biases_in_gemm: usize,
     /// Inputs of the model that nothing in it reads, left out of the session
     /// ([`without_unread_inputs`]); a run given them ignores them.
     unread_inputs: std::collections::HashSet<String>,
@@ -260,6 +267,14 @@ impl OrtSession {
         let model = blocked.as_ref().map_or(model, |b| &b.model);
         // onnx-ga's own CPU kernels, each pass on the model the previous one left.
         let ours = |on: bool| on && options.fused_kernels && options.device == Device::Cpu;
+        // First: it reads the shapes of the products' inputs, which the shape facts do not
+        // carry through onnx-ga's own operators.
+        let biases = in_memory(
+            ours(options.bias_in_gemm),
+            "adding the linear layers' biases inside their products",
+            || crate::passes::bias_in_gemm::rewrite(model),
+        )?;
+        let model = biases.as_ref().map_or(model, |b| &b.model);
         let fused_bn = in_memory(
             ours(options.fused_batch_norm),
             "putting BatchNorm on the fused kernels",
@@ -307,6 +322,7 @@ impl OrtSession {
         session.fused_gelu_grads = gelu_grads.map_or(0, |g| g.gelu_grads);
         session.fused_gelus = gelus.map_or(0, |g| g.gelus);
         session.fused_layer_norm_grads = layer_norm_grads.map_or(0, |l| l.layer_norm_grads);
+        session.biases_in_gemm = biases.map_or(0, |b| b.biases);
         session.unread_inputs = unread;
         Ok(session)
     }
@@ -347,6 +363,12 @@ impl OrtSession {
     /// (`SessionOptions::fused_layer_norm_grad`).
     pub fn fused_layer_norm_grads(&self) -> usize {
         self.fused_layer_norm_grads
+    }
+
+    /// Linear layers whose bias this session adds inside their `Gemm`
+    /// (`SessionOptions::bias_in_gemm`).
+    pub fn biases_in_gemm(&self) -> usize {
+        self.biases_in_gemm
     }
 
     pub fn from_bytes(bytes: &[u8], options: &SessionOptions) -> Result<OrtSession, EngineError> {
@@ -472,6 +494,7 @@ impl OrtSession {
             fused_gelu_grads: 0,
             fused_gelus: 0,
             fused_layer_norm_grads: 0,
+            biases_in_gemm: 0,
             unread_inputs: Default::default(),
             read_filter: ReadFilter::default(),
             host_scalars: None,

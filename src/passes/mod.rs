@@ -10,6 +10,7 @@
 
 pub mod agc;
 pub mod autodiff;
+pub mod bias_in_gemm;
 pub mod dce;
 pub mod fuse;
 pub mod fused_batch_norm;
