@@ -1,0 +1,56 @@
+//! The `AccumulateProduct` kernel alone (src/fused_ops/product.rs): `acc += Aᵀ·B` in place
+//! on one thread, for a 1024-row accumulator at the shapes of the realistic MLP's and the
+//! scale bench's weight gradients, with the accumulator in cache (the same call repeated)
+//! and out of it (a 48 MiB stream written between calls, as the apply's pass over the
+//! optimizer's state does between windows). Prints the minimum, the 10% quantile and the
+//! median in µs. For an A/B of the kernel, build two revisions and alternate their runs
+//! (benches/README.md, "Run Z").
+//!
+//! `cargo bench --bench accumulate_product` (with `--bench`; `cargo test --all-targets`
+//! runs it without, and then it only checks one small shape).
+
+use onnx_ga::fused_ops::{accumulate_product, Io, ProductShape};
+use std::time::Instant;
+
+fn quantiles(mut t: Vec<f64>) -> String {
+    t.sort_by(f64::total_cmp);
+    let at = |q: f64| t[((t.len() - 1) as f64 * q) as usize];
+    format!("min {:.0} q0.1 {:.0} median {:.0}", at(0.0), at(0.1), at(0.5))
+}
+
+fn main() {
+    let bench = std::env::args().any(|a| a == "--bench");
+    let shapes: &[(usize, usize)] = if bench {
+        &[(784, 8), (784, 32), (1024, 8), (1024, 32), (256, 8)]
+    } else {
+        &[(40, 3)]
+    };
+    let (hot_runs, cold_runs) = if bench { (500, 100) } else { (2, 2) };
+    let m = 1024;
+    let mut stream = vec![1f32; if bench { 12 << 20 } else { 1024 }];
+    println!("| columns | k | in cache, µs | after a 48 MiB stream, µs |\n|--:|--:|---|---|");
+    for &(n, k) in shapes {
+        let shape = ProductShape { k, m, n };
+        let a: Vec<f32> = (0..k * m).map(|i| (i % 7) as f32 * 0.1).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| (i % 5) as f32 * 0.1).collect();
+        let mut acc = vec![0f32; m * n];
+        let mut run = || {
+            let t0 = Instant::now();
+            accumulate_product(&a, &b, shape, 0, Io::InPlace([&mut acc]));
+            t0.elapsed().as_secs_f64() * 1e6
+        };
+        let hot: Vec<f64> = (0..hot_runs).map(|_| run()).collect();
+        let cold: Vec<f64> = (0..cold_runs)
+            .map(|r| {
+                stream.iter_mut().for_each(|x| *x += r as f32);
+                run()
+            })
+            .collect();
+        println!("| {n} | {k} | {} | {} |", quantiles(hot), quantiles(cold));
+        // Every call added the same product: a check that the kernel ran, and on what.
+        let runs = (hot_runs + cold_runs) as f32;
+        let want: f32 = (0..k).map(|p| a[p * m] * b[p * n]).sum::<f32>() * runs;
+        assert!((acc[0] - want).abs() <= 1e-3 * want.abs().max(1.0), "{} vs {want}", acc[0]);
+    }
+    std::hint::black_box(&stream);
+}
