@@ -173,8 +173,10 @@ struct TrainArgs {
     /// momentum, Nesterov), the weight gradients' unfolding of a convolution's input and
     /// the ReLU gradients and the exact GELU's forward (same results, bit for bit),
     /// BatchNorm (see --no-fused-batch-norm), the exact GELU's gradient (the same
-    /// operations but the exponential's: within its rounding) and layer normalisation's
-    /// gradient (within the rounding of its sums).
+    /// operations but the exponential's: within its rounding), layer normalisation's
+    /// gradient (within the rounding of its sums), and a linear layer's bias added inside
+    /// its product (one Gemm for MatMul + Add on more than two axes: within float32
+    /// rounding).
     #[arg(long)]
     no_fused_kernels: bool,
     /// Run training-mode BatchNorm as the step writes it, some 35 standard ops a layer,
