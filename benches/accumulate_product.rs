@@ -15,7 +15,12 @@ use std::time::Instant;
 fn quantiles(mut t: Vec<f64>) -> String {
     t.sort_by(f64::total_cmp);
     let at = |q: f64| t[((t.len() - 1) as f64 * q) as usize];
-    format!("min {:.0} q0.1 {:.0} median {:.0}", at(0.0), at(0.1), at(0.5))
+    format!(
+        "min {:.0} q0.1 {:.0} median {:.0}",
+        at(0.0),
+        at(0.1),
+        at(0.5)
+    )
 }
 
 fn main() {
@@ -50,7 +55,11 @@ fn main() {
         // Every call added the same product: a check that the kernel ran, and on what.
         let runs = (hot_runs + cold_runs) as f32;
         let want: f32 = (0..k).map(|p| a[p * m] * b[p * n]).sum::<f32>() * runs;
-        assert!((acc[0] - want).abs() <= 1e-3 * want.abs().max(1.0), "{} vs {want}", acc[0]);
+        assert!(
+            (acc[0] - want).abs() <= 1e-3 * want.abs().max(1.0),
+            "{} vs {want}",
+            acc[0]
+        );
     }
     std::hint::black_box(&stream);
 }

@@ -264,29 +264,13 @@ fn a_model_of_linear_layers_trains_with_biases_inside_within_rounding() {
             ),
         ),
     ]);
-    let optimizers = [
-        "optimizer(kind=sgd,lr=0.05)",
-        "optimizer(kind=momentum,lr=0.05,momentum=0.9)",
-        "optimizer(kind=adam,lr=0.01)",
-        "optimizer(kind=adamw,lr=0.01)",
-    ];
-    for optimizer in optimizers {
-        for around in crate::common::AROUNDS {
-            let middle = format!("{around},{optimizer}");
-            let step = model_step(&middle);
-            let (loss, state) = crate::common::train_pair(
-                &step,
-                &middle,
-                (&data, 16),
-                [&inside, &apart],
-                |t, k| {
-                    // Two layers in each of the three sessions.
-                    let expected = if k == 0 { 6 } else { 0 };
-                    assert_eq!(t.biases_in_gemm(), expected, "{middle}: rewritten");
-                },
-            );
-            assert!(loss < 1e-6, "{middle}: losses {loss:e} apart");
-            assert!(state < 1e-6, "{middle}: states {state:e} apart");
-        }
-    }
+    // Two layers in each of the three sessions.
+    crate::common::trains_within_rounding(
+        &crate::common::OPTIMIZERS,
+        model_step,
+        (&data, 16),
+        [&inside, &apart],
+        onnx_ga::train::Trainer::biases_in_gemm,
+        6,
+    );
 }

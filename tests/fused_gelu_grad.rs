@@ -196,32 +196,21 @@ fn an_mlp_with_gelu_trains_on_the_kernel_within_rounding() {
     if !ort_available() {
         return;
     }
-    let optimizers = [
-        "optimizer(kind=sgd,lr=0.05)",
-        "optimizer(kind=momentum,lr=0.05,momentum=0.9)",
-        "optimizer(kind=adam,lr=0.01)",
-        "optimizer(kind=adamw,lr=0.01)",
-    ];
     let side = |fused: bool| Side {
         session: options(fused),
         perturbed: false,
     };
     let (fused, plain) = (side(true), side(false));
     let data = mlp_data(16);
-    for optimizer in optimizers {
-        for around in crate::common::AROUNDS {
-            let middle = format!("{around},{optimizer}");
-            let step = mlp_step(&middle);
-            let (loss, state) =
-                crate::common::train_pair(&step, &middle, (&data, 16), [&fused, &plain], |t, k| {
-                    // One GELU in each of the three sessions (accumulate, window start, apply).
-                    let expected = if k == 0 { 3 } else { 0 };
-                    assert_eq!(t.fused_gelu_grads(), expected, "{middle}: rewritten");
-                });
-            assert!(loss < 1e-6, "{middle}: losses {loss:e} apart");
-            assert!(state < 1e-6, "{middle}: states {state:e} apart");
-        }
-    }
+    // One GELU in each of the three sessions (accumulate, window start, apply).
+    crate::common::trains_within_rounding(
+        &crate::common::OPTIMIZERS,
+        mlp_step,
+        (&data, 16),
+        [&fused, &plain],
+        onnx_ga::train::Trainer::fused_gelu_grads,
+        3,
+    );
 }
 
 /// GELU as exported, its output y and its `Add` A both graph outputs.

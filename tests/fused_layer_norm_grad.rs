@@ -196,24 +196,13 @@ fn a_model_with_layer_norm_trains_on_the_kernel_within_rounding() {
             ),
         ),
     ]);
-    let optimizers = [
-        "optimizer(kind=sgd,lr=0.05)",
-        "optimizer(kind=momentum,lr=0.05,momentum=0.9)",
-        "optimizer(kind=adam,lr=0.01)",
-        "optimizer(kind=adamw,lr=0.01)",
-    ];
-    for optimizer in optimizers {
-        for around in crate::common::AROUNDS {
-            let middle = format!("{around},{optimizer}");
-            let step = model_step(&middle);
-            let (loss, state) =
-                crate::common::train_pair(&step, &middle, (&data, 16), [&fused, &plain], |t, k| {
-                    // One layer norm in each of the three sessions.
-                    let expected = if k == 0 { 3 } else { 0 };
-                    assert_eq!(t.fused_layer_norm_grads(), expected, "{middle}: rewritten");
-                });
-            assert!(loss < 1e-6, "{middle}: losses {loss:e} apart");
-            assert!(state < 1e-6, "{middle}: states {state:e} apart");
-        }
-    }
+    // One layer norm in each of the three sessions.
+    crate::common::trains_within_rounding(
+        &crate::common::OPTIMIZERS,
+        model_step,
+        (&data, 16),
+        [&fused, &plain],
+        onnx_ga::train::Trainer::fused_layer_norm_grads,
+        3,
+    );
 }

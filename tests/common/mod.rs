@@ -309,6 +309,41 @@ pub const AROUNDS: [&str; 4] = [
     "grad-accum(steps=4,normalize=weighted)",
 ];
 
+/// The optimizers issue 14's checks name: SGD, momentum, Adam, AdamW.
+pub const OPTIMIZERS: [&str; 4] = [
+    "optimizer(kind=sgd,lr=0.05)",
+    "optimizer(kind=momentum,lr=0.05,momentum=0.9)",
+    "optimizer(kind=adam,lr=0.01)",
+    "optimizer(kind=adamw,lr=0.01)",
+];
+
+/// A fast path checked against the standard ops: for each of `optimizers` in each of
+/// [`AROUNDS`], `step_for(middle)` trained on `fast` and `standard` ([`train_pair`]), the
+/// losses and every state within 1e-6 relative after the 8 windows; `rewritten` counts what
+/// the fast path took over on a trainer, `per_trainer` on the fast side's, none on the
+/// other's (so that no case passes by running the standard ops twice).
+pub fn trains_within_rounding(
+    optimizers: &[&str],
+    step_for: impl Fn(&str) -> ModelProto,
+    data: (&BTreeMap<String, Tensor>, usize),
+    [fast, standard]: [&Side; 2],
+    rewritten: impl Fn(&onnx_ga::train::Trainer) -> usize,
+    per_trainer: usize,
+) {
+    for optimizer in optimizers {
+        for around in AROUNDS {
+            let middle = format!("{around},{optimizer}");
+            let step = step_for(&middle);
+            let (loss, state) = train_pair(&step, &middle, data, [fast, standard], |t, side| {
+                let expected = if side == 0 { per_trainer } else { 0 };
+                assert_eq!(rewritten(t), expected, "{middle}: rewritten");
+            });
+            assert!(loss < 1e-6, "{middle}: losses {loss:e} apart");
+            assert!(state < 1e-6, "{middle}: states {state:e} apart");
+        }
+    }
+}
+
 /// One side of [`train_pair`]: its session options, and whether every 97th element of
 /// each micro-batch's `x` is multiplied by 1 + 1.2e-7 (a rounding-sized perturbation: what
 /// chaos alone does to a trajectory, the yardstick for a fast path on a chaotic one).
