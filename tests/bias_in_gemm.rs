@@ -50,9 +50,7 @@ linear ({x_type} x, {y_type} r) => (float loss)
         ("b", vec![n as i64], 12),
     ] {
         let len = dims.iter().product::<i64>() as usize;
-        let mut t = onnx_ga::ir::builder::tensor_f32(&dims, &pattern(len, seed));
-        t.name = Some(name.into());
-        graph.initializer.push(t);
+        crate::common::push_initializer(graph, name, &dims, &pattern(len, seed));
     }
     let mut forward = onnx_ga::signature::forward(model, Path::new("linear.onnx"));
     forward.signature.loss = "loss".into();
@@ -229,9 +227,7 @@ seq_mlp (float[N,4,16] x, int64[N,4] labels) => (float loss)
             .iter()
             .map(|v| v * scale)
             .collect();
-        let mut t = onnx_ga::ir::builder::tensor_f32(&dims, &v);
-        t.name = Some(name.into());
-        graph.initializer.push(t);
+        crate::common::push_initializer(graph, name, &dims, &v);
     }
     crate::common::ort_step(model, "seq_mlp.onnx", middle)
 }

@@ -44,9 +44,7 @@ ln (float[{d}] x, float[{d}] r) => (float loss)
         ),
         ("beta", vec![c as i64], pattern(c, 8)),
     ] {
-        let mut t = onnx_ga::ir::builder::tensor_f32(&dims, &values);
-        t.name = Some(name.into());
-        graph.initializer.push(t);
+        crate::common::push_initializer(graph, name, &dims, &values);
     }
     let mut forward = onnx_ga::signature::forward(model, Path::new("ln.onnx"));
     forward.signature.loss = "loss".into();
@@ -163,9 +161,7 @@ ln_mlp (float[N,16] x, int64[N] labels) => (float loss)
             .iter()
             .map(|v| v * scale + shift)
             .collect();
-        let mut t = onnx_ga::ir::builder::tensor_f32(&dims, &v);
-        t.name = Some(name.into());
-        graph.initializer.push(t);
+        crate::common::push_initializer(graph, name, &dims, &v);
     }
     crate::common::ort_step(model, "ln_mlp.onnx", middle)
 }

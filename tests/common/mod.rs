@@ -309,6 +309,18 @@ pub const AROUNDS: [&str; 4] = [
     "grad-accum(steps=4,normalize=weighted)",
 ];
 
+/// Adds a float32 initializer `name` of `dims` holding `values` to `graph`.
+pub fn push_initializer(
+    graph: &mut onnx_ga::proto::GraphProto,
+    name: &str,
+    dims: &[i64],
+    values: &[f32],
+) {
+    let mut t = onnx_ga::ir::builder::tensor_f32(dims, values);
+    t.name = Some(name.into());
+    graph.initializer.push(t);
+}
+
 /// The optimizers issue 14's checks name: SGD, momentum, Adam, AdamW.
 pub const OPTIMIZERS: [&str; 4] = [
     "optimizer(kind=sgd,lr=0.05)",
