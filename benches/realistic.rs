@@ -43,7 +43,8 @@
 //! `--no-fused-relu-grad` (the ReLU gradients in standard ops, for an A/B),
 //! `--no-fused-gelu-grad` (the GELU gradients in standard ops, for an A/B), `--no-fused-gelu`
 //! (the GELU forwards in standard ops), `--no-fused-layer-norm-grad` (the layer-norm
-//! gradients in standard ops), `--no-bias-in-gemm` (the linear layers' bias adds apart),
+//! gradients in standard ops), `--no-bias-in-gemm` (the linear layers' bias adds apart), `--no-fused-leading-sum` (the
+//! sums over leading axes on ONNX Runtime's `ReduceSum`),
 //! `--no-fused-weight-grads` (the weight gradients written, then accumulated, for an A/B).
 
 use std::collections::BTreeMap;
@@ -138,6 +139,9 @@ fn parse_opts() -> Result<Opts> {
             "--no-fused-gelu" => NO_GELU.store(true, std::sync::atomic::Ordering::Relaxed),
             "--no-bias-in-gemm" => {
                 NO_BIAS_IN_GEMM.store(true, std::sync::atomic::Ordering::Relaxed)
+            }
+            "--no-fused-leading-sum" => {
+                NO_LEADING_SUM.store(true, std::sync::atomic::Ordering::Relaxed)
             }
             "--no-fused-layer-norm-grad" => {
                 NO_LN_GRAD.store(true, std::sync::atomic::Ordering::Relaxed)
@@ -333,6 +337,10 @@ static NO_LN_GRAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool
 /// `--no-bias-in-gemm`: the linear layers' bias adds apart from their products, for an A/B
 /// of `SessionOptions::bias_in_gemm`.
 static NO_BIAS_IN_GEMM: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// `--no-fused-leading-sum`: the sums over leading axes on ONNX Runtime's `ReduceSum`, for
+/// an A/B of `SessionOptions::fused_leading_sum`.
+static NO_LEADING_SUM: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
 /// `--no-fused-weight-grads`: the weight gradients written, then accumulated, for an A/B of
 /// `SessionOptions::fused_weight_grads`.
 static NO_WEIGHT_GRADS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -349,6 +357,7 @@ fn session(threads: usize) -> SessionOptions {
         fused_gelu: !NO_GELU.load(std::sync::atomic::Ordering::Relaxed),
         fused_layer_norm_grad: !NO_LN_GRAD.load(std::sync::atomic::Ordering::Relaxed),
         bias_in_gemm: !NO_BIAS_IN_GEMM.load(std::sync::atomic::Ordering::Relaxed),
+        fused_leading_sum: !NO_LEADING_SUM.load(std::sync::atomic::Ordering::Relaxed),
         fused_weight_grads: !NO_WEIGHT_GRADS.load(std::sync::atomic::Ordering::Relaxed),
         ..Default::default()
     }
@@ -692,7 +701,7 @@ fn check(
         + split.biases_in_gemm();
     if rounded > 0 {
         lines.push(format!(
-            "{model}: step with {} BatchNorm layers, {} GELU gradients and {} layer-norm gradients on the fused kernels and {} biases inside their products vs standard ops: losses within {rounding_gap:.1e} (bound 1e-5) {}",
+            "{model}: step with {} BatchNorm layers, {} GELU gradients and {} layer-norm gradients on the fused kernels, {} biases inside their products vs standard ops: losses within {rounding_gap:.1e} (bound 1e-5) {}",
             split.fused_batch_norms(),
             split.fused_gelu_grads(),
             split.fused_layer_norm_grads(),

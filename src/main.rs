@@ -1185,6 +1185,12 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             trainer.biases_in_gemm()
         ));
     }
+    if trainer.fused_leading_sums() > 0 {
+        progress.note(format!(
+            "sums over the batch: {} on onnx-ga's fused CPU kernel, summed over the sessions (bit-identical; --no-fused-kernels: as written)",
+            trainer.fused_leading_sums()
+        ));
+    }
     host_controls(&mut trainer, args.lr, args.accum_steps)?;
     let data = onnx_ga::data::read_npz_only(&args.data, &trainer.manifest.data_inputs)?;
     if let Some(note) = onnx_ga::data::ignored_note(&args.data, &data.ignored) {

@@ -709,6 +709,12 @@ impl Trainer {
         self.sum_over_sessions(Engine::biases_in_gemm)
     }
 
+    /// Sums over leading axes on onnx-ga's fused kernel
+    /// (`SessionOptions::fused_leading_sum`), summed over the split step's sessions.
+    pub fn fused_leading_sums(&self) -> usize {
+        self.sum_over_sessions(Engine::fused_leading_sums)
+    }
+
     /// Scalar nodes the host computes instead of the sessions (`engine::host_scalars`),
     /// summed over them.
     pub fn host_scalar_nodes(&self) -> usize {

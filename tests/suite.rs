@@ -32,6 +32,7 @@ mod fused_gelu_grad;
 mod fused_im2col;
 mod fused_kernels;
 mod fused_layer_norm_grad;
+mod fused_leading_sum;
 mod fused_relu_grad;
 mod generated_files;
 mod generated_flatbuffers;

@@ -387,6 +387,15 @@ impl Engine {
         }
     }
 
+    /// Sums over leading axes on onnx-ga's fused kernel (`SessionOptions::fused_leading_sum`).
+    pub fn fused_leading_sums(&self) -> usize {
+        match self {
+            Engine::Ort(s) => s.fused_leading_sums(),
+            #[cfg(feature = "tract")]
+            Engine::Tract(_) => 0,
+        }
+    }
+
     /// The (state input, next value) pairs this session updates in place.
     pub fn in_place(&self) -> &[(String, String)] {
         match self {

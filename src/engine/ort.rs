@@ -135,6 +135,11 @@ pub struct SessionOptions {
     /// and its bias `Add` as one `Gemm` with the bias as C, between two Reshapes (standard
     /// ops; `passes::bias_in_gemm`). Within float32 rounding: the bias is added first.
     pub bias_in_gemm: bool,
+    /// With `fused_kernels`, on the CPU: a `ReduceSum` over leading axes (the sums over
+    /// the batch of bias and convolution weight gradients) on onnx-ga's `LeadingSum`
+    /// kernel, one pass over X on any number of threads (`passes::fused_leading_sum`);
+    /// bit-identical.
+    pub fused_leading_sum: bool,
     /// With `fused_kernels` and `in_place_updates`, on the CPU: a weight gradient
     /// `Gemm(A, B, transA = 1)` and its accumulation as one `AccumulateProduct` node, which
     /// at a small micro-batch makes the gradient inside the accumulator
@@ -183,6 +188,7 @@ impl Default for SessionOptions {
             fused_gelu: true,
             fused_layer_norm_grad: true,
             bias_in_gemm: true,
+            fused_leading_sum: true,
             fused_weight_grads: true,
             in_place_min_elements: crate::passes::fuse::accumulate::MIN_ELEMENTS,
             in_place_min_total: crate::passes::fuse::in_place::MIN_SESSION_ELEMENTS,
@@ -226,6 +232,8 @@ pub struct OrtSession {
     fused_layer_norm_grads: usize,
     /// See [`Self::biases_in_gemm`].
     biases_in_gemm: usize,
+    /// See [`Self::fused_leading_sums`].
+    fused_leading_sums: usize,
     /// Inputs of the model that nothing in it reads, left out of the session
     /// ([`without_unread_inputs`]); a run given them ignores them.
     unread_inputs: std::collections::HashSet<String>,
@@ -264,6 +272,9 @@ impl OrtSession {
             }
             None => None,
         };
+        // The model as given, standard ops but for the trainer's fusions: the shape facts
+        // of the sums over leading axes.
+        let facts_from = model;
         let model = blocked.as_ref().map_or(model, |b| &b.model);
         // onnx-ga's own CPU kernels, each pass on the model the previous one left.
         let ours = |on: bool| on && options.fused_kernels && options.device == Device::Cpu;
@@ -312,6 +323,14 @@ impl OrtSession {
             || crate::passes::fused_layer_norm_grad::rewrite(model),
         )?;
         let model = layer_norm_grads.as_ref().map_or(model, |l| &l.model);
+        // Last: the kernels above take some sums over leading axes into themselves. Its
+        // shape facts come from the model as it stood before them.
+        let sums = in_memory(
+            ours(options.fused_leading_sum),
+            "putting the sums over leading axes on the fused kernel",
+            || crate::passes::fused_leading_sum::rewrite(model, facts_from, options.threads),
+        )?;
+        let model = sums.as_ref().map_or(model, |s| &s.model);
         let (pruned, unread) = without_unread_inputs(model);
         let bytes = crate::model::encode_model(pruned.as_ref().unwrap_or(model));
         let mut session = Self::from_bytes(&bytes, options)?;
@@ -323,6 +342,7 @@ impl OrtSession {
         session.fused_gelus = gelus.map_or(0, |g| g.gelus);
         session.fused_layer_norm_grads = layer_norm_grads.map_or(0, |l| l.layer_norm_grads);
         session.biases_in_gemm = biases.map_or(0, |b| b.biases);
+        session.fused_leading_sums = sums.map_or(0, |s| s.sums);
         session.unread_inputs = unread;
         Ok(session)
     }
@@ -369,6 +389,12 @@ impl OrtSession {
     /// (`SessionOptions::bias_in_gemm`).
     pub fn biases_in_gemm(&self) -> usize {
         self.biases_in_gemm
+    }
+
+    /// Sums over leading axes this session runs on `LeadingSum`
+    /// (`SessionOptions::fused_leading_sum`).
+    pub fn fused_leading_sums(&self) -> usize {
+        self.fused_leading_sums
     }
 
     pub fn from_bytes(bytes: &[u8], options: &SessionOptions) -> Result<OrtSession, EngineError> {
@@ -495,6 +521,7 @@ impl OrtSession {
             fused_gelus: 0,
             fused_layer_norm_grads: 0,
             biases_in_gemm: 0,
+            fused_leading_sums: 0,
             unread_inputs: Default::default(),
             read_filter: ReadFilter::default(),
             host_scalars: None,

@@ -194,6 +194,7 @@ mod gelu;
 mod gelu_grad;
 mod im2col;
 mod layer_norm_grad;
+mod leading_sum;
 mod product;
 mod quotient;
 mod relu_grad;
@@ -207,6 +208,7 @@ pub use im2col::{Unfolding, Window2d, IM2COL};
 pub use layer_norm_grad::{
     layer_norm_grad_rows, layer_norm_grad_slot, LAYER_NORM_GRAD, ROWS as LAYER_NORM_GRAD_ROWS,
 };
+pub use leading_sum::{leading_sum, LEADING_SUM};
 pub use product::{
     accumulate_product, accumulate_product_slot, largest_fast_contraction, ProductShape,
     ACCUMULATE_PRODUCT,

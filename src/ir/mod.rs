@@ -529,6 +529,22 @@ impl Model {
         id
     }
 
+    /// Moves `node` to just after `anchor` in their body's node list, which export's
+    /// topological order follows where the data allows: a node that replaces another runs
+    /// where that one ran, instead of after every node ready before it (a sum read by
+    /// nothing but the graph's outputs would otherwise run last, its input kept alive and
+    /// evicted from the cache by then). A no-op unless both are in the same body.
+    pub fn place_after(&mut self, node: NodeId, anchor: NodeId) {
+        let body = self.node(node).body;
+        if self.node(anchor).body != body {
+            return;
+        }
+        let nodes = &mut self.body_mut(body).nodes;
+        nodes.retain(|n| *n != node);
+        let at = nodes.iter().position(|n| *n == anchor).map_or(nodes.len(), |i| i + 1);
+        nodes.insert(at, node);
+    }
+
     /// Output `slot` of `node`. Panics only on a slot the node never had (a pass bug).
     pub fn output(&self, node: NodeId, slot: usize) -> ValueId {
         self.node(node).outputs[slot].expect("node output slot is present")

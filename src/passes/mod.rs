@@ -18,6 +18,7 @@ pub mod fused_gelu;
 pub mod fused_gelu_grad;
 pub mod fused_im2col;
 pub mod fused_layer_norm_grad;
+pub mod fused_leading_sum;
 pub mod fused_relu_grad;
 pub mod grad_accum;
 pub mod legalize;
