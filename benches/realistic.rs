@@ -339,8 +339,7 @@ static NO_LN_GRAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool
 static NO_BIAS_IN_GEMM: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 /// `--no-fused-leading-sum`: the sums over leading axes on ONNX Runtime's `ReduceSum`, for
 /// an A/B of `SessionOptions::fused_leading_sum`.
-static NO_LEADING_SUM: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(false);
+static NO_LEADING_SUM: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 /// `--no-fused-weight-grads`: the weight gradients written, then accumulated, for an A/B of
 /// `SessionOptions::fused_weight_grads`.
 static NO_WEIGHT_GRADS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -685,9 +684,10 @@ fn check(
     }
     let standard_same = optimizer_fused.state()? == standard.state()?;
     lines.push(format!(
-        "{model}: step with fused optimizer kernels ({} in place, {} weight gradients made in their accumulators) vs standard ops after 2 windows: {}",
+        "{model}: step with fused optimizer kernels ({} in place, {} weight gradients made in their accumulators, {} sums over leading axes on their kernel) vs standard ops after 2 windows: {}",
         optimizer_fused.in_place_updates(),
         optimizer_fused.accumulated_products(),
+        optimizer_fused.fused_leading_sums(),
         if standard_same {
             "bit-identical, ok"
         } else {

@@ -61,7 +61,12 @@ fn the_kernel_sums_as_onnx_runtime_does_bit_for_bit() {
     if !ort_available() {
         return;
     }
-    let axes = |a: &str| format!("axes = Constant <value = int64[{}] {{{a}}}> ()", a.split(',').count());
+    let axes = |a: &str| {
+        format!(
+            "axes = Constant <value = int64[{}] {{{a}}}> ()",
+            a.split(',').count()
+        )
+    };
     // (opset, x's type, the sum, x's dims, leading axes summed)
     let cases: Vec<(i64, &str, String, Vec<usize>, usize)> = vec![
         // A convolution's per-image weight gradients, summed over a symbolic batch.
@@ -76,7 +81,10 @@ fn the_kernel_sums_as_onnx_runtime_does_bit_for_bit() {
         (
             17,
             "float[B,T,96]",
-            format!("{}\n  y = ReduceSum <keepdims = 0> (x, axes)", axes("-3,-2")),
+            format!(
+                "{}\n  y = ReduceSum <keepdims = 0> (x, axes)",
+                axes("-3,-2")
+            ),
             vec![8, 17, 96],
             2,
         ),
@@ -120,7 +128,11 @@ fn the_kernel_sums_as_onnx_runtime_does_bit_for_bit() {
             let (rewritten, fused) = run(&graph, &x, true, threads);
             let (untouched, plain) = run(&graph, &x, false, threads);
             assert_eq!((rewritten, untouched), (1, 0), "{x_type} {sum}: rewritten");
-            assert_eq!(bits(&fused), bits(&plain), "{x_type} {sum}, {threads} threads");
+            assert_eq!(
+                bits(&fused),
+                bits(&plain),
+                "{x_type} {sum}, {threads} threads"
+            );
             let got = fused.as_f32().expect("float32");
             let scale = want.iter().fold(1e-30f64, |a, v| a.max(v.abs()));
             for (g, w) in got.iter().zip(&want) {

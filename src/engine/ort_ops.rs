@@ -18,9 +18,8 @@ use crate::fused_ops::{
     adamw_group_slot, adamw_slot, adamw_update, batch_norm_grad_channel, batch_norm_train_channel,
     gelu_forward_slot, gelu_grad, gelu_quotient, gelu_slot, gelu_tail, largest_fast_contraction,
     layer_norm_grad_rows, layer_norm_grad_slot, leading_sum, relu_grad, sgd_slot, sgd_update,
-    AdamWScalars,
-    BatchNormLayout, ChannelStats, GeluGradScalars, GeluScalars, Io, ProductShape, SgdIo,
-    SgdScalars, Unfolding, Window2d, ACCUMULATE_GRAD, ACCUMULATE_PRODUCT, ADAMW_UPDATE,
+    AdamWScalars, BatchNormLayout, ChannelStats, GeluGradScalars, GeluScalars, Io, ProductShape,
+    SgdIo, SgdScalars, Unfolding, Window2d, ACCUMULATE_GRAD, ACCUMULATE_PRODUCT, ADAMW_UPDATE,
     ADAMW_UPDATES, BATCH_NORM_GRAD, BATCH_NORM_TRAIN, DOMAIN, GELU, GELU_GRAD, IM2COL,
     LAYER_NORM_GRAD, LAYER_NORM_GRAD_ROWS, LEADING_SUM, RELU_GRAD, SGD_UPDATE,
 };
@@ -1484,14 +1483,21 @@ fn leading_sum_kernel(
     let size = |dims: &[i64]| dims.iter().map(|&d| d.max(0) as usize).product::<usize>();
     let (rows, columns) = (size(leading), size(trailing));
     let kept = if keepdims { axes } else { 0 };
-    let out_shape: Vec<i64> = std::iter::repeat_n(1, kept).chain(trailing.iter().copied()).collect();
+    let out_shape: Vec<i64> = std::iter::repeat_n(1, kept)
+        .chain(trailing.iter().copied())
+        .collect();
     let out = f32_output(ctx, LEADING_SUM, 0, &out_shape)?;
     if columns == 0 {
         return Ok(());
     }
-    let tasks = threads.min(columns.div_ceil(LEADING_SUM_TASK_COLUMNS)).max(1);
+    let tasks = threads
+        .min(columns.div_ceil(LEADING_SUM_TASK_COLUMNS))
+        .max(1);
     let block = 16 * columns.div_ceil(tasks).div_ceil(16);
-    in_chunks(ctx, (columns, block), out.chunks_mut(block), |range, out| {
-        leading_sum(x, (rows, columns), range.start, out)
-    })
+    in_chunks(
+        ctx,
+        (columns, block),
+        out.chunks_mut(block),
+        |range, out| leading_sum(x, (rows, columns), range.start, out),
+    )
 }

@@ -68,11 +68,15 @@ mod tests {
                 let mut out = vec![f32::NAN; columns - first];
                 leading_sum(&x, (rows, columns), first, &mut out);
                 for (c, got) in out.iter().enumerate() {
-                    let want = (1..rows).fold(
-                        if rows == 0 { 0.0 } else { x[first + c] },
-                        |s, r| s + x[r * columns + first + c],
+                    let want = (1..rows)
+                        .fold(if rows == 0 { 0.0 } else { x[first + c] }, |s, r| {
+                            s + x[r * columns + first + c]
+                        });
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{rows}x{columns}, column {c}"
                     );
-                    assert_eq!(got.to_bits(), want.to_bits(), "{rows}x{columns}, column {c}");
                 }
             }
         }

@@ -541,7 +541,10 @@ impl Model {
         }
         let nodes = &mut self.body_mut(body).nodes;
         nodes.retain(|n| *n != node);
-        let at = nodes.iter().position(|n| *n == anchor).map_or(nodes.len(), |i| i + 1);
+        let at = nodes
+            .iter()
+            .position(|n| *n == anchor)
+            .map_or(nodes.len(), |i| i + 1);
         nodes.insert(at, node);
     }
 

@@ -36,6 +36,10 @@
 //! N, which forward models leave symbolic. Every other standard-op dX or dW tried was
 //! slower at 1 thread: `benches/README.md`.
 //!
+//! ONNX Runtime sessions on the CPU run the sum over the images on onnx-ga's `LeadingSum`
+//! kernel (`passes::fused_leading_sum`: ONNX Runtime's own `ReduceSum` of that shape is
+//! 7-10x slower on two threads than on one), bit for bit the same.
+//!
 //! Each gradient is computed only when its output is used. `auto_pad` `SAME_*` becomes
 //! explicit pads (ONNX Runtime's own ConvGrad ignores `auto_pad` and computes with zero pads,
 //! measured: not the gradient of the forward Conv). Static sizes are needed where the
