@@ -224,6 +224,42 @@ mod tests {
         Model::from_proto(crate::ir::text::parse_model(text).unwrap_or_else(|e| panic!("{e}")))
     }
 
+    /// A node added by a pass is exported after every node ready before it, unless placed
+    /// after the node it stands in for (`Model::place_after`).
+    #[test]
+    fn a_placed_node_is_exported_where_it_was_placed() {
+        let text = "<ir_version: 8, opset_import: [\"\" : 17]>\n\
+                    g (float x) => (float y, float z) {\n\
+                    a = Relu (x)\n b = Neg (a)\n y = Identity (b)\n z = Identity (x)\n}";
+        let exported = |place: bool| {
+            let mut m = Model::from_proto(
+                crate::ir::text::parse_model(text).unwrap_or_else(|e| panic!("{e}")),
+            );
+            let x = m.lookup(BodyId::MAIN, "x").unwrap();
+            let relu = m.body_nodes(BodyId::MAIN).next().unwrap();
+            let abs =
+                Builder::new(&mut m, BodyId::MAIN, "p").node("Abs", "", &[Some(x)], &["w"], vec![]);
+            let w = m.output(abs, 0);
+            let z = m.lookup(BodyId::MAIN, "z").unwrap();
+            let (copy, _) = m.producer(z).unwrap();
+            m.set_input(copy, 0, Some(w));
+            if place {
+                m.place_after(abs, relu);
+            }
+            let proto = m.to_proto();
+            let ops: Vec<String> = proto
+                .graph
+                .unwrap()
+                .node
+                .iter()
+                .map(|n| n.op_type().to_string())
+                .collect();
+            ops.join(" ")
+        };
+        assert_eq!(exported(false), "Relu Neg Identity Abs Identity");
+        assert_eq!(exported(true), "Relu Abs Neg Identity Identity");
+    }
+
     #[test]
     fn constants_are_reused_per_body_pass_hint_and_value() {
         let mut m = model();
