@@ -216,19 +216,15 @@ seq_mlp (float[N,4,16] x, int64[N,4] labels) => (float loss)
 "#;
     let mut model = onnx_ga::ir::text::parse_model(text).unwrap();
     let graph = model.graph.as_mut().unwrap();
-    for (name, dims, seed, scale) in [
-        ("w1", vec![16i64, 32], 21, 0.6f32),
-        ("b1", vec![32], 22, 0.2),
-        ("w2", vec![32, 8], 23, 0.5),
-        ("b2", vec![8], 24, 0.1),
-    ] {
-        let n: i64 = dims.iter().product();
-        let v: Vec<f32> = pattern(n as usize, seed)
-            .iter()
-            .map(|v| v * scale)
-            .collect();
-        crate::common::push_initializer(graph, name, &dims, &v);
-    }
+    crate::common::push_parameters(
+        graph,
+        &[
+            ("w1", &[16, 32], 21, 0.6),
+            ("b1", &[32], 22, 0.2),
+            ("w2", &[32, 8], 23, 0.5),
+            ("b2", &[8], 24, 0.1),
+        ],
+    );
     crate::common::ort_step(model, "seq_mlp.onnx", middle)
 }
 

@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use crate::common::{ort_available, pattern, pattern_tensor as tensor, Side};
+use crate::common::{ort_available, pattern_tensor as tensor, Side};
 use onnx_ga::data::Tensor;
 use onnx_ga::engine::ort::{OrtSession, SessionOptions};
 use onnx_ga::proto::ModelProto;
@@ -155,22 +155,15 @@ mlp (float[N,16] x, int64[N] labels) => (float loss)
     );
     let mut model = onnx_ga::ir::text::parse_model(&text).unwrap();
     let graph = model.graph.as_mut().unwrap();
-    for (name, dims, seed, scale) in [
-        ("w1", [32i64, 16], 21, 0.6f32),
-        ("b1", [32, 1], 22, 0.2),
-        ("w2", [10, 32], 23, 0.5),
-        ("b2", [10, 1], 24, 0.1),
-    ] {
-        let dims: &[i64] = if dims[1] == 1 { &dims[..1] } else { &dims };
-        let n: i64 = dims.iter().product();
-        let v: Vec<f32> = pattern(n as usize, seed)
-            .iter()
-            .map(|v| v * scale)
-            .collect();
-        let mut t = onnx_ga::ir::builder::tensor_f32(dims, &v);
-        t.name = Some(name.into());
-        graph.initializer.push(t);
-    }
+    crate::common::push_parameters(
+        graph,
+        &[
+            ("w1", &[32, 16], 21, 0.6),
+            ("b1", &[32], 22, 0.2),
+            ("w2", &[10, 32], 23, 0.5),
+            ("b2", &[10], 24, 0.1),
+        ],
+    );
     crate::common::ort_step(model, "mlp.onnx", middle)
 }
 

@@ -187,19 +187,15 @@ conv_linear (float[N,2,6,6] x, int64[N] labels) => (float loss)
 "#;
     let mut model = onnx_ga::ir::text::parse_model(text).unwrap();
     let graph = model.graph.as_mut().unwrap();
-    for (name, dims, seed, scale) in [
-        ("w1", vec![3i64, 2, 3, 3], 31, 0.5f32),
-        ("b1", vec![3], 32, 0.1),
-        ("w2", vec![48, 8], 33, 0.3),
-        ("b2", vec![8], 34, 0.1),
-    ] {
-        let n: i64 = dims.iter().product();
-        let v: Vec<f32> = crate::common::pattern(n as usize, seed)
-            .iter()
-            .map(|v| v * scale)
-            .collect();
-        crate::common::push_initializer(graph, name, &dims, &v);
-    }
+    crate::common::push_parameters(
+        graph,
+        &[
+            ("w1", &[3, 2, 3, 3], 31, 0.5),
+            ("b1", &[3], 32, 0.1),
+            ("w2", &[48, 8], 33, 0.3),
+            ("b2", &[8], 34, 0.1),
+        ],
+    );
     crate::common::ort_step(model, "conv_linear.onnx", middle)
 }
 

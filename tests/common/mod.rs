@@ -321,6 +321,22 @@ pub fn push_initializer(
     graph.initializer.push(t);
 }
 
+/// Adds each `(name, dims, seed, scale)` to `graph` as a float32 initializer holding
+/// [`pattern`]`(seed)` times `scale`: a test model's parameters.
+pub fn push_parameters(
+    graph: &mut onnx_ga::proto::GraphProto,
+    params: &[(&str, &[i64], usize, f32)],
+) {
+    for &(name, dims, seed, scale) in params {
+        let n: i64 = dims.iter().product();
+        let values: Vec<f32> = pattern(n as usize, seed)
+            .iter()
+            .map(|v| v * scale)
+            .collect();
+        push_initializer(graph, name, dims, &values);
+    }
+}
+
 /// The optimizers issue 14's checks name: SGD, momentum, Adam, AdamW.
 pub const OPTIMIZERS: [&str; 4] = [
     "optimizer(kind=sgd,lr=0.05)",
