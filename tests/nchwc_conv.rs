@@ -298,6 +298,67 @@ fn admitted_convolutions_agree_with_the_definition() {
     }
 }
 
+/// The weight's blocked layout on onnx-ga's `BlockedWeight` kernel (with the fused kernels)
+/// and by the standard ops' six-axis `Transpose` (without): the same outputs, bit for bit,
+/// forward and for the data gradient's swapped, flipped weight.
+#[test]
+fn the_blocked_weight_kernel_lays_the_weight_out_as_the_standard_ops_do() {
+    if !ort_available() || block().is_none() {
+        return;
+    }
+    let cases = [
+        Case {
+            what: "3x3, pads 1, bias",
+            ..CONV
+        },
+        Case {
+            what: "3x2 kernel, 16 -> 32",
+            x: [2, 16, 16, 16],
+            w: [32, 16, 3, 2],
+            pads: [1, 0, 1, 1],
+            ..CONV
+        },
+        Case {
+            what: "ConvTranspose 32 -> 16, uneven pads",
+            op: "ConvTranspose",
+            x: [2, 32, 16, 17],
+            w: [32, 16, 3, 3],
+            pads: [1, 0, 1, 2],
+            ..CONV
+        },
+    ];
+    for case in cases {
+        let model = case.model();
+        let inputs = case.inputs();
+        let feeds: Vec<(&str, &Tensor)> = inputs.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let run = |fused_kernels: bool| {
+            let options = SessionOptions {
+                fused_kernels,
+                ..options(true)
+            };
+            let mut session = OrtSession::new(&model, &options).unwrap();
+            let Tensor::F32(y) = session.run(&feeds).unwrap().remove(0).1 else {
+                panic!("{}: not float32", case.what)
+            };
+            let bits: Vec<u32> = y.iter().map(|v| v.to_bits()).collect();
+            (
+                session.nchwc_convs(),
+                session.nchwc_weights_on_kernel(),
+                bits,
+            )
+        };
+        let (kernel, standard) = (run(true), run(false));
+        assert_eq!((kernel.0, kernel.1), (1, 1), "{}: on the kernel", case.what);
+        assert_eq!(
+            (standard.0, standard.1),
+            (1, 0),
+            "{}: standard ops",
+            case.what
+        );
+        assert!(kernel.2 == standard.2, "{}: outputs differ", case.what);
+    }
+}
+
 /// What the rule leaves to the im2col kernel (each measured slower or not supported on the
 /// blocked one): 1x1 kernels, outputs narrower than 8, channels off the block, groups,
 /// strided data gradients, constant weights (ONNX Runtime's own transformer takes those).

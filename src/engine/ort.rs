@@ -234,6 +234,8 @@ pub struct OrtSession {
     biases_in_gemm: usize,
     /// See [`Self::fused_leading_sums`].
     fused_leading_sums: usize,
+    /// See [`Self::nchwc_weights_on_kernel`].
+    nchwc_weights_on_kernel: usize,
     /// Inputs of the model that nothing in it reads, left out of the session
     /// ([`without_unread_inputs`]); a run given them ignores them.
     unread_inputs: std::collections::HashSet<String>,
@@ -265,9 +267,12 @@ impl OrtSession {
     pub fn new(model: &ModelProto, options: &SessionOptions) -> Result<OrtSession, EngineError> {
         let blocked = match nchwc_block(options)? {
             Some(block) => {
-                crate::passes::nchwc_conv::rewrite(model, block).map_err(|e| EngineError::Ort {
-                    context: "putting the convolutions on the blocked kernels".into(),
-                    message: e.to_string(),
+                let own_kernel = options.fused_kernels && options.device == Device::Cpu;
+                crate::passes::nchwc_conv::rewrite(model, block, own_kernel).map_err(|e| {
+                    EngineError::Ort {
+                        context: "putting the convolutions on the blocked kernels".into(),
+                        message: e.to_string(),
+                    }
                 })?
             }
             None => None,
@@ -334,6 +339,7 @@ impl OrtSession {
         let (pruned, unread) = without_unread_inputs(model);
         let bytes = crate::model::encode_model(pruned.as_ref().unwrap_or(model));
         let mut session = Self::from_bytes(&bytes, options)?;
+        session.nchwc_weights_on_kernel = blocked.as_ref().map_or(0, |b| b.weights_on_kernel);
         session.nchwc_convs = blocked.map_or(0, |b| b.convs);
         session.fused_batch_norms = fused_bn.map_or(0, |f| f.forward + f.backward);
         session.fused_unfoldings = unfolded.map_or(0, |u| u.unfoldings);
@@ -389,6 +395,12 @@ impl OrtSession {
     /// (`SessionOptions::bias_in_gemm`).
     pub fn biases_in_gemm(&self) -> usize {
         self.biases_in_gemm
+    }
+
+    /// Weights of the blocked convolutions this session puts in their layout on
+    /// `BlockedWeight` (`SessionOptions::nchwc_convs` with `fused_kernels`).
+    pub fn nchwc_weights_on_kernel(&self) -> usize {
+        self.nchwc_weights_on_kernel
     }
 
     /// Sums over leading axes this session runs on `LeadingSum`
@@ -522,6 +534,7 @@ impl OrtSession {
             fused_layer_norm_grads: 0,
             biases_in_gemm: 0,
             fused_leading_sums: 0,
+            nchwc_weights_on_kernel: 0,
             unread_inputs: Default::default(),
             read_filter: ReadFilter::default(),
             host_scalars: None,

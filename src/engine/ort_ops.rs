@@ -16,12 +16,13 @@ use super::kernel_io;
 use crate::fused_ops::{
     accumulate_grad, accumulate_product, accumulate_product_slot, accumulate_slot,
     adamw_group_slot, adamw_slot, adamw_update, batch_norm_grad_channel, batch_norm_train_channel,
-    gelu_forward_slot, gelu_grad, gelu_quotient, gelu_slot, gelu_tail, largest_fast_contraction,
-    layer_norm_grad_rows, layer_norm_grad_slot, leading_sum, relu_grad, sgd_slot, sgd_update,
-    AdamWScalars, BatchNormLayout, ChannelStats, GeluGradScalars, GeluScalars, Io, ProductShape,
-    SgdIo, SgdScalars, Unfolding, Window2d, ACCUMULATE_GRAD, ACCUMULATE_PRODUCT, ADAMW_UPDATE,
-    ADAMW_UPDATES, BATCH_NORM_GRAD, BATCH_NORM_TRAIN, DOMAIN, GELU, GELU_GRAD, IM2COL,
-    LAYER_NORM_GRAD, LAYER_NORM_GRAD_ROWS, LEADING_SUM, RELU_GRAD, SGD_UPDATE,
+    blocked_weight, gelu_forward_slot, gelu_grad, gelu_quotient, gelu_slot, gelu_tail,
+    largest_fast_contraction, layer_norm_grad_rows, layer_norm_grad_slot, leading_sum, relu_grad,
+    sgd_slot, sgd_update, AdamWScalars, BatchNormLayout, ChannelStats, GeluGradScalars,
+    GeluScalars, Io, ProductShape, SgdIo, SgdScalars, Unfolding, Window2d, ACCUMULATE_GRAD,
+    ACCUMULATE_PRODUCT, ADAMW_UPDATE, ADAMW_UPDATES, BATCH_NORM_GRAD, BATCH_NORM_TRAIN,
+    BLOCKED_WEIGHT, DOMAIN, GELU, GELU_GRAD, IM2COL, LAYER_NORM_GRAD, LAYER_NORM_GRAD_ROWS,
+    LEADING_SUM, RELU_GRAD, SGD_UPDATE,
 };
 
 /// The domain with every fused operator, for a session builder.
@@ -39,7 +40,8 @@ pub fn domain() -> ::ort::Result<OperatorDomain> {
         .add(GeluGrad)?
         .add(LayerNormGrad)?
         .add(ReluGrad)?
-        .add(LeadingSum)
+        .add(LeadingSum)?
+        .add(BlockedWeight)
 }
 
 /// Runs `make_session`, serialised with every other until one session with the fused
@@ -1440,6 +1442,40 @@ impl Operator for LeadingSum {
         [OperatorOutput::required(TensorElementType::Float32)]
     }
 
+    /// X's trailing axes (after `axes` ones of 1 with `keepdims`), so that ONNX Runtime's
+    /// fusions downstream see the shape (see [`BlockedWeight`]'s).
+    fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
+        let axes = ctx
+            .attr::<i64>("axes")
+            .ok()
+            .and_then(|j| usize::try_from(j).ok());
+        let keepdims = ctx.attr::<i64>("keepdims").unwrap_or(1) != 0;
+        let Some((axes, mut x)) = axes.zip(ctx.inputs().into_iter().next()) else {
+            return Ok(());
+        };
+        let ::ort::value::ValueType::Tensor {
+            shape,
+            dimension_symbols,
+            ..
+        } = &mut x
+        else {
+            return Ok(());
+        };
+        if shape.is_empty() || axes > shape.len() || dimension_symbols.len() != shape.len() {
+            return Ok(());
+        }
+        let kept = if keepdims { axes } else { 0 };
+        let dims: Vec<i64> = std::iter::repeat_n(1, kept)
+            .chain(shape[axes..].iter().copied())
+            .collect();
+        let symbols: Vec<String> = std::iter::repeat_n(String::new(), kept)
+            .chain(dimension_symbols[axes..].iter().cloned())
+            .collect();
+        *shape = ::ort::value::Shape::new(dims);
+        *dimension_symbols = ::ort::value::SymbolicDimensions::new(symbols);
+        ctx.set_output(0, &x)
+    }
+
     fn create_kernel<'attr>(
         &self,
         kctx: &KernelContext<'attr>,
@@ -1500,4 +1536,94 @@ fn leading_sum_kernel(
         out.chunks_mut(block),
         |range, out| leading_sum(x, (rows, columns), range.start, out),
     )
+}
+
+struct BlockedWeight;
+
+impl Operator for BlockedWeight {
+    type Kernel<'attr> = BoxedKernel<'attr>;
+
+    fn name(&self) -> &str {
+        BLOCKED_WEIGHT
+    }
+
+    fn inputs(&self) -> impl IntoIterator<Item = OperatorInput> {
+        [OperatorInput::required(TensorElementType::Float32)]
+    }
+
+    fn outputs(&self) -> impl IntoIterator<Item = OperatorOutput> {
+        [OperatorOutput::required(TensorElementType::Float32)]
+    }
+
+    /// W's shape, its two channel axes swapped for the transposed form. ONNX Runtime's own
+    /// fusions downstream need the shapes: without them the shortcut convolutions' `Conv`
+    /// + `Add` and the channel halves' `Slice`s to `Split` were not fused (the ResNet-8).
+    fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
+        let transposed = ctx.attr::<i64>("transposed").unwrap_or(0) != 0;
+        let Some(mut w) = ctx.inputs().into_iter().next() else {
+            return Ok(());
+        };
+        if let ::ort::value::ValueType::Tensor {
+            shape,
+            dimension_symbols,
+            ..
+        } = &mut w
+        {
+            if shape.len() != 4 || dimension_symbols.len() != 4 {
+                return Ok(());
+            }
+            if transposed {
+                shape.swap(0, 1);
+                let mut symbols = dimension_symbols.to_vec();
+                symbols.swap(0, 1);
+                *dimension_symbols = ::ort::value::SymbolicDimensions::new(symbols);
+            }
+        }
+        ctx.set_output(0, &w)
+    }
+
+    fn create_kernel<'attr>(
+        &self,
+        kctx: &KernelContext<'attr>,
+    ) -> ::ort::Result<Self::Kernel<'attr>> {
+        let block = kctx
+            .get::<i64>("block")
+            .and_then(|b| usize::try_from(b).ok())
+            .filter(|b| *b > 0)
+            .ok_or_else(|| {
+                ::ort::Error::new(format!("{BLOCKED_WEIGHT}: attribute 'block' is not a size"))
+            })?;
+        let transposed = kctx.get::<i64>("transposed").unwrap_or(0) != 0;
+        Ok(Box::new(move |ctx: &ComputeContext| {
+            blocked_weight_kernel(ctx, block, transposed)
+        }))
+    }
+}
+
+fn blocked_weight_kernel(
+    ctx: &ComputeContext,
+    block: usize,
+    transposed: bool,
+) -> ::ort::Result<()> {
+    let (shape, w) = f32_input(ctx, BLOCKED_WEIGHT, 0)?;
+    let dims: Option<Vec<usize>> = shape.iter().map(|&d| usize::try_from(d).ok()).collect();
+    let Some(&[m, c, kh, kw]) = dims.as_deref() else {
+        return Err(::ort::Error::new(format!(
+            "{BLOCKED_WEIGHT}: W has shape {shape:?}, not [M, C, kh, kw]"
+        )));
+    };
+    if m % block != 0 || c % block != 0 {
+        return Err(::ort::Error::new(format!(
+            "{BLOCKED_WEIGHT}: W {shape:?} is not in blocks of {block} channels"
+        )));
+    }
+    let out_shape = if transposed {
+        [c, m, kh, kw]
+    } else {
+        [m, c, kh, kw]
+    }
+    .map(|d| d as i64);
+    let out = f32_output(ctx, BLOCKED_WEIGHT, 0, &out_shape)?;
+    blocked_weight(w, [m, c, kh, kw], block, transposed, out);
+    Ok(())
 }

@@ -190,6 +190,7 @@ macro_rules! with_widest_vectors {
 }
 
 mod batch_norm;
+mod blocked_weight;
 mod gelu;
 mod gelu_grad;
 mod im2col;
@@ -202,6 +203,7 @@ pub use batch_norm::{
     batch_norm_grad_channel, batch_norm_train_channel, BatchNormLayout, ChannelStats,
     BATCH_NORM_GRAD, BATCH_NORM_TRAIN,
 };
+pub use blocked_weight::{blocked_weight, BLOCKED_WEIGHT};
 pub use gelu::{gelu_forward_slot, gelu_quotient, gelu_tail, GeluScalars, GELU};
 pub use gelu_grad::{gelu_grad, gelu_slot, GeluGradScalars, GELU_GRAD};
 pub use im2col::{Unfolding, Window2d, IM2COL};

@@ -54,11 +54,19 @@ pub struct Rewritten {
     pub model: ModelProto,
     /// Convolutions rewritten (forward and data-gradient alike).
     pub convs: usize,
+    /// Weights put in the blocked layout by onnx-ga's `BlockedWeight` kernel.
+    pub weights_on_kernel: usize,
 }
 
 /// `model` with every convolution the rule admits on the blocked kernels of `block`
-/// channels (ONNX Runtime's `MlasNchwcGetBlockSize`); `None` when none is.
-pub fn rewrite(model: &ModelProto, block: i64) -> Result<Option<Rewritten>, super::PassError> {
+/// channels (ONNX Runtime's `MlasNchwcGetBlockSize`); `None` when none is. `own_kernel`:
+/// the session has onnx-ga's fused kernels, and the weights go in the blocked layout on
+/// `BlockedWeight` (one copy) instead of the standard ops' six-axis `Transpose`.
+pub fn rewrite(
+    model: &ModelProto,
+    block: i64,
+    own_kernel: bool,
+) -> Result<Option<Rewritten>, super::PassError> {
     let has_conv = model.graph.as_ref().is_some_and(|g| {
         g.node
             .iter()
@@ -78,6 +86,7 @@ pub fn rewrite(model: &ModelProto, block: i64) -> Result<Option<Rewritten>, supe
     }
     let mut rewriter = Rewriter {
         block,
+        own_kernel,
         inputs: HashMap::new(),
         weights: HashMap::new(),
     };
@@ -85,6 +94,9 @@ pub fn rewrite(model: &ModelProto, block: i64) -> Result<Option<Rewritten>, supe
         rewriter.rewrite(&mut ir, *node, plan);
     }
     ir.require_opset(DOMAIN, DOMAIN_VERSION);
+    if own_kernel {
+        ir.require_opset(crate::fused_ops::DOMAIN, crate::fused_ops::DOMAIN_VERSION);
+    }
     crate::ir::verify::verify(&ir).map_err(|errors| super::PassError::Verify {
         pass: PASS.into(),
         errors,
@@ -92,6 +104,11 @@ pub fn rewrite(model: &ModelProto, block: i64) -> Result<Option<Rewritten>, supe
     Ok(Some(Rewritten {
         model: ir.to_proto(),
         convs: candidates.len(),
+        weights_on_kernel: if own_kernel {
+            rewriter.weights.len()
+        } else {
+            0
+        },
     }))
 }
 
@@ -193,6 +210,8 @@ fn nonzero(values: Option<Vec<i64>>) -> bool {
 /// (weight, form) across the convolutions that read them.
 struct Rewriter {
     block: i64,
+    /// Weights on onnx-ga's `BlockedWeight` kernel rather than the standard ops.
+    own_kernel: bool,
     inputs: HashMap<ValueId, ValueId>,
     weights: HashMap<(ValueId, bool), ValueId>,
 }
@@ -273,6 +292,21 @@ impl Rewriter {
         let [o, i, kh, kw] = plan.dims;
         let hint = format!("{}.nchwc", model.name(w));
         let mut builder = Builder::new(model, BodyId::MAIN, PASS);
+        if self.own_kernel {
+            let node = builder.node(
+                crate::fused_ops::BLOCKED_WEIGHT,
+                crate::fused_ops::DOMAIN,
+                &[Some(w)],
+                &[&hint],
+                vec![
+                    attr_int("block", b),
+                    attr_int("transposed", plan.transposed as i64),
+                ],
+            );
+            let wb = model.output(node, 0);
+            self.weights.insert((w, plan.transposed), wb);
+            return wb;
+        }
         let (source, split, perm) = if plan.transposed {
             // W[M, C, kh, kw] with its taps flipped, read as [M/b, b, C/b, b, kh, kw]: the
             // blocked kernel's input channels are W's first axis, its outputs the second.
