@@ -277,8 +277,8 @@ impl OrtSession {
             }
             None => None,
         };
-        // The model as given, standard ops but for the trainer's fusions: the shape facts
-        // of the sums over leading axes.
+        // The model as given, standard ops but for the trainer's fusions: the element types
+        // and ranks of the sums over leading axes (`passes::fused_leading_sum`).
         let facts_from = model;
         let model = blocked.as_ref().map_or(model, |b| &b.model);
         // onnx-ga's own CPU kernels, each pass on the model the previous one left.

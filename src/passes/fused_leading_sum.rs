@@ -1,8 +1,8 @@
 //! Sums over leading axes on onnx-ga's `LeadingSum` kernel, in memory, for an ONNX Runtime
-//! session: `ReduceSum(X, axes = [0, j))` becomes `LeadingSum(X; axes = j)`, the same
-//! `keepdims`, and the session's thread count (the kernel's tasks) ([`crate::fused_ops`] has what it computes). The step file is never
-//! rewritten: it stays standard ONNX. Bit-identical: the kernel adds each column's rows in
-//! ONNX Runtime's order.
+//! session: `ReduceSum(X, axes = [0, j))` becomes `LeadingSum(X; axes = j)`, with the same
+//! `keepdims` and the session's thread count (the kernel's tasks); [`crate::fused_ops`] has
+//! what it computes. The step file is never rewritten: it stays standard ONNX.
+//! Bit-identical: the kernel adds each column's rows in ONNX Runtime's order.
 //!
 //! Why: backward graphs sum over the batch this way (a linear layer's bias gradient; the
 //! convolutions' weight gradients, summed over the images, `passes/legalize/conv_grad.rs`),
@@ -10,9 +10,11 @@
 //! on one: `[32, 18432]` over axis 0 72 µs on one thread, 733 on two (benches/README.md,
 //! "Run AA").
 //!
-//! Matched: a float32 X, the axes a constant set that is `[0, j)` for some j > 0 (negative
-//! axes need X's rank). The kernel reads the shape at run time, so nothing else about X
-//! need be known.
+//! Matched: a float32 X of known rank r (or a Y of known rank without `keepdims`), the
+//! axes a constant set that is `[0, j)` for some 0 < j < r. The kernel reads the sizes at run time, so nothing else about X need be known.
+//! A sum over every axis is left alone: ONNX Runtime adds those in Eigen's vectorised
+//! order, not row by row, so the kernel would not give its bits (nor its speed, on one
+//! column).
 //!
 //! It runs after onnx-ga's other kernels took theirs (the layer-norm and BatchNorm
 //! gradients sum over leading axes inside their kernels), so it reads the element types of
@@ -124,22 +126,29 @@ fn leading_sum(
         None => p.attr_ints("axes").ok()??,
     };
     let keepdims = p.attr_int("keepdims").ok()?.unwrap_or(1);
-    let fx = facts(x);
+    let (fx, fy) = (facts(x), facts(model.output(sum, 0)));
     let float32 = Some(DataType::Float as i32);
-    if fx.elem != float32 && facts(model.output(sum, 0)).elem != float32 {
+    if fx.elem != float32 && fy.elem != float32 {
         return None;
     }
-    let mut axes = match fx.rank() {
-        Some(rank) => axes
-            .into_iter()
-            .map(|a| if a < 0 { a + rank as i64 } else { a })
-            .collect(),
-        None if axes.iter().all(|&a| a >= 0) => axes,
-        None => return None,
+    // X's rank, or else Y's plus the axes summed away (without keepdims; a loss gradient's
+    // shape is often not inferred, its bias gradient's is declared).
+    let rank = match (fx.rank(), fy.rank()) {
+        (Some(rank), _) => rank as i64,
+        (None, Some(kept)) if keepdims == 0 && axes.iter().all(|&a| a >= 0) => {
+            (kept + axes.len()) as i64
+        }
+        _ => return None,
     };
+    let mut axes: Vec<i64> = axes
+        .into_iter()
+        .map(|a| if a < 0 { a + rank } else { a })
+        .collect();
     axes.sort_unstable();
     axes.dedup();
-    let leading = !axes.is_empty() && axes.iter().enumerate().all(|(i, &a)| a == i as i64);
+    let leading = !axes.is_empty()
+        && (axes.len() as i64) < rank
+        && axes.iter().enumerate().all(|(i, &a)| a == i as i64);
     leading.then_some((
         x,
         Leading {
