@@ -59,6 +59,16 @@ const CONV: Case = Case {
     group: 1,
 };
 
+/// A stride-1 data gradient with uneven pads and a bias, 32 -> 16 on a 16x17 image.
+const CONV_TRANSPOSE_UNEVEN: Case = Case {
+    what: "ConvTranspose 32 -> 16, stride 1, uneven pads, bias",
+    op: "ConvTranspose",
+    x: [2, 32, 16, 17],
+    w: [32, 16, 3, 3],
+    pads: [1, 0, 1, 2],
+    ..CONV
+};
+
 impl Case {
     /// The output's channels: W's first axis for a Conv, its second for a ConvTranspose.
     fn out_channels(&self) -> usize {
@@ -261,14 +271,7 @@ fn admitted_convolutions_agree_with_the_definition() {
             dilations: [2, 1],
             ..CONV
         },
-        Case {
-            what: "ConvTranspose 32 -> 16, stride 1, uneven pads, bias",
-            op: "ConvTranspose",
-            x: [2, 32, 16, 17],
-            w: [32, 16, 3, 3],
-            pads: [1, 0, 1, 2],
-            ..CONV
-        },
+        CONV_TRANSPOSE_UNEVEN,
         Case {
             what: "64 -> 64 at 8x8 (the ResNet-8's last block)",
             x: [2, 64, 8, 8],
@@ -318,14 +321,7 @@ fn the_blocked_weight_kernel_lays_the_weight_out_as_the_standard_ops_do() {
             pads: [1, 0, 1, 1],
             ..CONV
         },
-        Case {
-            what: "ConvTranspose 32 -> 16, uneven pads",
-            op: "ConvTranspose",
-            x: [2, 32, 16, 17],
-            w: [32, 16, 3, 3],
-            pads: [1, 0, 1, 2],
-            ..CONV
-        },
+        CONV_TRANSPOSE_UNEVEN,
     ];
     for case in cases {
         let model = case.model();

@@ -9,9 +9,9 @@
 //! Backward graphs sum over the batch this way: a linear layer's bias gradient, and the
 //! convolutions' weight gradients summed over the images. ONNX Runtime 1.31.1's own
 //! `ReduceSum` of this shape spreads the columns over its threads in pieces too small to
-//! pay (on two threads 10x slower than on one for `[32, 18432]`). Here each task takes a
-//! block of columns, at least 512 wide, and adds the rows' pieces into it front to back: X
-//! is read once, in rows.
+//! pay (on two threads 10x slower than on one for `[32, 18432]`). Here each of the session's
+//! threads takes one block of columns (at least 512 wide) and adds the rows' pieces into it
+//! front to back: X is read once, in rows.
 //!
 //! Each column adds its rows in order, starting from row 0, as ONNX Runtime's reduction
 //! does: the same bits (benches/README.md, "Run AA"; the test of `fused_leading_sum`).

@@ -11,7 +11,9 @@
 //! ops inside the graph: a Reshape, a Transpose and a Reshape of a few thousand floats per
 //! run. With onnx-ga's fused kernels in the session, one `BlockedWeight` node does it
 //! instead, by one copy, the same bits: ONNX Runtime moves the six-axis Transpose one
-//! element at a time (0.15-0.2 ms for 64x64x3x3; benches/README.md, "Run AA"). Measured on this AVX-512 machine (`benches/README.md`, "Convolution backward"), 3x3
+//! element at a time (0.15-0.2 ms for 64x64x3x3; benches/README.md, "Run AA").
+//!
+//! Measured on this AVX-512 machine (`benches/README.md`, "Convolution backward"), 3x3
 //! convolutions with 16 or more channels at 16x16 or wider: 0.58-0.70x the im2col kernel's
 //! time forward, 0.72-0.92x for the stride-1 data gradient (reorders included); 1x1
 //! convolutions lose (1.3x: ONNX Runtime runs them as one GEMM already), and so does the
