@@ -143,6 +143,7 @@ fn parse_opts() -> Result<Opts> {
             "--no-fused-leading-sum" => {
                 NO_LEADING_SUM.store(true, std::sync::atomic::Ordering::Relaxed)
             }
+            "--no-fused-col2im" => NO_COL2IM.store(true, std::sync::atomic::Ordering::Relaxed),
             "--no-fused-layer-norm-grad" => {
                 NO_LN_GRAD.store(true, std::sync::atomic::Ordering::Relaxed)
             }
@@ -340,6 +341,9 @@ static NO_BIAS_IN_GEMM: std::sync::atomic::AtomicBool = std::sync::atomic::Atomi
 /// `--no-fused-leading-sum`: the sums over leading axes on ONNX Runtime's `ReduceSum`, for
 /// an A/B of `SessionOptions::fused_leading_sum`.
 static NO_LEADING_SUM: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// `--no-fused-col2im`: the transposed convolutions on ONNX Runtime's `ConvTranspose`, for
+/// an A/B of `SessionOptions::fused_col2im`.
+static NO_COL2IM: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 /// `--no-fused-weight-grads`: the weight gradients written, then accumulated, for an A/B of
 /// `SessionOptions::fused_weight_grads`.
 static NO_WEIGHT_GRADS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -357,6 +361,7 @@ fn session(threads: usize) -> SessionOptions {
         fused_layer_norm_grad: !NO_LN_GRAD.load(std::sync::atomic::Ordering::Relaxed),
         bias_in_gemm: !NO_BIAS_IN_GEMM.load(std::sync::atomic::Ordering::Relaxed),
         fused_leading_sum: !NO_LEADING_SUM.load(std::sync::atomic::Ordering::Relaxed),
+        fused_col2im: !NO_COL2IM.load(std::sync::atomic::Ordering::Relaxed),
         fused_weight_grads: !NO_WEIGHT_GRADS.load(std::sync::atomic::Ordering::Relaxed),
         ..Default::default()
     }
@@ -652,12 +657,14 @@ fn check(
         fused_kernels: false,
         ..session(1)
     })?;
+    // On two threads: the transposed convolutions' folding takes only sessions of two or
+    // more (`passes::fused_col2im`), and the threads must not change the bits either.
     let mut optimizer_fused = trainer_with(SessionOptions {
         fused_batch_norm: false,
         fused_gelu_grad: false,
         fused_layer_norm_grad: false,
         bias_in_gemm: false,
-        ..session(1)
+        ..session(2)
     })?;
     // The GELU forwards apart (their kernel runs the standard ops' operations and ONNX
     // Runtime's Erf): the same bits as the step with every kernel.
@@ -684,10 +691,11 @@ fn check(
     }
     let standard_same = optimizer_fused.state()? == standard.state()?;
     lines.push(format!(
-        "{model}: step with fused optimizer kernels ({} in place, {} weight gradients made in their accumulators, {} sums over leading axes on their kernel) vs standard ops after 2 windows: {}",
+        "{model}: step with fused optimizer kernels ({} in place, {} weight gradients made in their accumulators, {} sums over leading axes on their kernel, {} transposed convolutions folded by Col2Im) vs standard ops after 2 windows: {}",
         optimizer_fused.in_place_updates(),
         optimizer_fused.accumulated_products(),
         optimizer_fused.fused_leading_sums(),
+        optimizer_fused.fused_foldings(),
         if standard_same {
             "bit-identical, ok"
         } else {

@@ -1192,6 +1192,12 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             trainer.fused_leading_sums()
         ));
     }
+    if trainer.fused_foldings() > 0 {
+        progress.note(format!(
+            "transposed convolutions (strided data gradients): {} as one product and onnx-ga's parallel fold (Col2Im), summed over the sessions (bit-identical; --no-fused-kernels: as written)",
+            trainer.fused_foldings()
+        ));
+    }
     host_controls(&mut trainer, args.lr, args.accum_steps)?;
     let data = onnx_ga::data::read_npz_only(&args.data, &trainer.manifest.data_inputs)?;
     if let Some(note) = onnx_ga::data::ignored_note(&args.data, &data.ignored) {

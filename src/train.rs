@@ -715,6 +715,12 @@ impl Trainer {
         self.sum_over_sessions(Engine::fused_leading_sums)
     }
 
+    /// Transposed convolutions as a product and onnx-ga's `Col2Im`
+    /// (`SessionOptions::fused_col2im`), summed over the split step's sessions.
+    pub fn fused_foldings(&self) -> usize {
+        self.sum_over_sessions(Engine::fused_foldings)
+    }
+
     /// Scalar nodes the host computes instead of the sessions (`engine::host_scalars`),
     /// summed over them.
     pub fn host_scalar_nodes(&self) -> usize {

@@ -28,6 +28,7 @@ mod export_trained;
 mod file_cases;
 mod first_hour;
 mod fused_batch_norm;
+mod fused_col2im;
 mod fused_gelu_grad;
 mod fused_im2col;
 mod fused_kernels;

@@ -396,6 +396,16 @@ impl Engine {
         }
     }
 
+    /// Transposed convolutions as a product and onnx-ga's `Col2Im`
+    /// (`SessionOptions::fused_col2im`).
+    pub fn fused_foldings(&self) -> usize {
+        match self {
+            Engine::Ort(s) => s.fused_foldings(),
+            #[cfg(feature = "tract")]
+            Engine::Tract(_) => 0,
+        }
+    }
+
     /// The (state input, next value) pairs this session updates in place.
     pub fn in_place(&self) -> &[(String, String)] {
         match self {

@@ -115,6 +115,11 @@ pub struct SessionOptions {
     /// identity filters, `passes/legalize/conv_grad.rs`) on onnx-ga's `Im2Col` kernel
     /// (`passes::fused_im2col`); bit-identical for finite values.
     pub fused_im2col: bool,
+    /// With `fused_kernels`, on the CPU, on two threads or more: the transposed
+    /// convolutions without groups (the strided convolutions' data gradients) as one
+    /// batched product and onnx-ga's `Col2Im` kernel, which folds the images in parallel
+    /// (`passes::fused_col2im`); bit-identical.
+    pub fused_col2im: bool,
     /// With `fused_kernels`, on the CPU: the ReLU gradients (`Mul(dY, Cast(Greater(Y, 0)))`,
     /// `passes/legalize/relu_grad.rs`) on onnx-ga's `ReluGrad` kernel, one pass instead of
     /// three (`passes::fused_relu_grad`); bit-identical.
@@ -183,6 +188,7 @@ impl Default for SessionOptions {
             nchwc_convs: true,
             fused_batch_norm: true,
             fused_im2col: true,
+            fused_col2im: true,
             fused_relu_grad: true,
             fused_gelu_grad: true,
             fused_gelu: true,
@@ -234,6 +240,8 @@ pub struct OrtSession {
     biases_in_gemm: usize,
     /// See [`Self::fused_leading_sums`].
     fused_leading_sums: usize,
+    /// See [`Self::fused_foldings`].
+    fused_foldings: usize,
     /// See [`Self::nchwc_weights_on_kernel`].
     nchwc_weights_on_kernel: usize,
     /// Inputs of the model that nothing in it reads, left out of the session
@@ -303,6 +311,12 @@ impl OrtSession {
             || crate::passes::fused_im2col::rewrite(model),
         )?;
         let model = unfolded.as_ref().map_or(model, |u| &u.model);
+        let foldings = in_memory(
+            ours(options.fused_col2im),
+            "putting the transposed convolutions on a product and the fused folding",
+            || crate::passes::fused_col2im::rewrite(model, options.threads),
+        )?;
+        let model = foldings.as_ref().map_or(model, |f| &f.model);
         let relu_grads = in_memory(
             ours(options.fused_relu_grad),
             "putting the ReLU gradients on the fused kernel",
@@ -349,6 +363,7 @@ impl OrtSession {
         session.fused_layer_norm_grads = layer_norm_grads.map_or(0, |l| l.layer_norm_grads);
         session.biases_in_gemm = biases.map_or(0, |b| b.biases);
         session.fused_leading_sums = sums.map_or(0, |s| s.sums);
+        session.fused_foldings = foldings.map_or(0, |f| f.foldings);
         session.unread_inputs = unread;
         Ok(session)
     }
@@ -407,6 +422,12 @@ impl OrtSession {
     /// (`SessionOptions::fused_leading_sum`).
     pub fn fused_leading_sums(&self) -> usize {
         self.fused_leading_sums
+    }
+
+    /// Transposed convolutions this session runs as a product and `Col2Im`
+    /// (`SessionOptions::fused_col2im`).
+    pub fn fused_foldings(&self) -> usize {
+        self.fused_foldings
     }
 
     pub fn from_bytes(bytes: &[u8], options: &SessionOptions) -> Result<OrtSession, EngineError> {
@@ -534,6 +555,7 @@ impl OrtSession {
             fused_layer_norm_grads: 0,
             biases_in_gemm: 0,
             fused_leading_sums: 0,
+            fused_foldings: 0,
             nchwc_weights_on_kernel: 0,
             unread_inputs: Default::default(),
             read_filter: ReadFilter::default(),

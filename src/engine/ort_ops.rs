@@ -16,12 +16,12 @@ use super::kernel_io;
 use crate::fused_ops::{
     accumulate_grad, accumulate_product, accumulate_product_slot, accumulate_slot,
     adamw_group_slot, adamw_slot, adamw_update, batch_norm_grad_channel, batch_norm_train_channel,
-    blocked_weight, gelu_forward_slot, gelu_grad, gelu_quotient, gelu_slot, gelu_tail,
+    blocked_weight, folded_size, gelu_forward_slot, gelu_grad, gelu_quotient, gelu_slot, gelu_tail,
     largest_fast_contraction, layer_norm_grad_rows, layer_norm_grad_slot, leading_sum, relu_grad,
     sgd_slot, sgd_update, AdamWScalars, BatchNormLayout, ChannelStats, GeluGradScalars,
     GeluScalars, Io, ProductShape, SgdIo, SgdScalars, Unfolding, Window2d, ACCUMULATE_GRAD,
     ACCUMULATE_PRODUCT, ADAMW_UPDATE, ADAMW_UPDATES, BATCH_NORM_GRAD, BATCH_NORM_TRAIN,
-    BLOCKED_WEIGHT, DOMAIN, GELU, GELU_GRAD, IM2COL, LAYER_NORM_GRAD, LAYER_NORM_GRAD_ROWS,
+    BLOCKED_WEIGHT, COL2IM, DOMAIN, GELU, GELU_GRAD, IM2COL, LAYER_NORM_GRAD, LAYER_NORM_GRAD_ROWS,
     LEADING_SUM, RELU_GRAD, SGD_UPDATE,
 };
 
@@ -36,6 +36,7 @@ pub fn domain() -> ::ort::Result<OperatorDomain> {
         .add(BatchNormTrain)?
         .add(BatchNormGrad)?
         .add(Im2Col)?
+        .add(Col2Im)?
         .add(Gelu)?
         .add(GeluGrad)?
         .add(LayerNormGrad)?
@@ -1028,26 +1029,7 @@ impl Operator for Im2Col {
         &self,
         kctx: &KernelContext<'attr>,
     ) -> ::ort::Result<Self::Kernel<'attr>> {
-        let ints = |name: &str, len: usize| -> ::ort::Result<Vec<usize>> {
-            let values = kctx.get::<Vec<i64>>(name).unwrap_or_default();
-            let values: Option<Vec<usize>> =
-                values.iter().map(|&v| usize::try_from(v).ok()).collect();
-            values.filter(|v| v.len() == len).ok_or_else(|| {
-                ::ort::Error::new(format!("{IM2COL}: attribute '{name}' is not {len} sizes"))
-            })
-        };
-        let (k, s, p, d) = (
-            ints("kernel_shape", 2)?,
-            ints("strides", 2)?,
-            ints("pads", 4)?,
-            ints("dilations", 2)?,
-        );
-        let window = Window2d {
-            kernel: [k[0], k[1]],
-            strides: [s[0], s[1]],
-            pads: [p[0], p[1], p[2], p[3]],
-            dilations: [d[0], d[1]],
-        };
+        let window = window_attributes(kctx, IM2COL)?;
         Ok(Box::new(move |ctx: &ComputeContext| {
             im2col_kernel(ctx, &window)
         }))
@@ -1096,6 +1078,194 @@ fn im2col_kernel(ctx: &ComputeContext, window: &Window2d) -> ::ort::Result<()> {
             let plane = t * per_task + k;
             let src = &x[plane * in_plane..(plane + 1) * in_plane];
             unfolding.plane(src, block);
+        }
+    };
+    match tasks.len() {
+        1 => run(0),
+        count => ctx.par_for(count, 0, run)?,
+    }
+    Ok(())
+}
+
+/// The attributes of a 2-D window, read the way [`Im2Col`] and [`Col2Im`] both take them.
+fn window_attributes(kctx: &KernelContext, op: &str) -> ::ort::Result<Window2d> {
+    let ints = |name: &str, len: usize| -> ::ort::Result<Vec<usize>> {
+        let values = kctx.get::<Vec<i64>>(name).unwrap_or_default();
+        let values: Option<Vec<usize>> = values.iter().map(|&v| usize::try_from(v).ok()).collect();
+        values.filter(|v| v.len() == len).ok_or_else(|| {
+            ::ort::Error::new(format!("{op}: attribute '{name}' is not {len} sizes"))
+        })
+    };
+    let (k, s, p, d) = (
+        ints("kernel_shape", 2)?,
+        ints("strides", 2)?,
+        ints("pads", 4)?,
+        ints("dilations", 2)?,
+    );
+    Ok(Window2d {
+        kernel: [k[0], k[1]],
+        strides: [s[0], s[1]],
+        pads: [p[0], p[1], p[2], p[3]],
+        dilations: [d[0], d[1]],
+    })
+}
+
+struct Col2Im;
+
+impl Operator for Col2Im {
+    type Kernel<'attr> = BoxedKernel<'attr>;
+
+    fn name(&self) -> &str {
+        COL2IM
+    }
+
+    fn inputs(&self) -> impl IntoIterator<Item = OperatorInput> {
+        [
+            OperatorInput::required(TensorElementType::Float32),
+            OperatorInput::required(TensorElementType::Float32),
+        ]
+    }
+
+    fn outputs(&self) -> impl IntoIterator<Item = OperatorOutput> {
+        [OperatorOutput::required(TensorElementType::Float32)]
+    }
+
+    /// `[N, channels, H, W]` from `like`'s `[N, *, Hi, Wi]`, so that ONNX Runtime's fusions
+    /// downstream see the shape (see [`BlockedWeight`]'s).
+    fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
+        let ints = |name: &str| -> Option<Vec<usize>> {
+            let values = ctx.attr::<Vec<i64>>(name).ok()?;
+            values.iter().map(|&v| usize::try_from(v).ok()).collect()
+        };
+        let window = match (
+            ints("kernel_shape").as_deref(),
+            ints("strides").as_deref(),
+            ints("pads").as_deref(),
+            ints("dilations").as_deref(),
+        ) {
+            (Some(&[kh, kw]), Some(&[sh, sw]), Some(&[t, l, b, r]), Some(&[dh, dw])) => Window2d {
+                kernel: [kh, kw],
+                strides: [sh, sw],
+                pads: [t, l, b, r],
+                dilations: [dh, dw],
+            },
+            _ => return Ok(()),
+        };
+        let (Some(&[ph, pw]), Ok(channels)) = (
+            ints("output_padding").as_deref(),
+            ctx.attr::<i64>("channels"),
+        ) else {
+            return Ok(());
+        };
+        let Some(mut like) = ctx.inputs().into_iter().nth(1) else {
+            return Ok(());
+        };
+        let ::ort::value::ValueType::Tensor {
+            shape,
+            dimension_symbols,
+            ..
+        } = &mut like
+        else {
+            return Ok(());
+        };
+        if shape.len() != 4 || dimension_symbols.len() != 4 {
+            return Ok(());
+        }
+        let (Ok(hi), Ok(wi)) = (usize::try_from(shape[2]), usize::try_from(shape[3])) else {
+            return Ok(());
+        };
+        let Some([h, w]) = folded_size(&window, [hi, wi], [ph, pw]) else {
+            return Ok(());
+        };
+        let dims = vec![shape[0], channels, h as i64, w as i64];
+        let mut symbols = dimension_symbols.to_vec();
+        symbols[1..].iter_mut().for_each(|s| s.clear());
+        *shape = ::ort::value::Shape::new(dims);
+        *dimension_symbols = ::ort::value::SymbolicDimensions::new(symbols);
+        ctx.set_output(0, &like)
+    }
+
+    fn create_kernel<'attr>(
+        &self,
+        kctx: &KernelContext<'attr>,
+    ) -> ::ort::Result<Self::Kernel<'attr>> {
+        let window = window_attributes(kctx, COL2IM)?;
+        let padding = kctx
+            .get::<Vec<i64>>("output_padding")
+            .and_then(|p| match p.as_slice() {
+                &[ph, pw] => Some([usize::try_from(ph).ok()?, usize::try_from(pw).ok()?]),
+                _ => None,
+            })
+            .ok_or_else(|| {
+                ::ort::Error::new(format!(
+                    "{COL2IM}: attribute 'output_padding' is not 2 sizes"
+                ))
+            })?;
+        let channels = kctx
+            .get::<i64>("channels")
+            .and_then(|c| usize::try_from(c).ok())
+            .ok_or_else(|| {
+                ::ort::Error::new(format!("{COL2IM}: attribute 'channels' is not a count"))
+            })?;
+        Ok(Box::new(move |ctx: &ComputeContext| {
+            col2im_kernel(ctx, &window, padding, channels)
+        }))
+    }
+}
+
+/// Output elements per task of [`Col2Im`], in whole planes.
+const COL2IM_TASK_ELEMENTS: usize = 1 << 15;
+
+fn col2im_kernel(
+    ctx: &ComputeContext,
+    window: &Window2d,
+    padding: [usize; 2],
+    channels: usize,
+) -> ::ort::Result<()> {
+    let (cols_shape, cols) = f32_input(ctx, COL2IM, 0)?;
+    let like = kernel_io::required(ctx, COL2IM, 1)?.shape;
+    let dims = |shape: &[i64]| -> Option<Vec<usize>> {
+        shape.iter().map(|&d| usize::try_from(d).ok()).collect()
+    };
+    let taps = window.taps();
+    let (Some(&[n, _, hi, wi]), Some(&[nc, rows, plane])) =
+        (dims(like).as_deref(), dims(cols_shape).as_deref())
+    else {
+        return Err(::ort::Error::new(format!(
+            "{COL2IM}: columns {cols_shape:?} and like {like:?} are not [N, C·kh·kw, Hi·Wi] and [N, M, Hi, Wi]"
+        )));
+    };
+    if nc != n || rows != channels * taps || plane != hi * wi {
+        return Err(::ort::Error::new(format!(
+            "{COL2IM}: columns {cols_shape:?} do not hold {channels} channels of {taps} taps over like {like:?}"
+        )));
+    }
+    let too_small = || {
+        ::ort::Error::new(format!(
+            "{COL2IM}: the window {window:?} with output padding {padding:?} does not fold {like:?}"
+        ))
+    };
+    let [h, w] = folded_size(window, [hi, wi], padding).ok_or_else(too_small)?;
+    let out_shape = [n, channels, h, w].map(|d| d as i64);
+    let out = f32_output(ctx, COL2IM, 0, &out_shape)?;
+    let (out_plane, cols_block) = (h * w, taps * plane);
+    if out.is_empty() {
+        return Ok(());
+    }
+    let unfolding = Unfolding::new(window, [h, w]).ok_or_else(too_small)?;
+    // Whole (image, channel) planes per task.
+    let per_task = (COL2IM_TASK_ELEMENTS / out_plane).max(1);
+    let tasks: Vec<Mutex<Option<&mut [f32]>>> = out
+        .chunks_mut(per_task * out_plane)
+        .map(|chunk| Mutex::new(Some(chunk)))
+        .collect();
+    let run = |t: usize| {
+        let Ok(Some(chunk)) = tasks[t].lock().map(|mut c| c.take()) else {
+            return;
+        };
+        for (k, dst) in chunk.chunks_mut(out_plane).enumerate() {
+            let at = (t * per_task + k) * cols_block;
+            unfolding.fold(&cols[at..at + cols_block], dst);
         }
     };
     match tasks.len() {

@@ -53,19 +53,19 @@ impl Window2d {
 /// ResNet-8's 8x8 planes: 64 elements a tap).
 #[derive(Clone, Debug)]
 pub struct Unfolding {
-    hw: [usize; 2],
-    out: [usize; 2],
-    strides: [usize; 2],
-    taps: Vec<Tap>,
+    pub(super) hw: [usize; 2],
+    pub(super) out: [usize; 2],
+    pub(super) strides: [usize; 2],
+    pub(super) taps: Vec<Tap>,
 }
 
 /// One tap: the output rows `[y0, y1)` and columns `[x0, x1)` that read inside X, and the
 /// input element read by output `(y0, x0)`.
 #[derive(Clone, Copy, Debug)]
-struct Tap {
-    y: [usize; 2],
-    x: [usize; 2],
-    first: usize,
+pub(super) struct Tap {
+    pub(super) y: [usize; 2],
+    pub(super) x: [usize; 2],
+    pub(super) first: usize,
 }
 
 impl Unfolding {

@@ -191,6 +191,7 @@ macro_rules! with_widest_vectors {
 
 mod batch_norm;
 mod blocked_weight;
+mod col2im;
 mod gelu;
 mod gelu_grad;
 mod im2col;
@@ -204,6 +205,7 @@ pub use batch_norm::{
     BATCH_NORM_GRAD, BATCH_NORM_TRAIN,
 };
 pub use blocked_weight::{blocked_weight, BLOCKED_WEIGHT};
+pub use col2im::{folded_size, COL2IM};
 pub use gelu::{gelu_forward_slot, gelu_quotient, gelu_tail, GeluScalars, GELU};
 pub use gelu_grad::{gelu_grad, gelu_slot, GeluGradScalars, GELU_GRAD};
 pub use im2col::{Unfolding, Window2d, IM2COL};

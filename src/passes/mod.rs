@@ -14,6 +14,7 @@ pub mod bias_in_gemm;
 pub mod dce;
 pub mod fuse;
 pub mod fused_batch_norm;
+pub mod fused_col2im;
 pub mod fused_gelu;
 pub mod fused_gelu_grad;
 pub mod fused_im2col;
