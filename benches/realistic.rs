@@ -33,7 +33,9 @@
 //!   a column `floor:FILE` is another floor file in the model's work folder (a graph change's
 //!   A/B: the floor a build before it wrote against this build's);
 //! - `--rss --out FILE`: peak RSS (VmHWM) of each (model, B, T, column) in a fresh child
-//!   process (`--rss-child MODEL B T COLUMN`), JSON lines.
+//!   process (`--rss-child MODEL B T COLUMN`), JSON lines;
+//! - `--c2c`: the machine's core-to-core round trip now ([`core_to_core_ns`]), one JSON line.
+//!   Rounds and pairs record it beside each cell (`c2c_ns`).
 //!
 //! Options: `--models dir` (default target/bench-realistic/models), `--work DIR` (default
 //! target/bench-realistic/work), `--only mlp,gpt`, `--threads 1,2`, `--k 4`, `--cell-ms 600`,
@@ -45,7 +47,8 @@
 //! (the GELU forwards in standard ops), `--no-fused-layer-norm-grad` (the layer-norm
 //! gradients in standard ops), `--no-bias-in-gemm` (the linear layers' bias adds apart), `--no-fused-leading-sum` (the
 //! sums over leading axes on ONNX Runtime's `ReduceSum`),
-//! `--no-fused-weight-grads` (the weight gradients written, then accumulated, for an A/B).
+//! `--no-fused-weight-grads` (the weight gradients written, then accumulated, for an A/B),
+//! `--no-fused-col2im` (the transposed convolutions on ONNX Runtime's `ConvTranspose`).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -102,6 +105,7 @@ enum Mode {
     Rss,
     RssChild(String, usize, usize, String),
     Pair(String, usize, usize, String, String),
+    CoreToCore,
 }
 
 fn parse_opts() -> Result<Opts> {
@@ -166,6 +170,7 @@ fn parse_opts() -> Result<Opts> {
             "--prepare" => mode = Some(Mode::Prepare),
             "--round" => mode = Some(Mode::Round(value("--round")?.parse()?)),
             "--rss" => mode = Some(Mode::Rss),
+            "--c2c" => mode = Some(Mode::CoreToCore),
             "--rss-child" => {
                 let m = value("model")?;
                 let b = value("batch")?.parse()?;
@@ -765,6 +770,8 @@ struct Record {
     windows: usize,
     /// Seconds to make the sessions.
     setup_s: f64,
+    /// The core-to-core round trip just before the cell, ns ([`core_to_core_ns`]).
+    c2c_ns: f64,
 }
 
 fn median(v: &mut [f64]) -> Option<f64> {
@@ -910,6 +917,7 @@ fn round(o: &Opts, r: usize) -> Result<Vec<Record>> {
                 // The column order rotates per configuration and per round.
                 for c in 0..COLUMNS.len() {
                     let column = COLUMNS[(c + r + config) % COLUMNS.len()];
+                    let c2c_ns = core_to_core_ns();
                     let t = Instant::now();
                     let mut run = runner(o, model, column, threads, false)?;
                     let setup_s = t.elapsed().as_secs_f64();
@@ -929,9 +937,10 @@ fn round(o: &Opts, r: usize) -> Result<Vec<Record>> {
                         ms_mean: m.mean,
                         windows: m.windows,
                         setup_s,
+                        c2c_ns,
                     });
                     eprintln!(
-                        "  {model} B={b} T={threads} {column}: {:.3} ms/step ({} windows)",
+                        "  {model} B={b} T={threads} {column}: {:.3} ms/step ({} windows; core-to-core {c2c_ns:.0} ns)",
                         m.per_step, m.windows
                     );
                 }
@@ -980,6 +989,7 @@ fn pair(o: &Opts, model: &str, b: usize, threads: usize, columns: [&str; 2]) -> 
         }
         Ok(t.elapsed().as_secs_f64() * 1e3 / k as f64)
     };
+    let c2c_before = core_to_core_ns();
     // One warm-up window each, then pairs, the order alternating per pair.
     window(&mut runs[0], 0)?;
     window(&mut runs[1], 0)?;
@@ -1009,10 +1019,52 @@ fn pair(o: &Opts, model: &str, b: usize, threads: usize, columns: [&str; 2]) -> 
             "model": model, "batch": b, "threads": threads,
             "a": columns[0], "b": columns[1], "ms_a": a, "ms_b": bb,
             "a_over_b": r, "min": ratios[0], "max": ratios[ratios.len() - 1],
-            "pairs": ratios.len(),
+            "pairs": ratios.len(), "c2c_ns": [c2c_before, core_to_core_ns()],
         })
     );
     Ok(())
+}
+
+// ----------------------------------------------------------------------------- the machine
+
+/// The round trip of a cache line between this thread and a second one, spinning, ns: the
+/// median of 5 batches of 20,000. On this project's 2-vCPU Zen 4 machines it is bimodal,
+/// 60-70 ns while the two vCPUs share an L3 and 310-420 ns while they sit on different
+/// dies; it moves between the two every few seconds, and with it every two-thread cell:
+/// memory-bound kernels ran 2.6-3.7x slower in the slow state, compute-bound ones 1.2x
+/// (benches/README.md, "Run AC"). Recorded beside each cell, so that a cell can be read
+/// against the state it ran in. Two threads that both spin sit on both vCPUs.
+fn core_to_core_ns() -> f64 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Arc;
+    const TRIPS: u32 = 20_000;
+    const BATCHES: u32 = 5;
+    let line = Arc::new(AtomicU32::new(0));
+    let echo = {
+        let line = Arc::clone(&line);
+        std::thread::spawn(move || {
+            // Each odd value sent comes back as the next even one.
+            for i in 0..TRIPS * BATCHES {
+                while line.load(Ordering::Acquire) != 2 * i + 1 {
+                    std::hint::spin_loop();
+                }
+                line.store(2 * i + 2, Ordering::Release);
+            }
+        })
+    };
+    let mut batches = Vec::with_capacity(BATCHES as usize);
+    for b in 0..BATCHES {
+        let t = Instant::now();
+        for i in b * TRIPS..(b + 1) * TRIPS {
+            line.store(2 * i + 1, Ordering::Release);
+            while line.load(Ordering::Acquire) != 2 * i + 2 {
+                std::hint::spin_loop();
+            }
+        }
+        batches.push(t.elapsed().as_secs_f64() * 1e9 / TRIPS as f64);
+    }
+    let _ = echo.join();
+    median(&mut batches).unwrap_or(f64::NAN)
 }
 
 // ----------------------------------------------------------------------------- memory
@@ -1125,5 +1177,9 @@ fn main() -> Result<()> {
         Mode::Rss => rss(&o),
         Mode::RssChild(m, b, t, c) => rss_child(&o, &m, b, t, &c),
         Mode::Pair(m, b, t, x, y) => pair(&o, &m, b, t, [&x, &y]),
+        Mode::CoreToCore => {
+            println!("{}", serde_json::json!({ "c2c_ns": core_to_core_ns() }));
+            Ok(())
+        }
     }
 }

@@ -19,6 +19,8 @@ import sys
 
 ORDER = ["mlp", "resnet_bn", "resnet", "gpt"]
 NAMES = {"mlp": "MLP 1.9M", "resnet_bn": "ResNet-8 BN", "resnet": "ResNet-8", "gpt": "GPT 3.7M"}
+# A core-to-core round trip above this means the two vCPUs were on different dies.
+SLOW_C2C_NS = 200
 
 
 def read(path: str) -> list[dict]:
@@ -30,7 +32,8 @@ def read(path: str) -> list[dict]:
 
 def main() -> None:
     d = sys.argv[1]
-    recs = read(os.path.join(d, "rust.jsonl")) + read(os.path.join(d, "peers.jsonl"))
+    rust = read(os.path.join(d, "rust.jsonl"))
+    recs = rust + read(os.path.join(d, "peers.jsonl"))
     rss = read(os.path.join(d, "rss.jsonl"))
     cells: dict = {}
     for r in recs:
@@ -101,6 +104,17 @@ def main() -> None:
                 a, z = med((m, b, 1), c), med((m, b, 2), c)
                 row.append(f"{a / z:.2f}" if a and z else "–")
             print(f"| {NAMES.get(m, m)} | {b} | " + " | ".join(row) + " |")
+
+    # The machine's state beside each Rust cell (benches/realistic.rs `core_to_core_ns`).
+    probed = [r for r in rust if "c2c_ns" in r]
+    if probed:
+        two = [r for r in probed if r["threads"] == 2]
+        slow = [r for r in two if r["c2c_ns"] > SLOW_C2C_NS]
+        c2c = sorted(r["c2c_ns"] for r in probed)
+        print(f"\nCore-to-core round trip before each Rust cell: median {c2c[len(c2c) // 2]:.0f} ns "
+              f"[{c2c[0]:.0f}-{c2c[-1]:.0f}]; {len(slow)} of {len(two)} two-thread cells began above "
+              f"{SLOW_C2C_NS} ns (the two vCPUs on different dies: such cells run up to 1.7x slower; "
+              "benches/README.md, \"Run AC\").")
 
     if rss:
         by = {}

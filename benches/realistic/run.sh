@@ -70,7 +70,9 @@ for ((r = 0; r < rounds; r++)); do
     for ((j = 0; j < 3; j++)); do
         kind="${kinds[$(((j + r) % 3))]}"
         log "round $r: $kind"
-        echo "round $r $kind start $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" >>"$out/load.txt"
+        # The core-to-core round trip: ~65 ns while the two vCPUs share an L3, ~320 across
+        # dies, where two-thread cells run up to 1.7x slower (benches/README.md, "Run AC").
+        echo "round $r $kind start $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg) $(rust --c2c)" >>"$out/load.txt"
         if [[ $kind == rust ]]; then
             rust --round "$r" --out "$out/rust.jsonl" --only "$only" --threads "$threads" --cell-ms "$cell_ms"
         else
