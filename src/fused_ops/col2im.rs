@@ -32,10 +32,17 @@ pub fn folded_size(
     [hi, wi]: [usize; 2],
     output_padding: [usize; 2],
 ) -> Option<[usize; 2]> {
+    // Checked throughout: the attributes come from the model file.
     let axis = |a: usize, size: usize| -> Option<usize> {
-        let span = window.kernel[a].checked_sub(1)? * window.dilations[a] + 1;
-        let full = window.strides[a] * size.checked_sub(1)? + output_padding[a] + span;
-        full.checked_sub(window.pads[a] + window.pads[a + 2])
+        let span = window.kernel[a]
+            .checked_sub(1)?
+            .checked_mul(window.dilations[a])?
+            .checked_add(1)?;
+        let full = window.strides[a]
+            .checked_mul(size.checked_sub(1)?)?
+            .checked_add(output_padding[a])?
+            .checked_add(span)?;
+        full.checked_sub(window.pads[a].checked_add(window.pads[a + 2])?)
             .filter(|&s| s > 0)
     };
     let folded = [axis(0, hi)?, axis(1, wi)?];
@@ -179,5 +186,10 @@ mod tests {
         assert_eq!(folded_size(&window, [16, 16], [0, 0]), Some([31, 31]));
         assert_eq!(folded_size(&window, [16, 16], [2, 0]), None);
         assert_eq!(folded_size(&window, [0, 16], [0, 0]), None);
+        let huge = Window2d {
+            strides: [usize::MAX / 2, 2],
+            ..window
+        };
+        assert_eq!(folded_size(&huge, [16, 16], [1, 1]), None);
     }
 }

@@ -32,15 +32,18 @@ impl Window2d {
     /// The output's `[Ho, Wo]` for an input plane `[h, w]`; `None` when the window does not
     /// fit once.
     pub fn output(&self, [h, w]: [usize; 2]) -> Option<[usize; 2]> {
-        let axis = |size: usize, a: usize, pad: usize| {
-            let span = (self.kernel[a].checked_sub(1)?) * self.dilations[a] + 1;
-            let padded = size + pad;
+        // Checked: the attributes come from the model file.
+        let axis = |size: usize, a: usize| {
+            let span = self.kernel[a]
+                .checked_sub(1)?
+                .checked_mul(self.dilations[a])?
+                .checked_add(1)?;
+            let padded = size
+                .checked_add(self.pads[a])?
+                .checked_add(self.pads[a + 2])?;
             (padded >= span && self.strides[a] > 0).then(|| (padded - span) / self.strides[a] + 1)
         };
-        Some([
-            axis(h, 0, self.pads[0] + self.pads[2])?,
-            axis(w, 1, self.pads[1] + self.pads[3])?,
-        ])
+        Some([axis(h, 0)?, axis(w, 1)?])
     }
 
     pub fn taps(&self) -> usize {
