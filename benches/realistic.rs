@@ -917,10 +917,10 @@ fn round(o: &Opts, r: usize) -> Result<Vec<Record>> {
                 // The column order rotates per configuration and per round.
                 for c in 0..COLUMNS.len() {
                     let column = COLUMNS[(c + r + config) % COLUMNS.len()];
-                    let c2c_ns = core_to_core_ns();
                     let t = Instant::now();
                     let mut run = runner(o, model, column, threads, false)?;
                     let setup_s = t.elapsed().as_secs_f64();
+                    let c2c_ns = core_to_core_ns();
                     let n = batches.len() as u64;
                     let m = measure(o.k, o.cell, |i| run.step(&batches[(i % n) as usize]))?;
                     drop(run);

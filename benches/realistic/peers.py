@@ -184,13 +184,28 @@ def measure(step, batches: list, k: int, cell_s: float) -> dict:
     }
 
 
-def cell(column: str, models_dir: str, model: str, batch: int, threads: int, k: int, cell_s: float) -> dict:
+def core_to_core_ns(exe: str | None) -> float | None:
+    """The machine's core-to-core round trip now, from the Rust bench (`--c2c`): ~65 ns while
+    the two vCPUs share an L3, ~320 across dies (benches/README.md, "Run AC")."""
+    if not exe:
+        return None
+    res = subprocess.run([exe, "--bench", "--c2c"], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"{exe} --c2c: {res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])["c2c_ns"]
+
+
+def cell(column: str, models_dir: str, model: str, batch: int, threads: int, k: int, cell_s: float,
+         c2c_exe: str | None = None) -> dict:
     t = time.perf_counter()
     prepare, step = runner(column, models_dir, model, threads, k)
     batches = [prepare(b) for b in micro_batches(load_data(models_dir, model), batch)]
     setup_s = time.perf_counter() - t
+    c2c_ns = core_to_core_ns(c2c_exe)
     r = measure(step, batches, k, cell_s)
     r["setup_s"] = setup_s
+    if c2c_ns is not None:
+        r["c2c_ns"] = c2c_ns
     return r
 
 
@@ -286,6 +301,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--cell-ms", type=float, default=600)
     ap.add_argument("--rss-windows", type=int, default=4)
+    ap.add_argument("--c2c-exe", help="the Rust bench executable, to record the core-to-core round trip "
+                    "before each timed cell (c2c_ns)")
     ap.add_argument("--profile", nargs=2, metavar=("MODEL", "B"),
                     help="ORT's profiler on the ORT API (1 thread), op types by kernel time")
     a = ap.parse_args()
@@ -320,7 +337,7 @@ def main() -> None:
                     print(f"  rss {line}", file=sys.stderr)
                     lines.append(line)
                 else:
-                    r = cell(a.column, a.models, model, batch, threads, a.k, a.cell_ms / 1e3)
+                    r = cell(a.column, a.models, model, batch, threads, a.k, a.cell_ms / 1e3, a.c2c_exe)
                     print(f"  {model} B={batch} T={threads} {a.column}: {r['ms_per_step']:.3f} ms/step "
                           f"({r['windows']} windows)", file=sys.stderr)
                     lines.append(json.dumps({"round": a.round, "model": model, "batch": batch, "threads": threads,

@@ -32,8 +32,7 @@ def read(path: str) -> list[dict]:
 
 def main() -> None:
     d = sys.argv[1]
-    rust = read(os.path.join(d, "rust.jsonl"))
-    recs = rust + read(os.path.join(d, "peers.jsonl"))
+    recs = read(os.path.join(d, "rust.jsonl")) + read(os.path.join(d, "peers.jsonl"))
     rss = read(os.path.join(d, "rss.jsonl"))
     cells: dict = {}
     for r in recs:
@@ -105,16 +104,45 @@ def main() -> None:
                 row.append(f"{a / z:.2f}" if a and z else "–")
             print(f"| {NAMES.get(m, m)} | {b} | " + " | ".join(row) + " |")
 
-    # The machine's state beside each Rust cell (benches/realistic.rs `core_to_core_ns`).
-    probed = [r for r in rust if "c2c_ns" in r]
+    # The machine's state beside each cell (benches/realistic.rs `core_to_core_ns`; peers.py
+    # `--c2c-exe`): two-thread ratios from rounds whose two cells ran in the same state.
+    probed = [r for r in recs if r.get("c2c_ns") is not None]
     if probed:
         two = [r for r in probed if r["threads"] == 2]
         slow = [r for r in two if r["c2c_ns"] > SLOW_C2C_NS]
         c2c = sorted(r["c2c_ns"] for r in probed)
-        print(f"\nCore-to-core round trip before each Rust cell: median {c2c[len(c2c) // 2]:.0f} ns "
+        print(f"\nCore-to-core round trip before each cell: median {c2c[len(c2c) // 2]:.0f} ns "
               f"[{c2c[0]:.0f}-{c2c[-1]:.0f}]; {len(slow)} of {len(two)} two-thread cells began above "
               f"{SLOW_C2C_NS} ns (the two vCPUs on different dies: such cells run up to 1.7x slower; "
               "benches/README.md, \"Run AC\").")
+
+        def same_state(k, a, b):
+            ca, cb = cells.get((*k, a), {}), cells.get((*k, b), {})
+            out = {"fast": [], "slow": []}
+            for r in rounds:
+                x, y = ca.get(r), cb.get(r)
+                if not x or not y or x.get("c2c_ns") is None or y.get("c2c_ns") is None:
+                    continue
+                sx, sy = x["c2c_ns"] > SLOW_C2C_NS, y["c2c_ns"] > SLOW_C2C_NS
+                if sx == sy:
+                    out["slow" if sx else "fast"].append(x["ms_per_step"] / y["ms_per_step"])
+            return out
+
+        def show(v):
+            if not v:
+                return "–"
+            return f"{statistics.median(v):.2f} ({len(v)})" + (f" [{min(v):.2f}-{max(v):.2f}]" if len(v) > 1 else "")
+
+        two_keys = [k for k in keys if k[2] == 2]
+        if two_keys:
+            print("\nTwo threads, ratios from rounds whose two cells began in the same state (median (rounds) "
+                  "[range]; fast: the vCPUs sharing an L3):\n")
+            print("| model | B | step / ORT API, fast | slow | step / PyTorch, fast | slow |")
+            print("|---|--:|--:|--:|--:|--:|")
+            for k in two_keys:
+                o, t = same_state(k, "step", "ort_api"), same_state(k, "step", "torch")
+                print(f"| {NAMES.get(k[0], k[0])} | {k[1]} | {show(o['fast'])} | {show(o['slow'])} "
+                      f"| {show(t['fast'])} | {show(t['slow'])} |")
 
     if rss:
         by = {}

@@ -76,7 +76,8 @@ for ((r = 0; r < rounds; r++)); do
         if [[ $kind == rust ]]; then
             rust --round "$r" --out "$out/rust.jsonl" --only "$only" --threads "$threads" --cell-ms "$cell_ms"
         else
-            "$py" benches/realistic/peers.py --round "$r" --column "$kind" --out "$out/peers.jsonl" "${common[@]}"
+            "$py" benches/realistic/peers.py --round "$r" --column "$kind" --out "$out/peers.jsonl" \
+                --c2c-exe "$out/realistic-bench" "${common[@]}"
         fi
     done 2>>"$out/rounds.log"
 done
