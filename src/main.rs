@@ -1194,7 +1194,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     }
     if trainer.fused_foldings() > 0 {
         progress.note(format!(
-            "transposed convolutions (strided data gradients): {} as one product and onnx-ga's parallel fold (Col2Im), summed over the sessions (bit-identical; --no-fused-kernels: as written)",
+            "transposed convolutions (strided data gradients, upsampling): {} as one product and onnx-ga's parallel fold (Col2Im), summed over the sessions (bit-identical; --no-fused-kernels: as written)",
             trainer.fused_foldings()
         ));
     }

@@ -116,9 +116,9 @@ pub struct SessionOptions {
     /// (`passes::fused_im2col`); bit-identical for finite values.
     pub fused_im2col: bool,
     /// With `fused_kernels`, on the CPU, on two threads or more: the transposed
-    /// convolutions without groups (the strided convolutions' data gradients) as one
-    /// batched product and onnx-ga's `Col2Im` kernel, which folds the images in parallel
-    /// (`passes::fused_col2im`); bit-identical.
+    /// convolutions without groups (the strided convolutions' data gradients, a decoder's
+    /// upsampling) as one batched product and onnx-ga's `Col2Im` kernel, which folds the
+    /// images in parallel (`passes::fused_col2im`); bit-identical.
     pub fused_col2im: bool,
     /// With `fused_kernels`, on the CPU: the ReLU gradients (`Mul(dY, Cast(Greater(Y, 0)))`,
     /// `passes/legalize/relu_grad.rs`) on onnx-ga's `ReluGrad` kernel, one pass instead of

@@ -3,10 +3,12 @@
 //! convolution once a product made its columns.
 //!
 //! ```text
-//! Col2Im(cols [N, C·kh·kw, Hi·Wi], like [N, *, Hi, Wi]; channels C, kernel_shape [kh, kw],
-//!        strides, pads [t, l, b, r], dilations, output_padding [ph, pw]) -> Y [N, C, H, W]
+//! Col2Im(cols [N, C·kh·kw, Hi·Wi], like [N, *, Hi, Wi], [bias [C]]; channels C,
+//!        kernel_shape [kh, kw], strides, pads [t, l, b, r], dilations,
+//!        output_padding [ph, pw]) -> Y [N, C, H, W]
 //! Y[n, c, y·sh + i·dh - t, x·sw + j·dw - l] += cols[n, (c·kh + i)·kw + j, y·Wi + x]
-//!     (every tap that lands inside Y; Y starts at zero and takes its taps in (i, j) order)
+//!     (every tap that lands inside Y; Y starts at zero and takes its taps in (i, j) order;
+//!     then Y[n, c] += bias[c] when given)
 //! H = sh·(Hi - 1) + ph + (kh - 1)·dh + 1 - t - b, and W alike
 //! ```
 //!
@@ -15,8 +17,9 @@
 //!
 //! A transposed convolution `ConvTranspose(dY, W)` without groups is this folding of
 //! `Wᵀ · dY` per image (W seen as `[M, C·kh·kw]`): what ONNX Runtime's CPU kernel does itself,
-//! one image at a time, folding on one thread (`math::Col2im`). Each output element adds its
-//! taps in the same order, starting from zero, so the folding gives the same bits.
+//! one image at a time, folding on one thread (`math::Col2im`), then adding the bias. Each
+//! output element adds its taps in the same order, starting from zero, and then its bias, so
+//! the folding gives the same bits.
 
 use super::im2col::Unfolding;
 use super::Window2d;
@@ -52,8 +55,9 @@ pub fn folded_size(
 impl Unfolding {
     /// Folds one channel's columns `cols` (`taps` planes of `[Hi, Wi]`) into its plane `out`
     /// (`[H, W]`, the plane this unfolding was made for): zero, then every tap added in
-    /// order. The adjoint of [`Unfolding::plane`].
-    pub fn fold(&self, cols: &[f32], out: &mut [f32]) {
+    /// order, then `bias` to every element. Without the bias, the adjoint of
+    /// [`Unfolding::plane`].
+    pub fn fold(&self, cols: &[f32], out: &mut [f32], bias: Option<f32>) {
         let ([h, w], [ho, wo], [sh, sw]) = (self.hw, self.out, self.strides);
         let out = &mut out[..h * w];
         out.fill(0.0);
@@ -82,6 +86,11 @@ impl Unfolding {
                         }
                     }
                 }
+            }
+        }
+        if let Some(b) = bias {
+            for o in out.iter_mut() {
+                *o += b;
             }
         }
     }
@@ -126,7 +135,7 @@ mod tests {
                 let mut out = vec![f32::NAN; h * w];
                 Unfolding::new(&window, [h, w])
                     .unwrap()
-                    .fold(&cols, &mut out);
+                    .fold(&cols, &mut out, None);
                 let mut want = vec![0.0f32; h * w];
                 for i in 0..window.kernel[0] {
                     for j in 0..window.kernel[1] {
@@ -169,7 +178,7 @@ mod tests {
             let mut unfolded = vec![0.0; c.len()];
             unfolding.plane(&x, &mut unfolded);
             let mut folded = vec![0.0; x.len()];
-            unfolding.fold(&c, &mut folded);
+            unfolding.fold(&c, &mut folded, None);
             let dot = |a: &[f32], b: &[f32]| -> f64 {
                 a.iter().zip(b).map(|(p, q)| *p as f64 * *q as f64).sum()
             };

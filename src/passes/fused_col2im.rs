@@ -3,12 +3,13 @@
 //!
 //! ```text
 //! cols = MatMul(Transpose(Reshape(W, [M, C·kh·kw])), Reshape(dY, [0, M, Hi·Wi]))
-//! dX   = Col2Im(cols, dY; channels C, the window, output_padding)
+//! dX   = Col2Im(cols, dY, [B]; channels C, the window, output_padding)
 //! ```
 //!
 //! ([`crate::fused_ops`] has what `Col2Im` computes). The step file is never rewritten: it
 //! stays standard ONNX. These are the data gradients of the strided convolutions (the
-//! stride-1 ones go on the blocked kernels first, `passes::nchwc_conv`, where they qualify).
+//! stride-1 ones go on the blocked kernels first, `passes::nchwc_conv`, where they qualify),
+//! and a model's own transposed convolutions (a decoder's upsampling, with its bias B).
 //!
 //! Why: ONNX Runtime's CPU `ConvTranspose` runs one image at a time, a GEMM on the thread
 //! pool and then the folding on the calling thread alone, so on two threads it barely
@@ -20,10 +21,10 @@
 //!
 //! Bit-identical: ONNX Runtime's kernel is this same product per image (`Wᵀ · dY`, the
 //! GEMM summing over M in one order) and the same folding, each output element adding its
-//! taps in order from zero (tests/fused_col2im.rs compares bits).
+//! taps in order from zero, then the bias (tests/fused_col2im.rs compares bits).
 //!
-//! Matched: a `ConvTranspose` of the main graph with two inputs (no bias), one group, 2-D,
-//! explicit pads (or none), no `output_shape`, and a float32 weight of static shape.
+//! Matched: a `ConvTranspose` of the main graph with one group, 2-D, explicit pads (or
+//! none), no `output_shape`, and a float32 weight of static shape.
 
 use super::autodiff::shapes::Shapes;
 use crate::fused_ops::{COL2IM, DOMAIN};
@@ -79,7 +80,7 @@ pub fn rewrite(model: &ModelProto, threads: usize) -> Result<Option<Rewritten>, 
         let node = b.node(
             COL2IM,
             DOMAIN,
-            &[Some(cols), Some(t.dy)],
+            &[Some(cols), Some(t.dy), t.bias],
             &[&hint],
             vec![
                 attr_int("channels", c),
@@ -112,6 +113,7 @@ pub fn rewrite(model: &ModelProto, threads: usize) -> Result<Option<Rewritten>, 
 struct Transposed {
     dy: ValueId,
     w: ValueId,
+    bias: Option<ValueId>,
     /// W's `[M, C, kh, kw]`.
     weight: [i64; 4],
     /// `Hi·Wi`, when dY's spatial sizes are known.
@@ -128,7 +130,7 @@ fn transposed(model: &Model, shapes: &Shapes, conv: NodeId) -> Option<Transposed
     let standard = p.op_type() == "ConvTranspose"
         && normalize_domain(p.domain()).is_empty()
         && node.body == BodyId::MAIN
-        && (node.inputs.len() == 2 || node.inputs.get(2) == Some(&None))
+        && (2..=3).contains(&node.inputs.len())
         && node.outputs.len() == 1;
     let known = [
         "group",
@@ -173,9 +175,14 @@ fn transposed(model: &Model, shapes: &Shapes, conv: NodeId) -> Option<Transposed
         .dims
         .as_ref()
         .and_then(|d| Some(d.get(2)?.known()? * d.get(3)?.known()?));
+    let bias = node.inputs.get(2).copied().flatten();
+    if bias.is_some_and(|b| shapes.get(b).elem.is_some_and(|e| Some(e) != float32)) {
+        return None;
+    }
     Some(Transposed {
         dy,
         w,
+        bias,
         weight,
         plane,
         strides: ints("strides", 2, 1, 1)?,
