@@ -10,8 +10,6 @@
 //! Every case checks how many convolutions were rewritten, so that none can pass by
 //! running `ConvTranspose` twice.
 
-use std::collections::BTreeMap;
-
 use crate::common::{ort_available, pattern_tensor as tensor, Side};
 use onnx_ga::data::Tensor;
 use onnx_ga::engine::ort::{OrtSession, SessionOptions};
@@ -298,32 +296,13 @@ fn a_model_trains_bit_identically_with_its_transposed_convolution_folded() {
         perturbed: false,
     };
     let (fused, plain) = (side(true), side(false));
-    let data = BTreeMap::from([
-        ("x".to_string(), tensor(&[16, 2, 8, 8], 5)),
-        (
-            "labels".to_string(),
-            Tensor::I64(
-                ndarray::ArrayD::from_shape_vec(vec![16], (0..16).map(|i| (i * 5) % 8).collect())
-                    .unwrap(),
-            ),
-        ),
-    ]);
-    for optimizer in crate::common::OPTIMIZERS {
-        for around in crate::common::AROUNDS {
-            let middle = format!("{around},{optimizer}");
-            let step = model_step(&middle);
-            let (loss, state) = crate::common::train_pair(
-                &step,
-                &middle,
-                (&data, 16),
-                [&fused, &plain],
-                |t, side| {
-                    // One in each of the three sessions that differentiate.
-                    let expected = if side == 0 { 3 } else { 0 };
-                    assert_eq!(t.fused_foldings(), expected, "{middle}: rewritten");
-                },
-            );
-            assert_eq!((loss, state), (0.0, 0.0), "{middle}: not bit-identical");
-        }
-    }
+    let data = crate::common::labelled_data(&[16, 2, 8, 8], 5, 8);
+    // One in each of the three sessions that differentiate.
+    crate::common::trains_bit_identically(
+        model_step,
+        (&data, 16),
+        [&fused, &plain],
+        |t| t.fused_foldings(),
+        3,
+    );
 }

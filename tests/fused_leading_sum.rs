@@ -7,8 +7,6 @@
 //! with the kernel and without, for each optimizer and what surrounds it. Every case checks
 //! how many sums were rewritten, so that none can pass by running ReduceSum twice.
 
-use std::collections::BTreeMap;
-
 use crate::common::{ort_available, pattern_tensor as tensor, Side};
 use onnx_ga::data::Tensor;
 use onnx_ga::engine::ort::{OrtSession, SessionOptions};
@@ -208,32 +206,13 @@ fn a_model_trains_bit_identically_with_its_sums_on_the_kernel() {
         perturbed: false,
     };
     let (fused, plain) = (side(true), side(false));
-    let data = BTreeMap::from([
-        ("x".to_string(), tensor(&[16, 2, 6, 6], 5)),
-        (
-            "labels".to_string(),
-            Tensor::I64(
-                ndarray::ArrayD::from_shape_vec(vec![16], (0..16).map(|i| (i * 5) % 8).collect())
-                    .unwrap(),
-            ),
-        ),
-    ]);
-    for optimizer in crate::common::OPTIMIZERS {
-        for around in crate::common::AROUNDS {
-            let middle = format!("{around},{optimizer}");
-            let step = model_step(&middle);
-            let (loss, state) = crate::common::train_pair(
-                &step,
-                &middle,
-                (&data, 16),
-                [&fused, &plain],
-                |t, side| {
-                    // Two sums in each of the three sessions that differentiate.
-                    let expected = if side == 0 { 6 } else { 0 };
-                    assert_eq!(t.fused_leading_sums(), expected, "{middle}: rewritten");
-                },
-            );
-            assert_eq!((loss, state), (0.0, 0.0), "{middle}: not bit-identical");
-        }
-    }
+    let data = crate::common::labelled_data(&[16, 2, 6, 6], 5, 8);
+    // Two sums in each of the three sessions that differentiate.
+    crate::common::trains_bit_identically(
+        model_step,
+        (&data, 16),
+        [&fused, &plain],
+        |t| t.fused_leading_sums(),
+        6,
+    );
 }

@@ -372,6 +372,45 @@ pub fn trains_within_rounding(
     }
 }
 
+/// A fast path that keeps the order of operations: for each of [`OPTIMIZERS`] in each of
+/// [`AROUNDS`], `step_for(middle)` trained on `fast` and `standard` ([`train_pair`]), the
+/// losses and every state bit for bit the same after the 8 windows; `rewritten` counts what
+/// the fast path took over on a trainer, `per_trainer` on the fast side's, none on the
+/// other's (so that no case passes by running the standard ops twice).
+pub fn trains_bit_identically(
+    step_for: impl Fn(&str) -> ModelProto,
+    data: (&BTreeMap<String, Tensor>, usize),
+    [fast, standard]: [&Side; 2],
+    rewritten: impl Fn(&onnx_ga::train::Trainer) -> usize,
+    per_trainer: usize,
+) {
+    for optimizer in OPTIMIZERS {
+        for around in AROUNDS {
+            let middle = format!("{around},{optimizer}");
+            let step = step_for(&middle);
+            let (loss, state) = train_pair(&step, &middle, data, [fast, standard], |t, side| {
+                let expected = if side == 0 { per_trainer } else { 0 };
+                assert_eq!(rewritten(t), expected, "{middle}: rewritten");
+            });
+            assert_eq!((loss, state), (0.0, 0.0), "{middle}: not bit-identical");
+        }
+    }
+}
+
+/// `n` samples of `x` (`[n, x_dims...]`, [`pattern_tensor`] of `seed`) and int64 `labels`
+/// `(5 i) mod classes`: the data of the classifiers the fast-path tests train.
+pub fn labelled_data(x_dims: &[usize], seed: usize, classes: i64) -> BTreeMap<String, Tensor> {
+    let n = x_dims[0];
+    let labels = (0..n as i64).map(|i| (i * 5) % classes).collect();
+    BTreeMap::from([
+        ("x".to_string(), pattern_tensor(x_dims, seed)),
+        (
+            "labels".to_string(),
+            Tensor::I64(ndarray::ArrayD::from_shape_vec(vec![n], labels).unwrap()),
+        ),
+    ])
+}
+
 /// One side of [`train_pair`]: its session options, and whether every 97th element of
 /// each micro-batch's `x` is multiplied by 1 + 1.2e-7 (a rounding-sized perturbation: what
 /// chaos alone does to a trajectory, the yardstick for a fast path on a chaotic one).
