@@ -1172,6 +1172,10 @@ impl Operator for Col2Im {
         if shape.len() != 4 || dimension_symbols.len() != 4 {
             return Ok(());
         }
+        // An unknown batch passes on only under its name (see `known_shape`).
+        if shape[0] < 0 && dimension_symbols[0].is_empty() {
+            return Ok(());
+        }
         let (Ok(hi), Ok(wi)) = (usize::try_from(shape[2]), usize::try_from(shape[3])) else {
             return Ok(());
         };
@@ -1653,6 +1657,10 @@ impl Operator for LeadingSum {
         let symbols: Vec<String> = std::iter::repeat_n(String::new(), kept)
             .chain(dimension_symbols[axes..].iter().cloned())
             .collect();
+        // An unknown size passes on only under its name (see `known_shape`).
+        if dims.iter().zip(&symbols).any(|(&d, s)| d < 0 && s.is_empty()) {
+            return Ok(());
+        }
         *shape = ::ort::value::Shape::new(dims);
         *dimension_symbols = ::ort::value::SymbolicDimensions::new(symbols);
         ctx.set_output(0, &x)

@@ -64,7 +64,7 @@ pub fn rewrite(model: &ModelProto, threads: usize) -> Result<Option<Rewritten>, 
         let hint = format!("{}.col2im", ir.name(dx));
         let [m, c, kh, kw] = t.weight;
         let mut b = Builder::new(&mut ir, BodyId::MAIN, PASS);
-        let flat = b.ints(&format!("{hint}.weight_shape"), &[m, c * kh * kw]);
+        let flat = b.ints(&format!("{hint}.weight_shape"), &[m, t.rows]);
         let w2 = b.op("Reshape", &[t.w, flat], vec![], &format!("{hint}.weight"));
         // ONNX Runtime fuses this Transpose into the product (FusedMatMul with transA),
         // as its ConvTranspose's GEMM reads W.
@@ -116,6 +116,8 @@ struct Transposed {
     bias: Option<ValueId>,
     /// W's `[M, C, kh, kw]`.
     weight: [i64; 4],
+    /// `C·kh·kw`, the product's rows.
+    rows: i64,
     /// `Hi·Wi`, when dY's spatial sizes are known.
     plane: Option<i64>,
     strides: Vec<i64>,
@@ -161,6 +163,8 @@ fn transposed(model: &Model, shapes: &Shapes, conv: NodeId) -> Option<Transposed
     if weight.iter().any(|&d| d < 1) || fdy.rank().is_some_and(|r| r != 4) {
         return None;
     }
+    // Checked: the sizes come from the model file.
+    let rows = weight[1].checked_mul(weight[2])?.checked_mul(weight[3])?;
     if p.attr_ints("kernel_shape")
         .ok()?
         .is_some_and(|k| k != weight[2..])
@@ -174,7 +178,7 @@ fn transposed(model: &Model, shapes: &Shapes, conv: NodeId) -> Option<Transposed
     let plane = fdy
         .dims
         .as_ref()
-        .and_then(|d| Some(d.get(2)?.known()? * d.get(3)?.known()?));
+        .and_then(|d| d.get(2)?.known()?.checked_mul(d.get(3)?.known()?));
     let bias = node.inputs.get(2).copied().flatten();
     if bias.is_some_and(|b| shapes.get(b).elem.is_some_and(|e| Some(e) != float32)) {
         return None;
@@ -184,6 +188,7 @@ fn transposed(model: &Model, shapes: &Shapes, conv: NodeId) -> Option<Transposed
         w,
         bias,
         weight,
+        rows,
         plane,
         strides: ints("strides", 2, 1, 1)?,
         pads: ints("pads", 4, 0, 0)?,
