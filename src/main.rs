@@ -171,8 +171,9 @@ struct TrainArgs {
     /// Run the step as it is written, in standard ops, instead of on onnx-ga's fused CPU
     /// kernels (ONNX Runtime on the CPU): the optimizer's update (AdamW, Adam, SGD,
     /// momentum, Nesterov), the weight gradients' unfolding of a convolution's input and
-    /// the ReLU gradients, the exact GELU's forward and the sums over leading axes (a bias
-    /// gradient over the batch; same results, bit for bit),
+    /// the ReLU gradients, the exact GELU's forward, the sums over leading axes (a bias
+    /// gradient over the batch) and, on two threads or more, the transposed convolutions'
+    /// folding (same results, bit for bit),
     /// BatchNorm (see --no-fused-batch-norm), the exact GELU's gradient (the same
     /// operations but the exponential's: within its rounding), layer normalisation's
     /// gradient (within the rounding of its sums), and a linear layer's bias added inside

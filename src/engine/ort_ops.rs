@@ -1658,7 +1658,11 @@ impl Operator for LeadingSum {
             .chain(dimension_symbols[axes..].iter().cloned())
             .collect();
         // An unknown size passes on only under its name (see `known_shape`).
-        if dims.iter().zip(&symbols).any(|(&d, s)| d < 0 && s.is_empty()) {
+        if dims
+            .iter()
+            .zip(&symbols)
+            .any(|(&d, s)| d < 0 && s.is_empty())
+        {
             return Ok(());
         }
         *shape = ::ort::value::Shape::new(dims);
