@@ -354,9 +354,43 @@ pub fn trains_within_rounding(
     optimizers: &[&str],
     step_for: impl Fn(&str) -> ModelProto,
     data: (&BTreeMap<String, Tensor>, usize),
-    [fast, standard]: [&Side; 2],
+    sides: [&Side; 2],
     rewritten: impl Fn(&onnx_ga::train::Trainer) -> usize,
     per_trainer: usize,
+) {
+    let within = |middle: &str, loss: f64, state: f64| {
+        assert!(loss < 1e-6, "{middle}: losses {loss:e} apart");
+        assert!(state < 1e-6, "{middle}: states {state:e} apart");
+    };
+    let fast_path = (rewritten, per_trainer);
+    each_case(optimizers, step_for, data, sides, fast_path, within);
+}
+
+/// A fast path that keeps the order of operations: as [`trains_within_rounding`] for each
+/// of [`OPTIMIZERS`], the losses and every state bit for bit the same.
+pub fn trains_bit_identically(
+    step_for: impl Fn(&str) -> ModelProto,
+    data: (&BTreeMap<String, Tensor>, usize),
+    sides: [&Side; 2],
+    rewritten: impl Fn(&onnx_ga::train::Trainer) -> usize,
+    per_trainer: usize,
+) {
+    let same = |middle: &str, loss: f64, state: f64| {
+        assert_eq!((loss, state), (0.0, 0.0), "{middle}: not bit-identical");
+    };
+    let fast_path = (rewritten, per_trainer);
+    each_case(&OPTIMIZERS, step_for, data, sides, fast_path, same);
+}
+
+/// The cases of [`trains_within_rounding`] and [`trains_bit_identically`]: each optimizer
+/// in each of [`AROUNDS`], the rewrites counted, `check(middle, losses' gap, states' gap)`.
+fn each_case(
+    optimizers: &[&str],
+    step_for: impl Fn(&str) -> ModelProto,
+    data: (&BTreeMap<String, Tensor>, usize),
+    [fast, standard]: [&Side; 2],
+    (rewritten, per_trainer): (impl Fn(&onnx_ga::train::Trainer) -> usize, usize),
+    check: impl Fn(&str, f64, f64),
 ) {
     for optimizer in optimizers {
         for around in AROUNDS {
@@ -366,33 +400,7 @@ pub fn trains_within_rounding(
                 let expected = if side == 0 { per_trainer } else { 0 };
                 assert_eq!(rewritten(t), expected, "{middle}: rewritten");
             });
-            assert!(loss < 1e-6, "{middle}: losses {loss:e} apart");
-            assert!(state < 1e-6, "{middle}: states {state:e} apart");
-        }
-    }
-}
-
-/// A fast path that keeps the order of operations: for each of [`OPTIMIZERS`] in each of
-/// [`AROUNDS`], `step_for(middle)` trained on `fast` and `standard` ([`train_pair`]), the
-/// losses and every state bit for bit the same after the 8 windows; `rewritten` counts what
-/// the fast path took over on a trainer, `per_trainer` on the fast side's, none on the
-/// other's (so that no case passes by running the standard ops twice).
-pub fn trains_bit_identically(
-    step_for: impl Fn(&str) -> ModelProto,
-    data: (&BTreeMap<String, Tensor>, usize),
-    [fast, standard]: [&Side; 2],
-    rewritten: impl Fn(&onnx_ga::train::Trainer) -> usize,
-    per_trainer: usize,
-) {
-    for optimizer in OPTIMIZERS {
-        for around in AROUNDS {
-            let middle = format!("{around},{optimizer}");
-            let step = step_for(&middle);
-            let (loss, state) = train_pair(&step, &middle, data, [fast, standard], |t, side| {
-                let expected = if side == 0 { per_trainer } else { 0 };
-                assert_eq!(rewritten(t), expected, "{middle}: rewritten");
-            });
-            assert_eq!((loss, state), (0.0, 0.0), "{middle}: not bit-identical");
+            check(&middle, loss, state);
         }
     }
 }
