@@ -48,7 +48,8 @@
 //! gradients in standard ops), `--no-bias-in-gemm` (the linear layers' bias adds apart), `--no-fused-leading-sum` (the
 //! sums over leading axes on ONNX Runtime's `ReduceSum`),
 //! `--no-fused-weight-grads` (the weight gradients written, then accumulated, for an A/B),
-//! `--no-fused-col2im` (the transposed convolutions on ONNX Runtime's `ConvTranspose`).
+//! `--no-fused-col2im` (the transposed convolutions on ONNX Runtime's `ConvTranspose`),
+//! `--no-fused-conv-weight-grad` (the convolutions' weight gradients as three nodes).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -148,6 +149,9 @@ fn parse_opts() -> Result<Opts> {
                 NO_LEADING_SUM.store(true, std::sync::atomic::Ordering::Relaxed)
             }
             "--no-fused-col2im" => NO_COL2IM.store(true, std::sync::atomic::Ordering::Relaxed),
+            "--no-fused-conv-weight-grad" => {
+                NO_CONV_WEIGHT_GRAD.store(true, std::sync::atomic::Ordering::Relaxed)
+            }
             "--no-fused-layer-norm-grad" => {
                 NO_LN_GRAD.store(true, std::sync::atomic::Ordering::Relaxed)
             }
@@ -349,6 +353,10 @@ static NO_LEADING_SUM: std::sync::atomic::AtomicBool = std::sync::atomic::Atomic
 /// `--no-fused-col2im`: the transposed convolutions on ONNX Runtime's `ConvTranspose`, for
 /// an A/B of `SessionOptions::fused_col2im`.
 static NO_COL2IM: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// `--no-fused-conv-weight-grad`: the convolutions' weight gradients as the lowering's three
+/// nodes, for an A/B of `SessionOptions::fused_conv_weight_grad`.
+static NO_CONV_WEIGHT_GRAD: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
 /// `--no-fused-weight-grads`: the weight gradients written, then accumulated, for an A/B of
 /// `SessionOptions::fused_weight_grads`.
 static NO_WEIGHT_GRADS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -367,6 +375,7 @@ fn session(threads: usize) -> SessionOptions {
         bias_in_gemm: !NO_BIAS_IN_GEMM.load(std::sync::atomic::Ordering::Relaxed),
         fused_leading_sum: !NO_LEADING_SUM.load(std::sync::atomic::Ordering::Relaxed),
         fused_col2im: !NO_COL2IM.load(std::sync::atomic::Ordering::Relaxed),
+        fused_conv_weight_grad: !NO_CONV_WEIGHT_GRAD.load(std::sync::atomic::Ordering::Relaxed),
         fused_weight_grads: !NO_WEIGHT_GRADS.load(std::sync::atomic::Ordering::Relaxed),
         ..Default::default()
     }

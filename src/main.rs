@@ -172,8 +172,9 @@ struct TrainArgs {
     /// kernels (ONNX Runtime on the CPU): the optimizer's update (AdamW, Adam, SGD,
     /// momentum, Nesterov), the weight gradients' unfolding of a convolution's input and
     /// the ReLU gradients, the exact GELU's forward, the sums over leading axes (a bias
-    /// gradient over the batch) and, on two threads or more, the transposed convolutions'
-    /// folding (same results, bit for bit),
+    /// gradient over the batch), on two threads or more the transposed convolutions'
+    /// folding, and on one thread a large convolution weight gradient as one kernel (same
+    /// results, bit for bit),
     /// BatchNorm (see --no-fused-batch-norm), the exact GELU's gradient (the same
     /// operations but the exponential's: within its rounding), layer normalisation's
     /// gradient (within the rounding of its sums), and a linear layer's bias added inside
@@ -1197,6 +1198,12 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         progress.note(format!(
             "transposed convolutions (strided data gradients, upsampling): {} as one product and onnx-ga's parallel fold (Col2Im), summed over the sessions (bit-identical; --no-fused-kernels: as written)",
             trainer.fused_foldings()
+        ));
+    }
+    if trainer.fused_conv_weight_grads() > 0 {
+        progress.note(format!(
+            "convolution weight gradients: {} on onnx-ga's fused CPU kernel (unfolding, product and sum over the images in one), summed over the sessions (bit-identical; --no-fused-kernels: as written)",
+            trainer.fused_conv_weight_grads()
         ));
     }
     host_controls(&mut trainer, args.lr, args.accum_steps)?;

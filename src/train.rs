@@ -721,6 +721,12 @@ impl Trainer {
         self.sum_over_sessions(Engine::fused_foldings)
     }
 
+    /// Convolutions' weight gradients on onnx-ga's `ConvWeightGrad`
+    /// (`SessionOptions::fused_conv_weight_grad`), summed over the split step's sessions.
+    pub fn fused_conv_weight_grads(&self) -> usize {
+        self.sum_over_sessions(Engine::fused_conv_weight_grads)
+    }
+
     /// Scalar nodes the host computes instead of the sessions (`engine::host_scalars`),
     /// summed over them.
     pub fn host_scalar_nodes(&self) -> usize {

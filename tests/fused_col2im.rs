@@ -249,7 +249,7 @@ fn transposed_convolutions_it_does_not_fold_are_left_as_written() {
 /// Two convolutions, the second of stride 2 (so its data gradient is a strided
 /// `ConvTranspose`), and a linear layer over 8 classes: the step for `middle`. Three
 /// channels keep the first off the blocked kernels.
-fn model_step(middle: &str) -> ModelProto {
+pub(crate) fn model_step(middle: &str) -> ModelProto {
     let text = r#"<ir_version: 8, opset_import: ["" : 17]>
 strided (float[N,2,8,8] x, int64[N] labels) => (float loss)
 {

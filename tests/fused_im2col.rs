@@ -26,7 +26,12 @@ use crate::common::{pattern as values, pattern_tensor as tensor};
 
 /// `loss = Σ Conv(x, w) · r` with the attributes given, through our autodiff: the gradient
 /// graph, whose dW unfolds x.
-fn gradient_graph(x: [usize; 4], w: [usize; 4], attrs: &str, y: [usize; 4]) -> ModelProto {
+pub(crate) fn gradient_graph(
+    x: [usize; 4],
+    w: [usize; 4],
+    attrs: &str,
+    y: [usize; 4],
+) -> ModelProto {
     let dims = |d: [usize; 4]| d.map(|v| v.to_string()).join(",");
     let text = format!(
         r#"<ir_version: 8, opset_import: ["" : 17]>

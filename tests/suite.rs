@@ -29,6 +29,7 @@ mod file_cases;
 mod first_hour;
 mod fused_batch_norm;
 mod fused_col2im;
+mod fused_conv_weight_grad;
 mod fused_gelu_grad;
 mod fused_im2col;
 mod fused_kernels;

@@ -406,6 +406,16 @@ impl Engine {
         }
     }
 
+    /// Convolutions' weight gradients on onnx-ga's `ConvWeightGrad`
+    /// (`SessionOptions::fused_conv_weight_grad`).
+    pub fn fused_conv_weight_grads(&self) -> usize {
+        match self {
+            Engine::Ort(s) => s.fused_conv_weight_grads(),
+            #[cfg(feature = "tract")]
+            Engine::Tract(_) => 0,
+        }
+    }
+
     /// The (state input, next value) pairs this session updates in place.
     pub fn in_place(&self) -> &[(String, String)] {
         match self {

@@ -120,6 +120,15 @@ pub struct SessionOptions {
     /// upsampling) as one batched product and onnx-ga's `Col2Im` kernel, which folds the
     /// images in parallel (`passes::fused_col2im`); bit-identical.
     pub fused_col2im: bool,
+    /// With `fused_kernels` and `fused_im2col`, on the CPU, on one thread: each weight
+    /// gradient's unfolding, per-image product and sum over the images
+    /// (`passes/legalize/conv_grad.rs`) on onnx-ga's `ConvWeightGrad` kernel, one image's
+    /// columns in cache at a time (`passes::fused_conv_weight_grad`); bit-identical.
+    pub fused_conv_weight_grad: bool,
+    /// With `fused_conv_weight_grad`: the fewest elements in one image's columns for which
+    /// the kernel is used (`passes::fused_conv_weight_grad::MIN_IMAGE_COLUMNS` by default;
+    /// 0 takes every one, which tests use on small graphs).
+    pub conv_weight_grad_min_columns: i64,
     /// With `fused_kernels`, on the CPU: the ReLU gradients (`Mul(dY, Cast(Greater(Y, 0)))`,
     /// `passes/legalize/relu_grad.rs`) on onnx-ga's `ReluGrad` kernel, one pass instead of
     /// three (`passes::fused_relu_grad`); bit-identical.
@@ -189,6 +198,8 @@ impl Default for SessionOptions {
             fused_batch_norm: true,
             fused_im2col: true,
             fused_col2im: true,
+            fused_conv_weight_grad: true,
+            conv_weight_grad_min_columns: crate::passes::fused_conv_weight_grad::MIN_IMAGE_COLUMNS,
             fused_relu_grad: true,
             fused_gelu_grad: true,
             fused_gelu: true,
@@ -242,6 +253,8 @@ pub struct OrtSession {
     fused_leading_sums: usize,
     /// See [`Self::fused_foldings`].
     fused_foldings: usize,
+    /// See [`Self::fused_conv_weight_grads`].
+    fused_conv_weight_grads: usize,
     /// See [`Self::nchwc_weights_on_kernel`].
     nchwc_weights_on_kernel: usize,
     /// Inputs of the model that nothing in it reads, left out of the session
@@ -311,6 +324,21 @@ impl OrtSession {
             || crate::passes::fused_im2col::rewrite(model),
         )?;
         let model = unfolded.as_ref().map_or(model, |u| &u.model);
+        // Right after the unfoldings it takes: it reads the channels of X and dY from the
+        // model as given.
+        let weight_grads = in_memory(
+            ours(options.fused_conv_weight_grad),
+            "putting the convolutions' weight gradients on the fused kernel",
+            || {
+                crate::passes::fused_conv_weight_grad::rewrite(
+                    model,
+                    facts_from,
+                    options.threads,
+                    options.conv_weight_grad_min_columns,
+                )
+            },
+        )?;
+        let model = weight_grads.as_ref().map_or(model, |g| &g.model);
         let foldings = in_memory(
             ours(options.fused_col2im),
             "putting the transposed convolutions on a product and the fused folding",
@@ -364,6 +392,7 @@ impl OrtSession {
         session.biases_in_gemm = biases.map_or(0, |b| b.biases);
         session.fused_leading_sums = sums.map_or(0, |s| s.sums);
         session.fused_foldings = foldings.map_or(0, |f| f.foldings);
+        session.fused_conv_weight_grads = weight_grads.map_or(0, |g| g.weight_grads);
         session.unread_inputs = unread;
         Ok(session)
     }
@@ -428,6 +457,12 @@ impl OrtSession {
     /// (`SessionOptions::fused_col2im`).
     pub fn fused_foldings(&self) -> usize {
         self.fused_foldings
+    }
+
+    /// Convolutions' weight gradients this session runs on `ConvWeightGrad`
+    /// (`SessionOptions::fused_conv_weight_grad`).
+    pub fn fused_conv_weight_grads(&self) -> usize {
+        self.fused_conv_weight_grads
     }
 
     pub fn from_bytes(bytes: &[u8], options: &SessionOptions) -> Result<OrtSession, EngineError> {
@@ -556,6 +591,7 @@ impl OrtSession {
             biases_in_gemm: 0,
             fused_leading_sums: 0,
             fused_foldings: 0,
+            fused_conv_weight_grads: 0,
             nchwc_weights_on_kernel: 0,
             unread_inputs: Default::default(),
             read_filter: ReadFilter::default(),

@@ -16,13 +16,14 @@ use super::kernel_io;
 use crate::fused_ops::{
     accumulate_grad, accumulate_product, accumulate_product_slot, accumulate_slot,
     adamw_group_slot, adamw_slot, adamw_update, batch_norm_grad_channel, batch_norm_train_channel,
-    blocked_weight, folded_size, gelu_forward_slot, gelu_grad, gelu_quotient, gelu_slot, gelu_tail,
-    largest_fast_contraction, layer_norm_grad_rows, layer_norm_grad_slot, leading_sum, relu_grad,
-    sgd_slot, sgd_update, AdamWScalars, BatchNormLayout, ChannelStats, GeluGradScalars,
-    GeluScalars, Io, ProductShape, SgdIo, SgdScalars, Unfolding, Window2d, ACCUMULATE_GRAD,
-    ACCUMULATE_PRODUCT, ADAMW_UPDATE, ADAMW_UPDATES, BATCH_NORM_GRAD, BATCH_NORM_TRAIN,
-    BLOCKED_WEIGHT, COL2IM, DOMAIN, GELU, GELU_GRAD, IM2COL, LAYER_NORM_GRAD, LAYER_NORM_GRAD_ROWS,
-    LEADING_SUM, RELU_GRAD, SGD_UPDATE,
+    blocked_weight, conv_weight_grad_slot, folded_size, gelu_forward_slot, gelu_grad,
+    gelu_quotient, gelu_slot, gelu_tail, largest_fast_contraction, layer_norm_grad_rows,
+    layer_norm_grad_slot, leading_sum, relu_grad, sgd_slot, sgd_update, AdamWScalars,
+    BatchNormLayout, ChannelStats, GeluGradScalars, GeluScalars, Io, ProductShape, SgdIo,
+    SgdScalars, Unfolding, Window2d, ACCUMULATE_GRAD, ACCUMULATE_PRODUCT, ADAMW_UPDATE,
+    ADAMW_UPDATES, BATCH_NORM_GRAD, BATCH_NORM_TRAIN, BLOCKED_WEIGHT, COL2IM, CONV_WEIGHT_GRAD,
+    DOMAIN, GELU, GELU_GRAD, IM2COL, LAYER_NORM_GRAD, LAYER_NORM_GRAD_ROWS, LEADING_SUM, RELU_GRAD,
+    SGD_UPDATE,
 };
 
 /// The domain with every fused operator, for a session builder.
@@ -37,6 +38,7 @@ pub fn domain() -> ::ort::Result<OperatorDomain> {
         .add(BatchNormGrad)?
         .add(Im2Col)?
         .add(Col2Im)?
+        .add(ConvWeightGrad)?
         .add(Gelu)?
         .add(GeluGrad)?
         .add(LayerNormGrad)?
@@ -680,9 +682,18 @@ impl InvokedOp {
     /// ONNX Runtime's `Gemm(A, B, transA = 1)` (opset 13): MLAS's product where it is faster
     /// than ours.
     fn gemm_transposed_a(info: &KernelContext<'_>) -> ::ort::Result<InvokedOp> {
+        Self::gemm(info, [1, 0], ACCUMULATE_PRODUCT)
+    }
+
+    /// ONNX Runtime's `Gemm(A, B, transA, transB)` (opset 13) without C, for `owner`.
+    fn gemm(
+        info: &KernelContext<'_>,
+        [trans_a, trans_b]: [i64; 2],
+        owner: &'static str,
+    ) -> ::ort::Result<InvokedOp> {
         use ::ort::sys::OrtOpAttrType::{ORT_OP_ATTR_FLOAT, ORT_OP_ATTR_INT};
         // C absent: beta is never read.
-        let (trans_a, trans_b, one) = (1i64, 0i64, 1f32);
+        let one = 1f32;
         let int = |v: &i64| (v as *const i64).cast();
         let float = |v: &f32| (v as *const f32).cast();
         let attributes: [OpAttribute<'_>; 4] = [
@@ -691,8 +702,13 @@ impl InvokedOp {
             (c"alpha", float(&one), ORT_OP_ATTR_FLOAT),
             (c"beta", float(&one), ORT_OP_ATTR_FLOAT),
         ];
-        let owner = (ACCUMULATE_PRODUCT, "ONNX Runtime's Gemm");
-        InvokedOp::new(info, (c"Gemm", 13), &attributes, 2, owner)
+        InvokedOp::new(
+            info,
+            (c"Gemm", 13),
+            &attributes,
+            2,
+            (owner, "ONNX Runtime's Gemm"),
+        )
     }
 
     /// ONNX Runtime's `Erf` (opset 13).
@@ -1108,6 +1124,164 @@ fn window_attributes(kctx: &KernelContext, op: &str) -> ::ort::Result<Window2d> 
         pads: [p[0], p[1], p[2], p[3]],
         dilations: [d[0], d[1]],
     })
+}
+
+struct ConvWeightGrad;
+
+impl Operator for ConvWeightGrad {
+    type Kernel<'attr> = BoxedKernel<'attr>;
+
+    fn name(&self) -> &str {
+        CONV_WEIGHT_GRAD
+    }
+
+    fn inputs(&self) -> impl IntoIterator<Item = OperatorInput> {
+        [(); 2].map(|_| OperatorInput::required(TensorElementType::Float32))
+    }
+
+    fn outputs(&self) -> impl IntoIterator<Item = OperatorOutput> {
+        [OperatorOutput::required(TensorElementType::Float32)]
+    }
+
+    /// `[1, C·kh·kw, M]` from X's C and dY's M, when both are known (see `known_shape`).
+    fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
+        use conv_weight_grad_slot as at;
+        let taps = ctx
+            .attr::<Vec<i64>>("kernel_shape")
+            .ok()
+            .filter(|k| k.len() == 2 && k.iter().all(|&d| d >= 0))
+            .and_then(|k| k[0].checked_mul(k[1]));
+        let inputs = ctx.inputs();
+        let channels = |ty: &::ort::value::ValueType| match ty {
+            ::ort::value::ValueType::Tensor { shape, .. } if shape.len() == 4 && shape[1] >= 0 => {
+                Some(shape[1])
+            }
+            _ => None,
+        };
+        let (Some(taps), Some(c), Some(m)) =
+            (taps, channels(&inputs[at::X]), channels(&inputs[at::DY]))
+        else {
+            return Ok(());
+        };
+        let Some(rows) = c.checked_mul(taps) else {
+            return Ok(());
+        };
+        let mut out = inputs[at::X].clone();
+        if let ::ort::value::ValueType::Tensor {
+            shape,
+            dimension_symbols,
+            ..
+        } = &mut out
+        {
+            *shape = ::ort::value::Shape::new(vec![1, rows, m]);
+            *dimension_symbols = ::ort::value::SymbolicDimensions::new(vec![String::new(); 3]);
+        }
+        ctx.set_output(0, &out)
+    }
+
+    fn create_kernel<'attr>(
+        &self,
+        kctx: &KernelContext<'attr>,
+    ) -> ::ort::Result<Self::Kernel<'attr>> {
+        let window = window_attributes(kctx, CONV_WEIGHT_GRAD)?;
+        let gemm = InvokedOp::gemm(kctx, [0, 1], CONV_WEIGHT_GRAD)?;
+        let buffers = Mutex::new(UnfoldBuffers::default());
+        Ok(Box::new(move |ctx: &ComputeContext| {
+            let mut buffers = buffers
+                .lock()
+                .map_err(|_| ::ort::Error::new(format!("{CONV_WEIGHT_GRAD}: a run panicked")))?;
+            conv_weight_grad_kernel(ctx, &window, &gemm, &mut buffers)
+        }))
+    }
+}
+
+/// [`ConvWeightGrad`]'s working memory: an image's columns, and the product of an image
+/// after the first. Kept between runs: buffers of a few hundred KiB freed and allocated
+/// again would be fresh pages, faulted in, on every run.
+#[derive(Default)]
+struct UnfoldBuffers {
+    cols: Vec<f32>,
+    product: Vec<f32>,
+}
+
+/// [`ConvWeightGrad`], image by image in order: unfold the image, ONNX Runtime's GEMM by
+/// its dY (`transB`), the first image's product written to dWᵀ, every later one added to
+/// it. On the calling thread: the pass gives it only to one-thread sessions.
+fn conv_weight_grad_kernel(
+    ctx: &ComputeContext,
+    window: &Window2d,
+    gemm: &InvokedOp,
+    buffers: &mut UnfoldBuffers,
+) -> ::ort::Result<()> {
+    use ::ort::AsPointer;
+    use conv_weight_grad_slot as at;
+    let op = CONV_WEIGHT_GRAD;
+    let (x_shape, x) = f32_input(ctx, op, at::X)?;
+    let (dy_shape, dy) = f32_input(ctx, op, at::DY)?;
+    let sizes = |shape: &[i64]| -> Option<[usize; 4]> {
+        let dims: Option<Vec<usize>> = shape.iter().map(|&d| usize::try_from(d).ok()).collect();
+        dims?.try_into().ok()
+    };
+    let (Some([n, c, h, w]), Some([dy_n, m, dy_h, dy_w])) = (sizes(x_shape), sizes(dy_shape))
+    else {
+        return Err(::ort::Error::new(format!(
+            "{op}: X {x_shape:?} and dY {dy_shape:?} are not [N, C, H, W] and [N, M, Ho, Wo]"
+        )));
+    };
+    if dy_n != n || window.output([h, w]) != Some([dy_h, dy_w]) {
+        return Err(::ort::Error::new(format!(
+            "{op}: dY {dy_shape:?} is not the output gradient of X {x_shape:?} through the \
+             window {window:?}"
+        )));
+    }
+    let (taps, plane, in_plane) = (window.taps(), dy_h * dy_w, h * w);
+    let rows = c * taps;
+    let sum = f32_output(ctx, op, 0, &[1, rows as i64, m as i64])?;
+    if sum.is_empty() {
+        return Ok(());
+    }
+    // No image, or an empty plane: sums of nothing.
+    if n == 0 || plane == 0 || in_plane == 0 {
+        sum.fill(0.0);
+        return Ok(());
+    }
+    let unfolding = Unfolding::new(window, [h, w]).ok_or_else(|| {
+        ::ort::Error::new(format!(
+            "{op}: the window {window:?} does not fit X {x_shape:?}"
+        ))
+    })?;
+    let UnfoldBuffers { cols, product } = buffers;
+    cols.resize(rows * plane, 0.0);
+    product.resize(rows * m, 0.0);
+    let running = RunningContext::of(ctx);
+    for image in 0..n {
+        let image_x = &x[image * c * in_plane..(image + 1) * c * in_plane];
+        for (src, block) in image_x
+            .chunks_exact(in_plane)
+            .zip(cols.chunks_exact_mut(taps * plane))
+        {
+            unfolding.plane(src, block);
+        }
+        let a = ::ort::value::TensorRef::from_array_view(([rows, plane], &cols[..]))?;
+        let dy_image = &dy[image * m * plane..(image + 1) * m * plane];
+        let b = ::ort::value::TensorRef::from_array_view(([m, plane], dy_image))?;
+        let target: &mut [f32] = if image == 0 { sum } else { product };
+        let y = ::ort::value::TensorRefMut::from_array_view_mut(([rows, m], target))?;
+        // The GEMM writes through this view (the pointer is the view's own).
+        gemm.run(running, &[a.ptr(), b.ptr()], y.ptr().cast_mut())?;
+        drop(y);
+        if image > 0 {
+            add_into(sum, product);
+        }
+    }
+    Ok(())
+}
+
+/// `sum[i] += addend[i]` (the compiler vectorises it; both are in cache).
+fn add_into(sum: &mut [f32], addend: &[f32]) {
+    for (s, a) in sum.iter_mut().zip(addend) {
+        *s += a;
+    }
 }
 
 struct Col2Im;

@@ -192,6 +192,7 @@ macro_rules! with_widest_vectors {
 mod batch_norm;
 mod blocked_weight;
 mod col2im;
+mod conv_weight_grad;
 mod gelu;
 mod gelu_grad;
 mod im2col;
@@ -206,6 +207,7 @@ pub use batch_norm::{
 };
 pub use blocked_weight::{blocked_weight, BLOCKED_WEIGHT};
 pub use col2im::{folded_size, COL2IM};
+pub use conv_weight_grad::{conv_weight_grad_slot, CONV_WEIGHT_GRAD};
 pub use gelu::{gelu_forward_slot, gelu_quotient, gelu_tail, GeluScalars, GELU};
 pub use gelu_grad::{gelu_grad, gelu_slot, GeluGradScalars, GELU_GRAD};
 pub use im2col::{Unfolding, Window2d, IM2COL};

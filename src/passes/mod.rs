@@ -15,6 +15,7 @@ pub mod dce;
 pub mod fuse;
 pub mod fused_batch_norm;
 pub mod fused_col2im;
+pub mod fused_conv_weight_grad;
 pub mod fused_gelu;
 pub mod fused_gelu_grad;
 pub mod fused_im2col;
