@@ -680,6 +680,15 @@ fn check(
         bias_in_gemm: false,
         ..session(2)
     })?;
+    // The same on one thread: the convolutions' weight-gradient kernel takes only
+    // one-thread sessions (`passes::fused_conv_weight_grad`).
+    let mut optimizer_fused_one = trainer_with(SessionOptions {
+        fused_batch_norm: false,
+        fused_gelu_grad: false,
+        fused_layer_norm_grad: false,
+        bias_in_gemm: false,
+        ..session(1)
+    })?;
     // The GELU forwards apart (their kernel runs the standard ops' operations and ONNX
     // Runtime's Erf): the same bits as the step with every kernel.
     let mut gelu_apart = trainer_with(SessionOptions {
@@ -693,12 +702,13 @@ fn check(
         let bt = &batches[i % batches.len()];
         let (a, w) = (split.step(bt, false)?, whole.step(bt, false)?);
         let (s, f) = (standard.step(bt, false)?, optimizer_fused.step(bt, false)?);
+        let f1 = optimizer_fused_one.step(bt, false)?;
         gelu_same &= gelu_apart.step(bt, false)?.loss.to_bits() == a.loss.to_bits();
         if a.applied != w.applied || a.loss.to_bits() != w.loss.to_bits() {
             bail!("{model}: micro-step {i}: split {a:?} vs whole {w:?}");
         }
-        if f.loss.to_bits() != s.loss.to_bits() {
-            bail!("{model}: micro-step {i}: fused {f:?} vs standard ops {s:?}");
+        if f.loss.to_bits() != s.loss.to_bits() || f1.loss.to_bits() != s.loss.to_bits() {
+            bail!("{model}: micro-step {i}: fused {f:?} (one thread {f1:?}) vs standard ops {s:?}");
         }
         rounding_gap = rounding_gap.max(((a.loss - s.loss) as f64 / s.loss as f64).abs());
         losses.push(a.loss);
@@ -715,6 +725,12 @@ fn check(
         } else {
             "DIFFER"
         }
+    ));
+    let one_same = optimizer_fused_one.state()? == standard.state()?;
+    lines.push(format!(
+        "{model}: the same on one thread ({} convolution weight gradients on their kernel) vs standard ops after 2 windows: {}",
+        optimizer_fused_one.fused_conv_weight_grads(),
+        if one_same { "bit-identical, ok" } else { "DIFFER" }
     ));
     let rounding_ok = rounding_gap < 1e-5;
     let rounded = split.fused_batch_norms()
@@ -739,7 +755,8 @@ fn check(
             if gelu_same { "bit-identical, ok" } else { "DIFFER" }
         ));
     }
-    let same = standard_same && gelu_same && rounding_ok && split.state()? == whole.state()?;
+    let same =
+        standard_same && one_same && gelu_same && rounding_ok && split.state()? == whole.state()?;
     lines.push(format!(
         "{model}: step split vs whole after 2 windows of K={}: {} (losses {:?})",
         o.k,

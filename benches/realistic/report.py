@@ -21,6 +21,16 @@ ORDER = ["mlp", "resnet_bn", "resnet", "gpt"]
 NAMES = {"mlp": "MLP 1.9M", "resnet_bn": "ResNet-8 BN", "resnet": "ResNet-8", "gpt": "GPT 3.7M"}
 # A core-to-core round trip above this means the two vCPUs were on different dies.
 SLOW_C2C_NS = 200
+# Below this, the two vCPUs were the two hardware threads of one core (29-31 ns measured; a
+# shared L3 60-78 ns): compute-bound kernels then gain little from the second thread.
+SMT_C2C_NS = 45
+
+
+def state(c2c_ns: float) -> str:
+    """Where the two vCPUs were when a cell began, from its core-to-core round trip."""
+    if c2c_ns < SMT_C2C_NS:
+        return "smt"
+    return "dies" if c2c_ns > SLOW_C2C_NS else "l3"
 
 
 def read(path: str) -> list[dict]:
@@ -109,23 +119,25 @@ def main() -> None:
     probed = [r for r in recs if r.get("c2c_ns") is not None]
     if probed:
         two = [r for r in probed if r["threads"] == 2]
-        slow = [r for r in two if r["c2c_ns"] > SLOW_C2C_NS]
+        slow = [r for r in two if state(r["c2c_ns"]) == "dies"]
+        smt = [r for r in two if state(r["c2c_ns"]) == "smt"]
         c2c = sorted(r["c2c_ns"] for r in probed)
         print(f"\nCore-to-core round trip before each cell: median {c2c[len(c2c) // 2]:.0f} ns "
-              f"[{c2c[0]:.0f}-{c2c[-1]:.0f}]; {len(slow)} of {len(two)} two-thread cells began above "
+              f"[{c2c[0]:.0f}-{c2c[-1]:.0f}]; of {len(two)} two-thread cells {len(slow)} began above "
               f"{SLOW_C2C_NS} ns (the two vCPUs on different dies: such cells run up to 1.7x slower; "
-              "benches/README.md, \"Run AC\").")
+              f"benches/README.md, \"Run AC\") and {len(smt)} below {SMT_C2C_NS} ns (the two "
+              "hardware threads of one core: compute-bound cells up to 1.5x slower; \"Run AF\").")
 
         def same_state(k, a, b):
             ca, cb = cells.get((*k, a), {}), cells.get((*k, b), {})
-            out = {"fast": [], "slow": []}
+            out = {"smt": [], "l3": [], "dies": []}
             for r in rounds:
                 x, y = ca.get(r), cb.get(r)
                 if not x or not y or x.get("c2c_ns") is None or y.get("c2c_ns") is None:
                     continue
-                sx, sy = x["c2c_ns"] > SLOW_C2C_NS, y["c2c_ns"] > SLOW_C2C_NS
+                sx, sy = state(x["c2c_ns"]), state(y["c2c_ns"])
                 if sx == sy:
-                    out["slow" if sx else "fast"].append(x["ms_per_step"] / y["ms_per_step"])
+                    out[sx].append(x["ms_per_step"] / y["ms_per_step"])
             return out
 
         def show(v):
@@ -136,13 +148,15 @@ def main() -> None:
         two_keys = [k for k in keys if k[2] == 2]
         if two_keys:
             print("\nTwo threads, ratios from rounds whose two cells began in the same state (median (rounds) "
-                  "[range]; fast: the vCPUs sharing an L3):\n")
-            print("| model | B | step / ORT API, fast | slow | step / PyTorch, fast | slow |")
-            print("|---|--:|--:|--:|--:|--:|")
+                  "[range]; L3: the vCPUs sharing an L3, SMT: one core's two hardware threads, dies: "
+                  "different dies):\n")
+            print("| model | B | step / ORT API, L3 | SMT | dies | step / PyTorch, L3 | SMT | dies |")
+            print("|---|--:|--:|--:|--:|--:|--:|--:|")
             for k in two_keys:
                 o, t = same_state(k, "step", "ort_api"), same_state(k, "step", "torch")
-                print(f"| {NAMES.get(k[0], k[0])} | {k[1]} | {show(o['fast'])} | {show(o['slow'])} "
-                      f"| {show(t['fast'])} | {show(t['slow'])} |")
+                print(f"| {NAMES.get(k[0], k[0])} | {k[1]} | "
+                      + " | ".join(show(o[s]) for s in ("l3", "smt", "dies")) + " | "
+                      + " | ".join(show(t[s]) for s in ("l3", "smt", "dies")) + " |")
 
     if rss:
         by = {}
