@@ -217,14 +217,14 @@ fn a_model_trains_bit_identically_with_its_weight_gradients_on_the_kernel() {
 }
 
 /// With the default options: a 3x3 gradient over 16 channels at 32x32 (74 K elements in an
-/// image's columns per channel half) goes onto the kernel on one thread, not on two; one
-/// over 64 channels at 8x8 (18 K) stays as written.
+/// image's columns per channel half) and one over 64 channels at 8x8 (18 K) go onto the
+/// kernel on one thread, not on two; a strided 1x1 over 16 channels (4 K) stays as written.
 #[test]
 fn the_kernel_takes_large_columns_on_one_thread_only() {
     if !ort_available() {
         return;
     }
-    let cases: [Case; 2] = [
+    let cases: [Case; 3] = [
         (
             [2, 16, 32, 32],
             [16, 16, 3, 3],
@@ -237,6 +237,13 @@ fn the_kernel_takes_large_columns_on_one_thread_only() {
             [64, 64, 3, 3],
             "pads = [1,1,1,1]",
             [2, 64, 8, 8],
+            2,
+        ),
+        (
+            [2, 16, 32, 32],
+            [32, 16, 1, 1],
+            "strides = [2,2]",
+            [2, 32, 16, 16],
             0,
         ),
     ];

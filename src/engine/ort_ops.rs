@@ -1185,12 +1185,13 @@ impl Operator for ConvWeightGrad {
     ) -> ::ort::Result<Self::Kernel<'attr>> {
         let window = window_attributes(kctx, CONV_WEIGHT_GRAD)?;
         let gemm = InvokedOp::gemm(kctx, [0, 1], CONV_WEIGHT_GRAD)?;
-        let buffers = Mutex::new(UnfoldBuffers::default());
         Ok(Box::new(move |ctx: &ComputeContext| {
-            let mut buffers = buffers
-                .lock()
-                .map_err(|_| ::ort::Error::new(format!("{CONV_WEIGHT_GRAD}: a run panicked")))?;
-            conv_weight_grad_kernel(ctx, &window, &gemm, &mut buffers)
+            UNFOLD_BUFFERS.with(|buffers| match buffers.try_borrow_mut() {
+                Ok(mut buffers) => conv_weight_grad_kernel(ctx, &window, &gemm, &mut buffers),
+                Err(_) => Err(::ort::Error::new(format!(
+                    "{CONV_WEIGHT_GRAD}: its buffers are in use on this thread"
+                ))),
+            })
         }))
     }
 }
@@ -1202,6 +1203,14 @@ impl Operator for ConvWeightGrad {
 struct UnfoldBuffers {
     cols: Vec<f32>,
     product: Vec<f32>,
+}
+
+thread_local! {
+    /// One [`UnfoldBuffers`] per thread that runs sessions, shared by every `ConvWeightGrad`
+    /// node it runs (one at a time: the kernel runs on the session's calling thread), so
+    /// that they hold only the largest node's columns, not each node's.
+    static UNFOLD_BUFFERS: std::cell::RefCell<UnfoldBuffers> =
+        std::cell::RefCell::new(UnfoldBuffers::default());
 }
 
 /// [`ConvWeightGrad`], image by image in order: unfold the image, ONNX Runtime's GEMM by

@@ -40,14 +40,15 @@ pub const PASS: &str = "fused-conv-weight-grad";
 pub const MAX_THREADS: usize = 1;
 
 /// The fewest elements in one image's columns for which the pass rewrites (the default of
-/// `SessionOptions::conv_weight_grad_min_columns`). Smaller columns of the whole batch stay
+/// `SessionOptions::conv_weight_grad_min_columns`). Small columns of the whole batch stay
 /// in cache between the three nodes anyway, and the kernel's per-image GEMM calls then
 /// save nothing. One thread, B 32, the ResNet-8's geometries (per image, per channel half
-/// where the lowering halves them): 64 channels at 8x8 (18 K elements) 1.01-1.09x the
-/// three nodes, a 1x1 shortcut (4 K) 1.04-1.07x, a downsampling (18-37 K) 0.98-0.99x;
-/// 32 channels at 16x16 (37 K) 0.94-0.95x, 16 at 32x32 (74 K) 0.82-0.85x
-/// (benches/README.md, "Run AF").
-pub const MIN_IMAGE_COLUMNS: i64 = 1 << 15;
+/// where the lowering halves them), kernel / three nodes on a quiet machine and with the
+/// memory bus contended (benches/README.md, "Run AF"): a 1x1 shortcut (4 K elements)
+/// 1.04-1.07x and 1.02x; 64 channels at 8x8 (18 K) 1.01-1.09x and 0.73-0.78x; a
+/// downsampling of 32 channels (18 K) 0.98-0.99x and 0.70-0.76x; 32 channels at 16x16 (37
+/// K) 0.94-0.95x and 0.63-0.73x; 16 at 32x32 (74 K) 0.82-0.85x and 0.79-0.83x.
+pub const MIN_IMAGE_COLUMNS: i64 = 1 << 14;
 
 /// A session's model with its weight gradients on the fused kernel.
 pub struct Rewritten {
