@@ -49,7 +49,8 @@
 //! sums over leading axes on ONNX Runtime's `ReduceSum`),
 //! `--no-fused-weight-grads` (the weight gradients written, then accumulated, for an A/B),
 //! `--no-fused-col2im` (the transposed convolutions on ONNX Runtime's `ConvTranspose`),
-//! `--no-fused-conv-weight-grad` (the convolutions' weight gradients as three nodes).
+//! `--no-fused-conv-weight-grad` (the convolutions' weight gradients as three nodes),
+//! `--no-fused-transpose` (the transposes that keep the last axis on ONNX Runtime's own).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -149,6 +150,9 @@ fn parse_opts() -> Result<Opts> {
                 NO_LEADING_SUM.store(true, std::sync::atomic::Ordering::Relaxed)
             }
             "--no-fused-col2im" => NO_COL2IM.store(true, std::sync::atomic::Ordering::Relaxed),
+            "--no-fused-transpose" => {
+                NO_TRANSPOSE.store(true, std::sync::atomic::Ordering::Relaxed)
+            }
             "--no-fused-conv-weight-grad" => {
                 NO_CONV_WEIGHT_GRAD.store(true, std::sync::atomic::Ordering::Relaxed)
             }
@@ -357,6 +361,9 @@ static NO_COL2IM: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool:
 /// nodes, for an A/B of `SessionOptions::fused_conv_weight_grad`.
 static NO_CONV_WEIGHT_GRAD: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
+/// `--no-fused-transpose`: the transposes that keep the last axis on ONNX Runtime's own
+/// `Transpose`, for an A/B of `SessionOptions::fused_transpose`.
+static NO_TRANSPOSE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 /// `--no-fused-weight-grads`: the weight gradients written, then accumulated, for an A/B of
 /// `SessionOptions::fused_weight_grads`.
 static NO_WEIGHT_GRADS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -376,6 +383,7 @@ fn session(threads: usize) -> SessionOptions {
         fused_leading_sum: !NO_LEADING_SUM.load(std::sync::atomic::Ordering::Relaxed),
         fused_col2im: !NO_COL2IM.load(std::sync::atomic::Ordering::Relaxed),
         fused_conv_weight_grad: !NO_CONV_WEIGHT_GRAD.load(std::sync::atomic::Ordering::Relaxed),
+        fused_transpose: !NO_TRANSPOSE.load(std::sync::atomic::Ordering::Relaxed),
         fused_weight_grads: !NO_WEIGHT_GRADS.load(std::sync::atomic::Ordering::Relaxed),
         ..Default::default()
     }
@@ -715,11 +723,12 @@ fn check(
     }
     let standard_same = optimizer_fused.state()? == standard.state()?;
     lines.push(format!(
-        "{model}: step with fused optimizer kernels ({} in place, {} weight gradients made in their accumulators, {} sums over leading axes on their kernel, {} transposed convolutions folded by Col2Im) vs standard ops after 2 windows: {}",
+        "{model}: step with fused optimizer kernels ({} in place, {} weight gradients made in their accumulators, {} sums over leading axes on their kernel, {} transposed convolutions folded by Col2Im, {} transposes on RowTranspose) vs standard ops after 2 windows: {}",
         optimizer_fused.in_place_updates(),
         optimizer_fused.accumulated_products(),
         optimizer_fused.fused_leading_sums(),
         optimizer_fused.fused_foldings(),
+        optimizer_fused.fused_transposes(),
         if standard_same {
             "bit-identical, ok"
         } else {

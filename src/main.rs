@@ -173,8 +173,8 @@ struct TrainArgs {
     /// momentum, Nesterov), the weight gradients' unfolding of a convolution's input and
     /// the ReLU gradients, the exact GELU's forward, the sums over leading axes (a bias
     /// gradient over the batch), on two threads or more the transposed convolutions'
-    /// folding, and on one thread a large convolution weight gradient as one kernel (same
-    /// results, bit for bit),
+    /// folding, on one thread a large convolution weight gradient as one kernel, and the
+    /// transposes that keep the last axis (same results, bit for bit),
     /// BatchNorm (see --no-fused-batch-norm), the exact GELU's gradient (the same
     /// operations but the exponential's: within its rounding), layer normalisation's
     /// gradient (within the rounding of its sums), and a linear layer's bias added inside
@@ -1204,6 +1204,12 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         progress.note(format!(
             "convolution weight gradients: {} on onnx-ga's fused CPU kernel (unfolding, product and sum over the images in one), summed over the sessions (bit-identical; --no-fused-kernels: as written)",
             trainer.fused_conv_weight_grads()
+        ));
+    }
+    if trainer.fused_transposes() > 0 {
+        progress.note(format!(
+            "transposes keeping the last axis (attention heads): {} on onnx-ga's fused CPU kernel, summed over the sessions (bit-identical; --no-fused-kernels: as written)",
+            trainer.fused_transposes()
         ));
     }
     host_controls(&mut trainer, args.lr, args.accum_steps)?;

@@ -727,6 +727,12 @@ impl Trainer {
         self.sum_over_sessions(Engine::fused_conv_weight_grads)
     }
 
+    /// Transposes on onnx-ga's `RowTranspose` (`SessionOptions::fused_transpose`), summed
+    /// over the split step's sessions.
+    pub fn fused_transposes(&self) -> usize {
+        self.sum_over_sessions(Engine::fused_transposes)
+    }
+
     /// Scalar nodes the host computes instead of the sessions (`engine::host_scalars`),
     /// summed over them.
     pub fn host_scalar_nodes(&self) -> usize {

@@ -36,6 +36,7 @@ mod fused_kernels;
 mod fused_layer_norm_grad;
 mod fused_leading_sum;
 mod fused_relu_grad;
+mod fused_transpose;
 mod generated_files;
 mod generated_flatbuffers;
 mod host_scalars;

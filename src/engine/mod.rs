@@ -416,6 +416,15 @@ impl Engine {
         }
     }
 
+    /// Transposes on onnx-ga's `RowTranspose` (`SessionOptions::fused_transpose`).
+    pub fn fused_transposes(&self) -> usize {
+        match self {
+            Engine::Ort(s) => s.fused_transposes(),
+            #[cfg(feature = "tract")]
+            Engine::Tract(_) => 0,
+        }
+    }
+
     /// The (state input, next value) pairs this session updates in place.
     pub fn in_place(&self) -> &[(String, String)] {
         match self {

@@ -129,6 +129,10 @@ pub struct SessionOptions {
     /// the kernel is used (`passes::fused_conv_weight_grad::MIN_IMAGE_COLUMNS` by default;
     /// 0 takes every one, which tests use on small graphs).
     pub conv_weight_grad_min_columns: i64,
+    /// With `fused_kernels`, on the CPU: a `Transpose` that keeps the last axis last (a
+    /// transformer's head split and merge) on onnx-ga's `RowTranspose` kernel, whole rows
+    /// copied over the session's threads (`passes::fused_transpose`); bit-identical.
+    pub fused_transpose: bool,
     /// With `fused_kernels`, on the CPU: the ReLU gradients (`Mul(dY, Cast(Greater(Y, 0)))`,
     /// `passes/legalize/relu_grad.rs`) on onnx-ga's `ReluGrad` kernel, one pass instead of
     /// three (`passes::fused_relu_grad`); bit-identical.
@@ -200,6 +204,7 @@ impl Default for SessionOptions {
             fused_col2im: true,
             fused_conv_weight_grad: true,
             conv_weight_grad_min_columns: crate::passes::fused_conv_weight_grad::MIN_IMAGE_COLUMNS,
+            fused_transpose: true,
             fused_relu_grad: true,
             fused_gelu_grad: true,
             fused_gelu: true,
@@ -255,6 +260,8 @@ pub struct OrtSession {
     fused_foldings: usize,
     /// See [`Self::fused_conv_weight_grads`].
     fused_conv_weight_grads: usize,
+    /// See [`Self::fused_transposes`].
+    fused_transposes: usize,
     /// See [`Self::nchwc_weights_on_kernel`].
     nchwc_weights_on_kernel: usize,
     /// Inputs of the model that nothing in it reads, left out of the session
@@ -370,6 +377,12 @@ impl OrtSession {
             || crate::passes::fused_layer_norm_grad::rewrite(model),
         )?;
         let model = layer_norm_grads.as_ref().map_or(model, |l| &l.model);
+        let transposes = in_memory(
+            ours(options.fused_transpose),
+            "putting the row transposes on the fused kernel",
+            || crate::passes::fused_transpose::rewrite(model, facts_from),
+        )?;
+        let model = transposes.as_ref().map_or(model, |t| &t.model);
         // Last: the kernels above take some sums over leading axes into themselves. Its
         // shape facts come from the model as it stood before them.
         let sums = in_memory(
@@ -393,6 +406,7 @@ impl OrtSession {
         session.fused_leading_sums = sums.map_or(0, |s| s.sums);
         session.fused_foldings = foldings.map_or(0, |f| f.foldings);
         session.fused_conv_weight_grads = weight_grads.map_or(0, |g| g.weight_grads);
+        session.fused_transposes = transposes.map_or(0, |t| t.transposes);
         session.unread_inputs = unread;
         Ok(session)
     }
@@ -463,6 +477,11 @@ impl OrtSession {
     /// (`SessionOptions::fused_conv_weight_grad`).
     pub fn fused_conv_weight_grads(&self) -> usize {
         self.fused_conv_weight_grads
+    }
+
+    /// Transposes this session runs on `RowTranspose` (`SessionOptions::fused_transpose`).
+    pub fn fused_transposes(&self) -> usize {
+        self.fused_transposes
     }
 
     pub fn from_bytes(bytes: &[u8], options: &SessionOptions) -> Result<OrtSession, EngineError> {
@@ -592,6 +611,7 @@ impl OrtSession {
             fused_leading_sums: 0,
             fused_foldings: 0,
             fused_conv_weight_grads: 0,
+            fused_transposes: 0,
             nchwc_weights_on_kernel: 0,
             unread_inputs: Default::default(),
             read_filter: ReadFilter::default(),

@@ -19,11 +19,11 @@ use crate::fused_ops::{
     blocked_weight, conv_weight_grad_slot, folded_size, gelu_forward_slot, gelu_grad,
     gelu_quotient, gelu_slot, gelu_tail, largest_fast_contraction, layer_norm_grad_rows,
     layer_norm_grad_slot, leading_sum, relu_grad, sgd_slot, sgd_update, AdamWScalars,
-    BatchNormLayout, ChannelStats, GeluGradScalars, GeluScalars, Io, ProductShape, SgdIo,
-    SgdScalars, Unfolding, Window2d, ACCUMULATE_GRAD, ACCUMULATE_PRODUCT, ADAMW_UPDATE,
+    BatchNormLayout, ChannelStats, GeluGradScalars, GeluScalars, Io, ProductShape, RowLayout,
+    SgdIo, SgdScalars, Unfolding, Window2d, ACCUMULATE_GRAD, ACCUMULATE_PRODUCT, ADAMW_UPDATE,
     ADAMW_UPDATES, BATCH_NORM_GRAD, BATCH_NORM_TRAIN, BLOCKED_WEIGHT, COL2IM, CONV_WEIGHT_GRAD,
     DOMAIN, GELU, GELU_GRAD, IM2COL, LAYER_NORM_GRAD, LAYER_NORM_GRAD_ROWS, LEADING_SUM, RELU_GRAD,
-    SGD_UPDATE,
+    ROW_TRANSPOSE, SGD_UPDATE,
 };
 
 /// The domain with every fused operator, for a session builder.
@@ -39,6 +39,7 @@ pub fn domain() -> ::ort::Result<OperatorDomain> {
         .add(Im2Col)?
         .add(Col2Im)?
         .add(ConvWeightGrad)?
+        .add(RowTranspose)?
         .add(Gelu)?
         .add(GeluGrad)?
         .add(LayerNormGrad)?
@@ -1291,6 +1292,110 @@ fn add_into(sum: &mut [f32], addend: &[f32]) {
     for (s, a) in sum.iter_mut().zip(addend) {
         *s += a;
     }
+}
+
+struct RowTranspose;
+
+impl Operator for RowTranspose {
+    type Kernel<'attr> = BoxedKernel<'attr>;
+
+    fn name(&self) -> &str {
+        ROW_TRANSPOSE
+    }
+
+    fn inputs(&self) -> impl IntoIterator<Item = OperatorInput> {
+        [OperatorInput::required(TensorElementType::Float32)]
+    }
+
+    fn outputs(&self) -> impl IntoIterator<Item = OperatorOutput> {
+        [OperatorOutput::required(TensorElementType::Float32)]
+    }
+
+    /// X's dimensions (and their names) in `perm`'s order, so that ONNX Runtime's fusions
+    /// downstream see the shape (see [`BlockedWeight`]'s).
+    fn infer_shape(&self, ctx: &mut ShapeInferenceContext) -> ::ort::Result<()> {
+        let perm: Option<Vec<usize>> = ctx
+            .attr::<Vec<i64>>("perm")
+            .ok()
+            .and_then(|p| p.iter().map(|&a| usize::try_from(a).ok()).collect());
+        let Some((perm, mut x)) = perm.zip(ctx.inputs().into_iter().next()) else {
+            return Ok(());
+        };
+        let ::ort::value::ValueType::Tensor {
+            shape,
+            dimension_symbols,
+            ..
+        } = &mut x
+        else {
+            return Ok(());
+        };
+        let rank = shape.len();
+        let valid = rank > 0
+            && perm.len() == rank
+            && dimension_symbols.len() == rank
+            && perm.iter().all(|&p| p < rank);
+        if !valid {
+            return Ok(());
+        }
+        let dims: Vec<i64> = perm.iter().map(|&p| shape[p]).collect();
+        let symbols: Vec<String> = perm.iter().map(|&p| dimension_symbols[p].clone()).collect();
+        // An unknown size passes on only under its name (see `known_shape`).
+        if dims
+            .iter()
+            .zip(&symbols)
+            .any(|(&d, s)| d < 0 && s.is_empty())
+        {
+            return Ok(());
+        }
+        *shape = ::ort::value::Shape::new(dims);
+        *dimension_symbols = ::ort::value::SymbolicDimensions::new(symbols);
+        ctx.set_output(0, &x)
+    }
+
+    fn create_kernel<'attr>(
+        &self,
+        kctx: &KernelContext<'attr>,
+    ) -> ::ort::Result<Self::Kernel<'attr>> {
+        let perm: Option<Vec<usize>> = kctx
+            .get::<Vec<i64>>("perm")
+            .and_then(|p| p.iter().map(|&a| usize::try_from(a).ok()).collect());
+        let perm = perm.ok_or_else(|| {
+            ::ort::Error::new(format!(
+                "{ROW_TRANSPOSE}: attribute 'perm' is not a list of axes"
+            ))
+        })?;
+        Ok(Box::new(move |ctx: &ComputeContext| {
+            row_transpose_kernel(ctx, &perm)
+        }))
+    }
+}
+
+/// [`RowTranspose`] in tasks of whole output rows, about [`CHUNK`] elements each.
+fn row_transpose_kernel(ctx: &ComputeContext, perm: &[usize]) -> ::ort::Result<()> {
+    let op = ROW_TRANSPOSE;
+    let (shape, x) = f32_input(ctx, op, 0)?;
+    let dims: Option<Vec<usize>> = shape.iter().map(|&d| usize::try_from(d).ok()).collect();
+    let layout = dims
+        .as_deref()
+        .and_then(|dims| RowLayout::new(dims, perm))
+        .ok_or_else(|| {
+            ::ort::Error::new(format!(
+                "{op}: perm {perm:?} does not keep the last axis of X {shape:?} last"
+            ))
+        })?;
+    let out_shape: Vec<i64> = layout.out_dims().iter().map(|&d| d as i64).collect();
+    let out = f32_output(ctx, op, 0, &out_shape)?;
+    let row = layout.row();
+    if out.is_empty() || row == 0 {
+        return Ok(());
+    }
+    let task = (CHUNK / row).max(1) * row;
+    in_chunks(
+        ctx,
+        (out.len(), task),
+        out.chunks_mut(task),
+        |range, out| layout.copy_rows(x, range.start / row, out),
+    )
 }
 
 struct Col2Im;

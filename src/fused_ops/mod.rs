@@ -201,6 +201,7 @@ mod leading_sum;
 mod product;
 mod quotient;
 mod relu_grad;
+mod row_transpose;
 pub use batch_norm::{
     batch_norm_grad_channel, batch_norm_train_channel, BatchNormLayout, ChannelStats,
     BATCH_NORM_GRAD, BATCH_NORM_TRAIN,
@@ -221,6 +222,7 @@ pub use product::{
 };
 use quotient::KnownDivisor;
 pub use relu_grad::{relu_grad, RELU_GRAD};
+pub use row_transpose::{RowLayout, ROW_TRANSPOSE};
 
 /// Where an update reads the state it updates (parameter, moments, buffer) and writes its
 /// next value: separate buffers, or one buffer per state updated in place (the session bound

@@ -22,6 +22,7 @@ pub mod fused_im2col;
 pub mod fused_layer_norm_grad;
 pub mod fused_leading_sum;
 pub mod fused_relu_grad;
+pub mod fused_transpose;
 pub mod grad_accum;
 pub mod legalize;
 pub mod legalize_training;
