@@ -827,6 +827,24 @@ fn known_shape(ty: &::ort::value::ValueType) -> bool {
         if !shape.is_empty() && shape.iter().all(|&d| d >= 0))
 }
 
+/// An output shape from its sizes and their names, `None` when an unknown size has no name:
+/// an unknown size passes on only under its name (see `known_shape`).
+fn with_named_dims(
+    dims: Vec<i64>,
+    symbols: Vec<String>,
+) -> Option<(::ort::value::Shape, ::ort::value::SymbolicDimensions)> {
+    let unnamed_unknown = dims
+        .iter()
+        .zip(&symbols)
+        .any(|(&d, s)| d < 0 && s.is_empty());
+    (!unnamed_unknown).then(|| {
+        (
+            ::ort::value::Shape::new(dims),
+            ::ort::value::SymbolicDimensions::new(symbols),
+        )
+    })
+}
+
 struct BatchNormTrain;
 
 impl Operator for BatchNormTrain {
@@ -1339,17 +1357,11 @@ impl Operator for RowTranspose {
         }
         let dims: Vec<i64> = perm.iter().map(|&p| shape[p]).collect();
         let symbols: Vec<String> = perm.iter().map(|&p| dimension_symbols[p].clone()).collect();
-        // An unknown size passes on only under its name (see `known_shape`).
-        if dims
-            .iter()
-            .zip(&symbols)
-            .any(|(&d, s)| d < 0 && s.is_empty())
-        {
-            return Ok(());
+        if let Some(named) = with_named_dims(dims, symbols) {
+            (*shape, *dimension_symbols) = named;
+            ctx.set_output(0, &x)?;
         }
-        *shape = ::ort::value::Shape::new(dims);
-        *dimension_symbols = ::ort::value::SymbolicDimensions::new(symbols);
-        ctx.set_output(0, &x)
+        Ok(())
     }
 
     fn create_kernel<'attr>(
@@ -1945,17 +1957,11 @@ impl Operator for LeadingSum {
         let symbols: Vec<String> = std::iter::repeat_n(String::new(), kept)
             .chain(dimension_symbols[axes..].iter().cloned())
             .collect();
-        // An unknown size passes on only under its name (see `known_shape`).
-        if dims
-            .iter()
-            .zip(&symbols)
-            .any(|(&d, s)| d < 0 && s.is_empty())
-        {
-            return Ok(());
+        if let Some(named) = with_named_dims(dims, symbols) {
+            (*shape, *dimension_symbols) = named;
+            ctx.set_output(0, &x)?;
         }
-        *shape = ::ort::value::Shape::new(dims);
-        *dimension_symbols = ::ort::value::SymbolicDimensions::new(symbols);
-        ctx.set_output(0, &x)
+        Ok(())
     }
 
     fn create_kernel<'attr>(

@@ -23,9 +23,7 @@
 //! least [`MIN_IMAGE_COLUMNS`] elements. A 1×1 kernel without stride or padding has no
 //! unfolding (the product reads X itself) and is left alone.
 
-use std::collections::HashMap;
-
-use super::autodiff::shapes::{constant_ints, Facts, Shapes};
+use super::autodiff::shapes::{constant_ints, Facts};
 use super::fuse::input;
 use crate::fused_ops::{CONV_WEIGHT_GRAD, DOMAIN, IM2COL};
 use crate::ir::builder::{Builder, NodeAttributes};
@@ -70,18 +68,9 @@ pub fn rewrite(
     if threads > MAX_THREADS || !super::has_op(model, IM2COL) {
         return Ok(None);
     }
-    let before = Model::from_proto(facts_from.clone());
-    let before_shapes = Shapes::infer(&before);
-    let by_name: HashMap<&str, Facts> = (0..before.values.len())
-        .map(|v| ValueId(v as u32))
-        .map(|v| (before.name(v), before_shapes.get(v)))
-        .collect();
     let mut ir = Model::from_proto(model.clone());
-    let shapes = Shapes::infer(&ir);
-    let facts = |v: ValueId| match by_name.get(ir.name(v)) {
-        Some(before) => before.clone(),
-        None => shapes.get(v),
-    };
+    let session_facts = super::SessionFacts::new(facts_from, &ir);
+    let facts = |v: ValueId| session_facts.get(&ir, v);
     let found: Vec<(NodeId, WeightGrad)> = ir
         .body_nodes(BodyId::MAIN)
         .filter_map(|n| weight_grad(&ir, n, &facts, min_columns).map(|g| (n, g)))

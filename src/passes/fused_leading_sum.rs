@@ -21,9 +21,7 @@
 //! the model as it stood before them: its values keep their names, and the facts do not
 //! pass through onnx-ga's operators.
 
-use std::collections::HashMap;
-
-use super::autodiff::shapes::{constant_ints, Facts, Shapes};
+use super::autodiff::shapes::{constant_ints, Facts};
 use super::fuse::input;
 use crate::fused_ops::{DOMAIN, LEADING_SUM};
 use crate::ir::builder::{attr_int, Builder, NodeAttributes};
@@ -50,20 +48,9 @@ pub fn rewrite(
     if !super::has_op(model, "ReduceSum") {
         return Ok(None);
     }
-    let before = Model::from_proto(facts_from.clone());
-    let before_shapes = Shapes::infer(&before);
-    let by_name: HashMap<&str, Facts> = (0..before.values.len())
-        .map(|v| ValueId(v as u32))
-        .map(|v| (before.name(v), before_shapes.get(v)))
-        .collect();
     let mut ir = Model::from_proto(model.clone());
-    let shapes = Shapes::infer(&ir);
-    // A value that kept its name is the same value: its facts from before hold, and say
-    // more than those inferred through onnx-ga's operators.
-    let facts = |v: ValueId| match by_name.get(ir.name(v)) {
-        Some(before) => before.clone(),
-        None => shapes.get(v),
-    };
+    let session_facts = super::SessionFacts::new(facts_from, &ir);
+    let facts = |v: ValueId| session_facts.get(&ir, v);
     let found: Vec<(NodeId, ValueId, Leading)> = ir
         .body_nodes(BodyId::MAIN)
         .filter_map(|n| leading_sum(&ir, n, &facts).map(|(x, sum)| (n, x, sum)))

@@ -14,9 +14,7 @@
 //! their head shapes at run time (`Reshape` by a `Concat` of `Shape`s), so the head size is
 //! often not known here; the kernel copies rows of any length.
 
-use std::collections::HashMap;
-
-use super::autodiff::shapes::{Facts, Shapes};
+use super::autodiff::shapes::Facts;
 use crate::fused_ops::{DOMAIN, ROW_TRANSPOSE};
 use crate::ir::builder::{attr_ints, Builder, NodeAttributes};
 use crate::ir::{normalize_domain, BodyId, Model, NodeId, ValueId};
@@ -45,18 +43,9 @@ pub fn rewrite(
     if !super::has_op(model, "Transpose") {
         return Ok(None);
     }
-    let before = Model::from_proto(facts_from.clone());
-    let before_shapes = Shapes::infer(&before);
-    let by_name: HashMap<&str, Facts> = (0..before.values.len())
-        .map(|v| ValueId(v as u32))
-        .map(|v| (before.name(v), before_shapes.get(v)))
-        .collect();
     let mut ir = Model::from_proto(model.clone());
-    let shapes = Shapes::infer(&ir);
-    let facts = |v: ValueId| match by_name.get(ir.name(v)) {
-        Some(before) => before.clone(),
-        None => shapes.get(v),
-    };
+    let session_facts = super::SessionFacts::new(facts_from, &ir);
+    let facts = |v: ValueId| session_facts.get(&ir, v);
     let found: Vec<(NodeId, ValueId, Vec<i64>)> = ir
         .body_nodes(BodyId::MAIN)
         .filter_map(|n| row_transpose(&ir, n, &facts).map(|(x, perm)| (n, x, perm)))

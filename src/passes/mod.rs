@@ -52,6 +52,38 @@ pub(crate) fn has_op(model: &crate::proto::ModelProto, op: &str) -> bool {
         .is_some_and(|g| g.node.iter().any(|n| n.op_type() == op))
 }
 
+/// The shape facts of a session's model part-way through its in-memory rewrites onto
+/// onnx-ga's kernels. A value that kept its name is the same value: its facts from the model
+/// before the rewrites hold, and say more than those inferred through onnx-ga's operators
+/// (which shape inference does not know).
+pub(crate) struct SessionFacts {
+    before: std::collections::HashMap<String, autodiff::shapes::Facts>,
+    now: autodiff::shapes::Shapes,
+}
+
+impl SessionFacts {
+    /// `facts_from`: the model before the rewrites; `now`: the model as they left it.
+    pub(crate) fn new(facts_from: &crate::proto::ModelProto, now: &Model) -> SessionFacts {
+        let before = Model::from_proto(facts_from.clone());
+        let shapes = autodiff::shapes::Shapes::infer(&before);
+        SessionFacts {
+            before: (0..before.values.len())
+                .map(|v| crate::ir::ValueId(v as u32))
+                .map(|v| (before.name(v).to_string(), shapes.get(v)))
+                .collect(),
+            now: autodiff::shapes::Shapes::infer(now),
+        }
+    }
+
+    /// The facts of `v`, a value of the model given as `now`.
+    pub(crate) fn get(&self, now: &Model, v: crate::ir::ValueId) -> autodiff::shapes::Facts {
+        match self.before.get(now.name(v)) {
+            Some(before) => before.clone(),
+            None => self.now.get(v),
+        }
+    }
+}
+
 /// The end of a session's in-memory rewrite onto onnx-ga's fused kernels
 /// ([`fused_batch_norm`], [`fused_gelu`], [`fused_gelu_grad`], [`fused_im2col`], [`fused_relu_grad`]): the fused domain
 /// required, the replaced nodes removed, the graph verified.
