@@ -305,9 +305,9 @@ impl OrtSession {
             }
             None => None,
         };
-        // The model as given, standard ops but for the trainer's fusions: the element types
-        // and ranks of the sums over leading axes (`passes::fused_leading_sum`).
-        let facts_from = model;
+        // The model as given, standard ops but for the trainer's fusions: the shape facts
+        // the passes after onnx-ga's first operators read (inferred once, when first read).
+        let facts_from = crate::passes::FactsBefore::new(model);
         let model = blocked.as_ref().map_or(model, |b| &b.model);
         // onnx-ga's own CPU kernels, each pass on the model the previous one left.
         let ours = |on: bool| on && options.fused_kernels && options.device == Device::Cpu;
@@ -339,7 +339,7 @@ impl OrtSession {
             || {
                 crate::passes::fused_conv_weight_grad::rewrite(
                     model,
-                    facts_from,
+                    &facts_from,
                     options.threads,
                     options.conv_weight_grad_min_columns,
                 )
@@ -380,7 +380,7 @@ impl OrtSession {
         let transposes = in_memory(
             ours(options.fused_transpose),
             "putting the row transposes on the fused kernel",
-            || crate::passes::fused_transpose::rewrite(model, facts_from),
+            || crate::passes::fused_transpose::rewrite(model, &facts_from),
         )?;
         let model = transposes.as_ref().map_or(model, |t| &t.model);
         // Last: the kernels above take some sums over leading axes into themselves. Its
@@ -388,7 +388,7 @@ impl OrtSession {
         let sums = in_memory(
             ours(options.fused_leading_sum),
             "putting the sums over leading axes on the fused kernel",
-            || crate::passes::fused_leading_sum::rewrite(model, facts_from, options.threads),
+            || crate::passes::fused_leading_sum::rewrite(model, &facts_from, options.threads),
         )?;
         let model = sums.as_ref().map_or(model, |s| &s.model);
         let (pruned, unread) = without_unread_inputs(model);

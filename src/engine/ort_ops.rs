@@ -1299,17 +1299,10 @@ fn conv_weight_grad_kernel(
         gemm.run(running, &[a.ptr(), b.ptr()], y.ptr().cast_mut())?;
         drop(y);
         if image > 0 {
-            add_into(sum, product);
+            accumulate_grad(product, Io::InPlace([&mut *sum]));
         }
     }
     Ok(())
-}
-
-/// `sum[i] += addend[i]` (the compiler vectorises it; both are in cache).
-fn add_into(sum: &mut [f32], addend: &[f32]) {
-    for (s, a) in sum.iter_mut().zip(addend) {
-        *s += a;
-    }
 }
 
 struct RowTranspose;

@@ -36,6 +36,7 @@
 
 use super::autodiff::shapes::{constant_f32, constant_ints, constant_tensor, Shapes};
 use super::fuse::{input, is_op};
+use super::made_by;
 use crate::fused_ops::{BATCH_NORM_GRAD, BATCH_NORM_TRAIN, DOMAIN};
 use crate::ir::builder::{attr_float, Builder, NodeAttributes};
 use crate::ir::{normalize_domain, BodyId, Model, NodeId, ValueId};
@@ -277,20 +278,6 @@ fn match_backward(model: &Model, shapes: &Shapes, bn: NodeId) -> Option<Backward
 /// `[0, 2, .., rank)`: every axis but the channels'.
 fn stat_axes(rank: usize) -> Vec<i64> {
     std::iter::once(0).chain(2..rank as i64).collect()
-}
-
-/// The node making `v` (at output 0) when it is `op` of the standard domain, without
-/// attributes, in the main graph.
-pub(super) fn made_by(model: &Model, v: ValueId, op: &str) -> Option<NodeId> {
-    let (n, 0) = model.producer(v)? else {
-        return None;
-    };
-    let node = model.node(n);
-    (node.proto.op_type() == op
-        && normalize_domain(node.proto.domain()).is_empty()
-        && node.body == BodyId::MAIN
-        && node.outputs.len() == 1)
-        .then_some(n)
 }
 
 /// `v = op(a, b)`, a binary op without attributes: `(a, b)`.

@@ -25,6 +25,7 @@
 
 use super::autodiff::shapes::{constant_ints, Facts};
 use super::fuse::input;
+use super::made_by;
 use crate::fused_ops::{CONV_WEIGHT_GRAD, DOMAIN, IM2COL};
 use crate::ir::builder::{Builder, NodeAttributes};
 use crate::ir::{normalize_domain, BodyId, Model, NodeId, ValueId};
@@ -61,7 +62,7 @@ pub struct Rewritten {
 /// `min_columns`: the fewest elements in an image's columns ([`MIN_IMAGE_COLUMNS`]).
 pub fn rewrite(
     model: &ModelProto,
-    facts_from: &ModelProto,
+    facts_from: &super::FactsBefore<'_>,
     threads: usize,
     min_columns: i64,
 ) -> Result<Option<Rewritten>, super::PassError> {
@@ -115,18 +116,6 @@ fn sole_reader(model: &Model, v: ValueId, op_type: &str) -> bool {
     node.body == BodyId::MAIN
         && node.proto.op_type() == op_type
         && normalize_domain(node.proto.domain()).is_empty()
-}
-
-/// The standard node of the main graph making `v`, when it is an `op_type`.
-fn made_by(model: &Model, v: ValueId, op_type: &str) -> Option<NodeId> {
-    let (node, 0) = model.producer(v)? else {
-        return None;
-    };
-    let n = model.node(node);
-    (n.body == BodyId::MAIN
-        && n.proto.op_type() == op_type
-        && normalize_domain(n.proto.domain()).is_empty())
-    .then_some(node)
 }
 
 /// `Reshape(v, [0, 1, size, -1])` at `node`: `(v, size)`.

@@ -42,7 +42,7 @@ pub struct Rewritten {
 /// `threads`: the session's, over which each kernel spreads its columns.
 pub fn rewrite(
     model: &ModelProto,
-    facts_from: &ModelProto,
+    facts_from: &super::FactsBefore<'_>,
     threads: usize,
 ) -> Result<Option<Rewritten>, super::PassError> {
     if !super::has_op(model, "ReduceSum") {

@@ -38,7 +38,7 @@ pub struct Rewritten {
 /// nodes.
 pub fn rewrite(
     model: &ModelProto,
-    facts_from: &ModelProto,
+    facts_from: &super::FactsBefore<'_>,
 ) -> Result<Option<Rewritten>, super::PassError> {
     if !super::has_op(model, "Transpose") {
         return Ok(None);

@@ -52,25 +52,62 @@ pub(crate) fn has_op(model: &crate::proto::ModelProto, op: &str) -> bool {
         .is_some_and(|g| g.node.iter().any(|n| n.op_type() == op))
 }
 
-/// The shape facts of a session's model part-way through its in-memory rewrites onto
-/// onnx-ga's kernels. A value that kept its name is the same value: its facts from the model
-/// before the rewrites hold, and say more than those inferred through onnx-ga's operators
-/// (which shape inference does not know).
-pub(crate) struct SessionFacts {
-    before: std::collections::HashMap<String, autodiff::shapes::Facts>,
+/// The node making `v` (at output 0, its only output) when it is `op` of the standard
+/// domain in the main graph; its attributes are the caller's to check.
+pub(crate) fn made_by(model: &Model, v: crate::ir::ValueId, op: &str) -> Option<crate::ir::NodeId> {
+    let (n, 0) = model.producer(v)? else {
+        return None;
+    };
+    let node = model.node(n);
+    (node.proto.op_type() == op
+        && crate::ir::normalize_domain(node.proto.domain()).is_empty()
+        && node.body == crate::ir::BodyId::MAIN
+        && node.outputs.len() == 1)
+        .then_some(n)
+}
+
+/// The shape facts of a session's model before its in-memory rewrites onto onnx-ga's
+/// kernels, by value name: inferred once, on first use, for every pass that reads them. A
+/// value that kept its name through the rewrites is the same value, so its facts from
+/// before hold, and say more than those inferred through onnx-ga's operators (which shape
+/// inference does not know).
+pub struct FactsBefore<'m> {
+    model: &'m crate::proto::ModelProto,
+    by_name: std::cell::OnceCell<std::collections::HashMap<String, autodiff::shapes::Facts>>,
+}
+
+impl<'m> FactsBefore<'m> {
+    /// `model`: the session's model before the rewrites.
+    pub fn new(model: &'m crate::proto::ModelProto) -> FactsBefore<'m> {
+        FactsBefore {
+            model,
+            by_name: std::cell::OnceCell::new(),
+        }
+    }
+
+    fn by_name(&self) -> &std::collections::HashMap<String, autodiff::shapes::Facts> {
+        self.by_name.get_or_init(|| {
+            let before = Model::from_proto(self.model.clone());
+            let shapes = autodiff::shapes::Shapes::infer(&before);
+            (0..before.values.len())
+                .map(|v| crate::ir::ValueId(v as u32))
+                .map(|v| (before.name(v).to_string(), shapes.get(v)))
+                .collect()
+        })
+    }
+}
+
+/// The shape facts of a session's model part-way through its rewrites: [`FactsBefore`]
+/// where a value kept its name, else inferred on the model as it is now.
+pub(crate) struct SessionFacts<'b> {
+    before: &'b std::collections::HashMap<String, autodiff::shapes::Facts>,
     now: autodiff::shapes::Shapes,
 }
 
-impl SessionFacts {
-    /// `facts_from`: the model before the rewrites; `now`: the model as they left it.
-    pub(crate) fn new(facts_from: &crate::proto::ModelProto, now: &Model) -> SessionFacts {
-        let before = Model::from_proto(facts_from.clone());
-        let shapes = autodiff::shapes::Shapes::infer(&before);
+impl<'b> SessionFacts<'b> {
+    pub(crate) fn new(before: &'b FactsBefore<'_>, now: &Model) -> SessionFacts<'b> {
         SessionFacts {
-            before: (0..before.values.len())
-                .map(|v| crate::ir::ValueId(v as u32))
-                .map(|v| (before.name(v).to_string(), shapes.get(v)))
-                .collect(),
+            before: before.by_name(),
             now: autodiff::shapes::Shapes::infer(now),
         }
     }
