@@ -1167,6 +1167,113 @@ cases! {
     };
 }
 
+cases! {
+    // ---- trigonometric and hyperbolic
+    sin: 17, F64 => |n| unary(n, "Sin", -2.0, 2.0, vec![]);
+    cos: 17, F64 => |n| unary(n, "Cos", -2.0, 2.0, vec![]);
+    tan: 17, F32 => |n| unary(n, "Tan", -1.2, 1.2, vec![]);
+    asin: 17, F32 => |n| unary(n, "Asin", -0.8, 0.8, vec![]);
+    acos: 17, F32 => |n| unary(n, "Acos", -0.8, 0.8, vec![]);
+    atan: 17, F32 => |n| unary(n, "Atan", -2.0, 2.0, vec![]);
+    sinh: 17, F32 => |n| unary(n, "Sinh", -1.5, 1.5, vec![]);
+    cosh: 17, F32 => |n| unary(n, "Cosh", -1.5, 1.5, vec![]);
+    asinh: 17, F32 => |n| unary(n, "Asinh", -2.0, 2.0, vec![]);
+    acosh: 17, F32 => |n| unary(n, "Acosh", 1.2, 3.0, vec![]);
+    atanh: 17, F32 => |n| unary(n, "Atanh", -0.8, 0.8, vec![]);
+
+    // ---- more activations
+    softsign: 17, F32 => |n| unary(n, "Softsign", -2.0, 2.0, vec![]);
+    selu: 17, F32 => |n| unary_avoid(n, "Selu", -1.5, 1.5, &[0.0], vec![]);
+    selu_attrs: 17, F32 => |n| unary_avoid(n, "Selu", -1.5, 1.5, &[0.0],
+        vec![attr_float("alpha", 0.6), attr_float("gamma", 1.3)]);
+    celu: 17, F32 => |n| unary_avoid(n, "Celu", -1.5, 1.5, &[0.0], vec![attr_float("alpha", 0.8)]);
+    thresholded_relu: 17, F32 => |n| unary_avoid(n, "ThresholdedRelu", -1.5, 1.5, &[0.3],
+        vec![attr_float("alpha", 0.3)]);
+    shrink: 17, F32 => |n| unary_avoid(n, "Shrink", -1.5, 1.5, &[-0.4, 0.4],
+        vec![attr_float("lambd", 0.4), attr_float("bias", 0.1)]);
+    mish: 18, F32 => |n| unary(n, "Mish", -2.0, 2.0, vec![]);
+    prelu_channel_slope: 17, F32 => |n| {
+        let x = n.param_avoid("X", &[2, 3, 4], -1.5, 1.5, &[0.0], 0.05);
+        let slope = n.param("slope", &[3, 1], 0.05, 0.5);
+        vec![n.op("PRelu", &[x, slope], vec![])]
+    };
+    prelu_one_slope: 17, F32 => |n| {
+        let x = n.param_avoid("X", &[3, 4], -1.5, 1.5, &[0.0], 0.05);
+        let slope = n.param("slope", &[1], 0.05, 0.5);
+        vec![n.op("PRelu", &[x, slope], vec![])]
+    };
+
+    // ---- fmod: A/B kept away from whole numbers, where fmod jumps
+    fmod: 17, F64 => |n| {
+        let b: Vec<f64> = (0..12)
+            .map(|i| n.rng.uniform(0.7, 1.6) * if i % 3 == 0 { -1.0 } else { 1.0 })
+            .collect();
+        let a: Vec<f64> = b
+            .iter()
+            .map(|b| {
+                let whole = (n.rng.next() % 5) as f64 - 2.0;
+                b * (whole + n.rng.uniform(0.2, 0.8))
+            })
+            .collect();
+        let a = n.param_with("A", &[3, 4], a);
+        let b = n.param_with("B", &[3, 4], b);
+        vec![n.op("Mod", &[a, b], vec![attr_int("fmod", 1)])]
+    };
+
+    // ---- more reductions
+    reduce_log_sum_exp_keep0: 18, F64 => |n| {
+        let x = n.param("X", &[2, 3, 4], -2.0, 2.0);
+        let axes = n.ints("axes", &[2], &[0, 2]);
+        vec![n.op("ReduceLogSumExp", &[x, axes], vec![attr_int("keepdims", 0)])]
+    };
+    reduce_log_sum_exp_keep1: 17, F64 => |n| {
+        let x = n.param("X", &[2, 3, 4], -2.0, 2.0);
+        vec![n.op("ReduceLogSumExp", &[x], vec![attr_ints("axes", &[-1])])]
+    };
+    reduce_l1_keep0: 18, F64 => |n| {
+        let x = n.param_avoid("X", &[2, 3, 4], -2.0, 2.0, &[0.0], 0.05);
+        let axes = n.ints("axes", &[1], &[1]);
+        vec![n.op("ReduceL1", &[x, axes], vec![attr_int("keepdims", 0)])]
+    };
+    global_max_pool: 17, F32 => |n| {
+        let x = n.param_distinct("X", &[2, 3, 2, 3], 0.1);
+        vec![n.op("GlobalMaxPool", &[x], vec![])]
+    };
+
+    // ---- more data movement
+    trilu_upper_k1: 17, F64 => |n| {
+        let x = n.param("X", &[2, 3, 4], -1.0, 1.0);
+        let k = n.ints("k", &[], &[1]);
+        vec![n.op("Trilu", &[x, k], vec![])]
+    };
+    trilu_lower: 17, F64 => |n| {
+        let x = n.param("X", &[4, 3], -1.0, 1.0);
+        vec![n.op("Trilu", &[x], vec![attr_int("upper", 0)])]
+    };
+    cum_sum: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let axis = n.ints("axis", &[], &[1]);
+        vec![n.op("CumSum", &[x, axis], vec![])]
+    };
+    cum_sum_exclusive_reverse: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let axis = n.ints("axis", &[], &[0]);
+        vec![n.op("CumSum", &[x, axis], vec![attr_int("exclusive", 1), attr_int("reverse", 1)])]
+    };
+    depth_to_space_dcr: 17, F64 => |n| {
+        let x = n.param("X", &[2, 8, 2, 3], -1.0, 1.0);
+        vec![n.op("DepthToSpace", &[x], vec![attr_int("blocksize", 2)])]
+    };
+    depth_to_space_crd: 17, F64 => |n| {
+        let x = n.param("X", &[2, 8, 2, 3], -1.0, 1.0);
+        vec![n.op("DepthToSpace", &[x], vec![attr_int("blocksize", 2), attr_string("mode", "CRD")])]
+    };
+    space_to_depth: 17, F64 => |n| {
+        let x = n.param("X", &[2, 2, 4, 6], -1.0, 1.0);
+        vec![n.op("SpaceToDepth", &[x], vec![attr_int("blocksize", 2)])]
+    };
+}
+
 /// Builds the case and expects the autodiff to refuse it with an error (never a panic)
 /// that names the node, its op and `needle`.
 fn check_error(

@@ -275,6 +275,17 @@ const SAME_AS_INPUT: &[&str] = &[
     "Erf",
     "Sin",
     "Cos",
+    "Tan",
+    "Asin",
+    "Acos",
+    "Atan",
+    "Sinh",
+    "Cosh",
+    "Asinh",
+    "Acosh",
+    "Atanh",
+    "Shrink",
+    "ThresholdedRelu",
     "Sign",
     "Floor",
     "Ceil",
@@ -516,6 +527,30 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
                         })
                         .collect(),
                 )
+            });
+            vec![with_dims(x.elem, dims)]
+        }
+        "DepthToSpace" | "SpaceToDepth" => {
+            // [N, C, H, W] <-> [N, C / b², H b, W b].
+            let b = int("blocksize").filter(|b| *b > 0);
+            let dims = x.dims.filter(|d| d.len() == 4).map(|d| {
+                let scale = |dim: &Dim, up: bool| match (dim.known(), b) {
+                    (Some(v), Some(b)) if up => Dim::Known(v * b),
+                    (Some(v), Some(b)) if v % b == 0 => Dim::Known(v / b),
+                    _ => Dim::Unknown,
+                };
+                let to_space = op == "DepthToSpace";
+                let channels = match (d[1].known(), b) {
+                    (Some(c), Some(b)) if to_space && c % (b * b) == 0 => Dim::Known(c / (b * b)),
+                    (Some(c), Some(b)) if !to_space => Dim::Known(c * b * b),
+                    _ => Dim::Unknown,
+                };
+                vec![
+                    d[0].clone(),
+                    channels,
+                    scale(&d[2], to_space),
+                    scale(&d[3], to_space),
+                ]
             });
             vec![with_dims(x.elem, dims)]
         }

@@ -13,7 +13,18 @@
 //! HardSwish    dX = dY * (X < -3 ? 0 : X > 3 ? 1 : X/3 + 1/2)      (PyTorch's convention at ±3)
 //! Softplus     dX = dY * sigmoid(X)
 //! Clip         dX = dY * (min <= X <= max)             (both bounds inclusive, as PyTorch)
+//! Softsign     dX = dY / (1 + |X|)²
+//! Selu         dX = dY * (X > 0 ? gamma : Y + alpha gamma)
+//! Celu         dX = dY * (X > 0 ? 1 : Y / alpha + 1)
+//! ThresholdedRelu  dX = dY * (X > alpha)
+//! Shrink       dX = dY * (X < -lambd or X > lambd)
+//! Mish         dX = dY * (t + X sigmoid(X) (1 - t²)),   t = tanh(softplus(X))
+//! PRelu        dX = dY * (X > 0 ? 1 : slope)           dslope = dY * (X > 0 ? 0 : X), summed
+//!                                                      back to the slope's shape
 //! ```
+//!
+//! At a kink (X = 0, or X = ±lambd, or X = alpha) the rules take the derivative from the
+//! side PyTorch takes: the side that is not the `X > 0` branch.
 
 use super::{Grad, InputGrads, UnaryParts};
 use crate::ir::builder::attr_float;
@@ -215,5 +226,154 @@ pub fn clip(
     let zero = cx.scalar_like(node, x, 0.0)?;
     let mut out = vec![None; wants.len()];
     out[0] = Some(cx.op_like("Where", &[inside, dy, zero], vec![], &h, x));
+    Ok(out)
+}
+
+pub fn softsign(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    let UnaryParts { dy, x, hint: h, .. } = cx.unary_parts(node, dys)?;
+    let one = cx.scalar_like(node, x, 1.0)?;
+    let a = cx.op_like("Abs", &[x], vec![], &h, x);
+    let d = cx.op_like("Add", &[a, one], vec![], &h, x);
+    let d2 = cx.op_like("Mul", &[d, d], vec![], &h, x);
+    Ok(vec![Some(cx.op_like("Div", &[dy, d2], vec![], &h, x))])
+}
+
+/// ONNX's defaults for Selu (the float32 values of the constants in Klambauer et al.).
+const SELU_ALPHA: f32 = 1.673_263_2;
+const SELU_GAMMA: f32 = 1.050_701;
+
+pub fn selu(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    let alpha = cx.float_attr(node, "alpha", SELU_ALPHA)? as f64;
+    let gamma = cx.float_attr(node, "gamma", SELU_GAMMA)? as f64;
+    cx.by_slope(node, dys, |cx, x, y, h| {
+        let zero = cx.scalar_like(node, x, 0.0)?;
+        let g = cx.scalar_like(node, x, gamma)?;
+        let ag = cx.scalar_like(node, x, alpha * gamma)?;
+        let pos = cx.op("Greater", &[x, zero], vec![], h);
+        let neg_slope = cx.op_like("Add", &[y, ag], vec![], h, x);
+        Ok(cx.op_like("Where", &[pos, g, neg_slope], vec![], h, x))
+    })
+}
+
+pub fn celu(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    let alpha = cx.float_attr(node, "alpha", 1.0)? as f64;
+    if alpha == 0.0 {
+        return Err(cx.error(node, "attribute 'alpha' = 0: Celu is undefined".into()));
+    }
+    cx.by_slope(node, dys, |cx, x, y, h| {
+        let zero = cx.scalar_like(node, x, 0.0)?;
+        let one = cx.scalar_like(node, x, 1.0)?;
+        let a = cx.scalar_like(node, x, alpha)?;
+        let pos = cx.op("Greater", &[x, zero], vec![], h);
+        let q = cx.op_like("Div", &[y, a], vec![], h, x);
+        let neg_slope = cx.op_like("Add", &[q, one], vec![], h, x);
+        Ok(cx.op_like("Where", &[pos, one, neg_slope], vec![], h, x))
+    })
+}
+
+/// `dX = dY` where `pass` holds, else 0.
+fn pass_where(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    pass: impl FnOnce(&mut Grad<'_>, ValueId, &str) -> Result<ValueId, PassError>,
+) -> Result<InputGrads, PassError> {
+    let UnaryParts { dy, x, hint: h, .. } = cx.unary_parts(node, dys)?;
+    let keep = pass(cx, x, &h)?;
+    let zero = cx.scalar_like(node, x, 0.0)?;
+    Ok(vec![Some(cx.op_like(
+        "Where",
+        &[keep, dy, zero],
+        vec![],
+        &h,
+        x,
+    ))])
+}
+
+pub fn thresholded_relu(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    let alpha = cx.float_attr(node, "alpha", 1.0)? as f64;
+    pass_where(cx, node, dys, |cx, x, h| {
+        let a = cx.scalar_like(node, x, alpha)?;
+        Ok(cx.op("Greater", &[x, a], vec![], h))
+    })
+}
+
+pub fn shrink(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    let lambd = cx.float_attr(node, "lambd", 0.5)? as f64;
+    pass_where(cx, node, dys, |cx, x, h| {
+        let hi = cx.scalar_like(node, x, lambd)?;
+        let lo = cx.scalar_like(node, x, -lambd)?;
+        let above = cx.op("Greater", &[x, hi], vec![], h);
+        let below = cx.op("Less", &[x, lo], vec![], h);
+        Ok(cx.op("Or", &[above, below], vec![], h))
+    })
+}
+
+pub fn mish(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    cx.by_slope(node, dys, |cx, x, _, h| {
+        // Y = X t, so t = Y / X, but not at X = 0: recompute t.
+        let sp = cx.op_like("Softplus", &[x], vec![], h, x);
+        let t = cx.op_like("Tanh", &[sp], vec![], h, x);
+        let one = cx.scalar_like(node, x, 1.0)?;
+        let t2 = cx.op_like("Mul", &[t, t], vec![], h, x);
+        let sech2 = cx.op_like("Sub", &[one, t2], vec![], h, x);
+        let s = cx.op_like("Sigmoid", &[x], vec![], h, x);
+        let xs = cx.op_like("Mul", &[x, s], vec![], h, x);
+        let tail = cx.op_like("Mul", &[xs, sech2], vec![], h, x);
+        Ok(cx.op_like("Add", &[t, tail], vec![], h, x))
+    })
+}
+
+pub fn prelu(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let UnaryParts { dy, x, y, hint: h } = cx.unary_parts(node, dys)?;
+    let slope = cx.input(node, 1)?;
+    let zero = cx.scalar_like(node, x, 0.0)?;
+    let pos = cx.op("Greater", &[x, zero], vec![], &h);
+    let mut out = vec![None, None];
+    if super::wanted(wants, 0) {
+        let scaled = cx.op_like("Mul", &[dy, slope], vec![], &h, y);
+        out[0] = Some(cx.op_like("Where", &[pos, dy, scaled], vec![], &h, x));
+    }
+    if super::wanted(wants, 1) {
+        let hs = format!("{}_grad", cx.model().name(slope));
+        let dyx = cx.op_like("Mul", &[dy, x], vec![], &hs, y);
+        let g = cx.op_like("Where", &[pos, zero, dyx], vec![], &hs, y);
+        out[1] = Some(cx.unbroadcast(node, g, y, slope)?);
+    }
     Ok(out)
 }

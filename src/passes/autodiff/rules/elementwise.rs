@@ -17,7 +17,13 @@
 //! Y = Σ Xi          dXi = dY                Y = mean(Xi): dXi = dY / n
 //! Y = max/min(Xi)   dXi = dY where Xi is the first input equal to Y, else 0
 //! Y = C ? A : B     dA = C ? dY : 0         dB = C ? 0 : dY
+//! Y = fmod(A, B)    dA = dY                 dB = -dY * trunc(A / B) = -dY * (A - Y) / B
 //! ```
+//!
+//! `Mod` of integers carries no gradient (integer values stop the sweep); of floats ONNX
+//! requires `fmod = 1`, C's `fmod`, which is A minus a whole multiple of B: piecewise, A
+//! itself plus a constant, so its derivative is not zero. `trunc(A / B)` is read back from
+//! the forward's own result rather than recomputed.
 
 use super::{wanted, Grad, InputGrads};
 use crate::ir::builder::attr_int;
@@ -384,4 +390,35 @@ pub fn where_(
         }
     }
     Ok(out)
+}
+
+pub fn fmod(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    if cx.int_attr(node, "fmod", 0)? != 1 {
+        return Err(cx.error(
+            node,
+            "Mod of floating-point values needs fmod = 1 (the ONNX rule); this node has fmod = 0"
+                .into(),
+        ));
+    }
+    let dy = cx.dy(node, dys, 0)?;
+    let y = cx.forward_output(node, 0)?;
+    let (a, b) = (cx.input(node, 0)?, cx.input(node, 1)?);
+    binary(
+        cx,
+        node,
+        wants,
+        |_, _| Ok(dy),
+        |cx, _| {
+            let hint = name(cx, b);
+            let whole = cx.op_like("Sub", &[a, y], vec![], &hint, y);
+            let q = cx.op_like("Div", &[whole, b], vec![], &hint, y);
+            let p = cx.op_like("Mul", &[dy, q], vec![], &hint, y);
+            Ok(cx.op_like("Neg", &[p], vec![], &hint, y))
+        },
+    )
 }

@@ -22,6 +22,7 @@ mod pool;
 mod reduce;
 mod shape;
 mod softmax;
+mod trig;
 
 use std::collections::HashMap;
 
@@ -106,6 +107,32 @@ const RULES: &[(&str, RuleFn)] = &[
     ("Gather", shape::gather),
     ("GatherElements", shape::gather_elements),
     ("SoftmaxCrossEntropyLoss", loss::softmax_cross_entropy),
+    ("Sin", trig::sin),
+    ("Cos", trig::cos),
+    ("Tan", trig::tan),
+    ("Asin", trig::asin),
+    ("Acos", trig::acos),
+    ("Atan", trig::atan),
+    ("Sinh", trig::sinh),
+    ("Cosh", trig::cosh),
+    ("Asinh", trig::asinh),
+    ("Acosh", trig::acosh),
+    ("Atanh", trig::atanh),
+    ("Softsign", activation::softsign),
+    ("Selu", activation::selu),
+    ("Celu", activation::celu),
+    ("ThresholdedRelu", activation::thresholded_relu),
+    ("Shrink", activation::shrink),
+    ("Mish", activation::mish),
+    ("PRelu", activation::prelu),
+    ("Mod", elementwise::fmod),
+    ("ReduceLogSumExp", reduce::reduce_log_sum_exp),
+    ("ReduceL1", reduce::reduce_l1),
+    ("GlobalMaxPool", reduce::global_max_pool),
+    ("Trilu", shape::trilu),
+    ("CumSum", shape::cum_sum),
+    ("DepthToSpace", shape::depth_to_space),
+    ("SpaceToDepth", shape::space_to_depth),
 ];
 
 /// Rules for ops outside the default domain.
@@ -154,8 +181,6 @@ pub const NON_DIFFERENTIABLE: &[&str] = &[
     "Bernoulli",
     "Multinomial",
     "BitShift",
-    "Mod",
-    "Trilu",
 ];
 
 /// Inputs that carry no gradient even when they are float tensors: `CastLike` takes only

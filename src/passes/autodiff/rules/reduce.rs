@@ -7,6 +7,9 @@
 //! ReduceSumSquare   dX = 2 X · dY_k
 //! ReduceL2          dX = X · dY_k / Y_k
 //! ReduceMax / Min   dX = dY_k / c · (X == Y_k)               c = how many tie for the extreme
+//! ReduceLogSumExp   dX = dY_k · exp(X - Y_k)                 (the softmax of X over the axes)
+//! ReduceL1          dX = dY_k · sign(X)
+//! GlobalMaxPool     ReduceMax over the spatial axes, kept
 //! ```
 //!
 //! Ties of ReduceMax/Min share the gradient evenly, as PyTorch's `amax`/`amin` do.
@@ -178,18 +181,75 @@ pub fn reduce_max_min(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let (UnaryParts { dy, x, y, hint: h }, axes) = setup(cx, node, dys)?;
-    let elem = cx.elem(node, x)?;
+    let (parts, axes) = setup(cx, node, dys)?;
     let mut out = vec![None; wants.len()];
-    let Some((axes, keep)) = axes else {
-        out[0] = Some(dy);
-        return Ok(out);
-    };
-    let (dyk, yk) = kept(cx, dy, y, &axes, keep, &h);
+    out[0] = Some(match axes {
+        None => parts.dy,
+        Some((axes, keep)) => extreme(cx, node, parts, &axes, keep)?,
+    });
+    Ok(out)
+}
+
+/// The gradient of a maximum or minimum over `axes`, shared by the ties.
+fn extreme(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    UnaryParts { dy, x, y, hint: h }: UnaryParts,
+    axes: &[i64],
+    keep: bool,
+) -> Result<ValueId, PassError> {
+    let elem = cx.elem(node, x)?;
+    let (dyk, yk) = kept(cx, dy, y, axes, keep, &h);
     let hit = cx.op("Equal", &[x, yk], vec![], &h);
     let mask = cx.op_like("Cast", &[hit], vec![attr_int("to", elem as i64)], &h, x);
-    let ties = cx.reduce("ReduceSum", mask, &axes, true, &h);
+    let ties = cx.reduce("ReduceSum", mask, axes, true, &h);
     let share = cx.op("Div", &[dyk, ties], vec![], &h);
-    out[0] = Some(cx.op_like("Mul", &[mask, share], vec![], &h, x));
+    Ok(cx.op_like("Mul", &[mask, share], vec![], &h, x))
+}
+
+pub fn global_max_pool(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    let parts = cx.unary_parts(node, dys)?;
+    let rank = cx.need_rank(node, parts.x)? as i64;
+    let spatial: Vec<i64> = (2..rank).collect();
+    Ok(vec![Some(extreme(cx, node, parts, &spatial, true)?)])
+}
+
+pub fn reduce_log_sum_exp(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let (UnaryParts { dy, x, y, hint: h }, axes) = setup(cx, node, dys)?;
+    let (dyk, yk) = match axes {
+        None => (dy, y),
+        Some((axes, keep)) => kept(cx, dy, y, &axes, keep, &h),
+    };
+    let centred = cx.op_like("Sub", &[x, yk], vec![], &h, x);
+    let weights = cx.op_like("Exp", &[centred], vec![], &h, x);
+    let mut out = vec![None; wants.len()];
+    out[0] = Some(cx.op_like("Mul", &[weights, dyk], vec![], &h, x));
+    Ok(out)
+}
+
+pub fn reduce_l1(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let (UnaryParts { dy, x, y, hint: h }, axes) = setup(cx, node, dys)?;
+    let dyk = match axes {
+        None => dy,
+        Some((axes, keep)) => kept(cx, dy, y, &axes, keep, &h).0,
+    };
+    let sign = cx.op_like("Sign", &[x], vec![], &h, x);
+    let mut out = vec![None; wants.len()];
+    out[0] = Some(cx.op_like("Mul", &[sign, dyk], vec![], &h, x));
     Ok(out)
 }

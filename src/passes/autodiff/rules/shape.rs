@@ -16,11 +16,21 @@
 //! Dropout (training, mask M)          dX = dY · M / (1 - ratio)              DropoutGrad
 //! Gather(axis)                        dX = zeros(shape X), dY scatter-added at the indices  GatherGrad
 //! GatherElements(axis)                the same per element                  GatherElementsGrad
+//! Trilu(k, upper)                     dX = Trilu(dY, k, upper)
+//! CumSum(axis, exclusive, reverse)    dX = CumSum(dY, axis, exclusive, not reverse)
+//! DepthToSpace(b, DCR)                dX = SpaceToDepth(dY, b)
+//! DepthToSpace(b, CRD)                dX = SpaceToDepth(dY, b) with its channels from
+//!                                          (bh, bw, c) order back to (c, bh, bw)
+//! SpaceToDepth(b)                     dX = DepthToSpace(dY, b, DCR)
 //! ```
+//!
+//! SpaceToDepth is the inverse permutation of DepthToSpace in DCR mode (its reshape puts
+//! the block offsets before the channels, as DCR's does); CRD orders the channels the
+//! other way.
 
 use super::super::shapes::{Dim, Facts};
 use super::{Grad, InputGrads};
-use crate::ir::builder::{attr_int, attr_ints, attr_tensor};
+use crate::ir::builder::{attr_int, attr_ints, attr_string, attr_tensor};
 use crate::ir::emit::Emit;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
@@ -664,4 +674,122 @@ pub fn gather_elements(
     );
     let v = cx.output_like(g, 0, x);
     Ok(first_only(wants.len(), v))
+}
+
+pub fn trilu(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let x = cx.input(node, 0)?;
+    let h = hint(cx, x);
+    let mut inputs = vec![cx.dy(node, dys, 0)?];
+    inputs.extend(cx.opt_input(node, 1));
+    let attrs = cx.attrs_of(node, &["upper"]);
+    let g = cx.op_like("Trilu", &inputs, attrs, &h, x);
+    Ok(first_only(wants.len(), g))
+}
+
+pub fn cum_sum(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let x = cx.input(node, 0)?;
+    let axis = cx.input(node, 1)?;
+    let h = hint(cx, x);
+    let exclusive = cx.int_attr(node, "exclusive", 0)?;
+    let reverse = cx.int_attr(node, "reverse", 0)?;
+    let g = cx.op_like(
+        "CumSum",
+        &[cx.dy(node, dys, 0)?, axis],
+        vec![
+            attr_int("exclusive", exclusive),
+            attr_int("reverse", i64::from(reverse == 0)),
+        ],
+        &h,
+        x,
+    );
+    Ok(first_only(wants.len(), g))
+}
+
+fn block_size(cx: &Grad<'_>, node: NodeId) -> Result<i64, PassError> {
+    match cx.int_attr(node, "blocksize", 0)? {
+        b if b > 0 => Ok(b),
+        b => Err(cx.error(node, format!("attribute 'blocksize' = {b} is not positive"))),
+    }
+}
+
+pub fn depth_to_space(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    let x = cx.input(node, 0)?;
+    let h = hint(cx, x);
+    let b = block_size(cx, node)?;
+    let dy = cx.dy(node, dys, 0)?;
+    let blocks_first = cx.op_like("SpaceToDepth", &[dy], vec![attr_int("blocksize", b)], &h, x);
+    let mode = cx
+        .string_attr(node, "mode")?
+        .unwrap_or_else(|| "DCR".into());
+    match mode.as_str() {
+        "DCR" => Ok(vec![Some(blocks_first)]),
+        "CRD" => {
+            // [N, b²·C', H, W] -> [N, b², C', H·W] -> [N, C', b², H·W] -> X's shape.
+            let channels = cx
+                .facts(x)
+                .dims
+                .as_ref()
+                .and_then(|d| d.get(1).and_then(Dim::known))
+                .ok_or_else(|| {
+                    cx.error(
+                        node,
+                        "the gradient of CRD mode needs the input's channel count, which is neither declared nor derivable".into(),
+                    )
+                })?;
+            let per_block = channels / (b * b);
+            let split_shape = cx.ints(&[0, b * b, per_block, -1]);
+            let split = cx.op("Reshape", &[blocks_first, split_shape], vec![], &h);
+            let swapped = cx.op(
+                "Transpose",
+                &[split],
+                vec![attr_ints("perm", &[0, 2, 1, 3])],
+                &h,
+            );
+            let shape = cx.shape_of(x);
+            Ok(vec![Some(cx.op_like(
+                "Reshape",
+                &[swapped, shape],
+                vec![],
+                &h,
+                x,
+            ))])
+        }
+        other => Err(cx.error(
+            node,
+            format!("attribute 'mode' = '{other}' is not DCR or CRD"),
+        )),
+    }
+}
+
+pub fn space_to_depth(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    let x = cx.input(node, 0)?;
+    let h = hint(cx, x);
+    let b = block_size(cx, node)?;
+    let mut attrs = vec![attr_int("blocksize", b)];
+    // `mode` came with opset 11; before it DepthToSpace was DCR only.
+    if cx.opset() >= 11 {
+        attrs.push(attr_string("mode", "DCR"));
+    }
+    let g = cx.op_like("DepthToSpace", &[cx.dy(node, dys, 0)?], attrs, &h, x);
+    Ok(vec![Some(g)])
 }
