@@ -1274,6 +1274,39 @@ cases! {
     };
 }
 
+fn einsum_case(n: &mut Net, equation: &str, dims: &[&[i64]]) -> Vec<ValueId> {
+    let names = ["A", "B", "C"];
+    let inputs: Vec<ValueId> = dims
+        .iter()
+        .zip(names)
+        .map(|(d, name)| n.param(name, d, -1.0, 1.0))
+        .collect();
+    vec![n.op("Einsum", &inputs, vec![attr_string("equation", equation)])]
+}
+
+cases! {
+    // ---- einsum
+    einsum_matmul: 12, F64 => |n| einsum_case(n, "ij,jk->ik", &[&[3, 4], &[4, 5]]);
+    einsum_implicit_output: 12, F64 => |n| einsum_case(n, "jk,ij", &[&[4, 5], &[3, 4]]);
+    einsum_attention_scores: 12, F64 => |n| einsum_case(n, "bhid, bhjd -> bhij", &[&[2, 2, 3, 4], &[2, 2, 5, 4]]);
+    einsum_three_operands: 12, F64 => |n| einsum_case(n, "ij,jk,kl->il", &[&[2, 3], &[3, 4], &[4, 2]]);
+    einsum_sum_all: 12, F64 => |n| einsum_case(n, "ij->", &[&[3, 4]]);
+    einsum_outer: 12, F64 => |n| einsum_case(n, "i,j->ij", &[&[3], &[4]]);
+    einsum_transpose: 12, F64 => |n| einsum_case(n, "ijk->kij", &[&[2, 3, 4]]);
+    einsum_summed_in_one_input: 12, F64 => |n| einsum_case(n, "ikj,jl->il", &[&[3, 2, 4], &[4, 5]]);
+    einsum_ellipsis: 12, F64 => |n| einsum_case(n, "...ij,...jk->...ik", &[&[2, 3, 4], &[2, 4, 5]]);
+    einsum_ellipsis_broadcast_one: 12, F64 => |n| einsum_case(n, "...ij,...jk->...ik", &[&[2, 3, 4], &[1, 4, 5]]);
+    einsum_ellipsis_inside: 12, F64 => |n| einsum_case(n, "i...k,k->...i", &[&[3, 2, 4], &[4]]);
+    einsum_ellipsis_two_axes_one_side: 12, F64 => |n| einsum_case(n, "...ij,jk->...ik", &[&[2, 2, 3, 4], &[4, 5]]);
+}
+
+#[test]
+fn einsum_diagonal_is_refused() {
+    check_error("einsum_diagonal_is_refused", 12, F64, "diagonal", |n| {
+        einsum_case(n, "ii->i", &[&[3, 3]])
+    });
+}
+
 /// Builds the case and expects the autodiff to refuse it with an error (never a panic)
 /// that names the node, its op and `needle`.
 fn check_error(

@@ -530,6 +530,17 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
             });
             vec![with_dims(x.elem, dims)]
         }
+        "Einsum" => {
+            let equation = p.attr_string("equation").ok().flatten().unwrap_or_default();
+            let dims = super::rules::einsum::Equation::parse(&equation)
+                .ok()
+                .and_then(|eq| {
+                    let inputs: Vec<Option<Vec<Dim>>> =
+                        (0..n.inputs.len()).map(|i| input(i).dims).collect();
+                    eq.output_dims(&inputs)
+                });
+            vec![with_dims(x.elem, dims)]
+        }
         "DepthToSpace" | "SpaceToDepth" => {
             // [N, C, H, W] <-> [N, C / b², H b, W b].
             let b = int("blocksize").filter(|b| *b > 0);

@@ -14,6 +14,7 @@
 
 mod activation;
 mod conv;
+pub(in crate::passes::autodiff) mod einsum;
 mod elementwise;
 mod loss;
 mod matmul;
@@ -133,6 +134,7 @@ const RULES: &[(&str, RuleFn)] = &[
     ("CumSum", shape::cum_sum),
     ("DepthToSpace", shape::depth_to_space),
     ("SpaceToDepth", shape::space_to_depth),
+    ("Einsum", einsum::einsum),
 ];
 
 /// Rules for ops outside the default domain.
