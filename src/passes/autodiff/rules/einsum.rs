@@ -143,7 +143,7 @@ fn broadcast_dims(a: &[Dim], b: &[Dim]) -> Vec<Dim> {
             let pick = |v: &[Dim]| (i + v.len()).checked_sub(rank).map(|j| v[j].clone());
             match (pick(a), pick(b)) {
                 (Some(x), None) | (None, Some(x)) => x,
-                (Some(x), Some(y)) if x == Dim::Known(1) => y,
+                (Some(Dim::Known(1)), Some(y)) => y,
                 (Some(x), Some(_)) => x,
                 (None, None) => Dim::Unknown,
             }
