@@ -1307,6 +1307,77 @@ fn einsum_diagonal_is_refused() {
     });
 }
 
+/// Resize of a `dims` parameter by constant `scales` (or `sizes`), roi empty.
+fn resize_case(
+    n: &mut Net,
+    dims: &[i64],
+    scales: Option<&[f64]>,
+    sizes: Option<&[i64]>,
+    attrs: Vec<AttributeProto>,
+) -> Vec<ValueId> {
+    let x = n.param("X", dims, -1.0, 1.0);
+    let scales = scales.map(|s| n.konst("scales", &[s.len() as i64], s));
+    let sizes = sizes.map(|s| n.ints("sizes", &[s.len() as i64], s));
+    vec![n.node("Resize", &[Some(x), None, scales, sizes], 1, attrs)[0]]
+}
+
+fn mode(m: &str) -> AttributeProto {
+    attr_string("mode", m)
+}
+
+fn transform(t: &str) -> AttributeProto {
+    attr_string("coordinate_transformation_mode", t)
+}
+
+cases! {
+    // ---- resize: nearest by a whole factor (summed blocks), the rest (a matrix)
+    resize_nearest_2x: 13, F32 => |n| resize_case(n, &[1, 2, 3, 4], Some(&[1.0, 1.0, 2.0, 2.0]), None, vec![]);
+    resize_nearest_torch_upsample: 13, F32 => |n| resize_case(n, &[2, 2, 3, 3], Some(&[1.0, 1.0, 2.0, 3.0]), None,
+        vec![mode("nearest"), transform("asymmetric"), attr_string("nearest_mode", "floor")]);
+    resize_nearest_1_5x: 13, F32 => |n| resize_case(n, &[1, 2, 4, 4], Some(&[1.0, 1.0, 1.5, 1.5]), None, vec![]);
+    resize_nearest_sizes_prefer_ceil: 13, F32 => |n| resize_case(n, &[1, 1, 3, 5], None, Some(&[1, 1, 7, 4]),
+        vec![attr_string("nearest_mode", "round_prefer_ceil"), transform("align_corners")]);
+    resize_linear_half_pixel_2x: 13, F32 => |n| resize_case(n, &[1, 2, 3, 4], Some(&[1.0, 1.0, 2.0, 2.0]), None,
+        vec![mode("linear")]);
+    resize_linear_pytorch_half_pixel: 13, F32 => |n| resize_case(n, &[1, 2, 3, 4], Some(&[1.0, 1.0, 2.0, 2.0]), None,
+        vec![mode("linear"), transform("pytorch_half_pixel")]);
+    resize_linear_align_corners_sizes: 13, F32 => |n| resize_case(n, &[1, 2, 3, 4], None, Some(&[1, 2, 5, 9]),
+        vec![mode("linear"), transform("align_corners")]);
+    resize_linear_downsample: 13, F32 => |n| resize_case(n, &[1, 2, 6, 5], Some(&[1.0, 1.0, 0.5, 0.6]), None,
+        vec![mode("linear")]);
+    resize_linear_asymmetric_1d: 13, F32 => |n| resize_case(n, &[2, 3, 4], Some(&[1.0, 1.0, 2.5]), None,
+        vec![mode("linear"), transform("asymmetric")]);
+    resize_linear_middle_axis: 13, F32 => |n| resize_case(n, &[2, 3, 4], Some(&[1.0, 2.0, 1.0]), None,
+        vec![mode("linear")]);
+    resize_cubic: 13, F32 => |n| resize_case(n, &[1, 1, 4, 5], Some(&[1.0, 1.0, 2.0, 1.6]), None,
+        vec![mode("cubic")]);
+    resize_cubic_exclude_outside: 13, F32 => |n| resize_case(n, &[1, 1, 4, 5], Some(&[1.0, 1.0, 1.5, 2.0]), None,
+        vec![mode("cubic"), attr_float("cubic_coeff_a", -0.5), attr_int("exclude_outside", 1)]);
+    resize_linear_axes_opset18: 18, F32 => |n| resize_case(n, &[1, 2, 3, 4], Some(&[2.0, 1.5]), None,
+        vec![mode("linear"), attr_ints("axes", &[2, 3])]);
+    resize_linear_half_pixel_symmetric: 19, F32 => |n| resize_case(n, &[1, 1, 3, 4], Some(&[1.0, 1.0, 1.7, 2.3]), None,
+        vec![mode("linear"), transform("half_pixel_symmetric")]);
+}
+
+#[test]
+fn resize_crop_and_resize_is_refused() {
+    check_error(
+        "resize_crop_and_resize_is_refused",
+        13,
+        F32,
+        "tf_crop_and_resize",
+        |n| {
+            resize_case(
+                n,
+                &[1, 1, 3, 4],
+                Some(&[1.0, 1.0, 2.0, 2.0]),
+                None,
+                vec![transform("tf_crop_and_resize")],
+            )
+        },
+    );
+}
+
 /// Builds the case and expects the autodiff to refuse it with an error (never a panic)
 /// that names the node, its op and `needle`.
 fn check_error(

@@ -541,6 +541,13 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
                 });
             vec![with_dims(x.elem, dims)]
         }
+        "Resize" => {
+            let dims = x
+                .dims
+                .as_ref()
+                .and_then(|d| super::rules::resize::output_dims(model, node, d));
+            vec![with_dims(x.elem, dims)]
+        }
         "DepthToSpace" | "SpaceToDepth" => {
             // [N, C, H, W] <-> [N, C / b², H b, W b].
             let b = int("blocksize").filter(|b| *b > 0);

@@ -21,6 +21,7 @@ mod matmul;
 mod norm;
 mod pool;
 mod reduce;
+pub(in crate::passes::autodiff) mod resize;
 mod shape;
 mod softmax;
 mod trig;
@@ -135,6 +136,7 @@ const RULES: &[(&str, RuleFn)] = &[
     ("DepthToSpace", shape::depth_to_space),
     ("SpaceToDepth", shape::space_to_depth),
     ("Einsum", einsum::einsum),
+    ("Resize", resize::resize),
 ];
 
 /// Rules for ops outside the default domain.
