@@ -3,7 +3,8 @@
 //! - PyTorch 2.15 autograd: forward exports of an MLP, a CNN with and without BatchNorm
 //!   (MaxPool, a residual) and a GPT-style decoder (LayerNorm, GELU, causal attention,
 //!   embeddings, `view` with the dynamic batch, `arange` positions, padded labels), a
-//!   BERT-style encoder classifier and a ViT-style image classifier, each
+//!   BERT-style encoder classifier, a ViT-style image classifier and an encoder-decoder
+//!   (PReLU, Mish, nearest and bilinear Resize, PixelShuffle, einsum attention), each
 //!   written by the dynamo (`optimize=False`) and the legacy exporter
 //!   (graphs/forward/generate.py; references in fixtures/forward/);
 //! - torch optimizers: K = 4 micro-batches trained 8 windows against torch's 8 full
@@ -173,6 +174,17 @@ fn torch_vit_dynamo_gradients() {
 fn torch_vit_legacy_gradients() {
     torch_gradients("torch_vit", "legacy");
 }
+/// An encoder-decoder with PReLU, Mish, nearest and bilinear Resize, PixelShuffle
+/// (DepthToSpace, CRD), einsum attention and global max pooling (graphs/forward/generate.py,
+/// `UNet`).
+#[test]
+fn torch_unet_dynamo_gradients() {
+    torch_gradients("torch_unet", "dynamo");
+}
+#[test]
+fn torch_unet_legacy_gradients() {
+    torch_gradients("torch_unet", "legacy");
+}
 
 /// Trains `spec` on the model's data (micro-batch `b`, `steps` micro-steps) and returns the
 /// state.
@@ -292,6 +304,14 @@ fn torch_bert_accumulated_sgd_equals_full_batch() {
 #[test]
 fn torch_bert_accumulated_adamw_equals_full_batch() {
     torch_training("torch_bert", ADAMW, "mean", 4, "run_adamw.npz", &none);
+}
+#[test]
+fn torch_unet_accumulated_sgd_equals_full_batch() {
+    torch_training("torch_unet", SGD, "mean", 4, "run_sgd.npz", &none);
+}
+#[test]
+fn torch_unet_accumulated_adamw_equals_full_batch() {
+    torch_training("torch_unet", ADAMW, "mean", 4, "run_adamw.npz", &none);
 }
 #[test]
 fn torch_vit_accumulated_sgd_equals_full_batch() {

@@ -1,6 +1,7 @@
 """Forward ONNX models exported from real PyTorch models, and torch reference runs on them.
 
-Writes, per model NAME (torch_mlp, torch_cnn, torch_cnn_nobn, torch_gpt, torch_bert, torch_vit):
+Writes, per model NAME (torch_mlp, torch_cnn, torch_cnn_nobn, torch_gpt, torch_bert, torch_vit,
+torch_unet):
 
   graphs/forward/NAME/dynamo.onnx   torch.onnx.export(dynamo=True, optimize=False), batch dynamic
   graphs/forward/NAME/legacy.onnx   torch.onnx.export(dynamo=False, training=TRAINING,
@@ -269,6 +270,39 @@ class ViT(nn.Module):
         return self.head(self.ln(x)[:, 0])
 
 
+class UNet(nn.Module):
+    """A small encoder-decoder image classifier built from the ops U-Nets, FPNs and recent
+    CNNs bring beyond the plain CNN: PReLU (per channel), Mish, a strided encoder, nearest
+    upsampling by 2 (Resize) with a skip Concat, PixelShuffle (DepthToSpace), bilinear
+    downsampling (Resize, align_corners=False), SiLU, channel attention through einsum,
+    global max and mean pooling, a linear head. 3x8x8 images, 4 classes, no BatchNorm."""
+
+    def __init__(self, classes=4):
+        super().__init__()
+        self.enc1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.act1 = nn.PReLU(8)
+        self.enc2 = nn.Conv2d(8, 16, 3, stride=2, padding=1)
+        self.act2 = nn.Mish()
+        self.up = nn.Upsample(scale_factor=2, mode="nearest")
+        self.dec = nn.Conv2d(24, 16, 3, padding=1)
+        self.shuffle = nn.PixelShuffle(2)
+        self.mix = nn.Conv2d(4, 8, 3, padding=1)
+        self.head = nn.Linear(16, classes)
+
+    def forward(self, x):
+        s = self.act1(self.enc1(x))                                  # [B, 8, 8, 8]
+        h = self.act2(self.enc2(s))                                  # [B, 16, 4, 4]
+        h = self.dec(torch.cat([self.up(h), s], dim=1))              # [B, 16, 8, 8]
+        h = self.shuffle(h)                                          # [B, 4, 16, 16]
+        h = F.interpolate(h, scale_factor=0.5, mode="bilinear", align_corners=False)
+        h = F.silu(self.mix(h))                                      # [B, 8, 8, 8]
+        f = h.flatten(2)                                             # [B, 8, 64]
+        att = torch.softmax(torch.einsum("bci,bdi->bcd", f, f) / 8.0, dim=-1)
+        f = torch.einsum("bcd,bdi->bci", att, f).reshape(h.shape) + h
+        pooled = torch.cat([F.adaptive_max_pool2d(f, 1), F.adaptive_avg_pool2d(f, 1)], dim=1)
+        return self.head(pooled.flatten(1))
+
+
 def make_data_bert(rng):
     idx = rng.integers(1, 32, size=(N_SAMPLES, 8)).astype(np.int64)
     pads = rng.integers(0, 5, size=N_SAMPLES)  # 0..4 trailing pad tokens (id 0) per row
@@ -328,6 +362,11 @@ MODELS = {
                            "cls_token.expand(B) concatenated, + pos_embed, 2 pre-LN blocks (2 "
                            "heads, GELU(erf) MLP 4d), LayerNorm, head on token 0, 4 classes, key "
                            "projection without bias"),
+    "torch_unet": dict(make=UNet, seed=6, input="x", data=make_data_cnn, batch=16, runs=True,
+                       desc="encoder-decoder classifier: Conv2d -> PReLU(8) -> strided Conv2d -> "
+                            "Mish -> Upsample(x2, nearest) ++ skip -> Conv2d -> PixelShuffle(2) -> "
+                            "bilinear x0.5 -> Conv2d -> SiLU -> einsum channel attention + residual "
+                            "-> [global max ++ global mean] -> Linear(16, 4)"),
 }
 
 

@@ -545,7 +545,7 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
             let dims = x
                 .dims
                 .as_ref()
-                .and_then(|d| super::rules::resize::output_dims(model, node, d));
+                .map(|d| super::rules::resize::output_dims(model, node, d));
             vec![with_dims(x.elem, dims)]
         }
         "DepthToSpace" | "SpaceToDepth" => {

@@ -34,7 +34,7 @@ use super::super::shapes::{constant_ints, constant_tensor, Dim};
 use super::{Grad, InputGrads};
 use crate::ir::builder::{attr_int, attr_ints, tensor_f32, tensor_f64, NodeAttributes};
 use crate::ir::emit::Emit;
-use crate::ir::{Model, NodeId, ValueId};
+use crate::ir::{Model, NodeId, ValueDef, ValueId};
 use crate::passes::PassError;
 use crate::proto::tensor_proto::DataType;
 
@@ -70,9 +70,38 @@ fn attr_string_or(
         .unwrap_or_else(|| default.to_string()))
 }
 
+/// The values of a constant float32 vector: an initializer, a `Constant`, or a `Concat`
+/// of such (what the legacy torch exporter writes for `scale_factor`).
 fn floats_of(model: &Model, v: ValueId) -> Option<Vec<f32>> {
-    let t = crate::data::Tensor::from_tensor_proto(constant_tensor(model, v)?).ok()?;
-    Some(t.as_f32()?.iter().copied().collect())
+    if let Some(t) = constant_tensor(model, v) {
+        let t = crate::data::Tensor::from_tensor_proto(t).ok()?;
+        return Some(t.as_f32()?.iter().copied().collect());
+    }
+    let ValueDef::Node { node, slot: 0 } = model.value(v).def else {
+        return None;
+    };
+    let n = model.node(node);
+    match (n.proto.domain(), n.proto.op_type()) {
+        // The dynamo exporter writes scales as `Constant(value_floats)`.
+        ("", "Constant") => n
+            .proto
+            .attr("value_floats")
+            .map(|a| a.floats.clone())
+            .or_else(|| n.proto.attr("value_float").map(|a| vec![a.f()])),
+        ("", "Concat") => n
+            .inputs
+            .iter()
+            .map(|i| i.and_then(|i| floats_of(model, i)))
+            .collect::<Option<Vec<_>>>()
+            .map(|parts| parts.concat()),
+        ("", "Identity") => n
+            .inputs
+            .first()
+            .copied()
+            .flatten()
+            .and_then(|i| floats_of(model, i)),
+        _ => None,
+    }
 }
 
 /// The resized axes of `node` for an input of dims `x` (`Err`: why the rule cannot say).
@@ -148,14 +177,17 @@ fn plan(
     Ok(out)
 }
 
-/// The output dims for the shape facts (`None` where they cannot be told).
-pub fn output_dims(model: &Model, node: NodeId, x: &[Dim]) -> Option<Vec<Dim>> {
-    let plans = plan(model, node, x, None).ok()?;
+/// The output dims for the shape facts: the input's, with each resized axis's new length,
+/// or unknown lengths of the same rank where the node does not tell them.
+pub fn output_dims(model: &Model, node: NodeId, x: &[Dim]) -> Vec<Dim> {
+    let Ok(plans) = plan(model, node, x, None) else {
+        return vec![Dim::Unknown; x.len()];
+    };
     let mut dims = x.to_vec();
     for a in plans {
         dims[a.axis] = Dim::Known(a.output as i64);
     }
-    Some(dims)
+    dims
 }
 
 fn settings(model: &Model, node: NodeId) -> Result<Settings, String> {
