@@ -168,8 +168,8 @@ use ndarray::{ArrayD, IxDyn};
 use onnx_ga::data::Tensor;
 use onnx_ga::engine::ort::{OrtSession, SessionOptions};
 use onnx_ga::ir::builder::{
-    attr_float, attr_int, attr_ints, attr_string, tensor_bool, tensor_f32, tensor_f64, tensor_i64,
-    Builder,
+    attr_float, attr_int, attr_ints, attr_string, attr_strings, tensor_bool, tensor_f32,
+    tensor_f64, tensor_i64, Builder,
 };
 use onnx_ga::ir::{tensor_type, BodyId, Model, ValueId};
 use onnx_ga::proto::{AttributeProto, ModelProto, OperatorSetIdProto, TensorProto};
@@ -210,6 +210,13 @@ struct Net {
     rng: Rng,
     /// Trainable initializers: name, dims, values.
     params: Vec<Probe>,
+    /// The outputs' dims, given by a case whose forward op ONNX Runtime cannot run in this
+    /// element type (the recurrent layers have no float64 kernels): the forward is then not
+    /// run, and its float32 cases compare it with the gradient graph's instead.
+    output_dims: Option<Vec<Vec<i64>>>,
+    /// A case's own gradient tolerance, where float32 finite differences are noisier than
+    /// the default allows (its float64 twin holds the gradients to 1e-6).
+    tolerance: Option<f64>,
 }
 
 fn count(dims: &[i64]) -> usize {
@@ -235,6 +242,8 @@ impl Net {
             elem,
             rng: Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1),
             params: Vec::new(),
+            output_dims: None,
+            tolerance: None,
         }
     }
 
@@ -326,6 +335,16 @@ impl Net {
             .add_initializer(MAIN, name, tensor_i64(dims, values))
     }
 
+    fn int32s(&mut self, name: &str, dims: &[i64], values: &[i32]) -> ValueId {
+        let t = TensorProto {
+            dims: dims.to_vec(),
+            data_type: Some(6),
+            int32_data: values.to_vec(),
+            ..Default::default()
+        };
+        self.model.add_initializer(MAIN, name, t)
+    }
+
     fn bools(&mut self, name: &str, dims: &[i64], values: &[bool]) -> ValueId {
         self.model
             .add_initializer(MAIN, name, tensor_bool(dims, values))
@@ -363,10 +382,15 @@ impl Net {
         for y in ys {
             probe.add_output(MAIN, *y, None);
         }
-        let outs = run(&probe.to_proto(), &[]);
+        let all_dims: Vec<Vec<i64>> = match self.output_dims.clone() {
+            Some(d) => d,
+            None => run(&probe.to_proto(), &[])
+                .iter()
+                .map(|(_, t)| t.shape().iter().map(|d| *d as i64).collect())
+                .collect(),
+        };
         let mut terms = Vec::new();
-        for (i, (_, t)) in outs.iter().enumerate() {
-            let dims: Vec<i64> = t.shape().iter().map(|d| *d as i64).collect();
+        for (i, dims) in all_dims.into_iter().enumerate() {
             let r = self.random(&dims, -1.0, 1.0);
             let r = self.konst(&format!("R{i}"), &dims, &r);
             let m = self.op("Mul", &[ys[i], r], vec![]);
@@ -441,14 +465,43 @@ fn check(name: &str, opset: i64, elem: i32, build: impl FnOnce(&mut Net) -> Vec<
     });
     let mut net = Net::new(opset, elem, seed);
     let ys = build(&mut net);
+    let forward_runs = net.output_dims.is_none();
+    let tolerance = net.tolerance;
     let (forward, params) = net.finish(&ys);
     assert!(!params.is_empty(), "{name}: no parameters");
+    // The forward as ONNX Runtime runs it, before any normalisation (unrolled recurrent
+    // layers must compute what ONNX Runtime's own kernels compute). BatchNormalization and
+    // Dropout change on purpose (to their training forms).
+    let trains_differently = forward.graph.as_ref().is_some_and(|g| {
+        g.node
+            .iter()
+            .any(|n| matches!(n.op_type(), "BatchNormalization" | "Dropout"))
+    });
+    let forward_loss = forward_runs.then(|| {
+        run(&forward, &[])
+            .into_iter()
+            .find(|(o, _)| o == "loss")
+            .map(|(_, t)| values(&t)[0])
+            .unwrap_or_else(|| panic!("{name}: the forward has no loss"))
+    });
     let graph = onnx_ga::signature::forward(forward, Path::new("case.onnx"));
     let step = onnx_ga::step::build_step(graph, PIPELINE, true)
         .unwrap_or_else(|e| panic!("{name}: {PIPELINE}: {e}"));
     let proto = step.model.to_proto();
     let mut s = session(&proto);
     let base: Vec<(String, Tensor)> = s.run(&[]).unwrap_or_else(|e| panic!("{name}: run: {e}"));
+    let graph_loss = base
+        .iter()
+        .find(|(o, _)| o == "loss")
+        .map(|(_, t)| values(t)[0])
+        .unwrap_or_else(|| panic!("{name}: the gradient graph has no loss"));
+    let loss_tol = if elem == F64 { 1e-12 } else { 1e-5 };
+    if let (false, Some(forward_loss)) = (trains_differently, forward_loss) {
+        assert!(
+            (graph_loss - forward_loss).abs() <= loss_tol * forward_loss.abs().max(1.0),
+            "{name}: the gradient graph's loss {graph_loss} differs from the forward's {forward_loss}"
+        );
+    }
     let get = |outs: &[(String, Tensor)], n: &str| -> Vec<f64> {
         let t = outs.iter().find(|(o, _)| o == n).unwrap_or_else(|| {
             panic!(
@@ -474,6 +527,7 @@ fn check(name: &str, opset: i64, elem: i32, build: impl FnOnce(&mut Net) -> Vec<
     } else {
         (1e-3, 1e-3)
     };
+    let tol = tolerance.unwrap_or(tol);
     let mut worst = 0.0f64;
     let mut report = Vec::new();
     for (p, dims, v0) in &params {
@@ -1373,6 +1427,107 @@ fn resize_crop_and_resize_is_refused() {
                 Some(&[1.0, 1.0, 2.0, 2.0]),
                 None,
                 vec![transform("tf_crop_and_resize")],
+            )
+        },
+    );
+}
+
+/// A recurrent layer (`op`: LSTM, GRU or RNN; `gates` 4, 3, 1): S 3, N 2, I 4, H 3.
+/// Optional inputs as asked; every output reaches the loss. ONNX Runtime has no float64
+/// recurrent kernels: a float64 case gives the output dims and is not run as a forward; the
+/// float32 cases compare ONNX Runtime's kernels with the unrolled forward (1e-5).
+#[allow(clippy::too_many_arguments)]
+fn recurrent_case(
+    n: &mut Net,
+    op: &str,
+    gates: i64,
+    dirs: i64,
+    bias: bool,
+    initial: bool,
+    peepholes: bool,
+    mut attrs: Vec<AttributeProto>,
+) -> Vec<ValueId> {
+    let (s, b, i, h) = (3, 2, 4, 3);
+    let (x_dims, state_dims) = ([s, b, i], [dirs, b, h]);
+    let x = n.param("X", &x_dims, -1.0, 1.0);
+    let w = n.param("W", &[dirs, gates * h, i], -0.6, 0.6);
+    let r = n.param("R", &[dirs, gates * h, h], -0.6, 0.6);
+    let bias = bias.then(|| n.param("B", &[dirs, 2 * gates * h], -0.5, 0.5));
+    let h0 = initial.then(|| n.param("initial_h", &state_dims, -0.5, 0.5));
+    let c0 = (initial && op == "LSTM").then(|| n.param("initial_c", &state_dims, -0.5, 0.5));
+    let p = peepholes.then(|| n.param("P", &[dirs, 3 * h], -0.5, 0.5));
+    attrs.push(attr_int("hidden_size", h));
+    if dirs == 2 {
+        attrs.push(attr_string("direction", "bidirectional"));
+    }
+    let mut inputs = vec![Some(x), Some(w), Some(r), bias, None, h0];
+    if op == "LSTM" {
+        inputs.extend([c0, p]);
+    }
+    let outputs = if op == "LSTM" { 3 } else { 2 };
+    if n.elem == F32 {
+        // Three cells of small recurrent gradients (|fd| ~0.1): float32 differences measure
+        // them to 1-2.3e-3; the float64 twin holds them to 1e-6.
+        n.tolerance = Some(5e-3);
+    }
+    if n.elem == F64 {
+        let y = vec![s, dirs, b, h];
+        let state = vec![dirs, b, h];
+        let mut dims = vec![y, state.clone()];
+        if op == "LSTM" {
+            dims.push(state);
+        }
+        n.output_dims = Some(dims);
+    }
+    n.node(op, &inputs, outputs, attrs)
+}
+
+cases! {
+    // ---- recurrent layers, unrolled: float32 against ONNX Runtime's kernels (the forward),
+    // float64 for the gradients
+    lstm_full: 14, F32 => |n| recurrent_case(n, "LSTM", 4, 1, true, true, true, vec![]);
+    lstm_full_f64: 14, F64 => |n| recurrent_case(n, "LSTM", 4, 1, true, true, true, vec![]);
+    lstm_plain: 14, F32 => |n| recurrent_case(n, "LSTM", 4, 1, false, false, false, vec![]);
+    lstm_plain_f64: 14, F64 => |n| recurrent_case(n, "LSTM", 4, 1, false, false, false, vec![]);
+    lstm_bidirectional: 14, F32 => |n| recurrent_case(n, "LSTM", 4, 2, true, true, false, vec![]);
+    lstm_bidirectional_f64: 14, F64 => |n| recurrent_case(n, "LSTM", 4, 2, true, true, false, vec![]);
+    lstm_reverse: 14, F32 => |n| recurrent_case(n, "LSTM", 4, 1, true, false, true,
+        vec![attr_string("direction", "reverse")]);
+    lstm_reverse_f64: 14, F64 => |n| recurrent_case(n, "LSTM", 4, 1, true, false, true,
+        vec![attr_string("direction", "reverse")]);
+    gru_linear_before_reset: 14, F32 => |n| recurrent_case(n, "GRU", 3, 1, true, true, false,
+        vec![attr_int("linear_before_reset", 1)]);
+    gru_linear_before_reset_f64: 14, F64 => |n| recurrent_case(n, "GRU", 3, 1, true, true, false,
+        vec![attr_int("linear_before_reset", 1)]);
+    gru_bidirectional: 14, F32 => |n| recurrent_case(n, "GRU", 3, 2, true, false, false, vec![]);
+    gru_bidirectional_f64: 14, F64 => |n| recurrent_case(n, "GRU", 3, 2, true, false, false, vec![]);
+    gru_no_bias_initial_state: 14, F32 => |n| recurrent_case(n, "GRU", 3, 1, false, true, false, vec![]);
+    gru_no_bias_initial_state_f64: 14, F64 => |n| recurrent_case(n, "GRU", 3, 1, false, true, false, vec![]);
+    rnn_tanh: 14, F32 => |n| recurrent_case(n, "RNN", 1, 1, true, true, false, vec![]);
+    rnn_tanh_f64: 14, F64 => |n| recurrent_case(n, "RNN", 1, 1, true, true, false, vec![]);
+    rnn_sigmoid_bidirectional: 14, F32 => |n| recurrent_case(n, "RNN", 1, 2, true, false, false,
+        vec![attr_strings("activations", &["Sigmoid", "Tanh"])]);
+    rnn_sigmoid_bidirectional_f64: 14, F64 => |n| recurrent_case(n, "RNN", 1, 2, true, false, false,
+        vec![attr_strings("activations", &["Sigmoid", "Tanh"])]);
+}
+
+#[test]
+fn lstm_sequence_lens_is_refused() {
+    check_error(
+        "lstm_sequence_lens_is_refused",
+        14,
+        F32,
+        "sequence_lens",
+        |n| {
+            let x = n.param("X", &[3, 2, 4], -1.0, 1.0);
+            let w = n.param("W", &[1, 12, 4], -0.6, 0.6);
+            let r = n.param("R", &[1, 12, 3], -0.6, 0.6);
+            let lens = n.int32s("lens", &[2], &[3, 2]);
+            n.node(
+                "LSTM",
+                &[Some(x), Some(w), Some(r), None, Some(lens)],
+                1,
+                vec![attr_int("hidden_size", 3)],
             )
         },
     );

@@ -159,6 +159,15 @@ pub fn attr_string(name: &str, value: &str) -> AttributeProto {
     }
 }
 
+pub fn attr_strings(name: &str, values: &[&str]) -> AttributeProto {
+    AttributeProto {
+        name: Some(name.to_string()),
+        r#type: Some(AttributeType::Strings as i32),
+        strings: values.iter().map(|v| v.as_bytes().to_vec()).collect(),
+        ..Default::default()
+    }
+}
+
 pub fn attr_tensor(name: &str, value: TensorProto) -> AttributeProto {
     AttributeProto {
         name: Some(name.into()),
@@ -186,6 +195,14 @@ pub trait NodeAttributes {
     fn attr_string(&self, name: &str) -> Result<Option<String>, String> {
         typed(self.attr(name), name, AttributeType::String, |a| {
             String::from_utf8_lossy(a.s()).into_owned()
+        })
+    }
+    fn attr_strings(&self, name: &str) -> Result<Option<Vec<String>>, String> {
+        typed(self.attr(name), name, AttributeType::Strings, |a| {
+            a.strings
+                .iter()
+                .map(|s| String::from_utf8_lossy(s).into_owned())
+                .collect()
         })
     }
 }

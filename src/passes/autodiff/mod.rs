@@ -26,6 +26,7 @@ mod loss_fn;
 mod normalize;
 pub mod rules;
 pub mod shapes;
+mod unroll_rnn;
 
 use std::collections::{HashMap, HashSet};
 

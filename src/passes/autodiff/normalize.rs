@@ -15,6 +15,8 @@
 //!   forward draws is reused by the backward), or is removed (`--dropout off`).
 //! - **SplitToSequence + SequenceAt** at constant positions (what the torch exporter writes
 //!   for `x.split(n)`) become one `Split`, so no sequence reaches the gradient.
+//! - **LSTM, GRU, RNN** are unrolled into their cell equations over the (known) sequence
+//!   length (`unroll_rnn`), so their gradients come from the rules of the ops they are made of.
 
 use crate::ir::builder::{attr_float, attr_int, tensor_bool, Builder, NodeAttributes};
 use crate::ir::{BodyId, Model, NodeId, Use, ValueId};
@@ -49,6 +51,7 @@ pub struct Normalized {
     pub batch_norms: usize,
     pub dropouts: usize,
     pub splits: usize,
+    pub recurrent: usize,
 }
 
 pub fn normalize(
@@ -81,6 +84,21 @@ pub fn normalize(
             }
             _ => {}
         }
+    }
+    let recurrent: Vec<NodeId> = model
+        .body_nodes(BodyId::MAIN)
+        .filter(|n| {
+            let p = &model.node(*n).proto;
+            (p.domain().is_empty() || p.domain() == "ai.onnx")
+                && super::unroll_rnn::is_recurrent(p.op_type())
+        })
+        .collect();
+    // The sequence length comes from the shape facts, inferred again before each layer:
+    // a stacked layer reads the values the one before it was unrolled into.
+    for node in recurrent {
+        let shapes = super::shapes::Shapes::infer(model);
+        super::unroll_rnn::unroll(model, node, &shapes, pass)?;
+        out.recurrent += 1;
     }
     Ok(out)
 }

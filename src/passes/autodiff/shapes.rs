@@ -548,6 +548,37 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
                 .map(|d| super::rules::resize::output_dims(model, node, d));
             vec![with_dims(x.elem, dims)]
         }
+        "LSTM" | "GRU" | "RNN" => {
+            // Y [S, dirs, N, H], Y_h and Y_c [dirs, N, H] (layout 1: N first).
+            let hidden = int("hidden_size").map_or(Dim::Unknown, Dim::Known);
+            let dirs = match p.attr_string("direction").ok().flatten().as_deref() {
+                Some("bidirectional") => 2,
+                _ => 1,
+            };
+            let batch_first = int("layout") == Some(1);
+            let (seq, batch) = match x.dims.as_deref() {
+                Some([a, b, _]) if batch_first => (b.clone(), a.clone()),
+                Some([a, b, _]) => (a.clone(), b.clone()),
+                _ => (Dim::Unknown, Dim::Unknown),
+            };
+            let dirs = Dim::Known(dirs);
+            let (y, state) = if batch_first {
+                (
+                    vec![batch.clone(), seq, dirs.clone(), hidden.clone()],
+                    vec![batch, dirs, hidden],
+                )
+            } else {
+                (
+                    vec![seq, dirs.clone(), batch.clone(), hidden.clone()],
+                    vec![dirs, batch, hidden],
+                )
+            };
+            vec![
+                with_dims(x.elem, Some(y)),
+                with_dims(x.elem, Some(state.clone())),
+                with_dims(x.elem, Some(state)),
+            ]
+        }
         "DepthToSpace" | "SpaceToDepth" => {
             // [N, C, H, W] <-> [N, C / b², H b, W b].
             let b = int("blocksize").filter(|b| *b > 0);

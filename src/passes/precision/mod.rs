@@ -464,6 +464,19 @@ fn any_type_slot(model: &Model, node: NodeId, slot: usize) -> bool {
     }
 }
 
+/// Whether input `slot` of `node` is float32 whatever the node computes in: the schema
+/// types it `tensor(float)` alone (Resize's and Upsample's scales).
+fn float32_slot(model: &Model, node: NodeId, slot: usize) -> bool {
+    let p = &model.node(node).proto;
+    let plain = p.domain().is_empty() || p.domain() == "ai.onnx";
+    plain
+        && match p.op_type() {
+            "Resize" => slot == 2,
+            "Upsample" => slot == 1,
+            _ => false,
+        }
+}
+
 impl<'a> Analysis<'a> {
     fn new(
         model: &'a Model,
@@ -564,7 +577,11 @@ impl<'a> Analysis<'a> {
             .iter()
             .enumerate()
             .filter_map(|(slot, v)| v.map(|v| (slot, v)))
-            .filter(|(slot, v)| self.is_float(*v) && !any_type_slot(self.model, n, *slot))
+            .filter(|(slot, v)| {
+                self.is_float(*v)
+                    && !any_type_slot(self.model, n, *slot)
+                    && !float32_slot(self.model, n, *slot)
+            })
             .collect()
     }
 
@@ -685,6 +702,9 @@ impl<'a> Analysis<'a> {
                 }
                 if any_type_slot(self.model, node, slot) {
                     return None;
+                }
+                if float32_slot(self.model, node, slot) {
+                    return Some(Prec::F32);
                 }
                 match self.mode.get(&node) {
                     Some(Mode::Fixed(p, _)) => Some(*p),
@@ -943,8 +963,13 @@ fn rewrite(model: &mut Model, dtype: HalfType, plan: Plan) -> Result<PassReport,
             if plan.elem.get(&v) != Some(&FLOAT) || any_type_slot(r.model, n, slot) {
                 continue;
             }
-            if precision_of(v) != p {
-                let c = r.convert(v, p)?;
+            let want = if float32_slot(r.model, n, slot) {
+                Prec::F32
+            } else {
+                p
+            };
+            if precision_of(v) != want {
+                let c = r.convert(v, want)?;
                 r.model.set_input(n, slot, Some(c));
             }
         }

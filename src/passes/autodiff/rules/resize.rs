@@ -288,7 +288,7 @@ fn weights(s: &Settings, a: &AxisPlan) -> Result<Vec<Vec<f64>>, String> {
 /// Whether the axis repeats each input position `out / in` times in order (nearest
 /// upsampling by a whole factor): its gradient sums blocks instead of multiplying.
 fn whole_repeat(matrix: &[Vec<f64>], a: &AxisPlan) -> Option<usize> {
-    if a.output % a.input != 0 {
+    if !a.output.is_multiple_of(a.input) {
         return None;
     }
     let factor = a.output / a.input;

@@ -1,0 +1,441 @@
+//! Recurrent layers unrolled into their cell equations, so that the autodiff differentiates
+//! them with the rules it has (MatMul, Add, Mul, Sigmoid, Tanh, Relu, Slice, Concat, ...)
+//! and no recurrent backward op is needed. The sequence length must be known (it is the
+//! number of cells written); the batch may be dynamic.
+//!
+//! Per direction `d` (ONNX's equations; `⊙` elementwise, `W`, `R`, `B`, `P` the node's
+//! weights for `d`, gates in ONNX's order, `f`, `g`, `h` the node's activations):
+//!
+//! ```text
+//! XW = X · Wᵀ + Wb (+ Rb)             one MatMul over every time step
+//! LSTM (gates i o f c)  i = f(XWi + H·Riᵀ + Pi ⊙ C)      f' = f(XWf + H·Rfᵀ + Pf ⊙ C)
+//!                       c̃ = g(XWc + H·Rcᵀ)              C' = f' ⊙ C + i ⊙ c̃
+//!                       o = f(XWo + H·Roᵀ + Po ⊙ C')     H' = o ⊙ h(C')
+//! GRU (gates z r h)     z = f(XWz + H·Rzᵀ + Rbz)         r = f(XWr + H·Rrᵀ + Rbr)
+//!                       h̃ = g(XWh + (r ⊙ H)·Rhᵀ + Rbh)          linear_before_reset = 0
+//!                       h̃ = g(XWh + r ⊙ (H·Rhᵀ + Rbh))          linear_before_reset = 1
+//!                       H' = (1 - z) ⊙ h̃ + z ⊙ H
+//! RNN                   H' = f(XW + H·Rᵀ)
+//! ```
+//!
+//! Without `initial_h` (`initial_c`) the first cell's state is zero, and its terms are left
+//! out rather than computed from zeros. The reverse direction runs the time steps backwards.
+//! Outputs: `Y` stacks every step's H in time order, `Y_h` (`Y_c`) is the last cell's.
+//!
+//! Not supported (a clear error naming the node): `sequence_lens`, `clip`,
+//! `input_forget`, `layout` = 1 (which ONNX Runtime's kernels refuse as well), activations
+//! other than Sigmoid, Tanh and Relu, an unknown sequence length, opsets before 10.
+
+use crate::ir::builder::{attr_int, attr_ints, Builder, NodeAttributes};
+use crate::ir::emit::Emit;
+use crate::ir::{BodyId, Model, NodeId, ValueId};
+use crate::passes::PassError;
+
+use super::rules::node_error;
+use super::shapes::Shapes;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Cell {
+    Lstm,
+    Gru { linear_before_reset: bool },
+    Rnn,
+}
+
+impl Cell {
+    fn gates(self) -> i64 {
+        match self {
+            Cell::Lstm => 4,
+            Cell::Gru { .. } => 3,
+            Cell::Rnn => 1,
+        }
+    }
+
+    fn default_activations(self) -> &'static [&'static str] {
+        match self {
+            Cell::Lstm => &["Sigmoid", "Tanh", "Tanh"],
+            Cell::Gru { .. } => &["Sigmoid", "Tanh"],
+            Cell::Rnn => &["Tanh"],
+        }
+    }
+}
+
+/// Whether `op` (default domain) is a recurrent layer this module unrolls.
+pub fn is_recurrent(op: &str) -> bool {
+    matches!(op, "LSTM" | "GRU" | "RNN")
+}
+
+/// What one direction's cells read.
+struct Direction {
+    /// `[S, N, G·H]`: X · Wᵀ plus the biases that add outside the recurrence.
+    xw: ValueId,
+    /// `[1, H, G·H]`.
+    r_t: ValueId,
+    /// `[1, G·H]`, the recurrent bias where it must stay with the recurrent term (GRU).
+    rb: Option<ValueId>,
+    /// `[1, 3H]` peepholes (LSTM).
+    p: Option<ValueId>,
+    /// `[1, N, H]` initial states.
+    h0: Option<ValueId>,
+    c0: Option<ValueId>,
+    activations: Vec<String>,
+    reverse: bool,
+}
+
+pub fn unroll(
+    model: &mut Model,
+    node: NodeId,
+    shapes: &Shapes,
+    pass: &'static str,
+) -> Result<(), PassError> {
+    let err = |model: &Model, m: String| node_error(model, node, m);
+    let n = model.node(node).clone();
+    let p = &n.proto;
+    let attr_err = |model: &Model, e: String| err(model, e);
+    let cell = match p.op_type() {
+        "LSTM" => Cell::Lstm,
+        "GRU" => Cell::Gru {
+            linear_before_reset: p
+                .attr_int("linear_before_reset")
+                .map_err(|e| attr_err(model, e))?
+                .unwrap_or(0)
+                != 0,
+        },
+        _ => Cell::Rnn,
+    };
+    let opset = model.opset("").unwrap_or(1);
+    if opset < 10 {
+        return Err(err(model, format!("unrolling a recurrent layer needs opset 10 or later (Slice with inputs); this model has {opset}")));
+    }
+    let hidden = p
+        .attr_int("hidden_size")
+        .map_err(|e| attr_err(model, e))?
+        .filter(|h| *h > 0)
+        .ok_or_else(|| err(model, "attribute 'hidden_size' is missing".into()))?;
+    let direction = p
+        .attr_string("direction")
+        .map_err(|e| attr_err(model, e))?
+        .unwrap_or_else(|| "forward".into());
+    let reverse_flags: Vec<bool> = match direction.as_str() {
+        "forward" => vec![false],
+        "reverse" => vec![true],
+        "bidirectional" => vec![false, true],
+        other => return Err(err(model, format!("direction '{other}' is not supported"))),
+    };
+    // ONNX Runtime's recurrent kernels refuse layout 1 (batch first) too.
+    if p.attr_int("layout")
+        .map_err(|e| attr_err(model, e))?
+        .unwrap_or(0)
+        != 0
+    {
+        return Err(err(
+            model,
+            "layout = 1 (batch first) is not supported".into(),
+        ));
+    }
+    if p.attr("clip").is_some() {
+        return Err(err(model, "attribute 'clip' is not supported".into()));
+    }
+    if p.attr_int("input_forget")
+        .map_err(|e| attr_err(model, e))?
+        .unwrap_or(0)
+        != 0
+    {
+        return Err(err(model, "input_forget = 1 is not supported".into()));
+    }
+    let per_direction = cell.default_activations().len();
+    let activations: Vec<String> = match p
+        .attr_strings("activations")
+        .map_err(|e| attr_err(model, e))?
+    {
+        Some(a) => a,
+        None => reverse_flags
+            .iter()
+            .flat_map(|_| cell.default_activations().iter().map(|s| s.to_string()))
+            .collect(),
+    };
+    if activations.len() != per_direction * reverse_flags.len() {
+        return Err(err(
+            model,
+            format!(
+                "{} activations for {} direction(s); expected {per_direction} each",
+                activations.len(),
+                reverse_flags.len()
+            ),
+        ));
+    }
+    if let Some(bad) = activations
+        .iter()
+        .find(|a| !matches!(a.as_str(), "Sigmoid" | "Tanh" | "Relu"))
+    {
+        return Err(err(
+            model,
+            format!("activation '{bad}' is not supported (Sigmoid, Tanh, Relu are)"),
+        ));
+    }
+    if p.attr("activation_alpha").is_some() || p.attr("activation_beta").is_some() {
+        return Err(err(model, "activation_alpha/beta are not supported".into()));
+    }
+    let input = |i: usize| n.inputs.get(i).copied().flatten();
+    let x = input(0).ok_or_else(|| err(model, "input X is absent".into()))?;
+    let w = input(1).ok_or_else(|| err(model, "input W is absent".into()))?;
+    let r = input(2).ok_or_else(|| err(model, "input R is absent".into()))?;
+    if input(4).is_some() {
+        return Err(err(
+            model,
+            "input sequence_lens is not supported (sequences of one length only)".into(),
+        ));
+    }
+    let seq_axis = 0;
+    let steps = shapes
+        .get(x)
+        .dims
+        .as_ref()
+        .and_then(|d| d.get(seq_axis).and_then(|d| d.known()))
+        .filter(|s| *s > 0)
+        .ok_or_else(|| {
+            err(
+                model,
+                format!(
+                    "the sequence length of '{}' (axis {seq_axis}) is not known: unrolling needs it",
+                    model.name(x)
+                ),
+            )
+        })?;
+    let hint = n
+        .outputs
+        .iter()
+        .flatten()
+        .next()
+        .map(|v| model.name(*v).to_string())
+        .unwrap_or_else(|| "rnn".into());
+
+    let mut b = Builder::new(model, BodyId::MAIN, pass);
+    let h = hint.as_str();
+    let gh = cell.gates() * hidden;
+    // X is [S, N, I]; initial states [dirs, N, H].
+    let (h0_all, c0_all) = (input(5), input(6));
+    let bias = input(3);
+    let peepholes = if cell == Cell::Lstm { input(7) } else { None };
+
+    let mut ys = Vec::new();
+    let mut last_h = Vec::new();
+    let mut last_c = Vec::new();
+    for (d, reverse) in reverse_flags.iter().enumerate() {
+        // Direction d's weights and states keep their leading axis (size 1): they
+        // broadcast against [S, N, ..] and [1, N, ..] alike, and a Slice's gradient is a
+        // Pad (a Gather's would need opset 16's scatter-add).
+        let pick = |b: &mut Builder<'_>, v: ValueId| slice_axis(b, v, 0, d as i64, d as i64 + 1, h);
+        let wd = pick(&mut b, w);
+        let w_t = b.op("Transpose", &[wd], vec![attr_ints("perm", &[0, 2, 1])], h);
+        let rd = pick(&mut b, r);
+        let r_t = b.op("Transpose", &[rd], vec![attr_ints("perm", &[0, 2, 1])], h);
+        let mut xw = b.op("MatMul", &[x, w_t], vec![], h);
+        let mut rb = None;
+        if let Some(bias) = bias {
+            let bd = pick(&mut b, bias);
+            let wb = slice_last(&mut b, bd, 0, gh, h);
+            let rbd = slice_last(&mut b, bd, gh, 2 * gh, h);
+            match cell {
+                Cell::Gru { .. } => {
+                    xw = b.op("Add", &[xw, wb], vec![], h);
+                    rb = Some(rbd);
+                }
+                _ => {
+                    let both = b.op("Add", &[wb, rbd], vec![], h);
+                    xw = b.op("Add", &[xw, both], vec![], h);
+                }
+            }
+        }
+        let dir = Direction {
+            xw,
+            r_t,
+            rb,
+            p: peepholes.map(|p| pick(&mut b, p)),
+            h0: h0_all.map(|v| pick(&mut b, v)),
+            c0: c0_all.map(|v| pick(&mut b, v)),
+            activations: activations[d * per_direction..(d + 1) * per_direction].to_vec(),
+            reverse: *reverse,
+        };
+        let (hs, hn, cn) = run_direction(&mut b, cell, &dir, steps, hidden, h);
+        // Y for this direction: [S, 1, N, H], the steps ([1, N, H] each) in time order.
+        let stacked: Vec<ValueId> = hs.iter().map(|v| b.unsqueeze(*v, &[1], h)).collect();
+        ys.push(concat(&mut b, &stacked, 0, h));
+        last_h.push(hn);
+        last_c.extend(cn);
+    }
+    let y = concat(&mut b, &ys, 1, h);
+    let y_h = concat(&mut b, &last_h, 0, h);
+    let y_c = (!last_c.is_empty()).then(|| concat(&mut b, &last_c, 0, h));
+    let news = [Some(y), Some(y_h), y_c];
+    for (slot, old) in n.outputs.iter().enumerate() {
+        if let (Some(old), Some(Some(new))) = (old, news.get(slot)) {
+            model.replace_value(*old, *new);
+        }
+    }
+    model
+        .remove_node(node)
+        .map_err(|e| node_error(model, node, format!("could not replace the node: {e}")))
+}
+
+fn slice_axis(
+    b: &mut Builder<'_>,
+    v: ValueId,
+    axis: i64,
+    start: i64,
+    end: i64,
+    h: &str,
+) -> ValueId {
+    let starts = b.ints("starts", &[start]);
+    let ends = b.ints("ends", &[end]);
+    let axes = b.ints("axes", &[axis]);
+    b.op("Slice", &[v, starts, ends, axes], vec![], h)
+}
+
+fn slice_last(b: &mut Builder<'_>, v: ValueId, start: i64, end: i64, h: &str) -> ValueId {
+    slice_axis(b, v, -1, start, end, h)
+}
+
+fn concat(b: &mut Builder<'_>, parts: &[ValueId], axis: i64, h: &str) -> ValueId {
+    if parts.len() == 1 {
+        return parts[0];
+    }
+    b.op("Concat", parts, vec![attr_int("axis", axis)], h)
+}
+
+fn activate(b: &mut Builder<'_>, op: &str, x: ValueId, h: &str) -> ValueId {
+    b.op(op, &[x], vec![], h)
+}
+
+/// The cells of one direction: H at every step (time order), the last H and C.
+fn run_direction(
+    b: &mut Builder<'_>,
+    cell: Cell,
+    dir: &Direction,
+    steps: i64,
+    hidden: i64,
+    h: &str,
+) -> (Vec<ValueId>, ValueId, Option<ValueId>) {
+    let order: Vec<i64> = if dir.reverse {
+        (0..steps).rev().collect()
+    } else {
+        (0..steps).collect()
+    };
+    let gate =
+        |b: &mut Builder<'_>, v: ValueId, k: i64| slice_last(b, v, k * hidden, (k + 1) * hidden, h);
+    let act = |k: usize| dir.activations[k].as_str();
+    let (mut state_h, mut state_c) = (dir.h0, dir.c0);
+    let mut hs = vec![None; steps as usize];
+    for t in order {
+        let xw_t = slice_axis(b, dir.xw, 0, t, t + 1, h);
+        let recurrent = state_h.map(|hp| b.op("MatMul", &[hp, dir.r_t], vec![], h));
+        let (new_h, new_c) = match cell {
+            Cell::Lstm => {
+                let pre = match recurrent {
+                    Some(r) => b.op("Add", &[xw_t, r], vec![], h),
+                    None => xw_t,
+                };
+                let peep = |b: &mut Builder<'_>, k: i64, c: Option<ValueId>, v: ValueId| match (
+                    dir.p, c,
+                ) {
+                    (Some(p), Some(c)) => {
+                        let pk = slice_last(b, p, k * hidden, (k + 1) * hidden, h);
+                        let pc = b.op("Mul", &[pk, c], vec![], h);
+                        b.op("Add", &[v, pc], vec![], h)
+                    }
+                    _ => v,
+                };
+                // ONNX's LSTM gate order: i, o, f, c; peepholes i, o, f.
+                let (pi, po, pf, pc) = (
+                    gate(b, pre, 0),
+                    gate(b, pre, 1),
+                    gate(b, pre, 2),
+                    gate(b, pre, 3),
+                );
+                let pi = peep(b, 0, state_c, pi);
+                let i = activate(b, act(0), pi, h);
+                let c_tilde = activate(b, act(1), pc, h);
+                let ic = b.op("Mul", &[i, c_tilde], vec![], h);
+                let c = match state_c {
+                    Some(cp) => {
+                        let pf = peep(b, 2, Some(cp), pf);
+                        let f = activate(b, act(0), pf, h);
+                        let fc = b.op("Mul", &[f, cp], vec![], h);
+                        b.op("Add", &[fc, ic], vec![], h)
+                    }
+                    None => ic,
+                };
+                let po = peep(b, 1, Some(c), po);
+                let o = activate(b, act(0), po, h);
+                let hc = activate(b, act(2), c, h);
+                (b.op("Mul", &[o, hc], vec![], h), Some(c))
+            }
+            Cell::Gru {
+                linear_before_reset,
+            } => {
+                // The recurrent term with its bias (zero state: the bias alone).
+                let rec = match (recurrent, dir.rb) {
+                    (Some(r), Some(rb)) => Some(b.op("Add", &[r, rb], vec![], h)),
+                    (Some(r), None) => Some(r),
+                    (None, rb) => rb,
+                };
+                let (xz, xr, xh) = (gate(b, xw_t, 0), gate(b, xw_t, 1), gate(b, xw_t, 2));
+                let with = |b: &mut Builder<'_>, x: ValueId, k: i64| match rec {
+                    Some(rec) => {
+                        let rk = gate(b, rec, k);
+                        b.op("Add", &[x, rk], vec![], h)
+                    }
+                    None => x,
+                };
+                let zs = with(b, xz, 0);
+                let z = activate(b, act(0), zs, h);
+                let rs = with(b, xr, 1);
+                let rg = activate(b, act(0), rs, h);
+                let hidden_term = if linear_before_reset {
+                    rec.map(|rec| {
+                        let rh = gate(b, rec, 2);
+                        b.op("Mul", &[rg, rh], vec![], h)
+                    })
+                } else {
+                    let reset = state_h.map(|hp| {
+                        let rhp = b.op("Mul", &[rg, hp], vec![], h);
+                        let rh_t = slice_last(b, dir.r_t, 2 * hidden, 3 * hidden, h);
+                        b.op("MatMul", &[rhp, rh_t], vec![], h)
+                    });
+                    let rbh = dir
+                        .rb
+                        .map(|rb| slice_last(b, rb, 2 * hidden, 3 * hidden, h));
+                    match (reset, rbh) {
+                        (Some(a), Some(c)) => Some(b.op("Add", &[a, c], vec![], h)),
+                        (a, c) => a.or(c),
+                    }
+                };
+                let hs_pre = match hidden_term {
+                    Some(t) => b.op("Add", &[xh, t], vec![], h),
+                    None => xh,
+                };
+                let h_tilde = activate(b, act(1), hs_pre, h);
+                // H' = h̃ - z ⊙ h̃ + z ⊙ H = (1 - z) ⊙ h̃ + z ⊙ H.
+                let zh = b.op("Mul", &[z, h_tilde], vec![], h);
+                let mut out = b.op("Sub", &[h_tilde, zh], vec![], h);
+                if let Some(hp) = state_h {
+                    let zp = b.op("Mul", &[z, hp], vec![], h);
+                    out = b.op("Add", &[out, zp], vec![], h);
+                }
+                (out, None)
+            }
+            Cell::Rnn => {
+                let pre = match recurrent {
+                    Some(r) => b.op("Add", &[xw_t, r], vec![], h),
+                    None => xw_t,
+                };
+                (activate(b, act(0), pre, h), None)
+            }
+        };
+        hs[t as usize] = Some(new_h);
+        state_h = Some(new_h);
+        state_c = new_c.or(state_c);
+    }
+    let hs: Vec<ValueId> = hs.into_iter().flatten().collect();
+    let last = state_h.expect("at least one step");
+    (hs, last, if cell == Cell::Lstm { state_c } else { None })
+}
