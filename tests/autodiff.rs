@@ -3,8 +3,9 @@
 //! - PyTorch 2.15 autograd: forward exports of an MLP, a CNN with and without BatchNorm
 //!   (MaxPool, a residual) and a GPT-style decoder (LayerNorm, GELU, causal attention,
 //!   embeddings, `view` with the dynamic batch, `arange` positions, padded labels), a
-//!   BERT-style encoder classifier, a ViT-style image classifier and an encoder-decoder
-//!   (PReLU, Mish, nearest and bilinear Resize, PixelShuffle, einsum attention), each
+//!   BERT-style encoder classifier, a ViT-style image classifier, an encoder-decoder
+//!   (PReLU, Mish, nearest and bilinear Resize, PixelShuffle, einsum attention) and a
+//!   recurrent sequence classifier (bidirectional two-layer LSTM, GRU), each
 //!   written by the dynamo (`optimize=False`) and the legacy exporter
 //!   (graphs/forward/generate.py; references in fixtures/forward/);
 //! - torch optimizers: K = 4 micro-batches trained 8 windows against torch's 8 full
@@ -185,6 +186,16 @@ fn torch_unet_dynamo_gradients() {
 fn torch_unet_legacy_gradients() {
     torch_gradients("torch_unet", "legacy");
 }
+/// A two-layer bidirectional LSTM and a GRU (ONNX's LSTM and GRU ops, unrolled over the 8
+/// tokens): embeddings, torch's zero initial states, the head on the GRU's last state.
+#[test]
+fn torch_rnn_dynamo_gradients() {
+    torch_gradients("torch_rnn", "dynamo");
+}
+#[test]
+fn torch_rnn_legacy_gradients() {
+    torch_gradients("torch_rnn", "legacy");
+}
 
 /// Trains `spec` on the model's data (micro-batch `b`, `steps` micro-steps) and returns the
 /// state.
@@ -312,6 +323,14 @@ fn torch_unet_accumulated_sgd_equals_full_batch() {
 #[test]
 fn torch_unet_accumulated_adamw_equals_full_batch() {
     torch_training("torch_unet", ADAMW, "mean", 4, "run_adamw.npz", &none);
+}
+#[test]
+fn torch_rnn_accumulated_sgd_equals_full_batch() {
+    torch_training("torch_rnn", SGD, "mean", 4, "run_sgd.npz", &none);
+}
+#[test]
+fn torch_rnn_accumulated_adamw_equals_full_batch() {
+    torch_training("torch_rnn", ADAMW, "mean", 4, "run_adamw.npz", &none);
 }
 #[test]
 fn torch_vit_accumulated_sgd_equals_full_batch() {

@@ -1,7 +1,7 @@
 """Forward ONNX models exported from real PyTorch models, and torch reference runs on them.
 
 Writes, per model NAME (torch_mlp, torch_cnn, torch_cnn_nobn, torch_gpt, torch_bert, torch_vit,
-torch_unet):
+torch_unet, torch_rnn):
 
   graphs/forward/NAME/dynamo.onnx   torch.onnx.export(dynamo=True, optimize=False), batch dynamic
   graphs/forward/NAME/legacy.onnx   torch.onnx.export(dynamo=False, training=TRAINING,
@@ -303,6 +303,24 @@ class UNet(nn.Module):
         return self.head(pooled.flatten(1))
 
 
+class RecurrentClassifier(nn.Module):
+    """A sequence classifier of recurrent layers: token embeddings, a two-layer
+    bidirectional LSTM, a GRU over its outputs, a linear head on the GRU's last state.
+    batch_first, torch's zero initial states, 3 classes; the tokens of make_data_bert."""
+
+    def __init__(self, vocab=32, d=12, hidden=10, classes=3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.lstm = nn.LSTM(d, hidden, num_layers=2, batch_first=True, bidirectional=True)
+        self.gru = nn.GRU(2 * hidden, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, idx):
+        h, _ = self.lstm(self.emb(idx))
+        _, last = self.gru(h)
+        return self.head(last[0])
+
+
 def make_data_bert(rng):
     idx = rng.integers(1, 32, size=(N_SAMPLES, 8)).astype(np.int64)
     pads = rng.integers(0, 5, size=N_SAMPLES)  # 0..4 trailing pad tokens (id 0) per row
@@ -367,6 +385,11 @@ MODELS = {
                             "Mish -> Upsample(x2, nearest) ++ skip -> Conv2d -> PixelShuffle(2) -> "
                             "bilinear x0.5 -> Conv2d -> SiLU -> einsum channel attention + residual "
                             "-> [global max ++ global mean] -> Linear(16, 4)"),
+    "torch_rnn": dict(make=RecurrentClassifier, seed=7, input="idx", data=make_data_bert, batch=16,
+                      runs=True,
+                      desc="sequence classifier: Embedding(32, 12) -> 2-layer bidirectional "
+                           "LSTM(12, 10, batch_first) -> GRU(20, 10, batch_first) -> Linear(10, 3) "
+                           "on the GRU's last state"),
 }
 
 

@@ -455,12 +455,17 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
         "Reshape" => {
             let target_v = n.inputs.get(1).copied().flatten();
             let target = target_v.and_then(|v| constant_ints(model, v));
+            let allowzero = int("allowzero") == Some(1);
             let dims = match target {
-                Some(t) => Some(reshape(x.dims.as_deref(), &t, int("allowzero") == Some(1))),
-                // A computed target: its length still gives the rank.
-                None => target_v
-                    .and_then(|v| shapes.get(v).static_dims())
-                    .and_then(|d| d.first().map(|r| vec![Dim::Unknown; (*r).max(0) as usize])),
+                Some(t) => Some(reshape(x.dims.as_deref(), &t, allowzero)),
+                // A computed target: read symbolically (sizes taken from Shape(..) of
+                // values with known or named dims), or at least its length gives the rank.
+                None => match target_v.and_then(|v| shape_dims(model, shapes, v, 16)) {
+                    Some(t) => Some(reshape_dims(x.dims.as_deref(), &t, allowzero)),
+                    None => target_v
+                        .and_then(|v| shapes.get(v).static_dims())
+                        .and_then(|d| d.first().map(|r| vec![Dim::Unknown; (*r).max(0) as usize])),
+                },
             };
             vec![with_dims(x.elem, dims)]
         }
@@ -1059,6 +1064,148 @@ fn matmul(a: &Facts, b: &Facts) -> Option<Vec<Dim>> {
     Some(out)
 }
 
+/// The int64 values of `v` where they are known before running: a constant (see
+/// [`constant_ints`]), or shape arithmetic on values whose dims are known (`Shape(x)`
+/// sliced, multiplied, concatenated; exporters compute slice bounds that way).
+pub fn known_ints(model: &Model, shapes: &Shapes, v: ValueId) -> Option<Vec<i64>> {
+    constant_ints(model, v).or_else(|| {
+        shape_dims(model, shapes, v, 16)?
+            .iter()
+            .map(Dim::known)
+            .collect()
+    })
+}
+
+/// The value of a computed 1-D shape tensor as dims: constants, `Shape(x)` (x's dims,
+/// known or named), and the `Concat`, `Slice`, `Gather`, `Unsqueeze`, `Squeeze`,
+/// `Identity` and `Cast` exporters build target shapes with, `depth` nodes up.
+fn shape_dims(model: &Model, shapes: &Shapes, v: ValueId, depth: usize) -> Option<Vec<Dim>> {
+    if let Some(c) = constant_ints(model, v) {
+        return Some(c.into_iter().map(Dim::Known).collect());
+    }
+    let ValueDef::Node { node, slot: 0 } = model.value(v).def else {
+        return None;
+    };
+    let n = model.node(node);
+    let p = &n.proto;
+    if !(p.domain().is_empty() || p.domain() == "ai.onnx") || depth == 0 {
+        return None;
+    }
+    let input = |i: usize| n.inputs.get(i).copied().flatten();
+    let arg = |i: usize| input(i).and_then(|x| shape_dims(model, shapes, x, depth - 1));
+    let ints = |i: usize| input(i).and_then(|x| constant_ints(model, x));
+    match p.op_type() {
+        "Shape" => {
+            let d = shapes.get(input(0)?).dims?;
+            let r = d.len() as i64;
+            let clamp = |x: i64| (if x < 0 { x + r } else { x }).clamp(0, r) as usize;
+            let start = clamp(p.attr_int("start").ok().flatten().unwrap_or(0));
+            let end = clamp(p.attr_int("end").ok().flatten().unwrap_or(r));
+            Some(d.get(start..end.max(start))?.to_vec())
+        }
+        "Concat" => (0..n.inputs.len())
+            .map(arg)
+            .collect::<Option<Vec<_>>>()
+            .map(|parts| parts.concat()),
+        "Identity" | "Unsqueeze" | "Squeeze" | "Cast" | "Reshape" => arg(0),
+        "Add" | "Sub" | "Mul" | "Div" => {
+            let (a, b) = (arg(0)?, arg(1)?);
+            let len = a.len().max(b.len());
+            if !(a.len() == b.len() || a.len() == 1 || b.len() == 1) {
+                return None;
+            }
+            let at = |v: &[Dim], i: usize| v[if v.len() == 1 { 0 } else { i }].clone();
+            Some(
+                (0..len)
+                    .map(|i| match (at(&a, i), at(&b, i)) {
+                        (Dim::Known(x), Dim::Known(y)) => match p.op_type() {
+                            "Add" => Dim::Known(x + y),
+                            "Sub" => Dim::Known(x - y),
+                            "Mul" => Dim::Known(x * y),
+                            _ if y != 0 => Dim::Known(x.div_euclid(y)),
+                            _ => Dim::Unknown,
+                        },
+                        _ => Dim::Unknown,
+                    })
+                    .collect(),
+            )
+        }
+        "Slice" => {
+            let d = arg(0)?;
+            let (starts, ends) = (ints(1)?, ints(2)?);
+            let steps = ints(4).unwrap_or(vec![1]);
+            if starts.len() != 1 || ends.len() != 1 || steps != [1] {
+                return None;
+            }
+            let (first, len) = slice_range(d.len() as i64, starts[0], ends[0], 1)?;
+            Some(d.get(first as usize..(first + len) as usize)?.to_vec())
+        }
+        "Gather" => {
+            let d = arg(0)?;
+            ints(1)?
+                .iter()
+                .map(|i| {
+                    let i = if *i < 0 { i + d.len() as i64 } else { *i };
+                    d.get(usize::try_from(i).ok()?).cloned()
+                })
+                .collect()
+        }
+        _ => None,
+    }
+}
+
+/// `reshape` with a target of dims: `Known(0)` copies the input's dim (unless
+/// `allowzero`), `Known(-1)` is inferred where the sizes are known, named sizes pass.
+fn reshape_dims(input: Option<&[Dim]>, target: &[Dim], allowzero: bool) -> Vec<Dim> {
+    if let Some(t) = target.iter().map(Dim::known).collect::<Option<Vec<i64>>>() {
+        return reshape(input, &t, allowzero);
+    }
+    let mut out: Vec<Dim> = target
+        .iter()
+        .enumerate()
+        .map(|(i, t)| match t {
+            Dim::Known(0) if !allowzero => input
+                .and_then(|d| d.get(i).cloned())
+                .unwrap_or(Dim::Unknown),
+            Dim::Known(-1) => Dim::Unknown,
+            other => other.clone(),
+        })
+        .collect();
+    // -1: what the input's size leaves once the other target dims are divided out, the
+    // named sizes cancelling by name.
+    if let (Some(minus), Some(input)) = (target.iter().position(|t| *t == Dim::Known(-1)), input) {
+        let mut known = 1i64;
+        let mut names: Vec<&str> = Vec::new();
+        let mut whole = true;
+        for d in input {
+            match d {
+                Dim::Known(k) => known *= k,
+                Dim::Symbol(s) => names.push(s),
+                Dim::Unknown => whole = false,
+            }
+        }
+        for (i, d) in out.iter().enumerate() {
+            if i == minus || !whole {
+                continue;
+            }
+            match d {
+                Dim::Known(k) if *k > 0 && known % k == 0 => known /= k,
+                Dim::Symbol(s) => match names.iter().position(|n| n == s) {
+                    Some(at) => {
+                        names.remove(at);
+                    }
+                    None => whole = false,
+                },
+                _ => whole = false,
+            }
+        }
+        if whole && names.is_empty() {
+            out[minus] = Dim::Known(known);
+        }
+    }
+    out
+}
+
 fn reshape(input: Option<&[Dim]>, target: &[i64], allowzero: bool) -> Vec<Dim> {
     let mut out: Vec<Dim> = target
         .iter()
@@ -1156,7 +1303,6 @@ fn concat(inputs: &[Facts], axis: i64) -> Option<Vec<Dim>> {
 /// Declares the derived type of every node output that the model leaves undeclared (the
 /// lowerings of `legalize-ort` read declared types).
 pub fn declare(model: &mut Model, shapes: &Shapes) {
-    use crate::proto::tensor_shape_proto::dimension::Value as D;
     let outputs: Vec<ValueId> = model
         .body_nodes(BodyId::MAIN)
         .flat_map(|n| {
@@ -1177,20 +1323,27 @@ pub fn declare(model: &mut Model, shapes: &Shapes) {
         let (Some(elem), Some(dims)) = (f.elem, f.dims) else {
             continue;
         };
-        let mut ty = crate::ir::tensor_type(elem, &vec![0; dims.len()]);
-        if let Some(type_proto::Value::TensorType(t)) = &mut ty.value {
-            if let Some(shape) = t.shape.as_mut() {
-                for (slot, d) in shape.dim.iter_mut().zip(&dims) {
-                    slot.value = match d {
-                        Dim::Known(x) => Some(D::DimValue(*x)),
-                        Dim::Symbol(s) => Some(D::DimParam(s.clone())),
-                        Dim::Unknown => None,
-                    };
-                }
+        model.set_value_type(v, type_of(elem, &dims));
+    }
+}
+
+/// The tensor type of element type `elem` and `dims` (named sizes as `dim_param`, unknown
+/// ones left open).
+pub fn type_of(elem: i32, dims: &[Dim]) -> crate::proto::TypeProto {
+    use crate::proto::tensor_shape_proto::dimension::Value as D;
+    let mut ty = crate::ir::tensor_type(elem, &vec![0; dims.len()]);
+    if let Some(type_proto::Value::TensorType(t)) = &mut ty.value {
+        if let Some(shape) = t.shape.as_mut() {
+            for (slot, d) in shape.dim.iter_mut().zip(dims) {
+                slot.value = match d {
+                    Dim::Known(x) => Some(D::DimValue(*x)),
+                    Dim::Symbol(s) => Some(D::DimParam(s.clone())),
+                    Dim::Unknown => None,
+                };
             }
         }
-        model.set_value_type(v, ty);
     }
+    ty
 }
 
 #[cfg(test)]

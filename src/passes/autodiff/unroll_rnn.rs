@@ -32,7 +32,7 @@ use crate::ir::{BodyId, Model, NodeId, ValueId};
 use crate::passes::PassError;
 
 use super::rules::node_error;
-use super::shapes::Shapes;
+use super::shapes::{type_of, Dim, Shapes};
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Cell {
@@ -186,8 +186,13 @@ pub fn unroll(
         ));
     }
     let seq_axis = 0;
-    let steps = shapes
-        .get(x)
+    let x_facts = shapes.get(x);
+    let batch = x_facts
+        .dims
+        .as_ref()
+        .and_then(|d| d.get(1).cloned())
+        .unwrap_or(Dim::Unknown);
+    let steps = x_facts
         .dims
         .as_ref()
         .and_then(|d| d.get(seq_axis).and_then(|d| d.known()))
@@ -196,8 +201,9 @@ pub fn unroll(
             err(
                 model,
                 format!(
-                    "the sequence length of '{}' (axis {seq_axis}) is not known: unrolling needs it",
-                    model.name(x)
+                    "the sequence length of '{}' (axis {seq_axis}) is not known (its dims: {}): unrolling needs it",
+                    model.name(x),
+                    shapes.get(x).dims.map_or("unknown".into(), |d| format!("{d:?}"))
                 ),
             )
         })?;
@@ -209,6 +215,39 @@ pub fn unroll(
         .map(|v| model.name(*v).to_string())
         .unwrap_or_else(|| "rnn".into());
 
+    // The inputs' dims as the operator defines them, declared where the model leaves them
+    // open (exporters compute W, R and B by reordering the framework's gates): the cells'
+    // slices need them.
+    if let Some(elem) = x_facts.elem {
+        let dirs = Dim::Known(reverse_flags.len() as i64);
+        let gh = Dim::Known(cell.gates() * hidden);
+        let input_size = x_facts
+            .dims
+            .as_ref()
+            .and_then(|d| d.get(2).cloned())
+            .unwrap_or(Dim::Unknown);
+        let state = [dirs.clone(), batch.clone(), Dim::Known(hidden)];
+        let specs: [(Option<ValueId>, Vec<Dim>); 6] = [
+            (Some(w), vec![dirs.clone(), gh.clone(), input_size]),
+            (Some(r), vec![dirs.clone(), gh, Dim::Known(hidden)]),
+            (
+                input(3),
+                vec![dirs.clone(), Dim::Known(2 * cell.gates() * hidden)],
+            ),
+            (input(5), state.to_vec()),
+            (input(6).filter(|_| cell == Cell::Lstm), state.to_vec()),
+            (
+                input(7).filter(|_| cell == Cell::Lstm),
+                vec![dirs, Dim::Known(3 * hidden)],
+            ),
+        ];
+        for (v, dims) in specs {
+            if let Some(v) = v.filter(|v| model.value_type(*v).is_none()) {
+                model.set_value_type(v, type_of(elem, &dims));
+            }
+        }
+    }
+
     let mut b = Builder::new(model, BodyId::MAIN, pass);
     let h = hint.as_str();
     let gh = cell.gates() * hidden;
@@ -218,6 +257,7 @@ pub fn unroll(
     let peepholes = if cell == Cell::Lstm { input(7) } else { None };
 
     let mut ys = Vec::new();
+    let mut step_values = Vec::new();
     let mut last_h = Vec::new();
     let mut last_c = Vec::new();
     for (d, reverse) in reverse_flags.iter().enumerate() {
@@ -257,6 +297,8 @@ pub fn unroll(
             reverse: *reverse,
         };
         let (hs, hn, cn) = run_direction(&mut b, cell, &dir, steps, hidden, h);
+        step_values.extend(hs.iter().copied());
+        step_values.extend(cn);
         // Y for this direction: [S, 1, N, H], the steps ([1, N, H] each) in time order.
         let stacked: Vec<ValueId> = hs.iter().map(|v| b.unsqueeze(*v, &[1], h)).collect();
         ys.push(concat(&mut b, &stacked, 0, h));
@@ -266,6 +308,21 @@ pub fn unroll(
     let y = concat(&mut b, &ys, 1, h);
     let y_h = concat(&mut b, &last_h, 0, h);
     let y_c = (!last_c.is_empty()).then(|| concat(&mut b, &last_c, 0, h));
+    // Declared: the shape facts cannot always follow the exporter's weight arithmetic,
+    // and a stacked layer needs its sequence length.
+    if let Some(elem) = x_facts.elem {
+        let (s, n, hd) = (Dim::Known(steps), batch.clone(), Dim::Known(hidden));
+        let dirs = Dim::Known(reverse_flags.len() as i64);
+        let state = [dirs.clone(), n.clone(), hd.clone()];
+        model.set_value_type(y, type_of(elem, &[s, dirs, n.clone(), hd.clone()]));
+        model.set_value_type(y_h, type_of(elem, &state));
+        if let Some(c) = y_c {
+            model.set_value_type(c, type_of(elem, &state));
+        }
+        for v in step_values {
+            model.set_value_type(v, type_of(elem, &[Dim::Known(1), n.clone(), hd.clone()]));
+        }
+    }
     let news = [Some(y), Some(y_h), y_c];
     for (slot, old) in n.outputs.iter().enumerate() {
         if let (Some(old), Some(Some(new))) = (old, news.get(slot)) {

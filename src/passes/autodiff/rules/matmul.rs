@@ -56,7 +56,7 @@ pub fn matmul(
     if ra < 2 || rb < 2 {
         return Err(cx.error(
             node,
-            "a one-dimensional MatMul operand is not supported by the gradient rule".into(),
+            format!("a one-dimensional MatMul operand is not supported by the gradient rule ('{}' has rank {ra}, '{}' rank {rb})", cx.model().name(a), cx.model().name(b)),
         ));
     }
     let (ha, hb) = (

@@ -271,7 +271,7 @@ pub fn slice(
     let constant = |cx: &Grad<'_>, slot: usize| -> Result<Option<Vec<i64>>, PassError> {
         match cx.opt_input(node, slot) {
             None => Ok(None),
-            Some(v) => super::super::shapes::constant_ints(cx.model(), v)
+            Some(v) => super::super::shapes::known_ints(cx.model(), cx.shapes, v)
                 .map(Some)
                 .ok_or_else(|| {
                     cx.error(
