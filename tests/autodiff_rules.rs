@@ -125,6 +125,8 @@
 //! gru_bidirectional_f64                      f64  1.6e-9
 //! gru_linear_before_reset                    f32  1.2e-3
 //! gru_linear_before_reset_f64                f64  1.2e-9
+//! gru_linear_before_reset_zero_state         f32  1.2e-3
+//! gru_linear_before_reset_zero_state_f64     f64  1.6e-9
 //! gru_no_bias_initial_state                  f32  7.6e-4
 //! gru_no_bias_initial_state_f64              f64  2.1e-9
 //! hard_sigmoid                               f32  4.8e-5
@@ -1587,6 +1589,10 @@ cases! {
     gru_linear_before_reset: 14, F32 => |n| recurrent_case(n, "GRU", 3, 1, true, true, false,
         vec![attr_int("linear_before_reset", 1)]);
     gru_linear_before_reset_f64: 14, F64 => |n| recurrent_case(n, "GRU", 3, 1, true, true, false,
+        vec![attr_int("linear_before_reset", 1)]);
+    gru_linear_before_reset_zero_state: 14, F32 => |n| recurrent_case(n, "GRU", 3, 1, true, false, false,
+        vec![attr_int("linear_before_reset", 1)]);
+    gru_linear_before_reset_zero_state_f64: 14, F64 => |n| recurrent_case(n, "GRU", 3, 1, true, false, false,
         vec![attr_int("linear_before_reset", 1)]);
     gru_bidirectional: 14, F32 => |n| recurrent_case(n, "GRU", 3, 2, true, false, false, vec![]);
     gru_bidirectional_f64: 14, F64 => |n| recurrent_case(n, "GRU", 3, 2, true, false, false, vec![]);
