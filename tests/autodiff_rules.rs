@@ -244,6 +244,8 @@
 //! thresholded_relu                           f32  4.6e-5
 //! tile                                       f64  1.5e-10
 //! tile_undeclared                            f64  3.0e-10
+//! top_k_largest                              f64  1.6e-11
+//! top_k_smallest_axis0                       f64  2.1e-11
 //! transpose                                  f64  6.3e-11
 //! transpose_default_perm                     f64  1.1e-10
 //! trilu_lower                                f64  8.7e-11
@@ -1386,6 +1388,17 @@ cases! {
     };
 
     // ---- more data movement
+    top_k_largest: 17, F64 => |n| {
+        let x = n.param_distinct("X", &[3, 5], 0.1);
+        let k = n.ints("k", &[1], &[2]);
+        vec![n.node("TopK", &[Some(x), Some(k)], 2, vec![])[0]]
+    };
+    top_k_smallest_axis0: 17, F64 => |n| {
+        let x = n.param_distinct("X", &[4, 3], 0.1);
+        let k = n.ints("k", &[1], &[3]);
+        vec![n.node("TopK", &[Some(x), Some(k)], 2,
+            vec![attr_int("axis", 0), attr_int("largest", 0)])[0]]
+    };
     trilu_upper_k1: 17, F64 => |n| {
         let x = n.param("X", &[2, 3, 4], -1.0, 1.0);
         let k = n.ints("k", &[], &[1]);

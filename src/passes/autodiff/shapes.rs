@@ -535,6 +535,29 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
             });
             vec![with_dims(x.elem, dims)]
         }
+        "TopK" => {
+            // Values and indices: X's dims with K along the axis.
+            let k = n
+                .inputs
+                .get(1)
+                .copied()
+                .flatten()
+                .and_then(|v| constant_ints(model, v))
+                .and_then(|k| k.first().copied());
+            let dims = x.dims.map(|mut d| {
+                let rank = d.len() as i64;
+                let axis = int("axis").unwrap_or(-1);
+                let axis = if axis < 0 { axis + rank } else { axis };
+                if let Some(slot) = usize::try_from(axis).ok().and_then(|a| d.get_mut(a)) {
+                    *slot = k.map_or(Dim::Unknown, Dim::Known);
+                }
+                d
+            });
+            vec![
+                with_dims(x.elem, dims.clone()),
+                with_dims(Some(DataType::Int64 as i32), dims),
+            ]
+        }
         "Einsum" => {
             let equation = p.attr_string("equation").ok().flatten().unwrap_or_default();
             let dims = super::rules::einsum::Equation::parse(&equation)

@@ -16,6 +16,7 @@
 //! Dropout (training, mask M)          dX = dY · M / (1 - ratio)              DropoutGrad
 //! Gather(axis)                        dX = zeros(shape X), dY scatter-added at the indices  GatherGrad
 //! GatherElements(axis)                the same per element                  GatherElementsGrad
+//! TopK(axis) -> values, indices      dX = zeros(shape X), dvalues put at the indices  GatherElementsGrad
 //! Trilu(k, upper)                     dX = Trilu(dY, k, upper)
 //! CumSum(axis, exclusive, reverse)    dX = CumSum(dY, axis, exclusive, not reverse)
 //! DepthToSpace(b, DCR)                dX = SpaceToDepth(dY, b)
@@ -671,6 +672,29 @@ pub fn gather_elements(
         &[Some(cx.dy(node, dys, 0)?), Some(shape), Some(indices)],
         &[&h],
         attrs,
+    );
+    let v = cx.output_like(g, 0, x);
+    Ok(first_only(wants.len(), v))
+}
+
+/// TopK's values are `GatherElements(X, indices, axis)`: the same gradient, the indices
+/// read from the forward (each selected once, so nothing adds up).
+pub fn top_k(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let x = cx.input(node, 0)?;
+    let indices = cx.forward_output(node, 1)?;
+    let h = hint(cx, x);
+    let shape = cx.shape_of(x);
+    let axis = cx.int_attr(node, "axis", -1)?;
+    let g = cx.ort_op(
+        "GatherElementsGrad",
+        &[Some(cx.dy(node, dys, 0)?), Some(shape), Some(indices)],
+        &[&h],
+        vec![attr_int("axis", axis)],
     );
     let v = cx.output_like(g, 0, x);
     Ok(first_only(wants.len(), v))
