@@ -662,19 +662,9 @@ pub fn gather_elements(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let x = cx.input(node, 0)?;
     let indices = cx.input(node, 1)?;
-    let h = hint(cx, x);
-    let shape = cx.shape_of(x);
-    let attrs = cx.attrs_of(node, &["axis"]);
-    let g = cx.ort_op(
-        "GatherElementsGrad",
-        &[Some(cx.dy(node, dys, 0)?), Some(shape), Some(indices)],
-        &[&h],
-        attrs,
-    );
-    let v = cx.output_like(g, 0, x);
-    Ok(first_only(wants.len(), v))
+    let axis = cx.int_attr(node, "axis", 0)?;
+    gathered_elements(cx, node, dys, wants, indices, axis)
 }
 
 /// TopK's values are `GatherElements(X, indices, axis)`: the same gradient, the indices
@@ -685,11 +675,24 @@ pub fn top_k(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let x = cx.input(node, 0)?;
     let indices = cx.forward_output(node, 1)?;
+    let axis = cx.int_attr(node, "axis", -1)?;
+    gathered_elements(cx, node, dys, wants, indices, axis)
+}
+
+/// The gradient of input 0 of a node whose output 0 is `GatherElements(X, indices, axis)`:
+/// zeros of X's shape with dY added at the indices (`GatherElementsGrad`).
+fn gathered_elements(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+    indices: ValueId,
+    axis: i64,
+) -> Result<InputGrads, PassError> {
+    let x = cx.input(node, 0)?;
     let h = hint(cx, x);
     let shape = cx.shape_of(x);
-    let axis = cx.int_attr(node, "axis", -1)?;
     let g = cx.ort_op(
         "GatherElementsGrad",
         &[Some(cx.dy(node, dys, 0)?), Some(shape), Some(indices)],
