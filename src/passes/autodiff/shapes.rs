@@ -139,33 +139,55 @@ fn declared(model: &Model, v: ValueId) -> Facts {
 /// `Reshape(Constant, Constant)`, `Concat` of unsqueezed scalars, `Cast`, `Gather` at a
 /// constant index, elementwise integer arithmetic) are folded here, as far as 16 nodes up.
 pub fn constant_ints(model: &Model, v: ValueId) -> Option<Vec<i64>> {
-    fold_ints(model, v, 16)
+    all_known(fold_dims(model, None, v, 16)?)
 }
 
-fn fold_ints(model: &Model, v: ValueId, depth: usize) -> Option<Vec<i64>> {
+/// The int64 values of `v` where they are known before running: a constant (see
+/// [`constant_ints`]), or shape arithmetic on values whose dims are known (`Shape(x)`
+/// sliced, multiplied, concatenated; exporters compute slice bounds that way).
+pub fn known_ints(model: &Model, shapes: &Shapes, v: ValueId) -> Option<Vec<i64>> {
+    all_known(fold_dims(model, Some(shapes), v, 16)?)
+}
+
+fn all_known(dims: Vec<Dim>) -> Option<Vec<i64>> {
+    dims.iter().map(Dim::known).collect()
+}
+
+/// The value of a 1-D (or scalar) int64 tensor as dims, folded `depth` nodes up: constants
+/// (an initializer, `Constant`), and the integer computations exporters write around them
+/// (`Identity`, `Reshape`, `Unsqueeze`, `Squeeze`, `Flatten`, an integer `Cast`, `Concat`,
+/// `Gather` and `Slice` at constant positions, elementwise `Add`/`Sub`/`Mul`/`Div`). With
+/// `shapes`, `Shape(x)` gives x's dims, known or named, so computed target shapes read
+/// symbolically; an element that is not known is `Dim::Unknown`.
+fn fold_dims(model: &Model, shapes: Option<&Shapes>, v: ValueId, depth: usize) -> Option<Vec<Dim>> {
     if let Some(t) = constant_tensor(model, v) {
-        return tensor_ints(t);
+        return Some(tensor_ints(t)?.into_iter().map(Dim::Known).collect());
     }
     let ValueDef::Node { node, slot: 0 } = model.value(v).def else {
         return None;
     };
     let n = model.node(node);
     let p = &n.proto;
-    if !p.domain().is_empty() || depth == 0 {
+    if !(p.domain().is_empty() || p.domain() == "ai.onnx") || depth == 0 {
         return None;
     }
-    let arg = |i: usize| {
-        n.inputs
-            .get(i)
-            .copied()
-            .flatten()
-            .and_then(|x| fold_ints(model, x, depth - 1))
-    };
+    let input = |i: usize| n.inputs.get(i).copied().flatten();
+    let arg = |i: usize| input(i).and_then(|x| fold_dims(model, shapes, x, depth - 1));
+    let ints = |i: usize| all_known(arg(i)?);
     match p.op_type() {
         "Constant" => p
             .attr("value_ints")
             .map(|a| a.ints.clone())
-            .or_else(|| p.attr("value_int").map(|a| vec![a.i()])),
+            .or_else(|| p.attr("value_int").map(|a| vec![a.i()]))
+            .map(|v| v.into_iter().map(Dim::Known).collect()),
+        "Shape" => {
+            let d = shapes?.get(input(0)?).dims?;
+            let r = d.len() as i64;
+            let clamp = |x: i64| (if x < 0 { x + r } else { x }).clamp(0, r) as usize;
+            let start = clamp(p.attr_int("start").ok().flatten().unwrap_or(0));
+            let end = clamp(p.attr_int("end").ok().flatten().unwrap_or(r));
+            Some(d.get(start..end.max(start))?.to_vec())
+        }
         "Identity" | "Reshape" | "Unsqueeze" | "Squeeze" | "Flatten" => arg(0),
         "Cast" => {
             let to = p.attr_int("to").ok().flatten()?;
@@ -176,15 +198,29 @@ fn fold_ints(model: &Model, v: ValueId, depth: usize) -> Option<Vec<i64>> {
         "Concat" => (0..n.inputs.len())
             .map(arg)
             .collect::<Option<Vec<_>>>()
-            .map(|v| v.concat()),
+            .map(|parts| parts.concat()),
         "Gather" => {
-            let (data, idx) = (arg(0)?, arg(1)?);
-            idx.iter()
+            let data = arg(0)?;
+            ints(1)?
+                .iter()
                 .map(|i| {
                     let i = if *i < 0 { i + data.len() as i64 } else { *i };
-                    data.get(i as usize).copied()
+                    data.get(usize::try_from(i).ok()?).cloned()
                 })
                 .collect()
+        }
+        "Slice" => {
+            let d = arg(0)?;
+            let (starts, ends) = (ints(1)?, ints(2)?);
+            let steps = match input(4) {
+                Some(_) => ints(4)?,
+                None => vec![1],
+            };
+            if starts.len() != 1 || ends.len() != 1 || steps != [1] {
+                return None;
+            }
+            let (first, len) = slice_range(d.len() as i64, starts[0], ends[0], 1)?;
+            Some(d.get(first as usize..(first + len) as usize)?.to_vec())
         }
         "Add" | "Sub" | "Mul" | "Div" => {
             let (a, b) = (arg(0)?, arg(1)?);
@@ -192,18 +228,21 @@ fn fold_ints(model: &Model, v: ValueId, depth: usize) -> Option<Vec<i64>> {
             if !(a.len() == b.len() || a.len() == 1 || b.len() == 1) {
                 return None;
             }
-            (0..len)
-                .map(|i| {
-                    let x = a[if a.len() == 1 { 0 } else { i }];
-                    let y = b[if b.len() == 1 { 0 } else { i }];
-                    match p.op_type() {
-                        "Add" => Some(x + y),
-                        "Sub" => Some(x - y),
-                        "Mul" => Some(x * y),
-                        _ => (y != 0).then(|| x.div_euclid(y)),
-                    }
-                })
-                .collect()
+            let at = |v: &[Dim], i: usize| v[if v.len() == 1 { 0 } else { i }].clone();
+            Some(
+                (0..len)
+                    .map(|i| match (at(&a, i), at(&b, i)) {
+                        (Dim::Known(x), Dim::Known(y)) => match p.op_type() {
+                            "Add" => x.checked_add(y),
+                            "Sub" => x.checked_sub(y),
+                            "Mul" => x.checked_mul(y),
+                            _ => (y != 0).then(|| x.div_euclid(y)),
+                        }
+                        .map_or(Dim::Unknown, Dim::Known),
+                        _ => Dim::Unknown,
+                    })
+                    .collect(),
+            )
         }
         _ => None,
     }
@@ -460,7 +499,7 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
                 Some(t) => Some(reshape(x.dims.as_deref(), &t, allowzero)),
                 // A computed target: read symbolically (sizes taken from Shape(..) of
                 // values with known or named dims), or at least its length gives the rank.
-                None => match target_v.and_then(|v| shape_dims(model, shapes, v, 16)) {
+                None => match target_v.and_then(|v| fold_dims(model, Some(shapes), v, 16)) {
                     Some(t) => Some(reshape_dims(x.dims.as_deref(), &t, allowzero)),
                     None => target_v
                         .and_then(|v| shapes.get(v).static_dims())
@@ -612,14 +651,17 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
             let b = int("blocksize").filter(|b| *b > 0);
             let dims = x.dims.filter(|d| d.len() == 4).map(|d| {
                 let scale = |dim: &Dim, up: bool| match (dim.known(), b) {
-                    (Some(v), Some(b)) if up => Dim::Known(v * b),
+                    (Some(v), Some(b)) if up => v.checked_mul(b).map_or(Dim::Unknown, Dim::Known),
                     (Some(v), Some(b)) if v % b == 0 => Dim::Known(v / b),
                     _ => Dim::Unknown,
                 };
                 let to_space = op == "DepthToSpace";
-                let channels = match (d[1].known(), b) {
-                    (Some(c), Some(b)) if to_space && c % (b * b) == 0 => Dim::Known(c / (b * b)),
-                    (Some(c), Some(b)) if !to_space => Dim::Known(c * b * b),
+                let area = b.and_then(|b| b.checked_mul(b));
+                let channels = match (d[1].known(), area) {
+                    (Some(c), Some(a)) if to_space && c % a == 0 => Dim::Known(c / a),
+                    (Some(c), Some(a)) if !to_space => {
+                        c.checked_mul(a).map_or(Dim::Unknown, Dim::Known)
+                    }
                     _ => Dim::Unknown,
                 };
                 vec![
@@ -1085,96 +1127,6 @@ fn matmul(a: &Facts, b: &Facts) -> Option<Vec<Dim>> {
         out.push(b[b.len() - 1].clone());
     }
     Some(out)
-}
-
-/// The int64 values of `v` where they are known before running: a constant (see
-/// [`constant_ints`]), or shape arithmetic on values whose dims are known (`Shape(x)`
-/// sliced, multiplied, concatenated; exporters compute slice bounds that way).
-pub fn known_ints(model: &Model, shapes: &Shapes, v: ValueId) -> Option<Vec<i64>> {
-    constant_ints(model, v).or_else(|| {
-        shape_dims(model, shapes, v, 16)?
-            .iter()
-            .map(Dim::known)
-            .collect()
-    })
-}
-
-/// The value of a computed 1-D shape tensor as dims: constants, `Shape(x)` (x's dims,
-/// known or named), and the `Concat`, `Slice`, `Gather`, `Unsqueeze`, `Squeeze`,
-/// `Identity` and `Cast` exporters build target shapes with, `depth` nodes up.
-fn shape_dims(model: &Model, shapes: &Shapes, v: ValueId, depth: usize) -> Option<Vec<Dim>> {
-    if let Some(c) = constant_ints(model, v) {
-        return Some(c.into_iter().map(Dim::Known).collect());
-    }
-    let ValueDef::Node { node, slot: 0 } = model.value(v).def else {
-        return None;
-    };
-    let n = model.node(node);
-    let p = &n.proto;
-    if !(p.domain().is_empty() || p.domain() == "ai.onnx") || depth == 0 {
-        return None;
-    }
-    let input = |i: usize| n.inputs.get(i).copied().flatten();
-    let arg = |i: usize| input(i).and_then(|x| shape_dims(model, shapes, x, depth - 1));
-    let ints = |i: usize| input(i).and_then(|x| constant_ints(model, x));
-    match p.op_type() {
-        "Shape" => {
-            let d = shapes.get(input(0)?).dims?;
-            let r = d.len() as i64;
-            let clamp = |x: i64| (if x < 0 { x + r } else { x }).clamp(0, r) as usize;
-            let start = clamp(p.attr_int("start").ok().flatten().unwrap_or(0));
-            let end = clamp(p.attr_int("end").ok().flatten().unwrap_or(r));
-            Some(d.get(start..end.max(start))?.to_vec())
-        }
-        "Concat" => (0..n.inputs.len())
-            .map(arg)
-            .collect::<Option<Vec<_>>>()
-            .map(|parts| parts.concat()),
-        "Identity" | "Unsqueeze" | "Squeeze" | "Cast" | "Reshape" => arg(0),
-        "Add" | "Sub" | "Mul" | "Div" => {
-            let (a, b) = (arg(0)?, arg(1)?);
-            let len = a.len().max(b.len());
-            if !(a.len() == b.len() || a.len() == 1 || b.len() == 1) {
-                return None;
-            }
-            let at = |v: &[Dim], i: usize| v[if v.len() == 1 { 0 } else { i }].clone();
-            Some(
-                (0..len)
-                    .map(|i| match (at(&a, i), at(&b, i)) {
-                        (Dim::Known(x), Dim::Known(y)) => match p.op_type() {
-                            "Add" => Dim::Known(x + y),
-                            "Sub" => Dim::Known(x - y),
-                            "Mul" => Dim::Known(x * y),
-                            _ if y != 0 => Dim::Known(x.div_euclid(y)),
-                            _ => Dim::Unknown,
-                        },
-                        _ => Dim::Unknown,
-                    })
-                    .collect(),
-            )
-        }
-        "Slice" => {
-            let d = arg(0)?;
-            let (starts, ends) = (ints(1)?, ints(2)?);
-            let steps = ints(4).unwrap_or(vec![1]);
-            if starts.len() != 1 || ends.len() != 1 || steps != [1] {
-                return None;
-            }
-            let (first, len) = slice_range(d.len() as i64, starts[0], ends[0], 1)?;
-            Some(d.get(first as usize..(first + len) as usize)?.to_vec())
-        }
-        "Gather" => {
-            let d = arg(0)?;
-            ints(1)?
-                .iter()
-                .map(|i| {
-                    let i = if *i < 0 { i + d.len() as i64 } else { *i };
-                    d.get(usize::try_from(i).ok()?).cloned()
-                })
-                .collect()
-        }
-        _ => None,
-    }
 }
 
 /// `reshape` with a target of dims: `Known(0)` copies the input's dim (unless

@@ -90,13 +90,12 @@ pub fn unroll(
     let err = |model: &Model, m: String| node_error(model, node, m);
     let n = model.node(node).clone();
     let p = &n.proto;
-    let attr_err = |model: &Model, e: String| err(model, e);
     let cell = match p.op_type() {
         "LSTM" => Cell::Lstm,
         "GRU" => Cell::Gru {
             linear_before_reset: p
                 .attr_int("linear_before_reset")
-                .map_err(|e| attr_err(model, e))?
+                .map_err(|e| err(model, e))?
                 .unwrap_or(0)
                 != 0,
         },
@@ -108,12 +107,12 @@ pub fn unroll(
     }
     let hidden = p
         .attr_int("hidden_size")
-        .map_err(|e| attr_err(model, e))?
+        .map_err(|e| err(model, e))?
         .filter(|h| *h > 0)
         .ok_or_else(|| err(model, "attribute 'hidden_size' is missing".into()))?;
     let direction = p
         .attr_string("direction")
-        .map_err(|e| attr_err(model, e))?
+        .map_err(|e| err(model, e))?
         .unwrap_or_else(|| "forward".into());
     let reverse_flags: Vec<bool> = match direction.as_str() {
         "forward" => vec![false],
@@ -123,7 +122,7 @@ pub fn unroll(
     };
     // ONNX Runtime's recurrent kernels refuse layout 1 (batch first) too.
     if p.attr_int("layout")
-        .map_err(|e| attr_err(model, e))?
+        .map_err(|e| err(model, e))?
         .unwrap_or(0)
         != 0
     {
@@ -136,17 +135,14 @@ pub fn unroll(
         return Err(err(model, "attribute 'clip' is not supported".into()));
     }
     if p.attr_int("input_forget")
-        .map_err(|e| attr_err(model, e))?
+        .map_err(|e| err(model, e))?
         .unwrap_or(0)
         != 0
     {
         return Err(err(model, "input_forget = 1 is not supported".into()));
     }
     let per_direction = cell.default_activations().len();
-    let activations: Vec<String> = match p
-        .attr_strings("activations")
-        .map_err(|e| attr_err(model, e))?
-    {
+    let activations: Vec<String> = match p.attr_strings("activations").map_err(|e| err(model, e))? {
         Some(a) => a,
         None => reverse_flags
             .iter()
@@ -296,7 +292,13 @@ pub fn unroll(
             activations: activations[d * per_direction..(d + 1) * per_direction].to_vec(),
             reverse: *reverse,
         };
-        let (hs, hn, cn) = run_direction(&mut b, cell, &dir, steps, hidden, h);
+        let Some((hs, hn, cn)) = run_direction(&mut b, cell, &dir, steps, hidden, h) else {
+            return Err(node_error(
+                b.model,
+                node,
+                "the layer has no time steps".into(),
+            ));
+        };
         step_values.extend(hs.iter().copied());
         step_values.extend(cn);
         // Y for this direction: [S, 1, N, H], the steps ([1, N, H] each) in time order.
@@ -371,7 +373,7 @@ fn run_direction(
     steps: i64,
     hidden: i64,
     h: &str,
-) -> (Vec<ValueId>, ValueId, Option<ValueId>) {
+) -> Option<(Vec<ValueId>, ValueId, Option<ValueId>)> {
     let order: Vec<i64> = if dir.reverse {
         (0..steps).rev().collect()
     } else {
@@ -493,6 +495,7 @@ fn run_direction(
         state_c = new_c.or(state_c);
     }
     let hs: Vec<ValueId> = hs.into_iter().flatten().collect();
-    let last = state_h.expect("at least one step");
-    (hs, last, if cell == Cell::Lstm { state_c } else { None })
+    // `None` only for zero steps, which `unroll` refuses before.
+    let last = state_h?;
+    Some((hs, last, if cell == Cell::Lstm { state_c } else { None }))
 }

@@ -38,6 +38,11 @@ use crate::ir::{Model, NodeId, ValueDef, ValueId};
 use crate::passes::PassError;
 use crate::proto::tensor_proto::DataType;
 
+/// The most weights one axis's matrix may hold (a 4096 x 4096 resize; 64 MiB in float32):
+/// beyond it the dense gradient would cost more than any model's upsampling justifies,
+/// and a bad scale must not allocate without bound.
+const MAX_WEIGHTS: i64 = 1 << 24;
+
 /// How one axis is resized.
 #[derive(Clone, Debug, PartialEq)]
 struct AxisPlan {
@@ -166,7 +171,15 @@ fn plan(
         if input_len <= 0 || output_len <= 0 {
             return Err(format!("axis {axis} resizes {input_len} to {output_len}"));
         }
+        if output_len.saturating_mul(input_len) > MAX_WEIGHTS {
+            return Err(format!(
+                "axis {axis} resizes {input_len} to {output_len}: the gradient's {output_len} x {input_len} weights are more than {MAX_WEIGHTS}"
+            ));
+        }
         let scale = given_scale.unwrap_or(output_len as f32 / input_len as f32);
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(format!("axis {axis} has scale {scale}"));
+        }
         out.push(AxisPlan {
             axis,
             input: input_len as usize,
@@ -404,30 +417,22 @@ fn apply_transposed(
 ) -> Result<ValueId, PassError> {
     let flat: Vec<f64> = matrix.iter().flatten().copied().collect();
     let dims = [a.output as i64, a.input as i64];
+    // float64 models get float64 weights; every other type float32 ones, cast to the
+    // model's type where that is a half type.
     let tensor = if elem == DataType::Double as i32 {
         tensor_f64(&dims, &flat)
     } else {
         let as_f32: Vec<f32> = flat.iter().map(|w| *w as f32).collect();
-        let t = tensor_f32(&dims, &as_f32);
-        if elem == DataType::Float as i32 {
-            t
-        } else {
-            // Half-precision models: the weights in float32, cast to the model's type.
-            let k = cx.b.model.add_initializer(
-                crate::ir::BodyId::MAIN,
-                &format!("{h}_resize_weights"),
-                t,
-            );
-            let cast = cx.op("Cast", &[k], vec![attr_int("to", elem as i64)], h);
-            return Ok(matmul_along(cx, g, cast, a.axis, rank, h));
-        }
+        tensor_f32(&dims, &as_f32)
     };
-    let k = cx.b.model.add_initializer(
-        crate::ir::BodyId::MAIN,
-        &format!("{h}_resize_weights"),
-        tensor,
-    );
-    Ok(matmul_along(cx, g, k, a.axis, rank, h))
+    let name = format!("{h}_resize_weights");
+    let mut w =
+        cx.b.model
+            .add_initializer(crate::ir::BodyId::MAIN, &name, tensor);
+    if elem != DataType::Double as i32 && elem != DataType::Float as i32 {
+        w = cx.op("Cast", &[w], vec![attr_int("to", elem as i64)], h);
+    }
+    Ok(matmul_along(cx, g, w, a.axis, rank, h))
 }
 
 /// `g[.., o, ..] -> Σ_o g[.., o, ..] · W[o, i]` along `axis`.

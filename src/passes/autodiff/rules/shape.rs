@@ -778,8 +778,11 @@ pub fn depth_to_space(
                         "the gradient of CRD mode needs the input's channel count, which is neither declared nor derivable".into(),
                     )
                 })?;
-            let per_block = channels / (b * b);
-            let split_shape = cx.ints(&[0, b * b, per_block, -1]);
+            let area = b.checked_mul(b).ok_or_else(|| {
+                cx.error(node, format!("attribute 'blocksize' = {b} is too large"))
+            })?;
+            let per_block = channels / area;
+            let split_shape = cx.ints(&[0, area, per_block, -1]);
             let split = cx.op("Reshape", &[blocks_first, split_shape], vec![], &h);
             let swapped = cx.op(
                 "Transpose",

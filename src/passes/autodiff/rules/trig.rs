@@ -37,7 +37,7 @@ fn over(
     Ok(vec![Some(dx)])
 }
 
-/// `c + s · X²` (s = ±1).
+/// `c + X²`, or `c - X²`.
 fn square_plus(
     cx: &mut Grad<'_>,
     node: NodeId,
@@ -50,6 +50,19 @@ fn square_plus(
     let c = cx.scalar_like(node, x, c)?;
     let op = if subtract_square { "Sub" } else { "Add" };
     Ok(cx.op_like(op, &[c, x2], vec![], h, x))
+}
+
+/// `sqrt(c ± X²)`.
+fn root_of_square_plus(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    x: ValueId,
+    c: f64,
+    subtract_square: bool,
+    h: &str,
+) -> Result<ValueId, PassError> {
+    let d = square_plus(cx, node, x, c, subtract_square, h)?;
+    Ok(cx.op_like("Sqrt", &[d], vec![], h, x))
 }
 
 pub fn sin(
@@ -115,8 +128,7 @@ pub fn asin(
     _: &[bool],
 ) -> Result<InputGrads, PassError> {
     over(cx, node, dys, false, |cx, x, h| {
-        let d = square_plus(cx, node, x, 1.0, true, h)?;
-        Ok(cx.op_like("Sqrt", &[d], vec![], h, x))
+        root_of_square_plus(cx, node, x, 1.0, true, h)
     })
 }
 
@@ -127,8 +139,7 @@ pub fn acos(
     _: &[bool],
 ) -> Result<InputGrads, PassError> {
     over(cx, node, dys, true, |cx, x, h| {
-        let d = square_plus(cx, node, x, 1.0, true, h)?;
-        Ok(cx.op_like("Sqrt", &[d], vec![], h, x))
+        root_of_square_plus(cx, node, x, 1.0, true, h)
     })
 }
 
@@ -150,8 +161,7 @@ pub fn asinh(
     _: &[bool],
 ) -> Result<InputGrads, PassError> {
     over(cx, node, dys, false, |cx, x, h| {
-        let d = square_plus(cx, node, x, 1.0, false, h)?;
-        Ok(cx.op_like("Sqrt", &[d], vec![], h, x))
+        root_of_square_plus(cx, node, x, 1.0, false, h)
     })
 }
 
@@ -162,10 +172,7 @@ pub fn acosh(
     _: &[bool],
 ) -> Result<InputGrads, PassError> {
     over(cx, node, dys, false, |cx, x, h| {
-        let x2 = cx.op_like("Mul", &[x, x], vec![], h, x);
-        let one = cx.scalar_like(node, x, 1.0)?;
-        let d = cx.op_like("Sub", &[x2, one], vec![], h, x);
-        Ok(cx.op_like("Sqrt", &[d], vec![], h, x))
+        root_of_square_plus(cx, node, x, -1.0, false, h)
     })
 }
 
