@@ -248,6 +248,41 @@ fn mlp_casts_are_where_the_design_puts_them() {
         .any(|t| t.name() == "zero.fp16" && t.data_type() == FLOAT16));
 }
 
+/// bf16 runs only on ONNX Runtime's CUDA provider, which has no bf16 kernel for Greater
+/// (measured on an H200: the bf16 MLP's `relu_active` Greater did not load), so the ReLU
+/// gradient's comparison reads its input cast to float32; the ops the provider does have
+/// (Gemm, Relu, Mul) still compute in bf16.
+#[test]
+fn bf16_keeps_ops_without_a_cuda_kernel_in_float32() {
+    let m = rewrite("mlp_ce_adamw", &cli_spec("if", "bf16"));
+    let g = m.graph.as_ref().unwrap();
+    let producer = |v: &str| g.node.iter().find(|n| n.output.iter().any(|o| o == v));
+    let greater = g
+        .node
+        .iter()
+        .find(|n| n.op_type() == "Greater")
+        .expect("ReLU's mask");
+    let read = producer(&greater.input[0]).expect("Greater's input has a producer");
+    assert_eq!(read.op_type(), "Cast", "{}", greater.input[0]);
+    assert_eq!(cast_to(read), Some(FLOAT), "Greater compares in float32");
+    assert_eq!(pass_of(read), Some("precision"));
+    // The matrix products and the ReLU itself stay bf16: their outputs are cast back up.
+    let relu = g.node.iter().find(|n| n.op_type() == "Relu").unwrap();
+    assert_eq!(
+        read.input[0], relu.output[0],
+        "the cast reads the bf16 ReLU"
+    );
+    let gemm_inputs_cast_to_bf16 = g
+        .node
+        .iter()
+        .filter(|n| pass_of(n) == Some("precision") && cast_to(n) == Some(BFLOAT16))
+        .count();
+    assert!(
+        gemm_inputs_cast_to_bf16 >= 4,
+        "parameters and input cast to bf16"
+    );
+}
+
 #[test]
 fn spec_options_and_keep_list() {
     use onnx_ga::passes::{parse_spec, precision::Precision, Pass};

@@ -23,6 +23,7 @@ mod cli_errors;
 mod cli_inspect;
 mod controls;
 mod data_safety;
+mod device_cuda;
 mod distributed;
 mod export_trained;
 mod file_cases;

@@ -394,36 +394,7 @@ fn no_split_trains_bit_identically_to_the_split_default() {
     );
 }
 
-/// On a machine whose ONNX Runtime has CUDA and a GPU this is the GPU check: CUDA training
-/// must match the CPU's. Everywhere else `--device cuda` must fail before training, clearly,
-/// with nothing written.
-#[test]
-fn device_cuda_trains_like_the_cpu_or_fails_clearly() {
-    if !ort_available() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let step = rewritten(dir.path());
-    let (out, cpu) = train_saving(dir.path(), &step, "cpu", &[]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let before = listing(dir.path());
-    let (out, cuda) = train_saving(dir.path(), &step, "cuda", &["--device", "cuda"]);
-    let err = stderr(&out);
-    assert!(!err.contains("panicked"), "{err}");
-    if out.status.success() {
-        let (cpu, cuda) = (cpu.unwrap(), cuda.expect("state written"));
-        for (name, value) in &cpu {
-            common::assert_close(name, &cuda[name], value, 1e-4, 1e-5);
-        }
-        eprintln!("--device cuda trained like the CPU");
-    } else {
-        // The setup lacks what the command asks for: the user's to fix (exit 2).
-        assert_eq!(out.status.code(), Some(2), "{err}");
-        assert!(err.contains("CUDA execution provider"), "{err}");
-        assert!(err.contains("onnxruntime-gpu"), "{err}");
-        assert!(listing(dir.path()) == before, "nothing may be written");
-    }
-}
+// `--device cuda` against the CPU: tests/device_cuda.rs.
 
 #[test]
 fn unknown_or_impossible_devices() {

@@ -542,6 +542,9 @@ impl OrtSession {
                 builder = builder
                     .with_execution_providers([::ort::ep::CUDA::default()
                         .with_device_id(id)
+                        // float32 means float32: ONNX Runtime's default rounds MatMul and
+                        // Conv inputs to TF32 (10 mantissa bits), PyTorch's does not.
+                        .with_tf32(false)
                         .build()
                         .error_on_failure()])
                     .map_err(|e| {

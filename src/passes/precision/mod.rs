@@ -39,8 +39,12 @@
 //!    and Softplus.
 //! 3. An op whose ONNX schema at the model's opset does not admit the half type stays
 //!    float32 (e.g. with bf16 at opset 17: Conv, MaxPool, ConstantOfShape, OneHot; the
-//!    table is generated from onnx's schemas by `scripts/precision-schema.py`). Other
-//!    domains: only com.microsoft FusedMatMul, Gelu and FastGelu may go half.
+//!    table is generated from onnx's schemas by `scripts/precision-schema.py`). With bf16
+//!    so does an op ONNX Runtime's CUDA provider has no bf16 kernel for (Greater, Pad,
+//!    SpaceToDepth, MaxPool, LogSoftmax, ...; `cuda_bf16.rs`, generated from ONNX Runtime's
+//!    kernel table by `scripts/ort-cuda-bf16.py`): that provider is the only runtime that
+//!    runs bf16, and a bf16 node it lacks does not load. Other domains: only com.microsoft
+//!    FusedMatMul, Gelu and FastGelu may go half.
 //! 4. The matrix products, MatMul, Gemm, Conv, ConvTranspose, Einsum and FusedMatMul,
 //!    compute in half.
 //! 5. Every other op follows its float inputs (type promotion): float32 if any of them is
@@ -82,6 +86,7 @@
 //! drops constants left unread) and `lower-for-tract` (whose lowerings take the element type
 //! of their inputs). The CLI's `rewrite --precision fp16|bf16` builds that pipeline.
 
+mod cuda_bf16;
 mod schema;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -292,23 +297,41 @@ impl Precision {
         })
     }
 
-    /// Whether `op` of `domain` may compute in the half type at `opset`.
+    /// Whether `op` of `domain` may compute in the half type at `opset`: its schema
+    /// admits the type and, for bf16, the one runtime that runs bf16 (ONNX Runtime's CUDA
+    /// provider) has a kernel for it. fp16 needs no such check: where a provider lacks an
+    /// fp16 kernel ONNX Runtime computes the node in float32 between casts it inserts.
     fn half_capable(&self, domain: &str, op: &str, opset: i64) -> bool {
         match crate::ir::normalize_domain(domain) {
-            "" => schema::HALF_SINCE
-                .iter()
-                .find(|(o, ..)| *o == op)
-                .is_some_and(|(_, f16, bf16)| {
-                    let since = match self.dtype {
-                        HalfType::Fp16 => *f16,
-                        HalfType::Bf16 => *bf16,
-                    };
-                    since > 0 && opset >= since as i64
-                }),
+            "" => {
+                let schema_admits = schema::HALF_SINCE
+                    .iter()
+                    .find(|(o, ..)| *o == op)
+                    .is_some_and(|(_, f16, bf16)| {
+                        let since = match self.dtype {
+                            HalfType::Fp16 => *f16,
+                            HalfType::Bf16 => *bf16,
+                        };
+                        since > 0 && opset >= since as i64
+                    });
+                schema_admits
+                    && match self.dtype {
+                        HalfType::Fp16 => true,
+                        HalfType::Bf16 => cuda_bf16_kernel(op, opset),
+                    }
+            }
             "com.microsoft" => HALF_COM_MICROSOFT.contains(&op),
             _ => false,
         }
     }
+}
+
+/// Whether ONNX Runtime's CUDA provider has a bfloat16 kernel for `op` at `opset`
+/// ([`cuda_bf16::CUDA_BF16`]).
+fn cuda_bf16_kernel(op: &str, opset: i64) -> bool {
+    cuda_bf16::CUDA_BF16.iter().any(|&(o, first, last)| {
+        o == op && opset >= first as i64 && (last == 0 || opset <= last as i64)
+    })
 }
 
 impl Pass for Precision {
