@@ -535,3 +535,71 @@ fn resume_mid_window_is_bit_identical() {
     let (ratio, at) = worst("resume on cuda", &resumed, &straight, 0.0, 0.0);
     assert!(ratio == 0.0, "resume on cuda: not bit-identical: {at}");
 }
+
+/// What `--device cuda` changes in the step before ONNX Runtime sees it
+/// (`passes::lower_for_cuda`: the losses and MaxUnpool, which the CUDA provider has no
+/// kernel for, lowered to ops it has) must compute what the step computed: both trained on
+/// the CPU, where ONNX Runtime runs the original ops with its own kernels, for two windows.
+#[test]
+fn the_cuda_lowering_trains_like_the_original_ops() {
+    use onnx_ga::train::{micro_batch, Trainer};
+    if !ort_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (cnn, cnn_data) = forward("torch_cnn");
+    let (gpt, gpt_data) = forward("torch_gpt");
+    let mlp_data = graph("mlp_ce_adamw/data.npz");
+    let cases: [(&str, PathBuf, &Path, &[&str]); 3] = [
+        (
+            "mlp (artifacts)",
+            graph("mlp_ce_adamw"),
+            &mlp_data,
+            &["--lr", "0.01"],
+        ),
+        (
+            "torch cnn (MaxUnpool)",
+            cnn,
+            &cnn_data,
+            &["--loss-fn", "cross-entropy"],
+        ),
+        (
+            "torch gpt (ignored labels)",
+            gpt,
+            &gpt_data,
+            &["--loss-fn", "cross-entropy", "--ignore-index", "-100"],
+        ),
+    ];
+    for (case, source, data, flags) in cases {
+        let case_dir = dir.path().join(case.split(' ').nth(1).unwrap());
+        std::fs::create_dir(&case_dir).unwrap();
+        let mut all = vec!["--accum-steps", "4", "--optimizer", "adamw"];
+        if !flags.contains(&"--lr") {
+            all.extend(["--lr", "1e-3"]);
+        }
+        all.extend_from_slice(flags);
+        let step = onnx_ga::model::load_model(&rewrite(&case_dir, &source, &all)).unwrap();
+        let lowered = onnx_ga::passes::lower_for_cuda::prepare(&step).unwrap();
+        assert!(
+            matches!(lowered, std::borrow::Cow::Owned(_)),
+            "{case}: nothing was lowered"
+        );
+        let data = common::read_npz(data);
+        let n = data.values().next().unwrap().shape()[0];
+        let mut trainers = [&step, lowered.as_ref()].map(|m| common::trainer(m));
+        let mut loss_gap = 0f64;
+        for i in 0..8 {
+            let batch = micro_batch(&data, n, 4, i);
+            let [a, b]: [f64; 2] = [0, 1].map(|k| {
+                let t: &mut Trainer = &mut trainers[k];
+                t.step(&batch, false).unwrap().loss as f64
+            });
+            loss_gap = loss_gap.max((a - b).abs() / b.abs().max(1e-30));
+        }
+        let [a, b] = &trainers;
+        let (gap, at) = common::worst_state_gap(case, a.state().unwrap(), b.state().unwrap());
+        eprintln!("{case}: lowered for CUDA: losses {loss_gap:.2e} apart, state {gap:.2e} ({at})");
+        assert!(loss_gap <= 1e-6, "{case}: losses {loss_gap:e} apart");
+        assert!(gap <= 1e-6, "{case}: state {gap:e} apart at {at}");
+    }
+}

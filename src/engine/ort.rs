@@ -293,6 +293,20 @@ pub const SMALL_OUTPUT: i64 = 16;
 
 impl OrtSession {
     pub fn new(model: &ModelProto, options: &SessionOptions) -> Result<OrtSession, EngineError> {
+        // On CUDA: the ops its provider has no kernel for, lowered so that they do not run
+        // on the CPU with copies around them (`passes::lower_for_cuda`).
+        let for_cuda = match options.device {
+            Device::Cuda(_) => {
+                Some(crate::passes::lower_for_cuda::prepare(model).map_err(|e| {
+                    EngineError::Ort {
+                        context: "lowering what the CUDA provider has no kernel for".into(),
+                        message: e.to_string(),
+                    }
+                })?)
+            }
+            Device::Cpu => None,
+        };
+        let model = for_cuda.as_deref().unwrap_or(model);
         let blocked = match nchwc_block(options)? {
             Some(block) => {
                 let own_kernel = options.fused_kernels && options.device == Device::Cpu;

@@ -27,6 +27,7 @@ pub mod grad_accum;
 pub mod legalize;
 pub mod legalize_training;
 pub mod loss_scale;
+pub mod lower_for_cuda;
 pub mod lower_for_tract;
 pub mod nchwc_conv;
 pub mod optimizer;
