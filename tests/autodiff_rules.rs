@@ -32,7 +32,8 @@
 //! split_only_later_output, layer_norm_only_mean, layer_norm_only_inv_std,
 //! layer_norm_all_outputs_axis1, and the recurrent layers' Y, Y_h and Y_c. Tests expect a
 //! clear error naming the node instead of a gradient (never a panic): a ConvTranspose with
-//! `output_shape`, an einsum diagonal, Resize's tf_crop_and_resize, LSTM's sequence_lens.
+//! `output_shape`, an einsum diagonal, Resize's tf_crop_and_resize, LSTM's sequence_lens,
+//! a scatter that multiplies, GatherND with batch_dims.
 //!
 //! Every case also runs its forward model on ONNX Runtime and compares that loss with the
 //! gradient graph's (1e-12 relative in float64, 1e-5 in float32), except where the autodiff
@@ -108,6 +109,8 @@
 //! gather_axis1_2d_negative                   f64  2.5e-10
 //! gather_axis1_scalar_index                  f64  8.5e-11
 //! gather_elements                            f64  8.2e-11
+//! gather_nd_elements                         f64  1.0e-11
+//! gather_nd_slices                           f64  4.6e-11
 //! gelu                                       f32  1.0e-4
 //! gelu_tanh                                  f64  6.6e-9
 //! gemm_nn                                    f64  2.1e-10
@@ -211,6 +214,10 @@
 //! rnn_sigmoid_bidirectional_f64              f64  1.3e-9
 //! rnn_tanh                                   f32  2.2e-4
 //! rnn_tanh_f64                               f64  4.0e-10
+//! scatter_elements_add_repeated              f64  9.5e-11
+//! scatter_elements_none                      f64  6.9e-11
+//! scatter_nd_add_repeated                    f64  6.1e-10
+//! scatter_nd_none                            f64  4.0e-11
 //! selu                                       f32  6.2e-5
 //! selu_attrs                                 f32  5.7e-5
 //! shared_parameter                           f64  1.2e-10
@@ -1279,6 +1286,41 @@ cases! {
         let i = n.ints("indices", &[3, 2], &[0, 0, 3, 1, 2, -1]);
         vec![n.op("GatherElements", &[x, i], vec![attr_int("axis", 1)])]
     };
+    gather_nd_elements: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let i = n.ints("indices", &[3, 2], &[0, 1, 2, 3, 0, 1]);
+        vec![n.op("GatherND", &[x, i], vec![])]
+    };
+    gather_nd_slices: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let i = n.ints("indices", &[2, 1], &[2, 0]);
+        vec![n.op("GatherND", &[x, i], vec![])]
+    };
+    scatter_elements_none: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let u = n.param("U", &[3, 2], -1.0, 1.0);
+        let i = n.ints("indices", &[3, 2], &[0, 3, 1, 2, 3, 0]);
+        vec![n.op("ScatterElements", &[x, i, u], vec![attr_int("axis", 1)])]
+    };
+    scatter_elements_add_repeated: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let u = n.param("U", &[2, 4], -1.0, 1.0);
+        let i = n.ints("indices", &[2, 4], &[0, 2, 2, 1, 0, 0, 2, -1]);
+        vec![n.op("ScatterElements", &[x, i, u],
+            vec![attr_int("axis", 0), attr_string("reduction", "add")])]
+    };
+    scatter_nd_none: 17, F64 => |n| {
+        let x = n.param("X", &[4, 3], -1.0, 1.0);
+        let u = n.param("U", &[2, 3], -1.0, 1.0);
+        let i = n.ints("indices", &[2, 1], &[1, 3]);
+        vec![n.op("ScatterND", &[x, i, u], vec![])]
+    };
+    scatter_nd_add_repeated: 17, F64 => |n| {
+        let x = n.param("X", &[4, 3], -1.0, 1.0);
+        let u = n.param("U", &[3], -1.0, 1.0);
+        let i = n.ints("indices", &[3, 2], &[1, 2, 3, 0, 1, 2]);
+        vec![n.op("ScatterND", &[x, i, u], vec![attr_string("reduction", "add")])]
+    };
 
     // ---- loss
     softmax_cross_entropy_ignore_index: 17, F64 => |n| {
@@ -1463,6 +1505,35 @@ fn einsum_diagonal_is_refused() {
     check_error("einsum_diagonal_is_refused", 12, F64, "diagonal", |n| {
         einsum_case(n, "ii->i", &[&[3, 3]])
     });
+}
+
+#[test]
+fn scatter_with_a_multiplying_reduction_is_refused() {
+    check_error("scatter_mul_is_refused", 17, F64, "reduction 'mul'", |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let u = n.param("U", &[1, 4], -1.0, 1.0);
+        let i = n.ints("indices", &[1, 4], &[0, 1, 2, 0]);
+        vec![n.op(
+            "ScatterElements",
+            &[x, i, u],
+            vec![attr_string("reduction", "mul")],
+        )]
+    });
+}
+
+#[test]
+fn gather_nd_with_batch_dims_is_refused() {
+    check_error(
+        "gather_nd_batch_dims_is_refused",
+        17,
+        F64,
+        "batch_dims = 1",
+        |n| {
+            let x = n.param("X", &[2, 3, 4], -1.0, 1.0);
+            let i = n.ints("indices", &[2, 1, 1], &[2, 0]);
+            vec![n.op("GatherND", &[x, i], vec![attr_int("batch_dims", 1)])]
+        },
+    );
 }
 
 /// Resize of a `dims` parameter by constant `scales` (or `sizes`), roi empty.

@@ -586,7 +586,7 @@ fn the_cuda_lowering_trains_like_the_original_ops() {
         );
         let data = common::read_npz(data);
         let n = data.values().next().unwrap().shape()[0];
-        let mut trainers = [&step, lowered.as_ref()].map(|m| common::trainer(m));
+        let mut trainers = [&step, lowered.as_ref()].map(common::trainer);
         let mut loss_gap = 0f64;
         for i in 0..8 {
             let batch = micro_batch(&data, n, 4, i);

@@ -344,6 +344,8 @@ const SAME_AS_INPUT: &[&str] = &[
     "Mish",
     "Trilu",
     "CumSum",
+    "ScatterElements",
+    "ScatterND",
 ];
 
 /// Elementwise ops with multidirectional (numpy) broadcasting.
@@ -819,6 +821,24 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
             vec![with_dims(x.elem, dims)]
         }
         "GatherElements" => vec![with_dims(x.elem, input(1).dims)],
+        // Y = I.dims[:-1] + X.dims[b + k:], k = I.dims[-1], b = batch_dims.
+        "GatherND" => {
+            let b = int("batch_dims").unwrap_or(0);
+            let dims = match (x.dims, input(1).dims) {
+                (Some(d), Some(i)) if b >= 0 => i
+                    .last()
+                    .and_then(Dim::known)
+                    .map(|k| (b + k) as usize)
+                    .filter(|&from| from <= d.len())
+                    .map(|from| {
+                        let mut out = i[..i.len() - 1].to_vec();
+                        out.extend_from_slice(&d[from..]);
+                        out
+                    }),
+                _ => None,
+            };
+            vec![with_dims(x.elem, dims)]
+        }
         "Pad" => {
             let pads = ints("pads").or_else(|| {
                 n.inputs

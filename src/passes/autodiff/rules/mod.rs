@@ -22,6 +22,7 @@ mod norm;
 mod pool;
 mod reduce;
 pub(in crate::passes::autodiff) mod resize;
+mod scatter;
 mod shape;
 mod softmax;
 mod trig;
@@ -138,6 +139,9 @@ const RULES: &[(&str, RuleFn)] = &[
     ("SpaceToDepth", shape::space_to_depth),
     ("Einsum", einsum::einsum),
     ("Resize", resize::resize),
+    ("ScatterElements", scatter::scatter_elements),
+    ("ScatterND", scatter::scatter_nd),
+    ("GatherND", scatter::gather_nd),
 ];
 
 /// Rules for ops outside the default domain.
