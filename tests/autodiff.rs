@@ -557,8 +557,9 @@ fn bad_input_loss_reaches_no_parameter() {
 }
 #[test]
 fn bad_input_op_without_a_rule() {
-    // A forward model with an op the autodiff has no rule for (LpNormalization) between the
-    // parameter and the loss: the error names the node, the op and the parameter.
+    // A forward model with an op the autodiff has no rule for (MeanVarianceNormalization)
+    // between the parameter and the loss: the error names the node, the op and the
+    // parameter.
     use onnx_ga::ir::builder::{tensor_f32, Builder};
     use onnx_ga::ir::{tensor_type, BodyId, Model};
     use onnx_ga::proto::OperatorSetIdProto;
@@ -576,14 +577,15 @@ fn bad_input_op_without_a_rule() {
     let w = model.add_initializer(main, "w", tensor_f32(&[3], &[0.1, 0.2, 0.3]));
     let mut b = Builder::new(&mut model, main, "test");
     let y = b.op("Mul", &[x, w], vec![], "y");
-    let c = b.op("LpNormalization", &[y], vec![], "c");
+    let axes = onnx_ga::ir::builder::attr_ints("axes", &[1]);
+    let c = b.op("MeanVarianceNormalization", &[y], vec![axes], "c");
     model.add_output(main, c, Some(tensor_type(1, &[2, 3])));
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("lp_norm.onnx");
+    let path = dir.path().join("mvn.onnx");
     onnx_ga::model::save_model(&model.to_proto(), &path).unwrap();
     rewrite_fails(
         &[path.to_str().unwrap(), "--loss-fn", "mse"],
-        "no gradient rule for LpNormalization; parameter 'w'",
+        "no gradient rule for MeanVarianceNormalization; parameter 'w'",
     );
 }
 

@@ -146,6 +146,9 @@
 //! log                                        f64  2.5e-11
 //! log_softmax_axis1                          f64  3.6e-10
 //! log_softmax_last                           f64  4.8e-10
+//! lp_normalization_default_3d                f64  1.5e-10
+//! lp_normalization_p1_axis0                  f64  1.5e-10
+//! lp_normalization_p2_axis1                  f64  1.3e-10
 //! lstm_bidirectional                         f32  5.1e-4
 //! lstm_bidirectional_f64                     f64  2.3e-9
 //! lstm_full                                  f32  1.5e-3
@@ -189,6 +192,10 @@
 //! reduce_mean_opset17_axes_attr              f64  3.3e-10
 //! reduce_min_keep0                           f64  6.4e-11
 //! reduce_min_keep1                           f64  1.5e-10
+//! reduce_prod_all_opset17                    f64  6.1e-11
+//! reduce_prod_keep0                          f64  1.2e-10
+//! reduce_prod_keep1                          f64  6.4e-11
+//! reduce_prod_zeros                          f64  6.6e-11
 //! reduce_sum_all_axes                        f64  1.6e-10
 //! reduce_sum_keep0                           f64  1.3e-10
 //! reduce_sum_keep1                           f64  1.5e-10
@@ -1286,6 +1293,18 @@ cases! {
         let i = n.ints("indices", &[3, 2], &[0, 0, 3, 1, 2, -1]);
         vec![n.op("GatherElements", &[x, i], vec![attr_int("axis", 1)])]
     };
+    lp_normalization_p2_axis1: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        vec![n.op("LpNormalization", &[x], vec![attr_int("axis", 1), attr_int("p", 2)])]
+    };
+    lp_normalization_p1_axis0: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        vec![n.op("LpNormalization", &[x], vec![attr_int("axis", 0), attr_int("p", 1)])]
+    };
+    lp_normalization_default_3d: 17, F64 => |n| {
+        let x = n.param("X", &[2, 3, 4], -1.0, 1.0);
+        vec![n.op("LpNormalization", &[x], vec![])]
+    };
     gather_nd_elements: 17, F64 => |n| {
         let x = n.param("X", &[3, 4], -1.0, 1.0);
         let i = n.ints("indices", &[3, 2], &[0, 1, 2, 3, 0, 1]);
@@ -1418,6 +1437,23 @@ cases! {
     reduce_log_sum_exp_keep1: 17, F64 => |n| {
         let x = n.param("X", &[2, 3, 4], -2.0, 2.0);
         vec![n.op("ReduceLogSumExp", &[x], vec![attr_ints("axes", &[-1])])]
+    };
+    reduce_prod_keep0: 18, F64 => |n| reduce_case(n, "ReduceProd", 0);
+    reduce_prod_keep1: 18, F64 => |n| reduce_case(n, "ReduceProd", 1);
+    // Rows with no zero, one zero and two zeros: the product of the others, never X's
+    // reciprocal (the one zero gets the product of its row's other elements).
+    reduce_prod_zeros: 18, F64 => |n| {
+        let x = n.param_with("X", &[3, 4], vec![
+            0.5, -1.2, 0.8, 1.1,
+            0.7, 0.0, -0.9, 1.3,
+            0.0, 0.6, 0.0, -1.4,
+        ]);
+        let axes = n.ints("axes", &[1], &[1]);
+        vec![n.op("ReduceProd", &[x, axes], vec![attr_int("keepdims", 0)])]
+    };
+    reduce_prod_all_opset17: 17, F64 => |n| {
+        let x = n.param("X", &[2, 3], 0.5, 1.5);
+        vec![n.op("ReduceProd", &[x], vec![attr_int("keepdims", 0)])]
     };
     reduce_l1_keep0: 18, F64 => |n| {
         let x = n.param_avoid("X", &[2, 3, 4], -2.0, 2.0, &[0.0], 0.05);

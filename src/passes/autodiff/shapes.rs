@@ -346,6 +346,7 @@ const SAME_AS_INPUT: &[&str] = &[
     "CumSum",
     "ScatterElements",
     "ScatterND",
+    "LpNormalization",
 ];
 
 /// Elementwise ops with multidirectional (numpy) broadcasting.

@@ -142,6 +142,8 @@ const RULES: &[(&str, RuleFn)] = &[
     ("ScatterElements", scatter::scatter_elements),
     ("ScatterND", scatter::scatter_nd),
     ("GatherND", scatter::gather_nd),
+    ("LpNormalization", norm::lp_normalization),
+    ("ReduceProd", reduce::reduce_prod),
 ];
 
 /// Rules for ops outside the default domain.

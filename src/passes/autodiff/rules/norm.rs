@@ -14,6 +14,8 @@
 //!   dγ = Σ_{n, spatial} dY · x̂,  dβ = Σ_{n, spatial} dY   (per channel; opset 18: also
 //!   summed over the group's channels)
 //! InstanceNormalization  the same with G = C (one channel per group), γ, β per channel
+//! LpNormalization  Y = X / n along `axis`, n = ||X||_p (p = 1 or 2)
+//!   dX = (dY - s · Σ_axis(dY · Y)) / n,  s = Y (p = 2), sign(X) (p = 1)
 //! ```
 //!
 //! Neither forward saves its statistics, so the rule recomputes them from X in the view
@@ -406,5 +408,49 @@ fn grouped(
         let shape = cx.shape_of(x);
         out[0] = Some(cx.op_like("Reshape", &[dxg, shape], vec![], &h, x));
     }
+    Ok(out)
+}
+
+pub fn lp_normalization(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let p = cx.int_attr(node, "p", 2)?;
+    if p != 1 && p != 2 {
+        return Err(cx.error(node, format!("p = {p} is not a norm ONNX defines (1 or 2)")));
+    }
+    let (dy, x, y) = (
+        cx.dy(node, dys, 0)?,
+        cx.input(node, 0)?,
+        cx.forward_output(node, 0)?,
+    );
+    let rank = cx.need_rank(node, x)? as i64;
+    let axis = cx.int_attr(node, "axis", -1)?;
+    let axis = if axis < 0 { axis + rank } else { axis };
+    if !(0..rank).contains(&axis) {
+        return Err(cx.error(node, format!("axis is out of range for rank {rank}")));
+    }
+    let h = format!("{}_grad", cx.model().name(x));
+    let norm = if p == 2 {
+        let squares = cx.op("Mul", &[x, x], vec![], &h);
+        let sum = cx.reduce("ReduceSum", squares, &[axis], true, &h);
+        cx.op("Sqrt", &[sum], vec![], &h)
+    } else {
+        let magnitudes = cx.op("Abs", &[x], vec![], &h);
+        cx.reduce("ReduceSum", magnitudes, &[axis], true, &h)
+    };
+    let dy_y = cx.op("Mul", &[dy, y], vec![], &h);
+    let projection = cx.reduce("ReduceSum", dy_y, &[axis], true, &h);
+    let direction = if p == 2 {
+        y
+    } else {
+        cx.op("Sign", &[x], vec![], &h)
+    };
+    let along = cx.op("Mul", &[direction, projection], vec![], &h);
+    let tangent = cx.op("Sub", &[dy, along], vec![], &h);
+    let mut out = vec![None; wants.len().max(1)];
+    out[0] = Some(cx.op_like("Div", &[tangent, norm], vec![], &h, x));
     Ok(out)
 }

@@ -10,6 +10,9 @@
 //! ReduceLogSumExp   dX = dY_k · exp(X - Y_k)                 (the softmax of X over the axes)
 //! ReduceL1          dX = dY_k · sign(X)
 //! GlobalMaxPool     ReduceMax over the spatial axes, kept
+//! ReduceProd        dX = dY_k · (product of the group's other elements), without dividing
+//!                   by X: with z zeros in the group and P the product of its nonzero
+//!                   elements, that is P / X where z = 0, P at the zero where z = 1, else 0
 //! ```
 //!
 //! Ties of ReduceMax/Min share the gradient evenly, as PyTorch's `amax`/`amin` do.
@@ -251,5 +254,36 @@ pub fn reduce_l1(
     let sign = cx.op_like("Sign", &[x], vec![], &h, x);
     let mut out = vec![None; wants.len()];
     out[0] = Some(cx.op_like("Mul", &[sign, dyk], vec![], &h, x));
+    Ok(out)
+}
+
+pub fn reduce_prod(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let (UnaryParts { dy, x, y, hint: h }, axes) = setup(cx, node, dys)?;
+    let mut out = vec![None; wants.len()];
+    let Some((axes, keep)) = axes else {
+        out[0] = Some(dy);
+        return Ok(out);
+    };
+    let elem = cx.elem(node, x)?;
+    let (zero, one) = (cx.scalar(elem, 0.0), cx.scalar(elem, 1.0));
+    let is_zero = cx.op("Equal", &[x, zero], vec![], &h);
+    // X with its zeros replaced by 1: its group products are P, and it divides safely.
+    let safe = cx.op("Where", &[is_zero, one, x], vec![], &h);
+    let product = cx.reduce("ReduceProd", safe, &axes, true, &h);
+    let zeros_as_ones = cx.op("Cast", &[is_zero], vec![attr_int("to", elem as i64)], &h);
+    let zeros = cx.reduce("ReduceSum", zeros_as_ones, &axes, true, &h);
+    let others_if_none = cx.op("Div", &[product, safe], vec![], &h);
+    let no_zero = cx.op("Equal", &[zeros, zero], vec![], &h);
+    let one_zero = cx.op("Equal", &[zeros, one], vec![], &h);
+    let the_zero = cx.op("And", &[one_zero, is_zero], vec![], &h);
+    let at_the_zero = cx.op("Where", &[the_zero, product, zero], vec![], &h);
+    let others = cx.op("Where", &[no_zero, others_if_none, at_the_zero], vec![], &h);
+    let (dyk, _) = kept(cx, dy, y, &axes, keep, &h);
+    out[0] = Some(cx.op_like("Mul", &[others, dyk], vec![], &h, x));
     Ok(out)
 }
