@@ -166,20 +166,48 @@ fn rewrite(dir: &Path, source: &Path, flags: &[&str]) -> PathBuf {
     step
 }
 
-/// The CPU trains `run`, then CUDA; CUDA's state must be within (rtol, atol) of the CPU's.
-fn trains_like_the_cpu(case: &str, run: &Run, dir: &Path, rtol: f64, atol: f64) {
-    let cpu = run.train(dir, "cpu", "cpu").unwrap_or_else(|out| {
-        panic!(
-            "{case}: the CPU run failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
-    match run.train(dir, "cuda", "cuda") {
-        Ok(cuda) => {
-            let (ratio, at) = worst(case, &cuda, &cpu, rtol, atol);
-            assert!(ratio <= 1.0, "{case}: {at}");
+/// One comparison: `source` rewritten with `flags`, trained `steps` micro-steps of
+/// `micro_batch` (with `extra` flags) on the CPU and then on CUDA; CUDA's state must be
+/// within `tolerance` (rtol, atol) of the CPU's.
+struct Case<'a> {
+    name: &'a str,
+    source: PathBuf,
+    data: PathBuf,
+    flags: &'a [&'a str],
+    micro_batch: &'a str,
+    steps: &'a str,
+    extra: &'a [&'a str],
+    tolerance: (f64, f64),
+}
+
+impl Case<'_> {
+    fn trains_like_the_cpu(&self) {
+        if !ort_available() {
+            return;
         }
-        Err(out) => refused_clearly(case, &out),
+        let (case, (rtol, atol)) = (self.name, self.tolerance);
+        let dir = tempfile::tempdir().unwrap();
+        let step = rewrite(dir.path(), &self.source, self.flags);
+        let run = Run {
+            step: &step,
+            data: &self.data,
+            micro_batch: self.micro_batch,
+            steps: self.steps,
+            extra: self.extra,
+        };
+        let cpu = run.train(dir.path(), "cpu", "cpu").unwrap_or_else(|out| {
+            panic!(
+                "{case}: the CPU run failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+        match run.train(dir.path(), "cuda", "cuda") {
+            Ok(cuda) => {
+                let (ratio, at) = worst(case, &cuda, &cpu, rtol, atol);
+                assert!(ratio <= 1.0, "{case}: {at}");
+            }
+            Err(out) => refused_clearly(case, &out),
+        }
     }
 }
 
@@ -196,47 +224,33 @@ fn forward(name: &str) -> (PathBuf, PathBuf) {
 /// split (the default: two sessions, state bound on the device between them).
 #[test]
 fn mlp_adamw_split() {
-    if !ort_available() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let step = rewrite(
-        dir.path(),
-        &graph("mlp_ce_adamw"),
-        &["--accum-steps", "4", "--lr", "0.01"],
-    );
-    let data = graph("mlp_ce_adamw/data.npz");
-    let run = Run {
-        step: &step,
-        data: &data,
+    Case {
+        name: "mlp adamw split",
+        source: graph("mlp_ce_adamw"),
+        data: graph("mlp_ce_adamw/data.npz"),
+        flags: &["--accum-steps", "4", "--lr", "0.01"],
         micro_batch: "8",
         steps: "10",
         extra: &[],
-    };
-    trains_like_the_cpu("mlp adamw split", &run, dir.path(), 1e-5, 1e-6);
+        tolerance: (1e-5, 1e-6),
+    }
+    .trains_like_the_cpu();
 }
 
 /// The same step run whole: the exported graph with its `If`, on CUDA.
 #[test]
 fn mlp_adamw_whole_graph() {
-    if !ort_available() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let step = rewrite(
-        dir.path(),
-        &graph("mlp_ce_adamw"),
-        &["--accum-steps", "4", "--lr", "0.01"],
-    );
-    let data = graph("mlp_ce_adamw/data.npz");
-    let run = Run {
-        step: &step,
-        data: &data,
+    Case {
+        name: "mlp adamw whole",
+        source: graph("mlp_ce_adamw"),
+        data: graph("mlp_ce_adamw/data.npz"),
+        flags: &["--accum-steps", "4", "--lr", "0.01"],
         micro_batch: "8",
         steps: "10",
         extra: &["--no-split"],
-    };
-    trains_like_the_cpu("mlp adamw whole", &run, dir.path(), 1e-5, 1e-6);
+        tolerance: (1e-5, 1e-6),
+    }
+    .trains_like_the_cpu();
 }
 
 /// SGD with momentum, AGC and dynamic loss scaling in fp16: half-precision kernels on CUDA
@@ -244,14 +258,11 @@ fn mlp_adamw_whole_graph() {
 /// The loss-scale state (scale, growth tracker) must agree exactly.
 #[test]
 fn mlp_fp16_loss_scaling_agc() {
-    if !ort_available() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let step = rewrite(
-        dir.path(),
-        &graph("mlp_mse_sgd"),
-        &[
+    Case {
+        name: "mlp fp16 loss scaling agc",
+        source: graph("mlp_mse_sgd"),
+        data: graph("mlp_mse_sgd/data.npz"),
+        flags: &[
             "--accum-steps",
             "4",
             "--optimizer",
@@ -267,31 +278,24 @@ fn mlp_fp16_loss_scaling_agc() {
             "--loss-scale-init",
             "1024",
         ],
-    );
-    let data = graph("mlp_mse_sgd/data.npz");
-    let run = Run {
-        step: &step,
-        data: &data,
         micro_batch: "8",
         steps: "12",
         extra: &[],
-    };
-    trains_like_the_cpu("mlp fp16 loss scaling agc", &run, dir.path(), 2e-3, 2e-4);
+        tolerance: (2e-3, 2e-4),
+    }
+    .trains_like_the_cpu();
 }
 
 /// A PyTorch CNN (Conv, BatchNorm, pooling) differentiated by onnx-ga's autodiff: cuDNN's
 /// convolutions and their gradients against MLAS's, AdamW, BatchNorm statistics as state.
 #[test]
 fn torch_cnn_autodiff() {
-    if !ort_available() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let (model, data) = forward("torch_cnn");
-    let step = rewrite(
-        dir.path(),
-        &model,
-        &[
+    let (source, data) = forward("torch_cnn");
+    Case {
+        name: "torch cnn",
+        source,
+        data,
+        flags: &[
             "--loss-fn",
             "cross-entropy",
             "--accum-steps",
@@ -301,15 +305,12 @@ fn torch_cnn_autodiff() {
             "--lr",
             "1e-3",
         ],
-    );
-    let run = Run {
-        step: &step,
-        data: &data,
         micro_batch: "4",
         steps: "12",
         extra: &[],
-    };
-    trains_like_the_cpu("torch cnn", &run, dir.path(), 1e-4, 1e-5);
+        tolerance: (1e-4, 1e-5),
+    }
+    .trains_like_the_cpu();
 }
 
 /// A PyTorch GPT decoder (embeddings, causal attention, LayerNorm, GELU) differentiated by
@@ -321,15 +322,12 @@ fn torch_cnn_autodiff() {
 /// 6e-5 apart after 3 windows of AdamW at lr 1e-3, everything else within 1e-7).
 #[test]
 fn torch_gpt_autodiff() {
-    if !ort_available() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let (model, data) = forward("torch_gpt");
-    let step = rewrite(
-        dir.path(),
-        &model,
-        &[
+    let (source, data) = forward("torch_gpt");
+    Case {
+        name: "torch gpt",
+        source,
+        data,
+        flags: &[
             "--loss-fn",
             "cross-entropy",
             "--ignore-index",
@@ -343,15 +341,12 @@ fn torch_gpt_autodiff() {
             "--lr",
             "0.05",
         ],
-    );
-    let run = Run {
-        step: &step,
-        data: &data,
         micro_batch: "4",
         steps: "12",
         extra: &[],
-    };
-    trains_like_the_cpu("torch gpt", &run, dir.path(), 1e-4, 1e-5);
+        tolerance: (1e-4, 1e-5),
+    }
+    .trains_like_the_cpu();
 }
 
 /// The parameters' values in `step` before training: its initializers of those names.

@@ -20,7 +20,6 @@ use std::borrow::Cow;
 
 use super::legalize::LegalizeOrt;
 use super::PassError;
-use crate::ir::Model;
 use crate::proto::{GraphProto, ModelProto, NodeProto};
 
 pub const PASS: &str = "lower-for-cuda";
@@ -55,20 +54,10 @@ pub fn prepare(model: &ModelProto) -> Result<Cow<'_, ModelProto>, PassError> {
         max_unpool: true,
         ..LegalizeOrt::default()
     };
-    let mut ir = Model::from_proto(model.clone());
-    let mut state = Vec::new();
-    lowerings.lower_model(&mut ir, PASS, &mut state, None)?;
-    if !state.is_empty() {
-        return Err(PassError::Other {
-            pass: PASS.into(),
-            message: "the model still holds training-only ops: rewrite it first".into(),
-        });
-    }
-    crate::ir::verify::verify(&ir).map_err(|errors| PassError::Verify {
-        pass: PASS.into(),
-        errors,
+    let lowered = super::lowered_in_memory(model, PASS, |ir, state| {
+        lowerings.lower_model(ir, PASS, state, None).map(|_| ())
     })?;
-    Ok(Cow::Owned(ir.to_proto()))
+    Ok(Cow::Owned(lowered))
 }
 
 #[cfg(test)]

@@ -272,18 +272,5 @@ pub fn prepare(model: &ModelProto) -> Result<std::borrow::Cow<'_, ModelProto>, P
 
 /// `model` with the ops tract lacks lowered, its inputs, outputs and metadata untouched.
 pub fn lower_model(model: &ModelProto) -> Result<ModelProto, PassError> {
-    let mut ir = Model::from_proto(model.clone());
-    let mut state = Vec::new();
-    lower(&mut ir, &mut state, None)?;
-    if !state.is_empty() {
-        return Err(PassError::Other {
-            pass: PASS.into(),
-            message: "the model still holds training-only ops: rewrite it first".into(),
-        });
-    }
-    crate::ir::verify::verify(&ir).map_err(|errors| PassError::Verify {
-        pass: PASS.into(),
-        errors,
-    })?;
-    Ok(ir.to_proto())
+    super::lowered_in_memory(model, PASS, |ir, state| lower(ir, state, None).map(|_| ()))
 }

@@ -643,6 +643,33 @@ fn phase_rule(phase: Phase) -> Option<&'static str> {
     }
 }
 
+/// `model` rewritten in memory by `lower` (an engine's lowerings, applied by the engine to a
+/// finished step, outside any pipeline): the step must hold no training-only op (a lowering
+/// that would make state means it was never rewritten), and the result is verified.
+pub(crate) fn lowered_in_memory(
+    model: &crate::proto::ModelProto,
+    pass: &str,
+    lower: impl FnOnce(
+        &mut crate::ir::Model,
+        &mut Vec<crate::state::StateEntry>,
+    ) -> Result<(), PassError>,
+) -> Result<crate::proto::ModelProto, PassError> {
+    let mut ir = crate::ir::Model::from_proto(model.clone());
+    let mut state = Vec::new();
+    lower(&mut ir, &mut state)?;
+    if !state.is_empty() {
+        return Err(PassError::Other {
+            pass: pass.into(),
+            message: "the model still holds training-only ops: rewrite it first".into(),
+        });
+    }
+    crate::ir::verify::verify(&ir).map_err(|errors| PassError::Verify {
+        pass: pass.into(),
+        errors,
+    })?;
+    Ok(ir.to_proto())
+}
+
 #[cfg(test)]
 mod contract_tests {
     use super::*;
