@@ -840,3 +840,27 @@ fn merged_or_renamed_parameters_are_noted() {
         "{plain}"
     );
 }
+
+/// The dynamo exporter's `CastLike(constant, activation)` becomes a `Cast` to the
+/// activation's type (ONNX Runtime's CUDA provider has no CastLike kernel: it would copy the
+/// activation to the host for its type at every micro-step); the gradients stay torch's
+/// (the `torch_*_gradients` tests).
+#[test]
+fn cast_like_becomes_cast() {
+    for model in ["torch_cnn", "torch_gpt"] {
+        let path = forward_path(model, "dynamo");
+        let source = onnx_ga::model::load_model(&path).unwrap();
+        let count = |m: &ModelProto, op: &str| {
+            m.graph
+                .as_ref()
+                .unwrap()
+                .node
+                .iter()
+                .filter(|n| n.op_type() == op)
+                .count()
+        };
+        assert_eq!(count(&source, "CastLike"), 2, "{model}: the export has two");
+        let step = build(&path, CE);
+        assert_eq!(count(&step, "CastLike"), 0, "{model}");
+    }
+}

@@ -13,8 +13,9 @@
 //! - `MaxUnpool` (what `legalize-ort` makes of MaxPool's gradient when the windows do not
 //!   overlap) has none either: a `ScatterElements` into zeros, as for tract.
 //!
-//! Left on the CPU, with no lowering here: `CastLike` (dynamo exports cast a scalar
-//! constant like an activation with it) and `Mish`.
+//! Left to the CPU here: `Mish`, and `CastLike`, which the autodiff's normalisation already
+//! turns into `Cast` where the type it copies is known (the dynamo exporter casts scalar
+//! constants like an activation).
 
 use std::borrow::Cow;
 

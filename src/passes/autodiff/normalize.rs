@@ -17,6 +17,10 @@
 //!   for `x.split(n)`) become one `Split`, so no sequence reaches the gradient.
 //! - **LSTM, GRU, RNN** are unrolled into their cell equations over the (known) sequence
 //!   length (`unroll_rnn`), so their gradients come from the rules of the ops they are made of.
+//! - **CastLike(X, like)** whose `like` has a known element type becomes `Cast(X, to)`. The
+//!   dynamo exporter casts scalar constants "like" an activation; ONNX Runtime's CUDA
+//!   provider has no CastLike kernel, so it ran on the CPU and the activation was copied to
+//!   the host at every micro-step only for its type.
 
 use crate::ir::builder::{attr_float, attr_int, tensor_bool, Builder, NodeAttributes};
 use crate::ir::{BodyId, Model, NodeId, Use, ValueId};
@@ -52,6 +56,7 @@ pub struct Normalized {
     pub dropouts: usize,
     pub splits: usize,
     pub recurrent: usize,
+    pub cast_likes: usize,
 }
 
 pub fn normalize(
@@ -85,6 +90,7 @@ pub fn normalize(
             _ => {}
         }
     }
+    out.cast_likes = cast_likes_to_casts(model);
     let recurrent: Vec<NodeId> = model
         .body_nodes(BodyId::MAIN)
         .filter(|n| {
@@ -372,4 +378,37 @@ fn split_to_sequence(
 
 fn model_of<'a>(b: &'a Builder<'_>) -> &'a Model {
     b.model
+}
+
+/// `CastLike(X, like)` -> `Cast(X, to = elem(like))` wherever `like`'s element type is known
+/// (its `saturate` attribute kept: Cast has it from the same opset). Returns how many.
+fn cast_likes_to_casts(model: &mut Model) -> usize {
+    let cast_likes: Vec<NodeId> = model
+        .body_nodes(BodyId::MAIN)
+        .filter(|n| {
+            let p = &model.node(*n).proto;
+            (p.domain().is_empty() || p.domain() == "ai.onnx") && p.op_type() == "CastLike"
+        })
+        .collect();
+    if cast_likes.is_empty() {
+        return 0;
+    }
+    let shapes = super::shapes::Shapes::infer(model);
+    let mut changed = 0;
+    for node in cast_likes {
+        let Some(Some(like)) = model.node(node).inputs.get(1).copied() else {
+            continue;
+        };
+        let Some(elem) = shapes.get(like).elem else {
+            continue;
+        };
+        model.set_input(node, 1, None);
+        let n = model.node_mut(node);
+        n.inputs.truncate(1);
+        n.proto.op_type = Some("Cast".into());
+        n.proto.attribute.retain(|a| a.name() == "saturate");
+        n.proto.attribute.push(attr_int("to", elem as i64));
+        changed += 1;
+    }
+    changed
 }
