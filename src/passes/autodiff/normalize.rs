@@ -56,7 +56,6 @@ pub struct Normalized {
     pub dropouts: usize,
     pub splits: usize,
     pub recurrent: usize,
-    pub cast_likes: usize,
 }
 
 pub fn normalize(
@@ -90,7 +89,7 @@ pub fn normalize(
             _ => {}
         }
     }
-    out.cast_likes = cast_likes_to_casts(model);
+    cast_likes_to_casts(model);
     let recurrent: Vec<NodeId> = model
         .body_nodes(BodyId::MAIN)
         .filter(|n| {
@@ -381,8 +380,8 @@ fn model_of<'a>(b: &'a Builder<'_>) -> &'a Model {
 }
 
 /// `CastLike(X, like)` -> `Cast(X, to = elem(like))` wherever `like`'s element type is known
-/// (its `saturate` attribute kept: Cast has it from the same opset). Returns how many.
-fn cast_likes_to_casts(model: &mut Model) -> usize {
+/// (its `saturate` attribute kept: Cast has it from the same opset).
+fn cast_likes_to_casts(model: &mut Model) {
     let cast_likes: Vec<NodeId> = model
         .body_nodes(BodyId::MAIN)
         .filter(|n| {
@@ -391,10 +390,9 @@ fn cast_likes_to_casts(model: &mut Model) -> usize {
         })
         .collect();
     if cast_likes.is_empty() {
-        return 0;
+        return;
     }
     let shapes = super::shapes::Shapes::infer(model);
-    let mut changed = 0;
     for node in cast_likes {
         let Some(Some(like)) = model.node(node).inputs.get(1).copied() else {
             continue;
@@ -408,7 +406,5 @@ fn cast_likes_to_casts(model: &mut Model) -> usize {
         n.proto.op_type = Some("Cast".into());
         n.proto.attribute.retain(|a| a.name() == "saturate");
         n.proto.attribute.push(attr_int("to", elem as i64));
-        changed += 1;
     }
-    changed
 }

@@ -829,7 +829,7 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
                 (Some(d), Some(i)) if b >= 0 => i
                     .last()
                     .and_then(Dim::known)
-                    .map(|k| (b + k) as usize)
+                    .and_then(|k| usize::try_from(b.checked_add(k)?).ok())
                     .filter(|&from| from <= d.len())
                     .map(|from| {
                         let mut out = i[..i.len() - 1].to_vec();

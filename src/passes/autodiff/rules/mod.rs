@@ -496,6 +496,35 @@ impl<'m> Grad<'m> {
         )
     }
 
+    /// The one-element zero of `elem`: ConstantOfShape's `value` for zeros of that type.
+    pub fn zero_value(elem: i32) -> TensorProto {
+        TensorProto {
+            data_type: Some(elem),
+            dims: vec![1],
+            raw_data: Some(vec![0u8; super::elem_size(elem)]),
+            ..Default::default()
+        }
+    }
+
+    /// Zeros of the shape and element type of `like` (a gradient that is zero: an output
+    /// nothing differentiates, the positions a scatter overwrote).
+    pub fn zeros_like(
+        &mut self,
+        node: NodeId,
+        like: ValueId,
+        hint: &str,
+    ) -> Result<ValueId, PassError> {
+        let value = Self::zero_value(self.elem(node, like)?);
+        let shape = self.shape_of(like);
+        Ok(self.op_like(
+            "ConstantOfShape",
+            &[shape],
+            vec![crate::ir::builder::attr_tensor("value", value)],
+            hint,
+            like,
+        ))
+    }
+
     /// A scalar with the element type of `like`.
     pub fn scalar_like(
         &mut self,

@@ -15,36 +15,12 @@
 //! a tuple may repeat.
 
 use super::{wanted, Grad, InputGrads};
-use crate::ir::builder::{attr_string, attr_tensor};
+use crate::ir::builder::attr_string;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
 
 fn hint(cx: &Grad<'_>, x: ValueId) -> String {
     format!("{}_grad", cx.model().name(x))
-}
-
-/// Zeros of the shape and element type of `like`.
-fn zeros_like(
-    cx: &mut Grad<'_>,
-    node: NodeId,
-    like: ValueId,
-    hint: &str,
-) -> Result<ValueId, PassError> {
-    let elem = cx.elem(node, like)?;
-    let zero = crate::proto::TensorProto {
-        data_type: Some(elem),
-        dims: vec![1],
-        raw_data: Some(vec![0u8; super::super::elem_size(elem)]),
-        ..Default::default()
-    };
-    let shape = cx.shape_of(like);
-    Ok(cx.op_like(
-        "ConstantOfShape",
-        &[shape],
-        vec![attr_tensor("value", zero)],
-        hint,
-        like,
-    ))
 }
 
 /// `none` or `add`, else an error naming the reduction.
@@ -81,7 +57,7 @@ fn scatter(
             "add" => dy,
             _ => {
                 let h = hint(cx, x);
-                let zeros = zeros_like(cx, node, updates, &format!("{h}_zeros"))?;
+                let zeros = cx.zeros_like(node, updates, &format!("{h}_zeros"))?;
                 let op = cx.model().node(node).proto.op_type().to_string();
                 cx.op_like(&op, &[dy, indices, zeros], axis.clone(), &h, x)
             }
@@ -138,7 +114,7 @@ pub fn gather_nd(
     }
     let (x, indices) = (cx.input(node, 0)?, cx.input(node, 1)?);
     let h = hint(cx, x);
-    let zeros = zeros_like(cx, node, x, &format!("{h}_zeros"))?;
+    let zeros = cx.zeros_like(node, x, &format!("{h}_zeros"))?;
     let dy = cx.dy(node, dys, 0)?;
     let dx = cx.op_like(
         "ScatterND",

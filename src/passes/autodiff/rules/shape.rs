@@ -223,7 +223,6 @@ pub fn split(
 ) -> Result<InputGrads, PassError> {
     let x = cx.input(node, 0)?;
     let axis = axis_of(cx, node, x, 0)?;
-    let elem = cx.elem(node, x)?;
     let h = hint(cx, x);
     let mut parts = Vec::new();
     for (slot, dy) in dys.iter().enumerate() {
@@ -232,22 +231,7 @@ pub fn split(
         };
         parts.push(match dy {
             Some(d) => *d,
-            None => {
-                let shape = cx.shape_of(y);
-                let zero = crate::proto::TensorProto {
-                    data_type: Some(elem),
-                    dims: vec![1],
-                    raw_data: Some(vec![0u8; super::super::elem_size(elem)]),
-                    ..Default::default()
-                };
-                cx.op_like(
-                    "ConstantOfShape",
-                    &[shape],
-                    vec![attr_tensor("value", zero)],
-                    &h,
-                    y,
-                )
-            }
+            None => cx.zeros_like(node, y, &h)?,
         });
     }
     let g = cx.op_like("Concat", &parts, vec![attr_int("axis", axis)], &h, x);
@@ -369,13 +353,7 @@ pub fn slice(
     // Other steps, one axis at a time: ScatterElements puts element j of the axis at
     // index first + j·step of a zero tensor with the axis at full size. The indices are
     // distinct, so nothing adds up; a negative step just counts down.
-    let elem = cx.elem(node, x)?;
-    let zero = crate::proto::TensorProto {
-        data_type: Some(elem),
-        dims: vec![1],
-        raw_data: Some(vec![0u8; super::super::elem_size(elem)]),
-        ..Default::default()
-    };
+    let zero = Grad::zero_value(cx.elem(node, x)?);
     for (a, first, step, len, full) in strided {
         // Shape(g) with axis a at full size (a < rank: checked above).
         let target = match cx.facts(g).static_dims() {
