@@ -472,8 +472,16 @@ impl StepView {
             .as_ref()
             .map(|h| h.precision.clone())
             .unwrap_or_else(|| "fp32".into());
+        let proto = model.to_proto();
+        // A newer opset or IR version than ONNX Runtime loads, which cannot move down.
+        let versions_refused = crate::passes::fit_opset::fit_for_ort(&proto).err();
         let mut engines = Vec::new();
         engines.push(match (training_only_ops.is_empty(), precision.as_str()) {
+            _ if versions_refused.is_some() => EngineFit {
+                engine: "ort",
+                runs: false,
+                note: versions_refused.map(|e| e.to_string()).unwrap_or_default(),
+            },
             (false, _) => EngineFit {
                 engine: "ort",
                 runs: false,
@@ -493,7 +501,7 @@ impl StepView {
                 note: "ONNX Runtime 1.31, standard ops only (--device cpu or cuda)".into(),
             },
         });
-        let lowered = crate::passes::lower_for_tract::needs_lowering(&model.to_proto());
+        let lowered = crate::passes::lower_for_tract::needs_lowering(&proto);
         let bf16 = precision == "bf16";
         engines.push(EngineFit {
             engine: "tract",

@@ -838,6 +838,7 @@ fn loss_scale_plan(
 }
 
 fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
+    use onnx_ga::passes::fit_opset::{self, FitOpset};
     // Outputs: never a file the input reads, never each other, writable; before any work.
     let mut outputs = vec![("-o", args.output.clone())];
     if args.split {
@@ -932,11 +933,22 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
         }
         _ => spec,
     };
-    let graph = match &autodiff {
-        Some(_) => {
-            let proto = onnx_ga::model::load_model_with_data(&args.path)?;
-            onnx_ga::signature::forward(proto, &args.path)
+    let forward = match &autodiff {
+        Some(_) => Some(onnx_ga::model::load_model_with_data(&args.path)?),
+        None => None,
+    };
+    // A forward model newer than ONNX Runtime loads (onnx 1.23's helpers stamp IR version
+    // 14 and opset 28): its step is moved down last, where no node's meaning changes.
+    let spec = match &forward {
+        Some(proto)
+            if FitOpset::default().exceeded_by(proto) && !spec.contains(fit_opset::PASS) =>
+        {
+            format!("{spec},{}", fit_opset::PASS)
         }
+        _ => spec,
+    };
+    let graph = match forward {
+        Some(proto) => onnx_ga::signature::forward(proto, &args.path),
         None => onnx_ga::passes::legalize_training::open_for_pipeline(
             &args.path,
             &args.roles.roles(),

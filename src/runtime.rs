@@ -33,6 +33,11 @@ use ort::session::Session;
 
 /// ONNX Runtime version that `scripts/install-ort.sh` installs and the tests are run against.
 pub const ORT_VERSION: &str = "1.31.1";
+/// The newest ai.onnx opset ONNX Runtime 1.31.1 loads: at 27 it refuses the model ("Current
+/// official support for domain ai.onnx is till opset 26"); tests/ort_runtime.rs checks it.
+pub const ORT_MAX_OPSET: i64 = 26;
+/// The newest IR version ONNX Runtime 1.31.1 loads ("max supported IR version: 13").
+pub const ORT_MAX_IR_VERSION: i64 = 13;
 /// Environment variable naming the library file (or a directory holding it); the same one ort reads.
 pub const DYLIB_ENV: &str = "ORT_DYLIB_PATH";
 /// Name of the repo-local venv made by `scripts/install-ort.sh`.

@@ -62,6 +62,7 @@ mod tract_engine;
 mod train_cli;
 mod validation;
 mod verify;
+mod versions;
 mod zero_state;
 
 /// A `tests/*.rs` file that is not declared above would never be compiled or run: this test

@@ -293,6 +293,15 @@ pub const SMALL_OUTPUT: i64 = 16;
 
 impl OrtSession {
     pub fn new(model: &ModelProto, options: &SessionOptions) -> Result<OrtSession, EngineError> {
+        // A step declaring a newer opset or IR version than ONNX Runtime loads (one written
+        // from an onnx 1.23 model by an older onnx-ga): moved down where no node's meaning
+        // changes (`passes::fit_opset`), else refused with the nodes that keep it there.
+        let fitted =
+            crate::passes::fit_opset::fit_for_ort(model).map_err(|e| EngineError::Ort {
+                context: "loading the model".into(),
+                message: e.to_string(),
+            })?;
+        let model = fitted.as_ref();
         // On CUDA: the ops its provider has no kernel for, lowered so that they do not run
         // on the CPU with copies around them (`passes::lower_for_cuda`).
         let for_cuda = match options.device {

@@ -12,6 +12,7 @@ pub mod agc;
 pub mod autodiff;
 pub mod bias_in_gemm;
 pub mod dce;
+pub mod fit_opset;
 pub mod fuse;
 pub mod fused_batch_norm;
 pub mod fused_col2im;
@@ -512,6 +513,7 @@ pub fn make_pass(options: &PassOptions) -> Result<Box<dyn Pass>, PassError> {
         "agc" => Ok(Box::new(agc::Agc::from_options(options)?)),
         "loss-scale" => Ok(Box::new(loss_scale::LossScale::from_options(options)?)),
         "precision" => Ok(Box::new(precision::Precision::from_options(options)?)),
+        "fit-opset" => Ok(Box::new(fit_opset::FitOpset::from_options(options)?)),
         "lower-for-tract" => {
             options.only(&[])?;
             Ok(Box::new(lower_for_tract::LowerForTract))
@@ -522,7 +524,7 @@ pub fn make_pass(options: &PassOptions) -> Result<Box<dyn Pass>, PassError> {
         }
         other => Err(PassError::Spec {
             spec: other.to_string(),
-            message: "unknown pass (known: autodiff, grad-accum, agc, loss-scale, optimizer, legalize-ort, legalize-training, precision, lower-for-tract, dce)".into(),
+            message: "unknown pass (known: autodiff, grad-accum, agc, loss-scale, optimizer, legalize-ort, legalize-training, precision, lower-for-tract, fit-opset, dce)".into(),
         }),
     }
 }

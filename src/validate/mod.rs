@@ -47,6 +47,35 @@ pub struct OpSchema {
 /// An attribute of a schema: name, `AttributeProto.AttributeType` number, required.
 pub struct A(pub &'static str, pub i32, pub bool);
 
+/// An ai.onnx op version that differs from the one before it only by taking more tensor
+/// types (see `scripts/op-schema.py`): a node using none of `adds` means the same at both.
+pub struct Widening {
+    pub op: &'static str,
+    pub since: i64,
+    pub previous: i64,
+    /// The tensor element types (`TensorProto.DataType` numbers) the version added.
+    pub adds: &'static [i32],
+}
+
+/// The version of ai.onnx op `op`'s schema in force at opset `opset` (the newest `since`
+/// not above it), `None` when the op is not defined there.
+pub fn since_version(op: &str, opset: i64) -> Option<i64> {
+    schemas("", op)
+        .iter()
+        .rev()
+        .find(|s| s.since <= opset)
+        .map(|s| s.since)
+}
+
+/// Whether ai.onnx op `op`'s version `since` only widened the version before it.
+pub fn widening(op: &str, since: i64) -> Option<&'static Widening> {
+    let table = op_schema::WIDENINGS;
+    table
+        .binary_search_by(|w| (w.op, w.since).cmp(&(op, since)))
+        .ok()
+        .map(|i| &table[i])
+}
+
 /// One violation, with where it was found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ValidationError {
