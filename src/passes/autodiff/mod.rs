@@ -22,6 +22,7 @@
 //! without a rule stops the pass with an error naming the node, the op and a parameter
 //! that needs it.
 
+mod expand_attention;
 mod loss_fn;
 mod normalize;
 pub mod rules;
@@ -509,6 +510,9 @@ fn param_of(model: &Model, v: ValueId, trainable: bool, grad: Option<String>) ->
 /// The whole transformation; see the module docs.
 pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differentiated, PassError> {
     let main = BodyId::MAIN;
+    // Only the model's own initializers can be parameters: the normalisation's and the
+    // loss's constants (an attention's scale, a -inf bias) are not.
+    let own: HashSet<ValueId> = model.main().initializers.iter().map(|(v, _)| *v).collect();
     let normalized = normalize::normalize(model, options.dropout, PASS)?;
     let mut shapes = Shapes::infer(model);
 
@@ -529,7 +533,7 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
         .initializers
         .iter()
         .map(|(v, _)| *v)
-        .filter(|v| !normalized.bn_stats.contains(v))
+        .filter(|v| own.contains(v) && !normalized.bn_stats.contains(v))
         .filter(|v| {
             model
                 .initializer(*v)

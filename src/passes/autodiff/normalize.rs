@@ -56,6 +56,7 @@ pub struct Normalized {
     pub dropouts: usize,
     pub splits: usize,
     pub recurrent: usize,
+    pub attention: usize,
 }
 
 pub fn normalize(
@@ -104,6 +105,19 @@ pub fn normalize(
         let shapes = super::shapes::Shapes::infer(model);
         super::unroll_rnn::unroll(model, node, &shapes, pass)?;
         out.recurrent += 1;
+    }
+    let attention: Vec<NodeId> = model
+        .body_nodes(BodyId::MAIN)
+        .filter(|n| {
+            let p = &model.node(*n).proto;
+            (p.domain().is_empty() || p.domain() == "ai.onnx")
+                && super::expand_attention::is_attention(p.op_type())
+        })
+        .collect();
+    for node in attention {
+        let shapes = super::shapes::Shapes::infer(model);
+        super::expand_attention::expand(model, node, &shapes, pass)?;
+        out.attention += 1;
     }
     Ok(out)
 }

@@ -338,8 +338,6 @@ const SAME_AS_INPUT: &[&str] = &[
     "LayerNormalization",
     "GroupNormalization",
     "InstanceNormalization",
-    "IsNaN",
-    "IsInf",
     "Not",
     "Mish",
     "Trilu",
@@ -347,6 +345,9 @@ const SAME_AS_INPUT: &[&str] = &[
     "ScatterElements",
     "ScatterND",
     "LpNormalization",
+    "RMSNormalization",
+    "MeanVarianceNormalization",
+    "Swish",
 ];
 
 /// Elementwise ops with multidirectional (numpy) broadcasting.
@@ -447,6 +448,7 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
             };
             vec![with_dims(elem, broadcast(&inputs))]
         }
+        "IsNaN" | "IsInf" => vec![with_dims(Some(DataType::Bool as i32), x.dims)],
         "Cast" => vec![with_dims(int("to").map(|t| t as i32), x.dims)],
         "CastLike" => vec![with_dims(input(1).elem, x.dims)],
         "Shape" => {
@@ -542,7 +544,7 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
             vec![with_dims(x.elem, concat(&inputs, int("axis").unwrap_or(0)))]
         }
         "ReduceSum" | "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceL2" | "ReduceL1"
-        | "ReduceSumSquare" | "ReduceProd" | "ReduceLogSumExp" => {
+        | "ReduceSumSquare" | "ReduceProd" | "ReduceLogSumExp" | "ReduceLogSum" => {
             let axes = ints("axes").or_else(|| {
                 n.inputs
                     .get(1)

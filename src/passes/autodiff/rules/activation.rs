@@ -19,6 +19,7 @@
 //! ThresholdedRelu  dX = dY * (X > alpha)
 //! Shrink       dX = dY * (X < -lambd or X > lambd)
 //! Mish         dX = dY * (t + X sigmoid(X) (1 - t²)),   t = tanh(softplus(X))
+//! Swish        dX = dY * (s + alpha X s (1 - s)),        s = sigmoid(alpha X)   (opset 24)
 //! PRelu        dX = dY * (X > 0 ? 1 : slope)           dslope = dY * (X > 0 ? 0 : X), summed
 //!                                                      back to the slope's shape
 //! ```
@@ -351,6 +352,26 @@ pub fn mish(
         let xs = cx.op_like("Mul", &[x, s], vec![], h, x);
         let tail = cx.op_like("Mul", &[xs, sech2], vec![], h, x);
         Ok(cx.op_like("Add", &[t, tail], vec![], h, x))
+    })
+}
+
+pub fn swish(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    _: &[bool],
+) -> Result<InputGrads, PassError> {
+    let alpha = cx.float_attr(node, "alpha", 1.0)? as f64;
+    cx.by_slope(node, dys, |cx, x, _, h| {
+        // Y = X s, so s = Y / X, but not at X = 0: recompute s.
+        let a = cx.scalar_like(node, x, alpha)?;
+        let ax = cx.op_like("Mul", &[a, x], vec![], h, x);
+        let s = cx.op_like("Sigmoid", &[ax], vec![], h, x);
+        let one = cx.scalar_like(node, x, 1.0)?;
+        let rest = cx.op_like("Sub", &[one, s], vec![], h, x);
+        let axs = cx.op_like("Mul", &[ax, s], vec![], h, x);
+        let tail = cx.op_like("Mul", &[axs, rest], vec![], h, x);
+        Ok(cx.op_like("Add", &[s, tail], vec![], h, x))
     })
 }
 

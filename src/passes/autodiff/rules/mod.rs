@@ -127,9 +127,11 @@ const RULES: &[(&str, RuleFn)] = &[
     ("ThresholdedRelu", activation::thresholded_relu),
     ("Shrink", activation::shrink),
     ("Mish", activation::mish),
+    ("Swish", activation::swish),
     ("PRelu", activation::prelu),
     ("Mod", elementwise::fmod),
     ("ReduceLogSumExp", reduce::reduce_log_sum_exp),
+    ("ReduceLogSum", reduce::reduce_log_sum),
     ("ReduceL1", reduce::reduce_l1),
     ("GlobalMaxPool", reduce::global_max_pool),
     ("Trilu", shape::trilu),
@@ -143,6 +145,8 @@ const RULES: &[(&str, RuleFn)] = &[
     ("ScatterND", scatter::scatter_nd),
     ("GatherND", scatter::gather_nd),
     ("LpNormalization", norm::lp_normalization),
+    ("RMSNormalization", norm::rms_norm),
+    ("MeanVarianceNormalization", norm::mean_variance_norm),
     ("ReduceProd", reduce::reduce_prod),
 ];
 

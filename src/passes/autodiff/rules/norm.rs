@@ -16,6 +16,12 @@
 //! InstanceNormalization  the same with G = C (one channel per group), γ, β per channel
 //! LpNormalization  Y = X / n along `axis`, n = ||X||_p (p = 1 or 2)
 //!   dX = (dY - s · Σ_axis(dY · Y)) / n,  s = Y (p = 2), sign(X) (p = 1)
+//! RMSNormalization (opset 23)  over the N elements of axes [axis, rank), in `stash_type`:
+//!   r = 1/sqrt(mean_N(X²) + ε), n = X · r, Y = n · scale
+//!   g = dY · scale;   dX = r · (g - n · mean_N(g · n));   dScale = Σ dY · n (to its shape)
+//! MeanVarianceNormalization  over `axes` (default [0, 2, 3]), ε = 1e-9 added to σ, not σ²:
+//!   c = X - mean(X), σ = sqrt(mean(X²) - mean(X)²), d = σ + ε, Y = c / d
+//!   dX = (dY - mean(dY) - (c / σ) · mean(dY · Y)) / d
 //! ```
 //!
 //! Neither forward saves its statistics, so the rule recomputes them from X in the view
@@ -452,5 +458,105 @@ pub fn lp_normalization(
     let tangent = cx.op("Sub", &[dy, along], vec![], &h);
     let mut out = vec![None; wants.len().max(1)];
     out[0] = Some(cx.op_like("Div", &[tangent, norm], vec![], &h, x));
+    Ok(out)
+}
+
+pub fn rms_norm(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let (dy, x, scale, y) = (
+        cx.dy(node, dys, 0)?,
+        cx.input(node, 0)?,
+        cx.input(node, 1)?,
+        cx.forward_output(node, 0)?,
+    );
+    let elem = cx.elem(node, x)?;
+    let rank = cx.need_rank(node, x)? as i64;
+    let axis = cx.int_attr(node, "axis", -1)?;
+    let axis = if axis < 0 { axis + rank } else { axis };
+    if !(0..rank).contains(&axis) {
+        return Err(cx.error(node, format!("axis is out of range for rank {rank}")));
+    }
+    let axes: Vec<i64> = (axis..rank).collect();
+    // The forward computes in `stash_type` (float32 by default, whatever X's type is).
+    let work = cx.int_attr(node, "stash_type", DataType::Float as i64)? as i32;
+    let epsilon = cx.float_attr(node, "epsilon", 1e-5)? as f64;
+    let h = format!("{}_grad", cx.model().name(x));
+    let xw = cast(cx, x, elem, work, &h);
+    let squares = cx.op("Mul", &[xw, xw], vec![], &h);
+    let mean_square = cx.reduce("ReduceMean", squares, &axes, true, &h);
+    let eps = cx.scalar(work, epsilon);
+    let shifted = cx.op("Add", &[mean_square, eps], vec![], &h);
+    let rms = cx.op("Sqrt", &[shifted], vec![], &h);
+    let r = cx.op("Reciprocal", &[rms], vec![], &h);
+    let n = cx.op("Mul", &[xw, r], vec![], &h);
+    let mut out = vec![None; wants.len().max(2)];
+    if wanted(wants, 1) {
+        let hs = format!("{}_grad", cx.model().name(scale));
+        // The forward casts the normalised X back to X's type before scaling it.
+        let n_x = cast(cx, n, work, elem, &hs);
+        let per_element = cx.op_like("Mul", &[dy, n_x], vec![], &hs, y);
+        out[1] = Some(cx.unbroadcast(node, per_element, y, scale)?);
+    }
+    if wanted(wants, 0) {
+        let g = cx.op("Mul", &[dy, scale], vec![], &h);
+        let g = cast(cx, g, elem, work, &h);
+        let gn = cx.op("Mul", &[g, n], vec![], &h);
+        let projection = cx.reduce("ReduceMean", gn, &axes, true, &h);
+        let along = cx.op("Mul", &[n, projection], vec![], &h);
+        let tangent = cx.op("Sub", &[g, along], vec![], &h);
+        let dx = cx.op("Mul", &[tangent, r], vec![], &h);
+        let dx = cast(cx, dx, work, elem, &h);
+        let facts = cx.facts(x);
+        cx.shapes.set(dx, facts);
+        out[0] = Some(dx);
+    }
+    out.truncate(wants.len().max(1));
+    Ok(out)
+}
+
+pub fn mean_variance_norm(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let (dy, x, y) = (
+        cx.dy(node, dys, 0)?,
+        cx.input(node, 0)?,
+        cx.forward_output(node, 0)?,
+    );
+    let rank = cx.need_rank(node, x)? as i64;
+    let axes = cx.ints_attr(node, "axes")?.unwrap_or_else(|| vec![0, 2, 3]);
+    let axes: Vec<i64> = axes
+        .iter()
+        .map(|&a| if a < 0 { a + rank } else { a })
+        .collect();
+    if let Some(a) = axes.iter().find(|a| !(0..rank).contains(*a)) {
+        return Err(cx.error(node, format!("axis {a} is out of range for rank {rank}")));
+    }
+    let h = format!("{}_grad", cx.model().name(x));
+    // The forward's statistics, as its function body computes them.
+    let mean = cx.reduce("ReduceMean", x, &axes, true, &h);
+    let squares = cx.op("Mul", &[x, x], vec![], &h);
+    let mean_of_squares = cx.reduce("ReduceMean", squares, &axes, true, &h);
+    let square_of_mean = cx.op("Mul", &[mean, mean], vec![], &h);
+    let variance = cx.op("Sub", &[mean_of_squares, square_of_mean], vec![], &h);
+    let sigma = cx.op("Sqrt", &[variance], vec![], &h);
+    let eps = cx.scalar_like(node, x, 1e-9)?;
+    let d = cx.op("Add", &[sigma, eps], vec![], &h);
+    let centred = cx.op("Sub", &[x, mean], vec![], &h);
+    let direction = cx.op("Div", &[centred, sigma], vec![], &h);
+    let mean_dy = cx.reduce("ReduceMean", dy, &axes, true, &h);
+    let dy_y = cx.op("Mul", &[dy, y], vec![], &h);
+    let projection = cx.reduce("ReduceMean", dy_y, &axes, true, &h);
+    let along = cx.op("Mul", &[direction, projection], vec![], &h);
+    let less_mean = cx.op("Sub", &[dy, mean_dy], vec![], &h);
+    let tangent = cx.op("Sub", &[less_mean, along], vec![], &h);
+    let mut out = vec![None; wants.len().max(1)];
+    out[0] = Some(cx.op_like("Div", &[tangent, d], vec![], &h, x));
     Ok(out)
 }

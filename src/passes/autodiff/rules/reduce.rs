@@ -8,6 +8,7 @@
 //! ReduceL2          dX = X · dY_k / Y_k
 //! ReduceMax / Min   dX = dY_k / c · (X == Y_k)               c = how many tie for the extreme
 //! ReduceLogSumExp   dX = dY_k · exp(X - Y_k)                 (the softmax of X over the axes)
+//! ReduceLogSum      dX = dY_k · exp(-Y_k)                    (1 / the group's sum)
 //! ReduceL1          dX = dY_k · sign(X)
 //! GlobalMaxPool     ReduceMax over the spatial axes, kept
 //! ReduceProd        dX = dY_k · (product of the group's other elements), without dividing
@@ -237,6 +238,25 @@ pub fn reduce_log_sum_exp(
     let weights = cx.op_like("Exp", &[centred], vec![], &h, x);
     let mut out = vec![None; wants.len()];
     out[0] = Some(cx.op_like("Mul", &[weights, dyk], vec![], &h, x));
+    Ok(out)
+}
+
+pub fn reduce_log_sum(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let (UnaryParts { dy, x, y, hint: h }, axes) = setup(cx, node, dys)?;
+    let (dyk, yk) = match axes {
+        None => (dy, y),
+        Some((axes, keep)) => kept(cx, dy, y, &axes, keep, &h),
+    };
+    let minus = cx.op("Neg", &[yk], vec![], &h);
+    let inverse_sum = cx.op("Exp", &[minus], vec![], &h);
+    let per_group = cx.op("Mul", &[dyk, inverse_sum], vec![], &h);
+    let mut out = vec![None; wants.len()];
+    out[0] = Some(cx.expand_to(per_group, x, &h));
     Ok(out)
 }
 
