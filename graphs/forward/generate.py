@@ -1,11 +1,12 @@
 """Forward ONNX models exported from real PyTorch models, and torch reference runs on them.
 
 Writes, per model NAME (torch_mlp, torch_cnn, torch_cnn_nobn, torch_gpt, torch_bert, torch_vit,
-torch_unet, torch_rnn):
+torch_unet, torch_rnn, torch_llama):
 
   graphs/forward/NAME/dynamo.onnx   torch.onnx.export(dynamo=True, optimize=False), batch dynamic
   graphs/forward/NAME/legacy.onnx   torch.onnx.export(dynamo=False, training=TRAINING,
                                     do_constant_folding=False, opset 17), batch dynamic
+                                    (not for torch_llama, exported at opset 23 by dynamo only)
   graphs/forward/NAME/data.npz      64 samples: the model input (`x` or `idx`) and `labels`
   fixtures/forward/NAME/...         torch autograd gradients and torch optimizer runs, all
                                     starting from the initializer values in the .onnx files,
@@ -160,6 +161,72 @@ class GPT(nn.Module):
         for blk in self.transformer.h:
             x = blk(x)
         return self.lm_head(self.transformer.ln_f(x))
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query attention with rotary position embeddings (computed in forward from
+    arange: no float buffer for the autodiff to mistake for a parameter), through
+    F.scaled_dot_product_attention, which the exporter writes as ONNX Attention from opset
+    23 on."""
+
+    def __init__(self, d: int, n_head: int, n_kv_head: int):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head = n_head, n_kv_head, d // n_head
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, n_kv_head * self.head, bias=False)
+        self.v_proj = nn.Linear(d, n_kv_head * self.head, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+
+    def rope(self, x, t):
+        half = self.head // 2
+        inv = 1.0 / (10000.0 ** (torch.arange(0, half, dtype=torch.float32) / half))
+        ang = torch.arange(t, dtype=torch.float32)[:, None] * inv[None, :]
+        cos, sin = ang.cos(), ang.sin()
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+    def forward(self, x):
+        b, t, _ = x.size()
+        q = self.q_proj(x).view(b, t, self.n_head, self.head).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv_head, self.head).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv_head, self.head).transpose(1, 2)
+        q, k = self.rope(q, t), self.rope(k, t)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, d: int, n_head: int, n_kv_head: int):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(d)
+        self.attn = LlamaAttention(d, n_head, n_kv_head)
+        self.mlp_norm = nn.RMSNorm(d)
+        self.gate = nn.Linear(d, 2 * d, bias=False)
+        self.up = nn.Linear(d, 2 * d, bias=False)
+        self.down = nn.Linear(2 * d, d, bias=False)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    """Llama layout at toy size: RMSNorm, rotary GQA attention (4 query heads over 2
+    key/value heads), SwiGLU MLP, untied head; torch default initialisation."""
+
+    def __init__(self, vocab=32, d=16, n_head=4, n_kv_head=2, n_layer=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([LlamaBlock(d, n_head, n_kv_head) for _ in range(n_layer)])
+        self.norm = nn.RMSNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
 
 
 class EncoderAttention(nn.Module):
@@ -385,6 +452,13 @@ MODELS = {
                             "Mish -> Upsample(x2, nearest) ++ skip -> Conv2d -> PixelShuffle(2) -> "
                             "bilinear x0.5 -> Conv2d -> SiLU -> einsum channel attention + residual "
                             "-> [global max ++ global mean] -> Linear(16, 4)"),
+    "torch_llama": dict(make=Llama, seed=8, input="idx", data=make_data_gpt, batch=16, runs=True,
+                        dynamo_opset=23, legacy=False,
+                        desc="Llama-style decoder: vocab 32, T=8, d 16, 2 layers, RMSNorm, rotary "
+                             "(from arange in forward), scaled_dot_product_attention(is_causal, "
+                             "enable_gqa) with 4 query heads over 2 key/value heads, SwiGLU MLP "
+                             "2d, untied lm_head; dynamo at opset 23 (ONNX Attention and "
+                             "RMSNormalization); no legacy export (its opset 17 has neither)"),
     "torch_rnn": dict(make=RecurrentClassifier, seed=7, input="idx", data=make_data_bert, batch=16,
                       runs=True,
                       desc="sequence classifier: Embedding(32, 12) -> 2-layer bidirectional "
@@ -439,12 +513,12 @@ def strip_stack_traces(model: onnx.ModelProto) -> int:
     return n
 
 
-def export_dynamo(model, example, input_name, path):
+def export_dynamo(model, example, input_name, path, opset=None):
     m = copy.deepcopy(model).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prog = torch.onnx.export(
-            m, (example,), dynamo=True, optimize=False, verbose=False,
+            m, (example,), dynamo=True, optimize=False, verbose=False, opset_version=opset,
             input_names=[input_name], output_names=["logits"],
             dynamic_shapes={input_name: {0: torch.export.Dim("batch")}},
         )
@@ -665,7 +739,10 @@ def generate(name: str, spec: dict) -> dict:
     example = torch.from_numpy(data[inp][:EXPORT_BATCH])
 
     exports, states, failures = {}, {}, {}
-    for kind, fn in (("dynamo", export_dynamo), ("legacy", export_legacy)):
+    exporters = [("dynamo", lambda *a: export_dynamo(*a, opset=spec.get("dynamo_opset")))]
+    if spec.get("legacy", True):
+        exporters.append(("legacy", export_legacy))
+    for kind, fn in exporters:
         path = os.path.join(gdir, f"{kind}.onnx")
         try:
             info = fn(ref, example, inp, path)
