@@ -909,11 +909,19 @@ fn plain_signature(
     let main = model.main();
     let loss = match &roles.loss {
         Some(l) => l.clone(),
-        None => return Err(inconsistent(
-            file,
-            "a plain gradient graph needs --loss NAME (and --grad PARAM=TENSOR for each parameter)"
-                .into(),
-        )),
+        None => {
+            let first_output = main
+                .outputs
+                .first()
+                .map(|(v, _)| format!(" ('{}')", model.name(*v)))
+                .unwrap_or_default();
+            return Err(inconsistent(
+                file,
+                format!(
+                    "no loss given. A forward model (what torch.onnx.export or tf2onnx write) needs --loss-fn cross-entropy|nll|mse|l1|bce-logits, applied to an output (--model-output, default the first{first_output}), or --loss NAME for a scalar loss it computes itself; a plain gradient graph needs --loss NAME and --grad PARAM=TENSOR for each parameter"
+                ),
+            ));
+        }
     };
     let find = |name: &str| model.lookup(crate::ir::BodyId::MAIN, name);
     if find(&loss).is_none() {

@@ -528,7 +528,13 @@ fn plain_graph_without_loss() {
     let err = fails(tmp.path(), &["inspect", &s(&path)]);
     assert_has(
         &err,
-        &[&s(&path), "a plain gradient graph needs --loss NAME"],
+        &[
+            &s(&path),
+            "no loss given",
+            "needs --loss-fn cross-entropy|nll|mse|l1|bce-logits",
+            "default the first ('onnx::loss::2')",
+            "a plain gradient graph needs --loss NAME",
+        ],
     );
 }
 

@@ -262,7 +262,7 @@ impl Optimizer {
         let p_adamw = producer.and_then(|o| o.spec.adamw());
         let theirs = |field: fn(&AdamW) -> f32| p_adamw.as_ref().map(field);
         let kind = self.kind.or(p_kind).ok_or_else(|| {
-            fail("no optimizer given and the producer configured none: use --optimizer".into())
+            fail("no optimizer given and the producer configured none: use --optimizer sgd|momentum|nesterov|adam|adamw (with --lr; a forward model's defaults are torch.optim's)".into())
         })?;
         let framework_lr = (formula != Formula::Ort).then_some(1e-3);
         let lr = self
