@@ -955,7 +955,18 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
             &spec,
         )?,
     };
-    let step = onnx_ga::step::build_step(graph, &spec, args.verify)?;
+    // The error names the input (a pass's message names the node, op or tensor in it),
+    // unless it already does or is about the pipeline spec rather than the model.
+    let step = onnx_ga::step::build_step(graph, &spec, args.verify).map_err(|e| {
+        use onnx_ga::passes::PassError;
+        let path = args.path.display().to_string();
+        let of_the_spec = matches!(&e, onnx_ga::step::StepError::Pass(PassError::Spec { .. }));
+        if of_the_spec || e.to_string().contains(&path) {
+            anyhow::Error::new(e)
+        } else {
+            anyhow::Error::new(e).context(path)
+        }
+    })?;
     // The resolved recipe first, so a default the user did not expect shows before it is
     // written into a file.
     eprint!("recipe:\n{}", step.recipe.render_text());

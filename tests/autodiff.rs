@@ -687,6 +687,100 @@ fn inspect_lists_the_trainable_set_of_a_forward_model() {
     }
 }
 
+/// torch's graph signature decides the trainable set of a dynamo export: the Llama's
+/// rotary `inv_freq` buffers (non-persistent, as in Hugging Face's Llama) are reached by the
+/// loss through cos and sin, and stay untrained with the reason; the trainable set is
+/// exactly torch's parameter list (meta.json, from torch's `named_parameters`).
+#[test]
+fn inspect_trains_torch_parameters_only() {
+    let meta: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("fixtures/forward/torch_llama/meta.json")).unwrap(),
+    )
+    .unwrap();
+    let torch_params: BTreeMap<String, Vec<i64>> =
+        serde_json::from_value(meta["parameters"].clone()).unwrap();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_onnx-ga"))
+        .arg("inspect")
+        .arg(forward_path("torch_llama", "dynamo"))
+        .args(["--loss-fn", "cross-entropy", "--json"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let trainable: BTreeMap<String, Vec<i64>> = report["signature"]["params"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["trainable"].as_bool() == Some(true))
+        .map(|p| {
+            let dims = serde_json::from_value(p["dims"].clone()).unwrap();
+            (p["name"].as_str().unwrap().to_string(), dims)
+        })
+        .collect();
+    assert_eq!(trainable, torch_params);
+    let reason = "not-a-torch-parameter";
+    assert_eq!(
+        report["untrained"],
+        serde_json::json!([
+            {"name": "layers.0.attn.inv_freq", "dims": [2], "reason": reason},
+            {"name": "layers.1.attn.inv_freq", "dims": [2], "reason": reason},
+        ])
+    );
+}
+
+/// A dynamo export whose parameters its optimizer renamed (here: `lm_head.weight` as
+/// `val_<n>`, as optimize=True leaves transposed weights) cannot say which tensors are the
+/// parameters: refused, naming the file, the parameter and the fix; `--trainable` chooses.
+/// (`val_7000`: a name the file does not use otherwise.)
+#[test]
+fn a_torch_export_its_optimizer_rewrote_is_refused() {
+    let mut proto = onnx_ga::model::load_model(&forward_path("torch_llama", "dynamo")).unwrap();
+    let graph = proto.graph.as_mut().unwrap();
+    for i in &mut graph.initializer {
+        if i.name() == "lm_head.weight" {
+            i.name = Some("val_7000".into());
+        }
+    }
+    for n in &mut graph.node {
+        for input in &mut n.input {
+            if input == "lm_head.weight" {
+                *input = "val_7000".into();
+            }
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("optimized.onnx");
+    onnx_ga::model::save_model(&proto, &path).unwrap();
+    let file = path.to_str().unwrap();
+    for expect in [
+        file,
+        "torch's export lists 21 parameters, and 1 of them are not initializers of this model (lm_head.weight)",
+        "Export with optimize=False, or name the trainable set with --trainable GLOB",
+    ] {
+        rewrite_fails(&[file, "--loss-fn", "cross-entropy", "--optimizer", "sgd"], expect);
+    }
+    let step = dir.path().join("step.onnx");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_onnx-ga"))
+        .args([
+            "rewrite",
+            file,
+            "--loss-fn",
+            "cross-entropy",
+            "--optimizer",
+            "sgd",
+        ])
+        .args(["--trainable", "*weight", "--trainable", "val_*", "-o"])
+        .arg(&step)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// A step built from the shipped eval model by autodiff trains like the step built from the
 /// training artifacts (ORT's gradient graph): same optimizer (the artifacts' own), K = 4,
 /// 8 windows; every parameter and BatchNorm statistic within float32 rounding.

@@ -164,10 +164,11 @@ class GPT(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query attention with rotary position embeddings (computed in forward from
-    arange: no float buffer for the autodiff to mistake for a parameter), through
+    """Grouped-query attention with rotary position embeddings, through
     F.scaled_dot_product_attention, which the exporter writes as ONNX Attention from opset
-    23 on."""
+    23 on. The rotary frequencies are a non-persistent float buffer, as in Hugging Face's
+    Llama: the loss reaches it (cos and sin multiply q and k), and only torch's graph
+    signature in the export says that it is not a parameter."""
 
     def __init__(self, d: int, n_head: int, n_kv_head: int):
         super().__init__()
@@ -176,11 +177,13 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(d, n_kv_head * self.head, bias=False)
         self.v_proj = nn.Linear(d, n_kv_head * self.head, bias=False)
         self.o_proj = nn.Linear(d, d, bias=False)
+        half = self.head // 2
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, half, dtype=torch.float32) / half))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def rope(self, x, t):
         half = self.head // 2
-        inv = 1.0 / (10000.0 ** (torch.arange(0, half, dtype=torch.float32) / half))
-        ang = torch.arange(t, dtype=torch.float32)[:, None] * inv[None, :]
+        ang = torch.arange(t, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
         cos, sin = ang.cos(), ang.sin()
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
@@ -455,7 +458,7 @@ MODELS = {
     "torch_llama": dict(make=Llama, seed=8, input="idx", data=make_data_gpt, batch=16, runs=True,
                         dynamo_opset=23, legacy=False,
                         desc="Llama-style decoder: vocab 32, T=8, d 16, 2 layers, RMSNorm, rotary "
-                             "(from arange in forward), scaled_dot_product_attention(is_causal, "
+                             "(inv_freq a non-persistent buffer), scaled_dot_product_attention(is_causal, "
                              "enable_gqa) with 4 query heads over 2 key/value heads, SwiGLU MLP "
                              "2d, untied lm_head; dynamo at opset 23 (ONNX Attention and "
                              "RMSNormalization); no legacy export (its opset 17 has neither)"),

@@ -27,6 +27,7 @@ mod loss_fn;
 mod normalize;
 pub mod rules;
 pub mod shapes;
+pub mod torch_signature;
 mod unroll_rnn;
 
 use std::collections::{HashMap, HashSet};
@@ -330,6 +331,44 @@ fn export_warnings(
     notes
 }
 
+/// torch's parameter list when the model has one and `--trainable` does not choose the set
+/// itself; an error when torch's parameters are not the file's initializers (its exporter
+/// rewrote them, and which tensors are the parameters can no longer be told).
+fn torch_parameters(
+    model: &Model,
+    options: &Autodiff,
+) -> Result<Option<torch_signature::TorchSignature>, PassError> {
+    let Some(signature) = torch_signature::TorchSignature::of(model) else {
+        return Ok(None);
+    };
+    if !options.trainable.is_empty() {
+        return Ok(None);
+    }
+    let initializers: HashSet<&str> = model
+        .main()
+        .initializers
+        .iter()
+        .map(|(v, _)| model.name(*v))
+        .collect();
+    let missing: Vec<&str> = signature
+        .parameters
+        .iter()
+        .map(String::as_str)
+        .filter(|p| !initializers.contains(p))
+        .collect();
+    if missing.is_empty() {
+        return Ok(Some(signature));
+    }
+    let shown: Vec<&str> = missing.iter().take(6).copied().collect();
+    Err(fail(format!(
+        "torch's export lists {} parameters, and {} of them are not initializers of this model ({}{}): its exporter rewrote them (torch.onnx.export's default optimize=True transposes weights into val_<n> tensors, folds BatchNorm into convolutions and merges equal tensors), so which tensors are the parameters cannot be told. Export with optimize=False, or name the trainable set with --trainable GLOB",
+        signature.parameters.len(),
+        missing.len(),
+        shown.join(", "),
+        if missing.len() > shown.len() { ", ..." } else { "" }
+    )))
+}
+
 /// What differentiation produced, in signature terms.
 pub struct Differentiated {
     pub loss: String,
@@ -368,6 +407,7 @@ pub fn differentiated_graph(
     let mut cx = PassContext::new(&mut graph.signature, None);
     pass.run(&mut graph.model, &mut cx)
         .with_context(|| path.display().to_string())?;
+    let torch = torch_signature::TorchSignature::of(&graph.model);
     let untrained = floats
         .into_iter()
         .filter(|(name, _)| graph.signature.param(name).is_none())
@@ -378,6 +418,10 @@ pub fn differentiated_graph(
                 && !pass.trainable.iter().any(|g| glob_match(g, &name))
             {
                 UntrainedReason::OutsideTrainable
+            } else if pass.trainable.is_empty()
+                && torch.as_ref().is_some_and(|t| !t.is_parameter(&name))
+            {
+                UntrainedReason::NotATorchParameter
             } else {
                 UntrainedReason::Unreached
             };
@@ -405,6 +449,8 @@ pub enum UntrainedReason {
     /// The loss does not depend on it differentiably (a constant, shape data, an unused
     /// output branch).
     Unreached,
+    /// torch's export lists it as a buffer or a constant, not a parameter.
+    NotATorchParameter,
 }
 
 impl UntrainedReason {
@@ -413,6 +459,9 @@ impl UntrainedReason {
             UntrainedReason::Frozen => "frozen (--freeze)",
             UntrainedReason::OutsideTrainable => "outside --trainable",
             UntrainedReason::Unreached => "the loss does not reach it",
+            UntrainedReason::NotATorchParameter => {
+                "not a parameter in torch's export (a buffer or a constant)"
+            }
         }
     }
 }
@@ -511,8 +560,10 @@ fn param_of(model: &Model, v: ValueId, trainable: bool, grad: Option<String>) ->
 pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differentiated, PassError> {
     let main = BodyId::MAIN;
     // Only the model's own initializers can be parameters: the normalisation's and the
-    // loss's constants (an attention's scale, a -inf bias) are not.
+    // loss's constants (an attention's scale, a -inf bias) are not; and where torch's
+    // exporter recorded its parameter list, only those (`torch_signature`).
     let own: HashSet<ValueId> = model.main().initializers.iter().map(|(v, _)| *v).collect();
+    let torch = torch_parameters(model, options)?;
     let normalized = normalize::normalize(model, options.dropout, PASS)?;
     let mut shapes = Shapes::infer(model);
 
@@ -534,6 +585,11 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
         .iter()
         .map(|(v, _)| *v)
         .filter(|v| own.contains(v) && !normalized.bn_stats.contains(v))
+        .filter(|v| {
+            torch
+                .as_ref()
+                .is_none_or(|t| t.is_parameter(model.name(*v)))
+        })
         .filter(|v| {
             model
                 .initializer(*v)
