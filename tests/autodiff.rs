@@ -173,6 +173,12 @@ fn torch_gpt_legacy_gradients() {
 fn torch_llama_dynamo_gradients() {
     torch_gradients("torch_llama", "dynamo");
 }
+/// The same Llama at the exporter's default opset 18: RMSNorm and the grouped-query
+/// attention written out as torch decomposes them (Pow, ReduceMean, Expand, Trilu, ...).
+#[test]
+fn torch_llama_dynamo18_gradients() {
+    torch_gradients("torch_llama", "dynamo18");
+}
 #[test]
 fn torch_bert_dynamo_gradients() {
     torch_gradients("torch_bert", "dynamo");
@@ -244,13 +250,26 @@ fn torch_training(
     reference: &str,
     skip: &dyn Fn(&str, usize) -> bool,
 ) {
+    torch_training_of(model, "dynamo", optimizer, normalize, b, reference, skip);
+}
+
+/// [`torch_training`] of the export `export` (`graphs/forward/MODEL/EXPORT.onnx`).
+fn torch_training_of(
+    model: &str,
+    export: &str,
+    optimizer: &str,
+    normalize: &str,
+    b: usize,
+    reference: &str,
+    skip: &dyn Fn(&str, usize) -> bool,
+) {
     if !ort_available() {
         return;
     }
     let spec = format!(
         "autodiff(loss_fn=cross-entropy,ignore_index=-100,grads=internal),grad-accum(steps=4,normalize={normalize}),{optimizer},legalize-ort,dce"
     );
-    let step = build(&forward_path(model, "dynamo"), &spec);
+    let step = build(&forward_path(model, export), &spec);
     let state = train(&step, model, b, 32);
     let expected = read_npz(&root().join("fixtures/forward").join(model).join(reference));
     let mut largest = 0f64;
@@ -330,6 +349,18 @@ fn torch_llama_weighted_sgd_equals_full_batch() {
 #[test]
 fn torch_llama_weighted_adamw_equals_full_batch() {
     torch_training("torch_llama", ADAMW, "weighted", 4, "run_adamw.npz", &none);
+}
+#[test]
+fn torch_llama_dynamo18_weighted_adamw_equals_full_batch() {
+    torch_training_of(
+        "torch_llama",
+        "dynamo18",
+        ADAMW,
+        "weighted",
+        4,
+        "run_adamw.npz",
+        &none,
+    );
 }
 
 /// BERT-style (post-LN, padding mask from the tokens, tanh GELU, pooler on token 0) and

@@ -6,7 +6,8 @@ torch_unet, torch_rnn, torch_llama):
   graphs/forward/NAME/dynamo.onnx   torch.onnx.export(dynamo=True, optimize=False), batch dynamic
   graphs/forward/NAME/legacy.onnx   torch.onnx.export(dynamo=False, training=TRAINING,
                                     do_constant_folding=False, opset 17), batch dynamic
-                                    (not for torch_llama, exported at opset 23 by dynamo only)
+                                    (not for torch_llama: dynamo.onnx at opset 23, dynamo18.onnx
+                                    the same export at opset 18)
   graphs/forward/NAME/data.npz      64 samples: the model input (`x` or `idx`) and `labels`
   fixtures/forward/NAME/...         torch autograd gradients and torch optimizer runs, all
                                     starting from the initializer values in the .onnx files,
@@ -461,7 +462,8 @@ MODELS = {
                              "(inv_freq a non-persistent buffer), scaled_dot_product_attention(is_causal, "
                              "enable_gqa) with 4 query heads over 2 key/value heads, SwiGLU MLP "
                              "2d, untied lm_head; dynamo at opset 23 (ONNX Attention and "
-                             "RMSNormalization); no legacy export (its opset 17 has neither)"),
+                             "RMSNormalization) and at opset 18 (dynamo18: both written out); "
+                             "no legacy export"),
     "torch_rnn": dict(make=RecurrentClassifier, seed=7, input="idx", data=make_data_bert, batch=16,
                       runs=True,
                       desc="sequence classifier: Embedding(32, 12) -> 2-layer bidirectional "
@@ -743,6 +745,10 @@ def generate(name: str, spec: dict) -> dict:
 
     exports, states, failures = {}, {}, {}
     exporters = [("dynamo", lambda *a: export_dynamo(*a, opset=spec.get("dynamo_opset")))]
+    if spec.get("dynamo_opset"):
+        # the same model at the exporter's default opset too (ops written out, no
+        # Attention or RMSNormalization)
+        exporters.append(("dynamo18", lambda *a: export_dynamo(*a, opset=18)))
     if spec.get("legacy", True):
         exporters.append(("legacy", export_legacy))
     for kind, fn in exporters:

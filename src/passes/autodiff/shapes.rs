@@ -988,15 +988,30 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
             vec![with_dims(x.elem, dims)]
         }
         "Constant" => {
-            let t = p.attr("value").and_then(|a| a.t.as_ref());
-            vec![t
-                .map(|t| {
-                    with_dims(
-                        Some(t.data_type()),
-                        Some(t.dims.iter().map(|d| Dim::Known(*d)).collect()),
-                    )
-                })
-                .unwrap_or_default()]
+            // Whichever of its value attributes it has: a tensor, or a scalar or 1-D list.
+            let known = |elem: DataType, dims: &[i64]| {
+                with_dims(
+                    Some(elem as i32),
+                    Some(dims.iter().map(|d| Dim::Known(*d)).collect()),
+                )
+            };
+            let facts = if let Some(t) = p.attr("value").and_then(|a| a.t.as_ref()) {
+                with_dims(
+                    Some(t.data_type()),
+                    Some(t.dims.iter().map(|d| Dim::Known(*d)).collect()),
+                )
+            } else if p.attr("value_float").is_some() {
+                known(DataType::Float, &[])
+            } else if p.attr("value_int").is_some() {
+                known(DataType::Int64, &[])
+            } else if let Some(a) = p.attr("value_floats") {
+                known(DataType::Float, &[a.floats.len() as i64])
+            } else if let Some(a) = p.attr("value_ints") {
+                known(DataType::Int64, &[a.ints.len() as i64])
+            } else {
+                Facts::default()
+            };
+            vec![facts]
         }
         "SoftmaxCrossEntropyLoss" | "NegativeLogLikelihoodLoss" => {
             let reduction = p
