@@ -91,35 +91,40 @@ pub fn normalize(
         }
     }
     cast_likes_to_casts(model);
-    let recurrent: Vec<NodeId> = model
-        .body_nodes(BodyId::MAIN)
-        .filter(|n| {
-            let p = &model.node(*n).proto;
-            (p.domain().is_empty() || p.domain() == "ai.onnx")
-                && super::unroll_rnn::is_recurrent(p.op_type())
-        })
-        .collect();
     // The sequence length comes from the shape facts, inferred again before each layer:
     // a stacked layer reads the values the one before it was unrolled into.
-    for node in recurrent {
-        let shapes = super::shapes::Shapes::infer(model);
-        super::unroll_rnn::unroll(model, node, &shapes, pass)?;
-        out.recurrent += 1;
-    }
-    let attention: Vec<NodeId> = model
+    out.recurrent = rewrite_each(
+        model,
+        super::unroll_rnn::is_recurrent,
+        |model, node, shapes| super::unroll_rnn::unroll(model, node, shapes, pass),
+    )?;
+    out.attention = rewrite_each(
+        model,
+        super::expand_attention::is_attention,
+        |model, node, shapes| super::expand_attention::expand(model, node, shapes, pass),
+    )?;
+    Ok(out)
+}
+
+/// Rewrites every default-domain node of the main graph whose op `selects` picks with
+/// `rewrite`, the shape facts inferred again before each; how many it rewrote.
+fn rewrite_each(
+    model: &mut Model,
+    selects: fn(&str) -> bool,
+    rewrite: impl Fn(&mut Model, NodeId, &super::shapes::Shapes) -> Result<(), PassError>,
+) -> Result<usize, PassError> {
+    let nodes: Vec<NodeId> = model
         .body_nodes(BodyId::MAIN)
         .filter(|n| {
             let p = &model.node(*n).proto;
-            (p.domain().is_empty() || p.domain() == "ai.onnx")
-                && super::expand_attention::is_attention(p.op_type())
+            (p.domain().is_empty() || p.domain() == "ai.onnx") && selects(p.op_type())
         })
         .collect();
-    for node in attention {
+    for &node in &nodes {
         let shapes = super::shapes::Shapes::infer(model);
-        super::expand_attention::expand(model, node, &shapes, pass)?;
-        out.attention += 1;
+        rewrite(model, node, &shapes)?;
     }
-    Ok(out)
+    Ok(nodes.len())
 }
 
 fn batch_norm(

@@ -92,6 +92,24 @@ fn setup(
     Ok((p, axes))
 }
 
+/// dY and Y with the reduced axes kept (size 1), X, and the hint: what the rules that read
+/// Y start from.
+struct Kept {
+    dyk: ValueId,
+    x: ValueId,
+    yk: ValueId,
+    hint: String,
+}
+
+fn setup_kept(cx: &mut Grad<'_>, node: NodeId, dys: &[Option<ValueId>]) -> Result<Kept, PassError> {
+    let (UnaryParts { dy, x, y, hint }, axes) = setup(cx, node, dys)?;
+    let (dyk, yk) = match axes {
+        None => (dy, y),
+        Some((axes, keep)) => kept(cx, dy, y, &axes, keep, &hint),
+    };
+    Ok(Kept { dyk, x, yk, hint })
+}
+
 pub fn reduce_sum(
     cx: &mut Grad<'_>,
     node: NodeId,
@@ -168,11 +186,12 @@ pub fn reduce_l2(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let (UnaryParts { dy, x, y, hint: h }, axes) = setup(cx, node, dys)?;
-    let (dyk, yk) = match axes {
-        None => (dy, y),
-        Some((axes, keep)) => kept(cx, dy, y, &axes, keep, &h),
-    };
+    let Kept {
+        dyk,
+        x,
+        yk,
+        hint: h,
+    } = setup_kept(cx, node, dys)?;
     let q = cx.op("Div", &[dyk, yk], vec![], &h);
     let mut out = vec![None; wants.len()];
     out[0] = Some(cx.op_like("Mul", &[x, q], vec![], &h, x));
@@ -229,11 +248,12 @@ pub fn reduce_log_sum_exp(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let (UnaryParts { dy, x, y, hint: h }, axes) = setup(cx, node, dys)?;
-    let (dyk, yk) = match axes {
-        None => (dy, y),
-        Some((axes, keep)) => kept(cx, dy, y, &axes, keep, &h),
-    };
+    let Kept {
+        dyk,
+        x,
+        yk,
+        hint: h,
+    } = setup_kept(cx, node, dys)?;
     let centred = cx.op_like("Sub", &[x, yk], vec![], &h, x);
     let weights = cx.op_like("Exp", &[centred], vec![], &h, x);
     let mut out = vec![None; wants.len()];
@@ -247,11 +267,12 @@ pub fn reduce_log_sum(
     dys: &[Option<ValueId>],
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let (UnaryParts { dy, x, y, hint: h }, axes) = setup(cx, node, dys)?;
-    let (dyk, yk) = match axes {
-        None => (dy, y),
-        Some((axes, keep)) => kept(cx, dy, y, &axes, keep, &h),
-    };
+    let Kept {
+        dyk,
+        x,
+        yk,
+        hint: h,
+    } = setup_kept(cx, node, dys)?;
     let minus = cx.op("Neg", &[yk], vec![], &h);
     let inverse_sum = cx.op("Exp", &[minus], vec![], &h);
     let per_group = cx.op("Mul", &[dyk, inverse_sum], vec![], &h);
