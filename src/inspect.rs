@@ -476,13 +476,13 @@ impl StepView {
         // A newer opset or IR version than ONNX Runtime loads, which cannot move down.
         let versions_refused = crate::passes::fit_opset::fit_for_ort(&proto).err();
         let mut engines = Vec::new();
-        engines.push(match (training_only_ops.is_empty(), precision.as_str()) {
-            _ if versions_refused.is_some() => EngineFit {
+        engines.push(match (&versions_refused, training_only_ops.is_empty(), precision.as_str()) {
+            (Some(refused), _, _) => EngineFit {
                 engine: "ort",
                 runs: false,
-                note: versions_refused.map(|e| e.to_string()).unwrap_or_default(),
+                note: refused.to_string(),
             },
-            (false, _) => EngineFit {
+            (None, false, _) => EngineFit {
                 engine: "ort",
                 runs: false,
                 note: format!(
@@ -490,12 +490,12 @@ impl StepView {
                     training_only_ops.join(", ")
                 ),
             },
-            (true, "bf16") => EngineFit {
+            (None, true, "bf16") => EngineFit {
                 engine: "ort",
                 runs: true,
                 note: "ONNX Runtime 1.31 standard ops; bf16 kernels on CUDA only (the CPU provider does not load bf16 steps)".into(),
             },
-            (true, _) => EngineFit {
+            (None, true, _) => EngineFit {
                 engine: "ort",
                 runs: true,
                 note: "ONNX Runtime 1.31, standard ops only (--device cpu or cuda)".into(),

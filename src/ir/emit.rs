@@ -30,6 +30,17 @@ pub fn scalar_bytes(elem: i32, value: f64) -> Option<Vec<u8>> {
     })
 }
 
+/// A rank-0 tensor of element type `elem` holding `value` (float32 bytes for a type
+/// [`scalar_bytes`] does not write).
+pub fn scalar_tensor(elem: i32, value: f64) -> TensorProto {
+    let bytes = scalar_bytes(elem, value).unwrap_or_else(|| (value as f32).to_le_bytes().to_vec());
+    TensorProto {
+        data_type: Some(elem),
+        raw_data: Some(bytes),
+        ..Default::default()
+    }
+}
+
 /// The single element of a one-element float, integer or bool tensor, as f64.
 pub fn tensor_scalar(t: &TensorProto) -> Option<f64> {
     if t.dims.iter().product::<i64>() != 1 {

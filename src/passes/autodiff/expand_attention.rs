@@ -32,7 +32,6 @@ use crate::ir::emit::Emit;
 use crate::ir::{BodyId, Model, NodeId, ValueId};
 use crate::passes::PassError;
 use crate::proto::tensor_proto::DataType;
-use crate::proto::TensorProto;
 
 use super::rules::node_error;
 use super::shapes::{Dim, Shapes};
@@ -43,16 +42,7 @@ pub fn is_attention(op: &str) -> bool {
 
 /// A scalar of element type `elem` holding `value` (shared per hint, see `Builder`).
 fn scalar(b: &mut Builder<'_>, elem: i32, value: f64, hint: &str) -> ValueId {
-    let bytes = crate::ir::emit::scalar_bytes(elem, value)
-        .unwrap_or_else(|| (value as f32).to_le_bytes().to_vec());
-    b.constant(
-        hint,
-        TensorProto {
-            data_type: Some(elem),
-            raw_data: Some(bytes),
-            ..Default::default()
-        },
-    )
+    b.constant(hint, crate::ir::emit::scalar_tensor(elem, value))
 }
 
 /// The node's dims of `v` as far as the shape facts know them.

@@ -338,12 +338,9 @@ fn torch_parameters(
     model: &Model,
     options: &Autodiff,
 ) -> Result<Option<torch_signature::TorchSignature>, PassError> {
-    let Some(signature) = torch_signature::TorchSignature::of(model) else {
+    let Some(signature) = signature_in_force(model, options) else {
         return Ok(None);
     };
-    if !options.trainable.is_empty() {
-        return Ok(None);
-    }
     let initializers: HashSet<&str> = model
         .main()
         .initializers
@@ -367,6 +364,14 @@ fn torch_parameters(
         shown.join(", "),
         if missing.len() > shown.len() { ", ..." } else { "" }
     )))
+}
+
+/// torch's recorded signature, unless `--trainable` chooses the set itself.
+fn signature_in_force(
+    model: &Model,
+    options: &Autodiff,
+) -> Option<torch_signature::TorchSignature> {
+    torch_signature::TorchSignature::of(model).filter(|_| options.trainable.is_empty())
 }
 
 /// What differentiation produced, in signature terms.
@@ -407,7 +412,7 @@ pub fn differentiated_graph(
     let mut cx = PassContext::new(&mut graph.signature, None);
     pass.run(&mut graph.model, &mut cx)
         .with_context(|| path.display().to_string())?;
-    let torch = torch_signature::TorchSignature::of(&graph.model);
+    let torch = signature_in_force(&graph.model, &pass);
     let untrained = floats
         .into_iter()
         .filter(|(name, _)| graph.signature.param(name).is_none())
@@ -418,9 +423,7 @@ pub fn differentiated_graph(
                 && !pass.trainable.iter().any(|g| glob_match(g, &name))
             {
                 UntrainedReason::OutsideTrainable
-            } else if pass.trainable.is_empty()
-                && torch.as_ref().is_some_and(|t| !t.is_parameter(&name))
-            {
+            } else if torch.as_ref().is_some_and(|t| !t.is_parameter(&name)) {
                 UntrainedReason::NotATorchParameter
             } else {
                 UntrainedReason::Unreached

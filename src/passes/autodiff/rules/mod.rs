@@ -487,17 +487,8 @@ impl<'m> Grad<'m> {
 
     /// A scalar of element type `elem`.
     pub fn scalar(&mut self, elem: i32, value: f64) -> ValueId {
-        let bytes = crate::ir::emit::scalar_bytes(elem, value)
-            .unwrap_or_else(|| (value as f32).to_le_bytes().to_vec());
         let hint = format!("c_{}", format!("{value}").replace(['.', '-'], "_"));
-        self.constant(
-            &hint,
-            TensorProto {
-                data_type: Some(elem),
-                raw_data: Some(bytes),
-                ..Default::default()
-            },
-        )
+        self.constant(&hint, crate::ir::emit::scalar_tensor(elem, value))
     }
 
     /// The one-element zero of `elem`: ConstantOfShape's `value` for zeros of that type.
