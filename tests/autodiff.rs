@@ -52,15 +52,18 @@ fn norm(t: &Tensor) -> (Vec<f64>, f64) {
 
 /// ||a - b|| / ||b||.
 fn relative_l2(a: &Tensor, b: &Tensor) -> f64 {
+    distance(a, b) / norm(b).1.max(1e-30)
+}
+
+/// ||a - b||.
+fn distance(a: &Tensor, b: &Tensor) -> f64 {
     assert_eq!(a.shape(), b.shape());
-    let ((va, _), (vb, nb)) = (norm(a), norm(b));
-    let d = va
-        .iter()
+    let ((va, _), (vb, _)) = (norm(a), norm(b));
+    va.iter()
         .zip(&vb)
         .map(|(x, y)| (x - y) * (x - y))
         .sum::<f64>()
-        .sqrt();
-    d / nb.max(1e-30)
+        .sqrt()
 }
 
 fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
@@ -80,7 +83,11 @@ fn first_rows(data: &BTreeMap<String, Tensor>, n: usize) -> BTreeMap<String, Ten
 
 const CE: &str = "autodiff(loss_fn=cross-entropy,ignore_index=-100),legalize-ort";
 
-/// Every parameter's gradient within 1e-5 relative (norm-wise) of torch autograd, float32.
+/// Every parameter's gradient within 1e-5 relative (norm-wise) of torch autograd, float32,
+/// or as close to torch's float64 gradient as torch's own float32 one is, within twice that:
+/// where torch's float32 rounding is itself over 1e-5 of the gradient (one that is zero in
+/// exact arithmetic, as a key projection's bias under the softmax or the bias of a
+/// BatchNorm that the next BatchNorm's mean cancels, is rounding in torch and here alike).
 fn torch_gradients(model: &str, export: &str) {
     if !ort_available() {
         return;
@@ -92,6 +99,10 @@ fn torch_gradients(model: &str, export: &str) {
         p if p.exists() => read_npz(&p),
         _ => read_npz(&fixtures.join(format!("{export}_grads.npz"))),
     };
+    let exact = match fixtures.join("grads64.npz") {
+        p if p.exists() => read_npz(&p),
+        _ => read_npz(&fixtures.join(format!("{export}_grads64.npz"))),
+    };
     let out = run_ort(&graph, &first_rows(&data, 8));
     let loss_err = max_abs(&out["loss"], &reference["loss"]);
     assert!(
@@ -100,6 +111,7 @@ fn torch_gradients(model: &str, export: &str) {
     );
     let mut checked = 0;
     let mut worst = (0f64, String::new());
+    let mut rounding = Vec::new();
     for (name, expected) in &reference {
         if name == "loss" {
             continue;
@@ -108,18 +120,29 @@ fn torch_gradients(model: &str, export: &str) {
             .get(&format!("{name}_grad"))
             .unwrap_or_else(|| panic!("{model}/{export}: no gradient output for '{name}'"));
         let err = relative_l2(got, expected);
-        assert!(
-            err <= 1e-5,
-            "{model}/{export}: '{name}' gradient {err:e} relative from torch"
-        );
-        if err >= worst.0 {
+        if err > 1e-5 {
+            let (ours, torchs) = (
+                distance(got, &exact[name]),
+                distance(expected, &exact[name]),
+            );
+            assert!(
+                ours <= 2.0 * torchs + 1e-5 * norm(expected).1,
+                "{model}/{export}: '{name}' gradient {err:e} relative from torch float32, {ours:e} from its float64 (torch float32: {torchs:e})"
+            );
+            rounding.push(format!(
+                "{name} ({err:.1e}; {:.2} of torch's own error)",
+                ours / torchs
+            ));
+        } else if err >= worst.0 {
             worst = (err, name.clone());
         }
         checked += 1;
     }
     eprintln!(
-        "MEASURED {model}/{export}: loss {loss_err:e} off, worst gradient {:e} relative ('{}')",
-        worst.0, worst.1
+        "MEASURED {model}/{export}: loss {loss_err:e} off, worst gradient {:e} relative ('{}'); held to torch's float64 instead: [{}]",
+        worst.0,
+        worst.1,
+        rounding.join(", ")
     );
     let params = graph
         .graph
@@ -187,6 +210,51 @@ fn hf_llama_dynamo18_gradients() {
 #[test]
 fn hf_llama_weighted_sgd_equals_full_batch() {
     torch_training("hf_llama", SGD, "weighted", 4, "run_sgd.npz", &none);
+}
+/// Hugging Face's GPT-2: its lm_head is tied to the token embedding. torch's signature
+/// lists both names, the file holds the tensor once (`m.lm_head.weight`, read by the
+/// embedding's Gather and the output projection), and its gradient is the sum of both uses.
+#[test]
+fn hf_gpt2_dynamo_gradients() {
+    torch_gradients("hf_gpt2", "dynamo");
+}
+#[test]
+fn hf_gpt2_weighted_sgd_equals_full_batch() {
+    torch_training("hf_gpt2", SGD, "weighted", 4, "run_sgd.npz", &none);
+}
+/// The key bias (elements d..2d of `c_attn.bias`, as in torch_gpt) excluded.
+#[test]
+fn hf_gpt2_weighted_adamw_equals_full_batch() {
+    torch_training(
+        "hf_gpt2",
+        ADAMW,
+        "weighted",
+        4,
+        "run_adamw.npz",
+        &key_bias_of(16),
+    );
+}
+/// Hugging Face's EfficientNet: depthwise convolutions, squeeze-and-excitation, BatchNorm
+/// (trained with batch statistics, as torch's train() does) and an AveragePool head with
+/// ceil_mode whose kernel is larger than its input.
+#[test]
+fn hf_efficientnet_dynamo_gradients() {
+    torch_gradients("hf_efficientnet", "dynamo");
+}
+/// Hugging Face's wav2vec2 classifier: 1-D convolutions, GroupNorm exported as
+/// InstanceNormalization with its scale unsqueezed over `Range` axes, a weight-normed
+/// convolution (torch parametrizations: `original0`, `original1` are the parameters).
+#[test]
+fn hf_wav2vec2_dynamo_gradients() {
+    torch_gradients("hf_wav2vec2", "dynamo");
+}
+#[test]
+fn hf_wav2vec2_accumulated_sgd_equals_full_batch() {
+    torch_training("hf_wav2vec2", SGD, "mean", 4, "run_sgd.npz", &none);
+}
+#[test]
+fn hf_wav2vec2_accumulated_adamw_equals_full_batch() {
+    torch_training("hf_wav2vec2", ADAMW, "mean", 4, "run_adamw.npz", &none);
 }
 /// The same Llama at the exporter's default opset 18: RMSNorm and the grouped-query
 /// attention written out as torch decomposes them (Pow, ReduceMean, Expand, Trilu, ...).
@@ -343,17 +411,20 @@ fn torch_gpt_weighted_sgd_equals_full_batch() {
 /// other element is compared.
 #[test]
 fn torch_gpt_weighted_adamw_equals_full_batch() {
-    let d = 16;
-    let key_bias =
-        move |name: &str, i: usize| name.ends_with("attn.c_attn.bias") && (d..2 * d).contains(&i);
     torch_training(
         "torch_gpt",
         ADAMW,
         "weighted",
         4,
         "run_adamw.npz",
-        &key_bias,
+        &key_bias_of(16),
     );
+}
+
+/// The key bias of a fused `c_attn` projection of width `d` (nanoGPT, GPT-2): its elements
+/// d..2d.
+fn key_bias_of(d: usize) -> impl Fn(&str, usize) -> bool {
+    move |name: &str, i: usize| name.ends_with("attn.c_attn.bias") && (d..2 * d).contains(&i)
 }
 
 /// The Llama (opset 23: RMSNormalization, Attention), padded like the GPT.
@@ -821,7 +892,7 @@ fn a_torch_export_its_optimizer_rewrote_is_refused() {
     let file = path.to_str().unwrap();
     for expect in [
         file,
-        "torch's export lists 21 parameters, and 1 of them are not initializers of this model (lm_head.weight)",
+        "torch's export lists 21 parameters, 1 of them are not initializers of this model (lm_head.weight), and it holds initializers torch does not name (val_7000)",
         "Export with optimize=False, or name the trainable set with --trainable GLOB",
     ] {
         rewrite_fails(&[file, "--loss-fn", "cross-entropy", "--optimizer", "sgd"], expect);
@@ -845,6 +916,31 @@ fn a_torch_export_its_optimizer_rewrote_is_refused() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// Tied weights: torch's signature lists GPT-2's `lm_head.weight` and its token embedding
+/// `wte.weight`, the file holds the tensor once. Every other initializer is one torch names,
+/// so nothing was rewritten: the step trains the one tensor (its gradients and training
+/// runs match torch: `hf_gpt2_*`) and the recipe says which name is absent and why.
+#[test]
+fn a_tied_weight_torch_lists_twice_trains_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let step = dir.path().join("step.onnx");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_onnx-ga"))
+        .arg("rewrite")
+        .arg(forward_path("hf_gpt2", "dynamo"))
+        .args(["--loss-fn", "cross-entropy", "--optimizer", "sgd", "-o"])
+        .arg(&step)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    for expect in [
+        "torch's parameters m.transformer.wte.weight are not in the file: torch exports tied weights once",
+        "m.lm_head.weight (2 nodes)",
+    ] {
+        assert!(stderr.contains(expect), "expected '{expect}' in: {stderr}");
+    }
 }
 
 /// A step built from the shipped eval model by autodiff trains like the step built from the

@@ -67,6 +67,11 @@
 //! attention_f32_softmax_in_f64               f32  1.1e-3
 //! attention_grouped_3d_float_mask_scale      f64  3.5e-8
 //! average_pool                               f32  7.5e-5
+//! average_pool_1d_ceil_exclude_pad           f32  4.9e-5
+//! average_pool_ceil_mode                     f32  8.3e-5
+//! average_pool_ceil_mode_padded              f32  1.6e-4
+//! average_pool_exclude_pad                   f32  1.4e-4
+//! average_pool_kernel_over_input             f32  5.3e-5
 //! average_pool_overlapping_padded            f32  8.2e-5
 //! batch_norm                                 f64  5.6e-10
 //! cast                                       f64  4.5e-11
@@ -1019,6 +1024,54 @@ cases! {
             attr_ints("kernel_shape", &[3, 3]),
             attr_ints("strides", &[1, 1]),
             attr_ints("pads", &[1, 1, 1, 1]),
+            attr_int("count_include_pad", 1),
+        ])]
+    };
+    // Windows of their own sizes: the last of a ceil_mode axis runs past the padded input
+    // (divides by what it covers), count_include_pad = 0 divides by the input it covers.
+    average_pool_ceil_mode: 19, F32 => |n| {
+        let x = n.param("X", &[1, 2, 5, 6], -1.0, 1.0);
+        vec![n.op("AveragePool", &[x], vec![
+            attr_ints("kernel_shape", &[2, 3]),
+            attr_ints("strides", &[2, 2]),
+            attr_int("ceil_mode", 1),
+        ])]
+    };
+    average_pool_ceil_mode_padded: 19, F32 => |n| {
+        let x = n.param("X", &[1, 2, 6, 6], -1.0, 1.0);
+        vec![n.op("AveragePool", &[x], vec![
+            attr_ints("kernel_shape", &[3, 3]),
+            attr_ints("strides", &[2, 2]),
+            attr_ints("pads", &[1, 0, 1, 1]),
+            attr_int("ceil_mode", 1),
+            attr_int("count_include_pad", 1),
+        ])]
+    };
+    average_pool_exclude_pad: 19, F32 => |n| {
+        let x = n.param("X", &[1, 2, 4, 5], -1.0, 1.0);
+        vec![n.op("AveragePool", &[x], vec![
+            attr_ints("kernel_shape", &[3, 3]),
+            attr_ints("strides", &[1, 2]),
+            attr_ints("pads", &[1, 1, 1, 0]),
+        ])]
+    };
+    average_pool_1d_ceil_exclude_pad: 19, F32 => |n| {
+        let x = n.param("X", &[2, 2, 7], -1.0, 1.0);
+        vec![n.op("AveragePool", &[x], vec![
+            attr_ints("kernel_shape", &[3]),
+            attr_ints("strides", &[2]),
+            attr_ints("pads", &[2, 1]),
+            attr_int("ceil_mode", 1),
+        ])]
+    };
+    // EfficientNet's head (Hugging Face): AvgPool2d(1280, ceil_mode=True) on a 1x1 map, a
+    // kernel larger than the input whose one window is a global mean.
+    average_pool_kernel_over_input: 19, F32 => |n| {
+        let x = n.param("X", &[2, 3, 3, 2], -1.0, 1.0);
+        vec![n.op("AveragePool", &[x], vec![
+            attr_ints("kernel_shape", &[16, 16]),
+            attr_ints("strides", &[16, 16]),
+            attr_int("ceil_mode", 1),
             attr_int("count_include_pad", 1),
         ])]
     };

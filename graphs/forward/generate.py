@@ -250,6 +250,73 @@ class HFLlama(nn.Module):
         return self.m(input_ids=idx, use_cache=False).logits
 
 
+class HFGPT2(nn.Module):
+    """Hugging Face transformers' GPT2LMHeadModel at toy size: its lm_head is tied to the token
+    embedding (torch's signature lists both names; the file holds the tensor once), Conv1D
+    layers (addmm of a [in, out] weight), GELU(tanh), learned positions, no dropout."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                            bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+        self.m = GPT2LMHeadModel(config)
+
+    def forward(self, idx):
+        return self.m(input_ids=idx, use_cache=False).logits
+
+
+class HFEfficientNet(nn.Module):
+    """Hugging Face transformers' EfficientNetForImageClassification at toy size (width and
+    depth 0.25, 32x32 one-channel images): depthwise convolutions, squeeze-and-excitation, SiLU,
+    BatchNorm, and a head `AvgPool2d(hidden_dim, ceil_mode=True)` whose kernel is larger
+    than its 1x1 input (ONNX AveragePool with ceil_mode)."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import EfficientNetConfig, EfficientNetForImageClassification
+
+        config = EfficientNetConfig(num_channels=1, image_size=32, width_coefficient=0.1,
+                                    depth_coefficient=0.25, hidden_dim=128, num_labels=4,
+                                    dropout_rate=0.0, drop_connect_rate=0.0)
+        self.m = EfficientNetForImageClassification(config)
+        # transformers' own initialisation (normal(0, 0.02) convolutions) shrinks the signal
+        # about 1e-5 per block at this width: the gradient below the head is ~1e-36 and
+        # checks nothing. torch's default initialisation keeps it alive.
+        for module in self.m.modules():
+            if isinstance(module, (nn.Conv2d, nn.Linear, nn.BatchNorm2d)):
+                module.reset_parameters()
+
+    def forward(self, x):
+        return self.m(pixel_values=x).logits
+
+
+class HFWav2Vec2(nn.Module):
+    """Hugging Face transformers' Wav2Vec2ForSequenceClassification at toy size on 200
+    samples of audio: a 1-D convolutional feature encoder with GroupNorm (exported as
+    InstanceNormalization, its scale unsqueezed over `Range` axes), a weight-normed
+    convolutional position embedding (torch parametrizations), a post-LN transformer,
+    mean pooling, a classifier."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
+
+        config = Wav2Vec2Config(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                intermediate_size=32, conv_dim=(8, 8), conv_stride=(5, 2),
+                                conv_kernel=(10, 3), num_conv_pos_embeddings=4,
+                                num_conv_pos_embedding_groups=2, num_labels=3,
+                                hidden_dropout=0.0, attention_dropout=0.0,
+                                activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0,
+                                mask_time_prob=0.0, final_dropout=0.0, classifier_proj_size=8)
+        self.m = Wav2Vec2ForSequenceClassification(config)
+
+    def forward(self, x):
+        return self.m(input_values=x).logits
+
+
 class EncoderAttention(nn.Module):
     """Bidirectional multi-head attention with an additive key mask (BERT, ViT). The key
     projection has no bias: its gradient is exactly zero in exact arithmetic (softmax ignores
@@ -432,6 +499,21 @@ def make_data_cnn(rng):
     }
 
 
+def make_data_image32(rng):
+    """32x32 one-channel images: the smallest an EfficientNet's five stride-2 stages take."""
+    return {
+        "x": rng.standard_normal((N_SAMPLES, 1, 32, 32)).astype(np.float32),
+        "labels": rng.integers(0, 4, size=N_SAMPLES).astype(np.int64),
+    }
+
+
+def make_data_audio(rng):
+    return {
+        "x": rng.standard_normal((N_SAMPLES, 200)).astype(np.float32),
+        "labels": rng.integers(0, 3, size=N_SAMPLES).astype(np.int64),
+    }
+
+
 def make_data_gpt(rng):
     seq = rng.integers(0, 32, size=(N_SAMPLES, 9)).astype(np.int64)
     idx, labels = seq[:, :8].copy(), seq[:, 1:].copy()
@@ -486,6 +568,23 @@ MODELS = {
                      desc="Hugging Face transformers LlamaForCausalLM: vocab 32, d 16, 2 layers, "
                           "4 query heads over 2 key/value heads, SwiGLU 32, rotary inv_freq "
                           "buffer, sdpa attention, use_cache=False; dynamo at opset 23 and 18"),
+    "hf_gpt2": dict(make=HFGPT2, seed=10, input="idx", data=make_data_gpt, batch=16, runs=True,
+                    legacy=False, node_metadata=False,
+                    desc="Hugging Face transformers GPT2LMHeadModel: vocab 32, d 16, 2 layers, "
+                         "2 heads, lm_head tied to the token embedding, Conv1D layers, "
+                         "GELU(tanh), learned positions; dynamo at its default opset"),
+    "hf_efficientnet": dict(make=HFEfficientNet, seed=11, input="x", data=make_data_image32,
+                            batch=32, runs=False, legacy=False, node_metadata=False,
+                            desc="Hugging Face transformers EfficientNetForImageClassification: "
+                                 "width 0.1, depth 0.25, 32x32 one-channel images, depthwise convolutions, "
+                                 "squeeze-and-excitation, SiLU, BatchNorm, AvgPool2d head with "
+                                 "ceil_mode and a kernel larger than its input, 4 classes"),
+    "hf_wav2vec2": dict(make=HFWav2Vec2, seed=12, input="x", data=make_data_audio, batch=16,
+                        runs=True, legacy=False, node_metadata=False,
+                        desc="Hugging Face transformers Wav2Vec2ForSequenceClassification: 200 "
+                             "audio samples, two 1-D convolutions (GroupNorm on the first), "
+                             "weight-normed convolutional positions, 2 post-LN layers of d 16, "
+                             "mean pooling, 3 classes"),
     "torch_rnn": dict(make=RecurrentClassifier, seed=7, input="idx", data=make_data_bert, batch=16,
                       runs=True,
                       desc="sequence classifier: Embedding(32, 12) -> 2-layer bidirectional "

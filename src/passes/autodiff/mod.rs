@@ -247,6 +247,12 @@ impl Pass for Autodiff {
                 scalars.join(", ")
             ));
         }
+        if !differentiated.absent_torch_parameters.is_empty() {
+            report.notes.push(format!(
+                "torch's parameters {} are not in the file: torch exports tied weights once, under one of their names (that tensor trains for all of them), and unused parameters not at all",
+                first_few(&differentiated.absent_torch_parameters)
+            ));
+        }
         report
             .notes
             .extend(export_warnings(model, &readers, &differentiated));
@@ -332,38 +338,71 @@ fn export_warnings(
 }
 
 /// torch's parameter list when the model has one and `--trainable` does not choose the set
-/// itself; an error when torch's parameters are not the file's initializers (its exporter
-/// rewrote them, and which tensors are the parameters can no longer be told).
+/// itself, with the parameters it lists that the file does not hold; an error when torch's
+/// parameters were rewritten by its exporter (which tensors are the parameters can no
+/// longer be told).
+///
+/// Measured on torch 2.15: with `optimize=False` every initializer of the file is a target
+/// of the signature, and a listed parameter is absent only when torch exported one tensor for
+/// several names (tied weights: GPT-2's and Gemma's `lm_head.weight` is their token
+/// embedding; the file holds it once) or the graph does not use it. With the default
+/// `optimize=True` parameters are absent because they were rewritten, and the file always
+/// holds floating-point initializers the signature does not name (`val_<n>`, `embedding_1`,
+/// ...): that pair is the refusal.
 fn torch_parameters(
     model: &Model,
     options: &Autodiff,
-) -> Result<Option<torch_signature::TorchSignature>, PassError> {
+) -> Result<Option<TorchParameters>, PassError> {
     let Some(signature) = signature_in_force(model, options) else {
         return Ok(None);
     };
-    let initializers: HashSet<&str> = model
+    let initializers: Vec<&str> = model
         .main()
         .initializers
         .iter()
+        .filter(|(v, _)| {
+            model
+                .initializer(*v)
+                .is_some_and(|t| is_float(t.data_type()))
+        })
         .map(|(v, _)| model.name(*v))
         .collect();
-    let missing: Vec<&str> = signature
+    let absent: Vec<String> = signature
         .parameters
         .iter()
-        .map(String::as_str)
-        .filter(|p| !initializers.contains(p))
+        .filter(|p| !initializers.contains(&p.as_str()))
+        .cloned()
         .collect();
-    if missing.is_empty() {
-        return Ok(Some(signature));
+    let unnamed: Vec<&str> = initializers
+        .iter()
+        .copied()
+        .filter(|i| !signature.names(i))
+        .collect();
+    if absent.is_empty() || unnamed.is_empty() {
+        return Ok(Some(TorchParameters { signature, absent }));
     }
-    let shown: Vec<&str> = missing.iter().take(6).copied().collect();
     Err(fail(format!(
-        "torch's export lists {} parameters, and {} of them are not initializers of this model ({}{}): its exporter rewrote them (torch.onnx.export's default optimize=True transposes weights into val_<n> tensors, folds BatchNorm into convolutions and merges equal tensors), so which tensors are the parameters cannot be told. Export with optimize=False, or name the trainable set with --trainable GLOB",
+        "torch's export lists {} parameters, {} of them are not initializers of this model ({}), and it holds initializers torch does not name ({}): its exporter rewrote them (torch.onnx.export's default optimize=True transposes weights into val_<n> tensors, folds BatchNorm into convolutions and merges equal tensors), so which tensors are the parameters cannot be told. Export with optimize=False, or name the trainable set with --trainable GLOB",
         signature.parameters.len(),
-        missing.len(),
-        shown.join(", "),
-        if missing.len() > shown.len() { ", ..." } else { "" }
+        absent.len(),
+        first_few(&absent),
+        first_few(&unnamed),
     )))
+}
+
+/// torch's signature in force, and the parameters it lists that the file does not hold.
+struct TorchParameters {
+    signature: torch_signature::TorchSignature,
+    absent: Vec<String>,
+}
+
+/// Up to six names, then how many more.
+fn first_few<S: AsRef<str>>(names: &[S]) -> String {
+    let shown: Vec<&str> = names.iter().take(6).map(AsRef::as_ref).collect();
+    match names.len() - shown.len() {
+        0 => shown.join(", "),
+        more => format!("{}, and {more} more", shown.join(", ")),
+    }
 }
 
 /// torch's recorded signature, unless `--trainable` chooses the set itself.
@@ -382,6 +421,9 @@ pub struct Differentiated {
     pub trainable: Vec<Param>,
     /// BatchNorm running statistics and frozen parameters that are graph inputs.
     pub frozen: Vec<Param>,
+    /// Parameters torch's signature lists that the file does not hold (tied to one it
+    /// holds, or unused).
+    pub absent_torch_parameters: Vec<String>,
 }
 
 /// The gradient graph the autodiff pass `spec` (an `autodiff(...)` element) builds from the
@@ -566,7 +608,10 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
     // loss's constants (an attention's scale, a -inf bias) are not; and where torch's
     // exporter recorded its parameter list, only those (`torch_signature`).
     let own: HashSet<ValueId> = model.main().initializers.iter().map(|(v, _)| *v).collect();
-    let torch = torch_parameters(model, options)?;
+    let (torch, absent_torch_parameters) = match torch_parameters(model, options)? {
+        Some(TorchParameters { signature, absent }) => (Some(signature), absent),
+        None => (None, Vec::new()),
+    };
     let normalized = normalize::normalize(model, options.dropout, PASS)?;
     let mut shapes = Shapes::infer(model);
 
@@ -746,6 +791,7 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
         labels: labels.map(|l| model.name(l).to_string()),
         trainable: trainable_params,
         frozen,
+        absent_torch_parameters,
     })
 }
 

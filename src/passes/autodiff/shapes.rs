@@ -156,7 +156,8 @@ fn all_known(dims: Vec<Dim>) -> Option<Vec<i64>> {
 /// The value of a 1-D (or scalar) int64 tensor as dims, folded `depth` nodes up: constants
 /// (an initializer, `Constant`), and the integer computations exporters write around them
 /// (`Identity`, `Reshape`, `Unsqueeze`, `Squeeze`, `Flatten`, an integer `Cast`, `Concat`,
-/// `Gather` and `Slice` at constant positions, elementwise `Add`/`Sub`/`Mul`/`Div`). With
+/// `Gather` and `Slice` at constant positions, elementwise `Add`/`Sub`/`Mul`/`Div`, a short
+/// `Range`). With
 /// `shapes`, `Shape(x)` gives x's dims, known or named, so computed target shapes read
 /// symbolically; an element that is not known is `Dim::Unknown`.
 fn fold_dims(model: &Model, shapes: Option<&Shapes>, v: ValueId, depth: usize) -> Option<Vec<Dim>> {
@@ -222,6 +223,17 @@ fn fold_dims(model: &Model, shapes: Option<&Shapes>, v: ValueId, depth: usize) -
             let (first, len) = slice_range(d.len() as i64, starts[0], ends[0], 1)?;
             Some(d.get(first as usize..(first + len) as usize)?.to_vec())
         }
+        // torch writes the axes of a broadcasting Unsqueeze this way (GroupNorm's scale:
+        // `Range(1, rank - 1, 1)`); a short one only, as axes and shapes are.
+        "Range" => {
+            let [start, limit, delta] = [ints(0)?, ints(1)?, ints(2)?].map(|v| v.first().copied());
+            let (start, limit, delta) = (start?, limit?, delta?);
+            let count = match delta {
+                0 => return None,
+                d => (limit - start + d - d.signum()).checked_div(d)?.max(0),
+            };
+            (count <= 64).then(|| (0..count).map(|i| Dim::Known(start + i * delta)).collect())
+        }
         "Add" | "Sub" | "Mul" | "Div" => {
             let (a, b) = (arg(0)?, arg(1)?);
             let len = a.len().max(b.len());
@@ -246,6 +258,31 @@ fn fold_dims(model: &Model, shapes: Option<&Shapes>, v: ValueId, depth: usize) -
         }
         _ => None,
     }
+}
+
+/// How many windows of `span` (the dilated kernel) a convolution or pooling slides over an
+/// axis of `size` with `pads` (begin, end), by ONNX: `floor((size + pads - span) / stride) +
+/// 1`, or `ceil` in ceil_mode, where a window that would start in the end padding is
+/// dropped. None when there is none.
+pub fn pool_windows(
+    size: i64,
+    span: i64,
+    stride: i64,
+    pads: (i64, i64),
+    ceil_mode: bool,
+) -> Option<i64> {
+    if stride < 1 || size < 1 {
+        return None;
+    }
+    let free = size + pads.0 + pads.1 - span;
+    let mut windows = match ceil_mode {
+        true => -((-free).div_euclid(stride)) + 1,
+        false => free.div_euclid(stride) + 1,
+    };
+    if ceil_mode && windows > 1 && (windows - 1) * stride >= size + pads.0 {
+        windows -= 1;
+    }
+    (windows >= 1).then_some(windows)
 }
 
 /// The one float32 value of a constant scalar (or one-element tensor).
@@ -730,15 +767,7 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
                                     pads.get(i + spatial).copied().unwrap_or(0),
                                 )
                             };
-                            let span = (k - 1) * dl + 1;
-                            let free = h + b + e - span;
-                            if free < 0 || s <= 0 {
-                                None
-                            } else if ceil {
-                                Some((free + s - 1) / s + 1)
-                            } else {
-                                Some(free / s + 1)
-                            }
+                            pool_windows(h, (k - 1) * dl + 1, s, (b, e), ceil)
                         }
                         _ => None,
                     };

@@ -60,6 +60,11 @@ impl TorchSignature {
     pub fn is_parameter(&self, name: &str) -> bool {
         self.parameters.iter().any(|p| p == name)
     }
+
+    /// Whether `name` is one of the lifted inputs, of any kind.
+    pub fn names(&self, name: &str) -> bool {
+        self.is_parameter(name) || self.not_parameters.iter().any(|p| p == name)
+    }
 }
 
 #[cfg(test)]

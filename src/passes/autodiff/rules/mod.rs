@@ -462,7 +462,9 @@ impl<'m> Grad<'m> {
             .node(op_type, "com.microsoft", inputs, output_hints, attributes)
     }
 
-    fn constant(&mut self, hint: &str, tensor: TensorProto) -> ValueId {
+    /// A constant initializer (one per distinct value: the same tensor twice is one
+    /// initializer), its facts recorded.
+    pub fn constant(&mut self, hint: &str, tensor: TensorProto) -> ValueId {
         let key = (
             tensor.data_type(),
             tensor.dims.clone(),
