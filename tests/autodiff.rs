@@ -19,7 +19,7 @@ use crate::common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use crate::common::{ort_available, read_npz, root, run_ort};
+use crate::common::{ort_available, read_npz, root, run_ort, run_tract};
 use onnx_ga::data::Tensor;
 use onnx_ga::proto::ModelProto;
 
@@ -84,14 +84,24 @@ fn first_rows(data: &BTreeMap<String, Tensor>, n: usize) -> BTreeMap<String, Ten
 const CE: &str = "autodiff(loss_fn=cross-entropy,ignore_index=-100),legalize-ort";
 
 /// Every parameter's gradient within 1e-5 relative (norm-wise) of torch autograd, float32,
-/// or as close to torch's float64 gradient as torch's own float32 one is, within twice that:
-/// where torch's float32 rounding is itself over 1e-5 of the gradient (one that is zero in
-/// exact arithmetic, as a key projection's bias under the softmax or the bias of a
-/// BatchNorm that the next BatchNorm's mean cancels, is rounding in torch and here alike).
+/// or as close to torch's float64 gradient as torch's own float32 one is, within twice that
+/// (plus 1e-7 of the whole gradient's norm): where torch's float32 rounding is itself over
+/// 1e-5 of the gradient (one that is zero in exact arithmetic, as a key projection's bias
+/// under the softmax or the bias of a BatchNorm that the next BatchNorm's mean cancels, is
+/// rounding in torch and here alike).
 fn torch_gradients(model: &str, export: &str) {
     if !ort_available() {
         return;
     }
+    torch_gradients_on(model, export, run_ort);
+}
+
+/// [`torch_gradients`] with the gradient graph run by `run` (ONNX Runtime or tract).
+fn torch_gradients_on(
+    model: &str,
+    export: &str,
+    run: fn(&ModelProto, &BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor>,
+) {
     let graph = build(&forward_path(model, export), CE);
     let data = read_npz(&root().join("graphs/forward").join(model).join("data.npz"));
     let fixtures = root().join("fixtures/forward").join(model);
@@ -103,7 +113,7 @@ fn torch_gradients(model: &str, export: &str) {
         p if p.exists() => read_npz(&p),
         _ => read_npz(&fixtures.join(format!("{export}_grads64.npz"))),
     };
-    let out = run_ort(&graph, &first_rows(&data, 8));
+    let out = run(&graph, &first_rows(&data, 8));
     let loss_err = max_abs(&out["loss"], &reference["loss"]);
     assert!(
         loss_err < 1e-5,
@@ -112,6 +122,14 @@ fn torch_gradients(model: &str, export: &str) {
     let mut checked = 0;
     let mut worst = (0f64, String::new());
     let mut rounding = Vec::new();
+    // The whole gradient's norm: the rounding of a gradient that is zero in exact
+    // arithmetic is relative to the terms that cancel in it, not to its own size.
+    let scale = reference
+        .iter()
+        .filter(|(name, _)| *name != "loss")
+        .map(|(_, g)| norm(g).1.powi(2))
+        .sum::<f64>()
+        .sqrt();
     for (name, expected) in &reference {
         if name == "loss" {
             continue;
@@ -126,7 +144,7 @@ fn torch_gradients(model: &str, export: &str) {
                 distance(expected, &exact[name]),
             );
             assert!(
-                ours <= 2.0 * torchs + 1e-5 * norm(expected).1,
+                ours <= 2.0 * torchs + 1e-5 * norm(expected).1 + 1e-7 * scale,
                 "{model}/{export}: '{name}' gradient {err:e} relative from torch float32, {ours:e} from its float64 (torch float32: {torchs:e})"
             );
             rounding.push(format!(
@@ -156,6 +174,28 @@ fn torch_gradients(model: &str, export: &str) {
         checked, params,
         "{model}/{export}: every trainable parameter has a torch reference"
     );
+}
+
+/// The same gradients on tract, for every PyTorch and Hugging Face model and export: one
+/// step, where rounding has no windows to grow in (EfficientNet's deep BatchNorm network
+/// amplifies the two engines' different summation orders over a training run; its
+/// gradients agree with torch's on both).
+#[test]
+fn every_torch_model_has_torch_gradients_on_tract() {
+    let mut checked = 0;
+    for entry in std::fs::read_dir(root().join("fixtures/forward")).unwrap() {
+        let model = entry.unwrap().file_name().to_string_lossy().into_owned();
+        if model.starts_with("keras_") {
+            continue; // tests/autodiff_keras.rs
+        }
+        for export in ["dynamo", "dynamo18", "legacy"] {
+            if forward_path(&model, export).exists() {
+                torch_gradients_on(&model, export, run_tract);
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 21, "{checked} exports checked");
 }
 
 #[test]

@@ -42,7 +42,16 @@ fn noise_driven(model: &str, state: &str) -> Option<f64> {
         // Attention's key bias: q·(k + b) adds the same q·b to every key's score, which the
         // softmax cancels, so its gradient is zero up to rounding (the third of c_attn.bias
         // between q's and v's; those two are checked tightly, [`key_bias_only`]).
-        (m, p) if m.starts_with("torch_gpt") && p.ends_with("attn.c_attn.bias") => Some(1e-2),
+        (m, p)
+            if (m.starts_with("torch_gpt") || m.starts_with("hf_gpt2"))
+                && p.ends_with("attn.c_attn.bias") =>
+        {
+            Some(1e-2)
+        }
+        // The same key bias as its own tensor (wav2vec2's k_proj.bias).
+        (m, p) if m.starts_with("hf_wav2vec2") && p.ends_with("attention.k_proj.bias") => {
+            Some(1e-2)
+        }
         _ => None,
     }
 }
@@ -259,31 +268,32 @@ fn every_graph_trains_alike_on_tract_and_ort_with_loss_scaling() {
     all_models(loss_scale_spec);
 }
 
-/// Every forward model of graphs/forward (both exporters of each PyTorch model, both
-/// tf2onnx exports of each Keras one; MaxPool with its Indices in the CNNs, whose gradient
-/// `legalize-ort` makes a MaxUnpool that `lower-for-tract` scatters; GPT's -100 labels,
-/// which the one-hot of the loss gradient must not index with; BERT's and ViT's INT64_MAX
-/// slice ends, which tract misread) trains on tract as on ONNX Runtime. tract once refused
-/// every CNN ("no implementation of dX_MaxUnpool"), panicked on GPT's ignored labels and
-/// failed to plan BERT and ViT.
+/// Every forward model of graphs/forward (every export of each: both exporters of most
+/// PyTorch models, both tf2onnx exports of each Keras one; MaxPool with its Indices in the
+/// CNNs, whose gradient `legalize-ort` makes a MaxUnpool that `lower-for-tract` scatters;
+/// GPT's -100 labels, which the one-hot of the loss gradient must not index with; BERT's and
+/// ViT's INT64_MAX slice ends, which tract misread; Hugging Face's masks, whose integer
+/// CumSum tract could not evaluate) trains on tract as on ONNX Runtime. tract once refused
+/// every CNN ("no implementation of dX_MaxUnpool"), panicked on GPT's ignored labels, failed
+/// to plan BERT and ViT, and failed hf_llama and hf_gpt2 ("TDim is not a number").
 #[test]
 fn every_forward_model_trains_alike_on_tract_and_ort() {
     let spec = "autodiff(loss_fn=cross-entropy,ignore_index=-100,grads=internal),grad-accum(steps=4,normalize=mean),optimizer(kind=adamw,lr=0.01),legalize-ort,dce";
-    let torch: &[&str] = &["dynamo", "legacy"];
-    let keras: &[&str] = &["keras", "default"];
-    for (model, exports) in [
-        ("torch_mlp", torch),
-        ("torch_cnn", torch),
-        ("torch_cnn_nobn", torch),
-        ("torch_gpt", torch),
-        ("torch_bert", torch),
-        ("torch_vit", torch),
-        ("keras_mlp", keras),
-        ("keras_cnn", keras),
-    ] {
-        let dir = root().join("graphs/forward").join(model);
+    let mut checked = Vec::new();
+    for (model, dir) in forward_models() {
+        let model = model.as_str();
+        if model == "hf_efficientnet" {
+            // Sixteen BatchNorms over 8 samples of 1x1 maps: the two engines' summation
+            // orders, 3e-7 apart in the first micro-step's loss, grow to 5e-4 in 32 (SGD;
+            // AdamW also steps its 8 biases whose gradient is zero in exact arithmetic by lr
+            // in either direction). Its gradients agree with torch's on both engines
+            // (`autodiff::every_torch_model_has_torch_gradients_on_tract`).
+            continue;
+        }
         let data = read_npz(&dir.join("data.npz"));
-        for &export in exports.iter() {
+        for export in exports_of(&dir) {
+            let export = export.as_str();
+            checked.push(format!("{model}/{export}"));
             let path = dir.join(format!("{export}.onnx"));
             let proto =
                 onnx_ga::model::load_model_with_data(&path).unwrap_or_else(|e| panic!("{e}"));
@@ -299,9 +309,25 @@ fn every_forward_model_trains_alike_on_tract_and_ort() {
                 .node
                 .iter()
                 .any(|n| n.op_type() == "MaxUnpool");
+            // A MaxPool whose windows do not overlap: its gradient is a MaxUnpool.
+            let disjoint_max_pool = onnx_ga::model::load_model(&path)
+                .unwrap()
+                .graph
+                .unwrap()
+                .node
+                .iter()
+                .any(|n| {
+                    let ints = |name: &str| {
+                        n.attribute
+                            .iter()
+                            .find(|a| a.name() == name)
+                            .map(|a| a.ints.clone())
+                    };
+                    n.op_type() == "MaxPool"
+                        && ints("kernel_shape") == ints("strides").or(Some(vec![1; 2]))
+                });
             assert_eq!(
-                has_unpool,
-                model.contains("_cnn"),
+                has_unpool, disjoint_max_pool,
                 "{model} {export}: MaxUnpool in the step"
             );
             cross_engine_step(
@@ -313,6 +339,31 @@ fn every_forward_model_trains_alike_on_tract_and_ort() {
             );
         }
     }
+    assert!(checked.len() >= 26, "forward models found: {checked:?}");
+}
+
+/// Every model folder of graphs/forward, by name.
+fn forward_models() -> Vec<(String, std::path::PathBuf)> {
+    let mut models: Vec<_> = std::fs::read_dir(root().join("graphs/forward"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("data.npz").exists())
+        .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), p))
+        .collect();
+    models.sort();
+    models
+}
+
+/// The exports in a model folder (`dynamo`, `legacy`, `keras`, ...), by file stem.
+fn exports_of(dir: &std::path::Path) -> Vec<String> {
+    let mut exports: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "onnx"))
+        .map(|p| p.file_stem().unwrap().to_string_lossy().into_owned())
+        .collect();
+    exports.sort();
+    exports
 }
 
 /// Without ONNX Runtime in the process: tract's K=4 micro-batches of 8 end where the ORT

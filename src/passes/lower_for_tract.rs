@@ -18,6 +18,11 @@
 //!   stay (tract handles them), and with them fp16 steps (`precision(dtype=fp16)`) run on
 //!   tract in half, Gemms included; tract has no bfloat16.
 //!
+//! - integer `CumSum` (Hugging Face's packed-sequence check in its masks): tract folds
+//!   integers computed from shapes into symbolic dims and cannot sum those ("TDim is not a
+//!   number"); summed in float64 and cast back (`legalize/cumsum_integer.rs`), exact for
+//!   every int32 and for int64 sums below 2^53.
+//!
 //! - `Slice` bounds beyond the int32 range (PyTorch's `INT64_MAX` for "to the end"), which
 //!   tract misreads (a row short): clamped to ±(2^31 - 1) ([`clamp_slice_bounds`]).
 //!
@@ -85,18 +90,18 @@ impl Pass for LowerForTract {
     }
 }
 
-/// The pass's work: `legalize-ort`'s lowerings, then the float16 Gemms (among them those that
-/// a float16 `FusedMatMul` became).
+/// The pass's work: `legalize-ort`'s lowerings, then tract's own (the float16 Gemms, among
+/// them those that a float16 `FusedMatMul` became, and the integer CumSums).
 fn lower(
     model: &mut Model,
     state: &mut Vec<crate::state::StateEntry>,
     window: Option<&mut crate::passes::window::Window>,
 ) -> Result<PassReport, PassError> {
     let mut report = LowerForTract::lowerings().lower_model(model, PASS, state, window)?;
-    let gemms = legalize::lower_half_gemms(model, PASS)?;
-    report.changed |= gemms.changed;
-    report.added += gemms.added;
-    report.removed += gemms.removed;
+    let own = legalize::lower_for_tract(model, PASS)?;
+    report.changed |= own.changed;
+    report.added += own.added;
+    report.removed += own.removed;
     if clamp_slice_bounds(model) > 0 {
         report.changed = true;
     }
@@ -210,8 +215,8 @@ pub fn tract_lacks(domain: &str, op_type: &str) -> bool {
     }
 }
 
-/// Whether `model` (its subgraphs included) holds an op that tract lacks, or a float16
-/// `Gemm`.
+/// Whether `model` (its subgraphs included) holds an op that tract lacks, a float16 `Gemm`
+/// or an integer `CumSum`.
 pub fn needs_lowering(model: &ModelProto) -> bool {
     fn graph_has(g: &crate::proto::GraphProto, f: fn(&crate::proto::NodeProto) -> bool) -> bool {
         g.node.iter().any(|n| {
@@ -249,16 +254,21 @@ pub fn needs_lowering(model: &ModelProto) -> bool {
     {
         return true;
     }
-    // A Gemm's element type may need a walk up its producers: ask the IR, only when there
-    // is a Gemm at all.
+    // A Gemm's or a CumSum's element type may need a walk up its producers: ask the IR,
+    // only when there is one at all.
     if !graph_has(g, |n| {
-        n.op_type() == "Gemm" && crate::ir::normalize_domain(n.domain()).is_empty()
+        matches!(n.op_type(), "Gemm" | "CumSum")
+            && crate::ir::normalize_domain(n.domain()).is_empty()
     }) {
         return false;
     }
     let ir = Model::from_proto(model.clone());
     let mut nodes = ir.all_nodes();
-    nodes.any(|n| legalize::is_half_gemm(&ir, n))
+    nodes.any(|n| {
+        legalize::TRACT_LOWERINGS
+            .iter()
+            .any(|(takes, _)| takes(&ir, n))
+    })
 }
 
 /// `model` ready for tract: itself when it has nothing tract lacks, else [`lower_model`].

@@ -35,6 +35,28 @@ pub fn run_ort(model: &ModelProto, inputs: &BTreeMap<String, Tensor>) -> BTreeMa
         .collect()
 }
 
+/// Runs `model` once on tract (lowered for it first, as `train --engine tract` does) and
+/// returns its outputs by name.
+pub fn run_tract(
+    model: &ModelProto,
+    inputs: &BTreeMap<String, Tensor>,
+) -> BTreeMap<String, Tensor> {
+    let model = onnx_ga::passes::lower_for_tract::prepare(model).unwrap_or_else(|e| panic!("{e}"));
+    let mut session = onnx_ga::engine::tract::TractSession::new(&model, &SessionOptions::default())
+        .unwrap_or_else(|e| panic!("tract session: {e}"));
+    let feeds: Vec<(&str, &Tensor)> = session
+        .input_names
+        .iter()
+        .filter_map(|n| inputs.get_key_value(n))
+        .map(|(n, t)| (n.as_str(), t))
+        .collect();
+    session
+        .run(&feeds)
+        .unwrap_or_else(|e| panic!("tract run: {e}"))
+        .into_iter()
+        .collect()
+}
+
 pub fn read_npz(path: &Path) -> BTreeMap<String, Tensor> {
     onnx_ga::data::read_npz(path).unwrap_or_else(|e| panic!("{e}"))
 }

@@ -21,10 +21,10 @@
 //! ONNX Runtime do (ONNX's formula would propagate a NaN or an infinity of C).
 
 use super::util::{elem_type, FLOAT16};
-use super::{node_error, Lowering};
-use crate::ir::builder::{attr_ints, Builder};
+use super::Lowering;
+use crate::ir::builder::attr_ints;
 use crate::ir::{Model, NodeId, ValueId};
-use crate::passes::{PassError, PassReport};
+use crate::passes::PassError;
 
 /// Whether `node` is a standard `Gemm` computing in float16 (any of its inputs or its output
 /// is known to be float16; an unknown type is taken for float32, which tract handles).
@@ -40,36 +40,7 @@ pub fn is_half_gemm(model: &Model, node: NodeId) -> bool {
         .any(|v| elem_type(model, *v) == Some(FLOAT16))
 }
 
-/// Lowers every float16 `Gemm` of `model` (its subgraphs included); new nodes are stamped
-/// with `stamp`. Float32 Gemms are left alone.
-pub fn lower_half_gemms(model: &mut Model, stamp: &'static str) -> Result<PassReport, PassError> {
-    let mut report = PassReport::default();
-    let targets: Vec<NodeId> = model
-        .all_nodes()
-        .filter(|n| is_half_gemm(model, *n))
-        .collect();
-    let mut constants = super::util::Constants::default();
-    let mut state = Vec::new();
-    for node in targets {
-        let body = model.node(node).body;
-        let mut lowering = Lowering {
-            b: Builder::new(model, body, stamp),
-            state: &mut state,
-            constants: &mut constants,
-            window: None,
-        };
-        lower(&mut lowering, node)?;
-        report.added += lowering.b.added;
-        model
-            .remove_node(node)
-            .map_err(|e| node_error(model, node, format!("lowering left an output in use: {e}")))?;
-        report.removed += 1;
-        report.changed = true;
-    }
-    Ok(report)
-}
-
-fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassError> {
+pub fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassError> {
     let (a, b) = (l.input(node, 0)?, l.input(node, 1)?);
     let c = l.optional_input(node, 2);
     let alpha = l.float_attr(node, "alpha", 1.0)?;

@@ -12,6 +12,7 @@ mod batch_norm_grad;
 mod batch_norm_internal;
 mod batch_normalization;
 mod conv_grad;
+mod cumsum_integer;
 mod div_grad;
 mod dropout_grad;
 mod fast_gelu_grad;
@@ -40,8 +41,6 @@ mod util;
 /// Optimizer updates for per-parameter tensors (the optimizer pass lowers ORT's
 /// optimizer_model.onnx, whose sequences are graph inputs, with these).
 pub use adamw_optimizer::{lower_adamw_for_params, AdamW, AdamWNext, AdamWSlots};
-/// float16 `Gemm` to `MatMul` and half-typed elementwise ops, for tract (`lower-for-tract`).
-pub use gemm_half::{is_half_gemm, lower_half_gemms};
 pub use sgd_optimizer::lower_sgd_for_params;
 
 use super::{Pass, PassContext, PassError, PassOptions, PassReport};
@@ -49,6 +48,42 @@ use crate::ir::builder::{Builder, NodeAttributes};
 use crate::ir::{Model, NodeId, ValueId};
 
 pub const PASS: &str = "legalize-ort";
+
+/// The lowerings `lower-for-tract` adds to these, by the nodes they take: float16 `Gemm`
+/// (tract mixes float32 constants into its own expansion) and integer `CumSum` (tract cannot
+/// sum the symbolic dims it folds shapes into).
+pub const TRACT_LOWERINGS: &[(fn(&Model, NodeId) -> bool, LowerFn)] = &[
+    (gemm_half::is_half_gemm, gemm_half::lower),
+    (cumsum_integer::is_integer_cumsum, cumsum_integer::lower),
+];
+
+/// Lowers every node of `model` (its subgraphs included) that one of [`TRACT_LOWERINGS`]
+/// takes; new nodes are stamped with `stamp`.
+pub fn lower_for_tract(model: &mut Model, stamp: &'static str) -> Result<PassReport, PassError> {
+    let mut report = PassReport::default();
+    let mut constants = util::Constants::default();
+    let mut state = Vec::new();
+    for (takes, lower) in TRACT_LOWERINGS {
+        let targets: Vec<NodeId> = model.all_nodes().filter(|n| takes(model, *n)).collect();
+        for node in targets {
+            let body = model.node(node).body;
+            let mut lowering = Lowering {
+                b: Builder::new(model, body, stamp),
+                state: &mut state,
+                constants: &mut constants,
+                window: None,
+            };
+            lower(&mut lowering, node)?;
+            report.added += lowering.b.added;
+            model.remove_node(node).map_err(|e| {
+                node_error(model, node, format!("lowering left an output in use: {e}"))
+            })?;
+            report.removed += 1;
+            report.changed = true;
+        }
+    }
+    Ok(report)
+}
 
 type LowerFn = fn(&mut Lowering<'_, '_>, NodeId) -> Result<(), PassError>;
 
