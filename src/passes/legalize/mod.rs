@@ -52,7 +52,7 @@ pub const PASS: &str = "legalize-ort";
 /// The lowerings `lower-for-tract` adds to these, by the nodes they take: float16 `Gemm`
 /// (tract mixes float32 constants into its own expansion) and integer `CumSum` (tract cannot
 /// sum the symbolic dims it folds shapes into).
-pub const TRACT_LOWERINGS: &[(fn(&Model, NodeId) -> bool, LowerFn)] = &[
+pub const TRACT_LOWERINGS: &[(TakesFn, LowerFn)] = &[
     (gemm_half::is_half_gemm, gemm_half::lower),
     (cumsum_integer::is_integer_cumsum, cumsum_integer::lower),
 ];
@@ -86,6 +86,9 @@ pub fn lower_for_tract(model: &mut Model, stamp: &'static str) -> Result<PassRep
 }
 
 type LowerFn = fn(&mut Lowering<'_, '_>, NodeId) -> Result<(), PassError>;
+
+/// Whether a lowering takes a node.
+type TakesFn = fn(&Model, NodeId) -> bool;
 
 /// (domain, op_type, lowering). ORT registers MaxPoolGrad in the default domain.
 const LOWERINGS: &[(&str, &str, LowerFn)] = &[
