@@ -230,6 +230,7 @@
 //! resize_linear_half_pixel_symmetric         f32  1.2e-4
 //! resize_linear_middle_axis                  f32  7.1e-5
 //! resize_linear_pytorch_half_pixel           f32  9.1e-5
+//! resize_linear_sizes_from_shape             f32  1.1e-4
 //! resize_nearest_1_5x                        f32  5.6e-5
 //! resize_nearest_2x                          f32  5.7e-5
 //! resize_nearest_sizes_prefer_ceil           f32  5.8e-5
@@ -1791,6 +1792,14 @@ cases! {
         vec![mode("linear"), attr_ints("axes", &[2, 3])]);
     resize_linear_half_pixel_symmetric: 19, F32 => |n| resize_case(n, &[1, 1, 3, 4], Some(&[1.0, 1.0, 1.7, 2.3]), None,
         vec![mode("linear"), transform("half_pixel_symmetric")]);
+    // MobileViT's `interpolate(size=...)`: sizes `Shape(X)[0:2] ++ [H, W]`, computed.
+    resize_linear_sizes_from_shape: 19, F32 => |n| {
+        let x = n.param("X", &[2, 2, 3, 4], -1.0, 1.0);
+        let lead = n.op("Shape", &[x], vec![attr_int("end", 2)]);
+        let hw = n.ints("hw", &[2], &[5, 7]);
+        let sizes = n.op("Concat", &[lead, hw], vec![attr_int("axis", 0)]);
+        vec![n.node("Resize", &[Some(x), None, None, Some(sizes)], 1, vec![mode("linear")])[0]]
+    };
 }
 
 #[test]

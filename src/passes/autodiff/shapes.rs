@@ -139,28 +139,42 @@ fn declared(model: &Model, v: ValueId) -> Facts {
 /// `Reshape(Constant, Constant)`, `Concat` of unsqueezed scalars, `Cast`, `Gather` at a
 /// constant index, elementwise integer arithmetic) are folded here, as far as 16 nodes up.
 pub fn constant_ints(model: &Model, v: ValueId) -> Option<Vec<i64>> {
-    all_known(fold_dims(model, None, v, 16)?)
+    all_known(fold_dims(model, &|_| None, v, 16)?)
 }
 
 /// The int64 values of `v` where they are known before running: a constant (see
 /// [`constant_ints`]), or shape arithmetic on values whose dims are known (`Shape(x)`
 /// sliced, multiplied, concatenated; exporters compute slice bounds that way).
 pub fn known_ints(model: &Model, shapes: &Shapes, v: ValueId) -> Option<Vec<i64>> {
-    all_known(fold_dims(model, Some(shapes), v, 16)?)
+    all_known(fold_dims(model, &|x| shapes.get(x).dims, v, 16)?)
 }
 
 fn all_known(dims: Vec<Dim>) -> Option<Vec<i64>> {
     dims.iter().map(Dim::known).collect()
 }
 
+/// The value of `v` as dims where `Shape(x)` reads x's dims from `dims_of` (a named dim of
+/// the batch stays a name): how far a computed shape is known.
+pub fn shape_value(
+    model: &Model,
+    v: ValueId,
+    dims_of: &dyn Fn(ValueId) -> Option<Vec<Dim>>,
+) -> Option<Vec<Dim>> {
+    fold_dims(model, dims_of, v, 16)
+}
+
 /// The value of a 1-D (or scalar) int64 tensor as dims, folded `depth` nodes up: constants
 /// (an initializer, `Constant`), and the integer computations exporters write around them
 /// (`Identity`, `Reshape`, `Unsqueeze`, `Squeeze`, `Flatten`, an integer `Cast`, `Concat`,
 /// `Gather` and `Slice` at constant positions, elementwise `Add`/`Sub`/`Mul`/`Div`, a short
-/// `Range`). With
-/// `shapes`, `Shape(x)` gives x's dims, known or named, so computed target shapes read
-/// symbolically; an element that is not known is `Dim::Unknown`.
-fn fold_dims(model: &Model, shapes: Option<&Shapes>, v: ValueId, depth: usize) -> Option<Vec<Dim>> {
+/// `Range`). `Shape(x)` gives x's dims from `dims_of`, known or named, so computed target
+/// shapes read symbolically; an element that is not known is `Dim::Unknown`.
+fn fold_dims(
+    model: &Model,
+    dims_of: &dyn Fn(ValueId) -> Option<Vec<Dim>>,
+    v: ValueId,
+    depth: usize,
+) -> Option<Vec<Dim>> {
     if let Some(t) = constant_tensor(model, v) {
         return Some(tensor_ints(t)?.into_iter().map(Dim::Known).collect());
     }
@@ -173,7 +187,7 @@ fn fold_dims(model: &Model, shapes: Option<&Shapes>, v: ValueId, depth: usize) -
         return None;
     }
     let input = |i: usize| n.inputs.get(i).copied().flatten();
-    let arg = |i: usize| input(i).and_then(|x| fold_dims(model, shapes, x, depth - 1));
+    let arg = |i: usize| input(i).and_then(|x| fold_dims(model, dims_of, x, depth - 1));
     let ints = |i: usize| all_known(arg(i)?);
     match p.op_type() {
         "Constant" => p
@@ -182,7 +196,7 @@ fn fold_dims(model: &Model, shapes: Option<&Shapes>, v: ValueId, depth: usize) -
             .or_else(|| p.attr("value_int").map(|a| vec![a.i()]))
             .map(|v| v.into_iter().map(Dim::Known).collect()),
         "Shape" => {
-            let d = shapes?.get(input(0)?).dims?;
+            let d = dims_of(input(0)?)?;
             let r = d.len() as i64;
             let clamp = |x: i64| (if x < 0 { x + r } else { x }).clamp(0, r) as usize;
             let start = clamp(p.attr_int("start").ok().flatten().unwrap_or(0));
@@ -541,7 +555,9 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
                 Some(t) => Some(reshape(x.dims.as_deref(), &t, allowzero)),
                 // A computed target: read symbolically (sizes taken from Shape(..) of
                 // values with known or named dims), or at least its length gives the rank.
-                None => match target_v.and_then(|v| fold_dims(model, Some(shapes), v, 16)) {
+                None => match target_v
+                    .and_then(|v| fold_dims(model, &|x| shapes.get(x).dims, v, 16))
+                {
                     Some(t) => Some(reshape_dims(x.dims.as_deref(), &t, allowzero)),
                     None => target_v
                         .and_then(|v| shapes.get(v).static_dims())
@@ -1436,5 +1452,76 @@ mod dtype_agreement {
             }
         }
         assert!(compared > 500, "only {compared} outputs compared");
+    }
+}
+
+#[cfg(test)]
+mod computed_shapes {
+    use super::*;
+
+    fn facts_of(text: &str, name: &str) -> Facts {
+        let model = Model::from_proto(crate::ir::text::parse_model(text).unwrap());
+        let shapes = Shapes::infer(&model);
+        let v = model.lookup(BodyId::MAIN, name).unwrap();
+        shapes.get(v)
+    }
+
+    fn dims(f: Facts) -> Vec<Dim> {
+        f.dims.unwrap()
+    }
+
+    /// MobileViT's `interpolate(size=(6, 8))`: Resize sizes of `Shape(x)[0:2] ++ [6, 8]`, the
+    /// batch named, not known.
+    #[test]
+    fn resize_to_sizes_computed_from_its_input_keeps_the_named_batch() {
+        let text = "<ir_version: 9, opset_import: [\"\" : 19]>\n\
+            g (float[N,2,3,4] x) => (float[N,2,6,8] y) {\n\
+              lead = Shape<end = 2>(x)\n\
+              hw = Constant<value_ints = [6, 8]>()\n\
+              sizes = Concat<axis = 0>(lead, hw)\n\
+              y = Resize<mode = \"linear\">(x, , , sizes)\n\
+            }\n";
+        assert_eq!(
+            dims(facts_of(text, "y")),
+            [
+                Dim::Symbol("N".into()),
+                Dim::Known(2),
+                Dim::Known(6),
+                Dim::Known(8)
+            ]
+        );
+    }
+
+    /// GroupNorm's scale as torch writes it: unsqueezed over `Range(1, rank - 1, 1)`.
+    #[test]
+    fn unsqueeze_over_a_constant_range_has_its_rank() {
+        let text = "<ir_version: 9, opset_import: [\"\" : 19]>\n\
+            g (float[4] w) => (float[4,1,1] y) {\n\
+              one = Constant<value_int = 1>()\n\
+              three = Constant<value_int = 3>()\n\
+              limit = Sub(three, one)\n\
+              axes = Range(one, limit, one)\n\
+              y = Unsqueeze(w, axes)\n\
+            }\n";
+        assert_eq!(
+            dims(facts_of(text, "y")),
+            [Dim::Known(4), Dim::Known(1), Dim::Known(1)]
+        );
+    }
+
+    /// ceil_mode windows: one past the end (5 -> 3 of kernel 2), none starting in the end
+    /// padding (4 with end pad 1 and kernel 2 -> 2, not 3: ONNX Runtime 1.31's AveragePool
+    /// kernel writes 2, as torch does, where onnx 1.23's shape inference declares 3, so a
+    /// graph that uses the output's shape fails to load there), and a kernel larger than the
+    /// input (one window).
+    #[test]
+    fn ceil_mode_pooling_counts_windows_as_onnx_runtime_does() {
+        assert_eq!(pool_windows(5, 2, 2, (0, 0), true), Some(3));
+        assert_eq!(pool_windows(5, 2, 2, (0, 0), false), Some(2));
+        assert_eq!(pool_windows(4, 2, 2, (0, 1), true), Some(2));
+        assert_eq!(pool_windows(6, 3, 2, (1, 1), true), Some(4));
+        assert_eq!(pool_windows(7, 3, 3, (0, 2), true), Some(3));
+        assert_eq!(pool_windows(1, 320, 320, (0, 0), true), Some(1));
+        assert_eq!(pool_windows(1, 320, 320, (0, 0), false), None);
     }
 }

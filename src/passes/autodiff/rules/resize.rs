@@ -30,7 +30,7 @@
 //! keep_aspect_ratio_policy other than stretch, antialias when downsampling, and resizing
 //! an axis whose length is not known.
 
-use super::super::shapes::{constant_ints, constant_tensor, Dim};
+use super::super::shapes::{constant_tensor, shape_value, Dim};
 use super::{Grad, InputGrads};
 use crate::ir::builder::{attr_int, attr_ints, tensor_f32, tensor_f64, NodeAttributes};
 use crate::ir::emit::Emit;
@@ -143,8 +143,11 @@ fn plan(
     let scales = input(2)
         .and_then(|v| floats_of(model, v))
         .filter(|s| !s.is_empty());
+    // Sizes a model computes keep the axes it does not resize as `Shape(X)` (MobileViT's
+    // `interpolate(size=...)`: the batch and channels, then constant H and W).
+    let x_value = input(0);
     let sizes = input(3)
-        .and_then(|v| constant_ints(model, v))
+        .and_then(|v| shape_value(model, v, &|s| (Some(s) == x_value).then(|| x.to_vec())))
         .filter(|s| !s.is_empty());
     if input(3).is_some() && sizes.is_none() && scales.is_none() && y.is_none() {
         return Err("its sizes are not constant and its output shape is not known".into());
@@ -153,17 +156,20 @@ fn plan(
     for (k, &axis) in axes.iter().enumerate() {
         let known_in = x[axis].known();
         let given_scale = scales.as_ref().and_then(|s| s.get(k).copied());
-        let output = match (&sizes, given_scale, known_in) {
-            (Some(s), ..) => s.get(k).copied(),
-            (None, Some(s), Some(i)) => Some((i as f64 * s as f64).floor() as i64),
-            _ => y.and_then(|y| y.get(axis)).and_then(Dim::known),
+        let output: Option<Dim> = match (&sizes, given_scale, known_in) {
+            (Some(s), ..) => s.get(k).cloned(),
+            (None, Some(s), Some(i)) => Some(Dim::Known((i as f64 * s as f64).floor() as i64)),
+            _ => y.and_then(|y| y.get(axis)).cloned(),
         };
-        if given_scale == Some(1.0)
-            || (given_scale.is_none() && output.is_some() && output == known_in)
-        {
+        // Unchanged: the same length, or the same named one (the batch).
+        let unchanged = output
+            .as_ref()
+            .is_some_and(|o| *o == x[axis] && *o != Dim::Unknown);
+        if given_scale == Some(1.0) || (given_scale.is_none() && unchanged) {
             continue;
         }
-        let (Some(input_len), Some(output_len)) = (known_in, output) else {
+        let (Some(input_len), Some(output_len)) = (known_in, output.as_ref().and_then(Dim::known))
+        else {
             return Err(format!(
                 "the length of axis {axis} before or after resizing is not known"
             ));
