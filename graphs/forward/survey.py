@@ -30,14 +30,18 @@ BIN = os.path.join(ROOT, "target", "release", "onnx-ga")
 
 
 class Logits(nn.Module):
-    """model(**{argument: x}) -> its logits (or CLIP's image embeddings)."""
+    """model(**{argument: x}) -> its logits (or CLIP's image embeddings); an encoder-decoder
+    also takes the decoder's tokens, `y`."""
 
     def __init__(self, model, argument):
         super().__init__()
         self.m, self.argument = model, argument
 
-    def forward(self, x):
-        out = self.m(**{self.argument: x})
+    def forward(self, x, y=None):
+        kwargs = {self.argument: x}
+        if y is not None:
+            kwargs.update(decoder_input_ids=y, use_cache=False)
+        out = self.m(**kwargs)
         return out.logits if hasattr(out, "logits") else out.image_embeds
 
 
@@ -54,6 +58,10 @@ DECODER = dict(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention
                num_key_value_heads=2, intermediate_size=32, max_position_embeddings=16)
 ENCODER = dict(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                intermediate_size=32, max_position_embeddings=20, num_labels=3, **NO_DROPOUT)
+SEQ2SEQ = dict(vocab_size=32, d_model=16, encoder_layers=1, decoder_layers=1,
+               encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+               decoder_ffn_dim=32, max_position_embeddings=16, dropout=0.0,
+               attention_dropout=0.0, activation_dropout=0.0)
 VISION = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
               image_size=8, patch_size=4, num_channels=3, num_labels=4, **NO_DROPOUT)
 
@@ -88,6 +96,15 @@ MODELS = {
                dict(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                     hidden_dropout=0.0, attention_dropout=0.0),
                "input_ids", tokens()),
+    # encoder-decoders: a second input, the decoder's 6 tokens
+    "bart": (T.BartConfig, T.BartForConditionalGeneration, dict(SEQ2SEQ), "input_ids", tokens()),
+    "marian": (T.MarianConfig, T.MarianMTModel,
+               dict(SEQ2SEQ, pad_token_id=0, decoder_start_token_id=0), "input_ids", tokens()),
+    "whisper": (T.WhisperConfig, T.WhisperForConditionalGeneration,
+                dict(SEQ2SEQ, num_mel_bins=8, max_source_positions=8, max_target_positions=16,
+                     pad_token_id=0, decoder_start_token_id=1, bos_token_id=1, eos_token_id=2,
+                     suppress_tokens=None, begin_suppress_tokens=None),
+                "input_features", lambda n, g: torch.randn(n, 8, 16, generator=g)),
     "bert": (T.BertConfig, T.BertForSequenceClassification, ENCODER, "input_ids", tokens()),
     "roberta": (T.RobertaConfig, T.RobertaForSequenceClassification, ENCODER, "input_ids",
                 tokens()),
@@ -156,10 +173,10 @@ def cross_entropy(logits, labels):
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def torch_gradients(model, x, labels, dtype):
+def torch_gradients(model, inputs, labels, dtype):
     m = copy.deepcopy(model).to(dtype).train()
-    x = x.to(dtype) if x.is_floating_point() else x
-    loss = cross_entropy(m(x), labels)
+    inputs = [i.to(dtype) if i.is_floating_point() else i for i in inputs]
+    loss = cross_entropy(m(*inputs), labels)
     loss.backward()
     # Tied weights: every name of the one tensor (the file keeps one of them).
     return float(loss), {k: p.grad.double().numpy()
@@ -177,33 +194,42 @@ def survey(name, workdir):
                 module.reset_parameters()
     g = torch.Generator().manual_seed(1)
     x = data(8, g)
+    seq2seq = "decoder_layers" in config
+    inputs = (x, tokens(t=6)(8, g)) if seq2seq else (x,)
+    names = ["x", "y"][:len(inputs)]
     with torch.no_grad():
-        logits = model(x)
+        logits = model(*inputs)
     labels = torch.randint(0, logits.shape[-1], logits.shape[:-1],
                            generator=torch.Generator().manual_seed(2))
     path = os.path.join(workdir, f"{name}.onnx")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(copy.deepcopy(model), (x[:4],), dynamo=True, optimize=False,
-                                    verbose=False, input_names=["x"], output_names=["logits"],
-                                    dynamic_shapes={"x": {0: torch.export.Dim("batch")}})
+        batch = torch.export.Dim("batch")
+        program = torch.onnx.export(copy.deepcopy(model), tuple(i[:4] for i in inputs),
+                                    dynamo=True, optimize=False, verbose=False,
+                                    input_names=names, output_names=["logits"],
+                                    dynamic_shapes={n: {0: batch} for n in names})
     program.save(path)
     gradient_graph = os.path.join(workdir, f"{name}.grad.onnx")
+    # torch's export does not record requires_grad (Marian's and Whisper's sinusoidal
+    # position tables): frozen by name, as a user would.
+    frozen = [f"--freeze={n}" for n, p in model.named_parameters() if not p.requires_grad]
     r = subprocess.run([BIN, "rewrite", path, "-o", gradient_graph, "--pipeline", "autodiff",
-                        "--loss-fn", "cross-entropy"], capture_output=True, text=True)
+                        "--loss-fn", "cross-entropy", *frozen], capture_output=True, text=True)
     if r.returncode != 0:
         return f"rewrite failed: {r.stderr.strip().splitlines()[-1]}"
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     options.log_severity_level = 3
     session = ort.InferenceSession(gradient_graph, options)
-    names = [o.name for o in session.get_outputs()]
-    out = dict(zip(names, session.run(None, {"x": x.numpy(), "labels": labels.numpy()})))
-    loss32, g32 = torch_gradients(model, x, labels, torch.float32)
-    _, g64 = torch_gradients(model, x, labels, torch.float64)
+    feeds = {n: i.numpy() for n, i in zip(names, inputs)}
+    outputs = [o.name for o in session.get_outputs()]
+    out = dict(zip(outputs, session.run(None, {**feeds, "labels": labels.numpy()})))
+    loss32, g32 = torch_gradients(model, inputs, labels, torch.float32)
+    _, g64 = torch_gradients(model, inputs, labels, torch.float64)
     whole = np.sqrt(sum(np.sum(v ** 2) for v in g64.values()))
     trained = [k for k in g32 if f"{k}_grad" in out]
-    if len(trained) != len({id(p) for p in model.parameters()}):
+    if len(trained) != len({id(p) for p in model.parameters() if p.requires_grad}):
         missing = sorted(set(g32) - set(trained))
         return f"{len(trained)} of the parameters trained; no gradient for {missing[:3]}"
     worst = max(
