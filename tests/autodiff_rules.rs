@@ -1802,6 +1802,30 @@ cases! {
     };
 }
 
+/// A kernel whose constants would not fit (5000 x 5000 over the padded input's one window):
+/// refused by name before anything is allocated.
+#[test]
+fn average_pool_too_large_a_kernel_is_refused() {
+    check_error(
+        "average_pool_too_large_a_kernel_is_refused",
+        19,
+        F32,
+        "more than 16777216",
+        |n| {
+            let x = n.param("X", &[1, 1, 4, 4], -1.0, 1.0);
+            vec![n.op(
+                "AveragePool",
+                &[x],
+                vec![
+                    attr_ints("kernel_shape", &[5000, 5000]),
+                    attr_ints("strides", &[1, 1]),
+                    attr_ints("pads", &[0, 0, 4996, 4996]),
+                ],
+            )]
+        },
+    );
+}
+
 #[test]
 fn resize_crop_and_resize_is_refused() {
     check_error(

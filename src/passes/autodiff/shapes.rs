@@ -242,11 +242,21 @@ fn fold_dims(
         "Range" => {
             let [start, limit, delta] = [ints(0)?, ints(1)?, ints(2)?].map(|v| v.first().copied());
             let (start, limit, delta) = (start?, limit?, delta?);
+            // ceil((limit - start) / delta) elements, checked: the values come from the file.
             let count = match delta {
                 0 => return None,
-                d => (limit - start + d - d.signum()).checked_div(d)?.max(0),
+                d => limit
+                    .checked_sub(start)?
+                    .checked_add(d - d.signum())?
+                    .checked_div(d)?
+                    .max(0),
             };
-            (count <= 64).then(|| (0..count).map(|i| Dim::Known(start + i * delta)).collect())
+            if count > 64 {
+                return None;
+            }
+            (0..count)
+                .map(|i| Some(Dim::Known(start.checked_add(i.checked_mul(delta)?)?)))
+                .collect()
         }
         "Add" | "Sub" | "Mul" | "Div" => {
             let (a, b) = (arg(0)?, arg(1)?);
@@ -288,12 +298,16 @@ pub fn pool_windows(
     if stride < 1 || size < 1 {
         return None;
     }
-    let free = size + pads.0 + pads.1 - span;
+    // Checked: the attributes come from the file.
+    let free = size
+        .checked_add(pads.0)?
+        .checked_add(pads.1)?
+        .checked_sub(span)?;
     let mut windows = match ceil_mode {
         true => -((-free).div_euclid(stride)) + 1,
         false => free.div_euclid(stride) + 1,
     };
-    if ceil_mode && windows > 1 && (windows - 1) * stride >= size + pads.0 {
+    if ceil_mode && windows > 1 && (windows - 1).checked_mul(stride)? >= size + pads.0 {
         windows -= 1;
     }
     (windows >= 1).then_some(windows)
@@ -1523,5 +1537,6 @@ mod computed_shapes {
         assert_eq!(pool_windows(7, 3, 3, (0, 2), true), Some(3));
         assert_eq!(pool_windows(1, 320, 320, (0, 0), true), Some(1));
         assert_eq!(pool_windows(1, 320, 320, (0, 0), false), None);
+        assert_eq!(pool_windows(4, 2, 2, (i64::MAX, 1), true), None);
     }
 }

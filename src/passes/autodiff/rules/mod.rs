@@ -46,6 +46,12 @@ pub type RuleFn =
     fn(&mut Grad<'_>, NodeId, &[Option<ValueId>], &[bool]) -> Result<InputGrads, PassError>;
 
 /// (op_type, rule) for the default domain.
+/// The most elements a constant a gradient rule builds may hold (a resize axis's 4096 x
+/// 4096 matrix, a pooling kernel spread over its channels; 64 MiB in float32): beyond it
+/// the gradient would cost more than any real layer justifies, and attributes from a bad
+/// file must not allocate without bound.
+pub const MAX_CONSTANT_ELEMENTS: i64 = 1 << 24;
+
 const RULES: &[(&str, RuleFn)] = &[
     ("Add", elementwise::add),
     ("Sub", elementwise::sub),

@@ -85,6 +85,7 @@ pub fn average_pool(
         || pads.len() != 2 * spatial
         || strides.iter().any(|s| *s < 1)
         || kernel.iter().any(|k| *k < 1)
+        || pads.iter().any(|p| *p < 0)
     {
         return Err(cx.error(
             node,
@@ -154,6 +155,18 @@ pub fn average_pool(
                 ),
             )
         })?;
+    let kernel_elements = axes.iter().map(|a| a.kernel).fold(c, i64::saturating_mul);
+    let windows = axes.iter().map(|a| a.outputs).fold(1, i64::saturating_mul);
+    if kernel_elements.max(windows) > super::MAX_CONSTANT_ELEMENTS {
+        return Err(cx.error(
+            node,
+            format!(
+                "its gradient's constants would hold {} elements (the {c} channels' kernels {kernel_elements}, the windows {windows}), more than {}",
+                kernel_elements.max(windows),
+                super::MAX_CONSTANT_ELEMENTS
+            ),
+        ));
+    }
     let hint = format!("{}_grad", cx.model().name(x));
     // Every window divides by its full kernel: one constant 1/|k| kernel spreads dY back.
     let uniform = axes.iter().all(|a| {
@@ -257,7 +270,7 @@ impl PoolAxis {
     ) -> Option<PoolAxis> {
         let outputs =
             crate::passes::autodiff::shapes::pool_windows(size, kernel, stride, pads, ceil_mode)?;
-        let padded = size + pads.0 + pads.1;
+        let padded = size + pads.0 + pads.1; // pool_windows checked that it fits
         let kernel = if outputs == 1 {
             kernel.min(padded)
         } else {

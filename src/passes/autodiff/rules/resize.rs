@@ -38,10 +38,8 @@ use crate::ir::{Model, NodeId, ValueDef, ValueId};
 use crate::passes::PassError;
 use crate::proto::tensor_proto::DataType;
 
-/// The most weights one axis's matrix may hold (a 4096 x 4096 resize; 64 MiB in float32):
-/// beyond it the dense gradient would cost more than any model's upsampling justifies,
-/// and a bad scale must not allocate without bound.
-const MAX_WEIGHTS: i64 = 1 << 24;
+/// The most weights one axis's matrix may hold.
+const MAX_WEIGHTS: i64 = super::MAX_CONSTANT_ELEMENTS;
 
 /// How one axis is resized.
 #[derive(Clone, Debug, PartialEq)]
