@@ -22,16 +22,19 @@ pub fn ort_available() -> bool {
 pub fn run_ort(model: &ModelProto, inputs: &BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor> {
     let mut session = OrtSession::new(model, &SessionOptions::default())
         .unwrap_or_else(|e| panic!("session: {e}"));
-    let feeds: Vec<(&str, &Tensor)> = session
-        .input_names
+    session
+        .run(&feeds(&session.input_names, inputs))
+        .unwrap_or_else(|e| panic!("run: {e}"))
+        .into_iter()
+        .collect()
+}
+
+/// The entries of `inputs` a session with inputs `names` takes.
+fn feeds<'a>(names: &[String], inputs: &'a BTreeMap<String, Tensor>) -> Vec<(&'a str, &'a Tensor)> {
+    names
         .iter()
         .filter_map(|n| inputs.get_key_value(n))
         .map(|(n, t)| (n.as_str(), t))
-        .collect();
-    session
-        .run(&feeds)
-        .unwrap_or_else(|e| panic!("run: {e}"))
-        .into_iter()
         .collect()
 }
 
@@ -44,14 +47,8 @@ pub fn run_tract(
     let model = onnx_ga::passes::lower_for_tract::prepare(model).unwrap_or_else(|e| panic!("{e}"));
     let mut session = onnx_ga::engine::tract::TractSession::new(&model, &SessionOptions::default())
         .unwrap_or_else(|e| panic!("tract session: {e}"));
-    let feeds: Vec<(&str, &Tensor)> = session
-        .input_names
-        .iter()
-        .filter_map(|n| inputs.get_key_value(n))
-        .map(|(n, t)| (n.as_str(), t))
-        .collect();
     session
-        .run(&feeds)
+        .run(&feeds(&session.input_names, inputs))
         .unwrap_or_else(|e| panic!("tract run: {e}"))
         .into_iter()
         .collect()

@@ -66,23 +66,35 @@ pub fn lower_for_tract(model: &mut Model, stamp: &'static str) -> Result<PassRep
     for (takes, lower) in TRACT_LOWERINGS {
         let targets: Vec<NodeId> = model.all_nodes().filter(|n| takes(model, *n)).collect();
         for node in targets {
-            let body = model.node(node).body;
             let mut lowering = Lowering {
-                b: Builder::new(model, body, stamp),
+                b: Builder::new(model, model.node(node).body, stamp),
                 state: &mut state,
                 constants: &mut constants,
                 window: None,
             };
-            lower(&mut lowering, node)?;
-            report.added += lowering.b.added;
-            model.remove_node(node).map_err(|e| {
-                node_error(model, node, format!("lowering left an output in use: {e}"))
-            })?;
-            report.removed += 1;
-            report.changed = true;
+            lower_and_remove(&mut lowering, *lower, node, &mut report)?;
         }
     }
     Ok(report)
+}
+
+/// Runs `lower` on `node`, then removes the node (the contract in the module docs), and
+/// counts both in `report`.
+fn lower_and_remove(
+    lowering: &mut Lowering<'_, '_>,
+    lower: LowerFn,
+    node: NodeId,
+    report: &mut PassReport,
+) -> Result<(), PassError> {
+    lower(lowering, node)?;
+    report.added += lowering.b.added;
+    let model = &mut *lowering.b.model;
+    model
+        .remove_node(node)
+        .map_err(|e| node_error(model, node, format!("lowering left an output in use: {e}")))?;
+    report.removed += 1;
+    report.changed = true;
+    Ok(())
 }
 
 type LowerFn = fn(&mut Lowering<'_, '_>, NodeId) -> Result<(), PassError>;
@@ -359,20 +371,13 @@ impl LegalizeOrt {
                 }
                 continue;
             };
-            let body = model.node(node).body;
             let mut lowering = Lowering {
-                b: Builder::new(model, body, stamp),
+                b: Builder::new(model, model.node(node).body, stamp),
                 state: &mut *state,
                 constants: &mut constants,
                 window: window.as_deref_mut(),
             };
-            lower(&mut lowering, node)?;
-            report.added += lowering.b.added;
-            model.remove_node(node).map_err(|e| {
-                node_error(model, node, format!("lowering left an output in use: {e}"))
-            })?;
-            report.removed += 1;
-            report.changed = true;
+            lower_and_remove(&mut lowering, lower, node, &mut report)?;
         }
         // A lowering can orphan producers (e.g. a flag nobody reads); drop what is dead.
         report.removed += super::dce::eliminate_dead_code(model);
