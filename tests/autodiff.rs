@@ -274,6 +274,23 @@ fn hf_gpt2_weighted_adamw_equals_full_batch() {
         &key_bias_of(16),
     );
 }
+/// Hugging Face's BERT called as users call it, with two inputs: the token ids and the
+/// attention mask a tokenizer gives (0 on the padding). Its key projections' biases have a
+/// zero gradient in exact arithmetic (held to torch's float64), and AdamW is held to
+/// torch's own float32 rounding (the ViT's check): measured 1.9e-6 at worst, so near the
+/// plain check's 2e-6 that another machine's rounding could cross it.
+#[test]
+fn hf_bert_dynamo_gradients() {
+    torch_gradients("hf_bert", "dynamo");
+}
+#[test]
+fn hf_bert_accumulated_sgd_equals_full_batch() {
+    torch_training("hf_bert", SGD, "mean", 4, "run_sgd.npz", &none);
+}
+#[test]
+fn hf_bert_accumulated_adamw_equals_full_batch() {
+    adamw_within_torch_rounding("hf_bert", "dynamo", "mean");
+}
 /// Hugging Face's EfficientNet: depthwise convolutions, squeeze-and-excitation, BatchNorm
 /// (trained with batch statistics, as torch's train() does) and an AveragePool head with
 /// ceil_mode whose kernel is larger than its input.

@@ -317,6 +317,25 @@ class HFWav2Vec2(nn.Module):
         return self.m(input_values=x).logits
 
 
+class HFBert(nn.Module):
+    """Hugging Face transformers' BertForSequenceClassification at toy size, called as users
+    call it: token ids and an attention mask (0 on the padding), two inputs."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import BertConfig, BertForSequenceClassification
+
+        config = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2,
+                            num_attention_heads=2, intermediate_size=32,
+                            max_position_embeddings=16, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0, num_labels=3,
+                            attn_implementation="sdpa")
+        self.m = BertForSequenceClassification(config)
+
+    def forward(self, idx, attention_mask):
+        return self.m(input_ids=idx, attention_mask=attention_mask).logits
+
+
 class EncoderAttention(nn.Module):
     """Bidirectional multi-head attention with an additive key mask (BERT, ViT). The key
     projection has no bias: its gradient is exactly zero in exact arithmetic (softmax ignores
@@ -485,6 +504,14 @@ def make_data_bert(rng):
     return {"idx": idx, "labels": rng.integers(0, 3, size=N_SAMPLES).astype(np.int64)}
 
 
+def make_data_bert_masked(rng):
+    """make_data_bert's tokens and labels, with the mask a tokenizer gives: 1 on the tokens, 0
+    on the trailing padding."""
+    data = make_data_bert(rng)
+    return {"idx": data["idx"], "attention_mask": (data["idx"] != 0).astype(np.int64),
+            "labels": data["labels"]}
+
+
 def make_data_mlp(rng):
     return {
         "x": rng.standard_normal((N_SAMPLES, 16)).astype(np.float32),
@@ -585,6 +612,12 @@ MODELS = {
                              "audio samples, two 1-D convolutions (GroupNorm on the first), "
                              "weight-normed convolutional positions, 2 post-LN layers of d 16, "
                              "mean pooling, 3 classes"),
+    "hf_bert": dict(make=HFBert, seed=13, input="idx", extra_inputs=["attention_mask"],
+                    data=make_data_bert_masked, batch=16, runs=True, legacy=False, adamw64=True,
+                    node_metadata=False,
+                    desc="Hugging Face transformers BertForSequenceClassification: vocab 32, d 16, "
+                         "2 layers, 2 heads, two inputs (token ids and the attention mask, 0 "
+                         "on the padding), sdpa attention, pooler, 3 classes"),
     "torch_rnn": dict(make=RecurrentClassifier, seed=7, input="idx", data=make_data_bert, batch=16,
                       runs=True,
                       desc="sequence classifier: Embedding(32, 12) -> 2-layer bidirectional "
@@ -639,14 +672,16 @@ def strip_stack_traces(model: onnx.ModelProto) -> int:
     return n
 
 
-def export_dynamo(model, example, input_name, path, opset=None, node_metadata=True):
+def export_dynamo(model, example, names, path, opset=None, node_metadata=True):
+    """`example`: one tensor per input of `names` (the forward's argument names)."""
     m = copy.deepcopy(model).eval()
+    batch = torch.export.Dim("batch")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prog = torch.onnx.export(
-            m, (example,), dynamo=True, optimize=False, verbose=False, opset_version=opset,
-            input_names=[input_name], output_names=["logits"],
-            dynamic_shapes={input_name: {0: torch.export.Dim("batch")}},
+            m, tuple(example), dynamo=True, optimize=False, verbose=False, opset_version=opset,
+            input_names=list(names), output_names=["logits"],
+            dynamic_shapes={n: {0: batch} for n in names},
         )
     proto = prog.model_proto
     stripped = strip_stack_traces(proto)
@@ -662,15 +697,15 @@ def export_dynamo(model, example, input_name, path, opset=None, node_metadata=Tr
     return info
 
 
-def export_legacy(model, example, input_name, path):
+def export_legacy(model, example, names, path):
     m = copy.deepcopy(model)  # TRAINING export runs the BN trace in train mode: moves stats
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            m, (example,), path, dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
+            m, tuple(example), path, dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
             do_constant_folding=False, opset_version=LEGACY_OPSET,
-            input_names=[input_name], output_names=["logits"],
-            dynamic_axes={input_name: {0: "batch"}, "logits": {0: "batch"}},
+            input_names=list(names), output_names=["logits"],
+            dynamic_axes={**{n: {0: "batch"} for n in names}, "logits": {0: "batch"}},
         )
     return {"exported_from": "deep copy, training=TrainingMode.TRAINING"}
 
@@ -716,20 +751,20 @@ def trainable(model, mapping):
     return [(mapping[n], p) for n, p in model.named_parameters()]
 
 
-def to_inputs(data, sl, input_name, dtype=torch.float32):
-    x = torch.from_numpy(data[input_name][sl])
-    if x.is_floating_point():
-        x = x.to(dtype)
-    return x, torch.from_numpy(data["labels"][sl])
+def to_inputs(data, sl, names, dtype=torch.float32):
+    """The model's inputs (a tuple, in `names` order; floats as `dtype`) and the labels."""
+    xs = tuple(torch.from_numpy(data[n][sl]) for n in names)
+    xs = tuple(x.to(dtype) if x.is_floating_point() else x for x in xs)
+    return xs, torch.from_numpy(data["labels"][sl])
 
 
-def grads_ref(model, mapping, data, input_name, dtype):
+def grads_ref(model, mapping, data, names, dtype):
     m = copy.deepcopy(model)
     if dtype == torch.float64:
         m = m.double()
     m.train()
-    x, y = to_inputs(data, slice(0, GRAD_SAMPLES), input_name, dtype)
-    loss = loss_fn(m(x), y)
+    x, y = to_inputs(data, slice(0, GRAD_SAMPLES), names, dtype)
+    loss = loss_fn(m(*x), y)
     loss.backward()
     out = {"loss": loss.detach().numpy()}
     for oname, p in trainable(m, mapping):
@@ -737,7 +772,7 @@ def grads_ref(model, mapping, data, input_name, dtype):
     return out
 
 
-def run_full(model, mapping, data, input_name, opt_name, batch, dtype=torch.float32):
+def run_full(model, mapping, data, names, opt_name, batch, dtype=torch.float32):
     m = copy.deepcopy(model).train()
     if dtype == torch.float64:
         m = m.double()
@@ -746,16 +781,16 @@ def run_full(model, mapping, data, input_name, opt_name, batch, dtype=torch.floa
     losses = []
     for t in range(STEPS):
         idx = (np.arange(batch) + batch * t) % N_SAMPLES
-        x, y = to_inputs(data, idx, input_name, dtype)
+        x, y = to_inputs(data, idx, names, dtype)
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(m(x), y)
+        loss = loss_fn(m(*x), y)
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
     return {o: p.detach().numpy().copy() for o, p in trainable(m, mapping)}, losses
 
 
-def run_micro_sgd(model, mapping, data, input_name, k=4, micro=8):
+def run_micro_sgd(model, mapping, data, names, k=4, micro=8):
     m = copy.deepcopy(model).train()
     opt = torch.optim.SGD([p for _, p in m.named_parameters()], **SGD)
     window = k * micro
@@ -763,8 +798,8 @@ def run_micro_sgd(model, mapping, data, input_name, k=4, micro=8):
     for t in range(STEPS):
         for j in range(k):
             idx = (np.arange(micro) + window * t + micro * j) % N_SAMPLES
-            x, y = to_inputs(data, idx, input_name)
-            (loss_fn(m(x), y) / k).backward()
+            x, y = to_inputs(data, idx, names)
+            (loss_fn(m(*x), y) / k).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     params = {o: p.detach().numpy().copy() for o, p in trainable(m, mapping)}
@@ -777,18 +812,18 @@ def run_micro_sgd(model, mapping, data, input_name, k=4, micro=8):
     return params, stats, tracked
 
 
-def ort_forward_check(path, model, data, input_name, bn_training_mode):
+def ort_forward_check(path, model, data, names, bn_training_mode):
     """ORT logits vs torch logits with the file's state, on batches of 8 and 64. A BatchNorm in
     inference form is compared with torch eval(), in training form with torch train()."""
     sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     worst = 0.0
     for n in (8, N_SAMPLES):
-        x = data[input_name][:n]
-        got = sess.run(["logits"], {input_name: x})[0]
+        xs = [data[name][:n] for name in names]
+        got = sess.run(["logits"], dict(zip(names, xs)))[0]
         m = copy.deepcopy(model)
         m.train() if bn_training_mode else m.eval()
         with torch.no_grad():
-            want = m(torch.from_numpy(x)).numpy()
+            want = m(*map(torch.from_numpy, xs)).numpy()
         if got.shape != want.shape:
             raise SystemExit(f"{path}: ORT shape {got.shape} != torch {want.shape}")
         worst = max(worst, float(np.max(np.abs(got - want))))
@@ -807,27 +842,27 @@ def bn_forms(model: onnx.ModelProto):
     return sorted(forms)
 
 
-def probe_dynamo_train_mode(model, example, input_name, data):
+def probe_dynamo_train_mode(model, example, names, data):
     """Export a train() copy with dynamo as well (not saved): which BatchNormalization form."""
     m = copy.deepcopy(model).train()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prog = torch.onnx.export(
-            m, (example,), dynamo=True, optimize=False, verbose=False,
-            input_names=[input_name], output_names=["logits"],
-            dynamic_shapes={input_name: {0: torch.export.Dim("batch")}},
+            m, tuple(example), dynamo=True, optimize=False, verbose=False,
+            input_names=list(names), output_names=["logits"],
+            dynamic_shapes={n: {0: torch.export.Dim("batch")} for n in names},
         )
     proto = prog.model_proto
     moved = any(not torch.equal(a, b) for a, b in zip(m.buffers(), model.buffers()))
     sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    x = data[input_name][:8]
-    got = sess.run(["logits"], {input_name: x})[0]
+    xs = [data[n][:8] for n in names]
+    got = sess.run(["logits"], dict(zip(names, xs)))[0]
     diffs = {}
     for mode in ("train", "eval"):
         mm = copy.deepcopy(model)
         getattr(mm, mode)()
         with torch.no_grad():
-            diffs[mode] = float(np.max(np.abs(got - mm(torch.from_numpy(x)).numpy())))
+            diffs[mode] = float(np.max(np.abs(got - mm(*map(torch.from_numpy, xs)).numpy())))
     return {"bn_forms": bn_forms(proto), "op_counts": op_counts(proto),
             "torch_buffers_moved_by_export": moved,
             "ort_logits_max_abs_diff_vs_torch": diffs}
@@ -862,6 +897,7 @@ def generate(name: str, spec: dict) -> dict:
         for f in os.listdir(d):
             os.remove(os.path.join(d, f))
     inp = spec["input"]
+    names = [inp, *spec.get("extra_inputs", [])]  # the forward's arguments, in order
 
     rng = np.random.default_rng(1000 + spec["seed"])
     data = spec["data"](rng)
@@ -870,7 +906,7 @@ def generate(name: str, spec: dict) -> dict:
     torch.manual_seed(spec["seed"])
     ref = spec["make"]()
     ref_state = copy.deepcopy(ref.state_dict())
-    example = torch.from_numpy(data[inp][:EXPORT_BATCH])
+    example = tuple(torch.from_numpy(data[n][:EXPORT_BATCH]) for n in names)
 
     exports, states, failures = {}, {}, {}
     keep = spec.get("node_metadata", True)
@@ -885,7 +921,7 @@ def generate(name: str, spec: dict) -> dict:
     for kind, fn in exporters:
         path = os.path.join(gdir, f"{kind}.onnx")
         try:
-            info = fn(ref, example, inp, path)
+            info = fn(ref, example, names, path)
         except Exception as e:  # recorded, the other export goes on
             failures[kind] = f"{type(e).__name__}: {e}"
             if os.path.exists(path):
@@ -925,13 +961,13 @@ def generate(name: str, spec: dict) -> dict:
             "torch_names_not_surviving": ({t: o for t, o in by_value.items()} or None),
             "torch_state_missing_from_file": sorted(set(ref_state) - set(mapping)),
             "initializers_differing_from_torch_model": changed,
-            "ort_forward_check": ort_forward_check(path, model, data, inp, bn_train),
+            "ort_forward_check": ort_forward_check(path, model, data, names, bn_train),
         })
         if name == "torch_cnn" and kind == "legacy":
             # is the file's running stats exactly one momentum update from the example batch?
             m = copy.deepcopy(ref).train()
             with torch.no_grad():
-                m(example)
+                m(*example)
             one = all(np.array_equal(inits[mapping[n]], b.numpy()) for n, b in m.named_buffers()
                       if n in mapping)
             info["running_stats_are_one_train_forward_of_example_batch"] = one
@@ -962,8 +998,8 @@ def generate(name: str, spec: dict) -> dict:
     refs = {}
     for prefix, (model, mapping) in ref_sets.items():
         files = {}
-        g32 = grads_ref(model, mapping, data, inp, torch.float32)
-        g64 = grads_ref(model, mapping, data, inp, torch.float64)
+        g32 = grads_ref(model, mapping, data, names, torch.float32)
+        g64 = grads_ref(model, mapping, data, names, torch.float64)
         save_npz(os.path.join(fdir, f"{prefix}grads.npz"), g32)
         save_npz(os.path.join(fdir, f"{prefix}grads64.npz"), g64)
         files["grads"] = f"{prefix}grads.npz"
@@ -972,7 +1008,7 @@ def generate(name: str, spec: dict) -> dict:
         files["loss_first8_float64"] = float(g64["loss"])
         if spec["runs"]:
             for opt_name in ("sgd", "adamw"):
-                params, losses = run_full(model, mapping, data, inp, opt_name, spec["batch"])
+                params, losses = run_full(model, mapping, data, names, opt_name, spec["batch"])
                 save_npz(os.path.join(fdir, f"{prefix}run_{opt_name}.npz"), params)
                 files[f"run_{opt_name}"] = f"{prefix}run_{opt_name}.npz"
                 files[f"run_{opt_name}_losses"] = losses
@@ -980,12 +1016,12 @@ def generate(name: str, spec: dict) -> dict:
                 # The same AdamW run in float64: how far torch's own float32 run is from
                 # exact arithmetic, element by element (Adam amplifies the rounding of small
                 # gradients into lr-sized differences).
-                params, _ = run_full(model, mapping, data, inp, "adamw", spec["batch"],
+                params, _ = run_full(model, mapping, data, names, "adamw", spec["batch"],
                                      torch.float64)
                 save_npz(os.path.join(fdir, f"{prefix}run_adamw64.npz"), params)
                 files["run_adamw64"] = f"{prefix}run_adamw64.npz"
         if name == "torch_cnn":
-            params, stats, tracked = run_micro_sgd(model, mapping, data, inp)
+            params, stats, tracked = run_micro_sgd(model, mapping, data, names)
             save_npz(os.path.join(fdir, f"{prefix}run_micro_sgd.npz"), params)
             save_npz(os.path.join(fdir, f"{prefix}running_stats.npz"), stats)
             files["run_micro_sgd"] = f"{prefix}run_micro_sgd.npz"
@@ -1001,8 +1037,10 @@ def generate(name: str, spec: dict) -> dict:
         "description": spec["desc"],
         "versions": versions(),
         "input": {"name": inp, "dtype": str(x_arr.dtype), "shape": ["N", *x_arr.shape[1:]]},
-        "output": {"name": "logits", "shape": ["N", *list(model.eval()(torch.from_numpy(
-            x_arr[:1])).shape[1:])]},
+        **({"extra_inputs": {n: {"dtype": str(data[n].dtype), "shape": ["N", *data[n].shape[1:]]}
+                             for n in names[1:]}} if names[1:] else {}),
+        "output": {"name": "logits", "shape": ["N", *list(model.eval()(*(
+            torch.from_numpy(data[n][:1]) for n in names)).shape[1:])]},
         "labels": {"name": "labels", "dtype": "int64", "shape": ["N", *data["labels"].shape[1:]]},
         "parameters": {n: s for n, s in param_names},
         "buffers": {mapping.get(n, n): list(b.shape) for n, b in model.named_buffers()
@@ -1067,7 +1105,7 @@ def generate(name: str, spec: dict) -> dict:
             "32 updates over 8 windows: running = 0.9 * running + 0.1 * batch_stat, the variance "
             "unbiased (n / (n - 1)) with n = 8*8*8 = 512 for bn1 and n = 8*4*4 = 128 for bn2; "
             "the normalisation itself uses the biased variance. ONNX momentum attribute = 0.9.")
-        meta["dynamo_export_of_train_mode_model"] = probe_dynamo_train_mode(ref, example, inp, data)
+        meta["dynamo_export_of_train_mode_model"] = probe_dynamo_train_mode(ref, example, names, data)
         print("  probe, dynamo export of the model in train():",
               json.dumps({k: v for k, v in meta["dynamo_export_of_train_mode_model"].items()
                          if k != "op_counts"}))
