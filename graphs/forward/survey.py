@@ -105,6 +105,10 @@ MODELS = {
                      pad_token_id=0, decoder_start_token_id=1, bos_token_id=1, eos_token_id=2,
                      suppress_tokens=None, begin_suppress_tokens=None),
                 "input_features", lambda n, g: torch.randn(n, 8, 16, generator=g)),
+    "t5": (T.T5Config, T.T5ForConditionalGeneration,
+           dict(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_decoder_layers=1,
+                num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0),
+           "input_ids", tokens()),
     "bert": (T.BertConfig, T.BertForSequenceClassification, ENCODER, "input_ids", tokens()),
     "roberta": (T.RobertaConfig, T.RobertaForSequenceClassification, ENCODER, "input_ids",
                 tokens()),
@@ -194,7 +198,7 @@ def survey(name, workdir):
                 module.reset_parameters()
     g = torch.Generator().manual_seed(1)
     x = data(8, g)
-    seq2seq = "decoder_layers" in config
+    seq2seq = "decoder_layers" in config or "num_decoder_layers" in config
     inputs = (x, tokens(t=6)(8, g)) if seq2seq else (x,)
     names = ["x", "y"][:len(inputs)]
     with torch.no_grad():
