@@ -188,7 +188,17 @@ pub fn average_pool(
             for (i, a) in axes.iter().enumerate().rev() {
                 let o = rest % out[i];
                 rest /= out[i];
-                *value /= a.divisor(o, count_include_pad) as f64;
+                // Only pads as wide as the kernel leave a window on padding alone (ONNX
+                // Runtime refuses to load those); no division by zero for such a file.
+                match a.divisor(o, count_include_pad) {
+                    d if d > 0 => *value /= d as f64,
+                    _ => {
+                        return Err(cx.error(
+                            node,
+                            format!("window {o} of axis {} covers none of the input (pads {:?} against kernel {})", i + 2, a.pads, a.kernel),
+                        ))
+                    }
+                }
             }
         }
         let shape = [&[1, 1][..], &out[..]].concat();
