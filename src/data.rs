@@ -2,7 +2,8 @@
 //! fixtures; `.safetensors` for state, by extension ([`read_state`], [`write_state`]). Writes
 //! are atomic: a temporary file in the target folder, then a rename.
 
-use std::collections::BTreeMap;
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
@@ -382,26 +383,16 @@ pub fn write_npz<'a>(
     path: &Path,
     arrays: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
 ) -> Result<(), DataError> {
-    let err = |e: &dyn std::fmt::Display| DataError::Write {
-        path: path.to_path_buf(),
-        message: e.to_string(),
-    };
-    crate::atomic::write_with(path, |file| {
-        let mut npz = NpzWriter::new(file);
-        for (name, t) in arrays {
-            match t {
-                Tensor::F32(a) => npz.add_array(name, a),
-                Tensor::F64(a) => npz.add_array(name, a),
-                Tensor::I64(a) => npz.add_array(name, a),
-                Tensor::I32(a) => npz.add_array(name, a),
-                Tensor::Bool(a) => npz.add_array(name, a),
-            }
-            .map_err(std::io::Error::other)?;
-        }
-        npz.finish().map_err(std::io::Error::other)?;
-        Ok(())
+    let arrays: Vec<(&str, &Tensor)> = arrays.into_iter().collect();
+    let layouts: Vec<TensorLayout> = arrays.iter().map(|(n, t)| TensorLayout::of(n, t)).collect();
+    let mut arrays = arrays.into_iter().map(|(_, t)| t);
+    // In the order given: each fetch takes the next array.
+    write_npz_lazily(path, &layouts, |_| {
+        arrays
+            .next()
+            .map(Cow::Borrowed)
+            .ok_or_else(|| "fewer arrays than names".to_string())
     })
-    .map_err(|e| err(&e))
 }
 
 /// The two kinds of state file, told apart by extension.
@@ -441,99 +432,275 @@ pub fn write_state<'a>(
     path: &Path,
     tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
 ) -> Result<(), DataError> {
-    match StateFormat::of(path)? {
-        StateFormat::Npz => write_npz(path, tensors),
-        StateFormat::Safetensors => write_safetensors(path, tensors),
+    let tensors: Vec<(&str, &Tensor)> = tensors.into_iter().collect();
+    let layouts: Vec<TensorLayout> = tensors
+        .iter()
+        .map(|(name, t)| TensorLayout::of(name, t))
+        .collect();
+    let by_name: BTreeMap<&str, &Tensor> = tensors.into_iter().collect();
+    write_state_lazily(path, &layouts, |name| Ok(Cow::Borrowed(by_name[name])))
+}
+
+/// A tensor of a state about to be written: its name, ONNX element type and shape, known
+/// before its values (a safetensors header comes before any data).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorLayout {
+    pub name: String,
+    pub elem_type: i32,
+    pub shape: Vec<usize>,
+}
+
+impl TensorLayout {
+    pub fn of(name: &str, t: &Tensor) -> TensorLayout {
+        TensorLayout {
+            name: name.to_string(),
+            elem_type: t.elem_type(),
+            shape: t.shape().to_vec(),
+        }
     }
 }
 
-/// Reads every tensor of a `.safetensors` file, by name. The `safetensors` crate checks the
-/// header against the bytes actually read (the data offsets must tile the rest of the file
-/// exactly, and each tensor's byte length must equal its shape times its element size), so
-/// nothing is allocated beyond the file's own size whatever the header claims.
-pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, Tensor>, DataError> {
-    use safetensors::tensor::Dtype;
-    let bytes = crate::input::read_regular(path).map_err(|source| DataError::Open {
+/// Writes a state file (`.npz` or `.safetensors` by extension, atomically) whose tensors
+/// are fetched one at a time as the file reaches them: `fetch(name)` lends a tensor or
+/// makes one for the moment (a value an engine holds, copied to the host), so writing a
+/// state of any size holds at most one tensor's copy beside it, not the whole state's.
+/// Each fetched tensor must have its layout's type and shape.
+pub fn write_state_lazily<'a>(
+    path: &Path,
+    layouts: &[TensorLayout],
+    fetch: impl FnMut(&str) -> Result<Cow<'a, Tensor>, String>,
+) -> Result<(), DataError> {
+    let mut names = BTreeSet::new();
+    if let Some(twice) = layouts.iter().find(|l| !names.insert(l.name.as_str())) {
+        return Err(DataError::Write {
+            path: path.to_path_buf(),
+            message: format!("two tensors are named '{}'", twice.name),
+        });
+    }
+    match StateFormat::of(path)? {
+        StateFormat::Npz => write_npz_lazily(path, layouts, fetch),
+        StateFormat::Safetensors => write_safetensors(path, layouts, fetch),
+    }
+}
+
+/// `fetch(layout.name)`, checked against the layout it was declared with.
+fn fetch_checked<'a>(
+    layout: &TensorLayout,
+    fetch: &mut impl FnMut(&str) -> Result<Cow<'a, Tensor>, String>,
+) -> std::io::Result<Cow<'a, Tensor>> {
+    let t = fetch(&layout.name).map_err(std::io::Error::other)?;
+    if t.elem_type() != layout.elem_type || t.shape() != layout.shape.as_slice() {
+        return Err(std::io::Error::other(format!(
+            "tensor '{}' is {} {:?}, not the {} {:?} the file was begun with",
+            layout.name,
+            crate::ir::print::elem_type_name(t.elem_type()),
+            t.shape(),
+            crate::ir::print::elem_type_name(layout.elem_type),
+            layout.shape
+        )));
+    }
+    Ok(t)
+}
+
+/// Writes `t`'s elements little-endian in row-major order, a block of elements at a time
+/// (one `write_all` per element made saving a 2 GB state take seconds longer).
+pub fn write_le(out: &mut impl std::io::Write, t: &Tensor) -> std::io::Result<()> {
+    const BLOCK: usize = 1 << 14;
+    let mut bytes = Vec::new();
+    // Each block converted into a buffer sized up front: a loop the compiler turns into
+    // plain copies on a little-endian machine.
+    macro_rules! blocks {
+        ($a:expr, $width:expr, $le:expr) => {{
+            let mut put = |values: &[_]| {
+                bytes.resize(values.len() * $width, 0u8);
+                bytes
+                    .chunks_exact_mut($width)
+                    .zip(values)
+                    .for_each(|(to, v)| to.copy_from_slice(&$le(v)));
+                out.write_all(&bytes)
+            };
+            match $a.as_slice() {
+                Some(all) => all.chunks(BLOCK).try_for_each(&mut put)?,
+                None => {
+                    // Not in row-major order in memory: gathered a block at a time.
+                    let mut values = $a.iter().copied();
+                    loop {
+                        let block: Vec<_> = values.by_ref().take(BLOCK).collect();
+                        if block.is_empty() {
+                            break;
+                        }
+                        put(&block)?;
+                    }
+                }
+            }
+        }};
+    }
+    match t {
+        Tensor::F32(a) => blocks!(a, 4, |v: &f32| v.to_le_bytes()),
+        Tensor::F64(a) => blocks!(a, 8, |v: &f64| v.to_le_bytes()),
+        Tensor::I64(a) => blocks!(a, 8, |v: &i64| v.to_le_bytes()),
+        Tensor::I32(a) => blocks!(a, 4, |v: &i32| v.to_le_bytes()),
+        Tensor::Bool(a) => blocks!(a, 1, |v: &bool| [*v as u8]),
+    }
+    Ok(())
+}
+
+/// The `.npz` writer of [`write_state_lazily`].
+fn write_npz_lazily<'a>(
+    path: &Path,
+    layouts: &[TensorLayout],
+    mut fetch: impl FnMut(&str) -> Result<Cow<'a, Tensor>, String>,
+) -> Result<(), DataError> {
+    crate::atomic::write_with(path, |file| {
+        let mut npz = NpzWriter::new(file);
+        for layout in layouts {
+            let t = fetch_checked(layout, &mut fetch)?;
+            let name = layout.name.as_str();
+            match t.as_ref() {
+                Tensor::F32(a) => npz.add_array(name, a),
+                Tensor::F64(a) => npz.add_array(name, a),
+                Tensor::I64(a) => npz.add_array(name, a),
+                Tensor::I32(a) => npz.add_array(name, a),
+                Tensor::Bool(a) => npz.add_array(name, a),
+            }
+            .map_err(std::io::Error::other)?;
+        }
+        npz.finish().map_err(std::io::Error::other)?;
+        Ok(())
+    })
+    .map_err(|e| DataError::Write {
         path: path.to_path_buf(),
-        source,
-    })?;
+        message: e.to_string(),
+    })
+}
+
+/// Reads every tensor of a `.safetensors` file, by name, one tensor at a time: the header
+/// first (parsed and checked by the `safetensors` crate: the data offsets must tile the data
+/// exactly, and each tensor's byte length must equal its shape times its element size),
+/// checked against the file's length, then each tensor read from its offset. So nothing
+/// is allocated beyond the file's own size whatever the header claims, and the file's bytes
+/// are never held whole beside the tensors made from them (a 124M-parameter model's state
+/// is 2 GB).
+pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, Tensor>, DataError> {
+    use safetensors::tensor::{Dtype, Metadata};
+    use std::io::{Read, Seek, SeekFrom};
     let bad = |message: String| DataError::Safetensors {
         path: path.to_path_buf(),
         message,
     };
-    let file = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
+    let open_err = |source| DataError::Open {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut file = crate::input::open_regular(path).map_err(open_err)?;
+    let file_len = file.metadata().map_err(open_err)?.len();
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len)
+        .map_err(|_| bad("too short for a safetensors header".into()))?;
+    let header_len = u64::from_le_bytes(len);
+    // The format's own bound on a header (the crate's MAX_HEADER_SIZE).
+    if header_len > 100_000_000 || 8 + header_len > file_len {
+        return Err(bad(format!(
+            "its header claims {header_len} bytes (the file has {file_len})"
+        )));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header).map_err(open_err)?;
+    let metadata: Metadata =
+        serde_json::from_slice(&header).map_err(|e| bad(format!("bad header: {e}")))?;
+    if 8 + header_len + metadata.data_len() as u64 != file_len {
+        return Err(bad(format!(
+            "the header describes {} bytes of data, but the file has {} after it",
+            metadata.data_len(),
+            file_len - 8 - header_len
+        )));
+    }
+    let data_start = 8 + header_len;
     let mut out = BTreeMap::new();
-    for (name, view) in file.iter() {
-        let data = view.data();
-        let shape = IxDyn(view.shape());
+    let mut bytes = Vec::new();
+    for name in metadata.offset_keys() {
+        let info = metadata.info(&name).expect("a name the header lists");
+        let (start, end) = info.data_offsets;
+        bytes.resize(end - start, 0);
+        file.seek(SeekFrom::Start(data_start + start as u64))
+            .and_then(|_| file.read_exact(&mut bytes))
+            .map_err(open_err)?;
+        let shape = IxDyn(&info.shape);
         let array_err = |e: ndarray::ShapeError| bad(format!("tensor '{name}': {e}"));
         macro_rules! le {
             ($ty:ty, $variant:ident) => {{
-                let values: Vec<$ty> = data
+                let values: Vec<$ty> = bytes
                     .chunks_exact(std::mem::size_of::<$ty>())
                     .map(|c| <$ty>::from_le_bytes(c.try_into().expect("chunk size")))
                     .collect();
                 Tensor::$variant(ArrayD::from_shape_vec(shape, values).map_err(array_err)?)
             }};
         }
-        let tensor = match view.dtype() {
+        let tensor = match info.dtype {
             Dtype::F32 => le!(f32, F32),
             Dtype::F64 => le!(f64, F64),
             Dtype::I64 => le!(i64, I64),
             Dtype::I32 => le!(i32, I32),
             Dtype::BOOL => Tensor::Bool(
-                ArrayD::from_shape_vec(shape, data.iter().map(|b| *b != 0).collect())
+                ArrayD::from_shape_vec(shape, bytes.iter().map(|b| *b != 0).collect())
                     .map_err(array_err)?,
             ),
             other => {
                 return Err(DataError::SafetensorsDtype {
                     path: path.to_path_buf(),
-                    name: name.to_string(),
+                    name,
                     dtype: format!("{other:?}"),
                 })
             }
         };
-        out.insert(name.to_string(), tensor);
+        out.insert(name, tensor);
     }
     Ok(out)
 }
 
 /// Writes tensors to a `.safetensors` file atomically (never a partial file at `path`),
-/// keyed by name, without `__metadata__`. The header is the `safetensors` crate's own
-/// (tensors ordered by element alignment, then name, as its serializer orders them); the
-/// data is streamed from the tensors, not copied into one buffer first.
-pub fn write_safetensors<'a>(
+/// keyed by name, without `__metadata__`: the header from the layouts (tensors ordered by
+/// element alignment, then name, as the `safetensors` crate's serializer orders them), then
+/// each tensor's data as [`write_state_lazily`] fetches it.
+fn write_safetensors<'a>(
     path: &Path,
-    tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
+    layouts: &[TensorLayout],
+    mut fetch: impl FnMut(&str) -> Result<Cow<'a, Tensor>, String>,
 ) -> Result<(), DataError> {
+    use crate::proto::tensor_proto::DataType as D;
     use safetensors::tensor::{Dtype, Metadata, TensorInfo};
     use std::io::Write;
     let err = |e: &dyn std::fmt::Display| DataError::Write {
         path: path.to_path_buf(),
         message: e.to_string(),
     };
-    let dtype = |t: &Tensor| match t {
-        Tensor::F32(_) => (Dtype::F32, 4),
-        Tensor::F64(_) => (Dtype::F64, 8),
-        Tensor::I64(_) => (Dtype::I64, 8),
-        Tensor::I32(_) => (Dtype::I32, 4),
-        Tensor::Bool(_) => (Dtype::BOOL, 1),
+    let dtype = |l: &TensorLayout| match D::try_from(l.elem_type) {
+        Ok(D::Float) => Ok((Dtype::F32, 4)),
+        Ok(D::Double) => Ok((Dtype::F64, 8)),
+        Ok(D::Int64) => Ok((Dtype::I64, 8)),
+        Ok(D::Int32) => Ok((Dtype::I32, 4)),
+        Ok(D::Bool) => Ok((Dtype::BOOL, 1)),
+        _ => Err(err(&format!(
+            "tensor '{}': element type {} has no safetensors form here",
+            l.name,
+            crate::ir::print::elem_type_name(l.elem_type)
+        ))),
     };
-    let mut items: Vec<(&str, &Tensor)> = tensors.into_iter().collect();
-    items.sort_by(|(a, ta), (b, tb)| dtype(tb).0.cmp(&dtype(ta).0).then(a.cmp(b)));
-    if let Some(w) = items.windows(2).find(|w| w[0].0 == w[1].0) {
-        return Err(err(&format!("two tensors are named '{}'", w[0].0)));
+    let mut items: Vec<(&TensorLayout, Dtype, usize)> = Vec::with_capacity(layouts.len());
+    for l in layouts {
+        let (dtype, width) = dtype(l)?;
+        items.push((l, dtype, width));
     }
+    items.sort_by(|(a, da, _), (b, db, _)| db.cmp(da).then(a.name.cmp(&b.name)));
     let mut infos = Vec::with_capacity(items.len());
     let mut offset = 0usize;
-    for (name, t) in &items {
-        let (dtype, width) = dtype(t);
-        let len = t.shape().iter().product::<usize>() * width;
+    for (l, dtype, width) in &items {
+        let len = l.shape.iter().product::<usize>() * width;
         infos.push((
-            name.to_string(),
+            l.name.clone(),
             TensorInfo {
-                dtype,
-                shape: t.shape().to_vec(),
+                dtype: *dtype,
+                shape: l.shape.clone(),
                 data_offsets: (offset, offset + len),
             },
         ));
@@ -547,14 +714,8 @@ pub fn write_safetensors<'a>(
     crate::atomic::write_with(path, |out| {
         out.write_all(&(header.len() as u64).to_le_bytes())?;
         out.write_all(&header)?;
-        for (_, t) in &items {
-            match t {
-                Tensor::F32(a) => a.iter().try_for_each(|v| out.write_all(&v.to_le_bytes())),
-                Tensor::F64(a) => a.iter().try_for_each(|v| out.write_all(&v.to_le_bytes())),
-                Tensor::I64(a) => a.iter().try_for_each(|v| out.write_all(&v.to_le_bytes())),
-                Tensor::I32(a) => a.iter().try_for_each(|v| out.write_all(&v.to_le_bytes())),
-                Tensor::Bool(a) => a.iter().try_for_each(|v| out.write_all(&[*v as u8])),
-            }?;
+        for (l, _, _) in &items {
+            write_le(out, fetch_checked(l, &mut fetch)?.as_ref())?;
         }
         Ok(())
     })

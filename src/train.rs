@@ -1,6 +1,7 @@
 //! The training loop over a rewritten step: one engine run per micro-batch, the state
 //! outputs fed back as the next run's state inputs.
 
+use std::borrow::Cow;
 use std::cell::OnceCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -768,23 +769,60 @@ impl Trainer {
     /// skip, so they are not checked.)
     pub fn nonfinite_state(&self) -> Result<Option<String>, TrainError> {
         use crate::state::Role;
-        let state = self.state()?;
         for e in &self.manifest.state {
             let checked = match e.role {
                 Role::Param | Role::Moment | Role::Frozen | Role::LossScale => true,
                 Role::BnStat => e.param.as_deref().is_none_or(|p| p == e.input),
                 _ => false,
             };
-            let finite = match state.get(&e.input) {
-                Some(Tensor::F32(a)) => a.iter().all(|v| v.is_finite()),
-                Some(Tensor::F64(a)) => a.iter().all(|v| v.is_finite()),
+            if !checked || !self.state.contains_key(&e.input) {
+                continue;
+            }
+            let finite = match self.host_value(&e.input)?.as_ref() {
+                Tensor::F32(a) => a.iter().all(|v| v.is_finite()),
+                Tensor::F64(a) => a.iter().all(|v| v.is_finite()),
                 _ => true,
             };
-            if checked && !finite {
+            if !finite {
                 return Ok(Some(e.input.clone()));
             }
         }
         Ok(None)
+    }
+
+    /// The state's input names, in order.
+    pub fn state_names(&self) -> impl Iterator<Item = &str> {
+        self.state.keys().map(String::as_str)
+    }
+
+    /// State `name` on the host for the moment, as [`state`](Self::state) would give it:
+    /// lent where the host holds it, else copied from the engine (or zeros, for sums the
+    /// apply left that count as zero). One tensor's copy at most, where `state` copies the
+    /// whole state: what reading a large model's state one tensor at a time needs.
+    pub fn host_value(&self, name: &str) -> Result<Cow<'_, Tensor>, TrainError> {
+        if let Some(host) = self.host_state.get() {
+            if let Some(t) = host.get(name) {
+                return Ok(Cow::Borrowed(t));
+            }
+        }
+        let held = self
+            .state
+            .get(name)
+            .ok_or_else(|| TrainError::Model(format!("'{name}' is not a state of this step")))?;
+        let stale = matches!(
+            &self.runner,
+            Runner::Split { zero_after_apply, stale_sums: true, .. } if zero_after_apply.contains(name)
+        );
+        match held {
+            Held::Host(t) if !stale => Ok(Cow::Borrowed(t)),
+            held => {
+                let mut t = held.to_host(name)?;
+                if stale {
+                    zero_after_apply::zero_fill(&mut t);
+                }
+                Ok(Cow::Owned(t))
+            }
+        }
     }
 
     /// Sets the learning rate from the next micro-step on: the step's learning-rate input
@@ -933,8 +971,24 @@ impl Trainer {
 
     /// Writes every state tensor under its state input name, atomically: `.npz` or
     /// `.safetensors`, by extension.
+    /// The state goes out one tensor at a time ([`host_value`](Self::host_value)): saving
+    /// holds at most one tensor's copy beside the state, not a second state.
     pub fn save_state(&self, path: &Path) -> Result<(), TrainError> {
-        crate::data::write_state(path, self.state()?.iter().map(|(k, v)| (k.as_str(), v)))?;
+        let layouts = self
+            .state
+            .iter()
+            .map(|(name, held)| {
+                let (elem_type, shape) = held.layout(name)?;
+                Ok(crate::data::TensorLayout {
+                    name: name.clone(),
+                    elem_type,
+                    shape,
+                })
+            })
+            .collect::<Result<Vec<_>, EngineError>>()?;
+        crate::data::write_state_lazily(path, &layouts, |name| {
+            self.host_value(name).map_err(|e| e.to_string())
+        })?;
         Ok(())
     }
 

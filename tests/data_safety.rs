@@ -872,6 +872,110 @@ fn killed_run_resumes_bit_for_bit() {
     );
 }
 
+/// FNV-1a (64 bits) over the state's bytes, in name order: name, element type (i32), dims
+/// (u64 each), data, all little-endian; over single bytes (`words` false: the records
+/// written before 2026-12-05) or over 64-bit little-endian words, the last one zero-padded.
+/// Written here from the definition in `Checkpoint`'s docs, apart from the binary's own.
+fn fnv_state_digest(state: &BTreeMap<String, Tensor>, words: bool) -> String {
+    let mut bytes = Vec::new();
+    for (name, t) in state {
+        bytes.extend_from_slice(name.as_bytes());
+        bytes.extend_from_slice(&t.elem_type().to_le_bytes());
+        for d in t.shape() {
+            bytes.extend_from_slice(&(*d as u64).to_le_bytes());
+        }
+        match t {
+            Tensor::F32(a) => a
+                .iter()
+                .for_each(|v| bytes.extend_from_slice(&v.to_le_bytes())),
+            Tensor::F64(a) => a
+                .iter()
+                .for_each(|v| bytes.extend_from_slice(&v.to_le_bytes())),
+            Tensor::I64(a) => a
+                .iter()
+                .for_each(|v| bytes.extend_from_slice(&v.to_le_bytes())),
+            Tensor::I32(a) => a
+                .iter()
+                .for_each(|v| bytes.extend_from_slice(&v.to_le_bytes())),
+            Tensor::Bool(a) => a.iter().for_each(|v| bytes.push(*v as u8)),
+        }
+    }
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |x: u64| {
+        h ^= x;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    };
+    if words {
+        bytes.resize(bytes.len().next_multiple_of(8), 0);
+        bytes
+            .chunks_exact(8)
+            .for_each(|w| eat(u64::from_le_bytes(w.try_into().unwrap())));
+        format!("w:{h:016x}")
+    } else {
+        bytes.iter().for_each(|b| eat(u64::from(*b)));
+        format!("{h:016x}")
+    }
+}
+
+/// The progress record holds the word-wise digest of the state file it was written with
+/// (as the definition gives it, computed here from the file), and a record written before
+/// it, holding the byte-wise digest, still resumes: its start step is found.
+#[test]
+fn progress_records_recognise_their_state_by_its_digest_old_and_new() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let step = rewritten(d, "step.onnx", &[]);
+    let data = shipped_data();
+    let state = d.join("s.safetensors");
+    let progress = d.join("s.safetensors.progress.json");
+    let out = onnx_ga(&train_args(&step, &data, "6", &["--save-state", s(&state)]));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let saved = onnx_ga::data::read_state(&state).unwrap();
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&progress).unwrap()).unwrap();
+    assert_eq!(record["checkpoints"][0]["micro_steps"], 6);
+    assert_eq!(
+        record["checkpoints"][0]["state_digest"],
+        fnv_state_digest(&saved, true).as_str()
+    );
+
+    // The same record as an older onnx-ga wrote it.
+    let old = serde_json::json!({
+        "state": "s.safetensors",
+        "checkpoints": [{"micro_steps": 6, "state_digest": fnv_state_digest(&saved, false)}],
+    });
+    std::fs::write(&progress, old.to_string()).unwrap();
+    let resumed = d.join("resumed.safetensors");
+    let out = onnx_ga(&train_args(
+        &step,
+        &data,
+        "2",
+        &["--init-state", s(&state), "--save-state", s(&resumed)],
+    ));
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("resuming at micro-step 6"), "{err}");
+    let record: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(d.join("resumed.safetensors.progress.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(record["checkpoints"][0]["micro_steps"], 8);
+
+    // One bit of the state changed: neither digest matches any more.
+    let mut changed = saved.clone();
+    let Some(Tensor::F32(p)) = changed.values_mut().find(|t| matches!(t, Tensor::F32(_))) else {
+        panic!("no float state")
+    };
+    let first = p.iter_mut().next().unwrap();
+    *first = f32::from_bits(first.to_bits() ^ 1);
+    onnx_ga::data::write_state(&state, changed.iter().map(|(k, v)| (k.as_str(), v))).unwrap();
+    refused(
+        d,
+        &train_args(&step, &data, "2", &["--init-state", s(&state)]),
+        &["records no save of the state", "--start-step"],
+    );
+}
+
 /// A progress record that belongs to another state is an error, not a wrong start step.
 #[test]
 fn progress_record_of_another_state_is_refused() {

@@ -58,6 +58,7 @@ mod print_parses_back;
 mod python_checks;
 mod rewrite_snapshots;
 mod split;
+mod state_files;
 mod tract_engine;
 mod train_cli;
 mod validation;

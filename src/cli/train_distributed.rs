@@ -265,6 +265,9 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
     let shared: Box<dyn Collective> = Box::new(collective.clone());
     let mut trainer = Trainer::with_collective(&model, &options, shared)
         .map_err(|e| crate::step_context(e, &args.model))?;
+    // Not read again: its initial values live in the trainer's state now (as in `train`).
+    let limits = onnx_ga::index_check::index_limits(&model, &trainer.manifest.data_inputs);
+    drop(model);
     trainer.set_on_nonfinite(on_nonfinite);
     crate::host_controls(&mut trainer, args.lr, args.accum_steps)?;
     let data = onnx_ga::data::read_npz_only(&args.data, &trainer.manifest.data_inputs)?;
@@ -276,7 +279,6 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
     let data = data.arrays;
     let samples = trainer.check_data(&data, &args.data)?;
     super::check_micro_batch(args.micro_batch, samples, &args.data)?;
-    let limits = onnx_ga::index_check::index_limits(&model, &trainer.manifest.data_inputs);
     onnx_ga::index_check::check_data(&data, &limits)
         .map_err(|m| UsageError(format!("{}: {m}", args.data.display())))?;
     if let Some(path) = &args.init_state {

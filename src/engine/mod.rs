@@ -144,6 +144,14 @@ impl Held {
         }
     }
 
+    /// The value's ONNX element type and shape, without copying its data.
+    pub fn layout(&self, name: &str) -> Result<(i32, Vec<usize>), EngineError> {
+        match self {
+            Held::Ort(v) => ort::held_layout(name, v),
+            Held::Host(t) => Ok((t.elem_type(), t.shape().to_vec())),
+        }
+    }
+
     /// `f` of the value as a host tensor: read where it is on the host, else copied there
     /// first (a run's loss and flags, read every run: no copy of a host one).
     pub fn read_host<R>(&self, name: &str, f: impl FnOnce(&Tensor) -> R) -> Result<R, EngineError> {

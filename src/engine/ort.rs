@@ -1173,6 +1173,40 @@ fn to_ort<'a>(name: &str, tensor: &'a Tensor) -> Result<SessionInputValue<'a>, E
     })
 }
 
+/// A held value's ONNX element type and shape, read from its type information (no copy of
+/// its data, wherever it lives): what a state file's header needs before any values.
+pub fn held_layout(name: &str, value: &DynValue) -> Result<(i32, Vec<usize>), EngineError> {
+    use crate::proto::tensor_proto::DataType as D;
+    let unsupported = |what: String| EngineError::Output {
+        name: name.to_string(),
+        message: what,
+    };
+    let ValueType::Tensor { ty, shape, .. } = value.dtype() else {
+        return Err(unsupported(format!(
+            "is a {:?}, not a tensor",
+            value.dtype()
+        )));
+    };
+    let elem = match ty {
+        TensorElementType::Float32 => D::Float,
+        TensorElementType::Float64 => D::Double,
+        TensorElementType::Int64 => D::Int64,
+        TensorElementType::Int32 => D::Int32,
+        TensorElementType::Bool => D::Bool,
+        other => {
+            return Err(unsupported(format!(
+                "element type {other:?} is not supported on the host"
+            )))
+        }
+    };
+    let dims = shape
+        .iter()
+        .map(|d| usize::try_from(*d))
+        .collect::<Result<Vec<usize>, _>>()
+        .map_err(|_| unsupported(format!("has a dimension of unknown size: {shape:?}")))?;
+    Ok((elem as i32, dims))
+}
+
 fn from_ort(name: &str, value: &::ort::value::DynValueRef<'_>) -> Result<Tensor, EngineError> {
     let err = |e: ::ort::Error| EngineError::Output {
         name: name.to_string(),
