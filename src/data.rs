@@ -176,8 +176,8 @@ pub fn read_npz(path: &Path) -> Result<BTreeMap<String, Tensor>, DataError> {
     Ok(read_npz_arrays(path, None)?.arrays)
 }
 
-/// What [`read_npz_only`] read: the arrays asked for (those present), and the names of the
-/// others, which were not decoded.
+/// What [`read_npz_only`] or [`read_state_only`] read: the arrays asked for (those present),
+/// and the names of the others, which were not decoded.
 #[derive(Debug, Default)]
 pub struct NpzContents {
     pub arrays: BTreeMap<String, Tensor>,
@@ -427,6 +427,17 @@ pub fn read_state(path: &Path) -> Result<BTreeMap<String, Tensor>, DataError> {
     }
 }
 
+/// Reads the tensors named in `names` from a state file (`.npz` or `.safetensors`); the
+/// others are listed in [`NpzContents::ignored`] and their data is not read: `export` wants
+/// a model's parameters, not the accumulators and moments beside them (three times their
+/// size under AdamW).
+pub fn read_state_only(path: &Path, names: &[String]) -> Result<NpzContents, DataError> {
+    match StateFormat::of(path)? {
+        StateFormat::Npz => read_npz_arrays(path, Some(names)),
+        StateFormat::Safetensors => read_safetensors_arrays(path, Some(names)),
+    }
+}
+
 /// Writes a state file, `.npz` or `.safetensors` by extension, atomically.
 pub fn write_state<'a>(
     path: &Path,
@@ -582,6 +593,11 @@ fn write_npz_lazily<'a>(
 /// are never held whole beside the tensors made from them (a 124M-parameter model's state
 /// is 2 GB).
 pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, Tensor>, DataError> {
+    Ok(read_safetensors_arrays(path, None)?.arrays)
+}
+
+/// [`read_safetensors`] of the tensors in `only` (all when `None`).
+fn read_safetensors_arrays(path: &Path, only: Option<&[String]>) -> Result<NpzContents, DataError> {
     use safetensors::tensor::{Dtype, Metadata};
     use std::io::{Read, Seek, SeekFrom};
     let bad = |message: String| DataError::Safetensors {
@@ -616,9 +632,13 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, Tensor>, DataErr
         )));
     }
     let data_start = 8 + header_len;
-    let mut out = BTreeMap::new();
+    let mut out = NpzContents::default();
     let mut bytes = Vec::new();
     for name in metadata.offset_keys() {
+        if only.is_some_and(|names| !names.contains(&name)) {
+            out.ignored.push(name);
+            continue;
+        }
         let info = metadata.info(&name).expect("a name the header lists");
         let (start, end) = info.data_offsets;
         bytes.resize(end - start, 0);
@@ -653,7 +673,7 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, Tensor>, DataErr
                 })
             }
         };
-        out.insert(name, tensor);
+        out.arrays.insert(name, tensor);
     }
     Ok(out)
 }

@@ -1038,7 +1038,6 @@ fn export(args: ExportArgs) -> Result<(), Failure> {
         }
     };
     refuse(out)?;
-    let state = onnx_ga::data::read_state(&args.state)?;
     let manifest = match &args.step {
         Some(path) => Some(
             onnx_ga::state::Manifest::from_model(&onnx_ga::model::load_model(path)?)
@@ -1047,6 +1046,9 @@ fn export(args: ExportArgs) -> Result<(), Failure> {
         None => None,
     };
     let (model, external) = onnx_ga::trained::load_model_for_export(&args.model)?;
+    // Only the state entries that can be model tensors are read; the rest are named.
+    let wanted = onnx_ga::trained::state_to_read(&model, manifest.as_ref());
+    let state = onnx_ga::data::read_state_only(&args.state, &wanted)?;
     // A model that kept its weights in an external file is written the same way.
     let data_name = format!(
         "{}.data",
@@ -1067,8 +1069,9 @@ fn export(args: ExportArgs) -> Result<(), Failure> {
         model_file: &args.model,
         state_file: Some(&args.state),
         manifest: manifest.as_ref(),
+        unread_state: &state.ignored,
     };
-    let (trained, report) = onnx_ga::trained::export_trained_with(model, &state, &sources)?;
+    let (trained, report) = onnx_ga::trained::export_trained_with(model, &state.arrays, &sources)?;
     if external.is_empty() {
         onnx_ga::model::save_model(&trained, out)?;
     } else {

@@ -109,6 +109,37 @@ pub struct ExportSources<'a> {
     pub model_file: &'a Path,
     pub state_file: Option<&'a Path>,
     pub manifest: Option<&'a Manifest>,
+    /// State entries left unread because they name no tensor of the model (accumulators,
+    /// moments: [`crate::data::read_state_only`]): reported with the others not in it.
+    pub unread_state: &'a [String],
+}
+
+/// The state entries an export of `model` can use, by name: those that name one of its
+/// initializers or graph inputs, and those the step's manifest says must be there (its
+/// parameters, frozen tensors and BatchNorm statistics, so that a missing one is reported
+/// as missing from the model). What else a state holds (accumulators, moments, counters)
+/// need not be read ([`crate::data::read_state_only`]).
+pub fn state_to_read(model: &ModelProto, manifest: Option<&Manifest>) -> Vec<String> {
+    let mut names: Vec<String> = model
+        .graph
+        .iter()
+        .flat_map(|g| {
+            let initializers = g.initializer.iter().map(|t| t.name());
+            initializers.chain(g.input.iter().map(|i| i.name()))
+        })
+        .map(str::to_string)
+        .collect();
+    if let Some(m) = manifest {
+        names.extend(
+            m.state
+                .iter()
+                .filter(|e| matches!(e.role, Role::Param | Role::Frozen | Role::BnStat))
+                .map(|e| e.input.clone()),
+        );
+    }
+    names.sort();
+    names.dedup();
+    names
 }
 
 /// Sets every initializer or graph input of `model` that `state` holds a value for (see
@@ -125,6 +156,7 @@ pub fn export_trained(
             model_file: origin,
             state_file: None,
             manifest: None,
+            unread_state: &[],
         },
     )
 }
@@ -267,11 +299,13 @@ pub fn export_trained_with(
     report.not_in_model = state
         .keys()
         .filter(|k| !in_model.contains(k.as_str()))
+        .chain(sources.unread_state)
         .cloned()
         .collect();
+    report.not_in_model.sort();
     if in_model.is_empty() {
         return Err(ExportError::NothingMatches {
-            count: state.len(),
+            count: state.len() + sources.unread_state.len(),
             model_file,
             state_file,
         });

@@ -71,6 +71,14 @@ fn both_formats_round_trip_every_element_type_and_layout() {
         };
         assert_eq!(t[[1, 0]], 0.25 - 1.0, "{name}");
     }
+    // Upper-case extensions are the same formats; only the temporary files' renames made
+    // files, so nothing else is left in the folder.
+    for name in ["S.NPZ", "S.SAFETENSORS"] {
+        let path = dir.path().join(name);
+        write(&path, &state);
+        assert!(read_state(&path).unwrap() == state, "{name}");
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 4);
 }
 
 /// What we write is what the `safetensors` crate reads: names, dtypes, shapes, bytes.
@@ -139,4 +147,64 @@ fn safetensors_files_that_lie_about_their_size_are_refused() {
             "{name}: {text}"
         );
     }
+}
+
+#[test]
+fn safetensors_headers_are_not_trusted() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, header: &str, data: &[u8]| {
+        let path = dir.path().join(name);
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(header.as_bytes());
+        bytes.extend(data);
+        std::fs::write(&path, bytes).unwrap();
+        path
+    };
+    let huge = format!("{}", 1u64 << 40);
+    let cases = [
+        // A tensor claiming 4 TiB of data in a file of a few bytes.
+        write(
+            "huge.safetensors",
+            &format!(
+                r#"{{"w":{{"dtype":"F32","shape":[{huge}],"data_offsets":[0,{}]}}}}"#,
+                4u64 << 40
+            ),
+            &[0; 8],
+        ),
+        // A shape whose element count overflows.
+        write(
+            "overflow.safetensors",
+            &format!(
+                r#"{{"w":{{"dtype":"F32","shape":[{huge},{huge},{huge}],"data_offsets":[0,8]}}}}"#
+            ),
+            &[0; 8],
+        ),
+        // Offsets past the end of the file.
+        write(
+            "short.safetensors",
+            r#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#,
+            &[0; 8],
+        ),
+        // An element type the host cannot hold.
+        write(
+            "half.safetensors",
+            r#"{"w":{"dtype":"F16","shape":[4],"data_offsets":[0,8]}}"#,
+            &[0; 8],
+        ),
+    ];
+    for path in &cases {
+        let e = onnx_ga::data::read_state(path).unwrap_err().to_string();
+        assert!(e.contains(&path.display().to_string()), "{e}");
+    }
+    // The header length itself claiming more than the file.
+    let path = dir.path().join("length.safetensors");
+    let mut bytes = (u64::MAX / 2).to_le_bytes().to_vec();
+    bytes.extend(b"{}");
+    std::fs::write(&path, bytes).unwrap();
+    let e = onnx_ga::data::read_state(&path).unwrap_err().to_string();
+    assert!(e.contains("not a readable .safetensors file"), "{e}");
+    let e = onnx_ga::data::read_state(&cases[3])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("F16"), "{e}");
 }
