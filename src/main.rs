@@ -64,6 +64,11 @@ struct RewriteArgs {
     /// unchanged state. Needs `--apply if`.
     #[arg(long)]
     split: bool,
+    /// Write the step's initializers to OUT.data beside it (ONNX external data) instead of
+    /// inside OUT. Done anyway when the input model keeps its weights in external data, and
+    /// when a file would pass protobuf's 2 GiB limit, which ONNX Runtime enforces.
+    #[arg(long)]
+    external_data: bool,
     /// Micro-steps per optimizer step (the window K).
     #[arg(long, default_value_t = 1)]
     accum_steps: i64,
@@ -847,6 +852,17 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
     }
     let inputs = rewrite_inputs(&args.path);
     let inputs: Vec<(&str, &Path)> = inputs.iter().map(|(w, p)| (*w, p.as_path())).collect();
+    // External data out when asked for or when the input has it; else only past 2 GiB,
+    // which is known once the step is made (its data files are checked then).
+    let input_external = inputs.iter().any(|(what, _)| *what == INPUT_EXTERNAL_DATA);
+    let external = args.external_data || input_external;
+    if external {
+        let data: Vec<_> = outputs
+            .iter()
+            .map(|(f, p)| (*f, external_data_path(p)))
+            .collect();
+        outputs.extend(data);
+    }
     for (flag, path) in &outputs {
         refuse_overwrite(flag, path, &inputs)?;
         check_writable(flag, path)?;
@@ -972,7 +988,7 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
     eprint!("recipe:\n{}", step.recipe.render_text());
     let proto = step.model.to_proto();
     // Everything is computed before anything is written: no partial output on an error.
-    let mut files = vec![(args.output.clone(), proto.clone())];
+    let mut specialised = Vec::new();
     if args.split {
         let split = onnx_ga::split::split_step(&proto, &step.manifest)
             .map_err(anyhow::Error::new)?
@@ -984,9 +1000,11 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
         for (branch, s) in [("accumulate", &split.accumulate), ("apply", &split.apply)] {
             let path = split_output(&args.output, branch);
             let model = onnx_ga::split::standalone(s, &step.manifest, branch);
-            files.push((path, model));
+            specialised.push((path, model));
         }
     }
+    let mut files = vec![(args.output.clone(), proto)];
+    files.extend(specialised);
     // Every file complete under a temporary name first, then all renamed: a failure
     // leaves none of them.
     let write_error = |path: &Path, source: std::io::Error| onnx_ga::model::ModelError::Write {
@@ -994,22 +1012,52 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
         source,
     };
     let mut staged = Vec::new();
-    for (path, model) in &files {
-        let bytes = onnx_ga::model::encode_model(model);
-        let file = onnx_ga::atomic::Staged::new(path, |w| std::io::Write::write_all(w, &bytes))
-            .map_err(|e| write_error(path, e))?;
-        staged.push(file);
+    let mut written = Vec::new();
+    for (path, model) in files {
+        let oversized = onnx_ga::model::over_file_limit(&model);
+        if external || oversized {
+            let data = external_data_path(&path);
+            if !external {
+                refuse_overwrite("-o", &data, &inputs)?;
+                check_writable("-o", &data)?;
+            }
+            let name = data
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned();
+            staged.extend(onnx_ga::model::stage_model_with_external_data(
+                model,
+                &path,
+                &name,
+                onnx_ga::model::EXTERNAL_DATA_MIN_BYTES,
+            )?);
+            written.push((path, Some(data)));
+        } else {
+            let bytes = onnx_ga::model::encode_model(&model);
+            drop(model);
+            let file =
+                onnx_ga::atomic::Staged::new(&path, |w| std::io::Write::write_all(w, &bytes))
+                    .map_err(|e| write_error(&path, e))?;
+            staged.push(file);
+            written.push((path, None));
+        }
     }
     onnx_ga::atomic::commit_all(staged).map_err(|(path, e)| write_error(&path, e))?;
     for (pass, report) in &step.reports {
         eprintln!("{pass}: {report}");
     }
+    let data_note = |data: &Option<PathBuf>| match data {
+        Some(d) => format!("; its initializers in {}", d.display()),
+        None => String::new(),
+    };
     eprintln!(
-        "wrote {} ({} state pairs, data inputs: {}, loss: {})",
-        args.output.display(),
+        "wrote {} ({} state pairs, data inputs: {}, loss: {}{})",
+        written[0].0.display(),
         step.manifest.state.len(),
         step.manifest.data_inputs.join(", "),
-        step.manifest.loss
+        step.manifest.loss,
+        data_note(&written[0].1)
     );
     // A step its engine cannot load is written (another engine may), but never silently.
     let lacking = onnx_ga::inspect::training_only_ops(&step.model);
@@ -1018,10 +1066,21 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
             eprintln!("warning: {warning}");
         }
     }
-    for (path, _) in files.iter().skip(1) {
-        eprintln!("wrote {}", path.display());
+    for (path, data) in written.iter().skip(1) {
+        eprintln!("wrote {}{}", path.display(), data_note(data));
     }
     Ok(())
+}
+
+/// What the input lists of `rewrite_inputs` call an input model's external data file.
+const INPUT_EXTERNAL_DATA: &str = "the input model's external data";
+
+/// Where a model written with external data (`rewrite`, `export`) keeps it: `OUT.data`
+/// beside `OUT`.
+fn external_data_path(output: &Path) -> PathBuf {
+    let mut name = output.file_name().unwrap_or_default().to_os_string();
+    name.push(".data");
+    output.with_file_name(name)
 }
 
 fn export(args: ExportArgs) -> Result<(), Failure> {
@@ -1050,11 +1109,12 @@ fn export(args: ExportArgs) -> Result<(), Failure> {
     let wanted = onnx_ga::trained::state_to_read(&model, manifest.as_ref());
     let state = onnx_ga::data::read_state_only(&args.state, &wanted)?;
     // A model that kept its weights in an external file is written the same way.
-    let data_name = format!(
-        "{}.data",
-        out.file_name().unwrap_or_default().to_string_lossy()
-    );
-    let data_path = onnx_ga::atomic::parent_dir(out).join(&data_name);
+    let data_path = external_data_path(out);
+    let data_name = data_path
+        .file_name()
+        .unwrap_or_default()
+        .to_string_lossy()
+        .into_owned();
     if !external.is_empty() {
         refuse(&data_path)?;
         if external.iter().any(|e| same_file(e, &data_path)) {
@@ -1075,7 +1135,12 @@ fn export(args: ExportArgs) -> Result<(), Failure> {
     if external.is_empty() {
         onnx_ga::model::save_model(&trained, out)?;
     } else {
-        onnx_ga::model::save_model_with_external_data(&trained, out, &data_name, 1024)?;
+        onnx_ga::model::save_model_with_external_data(
+            &trained,
+            out,
+            &data_name,
+            onnx_ga::model::EXTERNAL_DATA_MIN_BYTES,
+        )?;
     }
     let names = |list: &[String]| {
         let mut text = list.iter().take(8).cloned().collect::<Vec<_>>().join(", ");
@@ -1412,7 +1477,7 @@ fn rewrite_inputs(path: &Path) -> Vec<(&'static str, PathBuf)> {
         if let Ok(m) = onnx_ga::model::load_model(&file) {
             let dir = onnx_ga::atomic::parent_dir(&file);
             for data in onnx_ga::model::external_data_files(&m, &dir) {
-                files.push(("the input model's external data", data));
+                files.push((INPUT_EXTERNAL_DATA, data));
             }
         }
         files.push((what, file));

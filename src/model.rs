@@ -864,6 +864,21 @@ pub fn save_model(model: &ModelProto, path: &Path) -> Result<(), ModelError> {
     write_atomically(path, &encode_model(model))
 }
 
+/// The most bytes one model file may hold: protobuf's limit on a message (2 GiB), which
+/// ONNX Runtime and the onnx package enforce when they parse one. A model over it must
+/// keep its initializers in external data.
+pub const MAX_MODEL_FILE_BYTES: usize = (1 << 31) - 1;
+
+/// Whether `model` in one file would pass [`MAX_MODEL_FILE_BYTES`] (its encoded length,
+/// computed without encoding it).
+pub fn over_file_limit(model: &ModelProto) -> bool {
+    model.encoded_len() > MAX_MODEL_FILE_BYTES
+}
+
+/// The smallest initializer `rewrite` and `export` move into external data (bytes): smaller
+/// ones stay inline, where they cost less than their entry would.
+pub const EXTERNAL_DATA_MIN_BYTES: usize = 1024;
+
 /// Saves `model` with the `raw_data` of every initializer of at least
 /// `size_threshold_bytes` bytes moved into `data_file_name` (a plain file name) next to
 /// `path`; see the module docs for the layout. `model` itself is not modified. The model
@@ -874,6 +889,21 @@ pub fn save_model_with_external_data(
     data_file_name: &str,
     size_threshold_bytes: usize,
 ) -> Result<(), ModelError> {
+    let staged =
+        stage_model_with_external_data(model.clone(), path, data_file_name, size_threshold_bytes)?;
+    crate::atomic::commit_all(staged).map_err(|(path, source)| ModelError::Write { path, source })
+}
+
+/// [`save_model_with_external_data`] of a model given away, whose data moves into the data
+/// file instead of being copied: both files complete under temporary names, the data file
+/// first, for [`crate::atomic::commit_all`] to rename (so that a caller writing several
+/// files leaves none of them on an error).
+pub fn stage_model_with_external_data(
+    mut model: ModelProto,
+    path: &Path,
+    data_file_name: &str,
+    size_threshold_bytes: usize,
+) -> Result<Vec<crate::atomic::Staged>, ModelError> {
     let invalid = |reason: String| ModelError::InvalidSave {
         path: path.to_path_buf(),
         reason,
@@ -896,7 +926,7 @@ pub fn save_model_with_external_data(
             "data file name {data_file_name:?} is the model file itself"
         )));
     }
-    if has_external_data(model) {
+    if has_external_data(&model) {
         return Err(invalid(
             "the model still refers to external data; load it with load_model_with_data first"
                 .into(),
@@ -905,15 +935,13 @@ pub fn save_model_with_external_data(
 
     let dir = model_dir(path);
     let data_path = dir.join(plain);
-    let write_err = |source: io::Error| ModelError::Write {
-        path: data_path.clone(),
-        source,
+    let write_err = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source: io::Error| ModelError::Write { path, source }
     };
-
-    let mut out = model.clone();
-    crate::atomic::write_with(&data_path, |writer| {
+    let data = crate::atomic::Staged::new(&data_path, |writer| {
         let mut pos: u64 = 0;
-        for_each_tensor_mut(&mut out, true, &mut |t, _| {
+        for_each_tensor_mut(&mut model, true, &mut |t, _| {
             let big = t
                 .raw_data
                 .as_ref()
@@ -939,9 +967,12 @@ pub fn save_model_with_external_data(
             Ok(())
         })
     })
-    .map_err(write_err)?;
-
-    write_atomically(path, &encode_model(&out))
+    .map_err(write_err(&data_path))?;
+    let bytes = encode_model(&model);
+    drop(model);
+    let file =
+        crate::atomic::Staged::new(path, |w| w.write_all(&bytes)).map_err(write_err(path))?;
+    Ok(vec![data, file])
 }
 
 /// Whether `a` and `b` name the same existing file (following symlinks; hard links count

@@ -256,6 +256,79 @@ fn rewrite_never_overwrites_external_data() {
     );
 }
 
+/// `rewrite --external-data` writes the step's initializers to OUT.data: a step equal to
+/// the one-file step once its data is read back, which trains bit for bit as it does. A
+/// forward model that keeps its weights in external data gives a step that does too,
+/// unasked; and OUT.data naming the input's data file is refused like OUT itself.
+#[test]
+fn rewrite_writes_external_data_when_asked_or_when_its_input_has_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let forward = root().join("graphs/forward/torch_mlp");
+    let data = forward.join("data.npz");
+    let rewrite = |model: &Path, out: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "rewrite",
+            s(model),
+            "-o",
+            s(out),
+            "--loss-fn",
+            "cross-entropy",
+            "--optimizer",
+            "adamw",
+            "--accum-steps",
+            "4",
+        ];
+        args.extend(extra);
+        args.iter().map(|a| a.to_string()).collect::<Vec<_>>()
+    };
+    let run = |args: Vec<String>| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = onnx_ga(&args);
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+        stderr(&out)
+    };
+    let model = forward.join("dynamo.onnx");
+    let (inline, external) = (d.join("inline.onnx"), d.join("ext.onnx"));
+    run(rewrite(&model, &inline, &[]));
+    let err = run(rewrite(&model, &external, &["--external-data"]));
+    assert!(err.contains("its initializers in "), "{err}");
+    assert!(d.join("ext.onnx.data").is_file());
+    assert!(onnx_ga::model::has_external_data(
+        &onnx_ga::model::load_model(&external).unwrap()
+    ));
+    assert!(
+        onnx_ga::model::load_model_with_data(&external).unwrap()
+            == onnx_ga::model::load_model(&inline).unwrap(),
+        "the step with its data read back differs from the one-file step"
+    );
+    let mut states = Vec::new();
+    for step in [&inline, &external] {
+        let state = step.with_extension("npz");
+        run(train_args(step, &data, "8", &["--save-state", s(&state)])
+            .iter()
+            .map(|a| a.to_string())
+            .collect());
+        states.push(common::read_npz(&state));
+    }
+    assert!(states[0] == states[1], "the two steps trained apart");
+
+    // The input's weights in external data: so are the step's.
+    let with_data = d.join("fwd.onnx");
+    let proto = onnx_ga::model::load_model(&model).unwrap();
+    onnx_ga::model::save_model_with_external_data(&proto, &with_data, "fwd.bin", 1).unwrap();
+    let auto = d.join("auto.onnx");
+    run(rewrite(&with_data, &auto, &[]));
+    assert!(d.join("auto.onnx.data").is_file());
+
+    // OUT.data is the input's data file.
+    let clash = d.join("clash.onnx");
+    onnx_ga::model::save_model_with_external_data(&proto, &clash, "step.onnx.data", 1).unwrap();
+    let args = rewrite(&clash, &d.join("step.onnx"), &[]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    refused(d, &args, &["step.onnx.data", "external data"]);
+}
+
 // ---------------------------------------------------------------------------------------
 // train: outputs that are inputs
 // ---------------------------------------------------------------------------------------
