@@ -1135,12 +1135,13 @@ fn export(args: ExportArgs) -> Result<(), Failure> {
     if external.is_empty() {
         onnx_ga::model::save_model(&trained, out)?;
     } else {
-        onnx_ga::model::save_model_with_external_data(
-            &trained,
+        // The trained model is given away: its data moves into the file, not copied.
+        onnx_ga::model::commit_staged(onnx_ga::model::stage_model_with_external_data(
+            trained,
             out,
             &data_name,
             onnx_ga::model::EXTERNAL_DATA_MIN_BYTES,
-        )?;
+        )?)?;
     }
     let names = |list: &[String]| {
         let mut text = list.iter().take(8).cloned().collect::<Vec<_>>().join(", ");

@@ -889,8 +889,16 @@ pub fn save_model_with_external_data(
     data_file_name: &str,
     size_threshold_bytes: usize,
 ) -> Result<(), ModelError> {
-    let staged =
-        stage_model_with_external_data(model.clone(), path, data_file_name, size_threshold_bytes)?;
+    commit_staged(stage_model_with_external_data(
+        model.clone(),
+        path,
+        data_file_name,
+        size_threshold_bytes,
+    )?)
+}
+
+/// Renames staged files into place ([`crate::atomic::commit_all`]), an error naming the file.
+pub fn commit_staged(staged: Vec<crate::atomic::Staged>) -> Result<(), ModelError> {
     crate::atomic::commit_all(staged).map_err(|(path, source)| ModelError::Write { path, source })
 }
 
