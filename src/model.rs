@@ -869,6 +869,16 @@ pub fn save_model(model: &ModelProto, path: &Path) -> Result<(), ModelError> {
 /// keep its initializers in external data.
 pub const MAX_MODEL_FILE_BYTES: usize = (1 << 31) - 1;
 
+/// Why an engine cannot parse a model of `len` encoded bytes, if it cannot: over
+/// [`MAX_MODEL_FILE_BYTES`], protobuf refuses it before anything else is read.
+pub fn too_large_to_parse(len: usize) -> Option<String> {
+    (len > MAX_MODEL_FILE_BYTES).then(|| {
+        format!(
+            "the model is {len} bytes in one piece, over protobuf's limit of {MAX_MODEL_FILE_BYTES} on one message, which the engine cannot parse; a step trained split (without --no-split) gives its sessions no parameters to hold"
+        )
+    })
+}
+
 /// Whether `model` in one file would pass [`MAX_MODEL_FILE_BYTES`] (its encoded length,
 /// computed without encoding it).
 pub fn over_file_limit(model: &ModelProto) -> bool {

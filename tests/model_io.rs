@@ -854,3 +854,20 @@ fn same_file_detects_aliases() {
         assert!(same_file(&a, &dir.path().join("hard.onnx")));
     }
 }
+
+/// Protobuf's 2 GiB limit on one message: a model at it parses, one byte more is refused
+/// with the reason and what avoids it, before an engine is handed bytes it cannot parse.
+#[test]
+fn a_model_over_protobufs_limit_is_refused_with_the_reason() {
+    use onnx_ga::model::{too_large_to_parse, MAX_MODEL_FILE_BYTES};
+    assert_eq!(MAX_MODEL_FILE_BYTES, (1usize << 31) - 1);
+    assert_eq!(too_large_to_parse(MAX_MODEL_FILE_BYTES), None);
+    let message = too_large_to_parse(MAX_MODEL_FILE_BYTES + 1).unwrap();
+    assert!(message.contains("2147483648 bytes"), "{message}");
+    assert!(message.contains("--no-split"), "{message}");
+    let small = onnx_ga::model::load_model(
+        &crate::common::root().join("graphs/mlp_ce_adamw/training_model.onnx"),
+    )
+    .unwrap();
+    assert!(!onnx_ga::model::over_file_limit(&small));
+}

@@ -508,6 +508,12 @@ impl OrtSession {
     }
 
     pub fn from_bytes(bytes: &[u8], options: &SessionOptions) -> Result<OrtSession, EngineError> {
+        if let Some(message) = crate::model::too_large_to_parse(bytes.len()) {
+            return Err(EngineError::Ort {
+                context: "loading the model".into(),
+                message,
+            });
+        }
         let mut builder = crate::runtime::session_builder()?;
         let shared_pool = options.shared_pool
             && options.threads > 1

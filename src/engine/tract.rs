@@ -75,6 +75,12 @@ impl TractSession {
             }
         }
         let bytes = crate::model::encode_model(&stripped);
+        if let Some(message) = crate::model::too_large_to_parse(bytes.len()) {
+            return Err(EngineError::Tract {
+                context: "reading the model".into(),
+                message,
+            });
+        }
         // value_info names symbolic dims (`batch`) that the concrete input shapes of a plan
         // would contradict; tract infers every intermediate fact itself.
         let onnx = tract_onnx::onnx().with_ignore_value_info(true);
