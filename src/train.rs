@@ -971,6 +971,7 @@ impl Trainer {
 
     /// Writes every state tensor under its state input name, atomically: `.npz` or
     /// `.safetensors`, by extension.
+    ///
     /// The state goes out one tensor at a time ([`host_value`](Self::host_value)): saving
     /// holds at most one tensor's copy beside the state, not a second state.
     pub fn save_state(&self, path: &Path) -> Result<(), TrainError> {
