@@ -596,6 +596,9 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, Tensor>, DataErr
     Ok(read_safetensors_arrays(path, None)?.arrays)
 }
 
+/// The format's bound on a safetensors header (the `safetensors` crate's, not exported).
+const MAX_SAFETENSORS_HEADER: u64 = 100_000_000;
+
 /// [`read_safetensors`] of the tensors in `only` (all when `None`).
 fn read_safetensors_arrays(path: &Path, only: Option<&[String]>) -> Result<NpzContents, DataError> {
     use safetensors::tensor::{Dtype, Metadata};
@@ -614,8 +617,7 @@ fn read_safetensors_arrays(path: &Path, only: Option<&[String]>) -> Result<NpzCo
     file.read_exact(&mut len)
         .map_err(|_| bad("too short for a safetensors header".into()))?;
     let header_len = u64::from_le_bytes(len);
-    // The format's own bound on a header (the crate's MAX_HEADER_SIZE).
-    if header_len > 100_000_000 || 8 + header_len > file_len {
+    if header_len > MAX_SAFETENSORS_HEADER || 8 + header_len > file_len {
         return Err(bad(format!(
             "its header claims {header_len} bytes (the file has {file_len})"
         )));
@@ -624,7 +626,9 @@ fn read_safetensors_arrays(path: &Path, only: Option<&[String]>) -> Result<NpzCo
     file.read_exact(&mut header).map_err(open_err)?;
     let metadata: Metadata =
         serde_json::from_slice(&header).map_err(|e| bad(format!("bad header: {e}")))?;
-    if 8 + header_len + metadata.data_len() as u64 != file_len {
+    // Checked: a header may describe up to 2^64 bytes of data.
+    let described = (metadata.data_len() as u64).checked_add(8 + header_len);
+    if described != Some(file_len) {
         return Err(bad(format!(
             "the header describes {} bytes of data, but the file has {} after it",
             metadata.data_len(),

@@ -114,10 +114,32 @@ pub struct ExportSources<'a> {
     pub unread_state: &'a [String],
 }
 
+/// What a state entry of the step is to the model it came from.
+enum ModelTensor {
+    /// A tensor of the model that the state must hold (its role, for the errors).
+    Required(&'static str),
+    /// A tensor of the model the state may hold (a frozen one).
+    Optional,
+}
+
+/// Whether a state entry is a model tensor: parameters and BatchNorm running statistics
+/// must be in the state, frozen tensors may; accumulators, moments, counters and the
+/// window's BatchNorm sums are not model tensors.
+fn model_tensor(e: &crate::state::StateEntry) -> Option<ModelTensor> {
+    match e.role {
+        Role::Param => Some(ModelTensor::Required("parameter")),
+        Role::BnStat if e.param.as_deref().is_none_or(|p| p == e.input) => {
+            Some(ModelTensor::Required("BatchNorm statistic"))
+        }
+        Role::Frozen => Some(ModelTensor::Optional),
+        _ => None,
+    }
+}
+
 /// The state entries an export of `model` can use, by name: those that name one of its
 /// initializers or graph inputs, and those the step's manifest says must be there (its
-/// parameters, frozen tensors and BatchNorm statistics, so that a missing one is reported
-/// as missing from the model). What else a state holds (accumulators, moments, counters)
+/// model tensors, [`model_tensor`], so that a missing one is reported as missing from the
+/// model). What else a state holds (accumulators, moments, counters)
 /// need not be read ([`crate::data::read_state_only`]).
 pub fn state_to_read(model: &ModelProto, manifest: Option<&Manifest>) -> Vec<String> {
     let mut names: Vec<String> = model
@@ -133,7 +155,7 @@ pub fn state_to_read(model: &ModelProto, manifest: Option<&Manifest>) -> Vec<Str
         names.extend(
             m.state
                 .iter()
-                .filter(|e| matches!(e.role, Role::Param | Role::Frozen | Role::BnStat))
+                .filter(|e| model_tensor(e).is_some())
                 .map(|e| e.input.clone()),
         );
     }
@@ -186,17 +208,12 @@ pub fn export_trained_with(
                 let mut candidates = BTreeSet::new();
                 let mut required = BTreeMap::new();
                 for e in &manifest.state {
-                    let running_stat =
-                        e.role == Role::BnStat && e.param.as_deref().is_none_or(|p| p == e.input);
-                    match e.role {
-                        Role::Param => {
-                            required.insert(e.input.as_str(), "parameter");
+                    match model_tensor(e) {
+                        Some(ModelTensor::Required(role)) => {
+                            required.insert(e.input.as_str(), role);
                         }
-                        Role::BnStat if running_stat => {
-                            required.insert(e.input.as_str(), "BatchNorm statistic");
-                        }
-                        Role::Frozen => {}
-                        _ => continue,
+                        Some(ModelTensor::Optional) => {}
+                        None => continue,
                     }
                     if state.contains_key(&e.input) {
                         candidates.insert(e.input.as_str());

@@ -179,6 +179,16 @@ fn safetensors_headers_are_not_trusted() {
             ),
             &[0; 8],
         ),
+        // Data of nearly 2^64 bytes: the file's length plus the header's must not
+        // overflow on the way to the comparison.
+        write(
+            "wrap.safetensors",
+            &format!(
+                r#"{{"w":{{"dtype":"U8","shape":[{n}],"data_offsets":[0,{n}]}}}}"#,
+                n = u64::MAX - 16
+            ),
+            &[0; 8],
+        ),
         // Offsets past the end of the file.
         write(
             "short.safetensors",
@@ -203,8 +213,10 @@ fn safetensors_headers_are_not_trusted() {
     std::fs::write(&path, bytes).unwrap();
     let e = onnx_ga::data::read_state(&path).unwrap_err().to_string();
     assert!(e.contains("not a readable .safetensors file"), "{e}");
-    let e = onnx_ga::data::read_state(&cases[3])
-        .unwrap_err()
-        .to_string();
+    let half = cases
+        .iter()
+        .find(|p| p.ends_with("half.safetensors"))
+        .unwrap();
+    let e = onnx_ga::data::read_state(half).unwrap_err().to_string();
     assert!(e.contains("F16"), "{e}");
 }
