@@ -219,22 +219,69 @@ const MAX_DEFLATE_RATIO: u64 = 1032;
 /// The longest `.npy` header we read (NumPy writes under 100 bytes).
 const MAX_NPY_HEADER: usize = 1 << 20;
 
-/// The `.npz` reader: only regular files; nothing is allocated before the archive entry's
-/// sizes and the `.npy` header agree, and the entry can hold no more than deflate can make
-/// of its compressed bytes; all the arrays together must fit in the memory available.
+/// Reads the arrays of an `.npz` file (all, or those in `only`) into memory.
 fn read_npz_arrays(path: &Path, only: Option<&[String]>) -> Result<NpzContents, DataError> {
-    let file = crate::input::open_regular(path).map_err(|source| DataError::Open {
+    let file = open_input(path)?;
+    Ok(read_npz_entries(&file, path, only, false)?.0)
+}
+
+/// Opens an input file for reading ([`crate::input::open_regular`]).
+pub(crate) fn open_input(path: &Path) -> Result<std::fs::File, DataError> {
+    crate::input::open_regular(path).map_err(|source| DataError::Open {
         path: path.to_path_buf(),
         source,
-    })?;
+    })
+}
+
+/// An array of an `.npz` file left where it lies: NumPy stored it uncompressed (`np.savez`),
+/// in C order and little-endian, so its rows can be read from the file as they are needed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StoredArray {
+    /// The ONNX `TensorProto.DataType` of the elements (float32, float64, int64, int32).
+    pub elem_type: i32,
+    pub shape: Vec<usize>,
+    /// Where element 0 lies in the file.
+    pub offset: u64,
+}
+
+impl StoredArray {
+    /// The bytes of one element.
+    pub fn elem_size(&self) -> usize {
+        use crate::proto::tensor_proto::DataType as D;
+        if self.elem_type == D::Float as i32 || self.elem_type == D::Int32 as i32 {
+            4
+        } else {
+            8
+        }
+    }
+
+    /// The bytes of one row (index of the first axis).
+    pub fn row_bytes(&self) -> usize {
+        self.shape.iter().skip(1).product::<usize>() * self.elem_size()
+    }
+}
+
+/// The `.npz` reader (of the open regular file `file`, named `path` in messages): nothing is
+/// allocated before the archive entry's sizes and the `.npy` header agree, and the entry can
+/// hold no more than deflate can make of its compressed bytes; all the arrays decoded must
+/// fit in the memory available. With `leave_stored`, the arrays [`StoredArray`] describes
+/// are not read but returned as where they lie (their bytes checked to be in the file).
+pub(crate) fn read_npz_entries(
+    file: &std::fs::File,
+    path: &Path,
+    only: Option<&[String]>,
+    leave_stored: bool,
+) -> Result<(NpzContents, BTreeMap<String, StoredArray>), DataError> {
     let archive = |e: &dyn std::fmt::Display| DataError::Archive {
         path: path.to_path_buf(),
         message: e.to_string(),
     };
+    let file_len = file.metadata().map_err(|e| archive(&e))?.len();
     let mut zip = zip::ZipArchive::new(BufReader::new(file)).map_err(|e| archive(&e))?;
     let available = crate::input::memory_budget();
     let mut total: u64 = 0;
     let mut out = NpzContents::default();
+    let mut stored = BTreeMap::new();
     for index in 0..zip.len() {
         let mut entry = zip.by_index(index).map_err(|e| archive(&e))?;
         let entry_name = entry.name().to_string();
@@ -246,7 +293,7 @@ fn read_npz_arrays(path: &Path, only: Option<&[String]>) -> Result<NpzContents, 
             out.ignored.push(name);
             continue;
         }
-        if out.arrays.contains_key(&name) {
+        if out.arrays.contains_key(&name) || stored.contains_key(&name) {
             return Err(archive(&format!("two arrays are named '{name}'")));
         }
         let bad = |message: String| archive(&format!("array '{name}': {message}"));
@@ -263,6 +310,9 @@ fn read_npz_arrays(path: &Path, only: Option<&[String]>) -> Result<NpzContents, 
                 "the archive entry claims {declared} bytes from {compressed} compressed bytes, more than compression can make of them"
             )));
         }
+        let plain_entry =
+            entry.compression() == zip::CompressionMethod::Stored && !entry.encrypted();
+        let data_start = entry.data_start();
         let mut reader = std::io::Read::take(&mut entry, declared);
         let (header, header_len) = read_npy_header(&mut reader, declared).map_err(bad)?;
         // The descriptor as Python writes it: '<f4' for a simple dtype, a list for a record.
@@ -299,6 +349,33 @@ fn read_npz_arrays(path: &Path, only: Option<&[String]>) -> Result<NpzContents, 
                 )))
             }
         };
+        let stored_plainly = plain_entry
+            && !header.layout.is_fortran()
+            && matches!(descr.as_str(), "<f4" | "<f8" | "<i8" | "<i4");
+        if leave_stored && stored_plainly {
+            let offset = data_start + header_len;
+            if offset.checked_add(bytes).is_none_or(|end| end > file_len) {
+                return Err(bad(format!(
+                    "its data ({bytes} bytes at byte {offset}) runs past the end of the file ({file_len} bytes)"
+                )));
+            }
+            let elem_type = match &descr[1..] {
+                "f4" => crate::proto::tensor_proto::DataType::Float,
+                "f8" => crate::proto::tensor_proto::DataType::Double,
+                "i8" => crate::proto::tensor_proto::DataType::Int64,
+                _ => crate::proto::tensor_proto::DataType::Int32,
+            } as i32;
+            let shape = header.shape.clone();
+            stored.insert(
+                name,
+                StoredArray {
+                    elem_type,
+                    shape,
+                    offset,
+                },
+            );
+            continue;
+        }
         total = total.saturating_add(bytes);
         if let Some(available) = available.filter(|a| total > *a) {
             return Err(bad(format!(
@@ -334,7 +411,7 @@ fn read_npz_arrays(path: &Path, only: Option<&[String]>) -> Result<NpzContents, 
         };
         out.arrays.insert(name, tensor);
     }
-    Ok(out)
+    Ok((out, stored))
 }
 
 /// The header of an `.npy` stream of `declared` bytes, and the bytes it took; its length

@@ -17,9 +17,8 @@
 //! A limit is known only where the shape is declared (an initializer, a graph input or
 //! output, or a value_info); elsewhere nothing is checked.
 
-use std::collections::BTreeMap;
-
 use crate::data::Tensor;
+use crate::dataset::Dataset;
 use crate::ir::builder::NodeAttributes;
 use crate::proto::{GraphProto, ModelProto, NodeProto};
 
@@ -190,41 +189,41 @@ pub fn index_limits(model: &ModelProto, inputs: &[String]) -> Vec<IndexLimit> {
     out
 }
 
-/// Checks `data` (the arrays of `file`, for messages) against `limits`, and that no array
-/// has an empty axis. The error names the array, the first bad row and value, and the node.
-pub fn check_data(data: &BTreeMap<String, Tensor>, limits: &[IndexLimit]) -> Result<(), String> {
-    for (name, t) in data {
-        if let Some(axis) = t.shape().iter().position(|d| *d == 0) {
+/// Checks `data` against `limits`, and that no array has an empty axis. The error names
+/// the array, the first bad row and value, and the node. Arrays left in their file are read
+/// a chunk at a time ([`Dataset::chunks`]).
+pub fn check_data(data: &Dataset, limits: &[IndexLimit]) -> Result<(), String> {
+    for (name, _, shape) in data.layouts() {
+        if let Some(axis) = shape.iter().position(|d| *d == 0) {
             return Err(format!(
-                "array '{name}' has shape {:?}: axis {axis} is empty (no engine computes on an empty axis)",
-                t.shape()
+                "array '{name}' has shape {shape:?}: axis {axis} is empty (no engine computes on an empty axis)"
             ));
         }
     }
     for limit in limits {
-        let Some(t) = data.get(&limit.input) else {
-            continue;
-        };
-        let values: Box<dyn Iterator<Item = i64>> = match t {
-            Tensor::I64(a) => Box::new(a.iter().copied()),
-            Tensor::I32(a) => Box::new(a.iter().map(|v| *v as i64)),
-            _ => continue,
-        };
-        let row_len = t.shape().iter().skip(1).product::<usize>().max(1);
         let ok = |v: i64| (limit.low..limit.high).contains(&v) || limit.ignore == Some(v);
-        if let Some((i, v)) = values.enumerate().find(|(_, v)| !ok(*v)) {
+        let first_bad = data
+            .chunks(&limit.input, |first_row, t| {
+                let values: Box<dyn Iterator<Item = i64>> = match t {
+                    Tensor::I64(a) => Box::new(a.iter().copied()),
+                    Tensor::I32(a) => Box::new(a.iter().map(|v| *v as i64)),
+                    _ => return None,
+                };
+                let row_len = t.shape().iter().skip(1).product::<usize>().max(1);
+                values
+                    .enumerate()
+                    .find(|(_, v)| !ok(*v))
+                    .map(|(i, v)| (first_row + i / row_len, v))
+            })
+            .map_err(|e| e.to_string())?;
+        if let Some((row, v)) = first_bad {
             let ignore = match limit.ignore {
                 Some(x) => format!(" (or {x}, the ignore_index)"),
                 None => String::new(),
             };
             return Err(format!(
-                "array '{}': value {v} at row {} is outside [{}, {}){ignore}, the {} that {} indexes",
-                limit.input,
-                i / row_len,
-                limit.low,
-                limit.high,
-                limit.what,
-                limit.node
+                "array '{}': value {v} at row {row} is outside [{}, {}){ignore}, the {} that {} indexes",
+                limit.input, limit.low, limit.high, limit.what, limit.node
             ));
         }
     }

@@ -161,6 +161,10 @@ struct TrainArgs {
     /// Micro-steps to run.
     #[arg(long)]
     steps: u64,
+    /// Take the data's rows in a new pseudo-random order each epoch, drawn from SEED: every
+    /// row once an epoch, the same order on every run, rank and resume. Default: in order.
+    #[arg(long, value_name = "SEED")]
+    shuffle: Option<u64>,
     /// The engine: ONNX Runtime, tract (pure Rust), or auto: ONNX Runtime when its library
     /// is found, else tract.
     #[arg(long, value_enum, default_value = "auto")]
@@ -261,6 +265,16 @@ struct TrainArgs {
     /// elsewhere), notes or summary.
     #[arg(long)]
     quiet: bool,
+}
+
+impl TrainArgs {
+    /// The order micro-steps take the data's rows in (`--shuffle`).
+    fn order(&self) -> onnx_ga::sample_order::SampleOrder {
+        match self.shuffle {
+            Some(seed) => onnx_ga::sample_order::SampleOrder::Shuffled { seed },
+            None => onnx_ga::sample_order::SampleOrder::InOrder,
+        }
+    }
 }
 
 #[derive(Args)]
@@ -1179,7 +1193,7 @@ fn export(args: ExportArgs) -> Result<(), Failure> {
 }
 
 fn train(args: TrainArgs) -> Result<(), Failure> {
-    use onnx_ga::train::{micro_batch, TrainError, Trainer};
+    use onnx_ga::train::{TrainError, Trainer};
     // Before ONNX Runtime starts: the trainer's sessions share one pool of this size.
     if args.threads > 1 {
         onnx_ga::runtime::set_shared_pool_threads(args.threads);
@@ -1309,11 +1323,14 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         ));
     }
     host_controls(&mut trainer, args.lr, args.accum_steps)?;
-    let data = onnx_ga::data::read_npz_only(&args.data, &trainer.manifest.data_inputs)?;
+    let data = onnx_ga::dataset::Dataset::open(&args.data, &trainer.manifest.data_inputs)?;
     if let Some(note) = onnx_ga::data::ignored_note(&args.data, &data.ignored) {
         progress.note(note);
     }
-    let data = data.arrays;
+    let data = data.dataset;
+    if let Some(note) = held_data_note(&data, &args.data) {
+        progress.note(note);
+    }
     let samples = trainer.check_data(&data, &args.data)?;
     check_micro_batch(args.micro_batch, samples, &args.data)?;
     onnx_ga::index_check::check_data(&data, &limits)
@@ -1321,20 +1338,10 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     if let Some(path) = &args.init_state {
         trainer.load_state(path)?;
     }
-    let start_step = match (args.start_step, &args.init_state) {
-        (Some(step), _) => step,
-        (None, Some(path)) => match recorded_progress(&trainer, path)? {
-            Some(step) => {
-                progress.note(format!(
-                    "resuming at micro-step {step} (recorded in {})",
-                    progress_path(path).display()
-                ));
-                step
-            }
-            None => 0,
-        },
-        (None, None) => 0,
-    };
+    let (start_step, notes) = start_step(&trainer, &args)?;
+    for note in notes {
+        progress.note(note);
+    }
     // Every check passed: from here on the outputs are written as training goes.
     let mut metrics_out = match &args.metrics {
         Some(path) => Some(MetricsFile::open(path, start_step)?),
@@ -1345,7 +1352,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     let mut saved_at: Option<u64> = None;
     for i in 0..args.steps {
         let step_index = start_step + i;
-        let batch = micro_batch(&data, samples, args.micro_batch, step_index);
+        let batch = data.micro_batch(args.order(), samples, args.micro_batch, step_index)?;
         let flush = args.flush && i + 1 == args.steps;
         let mut metrics = match trainer.step(&batch, flush) {
             Ok(m) => m,
@@ -1354,7 +1361,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
                 let what = NonFiniteStep {
                     step: step_index + 1,
                     loss,
-                    rows: onnx_ga::train::micro_batch_rows(samples, args.micro_batch, step_index),
+                    rows: args.order().rows(samples, args.micro_batch, step_index),
                     data: &args.data,
                 };
                 let mut message = what.describe(&trainer, &batch);
@@ -1386,7 +1393,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         metrics.step = step_index + 1;
         progress.record(&metrics);
         if metrics.discarded && progress.stats().discarded.len() <= 10 {
-            let rows = onnx_ga::train::micro_batch_rows(samples, args.micro_batch, step_index);
+            let rows = args.order().rows(samples, args.micro_batch, step_index);
             progress.note(format!(
                 "micro-step {}: the loss is {}; its update was discarded (data rows {} of {})",
                 metrics.step,
@@ -1401,7 +1408,13 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         let windows = progress.stats().optimizer_steps;
         if let (Some(every), Some(path)) = (args.save_every, &args.save_state) {
             if metrics.applied && windows.is_multiple_of(every) {
-                save_checkpoint(&trainer, path, metrics.step, metrics_out.as_mut())?;
+                save_checkpoint(
+                    &trainer,
+                    path,
+                    metrics.step,
+                    args.shuffle,
+                    metrics_out.as_mut(),
+                )?;
                 saved_at = Some(metrics.step);
                 progress.note(format!(
                     "checkpoint: {} after micro-step {} ({windows} optimizer steps in this run)",
@@ -1415,7 +1428,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     let end = start_step + args.steps;
     if let Some(path) = &args.save_state {
         if saved_at != Some(end) {
-            save_checkpoint(&trainer, path, end, metrics_out.as_mut())?;
+            save_checkpoint(&trainer, path, end, args.shuffle, metrics_out.as_mut())?;
         }
     }
     if let Some(out) = &mut metrics_out {
@@ -1424,6 +1437,21 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     progress.finish();
     train_plot(&args, &progress)?;
     Ok(())
+}
+
+/// The note for a large array of the data that is held in memory whole: NumPy compressed it
+/// (or wrote it in an order the rows cannot be read from directly), so it could not be left
+/// in the file and read a micro-batch at a time ([`onnx_ga::dataset`]).
+fn held_data_note(data: &onnx_ga::dataset::Dataset, file: &Path) -> Option<String> {
+    const WORTH_A_NOTE: usize = 256 << 20;
+    let (name, bytes) = data.held().max_by_key(|(_, bytes)| *bytes)?;
+    (bytes >= WORTH_A_NOTE).then(|| {
+        format!(
+            "note: {}: array '{name}' ({} MiB) is held in memory: it is compressed (np.savez_compressed), Fortran-ordered, big-endian or bool; an np.savez array is read from the file a micro-batch at a time",
+            file.display(),
+            bytes >> 20
+        )
+    })
 }
 
 /// `train --plot`: the metrics file drawn (it is complete up to here).
@@ -1599,6 +1627,9 @@ struct Checkpoint {
     micro_steps: u64,
     /// A digest of every state tensor (name, element type, shape, bytes): see [`Digest`].
     state_digest: String,
+    /// `train --shuffle`'s seed, when the run that saved the state shuffled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    shuffle: Option<u64>,
 }
 
 /// What a [`Checkpoint`] recognises its state by: FNV-1a over the state's bytes taken as
@@ -1705,10 +1736,44 @@ fn read_progress(path: &Path) -> Result<Option<Progress>, UsageError> {
 
 /// The start step recorded next to `state` (just loaded into `trainer`), when there is a
 /// record; an error when the record is of another state.
+/// Where training starts: `--start-step`, else the micro-step `--init-state`'s progress
+/// record gives, else 0; with the notes to print about it.
+fn start_step(
+    trainer: &onnx_ga::train::Trainer,
+    args: &TrainArgs,
+) -> Result<(u64, Vec<String>), Failure> {
+    let (Some(path), None) = (&args.init_state, args.start_step) else {
+        return Ok((args.start_step.unwrap_or(0), Vec::new()));
+    };
+    let Some(saved) = recorded_progress(trainer, path)? else {
+        return Ok((0, Vec::new()));
+    };
+    let mut notes = vec![format!(
+        "resuming at micro-step {} (recorded in {})",
+        saved.micro_steps,
+        progress_path(path).display()
+    )];
+    if saved.shuffle != args.shuffle {
+        let order = |seed: Option<u64>| match seed {
+            Some(seed) => format!("shuffled with --shuffle {seed}"),
+            None => "in order".to_string(),
+        };
+        notes.push(format!(
+            "note: {} was saved by a run taking the data's rows {}; this run takes them {}, so its micro-batches differ from those the first run would have gone on with",
+            path.display(),
+            order(saved.shuffle),
+            order(args.shuffle)
+        ));
+    }
+    Ok((saved.micro_steps, notes))
+}
+
+/// The checkpoint `S.progress.json` records for the state the trainer holds (loaded from
+/// `state`), if it has a record.
 fn recorded_progress(
     trainer: &onnx_ga::train::Trainer,
     state: &Path,
-) -> Result<Option<u64>, Failure> {
+) -> Result<Option<Checkpoint>, Failure> {
     let path = progress_path(state);
     let Some(progress) = read_progress(&path)? else {
         return Ok(None);
@@ -1732,7 +1797,7 @@ fn recorded_progress(
             .find(|c| c.state_digest == bytewise);
     }
     match found {
-        Some(c) => Ok(Some(c.micro_steps)),
+        Some(c) => Ok(Some(c.clone())),
         None => Err(UsageError(format!(
             "{}: records no save of the state {} holds (micro-steps recorded: {}); pass --start-step",
             path.display(),
@@ -1754,6 +1819,7 @@ fn save_checkpoint(
     trainer: &onnx_ga::train::Trainer,
     path: &Path,
     micro_steps: u64,
+    shuffle: Option<u64>,
     metrics: Option<&mut MetricsFile>,
 ) -> Result<(), Failure> {
     if let Some(name) = trainer.nonfinite_state()? {
@@ -1767,6 +1833,7 @@ fn save_checkpoint(
     let entry = Checkpoint {
         micro_steps,
         state_digest: Digest::of_state(trainer, false)?,
+        shuffle,
     };
     // The previous save stays recorded until this one is complete.
     let previous = read_progress(&progress_file)
@@ -1911,8 +1978,10 @@ impl NonFiniteStep<'_> {
     }
 }
 
-/// Rows as ranges in their order: `8-15`, or `60-63, 0-3` where a micro-batch wraps.
+/// Rows as ranges in their order: `8-15`, or `60-63, 0-3` where a micro-batch wraps; a
+/// shuffled micro-batch's scattered rows, the first dozen and how many more.
 fn row_ranges(rows: &[usize]) -> String {
+    const SHOWN: usize = 12;
     let mut parts: Vec<String> = Vec::new();
     let mut i = 0;
     while i < rows.len() {
@@ -1925,6 +1994,10 @@ fn row_ranges(rows: &[usize]) -> String {
             false => rows[i].to_string(),
         });
         i = j + 1;
+        if parts.len() == SHOWN && i < rows.len() {
+            parts.push(format!("and {} more", rows.len() - i));
+            break;
+        }
     }
     parts.join(", ")
 }

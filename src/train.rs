@@ -997,7 +997,7 @@ impl Trainer {
     /// types equal, trailing dimensions equal, the same number of samples in each.
     pub fn check_data(
         &self,
-        data: &BTreeMap<String, Tensor>,
+        data: &impl crate::dataset::DataLayouts,
         file: &Path,
     ) -> Result<usize, TrainError> {
         let bad = |message: String| TrainError::BadData {
@@ -1006,20 +1006,19 @@ impl Trainer {
         };
         let mut samples = None;
         for (name, decl) in &self.data_decls {
-            let t = data.get(name).ok_or_else(|| {
+            let (elem_type, shape) = data.layout(name).ok_or_else(|| {
                 bad(format!(
                     "no array named '{name}' (the model's data inputs: {})",
                     self.manifest.data_inputs.join(", ")
                 ))
             })?;
-            if t.elem_type() != decl.elem_type {
+            if elem_type != decl.elem_type {
                 return Err(bad(format!(
                     "array '{name}' is {} but the model's input is {}",
-                    crate::ir::print::elem_type_name(t.elem_type()),
+                    crate::ir::print::elem_type_name(elem_type),
                     crate::ir::print::elem_type_name(decl.elem_type)
                 )));
             }
-            let shape = t.shape();
             if shape.len() != decl.dims.len() || shape.is_empty() {
                 return Err(bad(format!(
                     "array '{name}' has shape {shape:?}; the model's input has rank {}",
@@ -1375,8 +1374,7 @@ pub fn micro_batch(
 
 /// The data rows micro-step `step` takes (see [`micro_batch`]), in order.
 pub fn micro_batch_rows(samples: usize, batch: usize, step: u64) -> Vec<usize> {
-    let start = ((step % samples as u64) as usize * (batch % samples)) % samples;
-    (0..batch).map(|j| (start + j) % samples).collect()
+    crate::sample_order::SampleOrder::InOrder.rows(samples, batch, step)
 }
 
 /// What [`open_engine`] fused, summed over the sessions.

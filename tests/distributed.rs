@@ -177,15 +177,24 @@ fn two_ranks_equal_one(
     data: &Path,
     tol: f64,
 ) -> Vec<serde_json::Value> {
+    ranks_equal_one_training(mpirun, dir, step, data, tol, &[])
+}
+
+/// [`two_ranks_equal_one`] with `extra` flags for every `train`.
+fn ranks_equal_one_training(
+    mpirun: &Path,
+    dir: &Path,
+    step: &Path,
+    data: &Path,
+    tol: f64,
+    extra: &[&str],
+) -> Vec<serde_json::Value> {
     let tag = step.file_stem().unwrap().to_str().unwrap();
     let one = dir.join(format!("{tag}.one.npz"));
     let one_metrics = dir.join(format!("{tag}.one.jsonl"));
-    let out = onnx_ga(&train_args(
-        step,
-        data,
-        "32",
-        &["--save-state", s(&one), "--metrics", s(&one_metrics)],
-    ));
+    let mut flags = vec!["--save-state", s(&one), "--metrics", s(&one_metrics)];
+    flags.extend_from_slice(extra);
+    let out = onnx_ga(&train_args(step, data, "32", &flags));
     assert!(out.status.success(), "{tag}: one process: {}", stderr(&out));
     let mut results = Vec::new();
     for ranks in [1, 2] {
@@ -199,13 +208,17 @@ fn two_ranks_equal_one(
                 data,
                 "32",
                 &[
-                    "--distributed",
-                    "mpi",
-                    "--save-state",
-                    s(&state),
-                    "--metrics",
-                    s(&m),
-                ],
+                    &[
+                        "--distributed",
+                        "mpi",
+                        "--save-state",
+                        s(&state),
+                        "--metrics",
+                        s(&m),
+                    ],
+                    extra,
+                ]
+                .concat(),
             ),
         );
         assert!(
@@ -287,6 +300,32 @@ fn two_ranks_train_like_one_process() {
         let step = rewritten(d, name, graph, &flags);
         two_ranks_equal_one(&mpirun, d, &step, &data(graph), 1e-6);
     }
+}
+
+/// `--shuffle`: every rank takes the rows of its global micro-steps in the shuffled order,
+/// so two ranks still train like one process (32 micro-steps of 4 over 64 rows: 2 epochs,
+/// each in its own order).
+#[test]
+fn shuffled_rows_on_two_ranks_train_like_one_process() {
+    let Some(mpirun) = mpirun() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let step = rewritten(d, "adamw_shuffled", "mlp_ce_adamw", &["--lr", "0.01"]);
+    let data = data("mlp_ce_adamw");
+    let shuffled = ranks_equal_one_training(&mpirun, d, &step, &data, 1e-6, &["--shuffle", "5"]);
+    // And the order is not the unshuffled one: the losses differ.
+    let step = rewritten(d, "adamw_in_order", "mlp_ce_adamw", &["--lr", "0.01"]);
+    let in_order = two_ranks_equal_one(&mpirun, d, &step, &data, 1e-6);
+    assert_ne!(
+        shuffled
+            .iter()
+            .map(|m| m["loss"].clone())
+            .collect::<Vec<_>>(),
+        in_order
+            .iter()
+            .map(|m| m["loss"].clone())
+            .collect::<Vec<_>>()
+    );
 }
 
 /// BatchNorm with window statistics (bn_stats=window): the running statistics move once

@@ -658,6 +658,7 @@ fn empty_axes_are_refused() {
         "x".to_string(),
         Tensor::F32(ndarray::ArrayD::zeros(ndarray::IxDyn(&[4, 0]))),
     )]);
+    let data = onnx_ga::dataset::Dataset::from_arrays(data);
     let err = onnx_ga::index_check::check_data(&data, &[]).unwrap_err();
     assert!(
         err.contains("array 'x' has shape [4, 0]: axis 1 is empty"),

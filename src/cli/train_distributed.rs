@@ -6,22 +6,22 @@
 //! forever in a collective its peer never joins). Rank 0 alone prints and writes the state,
 //! its progress record and the metrics, with the helpers of the one-process `train`.
 
-use std::collections::BTreeMap;
 use std::rc::Rc;
 
 use onnx_ga::data::Tensor;
+use onnx_ga::dataset::Dataset;
 use onnx_ga::distributed::{self, Collective};
-use onnx_ga::train::{micro_batch, TrainError, Trainer};
+use onnx_ga::train::{TrainError, Trainer};
 
 use super::{
-    check_plot_output, check_train_outputs, progress_path, recorded_progress, save_checkpoint,
-    train_plot, Failure, MetricsFile, NonFiniteStep, TrainArgs, UsageError,
+    check_plot_output, check_train_outputs, save_checkpoint, train_plot, Failure, MetricsFile,
+    NonFiniteStep, TrainArgs, UsageError,
 };
 
 /// What one rank set up before training.
 struct Setup {
     trainer: Trainer,
-    data: BTreeMap<String, Tensor>,
+    data: Dataset,
     samples: usize,
     start_step: u64,
 }
@@ -102,8 +102,9 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
         let full = position as u64 + len >= k;
         let apply = full || (args.flush && i + len == end);
         let (data, samples, batch) = (&setup.data, setup.samples, args.micro_batch);
+        let order = args.order();
         let result = trainer.run_window(i..i + len, apply, |g| {
-            Ok(micro_batch(data, samples, batch, g))
+            Ok(data.micro_batch(order, samples, batch, g)?)
         });
         let metrics = match result {
             Ok(m) => m,
@@ -135,7 +136,7 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
         if let (Some(every), Some(path)) = (args.save_every, &args.save_state) {
             if metrics.last().is_some_and(|m| m.applied) && windows.is_multiple_of(every) {
                 let saved = match lead {
-                    true => save_checkpoint(trainer, path, i, metrics_out.as_mut()),
+                    true => save_checkpoint(trainer, path, i, args.shuffle, metrics_out.as_mut()),
                     false => Ok(()),
                 };
                 agree_on(
@@ -163,7 +164,7 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
     if let Some(path) = &args.save_state {
         if saved_at != Some(end) {
             let saved = match lead {
-                true => save_checkpoint(trainer, path, end, metrics_out.as_mut()),
+                true => save_checkpoint(trainer, path, end, args.shuffle, metrics_out.as_mut()),
                 false => Ok(()),
             };
             agree_on(&collective, saved, rank, size, "the state rank 0 writes")?;
@@ -270,13 +271,16 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
     drop(model);
     trainer.set_on_nonfinite(on_nonfinite);
     crate::host_controls(&mut trainer, args.lr, args.accum_steps)?;
-    let data = onnx_ga::data::read_npz_only(&args.data, &trainer.manifest.data_inputs)?;
+    let data = onnx_ga::dataset::Dataset::open(&args.data, &trainer.manifest.data_inputs)?;
     if let Some(note) = onnx_ga::data::ignored_note(&args.data, &data.ignored) {
         if lead {
             eprintln!("{note}");
         }
     }
-    let data = data.arrays;
+    let data = data.dataset;
+    if let Some(note) = super::held_data_note(&data, &args.data).filter(|_| lead) {
+        eprintln!("{note}");
+    }
     let samples = trainer.check_data(&data, &args.data)?;
     super::check_micro_batch(args.micro_batch, samples, &args.data)?;
     onnx_ga::index_check::check_data(&data, &limits)
@@ -284,22 +288,10 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
     if let Some(path) = &args.init_state {
         trainer.load_state(path)?;
     }
-    let start_step = match (args.start_step, &args.init_state) {
-        (Some(step), _) => step,
-        (None, Some(path)) => match recorded_progress(&trainer, path)? {
-            Some(step) => {
-                if lead {
-                    eprintln!(
-                        "resuming at micro-step {step} (recorded in {})",
-                        progress_path(path).display()
-                    );
-                }
-                step
-            }
-            None => 0,
-        },
-        (None, None) => 0,
-    };
+    let (start_step, notes) = super::start_step(&trainer, args)?;
+    for note in notes.iter().filter(|_| lead) {
+        eprintln!("{note}");
+    }
     Ok(Setup {
         trainer,
         data,
@@ -387,7 +379,7 @@ fn collective_failure(e: distributed::CollectiveError) -> Failure {
 fn window_failure(
     args: &TrainArgs,
     trainer: &Trainer,
-    data: &BTreeMap<String, Tensor>,
+    data: &Dataset,
     samples: usize,
     e: TrainError,
     rank: usize,
@@ -400,8 +392,10 @@ fn window_failure(
     };
     let message = match &e {
         TrainError::NonFinite { step, loss } => {
-            let rows = onnx_ga::train::micro_batch_rows(samples, args.micro_batch, step - 1);
-            let batch = micro_batch(data, samples, args.micro_batch, step - 1);
+            let rows = args.order().rows(samples, args.micro_batch, step - 1);
+            // The rows were read for the step; should a second read fail, the report
+            // goes without their values.
+            let batch = data.rows(&rows).unwrap_or_default();
             let what = NonFiniteStep {
                 step: *step,
                 loss: *loss,
