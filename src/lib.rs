@@ -33,6 +33,7 @@ pub mod index_check;
 pub mod input;
 pub mod inspect;
 pub mod ir;
+pub mod lr_schedule;
 pub mod model;
 pub mod ops;
 pub mod passes;

@@ -217,6 +217,18 @@ struct TrainArgs {
     /// Micro-steps per window for this run (default: the step's K).
     #[arg(long, value_name = "K")]
     accum_steps: Option<i64>,
+    /// Optimizer steps of linear learning-rate warm-up: lr·(w+1)/W at step w < W.
+    #[arg(long, value_name = "W", default_value_t = 0)]
+    warmup: u64,
+    /// How the learning rate falls after the warm-up, reaching --min-lr at --decay-steps.
+    #[arg(long, value_enum, default_value = "none")]
+    decay: onnx_ga::lr_schedule::Decay,
+    /// The optimizer step (counted from the start of training) where the decay ends.
+    #[arg(long, value_name = "T")]
+    decay_steps: Option<u64>,
+    /// The learning rate the decay ends at.
+    #[arg(long, value_name = "M", default_value_t = 0.0)]
+    min_lr: f64,
     /// Intra-op threads of ONNX Runtime (0: it decides); tract runs on one thread.
     #[arg(long, default_value_t = 1)]
     threads: usize,
@@ -581,6 +593,58 @@ pub(crate) fn device_and_engine(
         _ => EngineKind::Ort,
     };
     Ok((device, requested))
+}
+
+/// `train --warmup/--decay`: the learning-rate schedule over the step's learning rate (or
+/// `--lr`), and K, which turns micro-steps into optimizer steps; `None` without one.
+pub(crate) fn lr_schedule(
+    args: &TrainArgs,
+    model: &onnx_ga::proto::ModelProto,
+    manifest: &onnx_ga::state::Manifest,
+) -> Result<Option<(onnx_ga::lr_schedule::LrSchedule, u64)>, UsageError> {
+    use onnx_ga::data::Tensor;
+    use onnx_ga::lr_schedule::{Decay, LrSchedule};
+    if args.warmup == 0 && args.decay == Decay::None && args.decay_steps.is_none() {
+        return Ok(None);
+    }
+    let scalar = |name: &str| -> Option<f64> {
+        let graph = model.graph.as_ref()?;
+        let t = graph.initializer.iter().find(|t| t.name() == name)?;
+        match Tensor::from_tensor_proto(t).ok()? {
+            Tensor::F32(a) if a.len() == 1 => a.iter().next().map(|v| *v as f64),
+            Tensor::I64(a) if a.len() == 1 => a.iter().next().map(|v| *v as f64),
+            _ => None,
+        }
+    };
+    let step = args.model.display();
+    let base = match (args.lr, &manifest.learning_rate) {
+        (_, None) => {
+            return Err(UsageError(format!(
+                "{step}: a learning-rate schedule needs the step's learning-rate input, and it records none (onnx_ga.learning_rate)"
+            )))
+        }
+        (Some(lr), _) => lr as f64,
+        (None, Some(name)) => scalar(name).ok_or_else(|| {
+            UsageError(format!(
+                "{step}: the learning-rate input '{name}' has no scalar default; pass --lr"
+            ))
+        })?,
+    };
+    let k_input = manifest
+        .apply
+        .as_ref()
+        .map_or("ga.accum_steps", |a| a.steps.as_str());
+    let k = match args.accum_steps {
+        Some(k) => k as f64,
+        None => scalar(k_input).ok_or_else(|| {
+            UsageError(format!(
+                "{step}: a learning-rate schedule counts optimizer steps, and K ('{k_input}') has no scalar default; pass --accum-steps"
+            ))
+        })?,
+    };
+    let schedule = LrSchedule::new(base, args.warmup, args.decay, args.decay_steps, args.min_lr)
+        .map_err(UsageError)?;
+    Ok(Some((schedule, k.max(1.0) as u64)))
 }
 
 /// `train --lr` and `--accum-steps`: the step's control inputs, set by the host.
@@ -1198,6 +1262,8 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     if args.threads > 1 {
         onnx_ga::runtime::set_shared_pool_threads(args.threads);
     }
+    onnx_ga::lr_schedule::check_flags(args.warmup, args.decay, args.decay_steps, args.min_lr)
+        .map_err(UsageError)?;
     if args.distributed.is_some() {
         return train_distributed::train(args);
     }
@@ -1246,6 +1312,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     // The step file is not read again: its initial values now live in the trainer's state,
     // and a copy kept for the whole run would be one more of the parameters' size.
     let limits = onnx_ga::index_check::index_limits(&model, &trainer.manifest.data_inputs);
+    let schedule = lr_schedule(&args, &model, &trainer.manifest)?;
     drop(model);
     trainer.set_on_nonfinite(on_nonfinite);
     progress.note(format!(
@@ -1354,6 +1421,14 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         let step_index = start_step + i;
         let batch = data.micro_batch(args.order(), samples, args.micro_batch, step_index)?;
         let flush = args.flush && i + 1 == args.steps;
+        let lr = match &schedule {
+            Some((schedule, k)) => {
+                let lr = schedule.at(step_index / k);
+                trainer.set_learning_rate(lr)?;
+                Some(lr)
+            }
+            None => None,
+        };
         let mut metrics = match trainer.step(&batch, flush) {
             Ok(m) => m,
             Err(TrainError::NonFinite { loss, .. }) => {
@@ -1391,6 +1466,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             }
         };
         metrics.step = step_index + 1;
+        metrics.lr = lr;
         progress.record(&metrics);
         if metrics.discarded && progress.stats().discarded.len() <= 10 {
             let rows = args.order().rows(samples, args.micro_batch, step_index);

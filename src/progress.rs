@@ -368,6 +368,7 @@ mod tests {
             scale: None,
             skipped: false,
             discarded: false,
+            lr: None,
         }
     }
 

@@ -124,6 +124,10 @@ pub struct StepMetrics {
     /// ([`OnNonFinite::Skip`]).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub discarded: bool,
+    /// The learning rate the micro-step ran with, when a schedule sets it
+    /// ([`crate::lr_schedule`]; the host fills it in).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f32>,
 }
 
 /// A data input's declared element type and shape (for checking the data file).
@@ -1261,6 +1265,7 @@ impl Trainer {
             scale,
             skipped,
             discarded: discard,
+            lr: None,
         })
     }
 }

@@ -328,6 +328,37 @@ fn shuffled_rows_on_two_ranks_train_like_one_process() {
     );
 }
 
+/// A learning-rate schedule: every rank sets each window's rate, as one process does.
+#[test]
+fn a_learning_rate_schedule_on_two_ranks_trains_like_one_process() {
+    let Some(mpirun) = mpirun() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let step = rewritten(d, "adamw_scheduled", "mlp_ce_adamw", &["--lr", "0.01"]);
+    let schedule = [
+        "--warmup",
+        "2",
+        "--decay",
+        "linear",
+        "--decay-steps",
+        "6",
+        "--min-lr",
+        "0.001",
+    ];
+    let m = ranks_equal_one_training(&mpirun, d, &step, &data("mlp_ce_adamw"), 1e-6, &schedule);
+    let rates: Vec<f64> = m.iter().map(|m| m["lr"].as_f64().unwrap()).collect();
+    // Windows of 4: 0.005, 0.01, 0.01, then down by 0.00225 a window to 0.001.
+    let want = [0.005, 0.01, 0.01, 0.00775, 0.0055, 0.00325, 0.001, 0.001];
+    for (g, rate) in rates.iter().enumerate() {
+        let w = want[g / 4];
+        assert!(
+            (rate - w).abs() < 1e-9,
+            "micro-step {}: {rate} vs {w}",
+            g + 1
+        );
+    }
+}
+
 /// BatchNorm with window statistics (bn_stats=window): the running statistics move once
 /// per window from the statistics pooled over both ranks. (SGD: AdamW would amplify the
 /// rounding noise that is the whole gradient of the conv bias in front of the BatchNorm.)

@@ -47,6 +47,7 @@ mod legalize_ops_a;
 mod legalize_ops_b;
 mod legalize_training;
 mod loss_scale;
+mod lr_schedule;
 mod model_io;
 mod mutation;
 mod nchwc_conv;

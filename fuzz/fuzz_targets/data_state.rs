@@ -80,4 +80,40 @@ fn check(fx: &Fixture, data: &[u8]) {
         }
     }
     let _ = trainer.load_state(&path);
+    drop(trainer);
+    if kind & 1 == 0 {
+        check_as_training_data(fx, &path, kind);
+    }
+}
+
+/// The bytes as `train --data` reads them: arrays left in the file or decoded
+/// (`dataset::Dataset`), checked, index-checked and read a micro-batch at a time, in order
+/// and shuffled.
+fn check_as_training_data(fx: &Fixture, path: &Path, kind: u8) {
+    let Ok(opened) = onnx_ga::dataset::Dataset::open(path, &fx.data_inputs) else {
+        return;
+    };
+    let data = opened.dataset;
+    let limits = [onnx_ga::index_check::IndexLimit {
+        input: "labels".into(),
+        low: 0,
+        high: 10,
+        ignore: Some(-100),
+        node: "SoftmaxCrossEntropyLoss".into(),
+        what: "classes".into(),
+    }];
+    let _ = onnx_ga::index_check::check_data(&data, &limits);
+    let trainer = fx.trainer.borrow();
+    let Ok(samples) = trainer.check_data(&data, path) else {
+        return;
+    };
+    let batch = 1 + (kind as usize >> 1) % 8;
+    for order in [
+        onnx_ga::sample_order::SampleOrder::InOrder,
+        onnx_ga::sample_order::SampleOrder::Shuffled { seed: kind as u64 },
+    ] {
+        for step in [0, 3, u64::MAX] {
+            let _ = data.micro_batch(order, samples, batch, step);
+        }
+    }
 }

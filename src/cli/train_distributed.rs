@@ -21,6 +21,8 @@ use super::{
 /// What one rank set up before training.
 struct Setup {
     trainer: Trainer,
+    /// The learning-rate schedule and K ([`super::lr_schedule`]).
+    schedule: Option<(onnx_ga::lr_schedule::LrSchedule, u64)>,
     data: Dataset,
     samples: usize,
     start_step: u64,
@@ -103,10 +105,21 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
         let apply = full || (args.flush && i + len == end);
         let (data, samples, batch) = (&setup.data, setup.samples, args.micro_batch);
         let order = args.order();
+        // Every micro-step of the run is in one window (resumed mid-window: its rest).
+        let lr = match &setup.schedule {
+            Some((schedule, k)) => {
+                let lr = schedule.at(i / k);
+                trainer
+                    .set_learning_rate(lr)
+                    .map_err(|e| ranked(rank, size, train_failure(e)))?;
+                Some(lr)
+            }
+            None => None,
+        };
         let result = trainer.run_window(i..i + len, apply, |g| {
             Ok(data.micro_batch(order, samples, batch, g)?)
         });
-        let metrics = match result {
+        let mut metrics = match result {
             Ok(m) => m,
             Err(e) => {
                 progress.abandon();
@@ -124,7 +137,8 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
         };
         position = 0;
         i += len;
-        for m in &metrics {
+        for m in metrics.iter_mut() {
+            m.lr = lr;
             if m.applied {
                 windows += 1;
             }
@@ -268,6 +282,7 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
         .map_err(|e| crate::step_context(e, &args.model))?;
     // Not read again: its initial values live in the trainer's state now (as in `train`).
     let limits = onnx_ga::index_check::index_limits(&model, &trainer.manifest.data_inputs);
+    let schedule = super::lr_schedule(args, &model, &trainer.manifest)?;
     drop(model);
     trainer.set_on_nonfinite(on_nonfinite);
     crate::host_controls(&mut trainer, args.lr, args.accum_steps)?;
@@ -294,6 +309,7 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
     }
     Ok(Setup {
         trainer,
+        schedule,
         data,
         samples,
         start_step,

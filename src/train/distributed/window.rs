@@ -400,6 +400,7 @@ impl Trainer {
                     scale: if last { scale_after } else { scale_before },
                     skipped: last && skipped,
                     discarded: buf[discarded_at + j] > 0.0,
+                    lr: None,
                 }
             })
             .collect())
