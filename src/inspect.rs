@@ -571,6 +571,9 @@ impl StepView {
                 let _ = writeln!(out, "  optimizer: {}", opt(&h.optimizer));
                 let _ = writeln!(out, "  learning rate: {}", opt(&h.learning_rate));
                 let _ = writeln!(out, "  AGC: {}", h.agc);
+                if let Some(max_norm) = &h.clip_norm {
+                    let _ = writeln!(out, "  clipped by the global norm: max_norm {max_norm}");
+                }
                 let _ = writeln!(out, "  loss scale: {}", h.loss_scale);
                 let _ = writeln!(out, "  precision: {}", h.precision);
                 let _ = writeln!(out, "  BatchNorm statistics: {}", opt(&h.bn_stats));

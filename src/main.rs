@@ -123,6 +123,10 @@ struct RewriteArgs {
     agc_eps: Option<f32>,
     #[command(flatten)]
     agc_select: AgcSelectArgs,
+    /// Clip the window's gradient by its global norm, as torch.nn.utils.clip_grad_norm_:
+    /// every gradient scaled by min(1, MAX / (||(||G_1||, ..., ||G_n||)|| + 1e-6)).
+    #[arg(long, value_name = "MAX")]
+    clip_norm: Option<f32>,
     /// Compute precision: fp16 and bf16 compute forward and backward in half precision with
     /// fp32 master weights and accumulators (the precision pass, after legalize-ort).
     #[arg(long, default_value = "fp32", value_parser = ["fp32", "fp16", "bf16"])]
@@ -952,6 +956,15 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
         )
         .into());
     }
+    if args.pipeline.is_some() && args.clip_norm.is_some() {
+        return Err(UsageError(
+            "--clip-norm builds its pass into the default pipeline; with --pipeline add clip-norm(max_norm=...) there instead".into(),
+        )
+        .into());
+    }
+    if let Some(max) = args.clip_norm.filter(|m| !(m.is_finite() && *m > 0.0)) {
+        return Err(UsageError(format!("--clip-norm {max}: must be a positive number")).into());
+    }
     let spec = match &args.pipeline {
         Some(spec) => spec.clone(),
         None => {
@@ -992,6 +1005,7 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
                 },
                 loss_scale,
                 agc,
+                clip_norm: args.clip_norm,
                 optimizer: onnx_ga::passes::optimizer::Optimizer {
                     kind: args.optimizer,
                     lr: args.lr,

@@ -245,6 +245,7 @@ impl Recipe {
             optimizer,
             learning_rate: self.value("optimizer", "lr"),
             agc: agc.unwrap_or_else(|| "off".into()),
+            clip_norm: self.value("clip-norm", "max_norm"),
             loss_scale: loss_scale.unwrap_or_else(|| "none".into()),
             precision: self
                 .value("precision", "dtype")
@@ -275,6 +276,9 @@ pub struct Headline {
     pub optimizer: Option<String>,
     pub learning_rate: Option<String>,
     pub agc: String,
+    /// `clip-norm`'s max_norm; `None` (and not printed) without the pass.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub clip_norm: Option<String>,
     pub loss_scale: String,
     pub precision: String,
 }

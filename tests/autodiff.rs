@@ -478,6 +478,87 @@ fn torch_gpt_weighted_adamw_equals_full_batch() {
     );
 }
 
+/// `clip-norm` before AdamW, against `torch.nn.utils.clip_grad_norm_` on the full batch's
+/// gradient before each step (graphs/forward/clip_reference.py). Its max_norm is the median
+/// of the unclipped run's global norms, so that some windows clip and some do not (the MLP:
+/// 5 of 8; the GPT: 4 of 8, recorded in run_adamw_clip.json).
+fn adamw_clipped_like_torch(model: &str) -> String {
+    let meta: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            root()
+                .join("fixtures/forward")
+                .join(model)
+                .join("run_adamw_clip.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let clipped = meta["clipped"].as_array().unwrap();
+    let count = clipped.iter().filter(|c| c.as_bool() == Some(true)).count();
+    assert!(
+        0 < count && count < clipped.len(),
+        "{model}: {count} of {} steps clip: the reference tests only one side",
+        clipped.len()
+    );
+    let max_norm = meta["max_norm"].as_f64().unwrap() as f32;
+    format!("clip-norm(max_norm={max_norm}),{ADAMW}")
+}
+
+#[test]
+fn torch_mlp_adamw_clipped_by_the_global_norm_equals_full_batch() {
+    let optimizer = adamw_clipped_like_torch("torch_mlp");
+    torch_training(
+        "torch_mlp",
+        &optimizer,
+        "mean",
+        8,
+        "run_adamw_clip.npz",
+        &none,
+    );
+}
+
+#[test]
+fn torch_gpt_weighted_adamw_clipped_by_the_global_norm_equals_full_batch() {
+    let optimizer = adamw_clipped_like_torch("torch_gpt");
+    torch_training(
+        "torch_gpt",
+        &optimizer,
+        "weighted",
+        4,
+        "run_adamw_clip.npz",
+        &key_bias_of(16),
+    );
+}
+
+/// A window under the limit is multiplied by exactly 1: a limit no window reaches trains
+/// bit for bit like no clipping.
+#[test]
+fn clip_norm_under_the_limit_changes_no_bit() {
+    if !ort_available() {
+        return;
+    }
+    let spec = |clip: &str| {
+        format!("autodiff(loss_fn=cross-entropy,ignore_index=-100,grads=internal),grad-accum(steps=4),{clip}{ADAMW},legalize-ort,dce")
+    };
+    let path = forward_path("torch_mlp", "dynamo");
+    let plain = train(&build(&path, &spec("")), "torch_mlp", 8, 32);
+    let unreached = train(
+        &build(&path, &spec("clip-norm(max_norm=1e30),")),
+        "torch_mlp",
+        8,
+        32,
+    );
+    assert_eq!(plain, unreached);
+    // And a limit every window reaches does change them.
+    let reached = train(
+        &build(&path, &spec("clip-norm(max_norm=1e-3),")),
+        "torch_mlp",
+        8,
+        32,
+    );
+    assert_ne!(plain, reached);
+}
+
 /// The key bias of a fused `c_attn` projection of width `d` (nanoGPT, GPT-2): its elements
 /// d..2d.
 fn key_bias_of(d: usize) -> impl Fn(&str, usize) -> bool {

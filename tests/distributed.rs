@@ -273,9 +273,9 @@ fn data(graph: &str) -> PathBuf {
     root().join("graphs").join(graph).join("data.npz")
 }
 
-/// SGD and AdamW, mean and weighted normalisation, AGC: 2 ranks x 2 micro-steps per window
-/// equal 1 process x 4 after 8 windows within 1e-6 relative (the order of the sum is the
-/// only difference; 1 rank is bit-identical).
+/// SGD and AdamW, mean and weighted normalisation, AGC, clipping by the global norm: 2 ranks
+/// x 2 micro-steps per window equal 1 process x 4 after 8 windows within 1e-6 relative (the
+/// order of the sum is the only difference; 1 rank is bit-identical).
 #[test]
 fn two_ranks_train_like_one_process() {
     let Some(mpirun) = mpirun() else { return };
@@ -295,6 +295,11 @@ fn two_ranks_train_like_one_process() {
             vec!["--lr", "0.05", "--agc", "0.01"],
         ),
         ("transformer", "transformer_block", vec!["--lr", "0.01"]),
+        (
+            "adamw_clip_norm",
+            "mlp_ce_adamw",
+            vec!["--lr", "0.01", "--clip-norm", "0.05"],
+        ),
     ];
     for (name, graph, flags) in cases {
         let step = rewritten(d, name, graph, &flags);

@@ -370,6 +370,7 @@ cases! {
     legalize_tanh_grad => "legalize/tanh_grad.onnxtxt",
     steps_adamw_where => "steps/adamw_where.onnxtxt",
     steps_agc => "steps/agc.onnxtxt",
+    steps_clip_norm => "steps/clip_norm.onnxtxt",
     steps_loss_scale_dynamic => "steps/loss_scale_dynamic.onnxtxt",
     steps_loss_scale_static => "steps/loss_scale_static.onnxtxt",
     steps_momentum_sum => "steps/momentum_sum.onnxtxt",

@@ -11,6 +11,7 @@
 pub mod agc;
 pub mod autodiff;
 pub mod bias_in_gemm;
+pub mod clip_norm;
 pub mod dce;
 pub mod fit_opset;
 pub mod fuse;
@@ -511,6 +512,7 @@ pub fn make_pass(options: &PassOptions) -> Result<Box<dyn Pass>, PassError> {
         "grad-accum" => Ok(Box::new(grad_accum::GradAccum::from_options(options)?)),
         "optimizer" => Ok(Box::new(optimizer::Optimizer::from_options(options)?)),
         "agc" => Ok(Box::new(agc::Agc::from_options(options)?)),
+        "clip-norm" => Ok(Box::new(clip_norm::ClipNorm::from_options(options)?)),
         "loss-scale" => Ok(Box::new(loss_scale::LossScale::from_options(options)?)),
         "precision" => Ok(Box::new(precision::Precision::from_options(options)?)),
         "fit-opset" => Ok(Box::new(fit_opset::FitOpset::from_options(options)?)),
@@ -524,7 +526,7 @@ pub fn make_pass(options: &PassOptions) -> Result<Box<dyn Pass>, PassError> {
         }
         other => Err(PassError::Spec {
             spec: other.to_string(),
-            message: "unknown pass (known: autodiff, grad-accum, agc, loss-scale, optimizer, legalize-ort, legalize-training, precision, lower-for-tract, fit-opset, dce)".into(),
+            message: "unknown pass (known: autodiff, grad-accum, agc, clip-norm, loss-scale, optimizer, legalize-ort, legalize-training, precision, lower-for-tract, fit-opset, dce)".into(),
         }),
     }
 }

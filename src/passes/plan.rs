@@ -8,7 +8,8 @@
 //! checks): `grad-accum` (after `autodiff` for a forward model, which
 //! [`super::autodiff::with_autodiff`] puts first with its own options); loss
 //! scaling right after it, so AGC and the optimizer see unscaled gradients; AGC right
-//! before the optimizer, after normalisation and unscaling; `legalize-ort` once the
+//! before the optimizer, after normalisation and unscaling; clipping by the global norm
+//! after AGC, so that the optimizer's gradient keeps the bound whatever AGC did; `legalize-ort` once the
 //! optimizer has written its math; half precision once only standard ops are left; `dce`;
 //! the lowering for tract last.
 
@@ -104,6 +105,8 @@ pub struct StepPlan {
     /// Loss scaling (`None`: none).
     pub loss_scale: Option<LossScalePlan>,
     pub agc: Option<AgcPlan>,
+    /// Clipping by the global norm: its `max_norm` (`None`: none).
+    pub clip_norm: Option<f32>,
     /// The optimizer pass itself: its options are its fields (`None`: the producer's or
     /// the formula's default).
     pub optimizer: super::optimizer::Optimizer,
@@ -125,6 +128,10 @@ impl StepPlan {
         if let Some(agc) = &self.agc {
             let options = super::agc::options_text(agc.clip, agc.eps, &agc.selection);
             passes.push(spec_text(super::agc::PASS, &options));
+        }
+        if let Some(max_norm) = self.clip_norm {
+            let options = super::clip_norm::options_text(max_norm);
+            passes.push(spec_text(super::clip_norm::PASS, &options));
         }
         passes.push(super::Pass::spec(&self.optimizer));
         passes.push(super::legalize::PASS.to_string());
@@ -170,6 +177,7 @@ mod tests {
                 eps: Some(0.001),
                 selection: Selection::default(),
             }),
+            clip_norm: Some(1.5),
             optimizer: super::super::optimizer::Optimizer {
                 kind: Some("adamw".parse().unwrap()),
                 lr: Some(0.01),
@@ -181,7 +189,7 @@ mod tests {
         assert_eq!(
             plan.spec(),
             "grad-accum(steps=4,apply=where),loss-scale,\
-             agc(clip=0.01,eps=0.001),optimizer(kind=adamw,lr=0.01),legalize-ort,\
+             agc(clip=0.01,eps=0.001),clip-norm(max_norm=1.5),optimizer(kind=adamw,lr=0.01),legalize-ort,\
              precision(dtype=fp16),dce,lower-for-tract"
         );
         // What it prints, the pipeline takes.
@@ -195,6 +203,10 @@ mod tests {
             Err(e) => e.to_string(),
         };
         assert!(refused("grad-accum,optimizer,agc(clip=0.1)").contains("run agc before optimizer"));
+        assert!(
+            refused("grad-accum,optimizer,clip-norm").contains("run clip-norm before optimizer")
+        );
+        assert!(refused("grad-accum,clip-norm,clip-norm,optimizer").contains("clip-norm runs once"));
         assert!(refused("optimizer,grad-accum").contains("run grad-accum before optimizer"));
         assert!(refused("grad-accum,grad-accum,optimizer").contains("grad-accum runs once"));
         let e = refused("grad-accum,optimizer,precision(dtype=fp16),legalize-ort");
