@@ -11,6 +11,8 @@ use onnx_ga::signature::{self, ExplicitRoles};
 // `train --distributed`: its own loop (windows, not micro-steps), on the helpers below.
 #[path = "cli/train_distributed.rs"]
 mod train_distributed;
+#[path = "cli/validation.rs"]
+mod validation;
 
 #[derive(Parser)]
 #[command(
@@ -165,6 +167,23 @@ struct TrainArgs {
     /// Micro-steps to run.
     #[arg(long)]
     steps: u64,
+    /// Validation data: an .npz like --data (the model's inputs and the labels). Its loss,
+    /// the model in inference form with the current parameters, is reported (progress,
+    /// --metrics, --plot) every --eval-every optimizer steps and at the end.
+    #[arg(long, value_name = "V.npz", requires = "eval_model")]
+    eval_data: Option<PathBuf>,
+    /// The model the validation loss runs: the forward model `rewrite` was given (BatchNorm
+    /// on its running statistics, no dropout), or the eval_model.onnx of ONNX Runtime's
+    /// artifacts; the step's current parameters are fed to it, and the step's loss is
+    /// appended as the step appended it.
+    #[arg(long, value_name = "MODEL.onnx", requires = "eval_data")]
+    eval_model: Option<PathBuf>,
+    /// Evaluate after every N optimizer steps too (default: only at the end).
+    #[arg(long, value_name = "N", requires = "eval_data")]
+    eval_every: Option<u64>,
+    /// Rows per evaluation batch (default: --micro-batch).
+    #[arg(long, value_name = "B", requires = "eval_data")]
+    eval_batch: Option<usize>,
     /// Take the data's rows in a new pseudo-random order each epoch, drawn from SEED: every
     /// row once an epoch, the same order on every run, rank and resume. Default: in order.
     #[arg(long, value_name = "SEED")]
@@ -388,6 +407,11 @@ struct ForwardArgs {
     /// Dropout in training mode (its mask reused by the backward) or removed.
     #[arg(long, value_enum, default_value = "train")]
     dropout: onnx_ga::passes::autodiff::DropoutMode,
+    /// The variance BatchNorm running variances move with: unbiased (n - 1, PyTorch's
+    /// BatchNorm) or biased (n: ONNX, ONNX Runtime's training build, Keras). Default: the
+    /// convention of the model's producer (unbiased for `pytorch`).
+    #[arg(long, value_enum)]
+    bn_var: Option<onnx_ga::passes::RunningVar>,
 }
 
 impl ForwardArgs {
@@ -434,6 +458,9 @@ impl ForwardArgs {
         }
         if self.dropout != onnx_ga::passes::autodiff::DropoutMode::Train {
             options.push(format!("dropout={}", self.dropout.as_str()));
+        }
+        if let Some(v) = self.bn_var {
+            options.push(format!("bn_var={}", v.as_str()));
         }
         Ok(Some(onnx_ga::passes::spec_text("autodiff", &options)))
     }
@@ -542,6 +569,14 @@ fn is_input_error(error: &anyhow::Error) -> bool {
             .downcast_ref::<onnx_ga::distributed::apply_only::ApplyOnlyError>()
             .is_some()
         || error.downcast_ref::<onnx_ga::plot::PlotError>().is_some()
+        || matches!(
+            error.downcast_ref::<onnx_ga::evaluate::EvalError>(),
+            Some(onnx_ga::evaluate::EvalError::Model { .. } | onnx_ga::evaluate::EvalError::Data { .. })
+        )
+        || matches!(
+            error.downcast_ref::<onnx_ga::evaluate::EvalError>(),
+            Some(onnx_ga::evaluate::EvalError::Engine { source: e, .. }) if engine_is_input(e) || matches!(e, onnx_ga::engine::EngineError::Runtime(r) if runtime_is_input(r))
+        )
         || error
             .downcast_ref::<onnx_ga::trained::ExportError>()
             .is_some()
@@ -762,13 +797,17 @@ fn plot(args: PlotArgs) -> Result<(), Failure> {
     let size = (args.width, args.height);
     let drawn = onnx_ga::plot::plot_file(&args.metrics, &args.output, size)?;
     eprintln!(
-        "wrote {} ({} micro-steps, {} windows, {} skipped, {} non-finite losses; moving average of {})",
+        "wrote {} ({} micro-steps, {} windows, {} skipped, {} non-finite losses; moving average of {}{})",
         args.output.display(),
         drawn.micro_steps,
         drawn.windows,
         drawn.skipped,
         drawn.non_finite,
-        drawn.average_of
+        drawn.average_of,
+        match drawn.evaluations {
+            0 => String::new(),
+            n => format!("; {n} validation losses"),
+        }
     );
     Ok(())
 }
@@ -1419,6 +1458,8 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     if let Some(path) = &args.init_state {
         trainer.load_state(path)?;
     }
+    let mut validation =
+        validation::Validation::open(&args, &trainer, &options, |n| progress.note(n))?;
     let (start_step, notes) = start_step(&trainer, &args)?;
     for note in notes {
         progress.note(note);
@@ -1496,6 +1537,14 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             out.line(&serde_json::to_string(&metrics)?)?;
         }
         let windows = progress.stats().optimizer_steps;
+        if let Some(v) = validation
+            .as_mut()
+            .filter(|_| validation::due(&args, metrics.applied, windows))
+        {
+            v.run(&trainer, metrics.step, metrics_out.as_mut(), |n| {
+                progress.note(n)
+            })?;
+        }
         if let (Some(every), Some(path)) = (args.save_every, &args.save_state) {
             if metrics.applied && windows.is_multiple_of(every) {
                 save_checkpoint(
@@ -1516,6 +1565,9 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
         }
     }
     let end = start_step + args.steps;
+    if let Some(v) = &mut validation {
+        v.run(&trainer, end, metrics_out.as_mut(), |n| progress.note(n))?;
+    }
     if let Some(path) = &args.save_state {
         if saved_at != Some(end) {
             save_checkpoint(&trainer, path, end, args.shuffle, metrics_out.as_mut())?;
@@ -1564,6 +1616,12 @@ fn check_plot_output(args: &TrainArgs, model_files: &[PathBuf]) -> Result<(), Fa
         .map(|p| ("the model or its external data", p.as_path()))
         .collect();
     taken.push(("the data", &args.data));
+    if let Some(path) = &args.eval_data {
+        taken.push(("the validation data", path));
+    }
+    if let Some(path) = &args.eval_model {
+        taken.push(("the eval model", path));
+    }
     let outputs = [
         ("the initial state", &args.init_state),
         ("the --save-state file", &args.save_state),
@@ -1665,6 +1723,12 @@ fn check_train_outputs(args: &TrainArgs, model_files: &[PathBuf]) -> Result<(), 
         })
         .collect();
     inputs.push(("the data", &args.data));
+    if let Some(path) = &args.eval_data {
+        inputs.push(("the validation data", path));
+    }
+    if let Some(path) = &args.eval_model {
+        inputs.push(("the eval model", path));
+    }
     let init_progress = args.init_state.as_deref().map(progress_path);
     let save_progress = args.save_state.as_deref().map(progress_path);
     if let Some(path) = &args.metrics {

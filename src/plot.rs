@@ -1,9 +1,9 @@
 //! `onnx-ga plot`: a picture of a training run from its metrics file (`train --metrics`).
 //!
-//! The loss of every micro-step and its moving average, window boundaries (when there are
-//! few enough to see), windows loss scaling skipped and micro-steps whose loss was not
-//! finite marked in red, and the loss scale on a second, logarithmic axis when the step
-//! has one. PNG or SVG by the output's extension, drawn with plotters; text uses a font
+//! The loss of every micro-step and its moving average, the validation loss where `train
+//! --eval-data` measured it, window boundaries (when there are few enough to see), windows
+//! loss scaling skipped and micro-steps whose loss was not finite marked in red, and the
+//! loss scale on a second, logarithmic axis when the step has one. PNG or SVG by the output's extension, drawn with plotters; text uses a font
 //! embedded in the binary (assets/), so no system font library is needed. Files are
 //! written atomically.
 
@@ -67,6 +67,21 @@ pub struct Point {
     pub scale: Option<f64>,
 }
 
+/// A validation loss of a metrics file (`train --eval-data`), after micro-step `step`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EvalPoint {
+    pub step: u64,
+    /// NaN where it was not finite.
+    pub loss: f64,
+}
+
+/// A metrics file: its micro-steps and its validation losses, each in file order.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Metrics {
+    pub points: Vec<Point>,
+    pub evals: Vec<EvalPoint>,
+}
+
 /// The image format, from the file's extension.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Format {
@@ -89,14 +104,28 @@ impl Format {
     }
 }
 
+/// A loss-like JSON value: a number, or NaN for `null` and the strings of non-finite values.
+fn loss_value(key: &str, value: &serde_json::Value) -> Result<f64, String> {
+    match value {
+        serde_json::Value::Null => Ok(f64::NAN),
+        serde_json::Value::Number(n) => Ok(n.as_f64().unwrap_or(f64::NAN)),
+        serde_json::Value::String(s) => match s.to_ascii_lowercase().as_str() {
+            "nan" | "inf" | "+inf" | "-inf" | "infinity" | "-infinity" => Ok(f64::NAN),
+            _ => Err(format!("\"{key}\" is the string {s:?}")),
+        },
+        other => Err(format!("\"{key}\" is {other}")),
+    }
+}
+
 /// Reads a metrics file: one JSON object per non-empty line with `step` and `loss`
-/// (`applied`, `skipped`, `discarded`, `scale` optional).
-pub fn read_metrics(path: &Path) -> Result<Vec<Point>, PlotError> {
+/// (`applied`, `skipped`, `discarded`, `scale` optional), or `step` and `eval_loss` (a
+/// validation loss).
+pub fn read_metrics(path: &Path) -> Result<Metrics, PlotError> {
     let text = crate::input::read_regular_to_string(path).map_err(|source| PlotError::Read {
         path: path.to_path_buf(),
         source,
     })?;
-    let mut points = Vec::new();
+    let mut metrics = Metrics::default();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
@@ -115,15 +144,17 @@ pub fn read_metrics(path: &Path) -> Result<Vec<Point>, PlotError> {
             .get("step")
             .and_then(serde_json::Value::as_u64)
             .ok_or_else(|| bad("no \"step\" (a whole number)".into()))?;
-        let loss = match object.get("loss") {
-            Some(serde_json::Value::Null) => f64::NAN,
-            Some(serde_json::Value::Number(n)) => n.as_f64().unwrap_or(f64::NAN),
-            Some(serde_json::Value::String(s)) => match s.to_ascii_lowercase().as_str() {
-                "nan" | "inf" | "+inf" | "-inf" | "infinity" | "-infinity" => f64::NAN,
-                _ => return Err(bad(format!("\"loss\" is the string {s:?}"))),
-            },
-            Some(other) => return Err(bad(format!("\"loss\" is {other}"))),
-            None => return Err(bad("no \"loss\"".into())),
+        let loss = match (object.get("loss"), object.get("eval_loss")) {
+            (Some(v), _) => loss_value("loss", v).map_err(bad)?,
+            (None, Some(v)) => {
+                let loss = loss_value("eval_loss", v).map_err(bad)?;
+                metrics.evals.push(EvalPoint {
+                    step,
+                    loss: if loss.is_finite() { loss } else { f64::NAN },
+                });
+                continue;
+            }
+            (None, None) => return Err(bad("no \"loss\" (or \"eval_loss\")".into())),
         };
         let flag = |key: &str| -> Result<bool, PlotError> {
             match object.get(key) {
@@ -139,7 +170,7 @@ pub fn read_metrics(path: &Path) -> Result<Vec<Point>, PlotError> {
                     .ok_or_else(|| bad(format!("\"scale\" is {v}, not a number")))?,
             ),
         };
-        points.push(Point {
+        metrics.points.push(Point {
             step,
             loss: if loss.is_finite() { loss } else { f64::NAN },
             applied: flag("applied")?,
@@ -148,12 +179,12 @@ pub fn read_metrics(path: &Path) -> Result<Vec<Point>, PlotError> {
             scale: scale.filter(|s| s.is_finite() && *s > 0.0),
         });
     }
-    if points.is_empty() {
+    if metrics.points.is_empty() {
         return Err(PlotError::Empty {
             path: path.to_path_buf(),
         });
     }
-    Ok(points)
+    Ok(metrics)
 }
 
 /// What a plot shows, for the message after writing it.
@@ -166,19 +197,21 @@ pub struct Drawn {
     /// Micro-steps in the moving average.
     pub average_of: usize,
     pub scale: bool,
+    /// Validation losses drawn.
+    pub evaluations: usize,
 }
 
 /// Reads `metrics` and writes its plot to `out` (atomically), PNG or SVG by extension.
 pub fn plot_file(metrics: &Path, out: &Path, size: (u32, u32)) -> Result<Drawn, PlotError> {
     let format = Format::of(out)?;
     check_size(out, size)?;
-    let points = read_metrics(metrics)?;
+    let metrics_read = read_metrics(metrics)?;
     let title = metrics
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let (bytes, drawn) =
-        render(&points, format, size, &title).map_err(|message| PlotError::Draw {
+        render(&metrics_read, format, size, &title).map_err(|message| PlotError::Draw {
             path: out.to_path_buf(),
             message,
         })?;
@@ -203,7 +236,7 @@ fn check_size(path: &Path, (width, height): (u32, u32)) -> Result<(), PlotError>
 
 /// The file's bytes.
 pub fn render(
-    points: &[Point],
+    metrics: &Metrics,
     format: Format,
     (width, height): (u32, u32),
     title: &str,
@@ -218,7 +251,7 @@ pub fn render(
             let mut svg = String::new();
             let drawn = {
                 let root = SVGBackend::with_string(&mut svg, (width, height)).into_drawing_area();
-                let drawn = draw(&root, points, title).map_err(|e| e.to_string())?;
+                let drawn = draw(&root, metrics, title).map_err(|e| e.to_string())?;
                 root.present().map_err(|e| e.to_string())?;
                 drawn
             };
@@ -229,7 +262,7 @@ pub fn render(
             let drawn = {
                 let root =
                     BitMapBackend::with_buffer(&mut rgb, (width, height)).into_drawing_area();
-                let drawn = draw(&root, points, title).map_err(|e| e.to_string())?;
+                let drawn = draw(&root, metrics, title).map_err(|e| e.to_string())?;
                 root.present().map_err(|e| e.to_string())?;
                 drawn
             };
@@ -323,15 +356,17 @@ const AVERAGE: RGBColor = RGBColor(20, 60, 150);
 const BOUNDARY: RGBColor = RGBColor(215, 215, 215);
 const BAD: RGBColor = RGBColor(205, 30, 30);
 const SCALE: RGBColor = RGBColor(30, 140, 60);
+const VALIDATION: RGBColor = RGBColor(230, 120, 20);
 
 type DrawResult<T, DB> = Result<T, DrawingAreaErrorKind<<DB as DrawingBackend>::ErrorType>>;
 
 fn draw<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
-    points: &[Point],
+    metrics: &Metrics,
     title: &str,
 ) -> DrawResult<Drawn, DB> {
     root.fill(&WHITE)?;
+    let (points, evals) = (&metrics.points, &metrics.evals);
     let n = points.len();
     let first = points.first().map_or(0, |p| p.step) as f64;
     let last = points.last().map_or(0, |p| p.step) as f64;
@@ -339,7 +374,11 @@ fn draw<DB: DrawingBackend>(
         true => (first - 0.5, last + 0.5),
         false => (first - 1.0, first + 1.0),
     };
-    let finite = points.iter().map(|p| p.loss).filter(|l| l.is_finite());
+    let finite = points
+        .iter()
+        .map(|p| p.loss)
+        .chain(evals.iter().map(|e| e.loss))
+        .filter(|l| l.is_finite());
     let (lo, hi) = finite.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), l| {
         (lo.min(l), hi.max(l))
     });
@@ -464,6 +503,25 @@ fn draw<DB: DrawingBackend>(
             labelled = true;
         }
     }
+    let evaluated: Vec<(f64, f64)> = evals
+        .iter()
+        .filter(|e| e.loss.is_finite())
+        .map(|e| (e.step as f64, e.loss))
+        .collect();
+    if !evaluated.is_empty() {
+        chart.draw_series(LineSeries::new(
+            evaluated.clone(),
+            VALIDATION.stroke_width(2),
+        ))?;
+        chart
+            .draw_series(
+                evaluated
+                    .iter()
+                    .map(|p| Circle::new(*p, 4, VALIDATION.filled())),
+            )?
+            .label("validation loss")
+            .legend(|(x, y)| Circle::new((x + 9, y), 4, VALIDATION.filled()));
+    }
     if !non_finite.is_empty() {
         let at = y0 + 0.03 * (y1 - y0);
         chart
@@ -508,6 +566,7 @@ fn draw<DB: DrawingBackend>(
         non_finite: non_finite.len(),
         average_of,
         scale: has_scale,
+        evaluations: evaluated.len(),
     })
 }
 
@@ -584,8 +643,46 @@ mod tests {
         let points: Vec<Point> = (1..=8)
             .map(|s| point(s, 1.0 / s as f64, s % 4 == 0))
             .collect();
-        let (svg, _) = render(&points, Format::Svg, (300, 200), "t").unwrap();
+        let metrics = Metrics {
+            points,
+            evals: vec![],
+        };
+        let (svg, drawn) = render(&metrics, Format::Svg, (300, 200), "t").unwrap();
         let svg = String::from_utf8(svg).unwrap();
         assert!(svg.contains(">\nmicro-step\n</text>"), "{svg}");
+        assert!(!svg.contains("validation loss"));
+        assert_eq!(drawn.evaluations, 0);
+    }
+
+    /// Validation losses are read from their own lines and drawn as their own series; a
+    /// non-finite one is not drawn.
+    #[test]
+    fn validation_losses_are_drawn_apart_from_the_micro_steps() {
+        let dir = std::env::temp_dir().join(format!("onnx-ga-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.jsonl");
+        let lines = [
+            r#"{"step":1,"loss":2.0,"applied":false}"#,
+            r#"{"step":2,"loss":1.5,"applied":true}"#,
+            r#"{"step":2,"eval_loss":1.75,"eval_rows":20}"#,
+            r#"{"step":3,"loss":1.25,"applied":false}"#,
+            r#"{"step":4,"loss":1.0,"applied":true}"#,
+            r#"{"step":4,"eval_loss":null,"eval_rows":20}"#,
+        ];
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        let metrics = read_metrics(&path).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(metrics.points.len(), 4);
+        assert_eq!(
+            metrics.evals[0],
+            EvalPoint {
+                step: 2,
+                loss: 1.75
+            }
+        );
+        assert!(metrics.evals[1].loss.is_nan());
+        let (svg, drawn) = render(&metrics, Format::Svg, (400, 300), "t").unwrap();
+        assert_eq!(drawn.evaluations, 1);
+        assert!(String::from_utf8(svg).unwrap().contains("validation loss"));
     }
 }

@@ -115,7 +115,7 @@ pub struct ExportSources<'a> {
 }
 
 /// What a state entry of the step is to the model it came from.
-enum ModelTensor {
+pub(crate) enum ModelTensor {
     /// A tensor of the model that the state must hold (its role, for the errors).
     Required(&'static str),
     /// A tensor of the model the state may hold (a frozen one).
@@ -125,7 +125,7 @@ enum ModelTensor {
 /// Whether a state entry is a model tensor: parameters and BatchNorm running statistics
 /// must be in the state, frozen tensors may; accumulators, moments, counters and the
 /// window's BatchNorm sums are not model tensors.
-fn model_tensor(e: &crate::state::StateEntry) -> Option<ModelTensor> {
+pub(crate) fn model_tensor(e: &crate::state::StateEntry) -> Option<ModelTensor> {
     match e.role {
         Role::Param => Some(ModelTensor::Required("parameter")),
         Role::BnStat if e.param.as_deref().is_none_or(|p| p == e.input) => {

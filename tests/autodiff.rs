@@ -706,6 +706,58 @@ fn torch_cnn_bn_equals_torch_micro_batch_loop() {
     }
 }
 
+/// PyTorch's BatchNorm moves its running variance with the batch's unbiased variance
+/// (n - 1), and a model torch exported trains its running statistics that way (`bn_var`
+/// defaults to unbiased for the producer `pytorch`):
+/// - at every micro-step (`bn_stats=micro`) they equal torch's own micro-batch loop's
+///   after 8 windows;
+/// - pooled per window (`bn_stats=window`), one window of 4 x 8 moves the first layer's like
+///   torch's one batch of 32 (graphs/forward/bn_reference.py); the second layer's input
+///   differs, as the first normalised each micro-batch with its own statistics;
+/// - `bn_var=biased` (ONNX's and ONNX Runtime's convention) is off by each update's n/(n-1).
+#[test]
+fn torch_cnn_running_statistics_move_like_torchs() {
+    if !ort_available() {
+        return;
+    }
+    let fixture = |name: &str| read_npz(&root().join("fixtures/forward/torch_cnn").join(name));
+    let worst = |state: &BTreeMap<String, Tensor>, expected: &BTreeMap<String, Tensor>| {
+        expected
+            .iter()
+            .map(|(name, want)| max_abs(&state[name], want))
+            .fold(0.0, f64::max)
+    };
+    for export in ["dynamo", "legacy"] {
+        let spec = |bn: &str| {
+            format!("autodiff(loss_fn=cross-entropy,grads=internal{bn}),grad-accum(steps=4,normalize=mean,bn_stats=micro),{SGD},legalize-ort,dce")
+        };
+        let path = forward_path("torch_cnn", export);
+        let loop_stats = fixture(&format!("{export}_running_stats.npz"));
+        let micro = worst(
+            &train(&build(&path, &spec("")), "torch_cnn", 8, 32),
+            &loop_stats,
+        );
+        assert!(micro <= 1e-6, "{export} micro: {micro:e} from torch's loop");
+        let biased = train(&build(&path, &spec(",bn_var=biased")), "torch_cnn", 8, 32);
+        let off = worst(&biased, &loop_stats);
+        assert!(
+            off > 1e-4,
+            "{export} biased: only {off:e} from torch's loop"
+        );
+
+        let window_spec = format!("autodiff(loss_fn=cross-entropy,grads=internal),grad-accum(steps=4,normalize=mean),{SGD},legalize-ort,dce");
+        let one_window = train(&build(&path, &window_spec), "torch_cnn", 8, 4);
+        let mut batch_stats = fixture(&format!("{export}_window_running_stats.npz"));
+        batch_stats.retain(|name, _| name.starts_with("bn1."));
+        let window = worst(&one_window, &batch_stats);
+        assert!(
+            window <= 1e-6,
+            "{export} window: {window:e} from torch's batch of 32"
+        );
+        eprintln!("MEASURED torch_cnn/{export} running statistics: micro {micro:e}, window {window:e} from torch; biased {off:e}");
+    }
+}
+
 /// The shipped artifacts' eval models (forward plus loss, parameters as graph inputs) with
 /// the checkpoint's values, differentiated by `--loss`: the gradients ONNX Runtime's
 /// training build computed for the same batch.

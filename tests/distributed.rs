@@ -762,3 +762,75 @@ fn rank_zero_reports_the_job_and_draws_the_plot() {
     let width = u32::from_be_bytes(png[16..20].try_into().unwrap());
     assert_eq!(width, onnx_ga::plot::DEFAULT_SIZE.0);
 }
+
+/// Validation on a data-parallel job (`--eval-data`): rank 0 alone evaluates, after the
+/// same windows as one process and on the same parameters, so the job reports the
+/// validation losses one process does; the other ranks wait for it to go well.
+#[test]
+fn validation_on_two_ranks_reports_what_one_process_does() {
+    let Some(mpirun) = mpirun() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let rewrite = [
+        "--loss-fn",
+        "cross-entropy",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.01",
+    ];
+    let step = rewritten(d, "mlp_eval", "forward/torch_mlp/dynamo.onnx", &rewrite);
+    let data = root().join("graphs/forward/torch_mlp/data.npz");
+    let eval_data = root().join("fixtures/forward/torch_mlp/eval_data.npz");
+    let forward = root().join("graphs/forward/torch_mlp/dynamo.onnx");
+    let validation = |m: &Path| -> Vec<(u64, f64)> {
+        metrics(m)
+            .iter()
+            .filter_map(|v| Some((v["step"].as_u64()?, v.get("eval_loss")?.as_f64()?)))
+            .collect()
+    };
+    let eval = [
+        "--eval-data",
+        s(&eval_data),
+        "--eval-model",
+        s(&forward),
+        "--eval-every",
+        "3",
+    ];
+    let one_metrics = d.join("one.jsonl");
+    let out = onnx_ga(&train_args(
+        &step,
+        &data,
+        "32",
+        &[&["--metrics", s(&one_metrics)], &eval[..]].concat(),
+    ));
+    assert!(out.status.success(), "one process: {}", stderr(&out));
+    let two_metrics = d.join("two.jsonl");
+    let out = mpi(
+        &mpirun,
+        2,
+        &train_args(
+            &step,
+            &data,
+            "32",
+            &[
+                &["--distributed", "mpi", "--metrics", s(&two_metrics)],
+                &eval[..],
+            ]
+            .concat(),
+        ),
+    );
+    assert!(out.status.success(), "2 ranks: {}", stderr(&out));
+    let (one, two) = (validation(&one_metrics), validation(&two_metrics));
+    // After windows 3 and 6 (micro-steps 12, 24), and at the end.
+    let steps: Vec<u64> = one.iter().map(|(s, _)| *s).collect();
+    assert_eq!(steps, [12, 24, 32]);
+    assert_eq!(two.len(), one.len(), "2 ranks: {two:?}");
+    for ((s2, l2), (s1, l1)) in two.iter().zip(&one) {
+        assert_eq!(s2, s1);
+        assert!(
+            (l2 - l1).abs() <= 1e-6 * l1.abs(),
+            "after micro-step {s1}: {l2} vs {l1}"
+        );
+    }
+}

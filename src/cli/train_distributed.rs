@@ -26,6 +26,8 @@ struct Setup {
     data: Dataset,
     samples: usize,
     start_step: u64,
+    /// `--eval-data`: on rank 0 only (every rank's parameters are equal after a window).
+    validation: Option<super::validation::Validation>,
 }
 
 pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
@@ -147,6 +149,24 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
             }
             progress.record(m);
         }
+        // Rank 0 evaluates; every rank knows when (the same windows), and waits to hear
+        // that it went well.
+        let applied = metrics.last().is_some_and(|m| m.applied);
+        if super::validation::due(&args, applied, windows) {
+            let evaluated = match setup.validation.as_mut() {
+                Some(v) => v
+                    .run(trainer, i, metrics_out.as_mut(), |n| progress.note(n))
+                    .map(|_| ()),
+                None => Ok(()),
+            };
+            agree_on(
+                &collective,
+                evaluated,
+                rank,
+                size,
+                "the validation rank 0 runs",
+            )?;
+        }
         if let (Some(every), Some(path)) = (args.save_every, &args.save_state) {
             if metrics.last().is_some_and(|m| m.applied) && windows.is_multiple_of(every) {
                 let saved = match lead {
@@ -175,6 +195,21 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
     trainer
         .check_replicas("at the end")
         .map_err(|e| ranked(rank, size, train_failure(e)))?;
+    if args.eval_data.is_some() {
+        let evaluated = match setup.validation.as_mut() {
+            Some(v) => v
+                .run(trainer, end, metrics_out.as_mut(), |n| progress.note(n))
+                .map(|_| ()),
+            None => Ok(()),
+        };
+        agree_on(
+            &collective,
+            evaluated,
+            rank,
+            size,
+            "the validation rank 0 runs",
+        )?;
+    }
     if let Some(path) = &args.save_state {
         if saved_at != Some(end) {
             let saved = match lead {
@@ -307,12 +342,19 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
     for note in notes.iter().filter(|_| lead) {
         eprintln!("{note}");
     }
+    let validation = match lead {
+        true => {
+            super::validation::Validation::open(args, &trainer, &options, |n| eprintln!("{n}"))?
+        }
+        false => None,
+    };
     Ok(Setup {
         trainer,
         schedule,
         data,
         samples,
         start_step,
+        validation,
     })
 }
 

@@ -41,7 +41,7 @@ pub const PASS: &str = "lower-for-tract";
 pub struct LowerForTract;
 
 impl LowerForTract {
-    fn lowerings() -> LegalizeOrt {
+    fn lowerings(running_var: super::RunningVar) -> LegalizeOrt {
         LegalizeOrt {
             fused_matmul: true,
             gelu: true,
@@ -49,6 +49,7 @@ impl LowerForTract {
             sce: true,
             nll: true,
             max_unpool: true,
+            running_var,
         }
     }
 }
@@ -85,8 +86,9 @@ impl Pass for LowerForTract {
         model: &mut Model,
         cx: &mut PassContext<'_>,
     ) -> Result<PassReport, PassError> {
+        let running_var = cx.bn_running_var();
         let (window, state) = cx.bn_window();
-        lower(model, state, window)
+        lower(model, state, window, running_var)
     }
 }
 
@@ -96,8 +98,10 @@ fn lower(
     model: &mut Model,
     state: &mut Vec<crate::state::StateEntry>,
     window: Option<&mut crate::passes::window::Window>,
+    running_var: super::RunningVar,
 ) -> Result<PassReport, PassError> {
-    let mut report = LowerForTract::lowerings().lower_model(model, PASS, state, window)?;
+    let mut report =
+        LowerForTract::lowerings(running_var).lower_model(model, PASS, state, window)?;
     let own = legalize::lower_for_tract(model, PASS)?;
     report.changed |= own.changed;
     report.added += own.added;
@@ -282,5 +286,7 @@ pub fn prepare(model: &ModelProto) -> Result<std::borrow::Cow<'_, ModelProto>, P
 
 /// `model` with the ops tract lacks lowered, its inputs, outputs and metadata untouched.
 pub fn lower_model(model: &ModelProto) -> Result<ModelProto, PassError> {
-    super::lowered_in_memory(model, PASS, |ir, state| lower(ir, state, None).map(|_| ()))
+    super::lowered_in_memory(model, PASS, |ir, state| {
+        lower(ir, state, None, super::RunningVar::Biased).map(|_| ())
+    })
 }

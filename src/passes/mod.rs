@@ -158,6 +158,9 @@ pub struct PassContext<'a> {
     /// something for a window; kept here, not in the window, and given to the lowering as
     /// the window or none ([`bn_window`](Self::bn_window)).
     bn_stats: BnStats,
+    /// Which variance the running variance moves with: a choice of the BatchNorm lowering
+    /// made by `autodiff` (the convention of the framework the forward model came from).
+    bn_running_var: RunningVar,
     /// The recipe so far: at most one section per pass run, with its resolved settings
     /// (the pipeline adds an empty one for a pass that reports none).
     pub recipe: Vec<crate::recipe::Section>,
@@ -198,6 +201,41 @@ impl std::str::FromStr for BnStats {
 
 value_enum!(BnStats: BnStats::Window, BnStats::Micro);
 
+/// The variance a BatchNorm layer's running variance moves with, from the batch's `n`
+/// values per channel. The normalisation itself always uses the biased one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RunningVar {
+    /// `Σ (x - mean)² / n`: ONNX's BatchNormalization, ONNX Runtime's training build and
+    /// Keras.
+    #[default]
+    Biased,
+    /// `Σ (x - mean)² / (n - 1)` (Bessel's correction): PyTorch's BatchNorm.
+    Unbiased,
+}
+
+impl RunningVar {
+    /// The word in autodiff's `bn_var=` option and `--bn-var`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunningVar::Biased => "biased",
+            RunningVar::Unbiased => "unbiased",
+        }
+    }
+}
+
+impl std::str::FromStr for RunningVar {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "biased" => Ok(RunningVar::Biased),
+            "unbiased" => Ok(RunningVar::Unbiased),
+            other => Err(format!("bn_var={other}: expected biased or unbiased")),
+        }
+    }
+}
+
+value_enum!(RunningVar: RunningVar::Biased, RunningVar::Unbiased);
+
 impl<'a> PassContext<'a> {
     pub fn new(signature: &'a mut TrainingSignature, checkpoint: Option<&'a Checkpoint>) -> Self {
         PassContext {
@@ -206,6 +244,7 @@ impl<'a> PassContext<'a> {
             state: Vec::new(),
             window: None,
             bn_stats: BnStats::Window,
+            bn_running_var: RunningVar::Biased,
             recipe: Vec::new(),
         }
     }
@@ -251,6 +290,16 @@ impl<'a> PassContext<'a> {
             BnStats::Micro => None,
         };
         (window, &mut self.state)
+    }
+
+    /// Which variance the BatchNorm lowering moves running variances with.
+    pub fn bn_running_var(&self) -> RunningVar {
+        self.bn_running_var
+    }
+
+    /// Set by `autodiff`, which knows where the forward model came from.
+    pub fn set_bn_running_var(&mut self, running_var: RunningVar) {
+        self.bn_running_var = running_var;
     }
 
     /// The window, for the step builder once the pipeline has run.

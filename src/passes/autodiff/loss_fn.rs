@@ -52,7 +52,8 @@ impl LossFn {
         }
     }
 
-    fn takes_classes(self) -> bool {
+    /// Whether the labels are class indices (cross-entropy, nll), not targets like `Y`.
+    pub fn takes_classes(self) -> bool {
         matches!(self, LossFn::CrossEntropy | LossFn::Nll)
     }
 }

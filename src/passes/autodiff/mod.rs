@@ -65,6 +65,19 @@ pub struct Autodiff {
     /// Expose every `p_grad` as a graph output (the gradient graph alone); off when later
     /// passes consume the gradients.
     pub grads_as_outputs: bool,
+    /// The variance BatchNorm running variances move with (`bn_var=`); by default the
+    /// convention of the framework that exported the model ([`running_var_of`]).
+    pub bn_var: Option<super::RunningVar>,
+}
+
+/// The running-variance convention of the framework that wrote `model`: PyTorch's BatchNorm
+/// moves it with the batch's unbiased variance (its exporter names itself `pytorch`); ONNX's
+/// BatchNormalization, ONNX Runtime's training build and Keras with the biased one.
+pub fn running_var_of(model: &Model) -> super::RunningVar {
+    match model.header.producer_name() {
+        "pytorch" => super::RunningVar::Unbiased,
+        _ => super::RunningVar::Biased,
+    }
 }
 
 fn fail(message: String) -> PassError {
@@ -101,6 +114,7 @@ impl Autodiff {
             "trainable",
             "dropout",
             "grads",
+            "bn_var",
         ])?;
         let spec_err = |message: String| PassError::Spec {
             spec: options.pass.clone(),
@@ -149,6 +163,7 @@ impl Autodiff {
             trainable: globs(options, "trainable"),
             dropout,
             grads_as_outputs,
+            bn_var: options.parse("bn_var")?,
         })
     }
 }
@@ -197,6 +212,9 @@ impl Pass for Autodiff {
         if !self.grads_as_outputs {
             o.push("grads=internal".into());
         }
+        if let Some(v) = self.bn_var {
+            o.push(format!("bn_var={}", v.as_str()));
+        }
         super::spec_text(PASS, &o)
     }
 
@@ -212,7 +230,30 @@ impl Pass for Autodiff {
         }
         let nodes_before = model.all_nodes().count();
         let readers = forward_readers(model);
+        let convention = running_var_of(model);
         let differentiated = differentiate(model, self)?;
+        if differentiated.batch_norms > 0 {
+            let running_var = self.bn_var.unwrap_or(convention);
+            cx.set_bn_running_var(running_var);
+            let mut section = crate::recipe::Section::new(PASS);
+            section.set(
+                "bn_var",
+                running_var.as_str(),
+                crate::recipe::Origin::Default,
+            );
+            let mut note = match running_var {
+                super::RunningVar::Unbiased => "running variances move with the batch's unbiased variance (n - 1), as PyTorch's BatchNorm".to_string(),
+                super::RunningVar::Biased => "running variances move with the batch's biased variance (n), as ONNX's BatchNormalization, ONNX Runtime's training build and Keras".to_string(),
+            };
+            if self.bn_var.is_none() {
+                note.push_str(match convention {
+                    super::RunningVar::Unbiased => "; the model's producer is pytorch",
+                    super::RunningVar::Biased => "; the model's producer is not pytorch",
+                });
+            }
+            section.note("bn_var", note);
+            cx.recipe.push(section);
+        }
         let mut report = PassReport {
             changed: true,
             ..Default::default()
@@ -424,6 +465,8 @@ pub struct Differentiated {
     /// Parameters torch's signature lists that the file does not hold (tied to one it
     /// holds, or unused).
     pub absent_torch_parameters: Vec<String>,
+    /// BatchNorm layers turned to their training form.
+    pub batch_norms: usize,
 }
 
 /// The gradient graph the autodiff pass `spec` (an `autodiff(...)` element) builds from the
@@ -599,6 +642,14 @@ fn param_of(model: &Model, v: ValueId, trainable: bool, grad: Option<String>) ->
         grad,
         accumulation: None,
     }
+}
+
+/// The loss of `spec` appended to `model` as the pass appends it; returns (loss, labels
+/// input). For a host that computes the loss a step was trained on without differentiating
+/// it (`crate::evaluate`: the validation loss).
+pub fn append_loss(model: &mut Model, spec: &LossSpec) -> Result<(ValueId, ValueId), PassError> {
+    let shapes = Shapes::infer(model);
+    loss_fn::append(model, spec, &shapes)
 }
 
 /// The whole transformation; see the module docs.
@@ -792,6 +843,7 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
         trainable: trainable_params,
         frozen,
         absent_torch_parameters,
+        batch_norms: normalized.batch_norms,
     })
 }
 

@@ -10,6 +10,11 @@
 //! running_var   = var  · momentum + batch_var  · (1 - momentum)
 //! ```
 //!
+//! With `RunningVar::Unbiased` (PyTorch's convention, chosen by `autodiff` for a model
+//! torch exported) the running variance moves with `batch_var · n / (n - 1)` instead, `n`
+//! the batch's values per channel (per window: the window's `K·n`); the normalisation
+//! itself stays biased, as in torch.
+//!
 //! All in the kernel's order of operations: the variance sums each image's squared norm
 //! (ReduceSumSquare over the spatial axes) over the batch, and Y is one per-channel affine
 //! pass (inference-mode BatchNormalization with mean 0, variance 1, epsilon 0, see
@@ -32,7 +37,7 @@ use super::{node_error, Lowering};
 use crate::ir::emit::Emit;
 use crate::ir::{BodyId, NodeId, ValueDef, ValueId};
 use crate::passes::window::{StateDecl, Window};
-use crate::passes::PassError;
+use crate::passes::{PassError, RunningVar};
 use crate::state::{Role, StateEntry};
 
 pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassError> {
@@ -96,7 +101,14 @@ pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassEr
             let take = l.scalar("one_minus_momentum", elem, (1.0 - momentum) as f64);
             let [next_mean, next_var] = [mean, var].map(|v| format!("{}.next", l.model().name(v)));
             let running_mean = running(l, mean, stats.mean, keep, take, &next_mean);
-            let running_var = running(l, var, stats.var, keep, take, &next_var);
+            let batch_var = match l.running_var {
+                RunningVar::Biased => stats.var,
+                RunningVar::Unbiased => {
+                    let bessel = bessel_factor(l, stats.count, elem, "bessel");
+                    l.op("Mul", &[stats.var, bessel], vec![], "batch_var_unbiased")
+                }
+            };
+            let running_var = running(l, var, batch_var, keep, take, &next_var);
             for (slot, input, next) in [(1, mean, running_mean), (2, var, running_var)] {
                 l.replace(node, slot, next);
                 expose_state(l, input, next);
@@ -115,7 +127,8 @@ pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassEr
 /// ```
 ///
 /// For equal micro-batches this is exactly the window's batch mean and biased variance,
-/// so K micro-batches of B move the running statistics like one batch of K·B.
+/// so K micro-batches of B move the running statistics like one batch of K·B; with
+/// `RunningVar::Unbiased` the variance is that batch's unbiased one, `· K·n / (K·n - 1)`.
 fn pool_per_window(
     l: &mut Lowering<'_, '_>,
     window: &mut Window,
@@ -192,6 +205,23 @@ fn pool_per_window(
         "bn_window_mean_sq",
     );
     let pooled_var = b.op("Sub", &[second, pooled_mean_sq], vec![], "bn_window_var");
+    let pooled_var = match l.running_var {
+        RunningVar::Biased => pooled_var,
+        RunningVar::Unbiased => {
+            // The window's values per channel: K micro-batches of n.
+            let total = b.op("Mul", &[stats.count, n], vec![], "bn_window_count");
+            let one = b.scalar_f32("bn_one", 1.0);
+            let less_one = b.op("Sub", &[total, one], vec![], "bn_window_count_less_one");
+            let less_one = b.op("Max", &[less_one, one], vec![], "bn_window_count_less_one");
+            let bessel = b.op("Div", &[total, less_one], vec![], "bn_window_bessel");
+            b.op(
+                "Mul",
+                &[pooled_var, bessel],
+                vec![],
+                "bn_window_var_unbiased",
+            )
+        }
+    };
     let keep = b.scalar_f32("bn_momentum", momentum);
     let take = b.scalar_f32("bn_one_minus_momentum", 1.0 - momentum);
     for (stat, pooled) in [(mean, pooled_mean), (var, pooled_var)] {
@@ -215,6 +245,15 @@ fn pool_per_window(
             .map_err(|e| e.in_pass(super::PASS))?;
     }
     Ok(())
+}
+
+/// `n / max(n - 1, 1)`: Bessel's correction for `n` values (one value has no spread to
+/// correct, and torch refuses such a batch in training).
+fn bessel_factor(l: &mut Lowering<'_, '_>, n: ValueId, elem: i32, hint: &str) -> ValueId {
+    let one = l.scalar("one", elem, 1.0);
+    let less_one = l.op("Sub", &[n, one], vec![], "n_less_one");
+    let less_one = l.op("Max", &[less_one, one], vec![], "n_less_one");
+    l.op("Div", &[n, less_one], vec![], hint)
 }
 
 /// `keep · old + take · batch`
@@ -260,6 +299,8 @@ fn expose_state(l: &mut Lowering<'_, '_>, input: ValueId, next: ValueId) {
 struct BatchStats {
     mean: ValueId,
     var: ValueId,
+    /// The values per channel, `n` (a float scalar).
+    count: ValueId,
 }
 
 impl BatchStats {
@@ -292,7 +333,11 @@ impl BatchStats {
         let var = l.op("Div", &[squares, n], vec![], "batch_var");
         let flat = l.int64s("flat", &[-1]);
         let mean = l.op("Reshape", &[mean_kept, flat], vec![], "saved_mean");
-        BatchStats { mean, var }
+        BatchStats {
+            mean,
+            var,
+            count: n,
+        }
     }
 
     /// `sqrt(1 / (var + epsilon))`, in the training build's order of operations.

@@ -71,6 +71,7 @@ pub fn lower_for_tract(model: &mut Model, stamp: &'static str) -> Result<PassRep
                 state: &mut state,
                 constants: &mut constants,
                 window: None,
+                running_var: super::RunningVar::Biased,
             };
             lower_and_remove(&mut lowering, *lower, node, &mut report)?;
         }
@@ -221,6 +222,9 @@ pub struct LegalizeOrt {
     pub nll: bool,
     /// Also lower MaxUnpool (standard ONNX, what MaxPoolGrad becomes; tract lacks it).
     pub max_unpool: bool,
+    /// The variance BatchNorm running variances move with (from the pass context, set by
+    /// `autodiff`; not an option of the pass).
+    pub running_var: super::RunningVar,
 }
 
 impl LegalizeOrt {
@@ -240,6 +244,7 @@ impl LegalizeOrt {
             sce: options.parse("sce")?.unwrap_or(false),
             nll: options.parse("nll")?.unwrap_or(false),
             max_unpool: options.parse("max-unpool")?.unwrap_or(false),
+            running_var: super::RunningVar::Biased,
         })
     }
 
@@ -323,8 +328,12 @@ impl Pass for LegalizeOrt {
         model: &mut Model,
         cx: &mut PassContext<'_>,
     ) -> Result<PassReport, PassError> {
+        let lowerings = LegalizeOrt {
+            running_var: cx.bn_running_var(),
+            ..self.clone()
+        };
         let (window, state) = cx.bn_window();
-        self.lower_model(model, PASS, state, window)
+        lowerings.lower_model(model, PASS, state, window)
     }
 }
 
@@ -376,6 +385,7 @@ impl LegalizeOrt {
                 state: &mut *state,
                 constants: &mut constants,
                 window: window.as_deref_mut(),
+                running_var: self.running_var,
             };
             lower_and_remove(&mut lowering, lower, node, &mut report)?;
         }
@@ -429,6 +439,8 @@ pub struct Lowering<'m, 'c> {
     /// The window, when grad-accum opened one and BatchNorm running statistics pool per
     /// window (`bn_stats=window`); `None`: they move at every micro-step.
     pub window: Option<&'c mut crate::passes::window::Window>,
+    /// The variance BatchNorm running variances move with.
+    pub running_var: super::RunningVar,
 }
 
 impl Lowering<'_, '_> {

@@ -1,0 +1,106 @@
+"""torch references for `train --eval-data/--eval-model` (tests/eval_loss.rs): the validation
+loss of `model.eval()` on held-out rows, before training and after every optimizer step.
+
+- torch_mlp, torch_gpt: the full-batch AdamW run of generate.py's `run_full` (K = 4
+  micro-batches of 8, or of 4 sequences, as one batch). The GPT's labels hold ignored
+  (padded) positions: the validation loss is the mean over every non-ignored label of the
+  set, which batches of any size must add up to.
+- torch_cnn (BatchNorm): torch's own micro-batch loop with SGD (generate.py's
+  `run_micro_sgd`: loss / K per micro-batch, a step per window), whose running statistics
+  move at every micro-batch, as a step rewritten with `--bn-stats micro` moves them. The
+  eval model normalises with them.
+
+The validation rows are the model's own data generator drawn with another seed (rows 20
+for the MLP and CNN, 10 for the GPT: not multiples of the batch). Writes, per model,
+fixtures/forward/<name>/eval_data.npz and eval.json (the losses, index 0 before training).
+Reads the committed graphs/forward/<name>/dynamo.onnx and data.npz; changes nothing else.
+Run with the torch venv:
+
+    .venv-torch/bin/python graphs/forward/eval_reference.py
+"""
+import copy
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import generate as g  # noqa: E402
+
+# name: (optimizer, validation rows)
+CASES = {"torch_mlp": ("adamw", 20), "torch_gpt": ("adamw", 10), "torch_cnn": ("sgd_micro", 20)}
+
+
+def validation_loss(m, val, names):
+    x, y = g.to_inputs(val, slice(0, len(val["labels"])), names)
+    was_training = m.training
+    m.eval()
+    with torch.no_grad():
+        loss = float(g.loss_fn(m(*x), y))
+    m.train(was_training)
+    return loss
+
+
+def run_adamw(model, data, names, batch, val):
+    m = copy.deepcopy(model).train()
+    opt = torch.optim.AdamW([p for _, p in m.named_parameters()], **g.ADAMW)
+    losses = [validation_loss(m, val, names)]
+    for t in range(g.STEPS):
+        idx = (np.arange(batch) + batch * t) % g.N_SAMPLES
+        x, y = g.to_inputs(data, idx, names)
+        opt.zero_grad(set_to_none=True)
+        g.loss_fn(m(*x), y).backward()
+        opt.step()
+        losses.append(validation_loss(m, val, names))
+    return losses
+
+
+def run_sgd_micro(model, data, names, val, k=4, micro=8):
+    m = copy.deepcopy(model).train()
+    opt = torch.optim.SGD([p for _, p in m.named_parameters()], **g.SGD)
+    window = k * micro
+    losses = [validation_loss(m, val, names)]
+    opt.zero_grad(set_to_none=True)
+    for t in range(g.STEPS):
+        for j in range(k):
+            idx = (np.arange(micro) + window * t + micro * j) % g.N_SAMPLES
+            x, y = g.to_inputs(data, idx, names)
+            (g.loss_fn(m(*x), y) / k).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(validation_loss(m, val, names))
+    return losses
+
+
+def main():
+    torch.set_num_threads(1)
+    for name, (optimizer, rows) in CASES.items():
+        spec = g.MODELS[name]
+        gdir, fdir = os.path.join(g.GRAPHS, name), os.path.join(g.FIXTURES, name)
+        names = [spec["input"], *spec.get("extra_inputs", [])]
+        data = dict(np.load(os.path.join(gdir, "data.npz")))
+        drawn = spec["data"](np.random.default_rng(1000 + spec["seed"]))
+        val = {k: v[:rows] for k, v in drawn.items()}
+        inits = g.onnx_initializers(os.path.join(gdir, "dynamo.onnx"))
+        torch.manual_seed(spec["seed"])
+        mapping, _ = g.map_state(spec["make"](), inits)
+        model = g.load_state_from_onnx(spec["make"], spec["seed"], mapping, inits)
+        if optimizer == "adamw":
+            losses = run_adamw(model, data, names, spec["batch"], val)
+        else:
+            losses = run_sgd_micro(model, data, names, val)
+        g.save_npz(os.path.join(fdir, "eval_data.npz"), val)
+        counted = int(np.sum(val["labels"] != g.IGNORE_INDEX))
+        meta = {"optimizer": optimizer, "rows": rows, "counted_labels": counted,
+                "steps": g.STEPS, "losses": losses, "torch": torch.__version__}
+        with open(os.path.join(fdir, "eval.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+            f.write("\n")
+        print(f"{name}: {optimizer}, {rows} rows ({counted} labels counted), "
+              f"validation loss {losses[0]:.6f} -> {losses[-1]:.6f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+//! `train --eval-data V.npz --eval-model M.onnx [--eval-every N] [--eval-batch B]`: the
+//! validation loss during training ([`onnx_ga::evaluate`]), reported in the progress notes,
+//! as a metrics line (`{"step", "eval_loss", "eval_rows"}`) and in the plot.
+//!
+//! Everything is checked before the first micro-step: the eval model against the step (its
+//! parameters, types and shapes), the validation data against the step's data inputs (as
+//! `--data` is) and the indices it holds. The one-process and the distributed `train`
+//! share it; on a data-parallel job rank 0 alone evaluates (the ranks' parameters are
+//! equal after every window).
+
+use std::path::PathBuf;
+
+use onnx_ga::dataset::Dataset;
+use onnx_ga::evaluate::{EvalGraph, Evaluation, Evaluator};
+use onnx_ga::train::{TrainOptions, Trainer};
+
+use super::{Failure, MetricsFile, TrainArgs, UsageError};
+
+/// Whether `args` evaluate after a micro-step that brought the run's optimizer steps to
+/// `windows` (`applied`: it ended a window); the end of the run evaluates anyway.
+pub(crate) fn due(args: &TrainArgs, applied: bool, windows: u64) -> bool {
+    args.eval_data.is_some()
+        && applied
+        && args.eval_every.is_some_and(|n| windows.is_multiple_of(n))
+}
+
+pub(crate) struct Validation {
+    evaluator: Evaluator,
+    data: Dataset,
+    file: PathBuf,
+    /// Rows evaluated: all of them, or as many whole batches as a fixed batch size allows.
+    rows: usize,
+    batch: usize,
+    micro_batch: usize,
+    /// The micro-step the last evaluation followed.
+    last_at: Option<u64>,
+    /// (micro-step, loss) of the lowest validation loss so far.
+    best: Option<(u64, f64)>,
+}
+
+/// One line of the metrics file.
+#[derive(serde::Serialize)]
+struct MetricsLine {
+    step: u64,
+    eval_loss: f64,
+    eval_rows: usize,
+}
+
+impl Validation {
+    /// The validation of `args` (`None` without --eval-data), checked and its session made;
+    /// `notes` takes what it says about itself.
+    pub(crate) fn open(
+        args: &TrainArgs,
+        trainer: &Trainer,
+        options: &TrainOptions,
+        mut note: impl FnMut(String),
+    ) -> Result<Option<Validation>, Failure> {
+        let (Some(file), Some(model_file)) = (&args.eval_data, &args.eval_model) else {
+            return Ok(None);
+        };
+        if args.eval_every == Some(0) {
+            return Err(UsageError("--eval-every 0: must be at least 1".into()).into());
+        }
+        if args.eval_batch == Some(0) {
+            return Err(UsageError("--eval-batch 0: must be at least 1".into()).into());
+        }
+        let model = onnx_ga::model::load_model(model_file)?;
+        let graph = EvalGraph::new(model, model_file, trainer)?;
+        let opened = Dataset::open(file, &trainer.manifest.data_inputs)?;
+        if let Some(n) = onnx_ga::data::ignored_note(file, &opened.ignored) {
+            note(n);
+        }
+        let data = opened.dataset;
+        let samples = trainer.check_data(&data, file)?;
+        let limits = onnx_ga::index_check::index_limits(graph.model(), graph.data_inputs());
+        onnx_ga::index_check::check_data(&data, &limits)
+            .map_err(|m| UsageError(format!("--eval-data {}: {m}", file.display())))?;
+        let requested = args.eval_batch.unwrap_or(args.micro_batch);
+        let (batch, rows) = match graph.fixed_batch() {
+            Some(fixed) if args.eval_batch.is_some_and(|b| b != fixed) => {
+                return Err(UsageError(format!(
+                    "--eval-batch {requested}: the eval model {} declares a batch of {fixed} rows",
+                    model_file.display()
+                ))
+                .into())
+            }
+            Some(fixed) if samples < fixed => {
+                return Err(UsageError(format!(
+                    "--eval-data {}: {samples} rows, fewer than the batch of {fixed} the eval model {} declares",
+                    file.display(),
+                    model_file.display()
+                ))
+                .into())
+            }
+            Some(fixed) => (fixed, samples - samples % fixed),
+            None => (requested.min(samples), samples),
+        };
+        if rows < samples {
+            note(format!(
+                "validation: the eval model declares a batch of {batch} rows: the last {} of {samples} rows are left out",
+                samples - rows
+            ));
+        }
+        note(format!(
+            "validation: {} over {rows} rows of {}, {batch} at a time, {}",
+            graph.describe(),
+            file.display(),
+            match args.eval_every {
+                Some(n) => format!("after every {n} optimizer steps and at the end"),
+                None => "at the end".into(),
+            }
+        ));
+        let evaluator = Evaluator::new(graph, options.engine, &options.session)?;
+        Ok(Some(Validation {
+            evaluator,
+            data,
+            file: file.clone(),
+            rows,
+            batch,
+            micro_batch: args.micro_batch,
+            last_at: None,
+            best: None,
+        }))
+    }
+
+    /// Evaluates after micro-step `step` (once: a second call for the same step does
+    /// nothing); reports it in `note` and `metrics`.
+    pub(crate) fn run(
+        &mut self,
+        trainer: &Trainer,
+        step: u64,
+        metrics: Option<&mut MetricsFile>,
+        note: impl FnOnce(String),
+    ) -> Result<Option<Evaluation>, Failure> {
+        if self.last_at == Some(step) {
+            return Ok(None);
+        }
+        let e = self.evaluator.evaluate(
+            trainer,
+            &self.data,
+            &self.file,
+            self.rows,
+            self.batch,
+            self.micro_batch,
+        )?;
+        self.last_at = Some(step);
+        if e.loss.is_finite() && self.best.is_none_or(|(_, b)| e.loss < b) {
+            self.best = Some((step, e.loss));
+        }
+        let best = match self.best {
+            Some((at, loss)) if at != step => format!("; lowest {loss:.6} after micro-step {at}"),
+            _ => String::new(),
+        };
+        note(format!(
+            "validation after micro-step {step}: loss {:.6} over {} rows ({:.2} s){best}",
+            e.loss,
+            e.rows,
+            e.wall.as_secs_f64()
+        ));
+        if let Some(out) = metrics {
+            let line = MetricsLine {
+                step,
+                eval_loss: e.loss,
+                eval_rows: e.rows,
+            };
+            out.line(&serde_json::to_string(&line)?)?;
+        }
+        Ok(Some(e))
+    }
+}

@@ -1,0 +1,313 @@
+//! The validation loss of `train --eval-data V.npz --eval-model M.onnx` (`onnx_ga::evaluate`),
+//! end to end through the CLI, against torch's `model.eval()` loss on held-out rows before
+//! training and after every optimizer step (fixtures/forward/<model>/eval.json and
+//! eval_data.npz, from graphs/forward/eval_reference.py):
+//!
+//! - the MLP, AdamW: 20 rows in batches of 8 (a last batch of 4);
+//! - the GPT, AdamW, padded labels: the mean over the set's 58 counted labels, which
+//!   batches of 4 and 3 sequences holding different numbers of them must add up to;
+//! - the CNN with BatchNorm, SGD, `--bn-stats micro`: the eval model normalises with the
+//!   running statistics the step moved, torch's micro-batch loop the reference.
+//!
+//! And what a user can get wrong is refused before training, with exit code 2.
+
+use std::path::{Path, PathBuf};
+
+use tempfile::TempDir;
+
+use crate::common::{cli_rewrite, onnx_ga_cli, ort_available, root};
+
+#[derive(serde::Deserialize)]
+struct Reference {
+    losses: Vec<f64>,
+    rows: usize,
+    steps: usize,
+}
+
+fn reference(model: &str) -> Reference {
+    let path = root()
+        .join("fixtures/forward")
+        .join(model)
+        .join("eval.json");
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+}
+
+fn forward(model: &str) -> PathBuf {
+    root()
+        .join("graphs/forward")
+        .join(model)
+        .join("dynamo.onnx")
+}
+
+/// (step, eval_loss, eval_rows) of every validation line of a metrics file.
+fn validation_lines(metrics: &Path) -> Vec<(u64, f64, usize)> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let loss = v.get("eval_loss")?.as_f64()?;
+            Some((
+                v["step"].as_u64().unwrap(),
+                loss,
+                v["eval_rows"].as_u64().unwrap() as usize,
+            ))
+        })
+        .collect()
+}
+
+/// `rewrite` of the model's forward export with `rewrite`, then `train` over its data for
+/// 8 windows of K = 4 micro-batches of `micro_batch`, evaluating after every window;
+/// returns the validation lines.
+fn train_with_validation(
+    dir: &Path,
+    model: &str,
+    rewrite: &[&str],
+    micro_batch: &str,
+    extra: &[&str],
+) -> Vec<(u64, f64, usize)> {
+    let step = dir.join("step.onnx");
+    let mut args = vec![
+        "--loss-fn",
+        "cross-entropy",
+        "--ignore-index",
+        "-100",
+        "--accum-steps",
+        "4",
+    ];
+    args.extend_from_slice(rewrite);
+    cli_rewrite(&format!("forward/{model}/dynamo.onnx"), &step, &args);
+    let data = root().join("graphs/forward").join(model).join("data.npz");
+    let eval_data = root()
+        .join("fixtures/forward")
+        .join(model)
+        .join("eval_data.npz");
+    let metrics = dir.join("m.jsonl");
+    let forward = forward(model);
+    let mut train = vec![
+        "train",
+        step.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--micro-batch",
+        micro_batch,
+        "--steps",
+        "32",
+        "--eval-data",
+        eval_data.to_str().unwrap(),
+        "--eval-model",
+        forward.to_str().unwrap(),
+        "--eval-every",
+        "1",
+        "--metrics",
+        metrics.to_str().unwrap(),
+        "--quiet",
+    ];
+    train.extend_from_slice(extra);
+    let out = onnx_ga_cli(&train);
+    assert!(
+        out.status.success(),
+        "{model}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    validation_lines(&metrics)
+}
+
+/// Every validation line against torch's loss after the same optimizer step.
+fn assert_like_torch(model: &str, lines: &[(u64, f64, usize)], tolerance: f64) {
+    let want = reference(model);
+    assert_eq!(
+        lines.len(),
+        want.steps,
+        "{model}: one validation per window"
+    );
+    let mut worst = 0f64;
+    for (i, (step, got, rows)) in lines.iter().enumerate() {
+        assert_eq!(
+            *step,
+            4 * (i as u64 + 1),
+            "{model}: after each window's last micro-step"
+        );
+        assert_eq!(*rows, want.rows, "{model}: every row evaluated");
+        let torch = want.losses[i + 1];
+        let err = (got - torch).abs() / torch.abs();
+        assert!(
+            err <= tolerance,
+            "{model}: validation after window {}: {got} vs torch {torch} ({err:e} relative)",
+            i + 1
+        );
+        worst = worst.max(err);
+    }
+    // Training moved the validation loss: a report of the initial parameters would fail.
+    let (first, last) = (want.losses[0], want.losses[want.steps]);
+    assert!(
+        (first - last).abs() > 100.0 * tolerance * first,
+        "{model}: {first} -> {last}"
+    );
+    eprintln!(
+        "MEASURED {model}: validation loss {worst:e} relative from torch, worst of {}",
+        lines.len()
+    );
+}
+
+#[test]
+fn mlp_validation_loss_is_torchs_eval_loss() {
+    if !ort_available() {
+        return;
+    }
+    let dir = TempDir::new().unwrap();
+    let lines = train_with_validation(
+        dir.path(),
+        "torch_mlp",
+        &["--optimizer", "adamw", "--lr", "0.01"],
+        "8",
+        &[],
+    );
+    assert_like_torch("torch_mlp", &lines, 2e-6);
+}
+
+/// Padded labels: the mean over every counted label of the set, whatever batches hold
+/// them (4 sequences at a time in training; 3 at a time here).
+#[test]
+fn gpt_validation_loss_counts_the_sets_labels_not_its_batches() {
+    if !ort_available() {
+        return;
+    }
+    let dir = TempDir::new().unwrap();
+    let rewrite = [
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.01",
+        "--normalize",
+        "weighted",
+    ];
+    let lines = train_with_validation(dir.path(), "torch_gpt", &rewrite, "4", &[]);
+    assert_like_torch("torch_gpt", &lines, 2e-6);
+    let dir = TempDir::new().unwrap();
+    let threes = train_with_validation(
+        dir.path(),
+        "torch_gpt",
+        &rewrite,
+        "4",
+        &["--eval-batch", "3"],
+    );
+    assert_like_torch("torch_gpt", &threes, 2e-6);
+}
+
+/// BatchNorm: the eval model normalises with the running statistics training moved
+/// (at every micro-batch with `--bn-stats micro`, as torch's loop moves them).
+#[test]
+fn batch_norm_validation_uses_the_trained_running_statistics() {
+    if !ort_available() {
+        return;
+    }
+    let dir = TempDir::new().unwrap();
+    let rewrite = ["--optimizer", "sgd", "--lr", "0.1", "--bn-stats", "micro"];
+    let lines = train_with_validation(dir.path(), "torch_cnn", &rewrite, "8", &[]);
+    assert_like_torch("torch_cnn", &lines, 2e-6);
+}
+
+/// tract runs the eval model too (SoftmaxCrossEntropyLoss lowered for it).
+#[test]
+fn tract_reports_the_same_validation_loss() {
+    let dir = TempDir::new().unwrap();
+    let lines = train_with_validation(
+        dir.path(),
+        "torch_mlp",
+        &["--optimizer", "adamw", "--lr", "0.01"],
+        "8",
+        &["--engine", "tract"],
+    );
+    assert_like_torch("torch_mlp", &lines, 2e-6);
+}
+
+/// A user's mistakes, refused before the first micro-step: exit 2, the file named,
+/// nothing written.
+#[test]
+fn a_model_or_data_that_does_not_fit_is_refused_before_training() {
+    if !ort_available() {
+        return;
+    }
+    let dir = TempDir::new().unwrap();
+    let step = dir.path().join("step.onnx");
+    cli_rewrite(
+        "forward/torch_mlp/dynamo.onnx",
+        &step,
+        &[
+            "--loss-fn",
+            "cross-entropy",
+            "--optimizer",
+            "adamw",
+            "--accum-steps",
+            "4",
+        ],
+    );
+    let data = root().join("graphs/forward/torch_mlp/data.npz");
+    let metrics = dir.path().join("m.jsonl");
+    let run = |eval_data: &Path, eval_model: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            step.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--micro-batch",
+            "8",
+            "--steps",
+            "8",
+            "--metrics",
+            metrics.to_str().unwrap(),
+            "--eval-data",
+            eval_data.to_str().unwrap(),
+            "--eval-model",
+            eval_model.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let out = onnx_ga_cli(&args);
+        assert!(!metrics.exists(), "{args:?}: wrote the metrics");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let mlp_data = root().join("fixtures/forward/torch_mlp/eval_data.npz");
+    // Another model: its parameters are not the step's.
+    let (code, err) = run(&mlp_data, &forward("torch_gpt"), &[]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("dynamo.onnx") && err.contains("is it the model that was trained?"),
+        "{err}"
+    );
+    // Another model's data: its labels are [rows, 8] token ids.
+    let gpt_data = root().join("fixtures/forward/torch_gpt/eval_data.npz");
+    let (code, err) = run(&gpt_data, &forward("torch_mlp"), &[]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("torch_gpt/eval_data.npz") && err.contains("'labels'"),
+        "{err}"
+    );
+    // A step file is not a forward model.
+    let (code, err) = run(&mlp_data, &step, &[]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("step.onnx"), "{err}");
+    for (flag, value) in [("--eval-every", "0"), ("--eval-batch", "0")] {
+        let (code, err) = run(&mlp_data, &forward("torch_mlp"), &[flag, value]);
+        assert_eq!(code, Some(2), "{err}");
+        assert!(err.contains(flag), "{err}");
+    }
+    // One without the other.
+    let out = onnx_ga_cli(&[
+        "train",
+        step.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--micro-batch",
+        "8",
+        "--steps",
+        "8",
+        "--eval-data",
+        mlp_data.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--eval-model"));
+}
