@@ -311,3 +311,65 @@ fn a_model_or_data_that_does_not_fit_is_refused_before_training() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--eval-model"));
 }
+
+/// A step made from ONNX Runtime's artifacts: their eval_model.onnx (the loss inside, the
+/// parameters as graph inputs) is the eval model. With nothing trained (`--steps 0`: the
+/// validation of the initial state) its loss on the fixture's batch is the loss ONNX
+/// Runtime's training build computed on it (fixtures/mlp_ce_adamw/grads.npz), in batches
+/// of 3 rows weighted back to the batch's mean.
+#[test]
+fn an_artifacts_eval_model_reports_the_training_builds_loss() {
+    if !ort_available() {
+        return;
+    }
+    let dir = TempDir::new().unwrap();
+    let step = dir.path().join("step.onnx");
+    cli_rewrite("mlp_ce_adamw", &step, &["--accum-steps", "4", "--lr", "0.01"]);
+    let fixture = crate::common::read_npz(&root().join("fixtures/mlp_ce_adamw/grads.npz"));
+    let batch: Vec<(&str, &onnx_ga::data::Tensor)> = fixture
+        .iter()
+        .filter_map(|(k, v)| k.strip_prefix("input/").map(|n| (n, v)))
+        .collect();
+    let data = dir.path().join("batch.npz");
+    onnx_ga::data::write_npz(&data, batch.iter().copied()).unwrap();
+    let eval_model = root().join("graphs/mlp_ce_adamw/eval_model.onnx");
+    let metrics = dir.path().join("m.jsonl");
+    let out = onnx_ga_cli(&[
+        "train",
+        step.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--micro-batch",
+        "4",
+        "--steps",
+        "0",
+        "--eval-data",
+        data.to_str().unwrap(),
+        "--eval-model",
+        eval_model.to_str().unwrap(),
+        "--eval-batch",
+        "3",
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("the model's own loss"), "{stderr}");
+    let lines = validation_lines(&metrics);
+    let want = match &fixture["loss"] {
+        onnx_ga::data::Tensor::F32(a) => f64::from(*a.iter().next().unwrap()),
+        other => panic!("loss {other:?}"),
+    };
+    let rows = fixture["input/labels"].shape()[0];
+    assert_eq!(lines.len(), 1);
+    let (step_no, got, evaluated) = lines[0];
+    assert_eq!((step_no, evaluated), (0, rows));
+    assert!(
+        (got - want).abs() <= 1e-6 * want.abs(),
+        "validation {got} vs ONNX Runtime's training build {want}"
+    );
+    eprintln!(
+        "MEASURED artifacts eval model: {:e} relative from the training build",
+        (got - want).abs() / want
+    );
+}
