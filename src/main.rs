@@ -184,6 +184,15 @@ struct TrainArgs {
     /// Rows per evaluation batch (default: --micro-batch).
     #[arg(long, value_name = "B", requires = "eval_data")]
     eval_batch: Option<usize>,
+    /// Write the state here (atomically, with its progress file, like --save-state) each
+    /// time the validation loss reaches a new lowest: the best model so far, for `export`.
+    /// A resume keeps the lowest its progress file records.
+    #[arg(long, value_name = "B.npz|B.safetensors", requires = "eval_data")]
+    save_best: Option<PathBuf>,
+    /// Stop early when N validations in a row (--eval-every) have not lowered the
+    /// validation loss; what the end of the run writes is written then.
+    #[arg(long, value_name = "N", requires = "eval_every")]
+    patience: Option<u64>,
     /// Take the data's rows in a new pseudo-random order each epoch, drawn from SEED: every
     /// row once an epoch, the same order on every run, rank and resume. Default: in order.
     #[arg(long, value_name = "SEED")]
@@ -1458,12 +1467,12 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     if let Some(path) = &args.init_state {
         trainer.load_state(path)?;
     }
-    let mut validation =
-        validation::Validation::open(&args, &trainer, &options, |n| progress.note(n))?;
     let (start_step, notes) = start_step(&trainer, &args)?;
     for note in notes {
         progress.note(note);
     }
+    let mut validation =
+        validation::Validation::open(&args, &trainer, &options, start_step, |n| progress.note(n))?;
     // Every check passed: from here on the outputs are written as training goes.
     let mut metrics_out = match &args.metrics {
         Some(path) => Some(MetricsFile::open(path, start_step)?),
@@ -1472,6 +1481,8 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     progress.start_clock();
     // The micro-step the state file was last written after.
     let mut saved_at: Option<u64> = None;
+    // Where the run ends: after its --steps, or earlier by --patience.
+    let mut end = start_step + args.steps;
     for i in 0..args.steps {
         let step_index = start_step + i;
         let batch = data.micro_batch(args.order(), samples, args.micro_batch, step_index)?;
@@ -1537,6 +1548,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             out.line(&serde_json::to_string(&metrics)?)?;
         }
         let windows = progress.stats().optimizer_steps;
+        let mut stop = false;
         if let Some(v) = validation
             .as_mut()
             .filter(|_| validation::due(&args, metrics.applied, windows))
@@ -1544,6 +1556,10 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
             v.run(&trainer, metrics.step, metrics_out.as_mut(), |n| {
                 progress.note(n)
             })?;
+            if v.exhausted() {
+                progress.note(v.stop_note(metrics.step));
+                stop = true;
+            }
         }
         if let (Some(every), Some(path)) = (args.save_every, &args.save_state) {
             if metrics.applied && windows.is_multiple_of(every) {
@@ -1563,8 +1579,11 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
                 train_plot(&args, &progress)?;
             }
         }
+        if stop {
+            end = metrics.step;
+            break;
+        }
     }
-    let end = start_step + args.steps;
     if let Some(v) = &mut validation {
         v.run(&trainer, end, metrics_out.as_mut(), |n| progress.note(n))?;
     }
@@ -1626,6 +1645,7 @@ fn check_plot_output(args: &TrainArgs, model_files: &[PathBuf]) -> Result<(), Fa
         ("the initial state", &args.init_state),
         ("the --save-state file", &args.save_state),
         ("the --metrics file", &args.metrics),
+        ("the --save-best file", &args.save_best),
     ];
     for (what, path) in &outputs {
         if let Some(p) = path {
@@ -1754,6 +1774,27 @@ fn check_train_outputs(args: &TrainArgs, model_files: &[PathBuf]) -> Result<(), 
         refuse_overwrite("--save-state", progress, &inputs)?;
         check_writable("--save-state", path)?;
     }
+    if let Some(path) = &args.save_best {
+        onnx_ga::data::StateFormat::of(path)
+            .map_err(|e| UsageError(format!("--save-best: {e}")))?;
+        let progress = progress_path(path);
+        let mut taken = inputs.clone();
+        if let Some(init) = &args.init_state {
+            taken.push(("the initial state", init));
+        }
+        if let Some(state) = &args.save_state {
+            taken.push(("the --save-state file", state));
+        }
+        if let Some(p) = &save_progress {
+            taken.push(("the --save-state progress file", p));
+        }
+        if let Some(m) = &args.metrics {
+            taken.push(("the --metrics file", m));
+        }
+        refuse_overwrite("--save-best", path, &taken)?;
+        refuse_overwrite("--save-best", &progress, &taken)?;
+        check_writable("--save-best", path)?;
+    }
     Ok(())
 }
 
@@ -1784,6 +1825,9 @@ struct Checkpoint {
     /// `train --shuffle`'s seed, when the run that saved the state shuffled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     shuffle: Option<u64>,
+    /// The validation loss of the state, when `--save-best` wrote it for that.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    eval_loss: Option<f64>,
 }
 
 /// What a [`Checkpoint`] recognises its state by: FNV-1a over the state's bytes taken as
@@ -1976,6 +2020,19 @@ fn save_checkpoint(
     shuffle: Option<u64>,
     metrics: Option<&mut MetricsFile>,
 ) -> Result<(), Failure> {
+    write_checkpoint(trainer, path, micro_steps, shuffle, metrics, None)
+}
+
+/// [`save_checkpoint`], its record also holding the state's validation loss
+/// (`--save-best`).
+fn write_checkpoint(
+    trainer: &onnx_ga::train::Trainer,
+    path: &Path,
+    micro_steps: u64,
+    shuffle: Option<u64>,
+    metrics: Option<&mut MetricsFile>,
+    eval_loss: Option<f64>,
+) -> Result<(), Failure> {
     if let Some(name) = trainer.nonfinite_state()? {
         return Err(UsageError(format!(
             "{}: not written: state '{name}' is not finite after micro-step {micro_steps} (the data or the learning rate made training diverge); the file keeps what it held",
@@ -1988,6 +2045,7 @@ fn save_checkpoint(
         micro_steps,
         state_digest: Digest::of_state(trainer, false)?,
         shuffle,
+        eval_loss,
     };
     // The previous save stays recorded until this one is complete.
     let previous = read_progress(&progress_file)

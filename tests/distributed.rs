@@ -834,3 +834,61 @@ fn validation_on_two_ranks_reports_what_one_process_does() {
         );
     }
 }
+
+/// `--patience` on a data-parallel job: rank 0 decides and every rank stops with it. At
+/// `--lr 0` the validation loss never falls below its first value, so patience 2 stops
+/// after the third validation (micro-step 12), on one process and on two ranks alike.
+#[test]
+fn patience_stops_every_rank_where_one_process_stops() {
+    let Some(mpirun) = mpirun() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let rewrite = ["--loss-fn", "cross-entropy", "--optimizer", "adamw"];
+    let step = rewritten(d, "mlp_patience", "forward/torch_mlp/dynamo.onnx", &rewrite);
+    let data = root().join("graphs/forward/torch_mlp/data.npz");
+    let eval_data = root().join("fixtures/forward/torch_mlp/eval_data.npz");
+    let forward = root().join("graphs/forward/torch_mlp/dynamo.onnx");
+    let flags = [
+        "--lr",
+        "0",
+        "--eval-data",
+        s(&eval_data),
+        "--eval-model",
+        s(&forward),
+        "--eval-every",
+        "1",
+        "--patience",
+        "2",
+    ];
+    let saved = |state: &Path| -> serde_json::Value {
+        let text = std::fs::read_to_string(format!("{}.progress.json", state.display())).unwrap();
+        serde_json::from_str::<serde_json::Value>(&text).unwrap()["checkpoints"][0]["micro_steps"]
+            .clone()
+    };
+    let one = d.join("one.npz");
+    let out = onnx_ga(&train_args(
+        &step,
+        &data,
+        "32",
+        &[&["--save-state", s(&one)], &flags[..]].concat(),
+    ));
+    assert!(out.status.success(), "one process: {}", stderr(&out));
+    assert_eq!(saved(&one), 12);
+    let two = d.join("two.npz");
+    let out = mpi(
+        &mpirun,
+        2,
+        &train_args(
+            &step,
+            &data,
+            "32",
+            &[
+                &["--distributed", "mpi", "--save-state", s(&two)],
+                &flags[..],
+            ]
+            .concat(),
+        ),
+    );
+    assert!(out.status.success(), "2 ranks: {}", stderr(&out));
+    assert_eq!(saved(&two), 12);
+}

@@ -324,7 +324,11 @@ fn an_artifacts_eval_model_reports_the_training_builds_loss() {
     }
     let dir = TempDir::new().unwrap();
     let step = dir.path().join("step.onnx");
-    cli_rewrite("mlp_ce_adamw", &step, &["--accum-steps", "4", "--lr", "0.01"]);
+    cli_rewrite(
+        "mlp_ce_adamw",
+        &step,
+        &["--accum-steps", "4", "--lr", "0.01"],
+    );
     let fixture = crate::common::read_npz(&root().join("fixtures/mlp_ce_adamw/grads.npz"));
     let batch: Vec<(&str, &onnx_ga::data::Tensor)> = fixture
         .iter()
@@ -372,4 +376,202 @@ fn an_artifacts_eval_model_reports_the_training_builds_loss() {
         "MEASURED artifacts eval model: {:e} relative from the training build",
         (got - want).abs() / want
     );
+}
+
+/// The CNN's validation losses after its 8 windows (eval.json) go down to window 3, up at
+/// 4, down at 5 and 7, up at 6 and 8. `--save-best` writes the state at each new lowest,
+/// its progress record holding the loss; `--patience 1` stops at the first rise (micro-step
+/// 16), writing what the end writes; a resume keeps the lowest its record holds, so a worse
+/// validation does not replace the best state.
+#[test]
+fn save_best_keeps_the_lowest_and_patience_stops_at_the_first_rise() {
+    if !ort_available() {
+        return;
+    }
+    let dir = TempDir::new().unwrap();
+    let d = dir.path();
+    let step = d.join("step.onnx");
+    cli_rewrite(
+        "forward/torch_cnn/dynamo.onnx",
+        &step,
+        &[
+            "--loss-fn",
+            "cross-entropy",
+            "--accum-steps",
+            "4",
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "0.1",
+            "--bn-stats",
+            "micro",
+        ],
+    );
+    let data = root().join("graphs/forward/torch_cnn/data.npz");
+    let eval_data = root().join("fixtures/forward/torch_cnn/eval_data.npz");
+    let model = forward("torch_cnn");
+    let train = |steps: &str, extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            step.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--micro-batch",
+            "8",
+            "--steps",
+            steps,
+            "--eval-data",
+            eval_data.to_str().unwrap(),
+            "--eval-model",
+            model.to_str().unwrap(),
+            "--eval-every",
+            "1",
+        ];
+        args.extend_from_slice(extra);
+        let out = onnx_ga_cli(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{args:?}: {stderr}");
+        stderr
+    };
+    let p = |name: &str| d.join(name);
+    let s = |name: &str| p(name).to_str().unwrap().to_string();
+    let record = |name: &str| -> serde_json::Value {
+        let text = std::fs::read_to_string(p(&format!("{name}.progress.json"))).unwrap();
+        serde_json::from_str(&text).unwrap()
+    };
+    let last = |name: &str| {
+        record(name)["checkpoints"]
+            .as_array()
+            .unwrap()
+            .last()
+            .unwrap()
+            .clone()
+    };
+    let torch = reference("torch_cnn").losses;
+
+    // The whole run: the lowest is after window 7 (micro-step 28); its state is the one a
+    // run of 28 micro-steps ends with, bit for bit.
+    train("32", &["--save-best", &s("best.npz")]);
+    assert_eq!(last("best.npz")["micro_steps"], 28);
+    let loss = last("best.npz")["eval_loss"].as_f64().unwrap();
+    assert!(
+        (loss - torch[7]).abs() <= 2e-6 * torch[7],
+        "{loss} vs torch {}",
+        torch[7]
+    );
+    train("28", &["--save-state", &s("s28.npz")]);
+    assert_eq!(
+        std::fs::read(p("best.npz")).unwrap(),
+        std::fs::read(p("s28.npz")).unwrap()
+    );
+
+    // Patience 1: the rise after window 4 stops the run there, and the end's writes happen.
+    let metrics = p("m.jsonl");
+    let said = train(
+        "32",
+        &[
+            "--patience",
+            "1",
+            "--save-state",
+            &s("stopped.npz"),
+            "--metrics",
+            &s("m.jsonl"),
+        ],
+    );
+    assert!(said.contains("early stop after micro-step 16"), "{said}");
+    assert_eq!(last("stopped.npz")["micro_steps"], 16);
+    let lines = validation_lines(&metrics);
+    let steps: Vec<u64> = lines.iter().map(|l| l.0).collect();
+    assert_eq!(steps, [4, 8, 12, 16]);
+    train("16", &["--save-state", &s("s16.npz")]);
+    assert_eq!(
+        std::fs::read(p("stopped.npz")).unwrap(),
+        std::fs::read(p("s16.npz")).unwrap()
+    );
+
+    // A resume after window 3 (the lowest so far) through window 4 (a rise): the best
+    // state stays the one after micro-step 12.
+    train(
+        "12",
+        &["--save-state", &s("r.npz"), "--save-best", &s("rbest.npz")],
+    );
+    let before = std::fs::read(p("rbest.npz")).unwrap();
+    let said = train(
+        "4",
+        &[
+            "--init-state",
+            &s("r.npz"),
+            "--save-state",
+            &s("r.npz"),
+            "--save-best",
+            &s("rbest.npz"),
+        ],
+    );
+    assert!(said.contains("the lowest so far is 1.406"), "{said}");
+    assert_eq!(last("rbest.npz")["micro_steps"], 12);
+    assert_eq!(std::fs::read(p("rbest.npz")).unwrap(), before);
+    // Then through window 5, lower again: written.
+    train(
+        "4",
+        &[
+            "--init-state",
+            &s("r.npz"),
+            "--save-state",
+            &s("r.npz"),
+            "--save-best",
+            &s("rbest.npz"),
+        ],
+    );
+    assert_eq!(last("rbest.npz")["micro_steps"], 20);
+}
+
+/// `--save-best` is an output like the others: not an input, not another output.
+#[test]
+fn save_best_refuses_to_overwrite_an_input_or_another_output() {
+    let dir = TempDir::new().unwrap();
+    let step = dir.path().join("step.onnx");
+    cli_rewrite(
+        "forward/torch_mlp/dynamo.onnx",
+        &step,
+        &[
+            "--loss-fn",
+            "cross-entropy",
+            "--accum-steps",
+            "4",
+            "--optimizer",
+            "sgd",
+        ],
+    );
+    let data = root().join("graphs/forward/torch_mlp/data.npz");
+    let eval_data = root().join("fixtures/forward/torch_mlp/eval_data.npz");
+    let model = forward("torch_mlp");
+    let state = dir.path().join("s.npz");
+    for (best, what) in [
+        (eval_data.clone(), "validation data"),
+        (state.clone(), "--save-state"),
+        (dir.path().join("b.txt"), ".npz or .safetensors"),
+    ] {
+        let out = onnx_ga_cli(&[
+            "train",
+            step.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--micro-batch",
+            "8",
+            "--steps",
+            "4",
+            "--eval-data",
+            eval_data.to_str().unwrap(),
+            "--eval-model",
+            model.to_str().unwrap(),
+            "--save-state",
+            state.to_str().unwrap(),
+            "--save-best",
+            best.to_str().unwrap(),
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains("--save-best") && err.contains(what), "{err}");
+        assert!(!state.exists());
+    }
 }

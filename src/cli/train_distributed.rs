@@ -96,7 +96,8 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
     let mut progress = onnx_ga::progress::Progress::new(display, args.steps, args.micro_batch);
     progress.start_clock();
     let started = std::time::Instant::now();
-    let end = setup.start_step + args.steps;
+    // Where the run ends: after its --steps, or earlier by --patience.
+    let mut end = setup.start_step + args.steps;
     let mut i = setup.start_step;
     let mut windows = 0u64;
     let mut saved_at: Option<u64> = None;
@@ -154,9 +155,7 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
         let applied = metrics.last().is_some_and(|m| m.applied);
         if super::validation::due(&args, applied, windows) {
             let evaluated = match setup.validation.as_mut() {
-                Some(v) => v
-                    .run(trainer, i, metrics_out.as_mut(), |n| progress.note(n))
-                    .map(|_| ()),
+                Some(v) => v.run(trainer, i, metrics_out.as_mut(), |n| progress.note(n)),
                 None => Ok(()),
             };
             agree_on(
@@ -166,6 +165,18 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
                 size,
                 "the validation rank 0 runs",
             )?;
+            // --patience: rank 0 decides, every rank stops with it.
+            if args.patience.is_some() {
+                let exhausted = setup.validation.as_ref().is_some_and(|v| v.exhausted());
+                let votes = distributed::gather_u64(collective.as_ref(), u64::from(exhausted))
+                    .map_err(collective_failure)?;
+                if votes.first().is_some_and(|v| *v != 0) {
+                    if let Some(v) = &setup.validation {
+                        progress.note(v.stop_note(i));
+                    }
+                    end = i;
+                }
+            }
         }
         if let (Some(every), Some(path)) = (args.save_every, &args.save_state) {
             if metrics.last().is_some_and(|m| m.applied) && windows.is_multiple_of(every) {
@@ -197,9 +208,7 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
         .map_err(|e| ranked(rank, size, train_failure(e)))?;
     if args.eval_data.is_some() {
         let evaluated = match setup.validation.as_mut() {
-            Some(v) => v
-                .run(trainer, end, metrics_out.as_mut(), |n| progress.note(n))
-                .map(|_| ()),
+            Some(v) => v.run(trainer, end, metrics_out.as_mut(), |n| progress.note(n)),
             None => Ok(()),
         };
         agree_on(
@@ -343,9 +352,9 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
         eprintln!("{note}");
     }
     let validation = match lead {
-        true => {
-            super::validation::Validation::open(args, &trainer, &options, |n| eprintln!("{n}"))?
-        }
+        true => super::validation::Validation::open(args, &trainer, &options, start_step, |n| {
+            eprintln!("{n}")
+        })?,
         false => None,
     };
     Ok(Setup {

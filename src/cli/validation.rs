@@ -1,6 +1,9 @@
-//! `train --eval-data V.npz --eval-model M.onnx [--eval-every N] [--eval-batch B]`: the
-//! validation loss during training ([`onnx_ga::evaluate`]), reported in the progress notes,
-//! as a metrics line (`{"step", "eval_loss", "eval_rows"}`) and in the plot.
+//! `train --eval-data V.npz --eval-model M.onnx [--eval-every N] [--eval-batch B]
+//! [--save-best B] [--patience P]`: the validation loss during training
+//! ([`onnx_ga::evaluate`]), reported in the progress notes, as a metrics line (`{"step",
+//! "eval_loss", "eval_rows"}`) and in the plot; the state with the lowest one written to
+//! `--save-best` (its progress record holds that loss, so a resume keeps it); training
+//! stopped when `--patience` validations in a row have not lowered it.
 //!
 //! Everything is checked before the first micro-step: the eval model against the step (its
 //! parameters, types and shapes), the validation data against the step's data inputs (as
@@ -11,7 +14,7 @@
 use std::path::PathBuf;
 
 use onnx_ga::dataset::Dataset;
-use onnx_ga::evaluate::{EvalGraph, Evaluation, Evaluator};
+use onnx_ga::evaluate::{EvalGraph, Evaluator};
 use onnx_ga::train::{TrainOptions, Trainer};
 
 use super::{Failure, MetricsFile, TrainArgs, UsageError};
@@ -36,6 +39,12 @@ pub(crate) struct Validation {
     last_at: Option<u64>,
     /// (micro-step, loss) of the lowest validation loss so far.
     best: Option<(u64, f64)>,
+    /// `--save-best`: where the state of the lowest goes.
+    save_best: Option<PathBuf>,
+    shuffle: Option<u64>,
+    /// `--patience`, and the validations since the lowest.
+    patience: Option<u64>,
+    since_best: u64,
 }
 
 /// One line of the metrics file.
@@ -53,6 +62,7 @@ impl Validation {
         args: &TrainArgs,
         trainer: &Trainer,
         options: &TrainOptions,
+        start_step: u64,
         mut note: impl FnMut(String),
     ) -> Result<Option<Validation>, Failure> {
         let (Some(file), Some(model_file)) = (&args.eval_data, &args.eval_model) else {
@@ -63,6 +73,9 @@ impl Validation {
         }
         if args.eval_batch == Some(0) {
             return Err(UsageError("--eval-batch 0: must be at least 1".into()).into());
+        }
+        if args.patience == Some(0) {
+            return Err(UsageError("--patience 0: must be at least 1".into()).into());
         }
         let model = onnx_ga::model::load_model(model_file)?;
         let graph = EvalGraph::new(model, model_file, trainer)?;
@@ -111,6 +124,16 @@ impl Validation {
             }
         ));
         let evaluator = Evaluator::new(graph, options.engine, &options.session)?;
+        let best = match &args.save_best {
+            Some(path) if start_step > 0 => recorded_best(path, start_step)?,
+            _ => None,
+        };
+        if let (Some((at, loss)), Some(path)) = (best, &args.save_best) {
+            note(format!(
+                "validation: the lowest so far is {loss:.6} after micro-step {at} ({}'s progress file); --save-best writes a lower one only",
+                path.display()
+            ));
+        }
         Ok(Some(Validation {
             evaluator,
             data,
@@ -119,21 +142,43 @@ impl Validation {
             batch,
             micro_batch: args.micro_batch,
             last_at: None,
-            best: None,
+            best,
+            save_best: args.save_best.clone(),
+            shuffle: args.shuffle,
+            patience: args.patience,
+            since_best: 0,
         }))
     }
 
+    /// Whether `--patience` validations in a row have not lowered the lowest.
+    pub(crate) fn exhausted(&self) -> bool {
+        self.patience.is_some_and(|p| self.since_best >= p)
+    }
+
+    /// Why training stops early, for the note.
+    pub(crate) fn stop_note(&self, step: u64) -> String {
+        let lowest = match self.best {
+            Some((at, loss)) => format!("the lowest, {loss:.6}, after micro-step {at}"),
+            None => "no finite one yet".into(),
+        };
+        format!(
+            "early stop after micro-step {step}: the last {} validation(s) did not lower the validation loss ({lowest}; --patience)",
+            self.since_best
+        )
+    }
+
     /// Evaluates after micro-step `step` (once: a second call for the same step does
-    /// nothing); reports it in `note` and `metrics`.
+    /// nothing); reports it in `note` and `metrics`, and writes `--save-best` when the loss
+    /// is the lowest yet.
     pub(crate) fn run(
         &mut self,
         trainer: &Trainer,
         step: u64,
-        metrics: Option<&mut MetricsFile>,
-        note: impl FnOnce(String),
-    ) -> Result<Option<Evaluation>, Failure> {
+        mut metrics: Option<&mut MetricsFile>,
+        mut note: impl FnMut(String),
+    ) -> Result<(), Failure> {
         if self.last_at == Some(step) {
-            return Ok(None);
+            return Ok(());
         }
         let e = self.evaluator.evaluate(
             trainer,
@@ -144,8 +189,13 @@ impl Validation {
             self.micro_batch,
         )?;
         self.last_at = Some(step);
-        if e.loss.is_finite() && self.best.is_none_or(|(_, b)| e.loss < b) {
-            self.best = Some((step, e.loss));
+        let improved = e.loss.is_finite() && self.best.is_none_or(|(_, b)| e.loss < b);
+        match improved {
+            true => {
+                self.best = Some((step, e.loss));
+                self.since_best = 0;
+            }
+            false => self.since_best += 1,
         }
         let best = match self.best {
             Some((at, loss)) if at != step => format!("; lowest {loss:.6} after micro-step {at}"),
@@ -157,7 +207,7 @@ impl Validation {
             e.rows,
             e.wall.as_secs_f64()
         ));
-        if let Some(out) = metrics {
+        if let Some(out) = metrics.as_deref_mut() {
             let line = MetricsLine {
                 step,
                 eval_loss: e.loss,
@@ -165,6 +215,27 @@ impl Validation {
             };
             out.line(&serde_json::to_string(&line)?)?;
         }
-        Ok(Some(e))
+        if let (true, Some(path)) = (improved, &self.save_best) {
+            super::write_checkpoint(trainer, path, step, self.shuffle, metrics, Some(e.loss))?;
+            note(format!(
+                "best: {} after micro-step {step} (validation loss {:.6})",
+                path.display(),
+                e.loss
+            ));
+        }
+        Ok(())
     }
+}
+
+/// The lowest validation loss `--save-best`'s progress file records at or before
+/// `start_step` (a resume's).
+fn recorded_best(path: &std::path::Path, start_step: u64) -> Result<Option<(u64, f64)>, Failure> {
+    let record = super::read_progress(&super::progress_path(path))?;
+    Ok(record.and_then(|r| {
+        r.checkpoints
+            .iter()
+            .filter(|c| c.micro_steps <= start_step)
+            .filter_map(|c| c.eval_loss.map(|l| (c.micro_steps, l)))
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+    }))
 }
