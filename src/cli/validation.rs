@@ -77,7 +77,7 @@ impl Validation {
         if args.patience == Some(0) {
             return Err(UsageError("--patience 0: must be at least 1".into()).into());
         }
-        let model = onnx_ga::model::load_model(model_file)?;
+        let model = onnx_ga::model::load_model_with_data(model_file)?;
         let graph = EvalGraph::new(model, model_file, trainer)?;
         let opened = Dataset::open(file, &trainer.manifest.data_inputs)?;
         if let Some(n) = onnx_ga::data::ignored_note(file, &opened.ignored) {
