@@ -102,6 +102,11 @@ struct RewriteArgs {
     /// tensor (fewer ops, same numbers); 0 updates every tensor on its own. Default 1024.
     #[arg(long, value_name = "N")]
     fuse_small: Option<i64>,
+    /// Train the parameters matching GLOB (`*`, `?`; repeatable) without weight decay, as a
+    /// torch parameter group with weight_decay=0 does (e.g. `--no-decay '*bias'
+    /// --no-decay '*ln*'`).
+    #[arg(long, value_name = "GLOB")]
+    no_decay: Vec<String>,
     /// How the window's update is applied: an If (default) or Where selects.
     #[arg(long, value_enum, default_value = "if")]
     apply: onnx_ga::passes::window::ApplyMode,
@@ -540,7 +545,7 @@ impl AgcSelectArgs {
 /// An option value that a pipeline spec cannot carry.
 fn spec_chars(flag: &str, text: &str) -> UsageError {
     UsageError(format!(
-        "{flag} '{text}': ',', ';', '(' and ')' cannot be used in a pipeline spec"
+        "{flag} '{text}': ',', ';', '|', '(' and ')' cannot be used in a pipeline spec"
     ))
 }
 
@@ -1064,6 +1069,14 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
                     momentum: args.momentum,
                     fuse_small: args.fuse_small,
                     formula: args.optimizer_formula,
+                    no_decay: match args
+                        .no_decay
+                        .iter()
+                        .find(|g| g.contains([',', ';', '(', ')', '|']))
+                    {
+                        Some(glob) => return Err(spec_chars("--no-decay", glob).into()),
+                        None => args.no_decay.clone(),
+                    },
                     ..Default::default()
                 },
                 precision: match args.precision.as_str() {

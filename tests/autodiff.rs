@@ -559,6 +559,86 @@ fn clip_norm_under_the_limit_changes_no_bit() {
     assert_ne!(plain, reached);
 }
 
+/// Two parameter groups, as transformer recipes train: weight decay 0.1 on the matrices,
+/// none on the biases and LayerNorm parameters (`no_decay`), against torch's AdamW with the
+/// same groups (graphs/forward/no_decay_reference.py).
+#[test]
+fn torch_mlp_adamw_without_decay_on_biases_equals_torchs_parameter_groups() {
+    torch_training(
+        "torch_mlp",
+        "optimizer(kind=adamw,lr=0.01,weight_decay=0.1,no_decay=*bias)",
+        "mean",
+        8,
+        "run_adamw_no_decay.npz",
+        &none,
+    );
+}
+
+#[test]
+fn torch_gpt_adamw_without_decay_on_biases_and_norms_equals_torchs_parameter_groups() {
+    torch_training(
+        "torch_gpt",
+        "optimizer(kind=adamw,lr=0.01,weight_decay=0.1,no_decay=*bias|*ln*)",
+        "weighted",
+        4,
+        "run_adamw_no_decay.npz",
+        &key_bias_of(16),
+    );
+}
+
+/// The groups matter: decaying every parameter moves the biases away from torch's run
+/// (the test above would fail), and a glob naming no parameter is an error, not a silent
+/// no-op.
+#[test]
+fn no_decay_changes_only_what_it_names() {
+    if !ort_available() {
+        return;
+    }
+    let spec = |optimizer: &str| {
+        format!("autodiff(loss_fn=cross-entropy,ignore_index=-100,grads=internal),grad-accum(steps=4),{optimizer},legalize-ort,dce")
+    };
+    let path = forward_path("torch_mlp", "dynamo");
+    let expected = read_npz(&root().join("fixtures/forward/torch_mlp/run_adamw_no_decay.npz"));
+    let all = train(
+        &build(
+            &path,
+            &spec("optimizer(kind=adamw,lr=0.01,weight_decay=0.1)"),
+        ),
+        "torch_mlp",
+        8,
+        32,
+    );
+    for name in ["fc1.bias", "fc2.bias"] {
+        let off = max_abs(&all[name], &expected[name]);
+        assert!(
+            off > 1e-5,
+            "'{name}' decayed is only {off:e} from torch's undecayed run"
+        );
+    }
+    // Every parameter exempt: the same bits as no weight decay at all, in both families.
+    for kind in ["momentum", "adamw"] {
+        let run = |optimizer: String| train(&build(&path, &spec(&optimizer)), "torch_mlp", 8, 16);
+        let exempt = run(format!(
+            "optimizer(kind={kind},lr=0.01,weight_decay=0.1,no_decay=*)"
+        ));
+        let none = run(format!("optimizer(kind={kind},lr=0.01,weight_decay=0)"));
+        assert_eq!(exempt, none, "{kind}");
+    }
+    let graph = onnx_ga::signature::forward(onnx_ga::model::load_model(&path).unwrap(), &path);
+    let err = onnx_ga::step::build_step(
+        graph,
+        &spec("optimizer(kind=adamw,lr=0.01,no_decay=*norm*)"),
+        true,
+    )
+    .err()
+    .expect("a glob naming no parameter");
+    assert!(
+        err.to_string()
+            .contains("no_decay=*norm*: names no trainable parameter"),
+        "{err}"
+    );
+}
+
 /// The key bias of a fused `c_attn` projection of width `d` (nanoGPT, GPT-2): its elements
 /// d..2d.
 fn key_bias_of(d: usize) -> impl Fn(&str, usize) -> bool {

@@ -121,6 +121,10 @@ pub struct Optimizer {
     /// Adam family: parameters of at most this many elements are updated together as one
     /// flat tensor (default [`FUSE_SMALL_ELEMENTS`]; 0 turns it off).
     pub fuse_small: Option<i64>,
+    /// Parameters (`*`, `?` globs on their names) trained without weight decay: torch's
+    /// parameter group with `weight_decay=0` (biases and norms, as nanoGPT and most
+    /// transformer recipes train them).
+    pub no_decay: Vec<String>,
 }
 
 /// Below about a thousand elements an elementwise op costs its dispatch (~0.4 µs on ONNX
@@ -203,6 +207,7 @@ impl Optimizer {
             "correct_bias",
             "fuse_small",
             "formula",
+            "no_decay",
         ])?;
         let formula = options
             .get("formula")
@@ -233,6 +238,15 @@ impl Optimizer {
             adam_mode: options.parse("adam_mode")?,
             correct_bias: options.parse("correct_bias")?,
             fuse_small: options.parse("fuse_small")?,
+            no_decay: options
+                .get("no_decay")
+                .map(|v| {
+                    v.split('|')
+                        .filter(|g| !g.is_empty())
+                        .map(str::to_string)
+                        .collect()
+                })
+                .unwrap_or_default(),
         })
     }
 
@@ -604,6 +618,9 @@ impl Pass for Optimizer {
         if let Some(n) = self.fuse_small {
             options.push(format!("fuse_small={n}"));
         }
+        if !self.no_decay.is_empty() {
+            options.push(format!("no_decay={}", self.no_decay.join("|")));
+        }
         super::spec_text(PASS, &options)
     }
 
@@ -627,8 +644,47 @@ impl Pass for Optimizer {
                 )),
                 _ => e,
             })?;
-        cx.recipe
-            .push(self.recipe(cx.signature.optimizer.as_ref(), framework, &hp));
+        let mut section = self.recipe(cx.signature.optimizer.as_ref(), framework, &hp);
+        // Which parameters decay: all but those `no_decay` names.
+        let params = cx.window_mut(PASS)?.params().to_vec();
+        let decays: Vec<bool> = params
+            .iter()
+            .map(|p| {
+                !self
+                    .no_decay
+                    .iter()
+                    .any(|g| super::autodiff::glob_match(g, p.name()))
+            })
+            .collect();
+        if !self.no_decay.is_empty() {
+            let exempt: Vec<&str> = params
+                .iter()
+                .zip(&decays)
+                .filter(|(_, d)| !**d)
+                .map(|(p, _)| p.name())
+                .collect();
+            if exempt.is_empty() {
+                return Err(fail(format!(
+                    "no_decay={}: names no trainable parameter",
+                    self.no_decay.join("|")
+                )));
+            }
+            section.set(
+                "no_decay",
+                self.no_decay.join("|"),
+                crate::recipe::Origin::Given,
+            );
+            section.note(
+                "no_decay",
+                format!(
+                    "{} of {} parameters without weight decay: {}",
+                    exempt.len(),
+                    decays.len(),
+                    first_names(&exempt)
+                ),
+            );
+        }
+        cx.recipe.push(section);
         let (window, state) = cx.window_and_state(PASS)?;
         let nodes_before = model.all_nodes().count();
         let lr = model.add_input(
@@ -639,23 +695,28 @@ impl Pass for Optimizer {
         );
         if matches!(hp.kind, Kind::Adam | Kind::AdamW) {
             let fuse_small = self.fuse_small.unwrap_or(FUSE_SMALL_ELEMENTS);
-            adam_family(model, window, state, &hp, lr, fuse_small)?;
+            adam_family(model, window, state, &hp, lr, fuse_small, &decays)?;
         }
-        for i in 0..window.params().len() {
+        let undecayed = Resolved {
+            weight_decay: 0.0,
+            ..hp.clone()
+        };
+        for (i, &decay) in decays.iter().enumerate() {
             let p = window.params()[i].clone();
             let (name, value, grad) = (p.name(), p.value(), p.grad());
+            let hp = if decay { &hp } else { &undecayed };
             let next = match hp.kind {
                 Kind::Adam | Kind::AdamW => continue,
                 Kind::Sgd => {
                     let mut b = window.builder(model, PASS);
-                    let g = with_l2(&mut b, &hp, grad, value, name);
+                    let g = with_l2(&mut b, hp, grad, value, name);
                     let step = b.op("Mul", &[lr, g], vec![], &format!("{name}.sgd_step"));
                     b.op("Sub", &[value, step], vec![], &format!("{name}.updated"))
                 }
                 Kind::Momentum | Kind::Nesterov => {
                     let buf = moment(model, window, state, &p, "momentum");
                     let mut b = window.builder(model, PASS);
-                    let g = with_l2(&mut b, &hp, grad, value, name);
+                    let g = with_l2(&mut b, hp, grad, value, name);
                     let mu = b.scalar_f32("ga.mu", hp.momentum);
                     let decayed = b.op(
                         "Mul",
@@ -756,7 +817,8 @@ fn moment(
 /// Adam and AdamW through the one implementation of ONNX Runtime's AdamW update
 /// ([`lower_adamw_for_params`]): AdamW as configured; Adam as PyTorch's, i.e. the
 /// gradient with L2 (G + wd p) and no decoupled decay. Parameters of at most `fuse_small`
-/// elements are updated as one flat tensor ([`FUSE_SMALL_ELEMENTS`]).
+/// elements are updated as one flat tensor ([`FUSE_SMALL_ELEMENTS`]), per decay group:
+/// `decays[i]` false trains parameter i without weight decay (`no_decay`).
 fn adam_family(
     model: &mut Model,
     window: &mut Window,
@@ -764,14 +826,20 @@ fn adam_family(
     hp: &Resolved,
     lr: ValueId,
     fuse_small: i64,
+    decays: &[bool],
 ) -> Result<(), PassError> {
+    let undecayed = Resolved {
+        weight_decay: 0.0,
+        ..hp.clone()
+    };
     let mut slots = Vec::new();
     let mut moment_slots = Vec::new();
-    for i in 0..window.params().len() {
+    for (i, &decay) in decays.iter().enumerate() {
         let p = window.params()[i].clone();
         let m = moment(model, window, state, &p, "m");
         let v = moment(model, window, state, &p, "v");
         let mut b = window.builder(model, PASS);
+        let hp = if decay { hp } else { &undecayed };
         let grad = if hp.kind == Kind::Adam {
             with_l2(&mut b, hp, p.grad(), p.value(), p.name())
         } else {
@@ -785,31 +853,72 @@ fn adam_family(
         });
         moment_slots.push((m, v));
     }
-    let adamw = hp.adamw();
+    let mut per_param = vec![None; window.params().len()];
+    for (decay, group_hp) in [(true, hp), (false, &undecayed)] {
+        let members: Vec<usize> = (0..slots.len()).filter(|&i| decays[i] == decay).collect();
+        if members.is_empty() {
+            continue;
+        }
+        update_group(
+            model,
+            window,
+            &group_hp.adamw(),
+            lr,
+            fuse_small,
+            &slots,
+            &members,
+            &mut per_param,
+        )?;
+    }
+    let param_slots: Vec<StateSlot> = window.params().iter().map(Param::slot).collect();
+    for ((p_slot, n), (m_slot, v_slot)) in param_slots.into_iter().zip(per_param).zip(moment_slots)
+    {
+        let (param, m, v) = n.expect("every parameter updated");
+        window
+            .set_next(model, p_slot, param)
+            .map_err(window_error)?;
+        window.set_next(model, m_slot, m).map_err(window_error)?;
+        window.set_next(model, v_slot, v).map_err(window_error)?;
+    }
+    Ok(())
+}
 
+/// The AdamW update of the parameters `members` (indices into `slots` and the window's
+/// parameters) with one set of hyperparameters; their next (param, m, v) go into
+/// `per_param`.
+#[allow(clippy::too_many_arguments)]
+fn update_group(
+    model: &mut Model,
+    window: &mut Window,
+    adamw: &AdamW,
+    lr: ValueId,
+    fuse_small: i64,
+    slots: &[AdamWSlots],
+    members: &[usize],
+    per_param: &mut [Option<(ValueId, ValueId, ValueId)>],
+) -> Result<(), PassError> {
     // Which parameters share the flat update: float32 ones of at most `fuse_small`
     // elements, when there are two or more (Split with sizes as an input needs opset 13).
     let small: Vec<usize> = match model.opset("").unwrap_or(0) >= 13 {
-        true => window
-            .params()
+        true => members
             .iter()
-            .enumerate()
-            .filter(|(_, p)| {
+            .copied()
+            .filter(|&i| {
+                let p = &window.params()[i];
                 p.elem_type() == DataType::Float as i32 && numel(p.dims()) <= fuse_small
             })
-            .map(|(i, _)| i)
             .collect(),
         false => Vec::new(),
     };
     let small = if small.len() >= 2 { small } else { Vec::new() };
 
     let mut b = window.builder(model, PASS);
-    let mut update_slots: Vec<AdamWSlots> = slots
+    let singles: Vec<usize> = members
         .iter()
-        .enumerate()
-        .filter(|(i, _)| !small.contains(i))
-        .map(|(_, s)| *s)
+        .copied()
+        .filter(|i| !small.contains(i))
         .collect();
+    let mut update_slots: Vec<AdamWSlots> = singles.iter().map(|&i| slots[i]).collect();
     let dims: Vec<Vec<i64>> = small
         .iter()
         .map(|&i| window.params()[i].dims().to_vec())
@@ -826,12 +935,9 @@ fn adam_family(
             v: flat(&mut b, |s| s.v, "ga.small_v"),
         });
     }
-    let mut next = lower_adamw_for_params(&mut b, &adamw, lr, window.step(), None, &update_slots)
-        .map_err(|(attribute, detail)| {
-        fail(format!("{attribute}: {detail} is not supported"))
-    })?;
-    // Back to one (param, m, v) per parameter, in the region's order.
-    let mut per_param = vec![None; window.params().len()];
+    let mut next = lower_adamw_for_params(&mut b, adamw, lr, window.step(), None, &update_slots)
+        .map_err(|(attribute, detail)| fail(format!("{attribute}: {detail} is not supported")))?;
+    // Back to one (param, m, v) per parameter.
     if !small.is_empty() {
         let group = next.pop().expect("the flat group's update");
         let names = |suffix: &str| -> Vec<String> {
@@ -847,22 +953,18 @@ fn adam_family(
             per_param[i] = Some((params[k], ms[k], vs[k]));
         }
     }
-    let mut singles = next.into_iter();
-    for slot in per_param.iter_mut().filter(|s| s.is_none()) {
-        let n = singles.next().expect("one update per parameter");
-        *slot = Some((n.param, n.m, n.v));
-    }
-    let param_slots: Vec<StateSlot> = window.params().iter().map(Param::slot).collect();
-    for ((p_slot, n), (m_slot, v_slot)) in param_slots.into_iter().zip(per_param).zip(moment_slots)
-    {
-        let (param, m, v) = n.expect("every parameter updated");
-        window
-            .set_next(model, p_slot, param)
-            .map_err(window_error)?;
-        window.set_next(model, m_slot, m).map_err(window_error)?;
-        window.set_next(model, v_slot, v).map_err(window_error)?;
+    for (&i, n) in singles.iter().zip(next) {
+        per_param[i] = Some((n.param, n.m, n.v));
     }
     Ok(())
+}
+
+/// Up to five names, then how many more.
+fn first_names(names: &[&str]) -> String {
+    match names.len() {
+        0..=5 => names.join(", "),
+        n => format!("{}, ... ({} more)", names[..5].join(", "), n - 5),
+    }
 }
 
 fn numel(dims: &[i64]) -> i64 {
