@@ -56,6 +56,41 @@ fn validation_lines(metrics: &Path) -> Vec<(u64, f64, usize)> {
         .collect()
 }
 
+/// `train STEP --data <MODEL's data> --micro-batch B --steps N --eval-data <MODEL's
+/// validation rows> --eval-model <MODEL's forward export>`: what every validated run here
+/// starts from.
+fn validated_train(step: &Path, model: &str, micro_batch: &str, steps: &str) -> Vec<String> {
+    let data = root().join("graphs/forward").join(model).join("data.npz");
+    let eval_data = root()
+        .join("fixtures/forward")
+        .join(model)
+        .join("eval_data.npz");
+    let text = |p: &Path| p.to_str().unwrap().to_string();
+    vec![
+        "train".into(),
+        text(step),
+        "--data".into(),
+        text(&data),
+        "--micro-batch".into(),
+        micro_batch.into(),
+        "--steps".into(),
+        steps.into(),
+        "--eval-data".into(),
+        text(&eval_data),
+        "--eval-model".into(),
+        text(&forward(model)),
+    ]
+}
+
+/// `onnx-ga ARGS`, which must succeed; its stderr.
+fn succeeds(args: &[String]) -> String {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = onnx_ga_cli(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{args:?}: {stderr}");
+    stderr
+}
+
 /// `rewrite` of the model's forward export with `rewrite`, then `train` over its data for
 /// 8 windows of K = 4 micro-batches of `micro_batch`, evaluating after every window;
 /// returns the validation lines.
@@ -77,39 +112,17 @@ fn train_with_validation(
     ];
     args.extend_from_slice(rewrite);
     cli_rewrite(&format!("forward/{model}/dynamo.onnx"), &step, &args);
-    let data = root().join("graphs/forward").join(model).join("data.npz");
-    let eval_data = root()
-        .join("fixtures/forward")
-        .join(model)
-        .join("eval_data.npz");
     let metrics = dir.join("m.jsonl");
-    let forward = forward(model);
-    let mut train = vec![
-        "train",
-        step.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--micro-batch",
-        micro_batch,
-        "--steps",
-        "32",
-        "--eval-data",
-        eval_data.to_str().unwrap(),
-        "--eval-model",
-        forward.to_str().unwrap(),
+    let mut train = validated_train(&step, model, micro_batch, "32");
+    let more = [
         "--eval-every",
         "1",
         "--metrics",
         metrics.to_str().unwrap(),
         "--quiet",
     ];
-    train.extend_from_slice(extra);
-    let out = onnx_ga_cli(&train);
-    assert!(
-        out.status.success(),
-        "{model}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    train.extend(more.iter().chain(extra).map(|a| a.to_string()));
+    succeeds(&train);
     validation_lines(&metrics)
 }
 
@@ -407,31 +420,15 @@ fn save_best_keeps_the_lowest_and_patience_stops_at_the_first_rise() {
             "micro",
         ],
     );
-    let data = root().join("graphs/forward/torch_cnn/data.npz");
-    let eval_data = root().join("fixtures/forward/torch_cnn/eval_data.npz");
-    let model = forward("torch_cnn");
     let train = |steps: &str, extra: &[&str]| {
-        let mut args = vec![
-            "train",
-            step.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-            "--micro-batch",
-            "8",
-            "--steps",
-            steps,
-            "--eval-data",
-            eval_data.to_str().unwrap(),
-            "--eval-model",
-            model.to_str().unwrap(),
-            "--eval-every",
-            "1",
-        ];
-        args.extend_from_slice(extra);
-        let out = onnx_ga_cli(&args);
-        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-        assert!(out.status.success(), "{args:?}: {stderr}");
-        stderr
+        let mut args = validated_train(&step, "torch_cnn", "8", steps);
+        args.extend(
+            ["--eval-every", "1"]
+                .iter()
+                .chain(extra)
+                .map(|a| a.to_string()),
+        );
+        succeeds(&args)
     };
     let p = |name: &str| d.join(name);
     let s = |name: &str| p(name).to_str().unwrap().to_string();
@@ -542,33 +539,24 @@ fn save_best_refuses_to_overwrite_an_input_or_another_output() {
             "sgd",
         ],
     );
-    let data = root().join("graphs/forward/torch_mlp/data.npz");
     let eval_data = root().join("fixtures/forward/torch_mlp/eval_data.npz");
-    let model = forward("torch_mlp");
     let state = dir.path().join("s.npz");
     for (best, what) in [
         (eval_data.clone(), "validation data"),
         (state.clone(), "--save-state"),
         (dir.path().join("b.txt"), ".npz or .safetensors"),
     ] {
-        let out = onnx_ga_cli(&[
-            "train",
-            step.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-            "--micro-batch",
-            "8",
-            "--steps",
-            "4",
-            "--eval-data",
-            eval_data.to_str().unwrap(),
-            "--eval-model",
-            model.to_str().unwrap(),
+        let mut args = validated_train(&step, "torch_mlp", "8", "4");
+        for a in [
             "--save-state",
             state.to_str().unwrap(),
             "--save-best",
             best.to_str().unwrap(),
-        ]);
+        ] {
+            args.push(a.to_string());
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = onnx_ga_cli(&args);
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{err}");
         assert!(err.contains("--save-best") && err.contains(what), "{err}");

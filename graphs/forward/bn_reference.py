@@ -25,16 +25,10 @@ NAME = "torch_cnn"
 
 def main():
     torch.set_num_threads(1)
-    spec = g.MODELS[NAME]
-    gdir, fdir = os.path.join(g.GRAPHS, NAME), os.path.join(g.FIXTURES, NAME)
-    names = [spec["input"], *spec.get("extra_inputs", [])]
-    data = dict(np.load(os.path.join(gdir, "data.npz")))
     for export in ["dynamo", "legacy"]:
-        inits = g.onnx_initializers(os.path.join(gdir, f"{export}.onnx"))
-        torch.manual_seed(spec["seed"])
-        mapping, _ = g.map_state(spec["make"](), inits)
-        model = g.load_state_from_onnx(spec["make"], spec["seed"], mapping, inits)
-        m = copy.deepcopy(model).train()
+        e = g.Exported(NAME, export)
+        fdir, names, data, mapping = e.fixtures, e.names, e.data, e.mapping
+        m = copy.deepcopy(e.model).train()
         x, _ = g.to_inputs(data, slice(0, 32), names)
         with torch.no_grad():
             m(*x)

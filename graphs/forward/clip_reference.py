@@ -46,14 +46,8 @@ def run(model, mapping, data, names, batch, max_norm):
 def main():
     torch.set_num_threads(1)
     for name in NAMES:
-        spec = g.MODELS[name]
-        gdir, fdir = os.path.join(g.GRAPHS, name), os.path.join(g.FIXTURES, name)
-        names = [spec["input"], *spec.get("extra_inputs", [])]
-        data = dict(np.load(os.path.join(gdir, "data.npz")))
-        inits = g.onnx_initializers(os.path.join(gdir, "dynamo.onnx"))
-        torch.manual_seed(spec["seed"])
-        mapping, _ = g.map_state(spec["make"](), inits)
-        model = g.load_state_from_onnx(spec["make"], spec["seed"], mapping, inits)
+        e = g.Exported(name)
+        spec, fdir, names, data, mapping, model = e.spec, e.fixtures, e.names, e.data, e.mapping, e.model
         _, free_norms, _ = run(model, mapping, data, names, spec["batch"], None)
         max_norm = float(np.float32(np.median(free_norms)))
         params, norms, clipped = run(model, mapping, data, names, spec["batch"], max_norm)

@@ -77,16 +77,10 @@ def run_sgd_micro(model, data, names, val, k=4, micro=8):
 def main():
     torch.set_num_threads(1)
     for name, (optimizer, rows) in CASES.items():
-        spec = g.MODELS[name]
-        gdir, fdir = os.path.join(g.GRAPHS, name), os.path.join(g.FIXTURES, name)
-        names = [spec["input"], *spec.get("extra_inputs", [])]
-        data = dict(np.load(os.path.join(gdir, "data.npz")))
+        e = g.Exported(name)
+        spec, fdir, names, data, model = e.spec, e.fixtures, e.names, e.data, e.model
         drawn = spec["data"](np.random.default_rng(1000 + spec["seed"]))
         val = {k: v[:rows] for k, v in drawn.items()}
-        inits = g.onnx_initializers(os.path.join(gdir, "dynamo.onnx"))
-        torch.manual_seed(spec["seed"])
-        mapping, _ = g.map_state(spec["make"](), inits)
-        model = g.load_state_from_onnx(spec["make"], spec["seed"], mapping, inits)
         if optimizer == "adamw":
             losses = run_adamw(model, data, names, spec["batch"], val)
         else:

@@ -751,6 +751,23 @@ def trainable(model, mapping):
     return [(mapping[n], p) for n, p in model.named_parameters()]
 
 
+class Exported:
+    """A committed model as the reference scripts (clip_, eval_, no_decay_, bn_reference.py)
+    start from: its spec, folders, input names and data, and the torch model holding the
+    export's initial state (`mapping`: torch state name -> ONNX initializer name)."""
+
+    def __init__(self, name: str, export: str = "dynamo"):
+        self.spec = MODELS[name]
+        self.graphs = os.path.join(GRAPHS, name)
+        self.fixtures = os.path.join(FIXTURES, name)
+        self.names = [self.spec["input"], *self.spec.get("extra_inputs", [])]
+        self.data = dict(np.load(os.path.join(self.graphs, "data.npz")))
+        inits = onnx_initializers(os.path.join(self.graphs, f"{export}.onnx"))
+        torch.manual_seed(self.spec["seed"])
+        self.mapping, _ = map_state(self.spec["make"](), inits)
+        self.model = load_state_from_onnx(self.spec["make"], self.spec["seed"], self.mapping, inits)
+
+
 def to_inputs(data, sl, names, dtype=torch.float32):
     """The model's inputs (a tuple, in `names` order; floats as `dtype`) and the labels."""
     xs = tuple(torch.from_numpy(data[n][sl]) for n in names)

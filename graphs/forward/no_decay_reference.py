@@ -43,14 +43,8 @@ def run(model, mapping, data, names, batch, globs):
 def main():
     torch.set_num_threads(1)
     for name, globs in CASES.items():
-        spec = g.MODELS[name]
-        gdir, fdir = os.path.join(g.GRAPHS, name), os.path.join(g.FIXTURES, name)
-        names = [spec["input"], *spec.get("extra_inputs", [])]
-        data = dict(np.load(os.path.join(gdir, "data.npz")))
-        inits = g.onnx_initializers(os.path.join(gdir, "dynamo.onnx"))
-        torch.manual_seed(spec["seed"])
-        mapping, _ = g.map_state(spec["make"](), inits)
-        model = g.load_state_from_onnx(spec["make"], spec["seed"], mapping, inits)
+        e = g.Exported(name)
+        spec, fdir, names, data, mapping, model = e.spec, e.fixtures, e.names, e.data, e.mapping, e.model
         params, exempt = run(model, mapping, data, names, spec["batch"], globs)
         g.save_npz(os.path.join(fdir, "run_adamw_no_decay.npz"), params)
         print(f"{name}: {exempt} parameters without decay ({globs}), weight_decay {WEIGHT_DECAY}")

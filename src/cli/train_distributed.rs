@@ -154,16 +154,14 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
         // that it went well.
         let applied = metrics.last().is_some_and(|m| m.applied);
         if super::validation::due(&args, applied, windows) {
-            let evaluated = match setup.validation.as_mut() {
-                Some(v) => v.run(trainer, i, metrics_out.as_mut(), |n| progress.note(n)),
-                None => Ok(()),
-            };
-            agree_on(
-                &collective,
-                evaluated,
-                rank,
-                size,
-                "the validation rank 0 runs",
+            let place = (&collective, rank, size);
+            validate_on_lead(
+                setup.validation.as_mut(),
+                trainer,
+                i,
+                metrics_out.as_mut(),
+                &progress,
+                place,
             )?;
             // --patience: rank 0 decides, every rank stops with it.
             if args.patience.is_some() {
@@ -207,16 +205,14 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
         .check_replicas("at the end")
         .map_err(|e| ranked(rank, size, train_failure(e)))?;
     if args.eval_data.is_some() {
-        let evaluated = match setup.validation.as_mut() {
-            Some(v) => v.run(trainer, end, metrics_out.as_mut(), |n| progress.note(n)),
-            None => Ok(()),
-        };
-        agree_on(
-            &collective,
-            evaluated,
-            rank,
-            size,
-            "the validation rank 0 runs",
+        let place = (&collective, rank, size);
+        validate_on_lead(
+            setup.validation.as_mut(),
+            trainer,
+            end,
+            metrics_out.as_mut(),
+            &progress,
+            place,
         )?;
     }
     if let Some(path) = &args.save_state {
@@ -380,6 +376,29 @@ fn step_k(model: &onnx_ga::proto::ModelProto, manifest: &onnx_ga::state::Manifes
         Tensor::I64(a) if a.len() == 1 => a.iter().next().copied(),
         _ => None,
     }
+}
+
+/// The validation after micro-step `step`: rank 0 (which holds `validation`) runs it, and
+/// every rank hears whether it went well.
+fn validate_on_lead(
+    validation: Option<&mut super::validation::Validation>,
+    trainer: &Trainer,
+    step: u64,
+    metrics: Option<&mut MetricsFile>,
+    progress: &onnx_ga::progress::Progress,
+    (collective, rank, size): (&Rc<dyn Collective>, usize, usize),
+) -> Result<(), Failure> {
+    let evaluated = match validation {
+        Some(v) => v.run(trainer, step, metrics, |n| progress.note(n)),
+        None => Ok(()),
+    };
+    agree_on(
+        collective,
+        evaluated,
+        rank,
+        size,
+        "the validation rank 0 runs",
+    )
 }
 
 /// Rank 0's result of writing a file, agreed on by every rank: when it failed, every rank
