@@ -4,7 +4,7 @@
 //! eval_data.npz, from graphs/forward/eval_reference.py):
 //!
 //! - the MLP, AdamW: 20 rows in batches of 8 (a last batch of 4);
-//! - the GPT, AdamW, padded labels: the mean over the set's 58 counted labels, which
+//! - the GPT, AdamW, padded labels: the mean over the set's 70 counted labels, which
 //!   batches of 4 and 3 sequences holding different numbers of them must add up to;
 //! - the CNN with BatchNorm, SGD, `--bn-stats micro`: the eval model normalises with the
 //!   running statistics the step moved, torch's micro-batch loop the reference.
@@ -152,10 +152,15 @@ fn assert_like_torch(model: &str, lines: &[(u64, f64, usize)], tolerance: f64) {
         worst = worst.max(err);
     }
     // Training moved the validation loss: a report of the initial parameters would fail.
-    let (first, last) = (want.losses[0], want.losses[want.steps]);
+    let first = want.losses[0];
+    let moved = want
+        .losses
+        .iter()
+        .map(|l| (l - first).abs())
+        .fold(0.0, f64::max);
     assert!(
-        (first - last).abs() > 100.0 * tolerance * first,
-        "{model}: {first} -> {last}"
+        moved > 100.0 * tolerance * first,
+        "{model}: moved {moved} from {first}"
     );
     eprintln!(
         "MEASURED {model}: validation loss {worst:e} relative from torch, worst of {}",
@@ -391,11 +396,12 @@ fn an_artifacts_eval_model_reports_the_training_builds_loss() {
     );
 }
 
-/// The CNN's validation losses after its 8 windows (eval.json) go down to window 3, up at
-/// 4, down at 5 and 7, up at 6 and 8. `--save-best` writes the state at each new lowest,
-/// its progress record holding the loss; `--patience 1` stops at the first rise (micro-step
-/// 16), writing what the end writes; a resume keeps the lowest its record holds, so a worse
-/// validation does not replace the best state.
+/// The CNN's validation losses after its 8 windows (eval.json; its rows' labels are
+/// random, so training does not generalise to them) fall to window 2 and rise after it.
+/// `--save-best` writes the state at each new lowest, its progress record holding the
+/// loss; `--patience 1` stops at the first rise (micro-step 12), writing what the end
+/// writes; a resume keeps the lowest its record holds, so a worse validation does not
+/// replace the best state; a run from the start does.
 #[test]
 fn save_best_keeps_the_lowest_and_patience_stops_at_the_first_rise() {
     if !ort_available() {
@@ -446,23 +452,23 @@ fn save_best_keeps_the_lowest_and_patience_stops_at_the_first_rise() {
     };
     let torch = reference("torch_cnn").losses;
 
-    // The whole run: the lowest is after window 7 (micro-step 28); its state is the one a
-    // run of 28 micro-steps ends with, bit for bit.
+    // The whole run: the lowest is after window 2 (micro-step 8); its state is the one a
+    // run of 8 micro-steps ends with, bit for bit.
     train("32", &["--save-best", &s("best.npz")]);
-    assert_eq!(last("best.npz")["micro_steps"], 28);
+    assert_eq!(last("best.npz")["micro_steps"], 8);
     let loss = last("best.npz")["eval_loss"].as_f64().unwrap();
     assert!(
-        (loss - torch[7]).abs() <= 2e-6 * torch[7],
+        (loss - torch[2]).abs() <= 2e-6 * torch[2],
         "{loss} vs torch {}",
-        torch[7]
+        torch[2]
     );
-    train("28", &["--save-state", &s("s28.npz")]);
+    train("8", &["--save-state", &s("s8.npz")]);
     assert_eq!(
         std::fs::read(p("best.npz")).unwrap(),
-        std::fs::read(p("s28.npz")).unwrap()
+        std::fs::read(p("s8.npz")).unwrap()
     );
 
-    // Patience 1: the rise after window 4 stops the run there, and the end's writes happen.
+    // Patience 1: the rise at window 3 stops the run there, and the end's writes happen.
     let metrics = p("m.jsonl");
     let said = train(
         "32",
@@ -475,21 +481,21 @@ fn save_best_keeps_the_lowest_and_patience_stops_at_the_first_rise() {
             &s("m.jsonl"),
         ],
     );
-    assert!(said.contains("early stop after micro-step 16"), "{said}");
-    assert_eq!(last("stopped.npz")["micro_steps"], 16);
+    assert!(said.contains("early stop after micro-step 12"), "{said}");
+    assert_eq!(last("stopped.npz")["micro_steps"], 12);
     let lines = validation_lines(&metrics);
     let steps: Vec<u64> = lines.iter().map(|l| l.0).collect();
-    assert_eq!(steps, [4, 8, 12, 16]);
-    train("16", &["--save-state", &s("s16.npz")]);
+    assert_eq!(steps, [4, 8, 12]);
+    train("12", &["--save-state", &s("s12.npz")]);
     assert_eq!(
         std::fs::read(p("stopped.npz")).unwrap(),
-        std::fs::read(p("s16.npz")).unwrap()
+        std::fs::read(p("s12.npz")).unwrap()
     );
 
-    // A resume after window 3 (the lowest so far) through window 4 (a rise): the best
-    // state stays the one after micro-step 12.
+    // A resume after window 2 (the lowest so far) through window 3 (a rise): the best
+    // state stays the one after micro-step 8.
     train(
-        "12",
+        "8",
         &["--save-state", &s("r.npz"), "--save-best", &s("rbest.npz")],
     );
     let before = std::fs::read(p("rbest.npz")).unwrap();
@@ -504,22 +510,12 @@ fn save_best_keeps_the_lowest_and_patience_stops_at_the_first_rise() {
             &s("rbest.npz"),
         ],
     );
-    assert!(said.contains("the lowest so far is 1.406"), "{said}");
-    assert_eq!(last("rbest.npz")["micro_steps"], 12);
+    assert!(said.contains("the lowest so far is 1.3493"), "{said}");
+    assert_eq!(last("rbest.npz")["micro_steps"], 8);
     assert_eq!(std::fs::read(p("rbest.npz")).unwrap(), before);
-    // Then through window 5, lower again: written.
-    train(
-        "4",
-        &[
-            "--init-state",
-            &s("r.npz"),
-            "--save-state",
-            &s("r.npz"),
-            "--save-best",
-            &s("rbest.npz"),
-        ],
-    );
-    assert_eq!(last("rbest.npz")["micro_steps"], 20);
+    // A run from the start is new training: its first validation is its lowest.
+    train("4", &["--save-best", &s("rbest.npz")]);
+    assert_eq!(last("rbest.npz")["micro_steps"], 4);
 }
 
 /// `--save-best` is an output like the others: not an input, not another output.
