@@ -576,7 +576,14 @@ impl StepView {
                 }
                 let _ = writeln!(out, "  loss scale: {}", h.loss_scale);
                 let _ = writeln!(out, "  precision: {}", h.precision);
-                let _ = writeln!(out, "  BatchNorm statistics: {}", opt(&h.bn_stats));
+                let _ = match &h.bn_var {
+                    Some(var) => writeln!(
+                        out,
+                        "  BatchNorm statistics: {}, running variance {var}",
+                        opt(&h.bn_stats)
+                    ),
+                    None => writeln!(out, "  BatchNorm statistics: {}", opt(&h.bn_stats)),
+                };
                 let _ = writeln!(out, "  apply region: {}", opt(&h.apply));
             }
         }

@@ -242,6 +242,7 @@ impl Recipe {
             normalize: self.value("grad-accum", "normalize"),
             apply: self.value("grad-accum", "apply"),
             bn_stats: self.value("grad-accum", "bn_stats"),
+            bn_var: self.value("autodiff", "bn_var"),
             optimizer,
             learning_rate: self.value("optimizer", "lr"),
             agc: agc.unwrap_or_else(|| "off".into()),
@@ -273,6 +274,10 @@ pub struct Headline {
     pub normalize: Option<String>,
     pub apply: Option<String>,
     pub bn_stats: Option<String>,
+    /// The variance running variances move with, when the autodiff trained BatchNorm
+    /// layers (`bn_var`); `None` (and not printed) otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bn_var: Option<String>,
     pub optimizer: Option<String>,
     pub learning_rate: Option<String>,
     pub agc: String,

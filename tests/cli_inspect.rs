@@ -498,3 +498,44 @@ fn absurd_dims_do_not_panic() {
         "{stderr}"
     );
 }
+
+/// A step's BatchNorm line says which variance its running variances move with, when the
+/// autodiff trained BatchNorm layers: unbiased for a model torch exported (its convention),
+/// biased when `--bn-var biased` says so; an artifacts step (ONNX Runtime's own) says
+/// nothing of it.
+#[test]
+fn inspect_says_which_variance_batch_norm_running_statistics_move_with() {
+    let dir = tempfile::tempdir().unwrap();
+    let line = |step: &Path| -> String {
+        ok(&["inspect", step.to_str().unwrap()])
+            .lines()
+            .find(|l| l.contains("BatchNorm statistics"))
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
+    let forward = [
+        "--loss-fn",
+        "cross-entropy",
+        "--optimizer",
+        "sgd",
+        "--accum-steps",
+        "4",
+    ];
+    let torch = dir.path().join("torch.onnx");
+    common::cli_rewrite("forward/torch_cnn/dynamo.onnx", &torch, &forward);
+    assert_eq!(
+        line(&torch),
+        "BatchNorm statistics: window, running variance unbiased"
+    );
+    let biased = dir.path().join("biased.onnx");
+    let flags = [&forward[..], &["--bn-var", "biased"]].concat();
+    common::cli_rewrite("forward/torch_cnn/dynamo.onnx", &biased, &flags);
+    assert_eq!(
+        line(&biased),
+        "BatchNorm statistics: window, running variance biased"
+    );
+    let artifacts = dir.path().join("artifacts.onnx");
+    common::cli_rewrite("cnn_bn", &artifacts, &["--accum-steps", "4", "--lr", "0.1"]);
+    assert_eq!(line(&artifacts), "BatchNorm statistics: window");
+}
