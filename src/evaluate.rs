@@ -25,6 +25,9 @@
 //!   report is too: the set's sum × B / rows. A model computing its own loss
 //!   (`autodiff(loss=NAME)`; a step made from a training graph, whose loss output the
 //!   artifacts' eval model shares): that output, a mean per batch, weighted by rows.
+//! - **The accuracy**, for a classification loss (cross-entropy, nll): the share of counted
+//!   labels whose class has the highest score (`ArgMax` over the class axis, the first of
+//!   equal scores as torch's `argmax`), summed per batch as a second output.
 //! - **The parameters.** The state's model tensors (parameters, BatchNorm running
 //!   statistics, frozen tensors) that the eval model holds become its inputs, fed at each
 //!   evaluation with the trainer's current values where the engine keeps them (on ONNX
@@ -92,6 +95,9 @@ pub struct EvalGraph {
     fixed_batch: Option<usize>,
     /// The loss as the step defines it, for the notes ("cross-entropy (mean)").
     describe: String,
+    /// For a classification loss: the labels input and the ignored label, which the
+    /// accuracy (the model's second output, the batch's correct count) divides by.
+    accuracy: Option<(String, Option<i64>)>,
 }
 
 /// What the step's `autodiff` differentiated, from the pipeline recorded in its manifest;
@@ -200,12 +206,17 @@ impl EvalGraph {
             fed.push((v, name.clone()));
         }
 
-        // The loss, the only output.
+        // The loss, the first output; for classes the correct predictions, the second.
+        let mut correct = None;
         let (loss, combine, describe) = match &objective {
             Objective::LossFn(spec) => {
                 let summed = autodiff::LossSpec {
                     sum: true,
                     ..spec.clone()
+                };
+                let scores = match &spec.output {
+                    Some(name) => m.lookup(main, name),
+                    None => m.graph_outputs().first().copied(),
                 };
                 let (loss, labels) = autodiff::append_loss(&mut m, &summed).map_err(|e| {
                     bad(format!(
@@ -213,6 +224,11 @@ impl EvalGraph {
                         spec.function.as_str()
                     ))
                 })?;
+                if let (true, Some(scores)) = (spec.function.takes_classes(), scores) {
+                    let ignored = spec.ignore_index;
+                    correct = correct_predictions(&mut m, scores, labels, spec.class_axis, ignored)
+                        .map(|c| (c, m.name(labels).to_string(), ignored));
+                }
                 let combine = match spec.sum {
                     true => Combine::SumPerMicroBatch,
                     false => Combine::Counted {
@@ -249,6 +265,10 @@ impl EvalGraph {
             m.remove_output(main, 0);
         }
         m.add_output(main, loss, Some(tensor_type(loss_elem, &[])));
+        if let Some((c, ..)) = &correct {
+            let float = crate::proto::tensor_proto::DataType::Float as i32;
+            m.add_output(main, *c, Some(tensor_type(float, &[])));
+        }
         for (v, _) in &fed {
             m.promote_initializer_to_input(*v);
         }
@@ -295,6 +315,7 @@ impl EvalGraph {
             data_inputs,
             fixed_batch,
             describe,
+            accuracy: correct.map(|(_, labels, ignored)| (labels, ignored)),
         })
     }
 
@@ -324,11 +345,52 @@ impl EvalGraph {
     }
 }
 
+/// How many of `labels` other than `ignore_index` have their class scored highest in
+/// `scores` (classes on `class_axis`): a float scalar, or `None` when the scores' rank is
+/// not declared. The mask matters when `ignore_index` names a class (0, say); the host
+/// leaves ignored labels out of the divisor.
+fn correct_predictions(
+    m: &mut Model,
+    scores: crate::ir::ValueId,
+    labels: crate::ir::ValueId,
+    class_axis: i64,
+    ignore_index: Option<i64>,
+) -> Option<crate::ir::ValueId> {
+    use crate::ir::builder::{attr_int, Builder};
+    use crate::ir::emit::Emit;
+    let rank = autodiff::shapes::Shapes::infer(m).get(scores).rank()? as i64;
+    let axis = if class_axis < 0 {
+        class_axis + rank
+    } else {
+        class_axis
+    };
+    let mut b = Builder::new(m, BodyId::MAIN, "evaluate");
+    let keep = attr_int("keepdims", 0);
+    let predicted = b.op(
+        "ArgMax",
+        &[scores],
+        vec![attr_int("axis", axis), keep],
+        "eval.predicted",
+    );
+    let mut hit = b.op("Equal", &[predicted, labels], vec![], "eval.hit");
+    if let Some(ignored) = ignore_index {
+        let ignored = b.scalar_i64("eval.ignore_index", ignored);
+        let is_ignored = b.op("Equal", &[labels, ignored], vec![], "eval.ignored");
+        let counted = b.op("Not", &[is_ignored], vec![], "eval.counted");
+        hit = b.op("And", &[hit, counted], vec![], "eval.counted_hit");
+    }
+    let float = crate::proto::tensor_proto::DataType::Float as i64;
+    let hit = b.op("Cast", &[hit], vec![attr_int("to", float)], "eval.hit_f");
+    Some(b.reduce("ReduceSum", hit, &[], false, "eval.correct"))
+}
+
 /// One evaluation's result.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Evaluation {
     /// The validation loss (see the module docs for how batches combine).
     pub loss: f64,
+    /// For a classification loss: the share of counted labels predicted right.
+    pub accuracy: Option<f64>,
     /// Rows evaluated.
     pub rows: usize,
     pub batches: usize,
@@ -416,6 +478,7 @@ impl Evaluator {
             })
             .collect::<Result<_, _>>()?;
         let (mut total, mut weight) = (0f64, 0f64);
+        let (mut correct, mut counted_labels) = (0f64, 0usize);
         let mut batches = 0;
         let batch = batch.max(1);
         for first in (0..rows).step_by(batch) {
@@ -455,6 +518,19 @@ impl Evaluator {
                         message: "is not a float scalar".into(),
                     })
                 })?;
+            if let Some((labels, ignored)) = &self.graph.accuracy {
+                let (name, value) = outputs.get(1).ok_or_else(|| {
+                    engine_error(EngineError::Output {
+                        name: "eval.correct".into(),
+                        message: "the eval model returned no correct count".into(),
+                    })
+                })?;
+                correct += value
+                    .read_host(name, scalar)
+                    .map_err(engine_error)?
+                    .unwrap_or(f64::NAN);
+                counted_labels += arrays.get(labels).map_or(0, |t| counted(t, *ignored));
+            }
             match &self.graph.combine {
                 Combine::Counted {
                     labels,
@@ -481,6 +557,11 @@ impl Evaluator {
             } else {
                 f64::NAN
             },
+            accuracy: self
+                .graph
+                .accuracy
+                .as_ref()
+                .map(|_| correct / counted_labels.max(1) as f64),
             rows,
             batches,
             wall: start.elapsed(),

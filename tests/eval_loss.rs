@@ -13,6 +13,7 @@
 
 use std::path::{Path, PathBuf};
 
+use onnx_ga::data::Tensor;
 use tempfile::TempDir;
 
 use crate::common::{cli_rewrite, onnx_ga_cli, ort_available, root};
@@ -20,6 +21,7 @@ use crate::common::{cli_rewrite, onnx_ga_cli, ort_available, root};
 #[derive(serde::Deserialize)]
 struct Reference {
     losses: Vec<f64>,
+    accuracies: Vec<f64>,
     rows: usize,
     steps: usize,
 }
@@ -41,18 +43,26 @@ fn forward(model: &str) -> PathBuf {
 
 /// (step, eval_loss, eval_rows) of every validation line of a metrics file.
 fn validation_lines(metrics: &Path) -> Vec<(u64, f64, usize)> {
-    std::fs::read_to_string(metrics)
-        .unwrap()
-        .lines()
-        .filter_map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            let loss = v.get("eval_loss")?.as_f64()?;
-            Some((
+    validation_values(metrics)
+        .into_iter()
+        .map(|v| {
+            let loss = v["eval_loss"].as_f64().unwrap_or(f64::NAN);
+            (
                 v["step"].as_u64().unwrap(),
                 loss,
                 v["eval_rows"].as_u64().unwrap() as usize,
-            ))
+            )
         })
+        .collect()
+}
+
+/// Every validation line of a metrics file, as JSON.
+fn validation_values(metrics: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v.get("eval_loss").is_some())
         .collect()
 }
 
@@ -123,6 +133,19 @@ fn train_with_validation(
     ];
     train.extend(more.iter().chain(extra).map(|a| a.to_string()));
     succeeds(&train);
+    // The accuracy, a share of counted labels, is torch's exactly.
+    let want = reference(model);
+    for (i, line) in validation_values(&metrics).iter().enumerate() {
+        let got = line["eval_accuracy"]
+            .as_f64()
+            .expect("a classification's accuracy");
+        assert_eq!(
+            got,
+            want.accuracies[i + 1],
+            "{model}: accuracy after window {}",
+            i + 1
+        );
+    }
     validation_lines(&metrics)
 }
 
@@ -558,4 +581,86 @@ fn save_best_refuses_to_overwrite_an_input_or_another_output() {
         assert!(err.contains("--save-best") && err.contains(what), "{err}");
         assert!(!state.exists());
     }
+}
+
+/// `--ignore-index` naming a class: those labels count neither in the loss nor in the
+/// accuracy, even where the model predicts that class. The class is one the untrained
+/// model predicts right on some row, so counting ignored labels would change the accuracy.
+/// Checked on the untrained step (`--steps 0`) against the forward model's logits from
+/// ONNX Runtime, the loss and the accuracy computed here in float64.
+#[test]
+fn an_ignored_class_counts_in_neither_loss_nor_accuracy() {
+    if !ort_available() {
+        return;
+    }
+    let eval_data = root().join("fixtures/forward/torch_mlp/eval_data.npz");
+    let data = crate::common::read_npz(&eval_data);
+    let inputs = data
+        .iter()
+        .filter(|(k, _)| *k == "x")
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let model = onnx_ga::model::load_model(&forward("torch_mlp")).unwrap();
+    let logits = &crate::common::run_ort(&model, &inputs)["logits"];
+    let (Tensor::F32(logits), Tensor::I64(labels)) = (logits, &data["labels"]) else {
+        panic!("types")
+    };
+    let rows: Vec<Vec<f64>> = logits
+        .outer_iter()
+        .map(|r| r.iter().map(|v| f64::from(*v)).collect())
+        .collect();
+    let argmax =
+        |row: &[f64]| (0..row.len()).fold(0, |b, c| if row[c] > row[b] { c } else { b }) as i64;
+    let ignored = rows
+        .iter()
+        .zip(labels.iter())
+        .find(|(row, label)| argmax(row) == **label)
+        .map(|(_, label)| *label)
+        .expect("a row the untrained model gets right");
+    let (mut loss, mut hits, mut counted) = (0f64, 0usize, 0usize);
+    for (row, &label) in rows.iter().zip(labels.iter()) {
+        if label == ignored {
+            continue;
+        }
+        let max = row.iter().cloned().fold(f64::MIN, f64::max);
+        let log_sum = max + row.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
+        loss += log_sum - row[label as usize];
+        hits += usize::from(argmax(row) == label);
+        counted += 1;
+    }
+
+    let dir = TempDir::new().unwrap();
+    let step = dir.path().join("step.onnx");
+    let ignore = ignored.to_string();
+    let rewrite = [
+        "--loss-fn",
+        "cross-entropy",
+        "--ignore-index",
+        &ignore,
+        "--optimizer",
+        "sgd",
+        "--accum-steps",
+        "4",
+    ];
+    cli_rewrite("forward/torch_mlp/dynamo.onnx", &step, &rewrite);
+    let metrics = dir.path().join("m.jsonl");
+    let mut args = validated_train(&step, "torch_mlp", "8", "0");
+    for a in ["--eval-batch", "3", "--metrics", metrics.to_str().unwrap()] {
+        args.push(a.into());
+    }
+    succeeds(&args);
+    let line = &validation_values(&metrics)[0];
+    let got = line["eval_loss"].as_f64().unwrap();
+    let want = loss / counted as f64;
+    assert!((got - want).abs() <= 1e-6 * want, "loss {got} vs {want}");
+    let accuracy = line["eval_accuracy"].as_f64().unwrap();
+    assert_eq!(
+        accuracy,
+        hits as f64 / counted as f64,
+        "class {ignored} ignored"
+    );
+    eprintln!(
+        "MEASURED ignored class {ignored}: loss {:e} relative; {hits} of {counted} right",
+        (got - want).abs() / want
+    );
 }

@@ -1,5 +1,6 @@
 """torch references for `train --eval-data/--eval-model` (tests/eval_loss.rs): the validation
-loss of `model.eval()` on held-out rows, before training and after every optimizer step.
+loss and accuracy of `model.eval()` on held-out rows, before training and after every
+optimizer step.
 
 - torch_mlp, torch_gpt: the full-batch AdamW run of generate.py's `run_full` (K = 4
   micro-batches of 8, or of 4 sequences, as one batch). The GPT's labels hold ignored
@@ -35,27 +36,33 @@ import generate as g  # noqa: E402
 CASES = {"torch_mlp": ("adamw", 20), "torch_gpt": ("adamw", 10), "torch_cnn": ("sgd_micro", 20)}
 
 
-def validation_loss(m, val, names):
+def validation(m, val, names):
+    """(loss, accuracy) of `m.eval()` on the whole set: the mean cross-entropy and the
+    share of counted labels whose class scores highest (torch's argmax: the first of equals)."""
     x, y = g.to_inputs(val, slice(0, len(val["labels"])), names)
     was_training = m.training
     m.eval()
     with torch.no_grad():
-        loss = float(g.loss_fn(m(*x), y))
+        logits = m(*x)
+        loss = float(g.loss_fn(logits, y))
+        counted = y != g.IGNORE_INDEX
+        hits = (logits.argmax(dim=-1) == y) & counted
+        accuracy = float(hits.sum()) / float(counted.sum())
     m.train(was_training)
-    return loss
+    return loss, accuracy
 
 
 def run_adamw(model, data, names, batch, val):
     m = copy.deepcopy(model).train()
     opt = torch.optim.AdamW([p for _, p in m.named_parameters()], **g.ADAMW)
-    losses = [validation_loss(m, val, names)]
+    losses = [validation(m, val, names)]
     for t in range(g.STEPS):
         idx = (np.arange(batch) + batch * t) % g.N_SAMPLES
         x, y = g.to_inputs(data, idx, names)
         opt.zero_grad(set_to_none=True)
         g.loss_fn(m(*x), y).backward()
         opt.step()
-        losses.append(validation_loss(m, val, names))
+        losses.append(validation(m, val, names))
     return losses
 
 
@@ -63,7 +70,7 @@ def run_sgd_micro(model, data, names, val, k=4, micro=8):
     m = copy.deepcopy(model).train()
     opt = torch.optim.SGD([p for _, p in m.named_parameters()], **g.SGD)
     window = k * micro
-    losses = [validation_loss(m, val, names)]
+    losses = [validation(m, val, names)]
     opt.zero_grad(set_to_none=True)
     for t in range(g.STEPS):
         for j in range(k):
@@ -72,7 +79,7 @@ def run_sgd_micro(model, data, names, val, k=4, micro=8):
             (g.loss_fn(m(*x), y) / k).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(validation_loss(m, val, names))
+        losses.append(validation(m, val, names))
     return losses
 
 
@@ -90,12 +97,14 @@ def main():
         g.save_npz(os.path.join(fdir, "eval_data.npz"), val)
         counted = int(np.sum(val["labels"] != g.IGNORE_INDEX))
         meta = {"optimizer": optimizer, "rows": rows, "counted_labels": counted,
-                "steps": g.STEPS, "losses": losses, "torch": torch.__version__}
+                "steps": g.STEPS, "losses": [l for l, _ in losses],
+                "accuracies": [a for _, a in losses], "torch": torch.__version__}
         with open(os.path.join(fdir, "eval.json"), "w") as f:
             json.dump(meta, f, indent=1)
             f.write("\n")
         print(f"{name}: {optimizer}, {rows} rows ({counted} labels counted), "
-              f"validation loss {losses[0]:.6f} -> {losses[-1]:.6f}")
+              f"validation loss {losses[0][0]:.6f} -> {losses[-1][0]:.6f}, "
+              f"accuracy {losses[0][1]:.3f} -> {losses[-1][1]:.3f}")
 
 
 if __name__ == "__main__":

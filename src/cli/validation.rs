@@ -52,6 +52,8 @@ pub(crate) struct Validation {
 struct MetricsLine {
     step: u64,
     eval_loss: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    eval_accuracy: Option<f64>,
     eval_rows: usize,
 }
 
@@ -201,8 +203,12 @@ impl Validation {
             Some((at, loss)) if at != step => format!("; lowest {loss:.6} after micro-step {at}"),
             _ => String::new(),
         };
+        let accuracy = match e.accuracy {
+            Some(a) => format!(", accuracy {:.2}%", 100.0 * a),
+            None => String::new(),
+        };
         note(format!(
-            "validation after micro-step {step}: loss {:.6} over {} rows ({:.2} s){best}",
+            "validation after micro-step {step}: loss {:.6}{accuracy} over {} rows ({:.2} s){best}",
             e.loss,
             e.rows,
             e.wall.as_secs_f64()
@@ -211,6 +217,7 @@ impl Validation {
             let line = MetricsLine {
                 step,
                 eval_loss: e.loss,
+                eval_accuracy: e.accuracy,
                 eval_rows: e.rows,
             };
             out.line(&serde_json::to_string(&line)?)?;
