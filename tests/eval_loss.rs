@@ -664,3 +664,97 @@ fn an_ignored_class_counts_in_neither_loss_nor_accuracy() {
         (got - want).abs() / want
     );
 }
+
+/// An eval model whose batch axis is fixed (8 rows, as some exporters write it): batches of
+/// that size, the rows past the last whole batch left out with a note (20 rows: 16 used),
+/// the loss that of those 16 rows through the model with a free batch axis; another
+/// `--eval-batch` is refused.
+#[test]
+fn a_fixed_batch_eval_model_takes_whole_batches() {
+    if !ort_available() {
+        return;
+    }
+    use onnx_ga::proto::tensor_shape_proto::dimension::Value as Dim;
+    let dir = TempDir::new().unwrap();
+    let d = dir.path();
+    let step = d.join("step.onnx");
+    let rewrite = [
+        "--loss-fn",
+        "cross-entropy",
+        "--optimizer",
+        "sgd",
+        "--accum-steps",
+        "4",
+    ];
+    cli_rewrite("forward/torch_mlp/dynamo.onnx", &step, &rewrite);
+    let mut fixed = onnx_ga::model::load_model(&forward("torch_mlp")).unwrap();
+    let graph = fixed.graph.as_mut().unwrap();
+    for value in graph.input.iter_mut().chain(graph.output.iter_mut()) {
+        let Some(onnx_ga::proto::type_proto::Value::TensorType(t)) =
+            value.r#type.as_mut().and_then(|t| t.value.as_mut())
+        else {
+            continue;
+        };
+        if let Some(first) = t.shape.as_mut().and_then(|s| s.dim.first_mut()) {
+            first.value = Some(Dim::DimValue(8));
+        }
+    }
+    let fixed_path = d.join("fixed.onnx");
+    onnx_ga::model::save_model(&fixed, &fixed_path).unwrap();
+    let all = crate::common::read_npz(&root().join("fixtures/forward/torch_mlp/eval_data.npz"));
+    let first16: Vec<(String, Tensor)> = all
+        .iter()
+        .map(|(k, v)| (k.clone(), v.rows(&(0..16).collect::<Vec<_>>())))
+        .collect();
+    let first16_path = d.join("first16.npz");
+    onnx_ga::data::write_npz(&first16_path, first16.iter().map(|(k, v)| (k.as_str(), v))).unwrap();
+
+    let run = |eval_model: &Path, eval_data: &Path, name: &str, extra: &[&str]| {
+        let metrics = d.join(name);
+        let mut args = validated_train(&step, "torch_mlp", "8", "8");
+        let (model_at, data_at) = (
+            args.iter().position(|a| a == "--eval-model").unwrap() + 1,
+            args.iter().position(|a| a == "--eval-data").unwrap() + 1,
+        );
+        args[model_at] = eval_model.to_str().unwrap().into();
+        args[data_at] = eval_data.to_str().unwrap().into();
+        args.extend(["--metrics", metrics.to_str().unwrap()].map(String::from));
+        args.extend(extra.iter().map(|a| a.to_string()));
+        let args_ref: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = onnx_ga_cli(&args_ref);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.code(), stderr, metrics)
+    };
+    let eval_data = root().join("fixtures/forward/torch_mlp/eval_data.npz");
+    let (code, said, metrics) = run(&fixed_path, &eval_data, "fixed.jsonl", &[]);
+    assert_eq!(code, Some(0), "{said}");
+    assert!(
+        said.contains("the last 4 of 20 rows are left out"),
+        "{said}"
+    );
+    let fixed_line = validation_lines(&metrics)[0];
+    assert_eq!(fixed_line.2, 16);
+    let (code, said, metrics) = run(
+        &forward("torch_mlp"),
+        &first16_path,
+        "free.jsonl",
+        &["--eval-batch", "5"],
+    );
+    assert_eq!(code, Some(0), "{said}");
+    let free_line = validation_lines(&metrics)[0];
+    assert!(
+        (fixed_line.1 - free_line.1).abs() <= 1e-6 * free_line.1,
+        "{fixed_line:?} vs {free_line:?}"
+    );
+    let (code, said, _) = run(
+        &fixed_path,
+        &eval_data,
+        "refused.jsonl",
+        &["--eval-batch", "4"],
+    );
+    assert_eq!(code, Some(2), "{said}");
+    assert!(
+        said.contains("--eval-batch 4") && said.contains("batch of 8"),
+        "{said}"
+    );
+}
