@@ -208,7 +208,8 @@ impl EvalGraph {
 
         // The loss, the first output; for classes the correct predictions, the second.
         let mut correct = None;
-        let (loss, combine, describe) = match &objective {
+        let float = crate::proto::tensor_proto::DataType::Float as i32;
+        let (loss, loss_elem, combine, describe) = match &objective {
             Objective::LossFn(spec) => {
                 let summed = autodiff::LossSpec {
                     sum: true,
@@ -224,10 +225,19 @@ impl EvalGraph {
                         spec.function.as_str()
                     ))
                 })?;
-                if let (true, Some(scores)) = (spec.function.takes_classes(), scores) {
+                let shapes = autodiff::shapes::Shapes::infer(&m);
+                let loss_elem = shapes.get(loss).elem.unwrap_or(float);
+                let rank = scores.and_then(|s| shapes.get(s).rank());
+                if let (true, Some(scores), Some(rank)) =
+                    (spec.function.takes_classes(), scores, rank)
+                {
                     let ignored = spec.ignore_index;
-                    correct = correct_predictions(&mut m, scores, labels, spec.class_axis, ignored)
-                        .map(|c| (c, m.name(labels).to_string(), ignored));
+                    let axis = match spec.class_axis {
+                        a if a < 0 => a + rank as i64,
+                        a => a,
+                    };
+                    let c = correct_predictions(&mut m, scores, labels, axis, ignored);
+                    correct = Some((c, m.name(labels).to_string(), ignored));
                 }
                 let combine = match spec.sum {
                     true => Combine::SumPerMicroBatch,
@@ -239,6 +249,7 @@ impl EvalGraph {
                 let reduction = if spec.sum { "sum" } else { "mean" };
                 (
                     loss,
+                    loss_elem,
                     combine,
                     format!("{} ({reduction})", spec.function.as_str()),
                 )
@@ -249,24 +260,20 @@ impl EvalGraph {
                         "the step's loss is '{name}', and this model computes no tensor of that name (a model with its own loss must compute it under the same name)"
                     ))
                 })?;
+                let loss_elem = autodiff::shapes::Shapes::infer(&m).get(loss).elem;
                 (
                     loss,
+                    loss_elem.unwrap_or(float),
                     Combine::Rows,
                     format!("the model's own loss '{name}'"),
                 )
             }
         };
-        let shapes = autodiff::shapes::Shapes::infer(&m);
-        let loss_elem = shapes
-            .get(loss)
-            .elem
-            .unwrap_or(crate::proto::tensor_proto::DataType::Float as i32);
         while !m.main().outputs.is_empty() {
             m.remove_output(main, 0);
         }
         m.add_output(main, loss, Some(tensor_type(loss_elem, &[])));
         if let Some((c, ..)) = &correct {
-            let float = crate::proto::tensor_proto::DataType::Float as i32;
             m.add_output(main, *c, Some(tensor_type(float, &[])));
         }
         for (v, _) in &fed {
@@ -346,24 +353,17 @@ impl EvalGraph {
 }
 
 /// How many of `labels` other than `ignore_index` have their class scored highest in
-/// `scores` (classes on `class_axis`): a float scalar, or `None` when the scores' rank is
-/// not declared. The mask matters when `ignore_index` names a class (0, say); the host
-/// leaves ignored labels out of the divisor.
+/// `scores` (classes on `axis`, counted from 0): a float scalar. The mask matters when
+/// `ignore_index` names a class (0, say); the host leaves ignored labels out of the divisor.
 fn correct_predictions(
     m: &mut Model,
     scores: crate::ir::ValueId,
     labels: crate::ir::ValueId,
-    class_axis: i64,
+    axis: i64,
     ignore_index: Option<i64>,
-) -> Option<crate::ir::ValueId> {
+) -> crate::ir::ValueId {
     use crate::ir::builder::{attr_int, Builder};
     use crate::ir::emit::Emit;
-    let rank = autodiff::shapes::Shapes::infer(m).get(scores).rank()? as i64;
-    let axis = if class_axis < 0 {
-        class_axis + rank
-    } else {
-        class_axis
-    };
     let mut b = Builder::new(m, BodyId::MAIN, "evaluate");
     let keep = attr_int("keepdims", 0);
     let predicted = b.op(
@@ -381,7 +381,7 @@ fn correct_predictions(
     }
     let float = crate::proto::tensor_proto::DataType::Float as i64;
     let hit = b.op("Cast", &[hit], vec![attr_int("to", float)], "eval.hit_f");
-    Some(b.reduce("ReduceSum", hit, &[], false, "eval.correct"))
+    b.reduce("ReduceSum", hit, &[], false, "eval.correct")
 }
 
 /// One evaluation's result.

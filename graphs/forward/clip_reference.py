@@ -31,8 +31,7 @@ def run(model, mapping, data, names, batch, max_norm):
     opt = torch.optim.AdamW(params, **g.ADAMW)
     norms, clipped = [], []
     for t in range(g.STEPS):
-        idx = (np.arange(batch) + batch * t) % g.N_SAMPLES
-        x, y = g.to_inputs(data, idx, names)
+        x, y = g.step_inputs(data, names, batch, t)
         opt.zero_grad(set_to_none=True)
         g.loss_fn(m(*x), y).backward()
         limit = float("inf") if max_norm is None else max_norm

@@ -57,8 +57,7 @@ def run_adamw(model, data, names, batch, val):
     opt = torch.optim.AdamW([p for _, p in m.named_parameters()], **g.ADAMW)
     losses = [validation(m, val, names)]
     for t in range(g.STEPS):
-        idx = (np.arange(batch) + batch * t) % g.N_SAMPLES
-        x, y = g.to_inputs(data, idx, names)
+        x, y = g.step_inputs(data, names, batch, t)
         opt.zero_grad(set_to_none=True)
         g.loss_fn(m(*x), y).backward()
         opt.step()

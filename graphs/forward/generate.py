@@ -775,6 +775,11 @@ def to_inputs(data, sl, names, dtype=torch.float32):
     return xs, torch.from_numpy(data["labels"][sl])
 
 
+def step_inputs(data, names, batch, t, dtype=torch.float32):
+    """The inputs and labels of full-batch step t: rows [t*batch, (t+1)*batch), wrapping."""
+    return to_inputs(data, (np.arange(batch) + batch * t) % N_SAMPLES, names, dtype)
+
+
 def grads_ref(model, mapping, data, names, dtype):
     m = copy.deepcopy(model)
     if dtype == torch.float64:
@@ -797,8 +802,7 @@ def run_full(model, mapping, data, names, opt_name, batch, dtype=torch.float32):
     opt = torch.optim.SGD(params, **SGD) if opt_name == "sgd" else torch.optim.AdamW(params, **ADAMW)
     losses = []
     for t in range(STEPS):
-        idx = (np.arange(batch) + batch * t) % N_SAMPLES
-        x, y = to_inputs(data, idx, names, dtype)
+        x, y = step_inputs(data, names, batch, t, dtype)
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(m(*x), y)
         loss.backward()

@@ -32,8 +32,7 @@ def run(model, mapping, data, names, batch, globs):
     hp = dict(g.ADAMW, weight_decay=WEIGHT_DECAY)
     opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], **hp)
     for t in range(g.STEPS):
-        idx = (np.arange(batch) + batch * t) % g.N_SAMPLES
-        x, y = g.to_inputs(data, idx, names)
+        x, y = g.step_inputs(data, names, batch, t)
         opt.zero_grad(set_to_none=True)
         g.loss_fn(m(*x), y).backward()
         opt.step()

@@ -784,13 +784,7 @@ impl Pass for Agc {
 
     /// The window, its gradients not yet consumed by an optimizer.
     fn requires(&self, _model: &Model, cx: &PassContext<'_>) -> Result<(), PassError> {
-        super::requires_window(cx, PASS)?;
-        if cx.window().is_some_and(|w| w.optimized()) {
-            return Err(fail(
-                "the optimizer already consumed the gradients: run agc before optimizer".into(),
-            ));
-        }
-        Ok(())
+        super::requires_unconsumed_gradients(cx, PASS)
     }
 
     fn spec(&self) -> String {

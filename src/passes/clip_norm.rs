@@ -52,13 +52,6 @@ pub fn options_text(max_norm: f32) -> Vec<String> {
     vec![format!("max_norm={max_norm}")]
 }
 
-fn fail(message: String) -> PassError {
-    PassError::Other {
-        pass: PASS.into(),
-        message,
-    }
-}
-
 impl Pass for ClipNorm {
     fn name(&self) -> &'static str {
         PASS
@@ -70,14 +63,7 @@ impl Pass for ClipNorm {
 
     /// The window, its gradients not yet consumed by an optimizer.
     fn requires(&self, _model: &Model, cx: &PassContext<'_>) -> Result<(), PassError> {
-        super::requires_window(cx, PASS)?;
-        if cx.window().is_some_and(|w| w.optimized()) {
-            return Err(fail(
-                "the optimizer already consumed the gradients: run clip-norm before optimizer"
-                    .into(),
-            ));
-        }
-        Ok(())
+        super::requires_unconsumed_gradients(cx, PASS)
     }
 
     fn spec(&self) -> String {

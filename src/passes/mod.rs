@@ -429,6 +429,21 @@ pub fn requires_window(cx: &PassContext<'_>, pass: &str) -> Result<(), PassError
     }
 }
 
+/// For a pass that changes the window's gradients (a clipping): the window is open and no
+/// optimizer has consumed them yet.
+pub fn requires_unconsumed_gradients(cx: &PassContext<'_>, pass: &str) -> Result<(), PassError> {
+    requires_window(cx, pass)?;
+    match cx.window().is_some_and(|w| w.optimized()) {
+        true => Err(PassError::Other {
+            pass: pass.into(),
+            message: format!(
+                "the optimizer already consumed the gradients: run {pass} before optimizer"
+            ),
+        }),
+        false => Ok(()),
+    }
+}
+
 /// The spec text of a pass: `name`, or `name(a=1,b=2)` when it has options.
 pub fn spec_text<S: AsRef<str>>(name: &str, options: &[S]) -> String {
     if options.is_empty() {
