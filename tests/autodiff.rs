@@ -410,7 +410,21 @@ fn torch_training_of(
         "autodiff(loss_fn=cross-entropy,ignore_index=-100,grads=internal),grad-accum(steps=4,normalize={normalize}),{optimizer},legalize-ort,dce"
     );
     let step = build(&forward_path(model, export), &spec);
-    let state = train(&step, model, b, 32);
+    let what = format!("{model} {optimizer} {normalize}");
+    trains_like_torch(&step, model, &what, b, reference, skip);
+}
+
+/// 8 windows of K = 4 micro-batches of B through `step` against torch's parameters in
+/// `fixtures/forward/MODEL/REFERENCE`, within 2e-6 max abs on every parameter.
+fn trains_like_torch(
+    step: &ModelProto,
+    model: &str,
+    what: &str,
+    b: usize,
+    reference: &str,
+    skip: &dyn Fn(&str, usize) -> bool,
+) {
+    let state = train(step, model, b, 32);
     let expected = read_npz(&root().join("fixtures/forward").join(model).join(reference));
     let mut largest = 0f64;
     for (name, want) in &expected {
@@ -425,11 +439,11 @@ fn torch_training_of(
             .fold(0.0, f64::max);
         assert!(
             worst <= 2e-6,
-            "{model} {optimizer} {normalize}: '{name}' max abs {worst:e} from torch"
+            "{what}: '{name}' max abs {worst:e} from torch"
         );
         largest = largest.max(worst);
     }
-    eprintln!("MEASURED {model} {optimizer} {normalize}: {largest:e} max abs from torch");
+    eprintln!("MEASURED {what}: {largest:e} max abs from torch");
 }
 
 const SGD: &str = "optimizer(kind=sgd,lr=0.1)";
@@ -460,6 +474,55 @@ fn torch_cnn_nobn_accumulated_adamw_equals_full_batch() {
 #[test]
 fn torch_gpt_weighted_sgd_equals_full_batch() {
     torch_training("torch_gpt", SGD, "weighted", 4, "run_sgd.npz", &none);
+}
+/// `nll` on log-probabilities is cross-entropy on the logits: the GPT with a LogSoftmax
+/// appended to its logits, trained through `--loss-fn nll` (ONNX's NegativeLogLikelihoodLoss
+/// and its gradient rule) with `weighted` counting the window's non-ignored labels, trains
+/// like torch's full-batch cross-entropy run. With `mean` it would not (the padded labels).
+#[test]
+fn torch_gpt_nll_of_log_softmax_weighted_sgd_equals_full_batch() {
+    if !ort_available() {
+        return;
+    }
+    let path = forward_path("torch_gpt", "dynamo");
+    let mut proto = onnx_ga::model::load_model_with_data(&path).unwrap_or_else(|e| panic!("{e}"));
+    let graph = proto.graph.as_mut().unwrap();
+    let logits = graph.output[0].name().to_string();
+    graph.node.push(onnx_ga::proto::NodeProto {
+        op_type: Some("LogSoftmax".into()),
+        input: vec![logits],
+        output: vec!["log_probs".into()],
+        attribute: vec![onnx_ga::ir::builder::attr_int("axis", -1)],
+        ..Default::default()
+    });
+    graph.output[0].name = Some("log_probs".into());
+    let spec = format!(
+        "autodiff(loss_fn=nll,ignore_index=-100,grads=internal),grad-accum(steps=4,normalize=weighted),{SGD},legalize-ort,dce"
+    );
+    let step = onnx_ga::step::build_step(onnx_ga::signature::forward(proto, &path), &spec, true)
+        .unwrap_or_else(|e| panic!("{spec}: {e}"))
+        .model
+        .to_proto();
+    let ops: Vec<&str> = step
+        .graph
+        .as_ref()
+        .unwrap()
+        .node
+        .iter()
+        .map(|n| n.op_type())
+        .collect();
+    assert!(
+        !ops.contains(&"SoftmaxCrossEntropyLoss"),
+        "the loss is the NLL of the appended log-probabilities"
+    );
+    trains_like_torch(
+        &step,
+        "torch_gpt",
+        "torch_gpt nll(log_softmax) sgd weighted",
+        4,
+        "run_sgd.npz",
+        &none,
+    );
 }
 /// The key bias of attention (elements d..2d of `c_attn.bias`) has an exactly zero
 /// gradient in exact arithmetic (softmax ignores a per-query constant); its float

@@ -147,6 +147,7 @@
 //! gru_no_bias_initial_state_f64              f64  2.1e-9
 //! hard_sigmoid                               f32  4.8e-5
 //! hard_swish                                 f32  9.7e-5
+//! hardmax_carries_no_gradient                f32  3.9e-5
 //! identity                                   f64  4.9e-11
 //! instance_norm_1d                           f32  3.6e-4
 //! instance_norm_2d                           f32  1.9e-4
@@ -186,6 +187,11 @@
 //! mul                                        f64  8.0e-11
 //! mul_broadcast_n1h_1ch                      f64  9.9e-11
 //! neg                                        f64  2.2e-11
+//! nll_ignore_index_names_a_class_sum_int32   f64  3.3e-10
+//! nll_mean                                   f64  2.5e-10
+//! nll_of_log_softmax                         f64  1.2e-9
+//! nll_weighted_ignore_index_nd               f64  3.1e-10
+//! nll_weighted_none                          f64  1.8e-10
 //! pad_axes_opset18                           f64  1.2e-10
 //! pad_constant                               f64  7.4e-11
 //! pad_constant_undeclared                    f64  1.8e-10
@@ -1518,6 +1524,45 @@ cases! {
         let labels = n.ints("labels", &[4], &[2, 0, 1, 1]);
         vec![n.node("SoftmaxCrossEntropyLoss", &[Some(x), Some(labels)], 1,
             vec![attr_string("reduction", "none")])[0]]
+    };
+
+    nll_mean: 17, F64 => |n| {
+        let x = n.param("X", &[4, 3], -2.0, 0.0);
+        let labels = n.ints("labels", &[4], &[2, 0, 1, 1]);
+        vec![n.node("NegativeLogLikelihoodLoss", &[Some(x), Some(labels)], 1, vec![])[0]]
+    };
+    nll_weighted_ignore_index_nd: 17, F64 => |n| {
+        let x = n.param("X", &[2, 3, 4], -2.0, 0.0);
+        let labels = n.ints("labels", &[2, 4], &[0, 2, -100, 1, 2, 2, 0, -100]);
+        let w = n.konst("class_w", &[3], &[0.5, 2.0, 1.25]);
+        vec![n.node("NegativeLogLikelihoodLoss", &[Some(x), Some(labels), Some(w)], 1,
+            vec![attr_int("ignore_index", -100)])[0]]
+    };
+    nll_ignore_index_names_a_class_sum_int32: 17, F64 => |n| {
+        let x = n.param("X", &[5, 4], -2.0, 0.0);
+        let labels = n.int32s("labels", &[5], &[1, 3, 3, 0, 2]);
+        vec![n.node("NegativeLogLikelihoodLoss", &[Some(x), Some(labels)], 1,
+            vec![attr_int("ignore_index", 3), attr_string("reduction", "sum")])[0]]
+    };
+    nll_weighted_none: 17, F64 => |n| {
+        let x = n.param("X", &[4, 3], -2.0, 0.0);
+        let labels = n.ints("labels", &[4], &[2, 0, 1, 2]);
+        let w = n.konst("class_w", &[3], &[0.25, 1.5, 3.0]);
+        vec![n.node("NegativeLogLikelihoodLoss", &[Some(x), Some(labels), Some(w)], 1,
+            vec![attr_string("reduction", "none")])[0]]
+    };
+    nll_of_log_softmax: 17, F64 => |n| {
+        let s = n.param("S", &[4, 5], -2.0, 2.0);
+        let lp = n.op("LogSoftmax", &[s], vec![attr_int("axis", 1)]);
+        let labels = n.ints("labels", &[4], &[4, 0, 2, 2]);
+        vec![n.node("NegativeLogLikelihoodLoss", &[Some(lp), Some(labels)], 1, vec![])[0]]
+    };
+
+    // Hardmax is piecewise constant: the gradient flows only through Mul's other input.
+    hardmax_carries_no_gradient: 17, F32 => |n| {
+        let x = n.param_distinct("X", &[3, 4], 0.5);
+        let hard = n.op("Hardmax", &[x], vec![attr_int("axis", 1)]);
+        vec![n.op("Mul", &[x, hard], vec![])]
     };
 
     // ---- a parameter shared by two nodes: its gradient is the sum

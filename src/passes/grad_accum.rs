@@ -36,7 +36,8 @@ pub enum Normalize {
     Mean,
     Sum,
     /// Weighted by a data input (`Some(name)`), or by the count of non-ignored labels of
-    /// the mean-reduced SoftmaxCrossEntropyLoss that produces the loss (`None`).
+    /// the mean-reduced SoftmaxCrossEntropyLoss or NegativeLogLikelihoodLoss that produces the
+    /// loss (`None`).
     Weighted(Option<String>),
 }
 
@@ -444,18 +445,23 @@ fn micro_batch_weight(
             "ga.weight",
         ));
     }
-    // The count of labels that the mean-reduced cross entropy averages over.
+    // The count of labels that the mean-reduced loss averages over (SoftmaxCrossEntropyLoss
+    // and NegativeLogLikelihoodLoss weigh their labels alike: inputs labels, class weights).
     let loss = cx.signature.loss.clone();
     let loss_value = model
         .lookup(main, &loss)
         .ok_or_else(|| fail(format!("loss '{loss}' not found")))?;
     let Some((node, 0)) = model.producer(loss_value) else {
-        return Err(fail(format!("normalize=weighted without an input needs the loss '{loss}' to be output 0 of a SoftmaxCrossEntropyLoss; name a weight input instead (normalize=weighted:INPUT)")));
+        return Err(fail(format!("normalize=weighted without an input needs the loss '{loss}' to be output 0 of a SoftmaxCrossEntropyLoss or NegativeLogLikelihoodLoss; name a weight input instead (normalize=weighted:INPUT)")));
     };
     let proto = model.node(node).proto.clone();
-    if proto.op_type() != "SoftmaxCrossEntropyLoss" {
+    let op = proto.op_type().to_string();
+    if !matches!(
+        op.as_str(),
+        "SoftmaxCrossEntropyLoss" | "NegativeLogLikelihoodLoss"
+    ) {
         return Err(fail(format!(
-            "normalize=weighted without an input counts labels of a SoftmaxCrossEntropyLoss, but the loss comes from {} ('{}'); name a weight input (normalize=weighted:INPUT)",
+            "normalize=weighted without an input counts labels of a SoftmaxCrossEntropyLoss or NegativeLogLikelihoodLoss, but the loss comes from {} ('{}'); name a weight input (normalize=weighted:INPUT)",
             proto.op_type(),
             proto.name()
         )));
@@ -466,12 +472,11 @@ fn micro_batch_weight(
         .unwrap_or_else(|| "mean".into());
     if reduction != "mean" {
         return Err(fail(format!(
-            "SoftmaxCrossEntropyLoss '{}' has reduction={reduction}; in-graph weights need mean",
+            "{op} '{}' has reduction={reduction}; in-graph weights need mean",
             proto.name()
         )));
     }
-    let labels = model.node(node).inputs[1]
-        .ok_or_else(|| fail("SoftmaxCrossEntropyLoss without labels".into()))?;
+    let labels = model.node(node).inputs[1].ok_or_else(|| fail(format!("{op} without labels")))?;
     let class_weights = model.node(node).inputs.get(2).copied().flatten();
     let ignore_index = proto.attr_int("ignore_index").map_err(fail)?;
     // The label constants take the labels' type: int64, or int32 (which the loss accepts

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cross-entropy  L = SoftmaxCrossEntropyLoss(Y, T; ignore_index, reduction)    T int64 classes
-//! nll            L = -Σ Y[i, T_i] · v_i / Σ v_i,  v_i = (T_i != ignore_index)  (Y log-probabilities)
+//! nll            L = NegativeLogLikelihoodLoss(Y, T; ignore_index, reduction)  Y log-probabilities
 //! mse            L = mean((Y - T)²)
 //! l1             L = mean(|Y - T|)
 //! bce-logits     L = mean(max(Y, 0) - Y·T + log(1 + exp(-|Y|)))               (the stable form)
@@ -177,30 +177,19 @@ pub fn append(
         LossFn::CrossEntropy | LossFn::Nll => {
             let (scores, labels2) =
                 classes_on_axis_1(&mut b, output, labels, &dims, class_axis, opset)?;
-            if spec.function == LossFn::CrossEntropy {
-                let mut attrs = vec![attr_string("reduction", reduction)];
-                if let Some(i) = spec.ignore_index {
-                    attrs.push(attr_int("ignore_index", i));
-                }
-                let n = b.node(
-                    "SoftmaxCrossEntropyLoss",
-                    "",
-                    &[Some(scores), Some(labels2)],
-                    &["loss"],
-                    attrs,
-                );
-                b.model.output(n, 0)
+            // ONNX's own loss ops: their gradient rules, their lowerings for tract, and
+            // grad-accum's label count (normalize=weighted) each know them.
+            let op = if spec.function == LossFn::CrossEntropy {
+                "SoftmaxCrossEntropyLoss"
             } else {
-                nll(
-                    &mut b,
-                    scores,
-                    labels2,
-                    spec.ignore_index,
-                    spec.sum,
-                    elem,
-                    opset,
-                )
+                "NegativeLogLikelihoodLoss"
+            };
+            let mut attrs = vec![attr_string("reduction", reduction)];
+            if let Some(i) = spec.ignore_index {
+                attrs.push(attr_int("ignore_index", i));
             }
+            let n = b.node(op, "", &[Some(scores), Some(labels2)], &["loss"], attrs);
+            b.model.output(n, 0)
         }
         LossFn::Mse | LossFn::L1 => {
             let d = b.op("Sub", &[output, labels], vec![], "loss_diff");
@@ -284,94 +273,6 @@ fn classes_on_axis_1(
 fn reduce_all(b: &mut Builder<'_>, x: ValueId, sum: bool) -> ValueId {
     let op = if sum { "ReduceSum" } else { "ReduceMean" };
     b.op(op, &[x], vec![attr_int("keepdims", 0)], "loss")
-}
-
-/// Negative log-likelihood of log-probabilities `[N, C, ..]` at int64 labels `[N, ..]`.
-fn nll(
-    b: &mut Builder<'_>,
-    scores: ValueId,
-    labels: ValueId,
-    ignore: Option<i64>,
-    sum: bool,
-    elem: i32,
-    opset: i64,
-) -> ValueId {
-    let axes = b.ints("class_axis", &[1]);
-    let (index, valid) = match ignore {
-        Some(i) => {
-            let ig = b.model.add_initializer(
-                BodyId::MAIN,
-                "ignore_index",
-                crate::ir::builder::tensor_i64(&[], &[i]),
-            );
-            let is_ignored = b.op("Equal", &[labels, ig], vec![], "label_ignored");
-            let valid = b.op("Not", &[is_ignored], vec![], "label_valid");
-            let zero = b.model.add_initializer(
-                BodyId::MAIN,
-                "label_zero",
-                crate::ir::builder::tensor_i64(&[], &[0]),
-            );
-            let safe = b.op("Where", &[valid, labels, zero], vec![], "label_safe");
-            (safe, Some(valid))
-        }
-        None => (labels, None),
-    };
-    let idx = if crate::ir::emit::axes_as_input("Unsqueeze", opset) {
-        b.op("Unsqueeze", &[index, axes], vec![], "label_index")
-    } else {
-        b.op(
-            "Unsqueeze",
-            &[index],
-            vec![attr_ints("axes", &[1])],
-            "label_index",
-        )
-    };
-    let picked = b.op(
-        "GatherElements",
-        &[scores, idx],
-        vec![attr_int("axis", 1)],
-        "nll_picked",
-    );
-    let picked = if crate::ir::emit::axes_as_input("Squeeze", opset) {
-        b.op("Squeeze", &[picked, axes], vec![], "nll_picked")
-    } else {
-        b.op(
-            "Squeeze",
-            &[picked],
-            vec![attr_ints("axes", &[1])],
-            "nll_picked",
-        )
-    };
-    let neg = b.op("Neg", &[picked], vec![], "nll_elem");
-    match valid {
-        None => reduce_all(b, neg, sum),
-        Some(valid) => {
-            let w = b.op(
-                "Cast",
-                &[valid],
-                vec![attr_int("to", elem as i64)],
-                "label_weight",
-            );
-            let masked = b.op("Mul", &[neg, w], vec![], "nll_masked");
-            let total = b.op(
-                "ReduceSum",
-                &[masked],
-                vec![attr_int("keepdims", 0)],
-                "nll_sum",
-            );
-            if sum {
-                total
-            } else {
-                let count = b.op(
-                    "ReduceSum",
-                    &[w],
-                    vec![attr_int("keepdims", 0)],
-                    "label_count",
-                );
-                b.op("Div", &[total, count], vec![], "loss")
-            }
-        }
-    }
 }
 
 /// The loss the model already computes (`--loss NAME`): a scalar float tensor.

@@ -397,6 +397,7 @@ const SAME_AS_INPUT: &[&str] = &[
     "Identity",
     "Softmax",
     "LogSoftmax",
+    "Hardmax",
     "Clip",
     "Dropout",
     "BatchNormalization",
