@@ -102,7 +102,13 @@ fn torch_gradients_on(
     export: &str,
     run: fn(&ModelProto, &BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor>,
 ) {
-    let graph = build(&forward_path(model, export), CE);
+    let path = forward_path(model, export);
+    let spec = if common::computes_own_loss(&path) {
+        "autodiff(loss=loss),legalize-ort"
+    } else {
+        CE
+    };
+    let graph = build(&path, spec);
     let data = read_npz(&root().join("graphs/forward").join(model).join("data.npz"));
     let fixtures = root().join("fixtures/forward").join(model);
     let reference = match fixtures.join("grads.npz") {
@@ -524,6 +530,47 @@ fn torch_gpt_nll_of_log_softmax_weighted_sgd_equals_full_batch() {
         &none,
     );
 }
+/// A model that computes its own loss (`graphs/forward/own_loss_reference.py`): torch_mlp
+/// with `nll_loss(log_softmax(logits), labels, weight=class_weight, ignore_index=3)` in its
+/// forward. The dynamo export is LogSoftmax + NegativeLogLikelihoodLoss, the legacy one a
+/// SoftmaxCrossEntropyLoss with class weights; `class_weight` is a plain initializer in the
+/// legacy file, and a loss's class weights carry no gradient (torch has none for them).
+#[test]
+fn torch_mlp_nll_dynamo_gradients() {
+    torch_gradients("torch_mlp_nll", "dynamo");
+}
+#[test]
+fn torch_mlp_nll_legacy_gradients() {
+    torch_gradients("torch_mlp_nll", "legacy");
+}
+
+/// The model's own class-weighted mean over 8 windows of 4 micro-batches of 8: `weighted`
+/// divides the window's gradient by the sum of its labels' class weights (ignored labels
+/// weigh 0), so it trains like torch's full batches of 32. With `mean` it would not.
+fn own_loss_training(export: &str, optimizer: &str, reference: &str) {
+    if !ort_available() {
+        return;
+    }
+    let spec = format!(
+        "autodiff(loss=loss,grads=internal),grad-accum(steps=4,normalize=weighted),{optimizer},legalize-ort,dce"
+    );
+    let step = build(&forward_path("torch_mlp_nll", export), &spec);
+    let what = format!("torch_mlp_nll/{export} {optimizer} weighted");
+    trains_like_torch(&step, "torch_mlp_nll", &what, 8, reference, &none);
+}
+#[test]
+fn torch_mlp_nll_dynamo_weighted_sgd_equals_full_batch() {
+    own_loss_training("dynamo", SGD, "run_sgd.npz");
+}
+#[test]
+fn torch_mlp_nll_dynamo_weighted_adamw_equals_full_batch() {
+    own_loss_training("dynamo", ADAMW, "run_adamw.npz");
+}
+#[test]
+fn torch_mlp_nll_legacy_weighted_adamw_equals_full_batch() {
+    own_loss_training("legacy", ADAMW, "run_adamw.npz");
+}
+
 /// The key bias of attention (elements d..2d of `c_attn.bias`) has an exactly zero
 /// gradient in exact arithmetic (softmax ignores a per-query constant); its float
 /// gradients are rounding noise of ~1e-9, which Adam's m/sqrt(v) turns into lr-sized steps

@@ -49,10 +49,15 @@ fn every_written_step_passes_the_onnx_checker() {
         let path = entry.unwrap().path().join("dynamo.onnx");
         if path.is_file() {
             let name = path.parent().unwrap().file_name().unwrap();
+            let loss = if common::computes_own_loss(&path) {
+                vec!["--loss", "loss"]
+            } else {
+                vec!["--loss-fn", "cross-entropy"]
+            };
             sources.push((
                 name.to_string_lossy().into_owned(),
                 path,
-                vec!["--loss-fn", "cross-entropy", "--optimizer", "adamw"],
+                [loss, vec!["--optimizer", "adamw"]].concat(),
             ));
         }
     }

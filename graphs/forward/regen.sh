@@ -19,3 +19,5 @@ fi
 # One thread: deterministic references, and the machine is shared.
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
 "$VENV/bin/python" "$ROOT/graphs/forward/generate.py" "$@"
+# torch_mlp_nll starts from torch_mlp's export: after it.
+"$VENV/bin/python" "$ROOT/graphs/forward/own_loss_reference.py"

@@ -13,6 +13,17 @@ pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// Whether the forward model at `path` computes its own loss (its first output is named
+/// `loss`, as graphs/forward/torch_mlp_nll's): it trains with `--loss loss`, not `--loss-fn`.
+pub fn computes_own_loss(path: &Path) -> bool {
+    let proto = onnx_ga::model::load_model_with_data(path).unwrap_or_else(|e| panic!("{e}"));
+    proto
+        .graph
+        .as_ref()
+        .and_then(|g| g.output.first())
+        .is_some_and(|o| o.name() == "loss")
+}
+
 /// True when ONNX Runtime is available; under CI=true a missing library fails the test.
 pub fn ort_available() -> bool {
     onnx_ga::runtime::require_onnxruntime_for_tests().is_some()

@@ -867,7 +867,14 @@ fn differentiable_ancestors(model: &Model, shapes: &Shapes, y: ValueId) -> HashS
             .flatten()
             .any(|v| needed.contains(v) && shapes.get(*v).elem.map(is_float).unwrap_or(true));
         if reaches && differentiable(model, n) {
-            needed.extend(node.inputs.iter().flatten().copied());
+            let op = node.proto.op_type();
+            needed.extend(
+                node.inputs
+                    .iter()
+                    .enumerate()
+                    .filter(|(slot, _)| rules::carries_gradient(op, *slot))
+                    .filter_map(|(_, v)| *v),
+            );
             for sub in &node.subgraphs {
                 needed.extend(model.captures(sub.body));
             }

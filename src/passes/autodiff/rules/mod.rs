@@ -208,9 +208,14 @@ pub const NON_DIFFERENTIABLE: &[&str] = &[
 
 /// Inputs that carry no gradient even when they are float tensors: `CastLike` takes only
 /// the element type of its second input (the torch exporter's `CastLike(0, x)` must not
-/// make a constant depend on the parameters behind `x`).
+/// make a constant depend on the parameters behind `x`); a loss's class weights are
+/// settings, not parameters (PyTorch's `nll_loss`/`cross_entropy` have no derivative for
+/// them, and the legacy exporter leaves a `weight` buffer as a plain initializer).
 pub fn carries_gradient(op: &str, slot: usize) -> bool {
-    !matches!((op, slot), ("CastLike", 1))
+    !matches!(
+        (op, slot),
+        ("CastLike", 1) | ("SoftmaxCrossEntropyLoss", 2) | ("NegativeLogLikelihoodLoss", 2)
+    )
 }
 
 pub fn rule_for(domain: &str, op: &str) -> Option<RuleFn> {
