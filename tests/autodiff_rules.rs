@@ -1565,6 +1565,24 @@ cases! {
         vec![n.op("Mul", &[x, hard], vec![])]
     };
 
+    // LRN: a large alpha so that the cross-channel term is not small beside the direct one.
+    // ONNX Runtime's kernel takes only 4-D float32 inputs and odd sizes (the rule follows
+    // ONNX's window for any size and rank; those are not run here).
+    lrn_size5: 17, F32 => |n| {
+        let x = n.param("X", &[2, 6, 3, 3], -2.0, 2.0);
+        vec![n.op("LRN", &[x], vec![attr_int("size", 5), attr_float("alpha", 0.8),
+            attr_float("beta", 0.75), attr_float("bias", 1.0)])]
+    };
+    lrn_size3_bias2: 17, F32 => |n| {
+        let x = n.param("X", &[2, 5, 2, 3], -2.0, 2.0);
+        vec![n.op("LRN", &[x], vec![attr_int("size", 3), attr_float("alpha", 1.5),
+            attr_float("beta", 0.6), attr_float("bias", 2.0)])]
+    };
+    lrn_defaults: 17, F32 => |n| {
+        let x = n.param("X", &[1, 7, 2, 2], -2.0, 2.0);
+        vec![n.op("LRN", &[x], vec![attr_int("size", 3)])]
+    };
+
     // ---- a parameter shared by two nodes: its gradient is the sum
     shared_parameter: 17, F64 => |n| {
         let x = n.param("X", &[2, 3], -1.0, 1.0);

@@ -411,6 +411,7 @@ const SAME_AS_INPUT: &[&str] = &[
     "ScatterElements",
     "ScatterND",
     "LpNormalization",
+    "LRN",
     "RMSNormalization",
     "MeanVarianceNormalization",
     "Swish",

@@ -152,6 +152,7 @@ const RULES: &[(&str, RuleFn)] = &[
     ("ScatterND", scatter::scatter_nd),
     ("GatherND", scatter::gather_nd),
     ("LpNormalization", norm::lp_normalization),
+    ("LRN", norm::lrn),
     ("RMSNormalization", norm::rms_norm),
     ("MeanVarianceNormalization", norm::mean_variance_norm),
     ("ReduceProd", reduce::reduce_prod),

@@ -22,7 +22,14 @@
 //! MeanVarianceNormalization  over `axes` (default [0, 2, 3]), ε = 1e-9 added to σ, not σ²:
 //!   c = X - mean(X), σ = sqrt(mean(X²) - mean(X)²), d = σ + ε, Y = c / d
 //!   dX = (dY - mean(dY) - (c / σ) · mean(dY · Y)) / d
+//! LRN  over a window of `size` channels, W(c) = [c - ⌊(size-1)/2⌋, c + ⌈(size-1)/2⌉] ∩ [0, C):
+//!   S[c] = Σ_{i ∈ W(c)} X[i]²,  s = bias + (α / size) · S,  Y = X · s^-β
+//!   dX[j] = dY[j] · s[j]^-β - (2αβ / size) · X[j] · Σ_{c : j ∈ W(c)} dY[c] · X[c] · s[c]^(-β-1)
 //! ```
+//!
+//! LRN's two channel-window sums are each one MatMul by a 0/1 band matrix [C, C] over the view
+//! [N, C, -1] (the band for S, its transpose for the sum over the windows holding j), so C must
+//! be known; the forward's S is recomputed (LRN outputs only Y).
 //!
 //! Neither forward saves its statistics, so the rule recomputes them from X in the view
 //! `[N, G, M]` (`Reshape(X, [0, G, -1])`; Reshape back to X's shape at the end) with
@@ -43,7 +50,7 @@
 
 use super::super::shapes::Dim;
 use super::{wanted, Grad, InputGrads};
-use crate::ir::builder::attr_int;
+use crate::ir::builder::{attr_int, tensor_f32};
 use crate::ir::emit::Emit;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
@@ -558,5 +565,90 @@ pub fn mean_variance_norm(
     let tangent = cx.op("Sub", &[less_mean, along], vec![], &h);
     let mut out = vec![None; wants.len().max(1)];
     out[0] = Some(cx.op_like("Div", &[tangent, d], vec![], &h, x));
+    Ok(out)
+}
+
+pub fn lrn(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let (dy, x) = (cx.dy(node, dys, 0)?, cx.input(node, 0)?);
+    let size = cx.int_attr(node, "size", 0)?;
+    if size < 1 {
+        return Err(cx.error(node, format!("size {size} is not a positive window")));
+    }
+    let alpha = cx.float_attr(node, "alpha", 1e-4)? as f64;
+    let beta = cx.float_attr(node, "beta", 0.75)? as f64;
+    let bias = cx.float_attr(node, "bias", 1.0)? as f64;
+    let elem = cx.elem(node, x)?;
+    let rank = cx.need_rank(node, x)?;
+    let channels = match cx.facts(x).dims.as_ref().and_then(|d| d.get(1).cloned()) {
+        Some(Dim::Known(c)) if rank >= 3 => c,
+        _ => {
+            return Err(cx.error(
+                node,
+                format!(
+                    "the channel count (axis 1) of '{}' must be known, and its rank at least 3",
+                    cx.model().name(x)
+                ),
+            ))
+        }
+    };
+    if channels * channels > super::MAX_CONSTANT_ELEMENTS {
+        return Err(cx.error(
+            node,
+            format!("{channels} channels: the [C, C] window matrix would be too large"),
+        ));
+    }
+    let h = format!("{}_grad", cx.model().name(x));
+    // band[c][i] = 1 where i ∈ W(c); its transpose sums over the windows that hold i.
+    let (before, after) = ((size - 1) / 2, size / 2);
+    let c = channels as usize;
+    let mut band = vec![0f32; c * c];
+    let mut band_t = vec![0f32; c * c];
+    for row in 0..channels {
+        for col in (row - before).max(0)..=(row + after).min(channels - 1) {
+            band[(row * channels + col) as usize] = 1.0;
+            band_t[(col * channels + row) as usize] = 1.0;
+        }
+    }
+    let matrix = |cx: &mut Grad<'_>, values: Vec<f32>, hint: &str| {
+        let m = cx.constant(hint, tensor_f32(&[channels, channels], &values));
+        if elem == DataType::Float as i32 {
+            m
+        } else {
+            cx.cast_to(m, elem, hint)
+        }
+    };
+    let band = matrix(cx, band, "lrn_window");
+    let band_t = matrix(cx, band_t, "lrn_window_t");
+    let view = cx.ints(&[0, channels, -1]);
+    let shape = cx.shape_of(x);
+    let window_sum = |cx: &mut Grad<'_>, m: ValueId, t: ValueId, hint: &str| {
+        let flat = cx.op("Reshape", &[t, view], vec![], hint);
+        let summed = cx.op("MatMul", &[m, flat], vec![], hint);
+        cx.op_like("Reshape", &[summed, shape], vec![], hint, x)
+    };
+
+    let squares = cx.mul(x, x, &format!("{h}_sq"));
+    let sum = window_sum(cx, band, squares, &format!("{h}_window_sum"));
+    let k = cx.scalar(elem, alpha / size as f64);
+    let b = cx.scalar(elem, bias);
+    let scaled = cx.mul(k, sum, &h);
+    let s = cx.add(b, scaled, &format!("{h}_s"));
+    let neg_beta = cx.scalar(elem, -beta);
+    let s_pow = cx.pow(s, neg_beta, &format!("{h}_s_pow")); // s^-β
+    let direct = cx.mul(dy, s_pow, &format!("{h}_direct"));
+    let s_pow_1 = cx.div(s_pow, s, &format!("{h}_s_pow1")); // s^(-β-1)
+    let dy_x = cx.mul(dy, x, &h);
+    let through = cx.mul(dy_x, s_pow_1, &h);
+    let gathered = window_sum(cx, band_t, through, &format!("{h}_window_back"));
+    let coefficient = cx.scalar(elem, 2.0 * alpha * beta / size as f64);
+    let x_scaled = cx.mul(coefficient, x, &h);
+    let cross = cx.mul(x_scaled, gathered, &h);
+    let mut out = vec![None; wants.len().max(1)];
+    out[0] = Some(cx.op_like("Sub", &[direct, cross], vec![], &h, x));
     Ok(out)
 }
