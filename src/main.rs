@@ -1651,9 +1651,8 @@ fn check_plot_output(args: &TrainArgs, model_files: &[PathBuf]) -> Result<(), Fa
     if let Some(path) = &args.eval_data {
         taken.push(("the validation data", path));
     }
-    if let Some(path) = &args.eval_model {
-        taken.push(("the eval model", path));
-    }
+    let eval_files = eval_model_inputs(args);
+    taken.extend(eval_files.iter().map(|(what, p)| (*what, p.as_path())));
     let outputs = [
         ("the initial state", &args.init_state),
         ("the --save-state file", &args.save_state),
@@ -1679,18 +1678,41 @@ fn split_output(output: &Path, branch: &str) -> PathBuf {
     output.with_extension(format!("{branch}.onnx"))
 }
 
+/// A model file and the external-data files it names (`what`, `what_data`). Best effort: a
+/// model that cannot be read here is reported by whatever reads it.
+fn model_and_data(
+    what: &'static str,
+    what_data: &'static str,
+    file: PathBuf,
+) -> Vec<(&'static str, PathBuf)> {
+    let mut files = Vec::new();
+    if let Ok(m) = onnx_ga::model::load_model(&file) {
+        let dir = onnx_ga::atomic::parent_dir(&file);
+        for data in onnx_ga::model::external_data_files(&m, &dir) {
+            files.push((what_data, data));
+        }
+    }
+    files.push((what, file));
+    files
+}
+
+/// `train --eval-model`'s file and its external data: inputs no output may overwrite.
+fn eval_model_inputs(args: &TrainArgs) -> Vec<(&'static str, PathBuf)> {
+    args.eval_model.as_ref().map_or_else(Vec::new, |path| {
+        model_and_data(
+            "the eval model",
+            "the eval model's external data",
+            path.clone(),
+        )
+    })
+}
+
 /// The files `rewrite PATH` reads (or, for an artifacts folder, may read), with what each
 /// is. Best effort: a model that cannot be read here is reported by the rewrite itself.
 fn rewrite_inputs(path: &Path) -> Vec<(&'static str, PathBuf)> {
     let mut files = Vec::new();
     let model = |what: &'static str, file: PathBuf, files: &mut Vec<(&str, PathBuf)>| {
-        if let Ok(m) = onnx_ga::model::load_model(&file) {
-            let dir = onnx_ga::atomic::parent_dir(&file);
-            for data in onnx_ga::model::external_data_files(&m, &dir) {
-                files.push((INPUT_EXTERNAL_DATA, data));
-            }
-        }
-        files.push((what, file));
+        files.extend(model_and_data(what, INPUT_EXTERNAL_DATA, file));
     };
     if path.is_dir() {
         for (what, name) in [
@@ -1759,9 +1781,8 @@ fn check_train_outputs(args: &TrainArgs, model_files: &[PathBuf]) -> Result<(), 
     if let Some(path) = &args.eval_data {
         inputs.push(("the validation data", path));
     }
-    if let Some(path) = &args.eval_model {
-        inputs.push(("the eval model", path));
-    }
+    let eval_files = eval_model_inputs(args);
+    inputs.extend(eval_files.iter().map(|(what, p)| (*what, p.as_path())));
     let init_progress = args.init_state.as_deref().map(progress_path);
     let save_progress = args.save_state.as_deref().map(progress_path);
     if let Some(path) = &args.metrics {

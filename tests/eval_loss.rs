@@ -758,3 +758,67 @@ fn a_fixed_batch_eval_model_takes_whole_batches() {
         "{said}"
     );
 }
+
+/// An eval model saved with external data (every initializer in `w.npz` beside it, a name
+/// an output flag could take): it evaluates as the one-file model does, and no output may
+/// overwrite its data file. Each flag naming it is refused before training, the file
+/// unchanged.
+#[test]
+fn an_eval_model_with_external_data_evaluates_alike_and_its_data_is_never_overwritten() {
+    if !ort_available() {
+        return;
+    }
+    let dir = TempDir::new().unwrap();
+    let d = dir.path();
+    let step = d.join("step.onnx");
+    cli_rewrite(
+        "forward/torch_mlp/dynamo.onnx",
+        &step,
+        &[
+            "--loss-fn",
+            "cross-entropy",
+            "--accum-steps",
+            "4",
+            "--optimizer",
+            "sgd",
+        ],
+    );
+    let proto = onnx_ga::model::load_model_with_data(&forward("torch_mlp")).unwrap();
+    let eval_model = d.join("eval.onnx");
+    onnx_ga::model::save_model_with_external_data(&proto, &eval_model, "w.npz", 0).unwrap();
+    let weights = d.join("w.npz");
+    let before = std::fs::read(&weights).unwrap();
+
+    let metrics = |name: &str, model: &Path| {
+        let m = d.join(name);
+        let mut args = validated_train(&step, "torch_mlp", "8", "8");
+        args.extend(["--eval-every", "1", "--metrics"].map(String::from));
+        args.push(m.to_str().unwrap().into());
+        let last = args.iter().position(|a| a == "--eval-model").unwrap() + 1;
+        args[last] = model.to_str().unwrap().into();
+        succeeds(&args);
+        validation_values(&m)
+    };
+    let one_file = metrics("one.jsonl", &forward("torch_mlp"));
+    let external = metrics("ext.jsonl", &eval_model);
+    assert_eq!(one_file.len(), 2, "after each window: {one_file:?}");
+    assert_eq!(external, one_file, "the same validations, bit for bit");
+
+    for flag in ["--metrics", "--save-state", "--save-best"] {
+        let mut args = validated_train(&step, "torch_mlp", "8", "4");
+        let last = args.iter().position(|a| a == "--eval-model").unwrap() + 1;
+        args[last] = eval_model.to_str().unwrap().into();
+        args.push(flag.into());
+        args.push(weights.to_str().unwrap().into());
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = onnx_ga_cli(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag}: {err}");
+        assert!(
+            err.contains("refusing to overwrite the eval model's external data")
+                && err.contains(flag),
+            "{flag}: {err}"
+        );
+        assert_eq!(std::fs::read(&weights).unwrap(), before, "{flag}");
+    }
+}
