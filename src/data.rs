@@ -366,6 +366,8 @@ pub(crate) fn read_npz_entries(
                 _ => crate::proto::tensor_proto::DataType::Int32,
             } as i32;
             let shape = header.shape.clone();
+            drop(reader);
+            verify_crc(&mut entry).map_err(|e| bad(e.to_string()))?;
             stored.insert(
                 name,
                 StoredArray {
@@ -409,9 +411,32 @@ pub(crate) fn read_npz_entries(
             Some("i4") => read!(i32, I32),
             _ => read!(bool, Bool),
         };
+        drop(reader);
+        verify_crc(&mut entry).map_err(|e| bad(e.to_string()))?;
         out.arrays.insert(name, tensor);
     }
     Ok((out, stored))
+}
+
+/// Reads what is left of an archive entry: at its end the zip reader compares the entry's
+/// CRC-32 with the one the archive records, as NumPy's `np.load` does, so a damaged file
+/// is an error rather than training on altered numbers. An array left in the file is read
+/// through once here, in 1 MiB reads (the data file's one sequential pass at the start).
+fn verify_crc(entry: &mut impl std::io::Read) -> Result<(), String> {
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        match entry.read(&mut buf) {
+            Ok(0) => return Ok(()),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.to_string().contains("checksum") => {
+                return Err(format!(
+                    "its bytes do not match the archive's CRC-32 ({e}): the file is damaged"
+                ))
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
 }
 
 /// The header of an `.npy` stream of `declared` bytes, and the bytes it took; its length

@@ -6,8 +6,9 @@
 //! within the memory budget ([`crate::input::memory_budget`]).
 //!
 //! The file stays open for the run: replacing it (a new file renamed over it) does not
-//! change what trains, but writing into it while `train` runs does. The archive's CRC of an
-//! array left in the file is not checked (that would read the whole file first).
+//! change what trains, but writing into it while `train` runs does. Every array's bytes are
+//! checked against the archive's CRC-32 when the file is opened (one sequential read of an
+//! array left in the file), as NumPy does.
 
 use std::collections::BTreeMap;
 use std::fs::File;

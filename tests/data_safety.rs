@@ -1081,3 +1081,33 @@ fn progress_record_of_another_state_is_refused() {
     ));
     assert!(out.status.success(), "{}", stderr(&out));
 }
+
+/// A data file with one damaged byte (an array's CRC-32 no longer matches, which `np.load`
+/// refuses too): `train` stops before training with exit code 2, naming the file and the
+/// array, and writes nothing.
+#[test]
+fn train_refuses_damaged_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let step = rewritten(d, "step.onnx", &[]);
+    let mut bytes = std::fs::read(shipped_data()).unwrap();
+    let entry = bytes
+        .windows(9)
+        .position(|w| w == b"input.npy")
+        .expect("the input array");
+    let magic = entry
+        + bytes[entry..]
+            .windows(6)
+            .position(|w| w == b"\x93NUMPY")
+            .unwrap();
+    let header_len = u16::from_le_bytes([bytes[magic + 8], bytes[magic + 9]]) as usize;
+    bytes[magic + 10 + header_len + 1] ^= 0x01;
+    let data = d.join("data.npz");
+    std::fs::write(&data, bytes).unwrap();
+    let metrics = d.join("m.jsonl");
+    refused(
+        d,
+        &train_args(&step, &data, "4", &["--metrics", s(&metrics)]),
+        &[s(&data), "array 'input'", "CRC-32"],
+    );
+}

@@ -269,3 +269,48 @@ fn train_reads_data_larger_than_its_memory_budget_from_the_file() {
         "{err}"
     );
 }
+
+/// The archive `bytes` with one bit flipped in the data of array `name` (past its `.npy`
+/// header, found after the entry's local file header).
+fn damaged(bytes: &[u8], name: &str) -> Vec<u8> {
+    let find = |hay: &[u8], needle: &[u8], from: usize| {
+        from + hay[from..]
+            .windows(needle.len())
+            .position(|w| w == needle)
+            .unwrap_or_else(|| panic!("{name}: not found"))
+    };
+    let entry = find(bytes, format!("{name}.npy").as_bytes(), 0);
+    let magic = find(bytes, b"\x93NUMPY", entry);
+    let header_len = u16::from_le_bytes([bytes[magic + 8], bytes[magic + 9]]) as usize;
+    let mut out = bytes.to_vec();
+    out[magic + 10 + header_len + 3] ^= 0x01;
+    out
+}
+
+/// One flipped bit in any array's data, left in the file or decoded into memory: `open`
+/// fails naming the file and the array (the archive's CRC-32, as `np.load` checks it),
+/// instead of training on the altered numbers. The intact file opens.
+#[test]
+fn a_damaged_array_is_refused_by_its_crc() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("data.npz");
+    let written = write_sample(&path, 21, false);
+    let bytes = std::fs::read(&path).unwrap();
+    Dataset::open(&path, &names(&written)).unwrap();
+    for name in written.keys() {
+        let bad = dir.path().join(format!("bad_{name}.npz"));
+        std::fs::write(&bad, damaged(&bytes, name)).unwrap();
+        let err = Dataset::open(&bad, &names(&written))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("array '{name}'"))
+                && err.contains("CRC-32")
+                && err.contains(bad.to_str().unwrap()),
+            "{name}: {err}"
+        );
+        // onnx_ga::data::read_npz (the validation data, state files) alike.
+        let err = onnx_ga::data::read_npz(&bad).unwrap_err().to_string();
+        assert!(err.contains("CRC-32"), "{name}: {err}");
+    }
+}
