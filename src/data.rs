@@ -366,7 +366,6 @@ pub(crate) fn read_npz_entries(
                 _ => crate::proto::tensor_proto::DataType::Int32,
             } as i32;
             let shape = header.shape.clone();
-            drop(reader);
             verify_crc(&mut entry).map_err(|e| bad(e.to_string()))?;
             stored.insert(
                 name,
@@ -411,7 +410,6 @@ pub(crate) fn read_npz_entries(
             Some("i4") => read!(i32, I32),
             _ => read!(bool, Bool),
         };
-        drop(reader);
         verify_crc(&mut entry).map_err(|e| bad(e.to_string()))?;
         out.arrays.insert(name, tensor);
     }
