@@ -200,6 +200,13 @@ def survey(name, workdir):
     x = data(8, g)
     seq2seq = "decoder_layers" in config or "num_decoder_layers" in config
     inputs = (x, tokens(t=6)(8, g)) if seq2seq else (x,)
+    return compare(name, model, inputs, workdir)
+
+
+def compare(name, model, inputs, workdir):
+    """`model(*inputs)` (logits; inputs named x, y) exported, differentiated by onnx-ga with
+    a cross-entropy on random labels, its gradient graph run on ONNX Runtime, against torch
+    autograd in float32 and float64: one line of findings."""
     names = ["x", "y"][:len(inputs)]
     with torch.no_grad():
         logits = model(*inputs)
