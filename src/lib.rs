@@ -28,6 +28,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod dataset;
 pub mod engine;
+pub mod eval_model;
 pub mod evaluate;
 pub mod fused_ops;
 pub mod index_check;

@@ -175,14 +175,18 @@ struct TrainArgs {
     /// Validation data: an .npz like --data (the model's inputs and the labels). Its loss,
     /// the model in inference form with the current parameters, is reported (progress,
     /// --metrics, --plot) every --eval-every optimizer steps and at the end.
-    #[arg(long, value_name = "V.npz", requires = "eval_model")]
+    #[arg(long, value_name = "V.npz")]
     eval_data: Option<PathBuf>,
     /// The model the validation loss runs: the forward model `rewrite` was given (BatchNorm
     /// on its running statistics, no dropout), or the eval_model.onnx of ONNX Runtime's
     /// artifacts; the step's current parameters are fed to it, and the step's loss is
-    /// appended as the step appended it.
+    /// appended as the step appended it. Default: the one the step records (the file
+    /// `rewrite` read, if unchanged since: its SHA-256 is recorded too).
     #[arg(long, value_name = "MODEL.onnx", requires = "eval_data")]
     eval_model: Option<PathBuf>,
+    /// Whether `eval_model` is the step's record rather than a flag (for the note).
+    #[arg(skip)]
+    eval_model_recorded: bool,
     /// Evaluate after every N optimizer steps too (default: only at the end).
     #[arg(long, value_name = "N", requires = "eval_data")]
     eval_every: Option<u64>,
@@ -1139,7 +1143,19 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
     // The resolved recipe first, so a default the user did not expect shows before it is
     // written into a file.
     eprint!("recipe:\n{}", step.recipe.render_text());
-    let proto = step.model.to_proto();
+    let mut proto = step.model.to_proto();
+    // What `train --eval-data` validates with when not told (`eval_model`): the forward
+    // model differentiated here, or the artifacts' eval model.
+    let eval_model = match (&autodiff, args.path.is_dir()) {
+        (Some(_), _) => Some(args.path.clone()),
+        (None, true) => Some(args.path.join("eval_model.onnx")).filter(|p| p.is_file()),
+        (None, false) => None,
+    };
+    if let Some(Ok(record)) =
+        eval_model.map(|p| onnx_ga::eval_model::RecordedEvalModel::of_file(&p))
+    {
+        record.write(&mut proto);
+    }
     // Everything is computed before anything is written: no partial output on an error.
     let mut specialised = Vec::new();
     if args.split {
@@ -1339,6 +1355,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     }
     onnx_ga::lr_schedule::check_flags(args.warmup, args.decay, args.decay_steps, args.min_lr)
         .map_err(UsageError)?;
+    let args = with_recorded_eval_model(args)?;
     if args.distributed.is_some() {
         return train_distributed::train(args);
     }
@@ -1765,6 +1782,35 @@ fn check_writable(flag: &str, path: &Path) -> Result<(), UsageError> {
             path.display()
         ))
     })
+}
+
+/// `--eval-data` without `--eval-model`: the eval model the step records (the model
+/// `rewrite` read, by path and SHA-256: [`onnx_ga::eval_model`]), if it is still the file
+/// that was read; else an error saying to name one.
+fn with_recorded_eval_model(mut args: TrainArgs) -> Result<TrainArgs, Failure> {
+    if args.eval_data.is_none() || args.eval_model.is_some() {
+        return Ok(args);
+    }
+    let step = onnx_ga::model::load_model(&args.model)?;
+    let name = |message: String| {
+        UsageError(format!(
+            "--eval-data without --eval-model: {message}; name the model to validate with --eval-model MODEL.onnx"
+        ))
+    };
+    let record = match onnx_ga::eval_model::RecordedEvalModel::read(&step) {
+        None => {
+            return Err(name(format!(
+                "{} records no eval model (it was not made from a forward model or artifacts with one, or by an onnx-ga before 2026-12-05)",
+                args.model.display()
+            ))
+            .into())
+        }
+        Some(record) => record.map_err(|e| name(format!("{}: {e}", args.model.display())))?,
+    };
+    record.check().map_err(name)?;
+    args.eval_model = Some(record.path);
+    args.eval_model_recorded = true;
+    Ok(args)
 }
 
 /// `train`'s outputs against its inputs and each other, and each writable.

@@ -336,7 +336,8 @@ fn a_model_or_data_that_does_not_fit_is_refused_before_training() {
         assert_eq!(code, Some(2), "{err}");
         assert!(err.contains(flag), "{err}");
     }
-    // One without the other.
+    // An eval model without validation data (--eval-data alone takes the model the step
+    // records: the_step_records_its_eval_model_until_the_file_changes).
     let out = onnx_ga_cli(&[
         "train",
         step.to_str().unwrap(),
@@ -346,11 +347,11 @@ fn a_model_or_data_that_does_not_fit_is_refused_before_training() {
         "8",
         "--steps",
         "8",
-        "--eval-data",
-        mlp_data.to_str().unwrap(),
+        "--eval-model",
+        forward("torch_mlp").to_str().unwrap(),
     ]);
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--eval-model"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--eval-data"));
 }
 
 /// A step made from ONNX Runtime's artifacts: their eval_model.onnx (the loss inside, the
@@ -821,4 +822,150 @@ fn an_eval_model_with_external_data_evaluates_alike_and_its_data_is_never_overwr
         );
         assert_eq!(std::fs::read(&weights).unwrap(), before, "{flag}");
     }
+}
+
+/// `--eval-data` alone: the step records the model `rewrite` read (a forward model, or the
+/// artifacts' eval_model.onnx) by path and SHA-256, and `train` validates with it, as with
+/// `--eval-model` naming it, while the file is the one that was read. Changed or gone, it
+/// is refused (exit code 2, naming it and --eval-model); a step without a record likewise.
+#[test]
+fn the_step_records_its_eval_model_until_the_file_changes() {
+    if !ort_available() {
+        return;
+    }
+    let dir = TempDir::new().unwrap();
+    let d = dir.path();
+    let model = d.join("model.onnx");
+    std::fs::copy(forward("torch_mlp"), &model).unwrap();
+    let step = d.join("step.onnx");
+    let out = onnx_ga_cli(&[
+        "rewrite",
+        model.to_str().unwrap(),
+        "-o",
+        step.to_str().unwrap(),
+        "--loss-fn",
+        "cross-entropy",
+        "--accum-steps",
+        "4",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.01",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let run = |name: &str, eval_model: Option<&Path>| {
+        let metrics = d.join(name);
+        let mut args = validated_train(&step, "torch_mlp", "8", "8");
+        let at = args.iter().position(|a| a == "--eval-model").unwrap();
+        match eval_model {
+            Some(m) => args[at + 1] = m.to_str().unwrap().into(),
+            None => {
+                args.drain(at..at + 2);
+            }
+        }
+        args.extend(["--eval-every", "1", "--metrics"].map(String::from));
+        args.push(metrics.to_str().unwrap().into());
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = onnx_ga_cli(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.code(), stderr, metrics)
+    };
+    let (code, _, given) = run("given.jsonl", Some(&model));
+    assert_eq!(code, Some(0));
+    let (code, stderr, recorded) = run("recorded.jsonl", None);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stderr.contains("the model `rewrite` read"), "{stderr}");
+    assert_eq!(validation_values(&recorded), validation_values(&given));
+    assert_eq!(validation_values(&recorded).len(), 2);
+
+    // Another model in its place: not the one that was read.
+    std::fs::copy(forward("torch_cnn_nobn"), &model).unwrap();
+    let (code, stderr, _) = run("changed.jsonl", None);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("changed since") && stderr.contains("--eval-model"),
+        "{stderr}"
+    );
+    std::fs::remove_file(&model).unwrap();
+    let (code, stderr, _) = run("gone.jsonl", None);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("cannot be read") && stderr.contains("model.onnx"),
+        "{stderr}"
+    );
+
+    // Artifacts: their eval_model.onnx, where the training build's loss is the reference
+    // (an_artifacts_eval_model_reports_the_training_builds_loss).
+    let art = d.join("art");
+    std::fs::create_dir(&art).unwrap();
+    for f in std::fs::read_dir(root().join("graphs/mlp_ce_adamw"))
+        .unwrap()
+        .flatten()
+    {
+        if f.file_type().unwrap().is_file() {
+            std::fs::copy(f.path(), art.join(f.file_name())).unwrap();
+        }
+    }
+    let art_step = d.join("art_step.onnx");
+    let out = onnx_ga_cli(&[
+        "rewrite",
+        art.to_str().unwrap(),
+        "-o",
+        art_step.to_str().unwrap(),
+        "--accum-steps",
+        "4",
+        "--lr",
+        "0.01",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let data = art.join("data.npz");
+    let out = onnx_ga_cli(&[
+        "train",
+        art_step.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--micro-batch",
+        "8",
+        "--steps",
+        "4",
+        "--eval-data",
+        data.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("eval_model.onnx, the model `rewrite` read"),
+        "{stderr}"
+    );
+
+    // A step with no record (a plain gradient graph's).
+    let bare = d.join("bare.onnx");
+    let mut proto = onnx_ga::model::load_model(&art_step).unwrap();
+    proto
+        .metadata_props
+        .retain(|p| p.key() != onnx_ga::eval_model::EVAL_MODEL_KEY);
+    onnx_ga::model::save_model(&proto, &bare).unwrap();
+    let out = onnx_ga_cli(&[
+        "train",
+        bare.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--micro-batch",
+        "8",
+        "--steps",
+        "4",
+        "--eval-data",
+        data.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("records no eval model"), "{stderr}");
 }

@@ -116,6 +116,12 @@ impl Validation {
                 samples - rows
             ));
         }
+        if args.eval_model_recorded {
+            note(format!(
+                "validation: with {}, the model `rewrite` read (unchanged since; --eval-model names another)",
+                model_file.display()
+            ));
+        }
         note(format!(
             "validation: {} over {rows} rows of {}, {batch} at a time, {}",
             graph.describe(),
