@@ -356,6 +356,9 @@ pub struct StepView {
     pub state_bytes: u64,
     pub controls: Vec<Control>,
     pub engines: Vec<EngineFit>,
+    /// The model `train --eval-data` validates with when not told (`rewrite` recorded it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_model: Option<crate::eval_model::RecordedEvalModel>,
 }
 
 /// The ops of `model` (subgraphs included) that only ONNX Runtime's training build has:
@@ -525,6 +528,9 @@ impl StepView {
             state_bytes,
             controls,
             engines,
+            // An unreadable record only costs the default, which `train` reports itself.
+            eval_model: crate::eval_model::RecordedEvalModel::read(&model.header)
+                .and_then(Result::ok),
         })
     }
 
@@ -586,6 +592,14 @@ impl StepView {
                 };
                 let _ = writeln!(out, "  apply region: {}", opt(&h.apply));
             }
+        }
+        if let Some(e) = &self.eval_model {
+            let _ = writeln!(
+                out,
+                "eval model (train --eval-data without --eval-model): {} (SHA-256 {}...)",
+                e.path.display(),
+                &e.sha256[..e.sha256.len().min(16)]
+            );
         }
         if let Some(recipe) = &self.recipe {
             let _ = writeln!(

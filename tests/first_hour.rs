@@ -554,7 +554,9 @@ fn inspect_explains_a_rewritten_step() {
         let out = ok(&["inspect", s(&step)]);
         let text = String::from_utf8(out.stdout).unwrap();
         let tmp = regex_escape(&dir.path().display().to_string());
-        insta::with_settings!({ filters => vec![(tmp.as_str(), "[TMP]")] }, {
+        // The eval model the step records: the artifacts' file, by its absolute path.
+        let repo = regex_escape(&std::fs::canonicalize(root()).unwrap().display().to_string());
+        insta::with_settings!({ filters => vec![(tmp.as_str(), "[TMP]"), (repo.as_str(), "[REPO]")] }, {
             insta::assert_snapshot!(format!("step_{model}"), text);
         });
 
