@@ -16,7 +16,8 @@
 //!   body's Erf), Elu, HardSigmoid, HardSwish (its function body's HardSigmoid), Softplus,
 //!   Mean, Tan, Asin, Acos, Atan, Sinh, Cosh, Asinh, Acosh, Atanh, Softsign, Selu, Celu,
 //!   ThresholdedRelu, Shrink, Mish, PRelu, GlobalMaxPool, Resize, MeanVarianceNormalization
-//!   (its function body adds a float epsilon) (the recurrent layers: below);
+//!   (its function body adds a float epsilon), LRN (4-D and odd sizes only), Hardmax (the
+//!   recurrent layers: below);
 //! - the backward uses an op without a float64 kernel: MaxPool with non-overlapping windows
 //!   (the MaxPoolGrad lowering's MaxUnpool; overlapping MaxPool runs in float64).
 //!   (SoftmaxCrossEntropyLoss was one while its gradient's lowering built a OneHot of
@@ -34,7 +35,7 @@
 //! clear error naming the node instead of a gradient (never a panic): a ConvTranspose with
 //! `output_shape`, an einsum diagonal, Resize's tf_crop_and_resize, LSTM's sequence_lens,
 //! a scatter that multiplies, GatherND with batch_dims, an Attention with a cache or whose
-//! scores output is used.
+//! scores output is used, GridSample with reflection padding.
 //!
 //! Every case also runs its forward model on ONNX Runtime and compares that loss with the
 //! gradient graph's (1e-12 relative in float64, 1e-5 in float32; Attention 1e-7, as
@@ -132,6 +133,10 @@
 //! gemm_tt                                    f64  1.6e-10
 //! global_average_pool                        f32  1.4e-4
 //! global_max_pool                            f32  6.5e-5
+//! grid_sample_bilinear_border_align_corners_opset16 f32  9.2e-5
+//! grid_sample_linear_zeros                   f64  1.7e-10
+//! grid_sample_linear_zeros_align_corners     f64  6.7e-11
+//! grid_sample_nearest                        f64  1.7e-10
 //! group_norm_opset18_one_group               f64  3.8e-10
 //! group_norm_opset18_per_group               f64  3.9e-10
 //! group_norm_opset21_f32_default_stash       f32  1.8e-4
@@ -163,6 +168,9 @@
 //! lp_normalization_default_3d                f64  1.5e-10
 //! lp_normalization_p1_axis0                  f64  1.5e-10
 //! lp_normalization_p2_axis1                  f64  1.3e-10
+//! lrn_defaults                               f32  1.4e-4
+//! lrn_size3_bias2                            f32  3.8e-4
+//! lrn_size5                                  f32  5.6e-4
 //! lstm_bidirectional                         f32  5.1e-4
 //! lstm_bidirectional_f64                     f64  2.3e-9
 //! lstm_full                                  f32  1.5e-3
@@ -1583,6 +1591,32 @@ cases! {
         vec![n.op("LRN", &[x], vec![attr_int("size", 3)])]
     };
 
+    // GridSample: some points outside the image (zeros padding reads 0 there).
+    grid_sample_linear_zeros: 20, F64 => |n| {
+        let x = n.param("X", &[2, 2, 3, 4], -1.0, 1.0);
+        let g = n.param("G", &[2, 3, 2, 2], -1.15, 1.15);
+        vec![n.op("GridSample", &[x, g], vec![attr_string("mode", "linear")])]
+    };
+    grid_sample_bilinear_border_align_corners_opset16: 16, F32 => |n| {
+        let x = n.param("X", &[1, 3, 4, 3], -1.0, 1.0);
+        let g = n.param("G", &[1, 2, 4, 2], -1.2, 1.2);
+        vec![n.op("GridSample", &[x, g], vec![attr_string("mode", "bilinear"),
+            attr_string("padding_mode", "border"), attr_int("align_corners", 1)])]
+    };
+    grid_sample_linear_zeros_align_corners: 20, F64 => |n| {
+        let x = n.param("X", &[1, 2, 3, 3], -1.0, 1.0);
+        let g = n.param("G", &[1, 4, 3, 2], -1.1, 1.1);
+        vec![n.op("GridSample", &[x, g], vec![attr_int("align_corners", 1)])]
+    };
+    // nearest: the grid is a constant (the output is piecewise constant in it).
+    grid_sample_nearest: 20, F64 => |n| {
+        let x = n.param("X", &[2, 2, 3, 4], -1.0, 1.0);
+        let g = n.konst("grid", &[2, 3, 2, 2], &[
+            -0.9, -0.7, 0.3, 0.55, 0.8, -0.1, 1.3, 0.2, -0.45, 0.9, 0.05, -0.6,
+            0.6, 0.35, -0.2, -0.95, 0.15, 0.7, -1.4, 0.4, 0.95, 0.1, -0.3, -0.25]);
+        vec![n.op("GridSample", &[x, g], vec![attr_string("mode", "nearest")])]
+    };
+
     // ---- a parameter shared by two nodes: its gradient is the sum
     shared_parameter: 17, F64 => |n| {
         let x = n.param("X", &[2, 3], -1.0, 1.0);
@@ -2095,6 +2129,25 @@ fn conv_transpose_output_shape_is_refused() {
                     attr_ints("strides", &[2, 2]),
                     attr_ints("output_shape", &[6, 6]),
                 ],
+            )]
+        },
+    );
+}
+
+#[test]
+fn grid_sample_reflection_padding_is_refused() {
+    check_error(
+        "grid_sample_reflection_padding_is_refused",
+        20,
+        F32,
+        "padding_mode 'reflection'",
+        |n| {
+            let x = n.param("X", &[1, 2, 3, 3], -1.0, 1.0);
+            let g = n.param("G", &[1, 2, 2, 2], -1.0, 1.0);
+            vec![n.op(
+                "GridSample",
+                &[x, g],
+                vec![attr_string("padding_mode", "reflection")],
             )]
         },
     );

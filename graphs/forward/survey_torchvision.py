@@ -17,6 +17,7 @@ import tempfile
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import torchvision.models as tv
 from torchvision.models import swin_transformer, vision_transformer, maxvit
 from torchvision.ops import StochasticDepth
@@ -25,6 +26,36 @@ sys.path.insert(0, os.path.dirname(__file__))
 import survey as s  # noqa: E402
 
 CLASSES = 10
+
+
+class SpatialTransformer(nn.Module):
+    """Not torchvision's: torch's `F.grid_sample` behind a localisation net's `F.affine_grid`
+    (a spatial transformer; dynamo writes affine_grid out in standard ops), or behind a
+    learned flow field added to the identity grid, then a conv and a linear head."""
+
+    def __init__(self, affine, size=8):
+        super().__init__()
+        if affine:
+            self.loc = nn.Linear(3 * size * size, 6)
+            nn.init.zeros_(self.loc.weight)
+            self.loc.bias.data = torch.tensor([1.0, 0.1, 0.05, -0.1, 0.9, 0.02])
+        else:
+            self.flow = nn.Parameter(0.3 * torch.randn(1, size, size, 2))
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * size * size, CLASSES)
+        self.affine, self.size = affine, size
+
+    def forward(self, x):
+        if self.affine:
+            theta = self.loc(x.flatten(1)).view(-1, 2, 3)
+            grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+        else:
+            axis = torch.linspace(-1, 1, self.size)
+            identity = torch.stack(torch.meshgrid(axis, axis, indexing="xy"), -1)
+            grid = (identity + self.flow).expand(x.shape[0], -1, -1, -1)
+        y = F.grid_sample(x, grid, align_corners=False, padding_mode="zeros")
+        return self.fc(F.relu(self.conv(y)).flatten(1))
+
 
 # name: (constructor, image size)
 MODELS = {
@@ -56,6 +87,8 @@ MODELS = {
     "maxvit (toy)": (lambda: maxvit.MaxVit(
         input_size=(32, 32), stem_channels=8, partition_size=2, block_channels=[8, 16],
         block_layers=[1, 1], head_dim=4, stochastic_depth_prob=0.0, num_classes=CLASSES), 32),
+    "spatial transformer (affine_grid)": (lambda: SpatialTransformer(affine=True), 8),
+    "spatial transformer (flow field)": (lambda: SpatialTransformer(affine=False), 8),
 }
 
 

@@ -682,6 +682,21 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
                 });
             vec![with_dims(x.elem, dims)]
         }
+        "GridSample" => {
+            // [N, C] of X, then the grid's spatial dims ([N, H_out, W_out, 2]).
+            let grid = input(1).dims;
+            let dims = match (x.dims.as_deref(), grid.as_deref()) {
+                (Some(xd), Some(gd)) if xd.len() >= 2 && gd.len() == xd.len() => Some(
+                    xd[..2]
+                        .iter()
+                        .cloned()
+                        .chain(gd[1..gd.len() - 1].iter().cloned())
+                        .collect(),
+                ),
+                _ => None,
+            };
+            vec![with_dims(x.elem, dims)]
+        }
         "Resize" => {
             let dims = x
                 .dims

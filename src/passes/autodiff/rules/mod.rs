@@ -16,6 +16,7 @@ mod activation;
 mod conv;
 pub(in crate::passes::autodiff) mod einsum;
 mod elementwise;
+mod grid_sample;
 mod loss;
 mod matmul;
 mod norm;
@@ -153,6 +154,7 @@ const RULES: &[(&str, RuleFn)] = &[
     ("GatherND", scatter::gather_nd),
     ("LpNormalization", norm::lp_normalization),
     ("LRN", norm::lrn),
+    ("GridSample", grid_sample::grid_sample),
     ("RMSNormalization", norm::rms_norm),
     ("MeanVarianceNormalization", norm::mean_variance_norm),
     ("ReduceProd", reduce::reduce_prod),
