@@ -696,6 +696,22 @@ fn torch_gpt_adamw_without_decay_on_biases_and_norms_equals_torchs_parameter_gro
     );
 }
 
+/// SGD with momentum 0.9 and weight decay 0.1 (L2, added to the gradient before the
+/// momentum, as torch's SGD) on the weights only, the biases in a group without decay:
+/// torch's SGD with the same two groups (no_decay_reference.py), 8 windows of 4x8 against
+/// its 8 full batches of 32.
+#[test]
+fn torch_mlp_momentum_without_decay_on_biases_equals_torchs_parameter_groups() {
+    torch_training(
+        "torch_mlp",
+        "optimizer(kind=momentum,lr=0.1,momentum=0.9,weight_decay=0.1,no_decay=*bias)",
+        "mean",
+        8,
+        "run_momentum_no_decay.npz",
+        &none,
+    );
+}
+
 /// The groups matter: decaying every parameter moves the biases away from torch's run
 /// (the test above would fail), and a glob naming no parameter is an error, not a silent
 /// no-op.
