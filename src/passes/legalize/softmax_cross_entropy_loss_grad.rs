@@ -23,13 +23,12 @@
 //! replaced by class 0 first (its dL is 0, so any class is harmless; an index outside [0, C)
 //! fails there).
 
-use super::util::INT32;
+use super::util::{INT32, INT64};
 use super::Lowering;
-use crate::ir::builder::{attr_int, tensor_i64};
+use crate::ir::builder::attr_int;
 use crate::ir::emit::Emit;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
-use crate::proto::TensorProto;
 
 pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassError> {
     let (dy, log_prob, label) = (l.input(node, 0)?, l.input(node, 1)?, l.input(node, 2)?);
@@ -165,14 +164,6 @@ pub(super) fn sample_weights(
 
 /// A scalar of integer type `elem` (int64 or int32).
 pub(super) fn int_scalar(l: &mut Lowering<'_, '_>, hint: &str, elem: i32, value: i64) -> ValueId {
-    let tensor = if elem == INT32 {
-        TensorProto {
-            data_type: Some(INT32),
-            raw_data: Some((value as i32).to_le_bytes().to_vec()),
-            ..Default::default()
-        }
-    } else {
-        tensor_i64(&[], &[value])
-    };
-    l.constant(hint, tensor)
+    let elem = if elem == INT32 { INT32 } else { INT64 };
+    l.constant(hint, crate::ir::emit::scalar_tensor(elem, value as f64))
 }

@@ -20,12 +20,11 @@
 //! and every v is 0), never NaN.
 
 use super::{Grad, InputGrads};
-use crate::ir::builder::{attr_int, tensor_i64, NodeAttributes};
+use crate::ir::builder::{attr_int, NodeAttributes};
 use crate::ir::emit::Emit;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
-use crate::proto::elem::INT32;
-use crate::proto::TensorProto;
+use crate::proto::elem::{INT32, INT64};
 
 pub fn softmax_cross_entropy(
     cx: &mut Grad<'_>,
@@ -182,17 +181,7 @@ pub fn negative_log_likelihood(
 
 /// A scalar of the labels' integer type (int64 or int32).
 fn int_scalar(cx: &mut Grad<'_>, elem: i32, value: i64) -> ValueId {
-    let tensor = if elem == INT32 {
-        TensorProto {
-            data_type: Some(INT32),
-            raw_data: Some((value as i32).to_le_bytes().to_vec()),
-            ..Default::default()
-        }
-    } else {
-        tensor_i64(&[], &[value])
-    };
-    cx.constant(
-        &format!("label_{}", value.to_string().replace('-', "m")),
-        tensor,
-    )
+    let elem = if elem == INT32 { INT32 } else { INT64 };
+    let hint = format!("label_{}", value.to_string().replace('-', "m"));
+    cx.constant(&hint, crate::ir::emit::scalar_tensor(elem, value as f64))
 }
