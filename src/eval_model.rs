@@ -7,7 +7,6 @@
 //! Only the model file is hashed, not external data: the eval model's parameters are fed
 //! from the trainer's state, so its graph is what identifies it.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -74,19 +73,11 @@ impl RecordedEvalModel {
     }
 }
 
-/// The SHA-256 of a file's bytes, in lowercase hex, read 1 MiB at a time.
+/// The SHA-256 of a file's bytes, in lowercase hex.
 fn sha256_of(path: &Path) -> std::io::Result<String> {
     let mut file = crate::input::open_regular(path)?;
     let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        match file.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => hasher.update(&buf[..n]),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
+    std::io::copy(&mut file, &mut hasher)?;
     Ok(hasher
         .finalize()
         .iter()

@@ -1347,7 +1347,7 @@ fn export(args: ExportArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-fn train(args: TrainArgs) -> Result<(), Failure> {
+fn train(mut args: TrainArgs) -> Result<(), Failure> {
     use onnx_ga::train::{TrainError, Trainer};
     // Before ONNX Runtime starts: the trainer's sessions share one pool of this size.
     if args.threads > 1 {
@@ -1355,7 +1355,6 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     }
     onnx_ga::lr_schedule::check_flags(args.warmup, args.decay, args.decay_steps, args.min_lr)
         .map_err(UsageError)?;
-    let args = with_recorded_eval_model(args)?;
     if args.distributed.is_some() {
         return train_distributed::train(args);
     }
@@ -1367,6 +1366,7 @@ fn train(args: TrainArgs) -> Result<(), Failure> {
     }
     let on_nonfinite = args.on_nonfinite;
     let (model, model_files) = onnx_ga::model::load_model_with_data_listing(&args.model)?;
+    take_recorded_eval_model(&mut args, &model)?;
     check_train_outputs(&args, &model_files)?;
     check_plot_output(&args, &model_files)?;
     let display = onnx_ga::progress::Display::for_stderr(args.quiet);
@@ -1784,33 +1784,35 @@ fn check_writable(flag: &str, path: &Path) -> Result<(), UsageError> {
     })
 }
 
-/// `--eval-data` without `--eval-model`: the eval model the step records (the model
+/// `--eval-data` without `--eval-model`: the eval model `step` records (the model
 /// `rewrite` read, by path and SHA-256: [`onnx_ga::eval_model`]), if it is still the file
-/// that was read; else an error saying to name one.
-fn with_recorded_eval_model(mut args: TrainArgs) -> Result<TrainArgs, Failure> {
+/// that was read; else an error saying to name one. Called where the step is loaded, before
+/// the outputs are checked against it (on `--distributed`, by the rank that validates).
+fn take_recorded_eval_model(
+    args: &mut TrainArgs,
+    step: &onnx_ga::proto::ModelProto,
+) -> Result<(), UsageError> {
     if args.eval_data.is_none() || args.eval_model.is_some() {
-        return Ok(args);
+        return Ok(());
     }
-    let step = onnx_ga::model::load_model(&args.model)?;
     let name = |message: String| {
         UsageError(format!(
             "--eval-data without --eval-model: {message}; name the model to validate with --eval-model MODEL.onnx"
         ))
     };
-    let record = match onnx_ga::eval_model::RecordedEvalModel::read(&step) {
+    let record = match onnx_ga::eval_model::RecordedEvalModel::read(step) {
         None => {
             return Err(name(format!(
                 "{} records no eval model (it was not made from a forward model or artifacts with one, or by an onnx-ga before 2026-12-05)",
                 args.model.display()
-            ))
-            .into())
+            )))
         }
         Some(record) => record.map_err(|e| name(format!("{}: {e}", args.model.display())))?,
     };
     record.check().map_err(name)?;
     args.eval_model = Some(record.path);
     args.eval_model_recorded = true;
-    Ok(args)
+    Ok(())
 }
 
 /// `train`'s outputs against its inputs and each other, and each writable.

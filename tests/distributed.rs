@@ -765,7 +765,8 @@ fn rank_zero_reports_the_job_and_draws_the_plot() {
 
 /// Validation on a data-parallel job (`--eval-data`): rank 0 alone evaluates, after the
 /// same windows as one process and on the same parameters, so the job reports the
-/// validation losses one process does; the other ranks wait for it to go well.
+/// validation losses one process does; the other ranks wait for it to go well. The job
+/// leaves `--eval-model` out: rank 0 validates with the model the step records.
 #[test]
 fn validation_on_two_ranks_reports_what_one_process_does() {
     let Some(mpirun) = mpirun() else { return };
@@ -805,6 +806,8 @@ fn validation_on_two_ranks_reports_what_one_process_does() {
         &[&["--metrics", s(&one_metrics)], &eval[..]].concat(),
     ));
     assert!(out.status.success(), "one process: {}", stderr(&out));
+    // The job without --eval-model: rank 0 takes the model the step records.
+    let recorded = ["--eval-data", s(&eval_data), "--eval-every", "3"];
     let two_metrics = d.join("two.jsonl");
     let out = mpi(
         &mpirun,
@@ -815,7 +818,7 @@ fn validation_on_two_ranks_reports_what_one_process_does() {
             "32",
             &[
                 &["--distributed", "mpi", "--metrics", s(&two_metrics)],
-                &eval[..],
+                &recorded[..],
             ]
             .concat(),
         ),

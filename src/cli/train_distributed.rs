@@ -14,8 +14,8 @@ use onnx_ga::distributed::{self, Collective};
 use onnx_ga::train::{TrainError, Trainer};
 
 use super::{
-    check_plot_output, check_train_outputs, save_checkpoint, train_plot, Failure, MetricsFile,
-    NonFiniteStep, TrainArgs, UsageError,
+    check_plot_output, check_train_outputs, save_checkpoint, take_recorded_eval_model, train_plot,
+    Failure, MetricsFile, NonFiniteStep, TrainArgs, UsageError,
 };
 
 /// What one rank set up before training.
@@ -40,7 +40,8 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
     let lead = rank == 0;
     // Every rank sets up, then all agree: a rank whose files are bad (another machine,
     // another copy) must not leave the others waiting in the first window.
-    let setup = set_up(&args, &collective);
+    let mut args = args;
+    let setup = set_up(&mut args, &collective);
     let codes = distributed::gather_u64(
         collective.as_ref(),
         match &setup {
@@ -244,7 +245,7 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
 }
 
 /// Everything `train` checks and loads before its first micro-step, on this rank.
-fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Failure> {
+fn set_up(args: &mut TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Failure> {
     let (rank, size) = (collective.rank(), collective.size());
     let lead = rank == 0;
     if args.micro_batch == 0 {
@@ -264,6 +265,7 @@ fn set_up(args: &TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup, Fa
     // Only rank 0 writes, so only its outputs are checked (the others may run where those
     // paths do not exist).
     if lead {
+        take_recorded_eval_model(args, &model)?;
         check_train_outputs(args, &model_files)?;
         check_plot_output(args, &model_files)?;
         if let Some(path) = &args.save_state {

@@ -192,8 +192,8 @@ pub fn grid_sample(
             flat_w(cx, wy0),
             flat_w(cx, wy1),
         );
-        // values[a][b] = X[y_a, x_b] (0 outside), [N, C, P].
-        let mut values = [[None; 2]; 2];
+        // Each corner's flat index and inside-mask, corners[a][b] at (y_a, x_b).
+        let mut corners = Vec::with_capacity(4);
         for (a, (yi, wy)) in [(y0, wy0), (y1, wy1)].into_iter().enumerate() {
             for (b, (xi, wx)) in [(x0, wx0), (x1, wx1)].into_iter().enumerate() {
                 let name = format!("c{a}{b}");
@@ -201,19 +201,24 @@ pub fn grid_sample(
                 let wyx = cx.mul(wy, wx, &hn(&name));
                 let weight = cx.mul(wyx, mask, &hn(&name));
                 dx_flat = scatter(cx, dx_flat, index, weight);
-                if super::wanted(wants, 1) {
+                corners.push((index, mask));
+            }
+        }
+        if super::wanted(wants, 1) {
+            // values[a][b] = X[y_a, x_b] (0 outside), [N, C, P].
+            let values: Vec<ValueId> = corners
+                .iter()
+                .map(|&(index, mask)| {
                     let v = cx.op(
                         "GatherElements",
                         &[x_flat, index],
                         vec![attr_int("axis", 2)],
-                        &hn(&name),
+                        &hn("corner_value"),
                     );
-                    values[a][b] = Some(cx.mul(v, mask, &hn(&name)));
-                }
-            }
-        }
-        if super::wanted(wants, 1) {
-            let v = |a: usize, b: usize| values[a][b].expect("gathered for the grid's gradient");
+                    cx.mul(v, mask, &hn("corner_value"))
+                })
+                .collect();
+            let v = |a: usize, b: usize| values[2 * a + b];
             let diff = |cx: &mut Grad<'_>, p: ValueId, q: ValueId| cx.sub(p, q, &hn("diff"));
             // d ix, d iy per point, summed over the channels: [N, 1, P].
             let dx_row0 = diff(cx, v(0, 1), v(0, 0));
@@ -230,7 +235,7 @@ pub fn grid_sample(
                 let p = cx.mul(dy_flat, t, &hn(name));
                 let summed = cx.reduce("ReduceSum", p, &[1], false, &hn(name));
                 // [N, P] -> [N, Ho, Wo], the shape of the pixel coordinate.
-                let shape = cx.op("Shape", &[ix], vec![], &hn(name));
+                let shape = cx.shape_of(ix);
                 cx.op("Reshape", &[summed, shape], vec![], &hn(name))
             };
             let d_ix = reduce(cx, along_x, "dix");
