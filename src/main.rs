@@ -566,6 +566,34 @@ struct Failure {
     error: anyhow::Error,
 }
 
+/// A failure whose message is on stderr already ([`Failure::report`]).
+#[derive(Debug, thiserror::Error)]
+#[error("(reported above)")]
+struct Reported;
+
+impl Failure {
+    /// Prints `error: ...` to stderr (each cause once: several library errors include
+    /// their source's text already) and keeps the exit code; a failure reported before
+    /// prints nothing again.
+    fn report(self) -> Failure {
+        let error = &self.error;
+        if error.downcast_ref::<Reported>().is_none() {
+            let mut message = error.to_string();
+            for cause in error.chain().skip(1) {
+                let text = cause.to_string();
+                if !message.contains(&text) {
+                    message = format!("{message}: {text}");
+                }
+            }
+            eprintln!("error: {message}");
+        }
+        Failure {
+            code: self.code,
+            error: anyhow::Error::new(Reported),
+        }
+    }
+}
+
 /// Problems of the input (files, graphs, data, arguments) exit with 2; failures of the
 /// machinery (the runtime library, a run that ONNX Runtime rejects) with 1.
 fn is_input_error(error: &anyhow::Error) -> bool {
@@ -785,18 +813,7 @@ fn main() -> ExitCode {
     };
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(Failure { code, error }) => {
-            // Each cause once: several library errors already include their source's text.
-            let mut message = error.to_string();
-            for cause in error.chain().skip(1) {
-                let text = cause.to_string();
-                if !message.contains(&text) {
-                    message = format!("{message}: {text}");
-                }
-            }
-            eprintln!("error: {message}");
-            ExitCode::from(code)
-        }
+        Err(failure) => ExitCode::from(failure.report().code),
     }
 }
 

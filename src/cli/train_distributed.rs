@@ -36,6 +36,17 @@ pub(super) fn train(args: TrainArgs) -> Result<(), Failure> {
         Ok(c) => Rc::from(c),
         Err(e) => return Err(UsageError(e.to_string()).into()),
     };
+    let result = run_job(args, Rc::clone(&collective));
+    // The error is printed while MPI is still up: once a rank has finalised and exited
+    // with an error, mpirun ends the job and may kill a peer before it says why it stopped.
+    // Finalising waits for every rank, so each rank's message is out before any exits.
+    let result = result.map_err(super::Failure::report);
+    drop(collective);
+    result
+}
+
+/// The job on this rank, from the agreed set-up to the state rank 0 writes.
+fn run_job(args: TrainArgs, collective: Rc<dyn Collective>) -> Result<(), Failure> {
     let (rank, size) = (collective.rank(), collective.size());
     let lead = rank == 0;
     // Every rank sets up, then all agree: a rank whose files are bad (another machine,
