@@ -79,6 +79,8 @@
 //! cast_like                                  f64  1.1e-10
 //! celu                                       f32  8.5e-5
 //! clip                                       f64  1.3e-10
+//! clip_crossed_bounds                        f64  1.6e-10
+//! clip_learned_bounds                        f64  8.8e-11
 //! clip_max_only                              f64  1.1e-10
 //! concat                                     f64  1.2e-10
 //! conv_channel_slices                        f32  2.0e-4
@@ -950,6 +952,20 @@ cases! {
         let x = n.param_avoid("X", &[3, 4], -1.5, 1.5, &[-0.5, 0.6], 0.05);
         let lo = n.konst("min", &[], &[-0.5]);
         let hi = n.konst("max", &[], &[0.6]);
+        vec![n.op("Clip", &[x, lo, hi], vec![])]
+    };
+    // Learned bounds (PACT's clipping level): each takes the dY of the elements it set.
+    clip_learned_bounds: 17, F64 => |n| {
+        let x = n.param_avoid("X", &[3, 4], -1.5, 1.5, &[-0.5, 0.6], 0.05);
+        let lo = n.param_with("min", &[], vec![-0.5]);
+        let hi = n.param_with("max", &[], vec![0.6]);
+        vec![n.op("Clip", &[x, lo, hi], vec![])]
+    };
+    // min > max: every element is max; X and min get nothing.
+    clip_crossed_bounds: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.5, 1.5);
+        let lo = n.param_with("min", &[], vec![0.7]);
+        let hi = n.param_with("max", &[], vec![0.2]);
         vec![n.op("Clip", &[x, lo, hi], vec![])]
     };
     clip_max_only: 17, F64 => |n| {

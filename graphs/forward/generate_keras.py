@@ -189,8 +189,17 @@ def _grappler_without_constfold(input_names, output_names, graph_def):
     return tf_optimizer.OptimizeGraph(config, meta_graph)
 
 
+# tf2onnx's `remove_back_to_back` optimizer folds a BatchNormalization that follows a Conv
+# into the Conv's weight and bias: inference arithmetic, with the batch statistics, the scale
+# and the shift gone from the file. export_kept takes that one rewrite out of it (the rest,
+# such as cancelling transpose pairs, stays).
+CONV_BN_FOLD = ("Conv", "BatchNormalization")
+
+
 def export_kept(model, merge_duplication=False) -> onnx.ModelProto:
     """The export that keeps every Keras variable as its own initializer."""
+    from tf2onnx.optimizer import back_to_back_optimizer
+
     optimizers = collections.OrderedDict(
         (k, v) for k, v in tf2onnx.optimizer._get_optimizers().items()
         if merge_duplication or k != "merge_duplication"
@@ -198,12 +207,15 @@ def export_kept(model, merge_duplication=False) -> onnx.ModelProto:
     _fresh_names()
     original = tf2onnx.tf_loader.tf_optimize_grappler
     tf2onnx.tf_loader.tf_optimize_grappler = _grappler_without_constfold
+    fold = back_to_back_optimizer._func_map.pop(CONV_BN_FOLD, None)
     try:
         proto, _ = tf2onnx.convert.from_keras(
             model, input_signature=signature(model), opset=OPSET, optimizers=optimizers
         )
     finally:
         tf2onnx.tf_loader.tf_optimize_grappler = original
+        if fold is not None:
+            back_to_back_optimizer._func_map[CONV_BN_FOLD] = fold
     return proto
 
 

@@ -27,7 +27,7 @@
 //! At a kink (X = 0, or X = ±lambd, or X = alpha) the rules take the derivative from the
 //! side PyTorch takes: the side that is not the `X > 0` branch.
 
-use super::{Grad, InputGrads, UnaryParts};
+use super::{wanted, Grad, InputGrads, UnaryParts};
 use crate::ir::builder::attr_float;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
@@ -186,6 +186,10 @@ pub fn softplus(
     })
 }
 
+/// Y = min(max(X, lo), hi). dX flows where lo <= X <= hi (a tie gives X the gradient, as
+/// torch's clamp does); a bound takes the summed dY of the elements it set: lo where
+/// X < lo <= hi, hi where max(X, lo) > hi (when lo > hi, every element is hi). A learnable
+/// bound is rare (PACT's clipping level); constant bounds never ask for their gradient.
 pub fn clip(
     cx: &mut Grad<'_>,
     node: NodeId,
@@ -193,12 +197,7 @@ pub fn clip(
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
     let UnaryParts { dy, x, hint: h, .. } = cx.unary_parts(node, dys)?;
-    if wants.iter().skip(1).any(|w| *w) {
-        return Err(cx.error(
-            node,
-            "the gradient with respect to Clip's bounds is not supported".into(),
-        ));
-    }
+    let y = cx.forward_output(node, 0)?;
     // Opset < 11 has the bounds as attributes.
     let (lo, hi) = if cx.opset() < 11 {
         let lo = cx.float_attr(node, "min", f32::MIN)? as f64;
@@ -227,6 +226,24 @@ pub fn clip(
     let zero = cx.scalar_like(node, x, 0.0)?;
     let mut out = vec![None; wants.len()];
     out[0] = Some(cx.op_like("Where", &[inside, dy, zero], vec![], &h, x));
+    if let (Some(lo), true) = (lo, wanted(wants, 1)) {
+        let mut set_by_lo = cx.op("Less", &[x, lo], vec![], &h);
+        if let Some(hi) = hi {
+            let ordered = cx.op("LessOrEqual", &[lo, hi], vec![], &h);
+            set_by_lo = cx.op("And", &[set_by_lo, ordered], vec![], &h);
+        }
+        let masked = cx.op_like("Where", &[set_by_lo, dy, zero], vec![], &h, x);
+        out[1] = Some(cx.unbroadcast(node, masked, y, lo)?);
+    }
+    if let (Some(hi), true) = (hi, wanted(wants, 2)) {
+        let raised = match lo {
+            Some(lo) => cx.op_like("Max", &[x, lo], vec![], &h, x),
+            None => x,
+        };
+        let set_by_hi = cx.op("Greater", &[raised, hi], vec![], &h);
+        let masked = cx.op_like("Where", &[set_by_hi, dy, zero], vec![], &h, x);
+        out[2] = Some(cx.unbroadcast(node, masked, y, hi)?);
+    }
     Ok(out)
 }
 
@@ -386,11 +403,11 @@ pub fn prelu(
     let zero = cx.scalar_like(node, x, 0.0)?;
     let pos = cx.op("Greater", &[x, zero], vec![], &h);
     let mut out = vec![None, None];
-    if super::wanted(wants, 0) {
+    if wanted(wants, 0) {
         let scaled = cx.op_like("Mul", &[dy, slope], vec![], &h, y);
         out[0] = Some(cx.op_like("Where", &[pos, dy, scaled], vec![], &h, x));
     }
-    if super::wanted(wants, 1) {
+    if wanted(wants, 1) {
         let hs = format!("{}_grad", cx.model().name(slope));
         let dyx = cx.op_like("Mul", &[dy, x], vec![], &hs, y);
         let g = cx.op_like("Where", &[pos, zero, dyx], vec![], &hs, y);
