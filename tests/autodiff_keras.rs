@@ -109,6 +109,12 @@ fn keras_mlp_forward_equals_keras() {
 fn keras_cnn_forward_equals_keras() {
     keras_forward("keras_cnn");
 }
+/// The plain export folds each BatchNorm into the Conv before it: inference arithmetic,
+/// equal to Keras's logits (and not a network to train: keras.onnx keeps the BatchNorms).
+#[test]
+fn keras_bn_forward_equals_keras() {
+    keras_forward("keras_bn");
+}
 
 /// Every Keras variable is a trainable initializer of `keras.onnx`, and its gradient is
 /// within 1e-5 relative (norm-wise) of tf.GradientTape's, float32, samples [0, 8).
@@ -152,6 +158,14 @@ fn keras_mlp_gradients_equal_gradient_tape() {
 fn keras_cnn_gradients_equal_gradient_tape() {
     keras_gradients("keras_cnn", 6);
 }
+/// Exactly Keras's 7 trainable variables train (BatchNorm in its training form, the
+/// depthwise kernel under the name tf2onnx's folding gave it), not the constants tf2onnx
+/// wrote as initializers: Rescaling's scale and offset, the ReLU6 bounds, the unit scale of
+/// the BatchNorm built with scale=False (14 would train by the general rule).
+#[test]
+fn keras_bn_gradients_equal_gradient_tape() {
+    keras_gradients("keras_bn", 7);
+}
 
 /// The trap, as measured: tf2onnx's default export (grappler constant folding) has dropped
 /// every zero-initialised bias, so only the kernels are trainable; their gradients still
@@ -190,11 +204,16 @@ fn keras_cnn_default_export_drops_the_biases() {
 /// K = 4 micro-batches of 8 (mean normalisation), 8 windows, against Keras's 8 full-batch
 /// steps of 32 on the same rows, within 2e-6 max abs on every parameter.
 fn keras_training(model: &str, optimizer: &str, reference: &str) {
+    keras_training_in(model, optimizer, reference, 4);
+}
+
+/// The same in `k` micro-batches of 32 / k per window.
+fn keras_training_in(model: &str, optimizer: &str, reference: &str, k: usize) {
     if !ort_available() {
         return;
     }
     let spec = format!(
-        "autodiff(loss_fn=cross-entropy,grads=internal),grad-accum(steps=4,normalize=mean),{optimizer},legalize-ort,dce"
+        "autodiff(loss_fn=cross-entropy,grads=internal),grad-accum(steps={k},normalize=mean),{optimizer},legalize-ort,dce"
     );
     let step = build(&graph_path(model, "keras.onnx"), &spec);
     let data = read_npz(&graph_path(model, "data.npz"));
@@ -202,8 +221,8 @@ fn keras_training(model: &str, optimizer: &str, reference: &str) {
     let samples = trainer
         .check_data(&data, Path::new("data.npz"))
         .unwrap_or_else(|e| panic!("{e}"));
-    for i in 0..32 {
-        let batch = onnx_ga::train::micro_batch(&data, samples, 8, i);
+    for i in 0..8 * k as u64 {
+        let batch = onnx_ga::train::micro_batch(&data, samples, 32 / k, i);
         trainer
             .step(&batch, false)
             .unwrap_or_else(|e| panic!("{e}"));
@@ -268,4 +287,12 @@ fn keras_cnn_accumulated_sgd_equals_full_batch() {
 #[test]
 fn keras_cnn_accumulated_keras_adam_equals_full_batch() {
     keras_training("keras_cnn", KERAS_ADAM, "run_adam64.npz");
+}
+
+/// A network with BatchNorm trains on whole batches of 32 (K = 1: batch statistics over
+/// micro-batches of 8 would be another network's, as in Keras's own accumulation) like
+/// Keras's 8 full-batch SGD steps.
+#[test]
+fn keras_bn_sgd_equals_keras() {
+    keras_training_in("keras_bn", SGD, "run_sgd.npz", 1);
 }

@@ -67,6 +67,20 @@ ADAM = dict(learning_rate=1e-2, beta_1=0.9, beta_2=0.999, epsilon=1e-7, amsgrad=
 
 # A Conv2D kernel is HWIO in Keras and OIHW in ONNX (tf2onnx transposes the constant).
 HWIO_TO_OIHW = (3, 2, 0, 1)
+# A DepthwiseConv2D kernel [H, W, C, M] is a group convolution's [C*M, 1, H, W] in ONNX.
+DEPTHWISE = "depthwise"
+
+
+def to_onnx(value, perm):
+    """A Keras variable's value (or gradient) in the layout of its ONNX initializer."""
+    if perm == DEPTHWISE:
+        h, w, c, m = value.shape
+        return np.transpose(value, (2, 3, 0, 1)).reshape(c * m, 1, h, w)
+    return np.transpose(value, perm) if perm else value
+
+
+LAYOUTS = {None: "same", HWIO_TO_OIHW: "HWIO -> OIHW, np.transpose(k, (3, 2, 0, 1))",
+           DEPTHWISE: "HWCM -> (C*M)1HW, np.transpose(k, (2, 3, 0, 1)).reshape(C*M, 1, H, W)"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,6 +116,41 @@ def make_cnn(dtype="float32", bias=lambda: "zeros"):
     )
 
 
+def make_bn(dtype="float32", bias=None):
+    """The Keras pieces that export constants as initializers (Rescaling's scale and offset,
+    ReLU6's bounds, the unit scale of a BatchNormalization without one) and a depthwise
+    kernel that tf2onnx's constant folding renames. Every variable starts from seeded random
+    values (biases, BatchNorm scales and shifts included): each is found in the file by its
+    values, and no two are equal (tf2onnx could not merge them)."""
+    L = tf.keras.layers
+    init = tf.keras.initializers
+    bias = bias or (lambda: init.RandomNormal(stddev=0.1))
+    # A fresh initializer per layer: Keras 2.15 gives one unseeded instance the same values
+    # at each use.
+    def stats():
+        return dict(moving_mean_initializer=init.RandomNormal(stddev=0.1),
+                    moving_variance_initializer=init.RandomUniform(0.5, 1.5),
+                    beta_initializer=init.RandomNormal(stddev=0.1), dtype=dtype)
+
+    return tf.keras.Sequential(
+        [
+            tf.keras.Input((8, 8, 3), name="x", dtype=dtype),
+            L.Rescaling(0.5, offset=-0.25, name="rescale", dtype=dtype),
+            L.Conv2D(8, 3, padding="same", use_bias=False, name="conv1", dtype=dtype),
+            L.BatchNormalization(scale=False, name="bn1", **stats()),
+            L.ReLU(6.0, name="relu1", dtype=dtype),
+            # No bias: before a BatchNorm its gradient is zero (noise that Adam would follow).
+            L.DepthwiseConv2D(3, padding="same", use_bias=False, name="dw", dtype=dtype),
+            L.BatchNormalization(name="bn2", gamma_initializer=init.RandomUniform(0.5, 1.5),
+                                 **stats()),
+            L.ReLU(6.0, name="relu2", dtype=dtype),
+            L.GlobalAveragePooling2D(name="pool", dtype=dtype),
+            L.Dense(4, name="logits", dtype=dtype, bias_initializer=bias()),
+        ],
+        name="keras_bn",
+    )
+
+
 def make_data_mlp(rng):
     x = rng.standard_normal((N_SAMPLES, 16)).astype(np.float32)
     return {"x": x, "labels": rng.integers(0, 10, N_SAMPLES).astype(np.int64)}
@@ -115,6 +164,12 @@ def make_data_cnn(rng):
 MODELS = {
     "keras_mlp": dict(make=make_mlp, data=make_data_mlp, seed=0,
                       what="Dense(32, relu) -> Dense(10), logits (no softmax)"),
+    "keras_bn": dict(make=make_bn, data=make_data_cnn, seed=2,
+                     what="Rescaling(0.5, -0.25) -> Conv2D(8,3,same,no bias) -> "
+                          "BatchNormalization(scale=False) -> ReLU(6) -> "
+                          "DepthwiseConv2D(3,same,no bias) "
+                          "-> BatchNormalization -> ReLU(6) -> GlobalAveragePooling2D -> "
+                          "Dense(4), NHWC input, logits"),
     "keras_cnn": dict(make=make_cnn, data=make_data_cnn, seed=1,
                       what="Conv2D(8,3,same,relu) -> MaxPooling2D(2) -> Conv2D(8,3,same,relu) -> "
                            "Flatten -> Dense(4), NHWC input, logits"),
@@ -237,12 +292,23 @@ def map_variables(model, proto: onnx.ModelProto) -> dict:
                 (op and f"/{op}/" in n) or (not op and ("/MatMul/" in n or "/Conv2D/" in n))
             )
         ]
+        value = var.numpy()
+        if not names:
+            # BatchNorm's scale and shift, a depthwise kernel (which tf2onnx's constant folding
+            # renames): by value alone, which make_bn's seeded random values make unique.
+            for perm in (None, HWIO_TO_OIHW, DEPTHWISE):
+                if perm is not None and value.ndim != 4:
+                    continue
+                onnx_value = to_onnx(value, perm)
+                names = [n for n, v in inits.items()
+                         if v.shape == onnx_value.shape and np.array_equal(v, onnx_value)]
+                if names:
+                    break
         if not names:
             continue  # dropped by the export (recorded by the caller)
         assert len(names) == 1, (var.name, names)
-        value = var.numpy()
-        perm = HWIO_TO_OIHW if value.ndim == 4 else None
-        onnx_value = np.transpose(value, perm) if perm else value
+        perm = (DEPTHWISE if "depthwise" in var.name else HWIO_TO_OIHW) if value.ndim == 4 else None
+        onnx_value = to_onnx(value, perm)
         assert inits[names[0]].shape == onnx_value.shape, (var.name, names[0])
         assert np.array_equal(inits[names[0]], onnx_value), (var.name, names[0])
         mapping[names[0]] = (var, perm)
@@ -267,7 +333,7 @@ def keras_grads(model, mapping, data, n):
     out = {"loss": np.float32(loss.numpy())}
     for name, (var, perm) in sorted(mapping.items()):
         g = by_var[var.name]
-        out[name] = np.transpose(g, perm) if perm else g
+        out[name] = to_onnx(g, perm)
     return out
 
 
@@ -300,7 +366,7 @@ def keras_run(make, model, mapping, data, optimizer):
     params = {}
     for name, (var, perm) in sorted(mapping.items()):
         v = values[var.name]
-        params[name] = np.transpose(v, perm) if perm else v
+        params[name] = to_onnx(v, perm)
     return params, losses
 
 
@@ -399,12 +465,14 @@ def generate(name: str, spec: dict) -> dict:
                      if v.name not in {var.name for var, _ in default_mapping.values()})
 
     grads = keras_grads(model, mapping, data, GRAD_SAMPLES)
+    # A call with training=True moved BatchNorm's statistics: back to the exported ones.
+    model.set_weights(before)
     save_npz(os.path.join(fdir, "grads.npz"), grads)
     g64 = keras_grads64(spec["make"], model, data, GRAD_SAMPLES)
     f64_agreement = {}
     for onnx_name, (var, perm) in mapping.items():
         g = g64[var.name.split(":")[0]]
-        f64_agreement[onnx_name] = relative_l2(grads[onnx_name], np.transpose(g, perm) if perm else g)
+        f64_agreement[onnx_name] = relative_l2(grads[onnx_name], to_onnx(g, perm))
     x8 = tf.constant(data["x"][:GRAD_SAMPLES])
     save_npz(os.path.join(fdir, "forward.npz"),
              {"x": data["x"][:GRAD_SAMPLES], "logits": model(x8, training=False).numpy()})
@@ -441,15 +509,16 @@ def generate(name: str, spec: dict) -> dict:
         "seed": f"tf.keras.utils.set_random_seed({spec['seed']}); data np.random.default_rng({spec['seed']})",
         "keras_variables": keras_vars,
         "initializer_of_keras_variable": {
-            var.name: {"onnx": n, "layout": "HWIO -> OIHW, np.transpose(k, (3, 2, 0, 1))" if perm
-                       else "same"} for n, (var, perm) in sorted(mapping.items())},
+            var.name: {"onnx": n, "layout": LAYOUTS[perm]}
+            for n, (var, perm) in sorted(mapping.items())},
         "export": {
             "opset": OPSET,
             "keras.onnx": {
                 "how": "tf2onnx.convert.from_keras(model, input_signature=[TensorSpec((None, ...), "
                        "float32, name='x')], opset=17, optimizers=<tf2onnx's list without "
                        "merge_duplication>), with tf2onnx.tf_loader.tf_optimize_grappler "
-                       "replaced by the same without 'constfold'",
+                       "replaced by the same without 'constfold', and remove_back_to_back's "
+                       "Conv + BatchNormalization fold taken out",
                 "ops": op_counts(kept), "float_initializers": float_initializers(kept)},
             "default.onnx": {
                 "how": "tf2onnx.convert.from_keras(model, input_signature=..., opset=17)",

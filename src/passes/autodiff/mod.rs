@@ -27,6 +27,7 @@ mod loss_fn;
 mod normalize;
 pub mod rules;
 pub mod shapes;
+pub mod tf2onnx_constants;
 pub mod torch_signature;
 mod unroll_rnn;
 
@@ -34,6 +35,7 @@ use std::collections::{HashMap, HashSet};
 
 pub use loss_fn::{LossFn, LossSpec};
 pub use normalize::DropoutMode;
+use tf2onnx_constants::Tf2onnxNames;
 
 use super::{Pass, PassContext, PassError, PassOptions, PassReport};
 use crate::ir::builder::Builder;
@@ -446,6 +448,12 @@ fn first_few<S: AsRef<str>>(names: &[S]) -> String {
     }
 }
 
+/// tf2onnx's variable naming (`tf2onnx_constants`), unless `--trainable` chooses the set
+/// itself.
+fn tf2onnx_names_in_force(model: &Model, options: &Autodiff) -> Option<Tf2onnxNames> {
+    Tf2onnxNames::of(model).filter(|_| options.trainable.is_empty())
+}
+
 /// torch's recorded signature, unless `--trainable` chooses the set itself.
 fn signature_in_force(
     model: &Model,
@@ -498,6 +506,7 @@ pub fn differentiated_graph(
     pass.run(&mut graph.model, &mut cx)
         .with_context(|| path.display().to_string())?;
     let torch = signature_in_force(&graph.model, &pass);
+    let tf2onnx = tf2onnx_names_in_force(&graph.model, &pass);
     let untrained = floats
         .into_iter()
         .filter(|(name, _)| graph.signature.param(name).is_none())
@@ -510,6 +519,8 @@ pub fn differentiated_graph(
                 UntrainedReason::OutsideTrainable
             } else if torch.as_ref().is_some_and(|t| !t.is_parameter(&name)) {
                 UntrainedReason::NotATorchParameter
+            } else if tf2onnx.is_some_and(|t| !t.is_variable(&name)) {
+                UntrainedReason::Tf2onnxConstant
             } else {
                 UntrainedReason::Unreached
             };
@@ -539,6 +550,8 @@ pub enum UntrainedReason {
     Unreached,
     /// torch's export lists it as a buffer or a constant, not a parameter.
     NotATorchParameter,
+    /// A constant of a tf2onnx export, not read from a variable (`tf2onnx_constants`).
+    Tf2onnxConstant,
 }
 
 impl UntrainedReason {
@@ -549,6 +562,9 @@ impl UntrainedReason {
             UntrainedReason::Unreached => "the loss does not reach it",
             UntrainedReason::NotATorchParameter => {
                 "not a parameter in torch's export (a buffer or a constant)"
+            }
+            UntrainedReason::Tf2onnxConstant => {
+                "a constant in tf2onnx's export (not read from a variable)"
             }
         }
     }
@@ -657,12 +673,14 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
     let main = BodyId::MAIN;
     // Only the model's own initializers can be parameters: the normalisation's and the
     // loss's constants (an attention's scale, a -inf bias) are not; and where torch's
-    // exporter recorded its parameter list, only those (`torch_signature`).
+    // exporter recorded its parameter list, only those (`torch_signature`); in a tf2onnx
+    // export, only the initializers named as variables (`tf2onnx_constants`).
     let own: HashSet<ValueId> = model.main().initializers.iter().map(|(v, _)| *v).collect();
     let (torch, absent_torch_parameters) = match torch_parameters(model, options)? {
         Some(TorchParameters { signature, absent }) => (Some(signature), absent),
         None => (None, Vec::new()),
     };
+    let tf2onnx = tf2onnx_names_in_force(model, options);
     let normalized = normalize::normalize(model, options.dropout, PASS)?;
     let mut shapes = Shapes::infer(model);
 
@@ -694,6 +712,7 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
                 .initializer(*v)
                 .is_some_and(|t| is_float(t.data_type()))
         })
+        .filter(|v| tf2onnx.is_none_or(|t| t.is_variable(model.name(*v))))
         .collect();
     // A glob may name BatchNorm statistics (never trained anyway) without complaint.
     let matchable: Vec<ValueId> = candidates
