@@ -519,7 +519,7 @@ pub fn differentiated_graph(
                 UntrainedReason::OutsideTrainable
             } else if torch.as_ref().is_some_and(|t| !t.is_parameter(&name)) {
                 UntrainedReason::NotATorchParameter
-            } else if tf2onnx.is_some_and(|t| !t.is_variable(&name)) {
+            } else if tf2onnx.is_some_and(|t| !t.is_variable(&name, &dims)) {
                 UntrainedReason::Tf2onnxConstant
             } else {
                 UntrainedReason::Unreached
@@ -712,7 +712,13 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
                 .initializer(*v)
                 .is_some_and(|t| is_float(t.data_type()))
         })
-        .filter(|v| tf2onnx.is_none_or(|t| t.is_variable(model.name(*v))))
+        .filter(|v| {
+            tf2onnx.is_none_or(|t| {
+                model
+                    .initializer(*v)
+                    .is_some_and(|i| t.is_variable(model.name(*v), &i.dims))
+            })
+        })
         .collect();
     // A glob may name BatchNorm statistics (never trained anyway) without complaint.
     let matchable: Vec<ValueId> = candidates

@@ -4,7 +4,8 @@
 //! constant becomes an initializer, so a Keras layer's constants look like parameters. A
 //! variable keeps the name of the op that read it (`<model>/<layer>/Conv2D/ReadVariableOp/
 //! resource:0`; `.../ReadVariableOp:0` in a plain export), or, where tf2onnx's constant
-//! folding reshaped it (a depthwise kernel), becomes `const_fold_opt__<n>`. The constants a
+//! folding reshaped it (a depthwise kernel), becomes `const_fold_opt__<n>` (a name that
+//! folding also gives the scalars it computes from constants). The constants a
 //! layer wrote in Python are named after the op that used them: ReLU6's bounds
 //! (`re_lu/Relu6_min__14`), Rescaling's scale (`rescaling/Cast/x:0`), a Normalization
 //! layer's fixed mean and deviation (`normalization/sub/y:0`, `normalization/Maximum__6`),
@@ -41,9 +42,12 @@ impl Tf2onnxNames {
         .then_some(Tf2onnxNames)
     }
 
-    /// Whether the initializer `name` may hold a variable (else it is a constant).
-    pub fn is_variable(self, name: &str) -> bool {
-        name.contains(READ) || name.starts_with(FOLDED)
+    /// Whether the initializer `name` of shape `dims` may hold a variable (else it is a
+    /// constant). Folding also makes scalars out of constant arithmetic
+    /// (hard-sigmoid's `x / 6 + 0.5` in MobileNetV3); no folded variable had one element.
+    pub fn is_variable(self, name: &str, dims: &[i64]) -> bool {
+        let one_element = dims.iter().all(|d| *d == 1);
+        name.contains(READ) || (name.starts_with(FOLDED) && !one_element)
     }
 }
 
@@ -54,11 +58,16 @@ mod tests {
     #[test]
     fn variables_are_named_by_their_reads_or_folds() {
         let names = Tf2onnxNames;
-        assert!(names.is_variable("m/conv1/Conv2D/ReadVariableOp/resource:0"));
-        assert!(names.is_variable("StatefulPartitionedCall/m/dense/BiasAdd/ReadVariableOp:0"));
-        assert!(names.is_variable("const_fold_opt__362"));
-        assert!(!names.is_variable("mobilenetv2_0.35_32/Conv1_relu/Relu6_max__15"));
-        assert!(!names.is_variable("MobilenetV3large/rescaling/Cast/x:0"));
-        assert!(!names.is_variable("inception_v3/batch_normalization/Const:0"));
+        assert!(names.is_variable("m/conv1/Conv2D/ReadVariableOp/resource:0", &[8, 3, 3, 3]));
+        assert!(names.is_variable("m/scale/ReadVariableOp/resource:0", &[]));
+        assert!(names.is_variable(
+            "StatefulPartitionedCall/m/dense/BiasAdd/ReadVariableOp:0",
+            &[4]
+        ));
+        assert!(names.is_variable("const_fold_opt__362", &[8, 1, 3, 3]));
+        assert!(!names.is_variable("const_fold_opt__910", &[1]));
+        assert!(!names.is_variable("mobilenetv2_0.35_32/Conv1_relu/Relu6_max__15", &[]));
+        assert!(!names.is_variable("MobilenetV3large/rescaling/Cast/x:0", &[]));
+        assert!(!names.is_variable("inception_v3/batch_normalization/Const:0", &[8]));
     }
 }
