@@ -16,7 +16,6 @@ import copy
 import os
 import subprocess
 import sys
-import tempfile
 import warnings
 
 import numpy as np
@@ -24,6 +23,8 @@ import onnxruntime as ort
 import torch
 import torch.nn as nn
 import transformers as T
+
+from survey_report import report_each
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.join(ROOT, "target", "release", "onnx-ga")
@@ -254,12 +255,7 @@ def compare(name, model, inputs, workdir):
 
 def main(names):
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as workdir:
-        for name in names or MODELS:
-            try:
-                print(f"{name}: {survey(name, workdir)}", flush=True)
-            except Exception as e:  # a failed export is a finding too
-                print(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+    report_each(names or MODELS, survey)
 
 
 if __name__ == "__main__":

@@ -290,6 +290,13 @@ impl Pass for Autodiff {
                 scalars.join(", ")
             ));
         }
+        if !differentiated.tf2onnx_constants.is_empty() {
+            report.notes.push(format!(
+                "{} initializers of tf2onnx's export are constants, not trained (not read from a variable): {}; --trainable names any that should train",
+                differentiated.tf2onnx_constants.len(),
+                first_few(&differentiated.tf2onnx_constants)
+            ));
+        }
         if !differentiated.absent_torch_parameters.is_empty() {
             report.notes.push(format!(
                 "torch's parameters {} are not in the file: torch exports tied weights once, under one of their names (that tensor trains for all of them), and unused parameters not at all",
@@ -473,6 +480,8 @@ pub struct Differentiated {
     /// Parameters torch's signature lists that the file does not hold (tied to one it
     /// holds, or unused).
     pub absent_torch_parameters: Vec<String>,
+    /// Float initializers of a tf2onnx export left untrained as its constants.
+    pub tf2onnx_constants: Vec<String>,
     /// BatchNorm layers turned to their training form.
     pub batch_norms: usize,
 }
@@ -712,19 +721,23 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
                 .initializer(*v)
                 .is_some_and(|t| is_float(t.data_type()))
         })
-        .filter(|v| {
+        .collect();
+    // tf2onnx's constants leave the candidates (`tf2onnx_constants`), named in the report.
+    let (candidates, tf2onnx_constants): (Vec<ValueId>, Vec<ValueId>) =
+        candidates.into_iter().partition(|v| {
             tf2onnx.is_none_or(|t| {
                 model
                     .initializer(*v)
                     .is_some_and(|i| t.is_variable(model.name(*v), &i.dims))
             })
-        })
-        .collect();
-    // A glob may name BatchNorm statistics (never trained anyway) without complaint.
+        });
+    // A glob may name BatchNorm statistics and tf2onnx's constants (never trained anyway)
+    // without complaint.
     let matchable: Vec<ValueId> = candidates
         .iter()
         .copied()
         .chain(normalized.bn_stats.iter().copied())
+        .chain(tf2onnx_constants.iter().copied())
         .collect();
     for glob in &options.freeze {
         if !matchable.iter().any(|v| glob_match(glob, model.name(*v))) {
@@ -868,6 +881,10 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
         trainable: trainable_params,
         frozen,
         absent_torch_parameters,
+        tf2onnx_constants: tf2onnx_constants
+            .iter()
+            .map(|v| model.name(*v).to_string())
+            .collect(),
         batch_norms: normalized.batch_norms,
     })
 }
