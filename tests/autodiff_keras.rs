@@ -296,3 +296,41 @@ fn keras_cnn_accumulated_keras_adam_equals_full_batch() {
 fn keras_bn_sgd_equals_keras() {
     keras_training_in("keras_bn", SGD, "run_sgd.npz", 1);
 }
+
+/// The plain export of the BatchNorm network (`default.onnx`: tf2onnx folded both
+/// BatchNorms into the convolutions before them) is refused by name, exit code 2, no output
+/// written; `--trainable` chooses the set and the rewrite goes ahead.
+#[test]
+fn keras_bn_default_export_with_folded_batch_norms_is_refused() {
+    let file = graph_path("keras_bn", "default.onnx");
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("step.onnx");
+    let rewrite = |extra: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_onnx-ga"))
+            .arg("rewrite")
+            .arg(&file)
+            .args(["--loss-fn", "cross-entropy", "--optimizer", "sgd", "-o"])
+            .arg(&out)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let refused = rewrite(&[]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{stderr}");
+    for expect in [
+        "keras_bn/default.onnx",
+        "tf2onnx folded BatchNormalization layers into the convolutions before them (4 tensors: keras_bn/dw/depthwise_weights_fused_bn",
+        "keras_bn/conv1/Conv2D_weights_fused_bn",
+        "--trainable GLOB",
+    ] {
+        assert!(stderr.contains(expect), "expected '{expect}' in: {stderr}");
+    }
+    assert!(!out.exists(), "wrote an output");
+    let chosen = rewrite(&["--trainable", "*"]);
+    assert!(
+        chosen.status.success(),
+        "{}",
+        String::from_utf8_lossy(&chosen.stderr)
+    );
+}

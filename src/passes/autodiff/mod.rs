@@ -690,6 +690,14 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
         None => (None, Vec::new()),
     };
     let tf2onnx = tf2onnx_names_in_force(model, options);
+    let folded = tf2onnx_constants::folded_batch_norms(model);
+    if !folded.is_empty() && options.trainable.is_empty() {
+        return Err(fail(format!(
+            "tf2onnx folded BatchNormalization layers into the convolutions before them ({} tensors: {}): the file computes inference arithmetic, a different network to train (no batch statistics; the scale and shift are gone). Export with tf2onnx's Conv + BatchNormalization fold taken out, as graphs/forward/generate_keras.py's export_kept does (README.md, \"From Keras\"), or choose the trainable set with --trainable GLOB",
+            folded.len(),
+            first_few(&folded)
+        )));
+    }
     let normalized = normalize::normalize(model, options.dropout, PASS)?;
     let mut shapes = Shapes::infer(model);
 

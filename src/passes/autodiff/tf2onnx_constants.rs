@@ -12,6 +12,10 @@
 //! the unit scale of a BatchNormalization built with `scale=False` (`batch_normalization/
 //! Const:0`: Keras has no such variable).
 //!
+//! tf2onnx's own optimizer folds each BatchNormalization that follows a Conv into the Conv
+//! (`..._weights_fused_bn`): such a file is refused, with the export that keeps them
+//! (README.md, "From Keras"), unless `--trainable` chooses what trains.
+//!
 //! Measured on 18 of Keras's applications (TF 2.15.1, tf2onnx 1.17,
 //! graphs/forward/survey_keras.py): every trainable variable is named one of the two ways
 //! above, and every other float initializer the loss reached is a constant. So, in an
@@ -22,6 +26,28 @@
 //! general rule: every float initializer the loss reaches trains.
 
 use crate::ir::Model;
+
+/// The suffix tf2onnx gives a Conv's weight and bias after folding the BatchNormalization
+/// that followed it into them (`<layer>/Conv2D_weights_fused_bn`, `..._bias_fused_bn`;
+/// measured on its plain `from_keras` and `--saved-model` exports).
+const FOLDED_BATCH_NORM: &str = "_fused_bn";
+
+/// The initializers of a tf2onnx export that hold a Conv with a BatchNormalization folded
+/// into it: inference arithmetic, not the network Keras trains (no batch statistics, the
+/// scale and shift gone).
+pub fn folded_batch_norms(model: &Model) -> Vec<String> {
+    if model.header.producer_name() != PRODUCER {
+        return Vec::new();
+    }
+    model
+        .main()
+        .initializers
+        .iter()
+        .map(|(v, _)| model.name(*v))
+        .filter(|n| n.ends_with(FOLDED_BATCH_NORM))
+        .map(str::to_string)
+        .collect()
+}
 
 pub const PRODUCER: &str = "tf2onnx";
 const READ: &str = "ReadVariableOp";
