@@ -1148,6 +1148,60 @@ fn bad_input_op_without_a_rule() {
     );
 }
 
+/// The op without a rule is named even when a rule after it (in the backward order) could
+/// not run: here the Reshape to a shape fed at run time leaves the bias Add without ranks
+/// (as tf2onnx's Loop for Keras's SimpleRNN and GRU leaves its Dense), and the error must be
+/// Det's, not the Add's missing shape facts.
+#[test]
+fn the_op_without_a_rule_is_named_before_later_shape_errors() {
+    use onnx_ga::ir::builder::{tensor_f32, Builder};
+    use onnx_ga::ir::{tensor_type, BodyId, Model};
+    use onnx_ga::proto::OperatorSetIdProto;
+    let mut model = Model::from_proto(ModelProto {
+        ir_version: Some(8),
+        opset_import: vec![OperatorSetIdProto {
+            domain: Some(String::new()),
+            version: Some(17),
+        }],
+        graph: Some(Default::default()),
+        ..Default::default()
+    });
+    let main = BodyId::MAIN;
+    let x = model.add_input(main, "x", tensor_type(1, &[2, 3, 3]), None);
+    let mut unknown_rank = tensor_type(7, &[]);
+    if let Some(onnx_ga::proto::type_proto::Value::TensorType(t)) = &mut unknown_rank.value {
+        t.shape = None;
+    }
+    let shape = model.add_input(main, "shape", unknown_rank, None);
+    let w = model.add_initializer(main, "w", tensor_f32(&[3], &[0.1, 0.2, 0.3]));
+    let bias = model.add_initializer(main, "bias", tensor_f32(&[1], &[0.5]));
+    let mut b = Builder::new(&mut model, main, "test");
+    let y = b.op("Mul", &[x, w], vec![], "y");
+    let c = b.op("Det", &[y], vec![], "c");
+    let r = b.op("Reshape", &[c, shape], vec![], "r");
+    let biased = b.op("Add", &[r, bias], vec![], "biased");
+    let out = b.op(
+        "ReduceSum",
+        &[biased],
+        vec![onnx_ga::ir::builder::attr_int("keepdims", 0)],
+        "out",
+    );
+    model.add_output(main, out, Some(tensor_type(1, &[])));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("det_reshaped.onnx");
+    onnx_ga::model::save_model(&model.to_proto(), &path).unwrap();
+    rewrite_fails(
+        &[
+            path.to_str().unwrap(),
+            "--loss",
+            "out",
+            "--pipeline",
+            "autodiff",
+        ],
+        "no gradient rule for Det; parameter 'w'",
+    );
+}
+
 /// `inspect MODEL.onnx --loss-fn ...` lists the trainable set before anything is written:
 /// torch's own parameter list (names and shapes from the generator's meta.json), minus
 /// `--freeze`, with BatchNorm's running statistics as frozen state.

@@ -41,7 +41,8 @@
 //! gradient graph's (1e-12 relative in float64, 1e-5 in float32; Attention 1e-7, as
 //! `attention_inputs` explains; a row with no key to attend is zero by ONNX 1.23, NaN by
 //! ONNX Runtime 1.31's kernel, and that case is not compared), except where the autodiff
-//! changes the forward on purpose (BatchNormalization, Dropout to their training forms):
+//! changes the forward on purpose (BatchNormalization on running statistics, Dropout to
+//! their training forms):
 //! what the normalisation rewrites (the recurrent layers, unrolled) must compute what ONNX
 //! Runtime's own kernels compute. ONNX Runtime has no float64 LSTM, GRU or RNN, so each
 //! recurrent case runs twice: in float32 against the kernels (its gradients, three cells of
@@ -75,6 +76,7 @@
 //! average_pool_kernel_over_input             f32  5.3e-5
 //! average_pool_overlapping_padded            f32  8.2e-5
 //! batch_norm                                 f64  5.6e-10
+//! batch_norm_computed_statistics             f64  4.3e-10
 //! cast                                       f64  4.5e-11
 //! cast_like                                  f64  1.1e-10
 //! celu                                       f32  8.5e-5
@@ -250,6 +252,7 @@
 //! resize_nearest_1_5x                        f32  5.6e-5
 //! resize_nearest_2x                          f32  5.7e-5
 //! resize_nearest_sizes_prefer_ceil           f32  5.8e-5
+//! resize_nearest_tf_half_pixel               f32  5.4e-5
 //! resize_nearest_torch_upsample              f32  1.0e-4
 //! rms_norm_axis1_broadcast_scale             f64  2.6e-10
 //! rms_norm_f32_default_stash                 f32  1.0e-4
@@ -621,12 +624,18 @@ fn check(name: &str, opset: i64, elem: i32, build: impl FnOnce(&mut Net) -> Vec<
     let (forward, params) = net.finish(&ys);
     assert!(!params.is_empty(), "{name}: no parameters");
     // The forward as ONNX Runtime runs it, before any normalisation (unrolled recurrent
-    // layers must compute what ONNX Runtime's own kernels compute). BatchNormalization and
-    // Dropout change on purpose (to their training forms).
+    // layers must compute what ONNX Runtime's own kernels compute). BatchNormalization on
+    // running statistics and Dropout change on purpose (to their training forms); a
+    // BatchNormalization on statistics the graph computes is written out and must not.
     let trains_differently = forward.graph.as_ref().is_some_and(|g| {
-        g.node
-            .iter()
-            .any(|n| matches!(n.op_type(), "BatchNormalization" | "Dropout"))
+        let running = |n: &onnx_ga::proto::NodeProto| {
+            n.input
+                .get(3)
+                .is_some_and(|m| g.initializer.iter().any(|i| i.name() == m))
+        };
+        g.node.iter().any(|n| {
+            n.op_type() == "Dropout" || (n.op_type() == "BatchNormalization" && running(n))
+        })
     });
     let forward_loss = forward_runs.then(|| {
         run(&forward, &[])
@@ -1207,6 +1216,20 @@ cases! {
         let var = n.model.add_initializer(MAIN, "running_var", var);
         vec![n.node("BatchNormalization", &[Some(x), Some(s), Some(b), Some(mean), Some(var)], 1,
             vec![attr_float("epsilon", 1e-5), attr_float("momentum", 0.9)])[0]]
+    };
+
+    // Statistics the graph computes (tf2onnx's Keras LayerNormalization): arithmetic on
+    // them, differentiated through the statistics too.
+    batch_norm_computed_statistics: 17, F64 => |n| {
+        let x = n.param("X", &[4, 3, 2, 2], -1.0, 1.0);
+        let s = n.param("Scale", &[3], 0.5, 1.5);
+        let b = n.param("Bias", &[3], -1.0, 1.0);
+        let m = n.param("Mean", &[3], -0.5, 0.5);
+        let v = n.param("Var", &[3], 0.5, 1.5);
+        let mean = n.op("Identity", &[m], vec![]);
+        let var = n.op("Identity", &[v], vec![]);
+        vec![n.node("BatchNormalization", &[Some(x), Some(s), Some(b), Some(mean), Some(var)], 1,
+            vec![attr_float("epsilon", 1e-3)])[0]]
     };
 
     // ---- softmax
@@ -1883,6 +1906,9 @@ cases! {
     resize_nearest_torch_upsample: 13, F32 => |n| resize_case(n, &[2, 2, 3, 3], Some(&[1.0, 1.0, 2.0, 3.0]), None,
         vec![mode("nearest"), transform("asymmetric"), attr_string("nearest_mode", "floor")]);
     resize_nearest_1_5x: 13, F32 => |n| resize_case(n, &[1, 2, 4, 4], Some(&[1.0, 1.0, 1.5, 1.5]), None, vec![]);
+    // What tf2onnx writes for Keras's UpSampling2D (a mode ONNX dropped at opset 13).
+    resize_nearest_tf_half_pixel: 13, F32 => |n| resize_case(n, &[1, 2, 4, 4], Some(&[1.0, 1.0, 1.5, 2.0]), None,
+        vec![transform("tf_half_pixel_for_nn")]);
     resize_nearest_sizes_prefer_ceil: 13, F32 => |n| resize_case(n, &[1, 1, 3, 5], None, Some(&[1, 1, 7, 4]),
         vec![attr_string("nearest_mode", "round_prefer_ceil"), transform("align_corners")]);
     resize_linear_half_pixel_2x: 13, F32 => |n| resize_case(n, &[1, 2, 3, 4], Some(&[1.0, 1.0, 2.0, 2.0]), None,

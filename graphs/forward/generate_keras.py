@@ -207,7 +207,8 @@ def float_initializers(model: onnx.ModelProto) -> dict:
 
 
 def signature(model):
-    return [tf.TensorSpec((None,) + tuple(model.input_shape[1:]), tf.float32, name="x")]
+    return [tf.TensorSpec((None,) + tuple(model.input_shape[1:]), model.inputs[0].dtype,
+                          name="x")]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -292,7 +292,7 @@ impl Pass for Autodiff {
         }
         if !differentiated.tf2onnx_constants.is_empty() {
             report.notes.push(format!(
-                "{} initializers of tf2onnx's export are constants, not trained (not read from a variable): {}; --trainable names any that should train",
+                "{} initializers of tf2onnx's export are constants, not trained (numbers and constant ops): {}; --trainable names any that should train",
                 differentiated.tf2onnx_constants.len(),
                 first_few(&differentiated.tf2onnx_constants)
             ));
@@ -455,7 +455,7 @@ fn first_few<S: AsRef<str>>(names: &[S]) -> String {
     }
 }
 
-/// tf2onnx's variable naming (`tf2onnx_constants`), unless `--trainable` chooses the set
+/// tf2onnx's naming of constants (`tf2onnx_constants`), unless `--trainable` chooses the set
 /// itself.
 fn tf2onnx_names_in_force(model: &Model, options: &Autodiff) -> Option<Tf2onnxNames> {
     Tf2onnxNames::of(model).filter(|_| options.trainable.is_empty())
@@ -528,7 +528,7 @@ pub fn differentiated_graph(
                 UntrainedReason::OutsideTrainable
             } else if torch.as_ref().is_some_and(|t| !t.is_parameter(&name)) {
                 UntrainedReason::NotATorchParameter
-            } else if tf2onnx.is_some_and(|t| !t.is_variable(&name, &dims)) {
+            } else if tf2onnx.is_some_and(|t| t.is_constant(&name, &dims)) {
                 UntrainedReason::Tf2onnxConstant
             } else {
                 UntrainedReason::Unreached
@@ -559,7 +559,7 @@ pub enum UntrainedReason {
     Unreached,
     /// torch's export lists it as a buffer or a constant, not a parameter.
     NotATorchParameter,
-    /// A constant of a tf2onnx export, not read from a variable (`tf2onnx_constants`).
+    /// A constant of a tf2onnx export (`tf2onnx_constants`).
     Tf2onnxConstant,
 }
 
@@ -573,7 +573,7 @@ impl UntrainedReason {
                 "not a parameter in torch's export (a buffer or a constant)"
             }
             UntrainedReason::Tf2onnxConstant => {
-                "a constant in tf2onnx's export (not read from a variable)"
+                "a constant in tf2onnx's export (a number or a constant op)"
             }
         }
     }
@@ -677,13 +677,51 @@ pub fn append_loss(model: &mut Model, spec: &LossSpec) -> Result<(ValueId, Value
     loss_fn::append(model, spec, &shapes)
 }
 
+/// The gradient rule of node `n`, which the gradient of some parameter (`origin`) must
+/// pass; an error naming the node, the op and that parameter when there is none.
+fn rule_of(
+    model: &Model,
+    n: NodeId,
+    origin: &HashMap<ValueId, ValueId>,
+) -> Result<rules::RuleFn, PassError> {
+    let node = model.node(n);
+    let (domain, op) = (node.proto.domain(), node.proto.op_type());
+    let param = node
+        .inputs
+        .iter()
+        .flatten()
+        .find_map(|v| origin.get(v))
+        .map(|p| model.name(*p).to_string())
+        .unwrap_or_default();
+    let rule = rules::rule_for(domain, op).ok_or_else(|| {
+        let op_name = if domain.is_empty() {
+            op.to_string()
+        } else {
+            format!("{domain}::{op}")
+        };
+        rules::node_error(
+            model,
+            n,
+            format!("no gradient rule for {op_name}; parameter '{param}' needs the gradient through it (freeze it with --freeze, or file an issue)"),
+        )
+    })?;
+    if !node.subgraphs.is_empty() {
+        return Err(rules::node_error(
+            model,
+            n,
+            "differentiating through control flow (subgraphs) is not supported".into(),
+        ));
+    }
+    Ok(rule)
+}
+
 /// The whole transformation; see the module docs.
 pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differentiated, PassError> {
     let main = BodyId::MAIN;
     // Only the model's own initializers can be parameters: the normalisation's and the
     // loss's constants (an attention's scale, a -inf bias) are not; and where torch's
     // exporter recorded its parameter list, only those (`torch_signature`); in a tf2onnx
-    // export, only the initializers named as variables (`tf2onnx_constants`).
+    // export, not its constants (`tf2onnx_constants`).
     let own: HashSet<ValueId> = model.main().initializers.iter().map(|(v, _)| *v).collect();
     let (torch, absent_torch_parameters) = match torch_parameters(model, options)? {
         Some(TorchParameters { signature, absent }) => (Some(signature), absent),
@@ -736,7 +774,7 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
             tf2onnx.is_none_or(|t| {
                 model
                     .initializer(*v)
-                    .is_some_and(|i| t.is_variable(model.name(*v), &i.dims))
+                    .is_some_and(|i| !t.is_constant(model.name(*v), &i.dims))
             })
         });
     // A glob may name BatchNorm statistics and tf2onnx's constants (never trained anyway)
@@ -971,6 +1009,20 @@ pub fn backward(
         }
     }
 
+    // Every op the gradient must pass has a rule, checked before the sweep: the error then
+    // names the op that stops it (a tf2onnx Loop), not a later rule's missing shape facts.
+    for &n in &order {
+        let node = model.node(n);
+        let op = node.proto.op_type();
+        let reached = node.inputs.iter().enumerate().any(|(slot, v)| {
+            rules::carries_gradient(op, slot) && v.is_some_and(|v| origin.contains_key(&v))
+        });
+        let feeds_loss = node.outputs.iter().flatten().any(|v| needed.contains(v));
+        if reached && feeds_loss && differentiable(model, n) {
+            rule_of(model, n, &origin)?;
+        }
+    }
+
     // The sweep.
     let mut contributions: HashMap<ValueId, Vec<ValueId>> =
         HashMap::from([(loss, vec![seed_tensor])]);
@@ -979,10 +1031,7 @@ pub fn backward(
         let node = cx.model().node(n);
         let outputs: Vec<Option<ValueId>> = node.outputs.clone();
         let inputs: Vec<Option<ValueId>> = node.inputs.clone();
-        let (domain, op) = (
-            node.proto.domain().to_string(),
-            node.proto.op_type().to_string(),
-        );
+        let op = node.proto.op_type().to_string();
         if !outputs
             .iter()
             .flatten()
@@ -1004,31 +1053,7 @@ pub fn backward(
             .iter()
             .map(|o| o.and_then(|v| sum_contributions(&mut cx, v, contributions.remove(&v))))
             .collect();
-        let Some(rule) = rules::rule_for(&domain, &op) else {
-            let param = inputs
-                .iter()
-                .flatten()
-                .find_map(|v| origin.get(v))
-                .map(|p| cx.model().name(*p).to_string())
-                .unwrap_or_default();
-            let op_name = if domain.is_empty() {
-                op.clone()
-            } else {
-                format!("{domain}::{op}")
-            };
-            return Err(rules::node_error(
-                cx.model(),
-                n,
-                format!("no gradient rule for {op_name}; parameter '{param}' needs the gradient through it (freeze it with --freeze, or file an issue)"),
-            ));
-        };
-        if !cx.model().node(n).subgraphs.is_empty() {
-            return Err(rules::node_error(
-                cx.model(),
-                n,
-                "differentiating through control flow (subgraphs) is not supported".into(),
-            ));
-        }
+        let rule = rule_of(cx.model(), n, &origin)?;
         let grads = rule(&mut cx, n, &dys, &wants)?;
         // A rule's gradient has its input's shape and type.
         for (slot, g) in grads.iter().enumerate() {

@@ -11,6 +11,8 @@
 //!   its running outputs in place into those inputs and merges equal-valued initializers,
 //!   so zero/one statistics alias BN biases and weights (measured: a loss 4.1e-4 off and
 //!   drifting between runs).
+//!   A BatchNormalization whose mean and variance the graph computes (tf2onnx's Keras
+//!   LayerNormalization) is arithmetic on them and is written out instead.
 //! - **Dropout** gets `training_mode = true` (`--dropout train`, the default: the mask the
 //!   forward draws is reused by the backward), or is removed (`--dropout off`).
 //! - **SplitToSequence + SequenceAt** at constant positions (what the torch exporter writes
@@ -73,8 +75,11 @@ pub fn normalize(
         }
         match p.op_type() {
             "BatchNormalization" => {
-                batch_norm(model, node, pass, &mut out)?;
-                out.batch_norms += 1;
+                // (A match guard would hold the op type's borrow of the model.)
+                #[allow(clippy::collapsible_match)]
+                if batch_norm(model, node, pass, &mut out)? {
+                    out.batch_norms += 1;
+                }
             }
             "Dropout" => {
                 dropout_node(model, node, dropout, pass)?;
@@ -127,12 +132,14 @@ fn rewrite_each(
     Ok(nodes.len())
 }
 
+/// The training form of a BatchNormalization on running statistics (true), or the
+/// arithmetic of one on statistics the graph computes (false).
 fn batch_norm(
     model: &mut Model,
     node: NodeId,
     pass: &'static str,
     out: &mut Normalized,
-) -> Result<(), PassError> {
+) -> Result<bool, PassError> {
     let n = model.node(node).clone();
     let input = |i: usize| {
         n.inputs
@@ -144,17 +151,22 @@ fn batch_norm(
     let (x, scale, bias, mean, var) = (input(0)?, input(1)?, input(2)?, input(3)?, input(4)?);
     let epsilon = n.proto.attr_float("epsilon").ok().flatten().unwrap_or(1e-5);
     let momentum = n.proto.attr_float("momentum").ok().flatten().unwrap_or(0.9);
-    for stat in [mean, var] {
-        if model.initializer(stat).is_none() {
+    let computed = [mean, var]
+        .iter()
+        .filter(|s| model.initializer(**s).is_none())
+        .count();
+    match computed {
+        0 => {}
+        2 => return with_computed_statistics(model, node, pass, epsilon).map(|()| false),
+        _ => {
             return Err(node_error(
                 model,
                 node,
-                format!(
-                    "running statistic '{}' is not an initializer: the training form needs its initial value",
-                    model.name(stat)
-                ),
-            ));
+                "one statistic is an initializer and the other computed by the graph: neither running statistics to train with nor a normalisation the graph computes".into(),
+            ))
         }
+    }
+    for stat in [mean, var] {
         model.promote_initializer_to_input(stat);
         if !out.bn_stats.contains(&stat) {
             out.bn_stats.push(stat);
@@ -196,7 +208,8 @@ fn batch_norm(
     }
     model
         .remove_node(node)
-        .map_err(|e| node_error(model, node, format!("could not replace the node: {e}")))
+        .map_err(|e| node_error(model, node, format!("could not replace the node: {e}")))?;
+    Ok(true)
 }
 
 fn model_require_ms(model: &mut Model) {
@@ -426,4 +439,77 @@ fn cast_likes_to_casts(model: &mut Model) {
         n.proto.attribute.retain(|a| a.name() == "saturate");
         n.proto.attribute.push(attr_int("to", elem as i64));
     }
+}
+
+/// A BatchNormalization whose mean and variance the graph computes is no running-statistics
+/// layer but arithmetic on those: tf2onnx writes Keras's LayerNormalization so (a fused
+/// batch norm over a reshaped view, its statistics from ReduceMean and ReduceSumSquare).
+/// Written out, the rules differentiate it, statistics included:
+/// `Y = (X - mean) · scale / sqrt(var + epsilon) + B`, the `[C]` vectors on axis 1.
+fn with_computed_statistics(
+    model: &mut Model,
+    node: NodeId,
+    pass: &'static str,
+    epsilon: f32,
+) -> Result<(), PassError> {
+    let n = model.node(node).clone();
+    let [x, scale, bias, mean, var] = [0, 1, 2, 3, 4].map(|i| n.inputs.get(i).copied().flatten());
+    let (Some(x), Some(scale), Some(bias), Some(mean), Some(var)) = (x, scale, bias, mean, var)
+    else {
+        return Err(node_error(model, node, "an input is absent".into()));
+    };
+    let facts = super::shapes::Shapes::infer(model).get(x);
+    let (Some(rank), Some(elem)) = (facts.rank(), facts.elem) else {
+        return Err(node_error(
+            model,
+            node,
+            format!(
+                "its statistics are computed by the graph, and writing it out needs the rank and type of '{}', which are neither declared nor derivable",
+                model.name(x)
+            ),
+        ));
+    };
+    let Some(y) = n.outputs.first().copied().flatten() else {
+        return Err(node_error(model, node, "output 0 is absent".into()));
+    };
+    if n.outputs
+        .iter()
+        .skip(1)
+        .flatten()
+        .any(|v| !model.uses(*v).is_empty())
+    {
+        return Err(node_error(
+            model,
+            node,
+            "its running-statistics outputs are read, with statistics the graph computes".into(),
+        ));
+    }
+    let hint = model.name(y).to_string();
+    let mut b = Builder::new(model, BodyId::MAIN, pass);
+    // [C] -> [C, 1, ..]: each vector on axis 1 of X.
+    let mut per_channel = vec![-1i64];
+    per_channel.resize(rank.saturating_sub(1).max(1), 1);
+    let shape = b.ints(&format!("{hint}_per_channel"), &per_channel);
+    let eps = b.constant(
+        &format!("{hint}_epsilon"),
+        crate::ir::emit::scalar_tensor(elem, f64::from(epsilon)),
+    );
+    let var_eps = b.op("Add", &[var, eps], vec![], &format!("{hint}_var_eps"));
+    let std = b.op("Sqrt", &[var_eps], vec![], &format!("{hint}_std"));
+    let gain = b.op("Div", &[scale, std], vec![], &format!("{hint}_gain"));
+    let [gain, mean, bias] = [(gain, "gain"), (mean, "mean"), (bias, "bias")].map(|(v, what)| {
+        b.op(
+            "Reshape",
+            &[v, shape],
+            vec![],
+            &format!("{hint}_{what}_c11"),
+        )
+    });
+    let centred = b.op("Sub", &[x, mean], vec![], &format!("{hint}_centred"));
+    let scaled = b.op("Mul", &[centred, gain], vec![], &format!("{hint}_scaled"));
+    let out = b.op("Add", &[scaled, bias], vec![], &format!("{hint}_out"));
+    model.replace_value(y, out);
+    model
+        .remove_node(node)
+        .map_err(|e| node_error(model, node, format!("could not replace the node: {e}")))
 }

@@ -213,11 +213,16 @@ pub const NON_DIFFERENTIABLE: &[&str] = &[
 /// the element type of its second input (the torch exporter's `CastLike(0, x)` must not
 /// make a constant depend on the parameters behind `x`); a loss's class weights are
 /// settings, not parameters (PyTorch's `nll_loss`/`cross_entropy` have no derivative for
-/// them, and the legacy exporter leaves a `weight` buffer as a plain initializer).
+/// them, and the legacy exporter leaves a `weight` buffer as a plain initializer); Resize's
+/// region and scales are geometry (tf2onnx writes Keras's UpSampling2D scales as a float
+/// initializer), whose gradient the rule does not give.
 pub fn carries_gradient(op: &str, slot: usize) -> bool {
     !matches!(
         (op, slot),
-        ("CastLike", 1) | ("SoftmaxCrossEntropyLoss", 2) | ("NegativeLogLikelihoodLoss", 2)
+        ("CastLike", 1)
+            | ("SoftmaxCrossEntropyLoss", 2)
+            | ("NegativeLogLikelihoodLoss", 2)
+            | ("Resize", 1 | 2)
     )
 }
 

@@ -13,7 +13,8 @@
 //!
 //! ```text
 //! x = transform(o)   half_pixel (o + ½)/s - ½; pytorch_half_pixel the same, 0 when out = 1;
-//!                    half_pixel_symmetric, align_corners o·(in-1)/(out-1), asymmetric o/s
+//!                    half_pixel_symmetric, align_corners o·(in-1)/(out-1), asymmetric o/s,
+//!                    tf_half_pixel_for_nn (o + ½)/s
 //! nearest   i = round(x) by nearest_mode, clamped to [0, in-1]                weight 1
 //! linear    x clamped to [0, in-1]; i0 = ⌊x⌋, i1 = min(i0 + 1, in-1)          1 - r, r
 //! cubic     i = ⌊x⌋-1 .. ⌊x⌋+2 clamped (or dropped and renormalised with
@@ -234,6 +235,9 @@ fn source_coordinate(s: &Settings, a: &AxisPlan, o: usize) -> Result<f32, String
         "align_corners" if a.output > 1 => o * (input - 1.0) / (output - 1.0),
         "align_corners" => 0.0,
         "asymmetric" => o / scale,
+        // Removed from ONNX at opset 13, still run by ONNX Runtime, and what tf2onnx writes
+        // for Keras's UpSampling2D.
+        "tf_half_pixel_for_nn" => (o + 0.5) / scale,
         other => {
             return Err(format!(
                 "coordinate_transformation_mode '{other}' is not supported"
