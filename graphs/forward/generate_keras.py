@@ -13,7 +13,9 @@ Run through graphs/forward/regen_keras.sh (creates .venv-keras from requirements
   generate_keras.py                 both models
   generate_keras.py keras_cnn       only the named models
 Everything is seeded and single-threaded, each model in its own process (tf2onnx's generated
-names count across exports); all written files are byte-identical from run to run.
+names count across exports); all written files are byte-identical from run to run but
+keras_bn's default.onnx, whose two equal ReLU6 bounds tf2onnx's merge_duplication merges,
+keeping one or the other.
 
 Keeping the biases. Keras initialises biases to zero. tf2onnx freezes the Keras function and
 runs TF grappler over it with the `constfold` optimizer, which rewrites `BiasAdd(x, zeros)` to
