@@ -20,8 +20,9 @@
 //!
 //! Measured on 18 of Keras's applications and 6 models of Keras's other layers (TF 2.15.1,
 //! tf2onnx 1.17, graphs/forward/survey_keras.py): no trainable variable is named either way,
-//! and the only constant left to train is a fixed Normalization's folded deviation
-//! (`normalization/Maximum__6`, ResNetRS's 3 ImageNet values): `--freeze` it. Keras's
+//! and the only untrainable tensor left to train is a Normalization layer's deviation,
+//! which tf2onnx folds to `normalization/Maximum__6` (3 values in ResNetRS and the
+//! EfficientNets): `--freeze` it. Keras's
 //! non-trainable variables (a frozen layer, an adapted Normalization's mean and variance)
 //! are read like trainable ones and cannot be told apart in the file: `--freeze` them.
 //!
