@@ -1121,17 +1121,8 @@ fn bad_input_op_without_a_rule() {
     // between the parameter and the loss: the error names the node, the op and the
     // parameter.
     use onnx_ga::ir::builder::{tensor_f32, Builder};
-    use onnx_ga::ir::{tensor_type, BodyId, Model};
-    use onnx_ga::proto::OperatorSetIdProto;
-    let mut model = Model::from_proto(ModelProto {
-        ir_version: Some(8),
-        opset_import: vec![OperatorSetIdProto {
-            domain: Some(String::new()),
-            version: Some(17),
-        }],
-        graph: Some(Default::default()),
-        ..Default::default()
-    });
+    use onnx_ga::ir::{tensor_type, BodyId};
+    let mut model = common::empty_model(17);
     let main = BodyId::MAIN;
     let x = model.add_input(main, "x", tensor_type(1, &[2, 3, 3]), None);
     let w = model.add_initializer(main, "w", tensor_f32(&[3], &[0.1, 0.2, 0.3]));
@@ -1155,17 +1146,8 @@ fn bad_input_op_without_a_rule() {
 #[test]
 fn the_op_without_a_rule_is_named_before_later_shape_errors() {
     use onnx_ga::ir::builder::{tensor_f32, Builder};
-    use onnx_ga::ir::{tensor_type, BodyId, Model};
-    use onnx_ga::proto::OperatorSetIdProto;
-    let mut model = Model::from_proto(ModelProto {
-        ir_version: Some(8),
-        opset_import: vec![OperatorSetIdProto {
-            domain: Some(String::new()),
-            version: Some(17),
-        }],
-        graph: Some(Default::default()),
-        ..Default::default()
-    });
+    use onnx_ga::ir::{tensor_type, BodyId};
+    let mut model = common::empty_model(17);
     let main = BodyId::MAIN;
     let x = model.add_input(main, "x", tensor_type(1, &[2, 3, 3]), None);
     let mut unknown_rank = tensor_type(7, &[]);
