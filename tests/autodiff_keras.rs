@@ -334,3 +334,31 @@ fn keras_bn_default_export_with_folded_batch_norms_is_refused() {
         String::from_utf8_lossy(&chosen.stderr)
     );
 }
+
+/// An LSTM as tf2onnx writes it (ONNX's LSTM, gates reordered, Keras's one bias as the
+/// first half of B with the recurrent half zeros): 6 parameters, gradients equal to
+/// GradientTape's with the recurrent bias half getting none (training both halves would
+/// move Keras's bias twice per step), and 4 micro-batches x 8 windows equal to Keras's 8
+/// full-batch SGD and Adam steps.
+#[test]
+fn keras_lstm_forward_equals_keras() {
+    if !ort_available() {
+        return;
+    }
+    let reference = fixture("keras_lstm", "forward.npz");
+    let out = run_ort(&load(&graph_path("keras_lstm", "keras.onnx")), &reference);
+    let err = max_abs(&out["logits"], &reference["logits"]);
+    assert!(err <= 1e-5, "keras_lstm: logits {err:e} from Keras");
+}
+#[test]
+fn keras_lstm_gradients_equal_gradient_tape() {
+    keras_gradients("keras_lstm", 6);
+}
+#[test]
+fn keras_lstm_accumulated_sgd_equals_full_batch() {
+    keras_training("keras_lstm", SGD, "run_sgd.npz");
+}
+#[test]
+fn keras_lstm_accumulated_keras_adam_equals_full_batch() {
+    keras_training("keras_lstm", KERAS_ADAM, "run_adam64.npz");
+}

@@ -73,8 +73,23 @@ HWIO_TO_OIHW = (3, 2, 0, 1)
 DEPTHWISE = "depthwise"
 
 
+# An LSTM's kernels [in, 4H] (gates i f c o) are ONNX's W, R [1, 4H, in] (gates i o f c);
+# its one bias [4H] is the first half of ONNX's B [1, 8H], the recurrent half zeros.
+LSTM_KERNEL, LSTM_BIAS = "lstm kernel", "lstm bias"
+KERAS_TO_ONNX_GATES = (0, 3, 1, 2)
+
+
+def _onnx_gates(value):
+    blocks = np.split(value, 4, axis=-1)
+    return np.concatenate([blocks[g] for g in KERAS_TO_ONNX_GATES], axis=-1)
+
+
 def to_onnx(value, perm):
     """A Keras variable's value (or gradient) in the layout of its ONNX initializer."""
+    if perm == LSTM_KERNEL:
+        return _onnx_gates(value).T[np.newaxis]
+    if perm == LSTM_BIAS:
+        return np.concatenate([_onnx_gates(value), np.zeros_like(value)])[np.newaxis]
     if perm == DEPTHWISE:
         h, w, c, m = value.shape
         return np.transpose(value, (2, 3, 0, 1)).reshape(c * m, 1, h, w)
@@ -82,6 +97,8 @@ def to_onnx(value, perm):
 
 
 LAYOUTS = {None: "same", HWIO_TO_OIHW: "HWIO -> OIHW, np.transpose(k, (3, 2, 0, 1))",
+           LSTM_KERNEL: "[in, 4H] gates i f c o -> [1, 4H, in] gates i o f c",
+           LSTM_BIAS: "[4H] gates i f c o -> [1, 8H]: gates i o f c, then 4H zeros",
            DEPTHWISE: "HWCM -> (C*M)1HW, np.transpose(k, (2, 3, 0, 1)).reshape(C*M, 1, H, W)"}
 
 
@@ -153,9 +170,31 @@ def make_bn(dtype="float32", bias=None):
     )
 
 
+def make_lstm(dtype="float32", bias=None):
+    """Tokens -> Embedding -> LSTM -> Dense: tf2onnx writes the LSTM as ONNX's LSTM, its
+    gates reordered and Keras's one bias as B = [bias, zeros] (ONNX's two)."""
+    L = tf.keras.layers
+    init = tf.keras.initializers
+    bias = bias or (lambda: init.RandomNormal(stddev=0.1))
+    return tf.keras.Sequential(
+        [
+            tf.keras.Input((12,), name="x", dtype="int32"),
+            L.Embedding(16, 8, name="embed", dtype=dtype),
+            L.LSTM(8, name="lstm", dtype=dtype, bias_initializer=bias()),
+            L.Dense(4, name="logits", dtype=dtype, bias_initializer=bias()),
+        ],
+        name="keras_lstm",
+    )
+
+
 def make_data_mlp(rng):
     x = rng.standard_normal((N_SAMPLES, 16)).astype(np.float32)
     return {"x": x, "labels": rng.integers(0, 10, N_SAMPLES).astype(np.int64)}
+
+
+def make_data_tokens(rng):
+    x = rng.integers(0, 16, (N_SAMPLES, 12)).astype(np.int32)
+    return {"x": x, "labels": rng.integers(0, 4, N_SAMPLES).astype(np.int64)}
 
 
 def make_data_cnn(rng):
@@ -172,6 +211,9 @@ MODELS = {
                           "DepthwiseConv2D(3,same,no bias) "
                           "-> BatchNormalization -> ReLU(6) -> GlobalAveragePooling2D -> "
                           "Dense(4), NHWC input, logits"),
+    "keras_lstm": dict(make=make_lstm, data=make_data_tokens, seed=3,
+                       what="Embedding(16, 8) -> LSTM(8) -> Dense(4), int32 tokens [N, 12], "
+                            "logits"),
     "keras_cnn": dict(make=make_cnn, data=make_data_cnn, seed=1,
                       what="Conv2D(8,3,same,relu) -> MaxPooling2D(2) -> Conv2D(8,3,same,relu) -> "
                            "Flatten -> Dense(4), NHWC input, logits"),
@@ -296,6 +338,14 @@ def map_variables(model, proto: onnx.ModelProto) -> dict:
             )
         ]
         value = var.numpy()
+        lstm = {"kernel": ("W0__", LSTM_KERNEL), "recurrent_kernel": ("R0__", LSTM_KERNEL),
+                "bias": ("B0__", LSTM_BIAS)}
+        if "lstm_cell" in var.name:
+            prefix, perm = lstm[what]
+            (name,) = [n for n in inits if n.startswith(prefix)]
+            assert np.array_equal(inits[name], to_onnx(value, perm)), (var.name, name)
+            mapping[name] = (var, perm)
+            continue
         if not names:
             # BatchNorm's scale and shift, a depthwise kernel (which tf2onnx's constant folding
             # renames): by value alone, which make_bn's seeded random values make unique.
@@ -332,7 +382,7 @@ def keras_grads(model, mapping, data, n):
     with tf.GradientTape() as tape:
         loss = ce_loss(model(x, training=True), y)
     grads = tape.gradient(loss, model.trainable_variables)
-    by_var = {v.name: g.numpy() for v, g in zip(model.trainable_variables, grads)}
+    by_var = {v.name: dense(g) for v, g in zip(model.trainable_variables, grads)}
     out = {"loss": np.float32(loss.numpy())}
     for name, (var, perm) in sorted(mapping.items()):
         g = by_var[var.name]
@@ -340,15 +390,25 @@ def keras_grads(model, mapping, data, n):
     return out
 
 
+def dense(gradient):
+    """A gradient as an array (an embedding's comes as IndexedSlices)."""
+    return tf.convert_to_tensor(gradient).numpy()
+
+
+def as_float64(x):
+    """Float inputs in float64 for the float64 model; token ids stay as they are."""
+    return x.astype(np.float64) if x.dtype == np.float32 else x
+
+
 def keras_grads64(make, model, data, n):
     """The same gradient in float64 (a float64 copy of the model): the reference's own noise."""
     m64 = make("float64")
     m64.set_weights([w.astype(np.float64) for w in model.get_weights()])
-    x = tf.constant(data["x"][:n].astype(np.float64))
+    x = tf.constant(as_float64(data["x"][:n]))
     with tf.GradientTape() as tape:
         loss = ce_loss(m64(x, training=True), tf.constant(data["labels"][:n]))
     grads = tape.gradient(loss, m64.trainable_variables)
-    return {v.name.split(":")[0]: g.numpy() for v, g in
+    return {v.name.split(":")[0]: dense(g) for v, g in
             zip(m64.trainable_variables, grads)}
 
 
@@ -383,9 +443,9 @@ def adam_first_step_ratio(make, model, data):
     before = [v.numpy().copy() for v in m.trainable_variables]
     rows = np.arange(BATCH)
     with tf.GradientTape() as tape:
-        loss = ce_loss(m(tf.constant(data["x"][rows].astype(np.float64)), training=True),
+        loss = ce_loss(m(tf.constant(as_float64(data["x"][rows])), training=True),
                        tf.constant(data["labels"][rows]))
-    grads = [g.numpy() for g in tape.gradient(loss, m.trainable_variables)]
+    grads = [dense(g) for g in tape.gradient(loss, m.trainable_variables)]
     tf.keras.optimizers.Adam(**ADAM).apply_gradients(
         zip([tf.constant(g) for g in grads], m.trainable_variables))
     b1, b2, lr, eps = ADAM["beta_1"], ADAM["beta_2"], ADAM["learning_rate"], ADAM["epsilon"]
@@ -492,7 +552,7 @@ def generate(name: str, spec: dict) -> dict:
     # near its noise (measured: up to 2.8e-6 between Keras's float32 and float64 runs).
     model64 = spec["make"]("float64")
     model64.set_weights([w.astype(np.float64) for w in model.get_weights()])
-    data64 = {"x": data["x"].astype(np.float64), "labels": data["labels"]}
+    data64 = {"x": as_float64(data["x"]), "labels": data["labels"]}
     adam64, adam64_losses = keras_run(lambda: spec["make"]("float64"), model64, mapping, data64,
                                       tf.keras.optimizers.Adam(**ADAM))
     save_npz(os.path.join(fdir, "run_adam64.npz"), adam64)

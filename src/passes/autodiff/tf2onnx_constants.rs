@@ -44,7 +44,7 @@ const FOLDED_BATCH_NORM: &str = "_fused_bn";
 /// into it: inference arithmetic, not the network Keras trains (no batch statistics, the
 /// scale and shift gone).
 pub fn folded_batch_norms(model: &Model) -> Vec<String> {
-    if model.header.producer_name() != PRODUCER {
+    if !exported_by_tf2onnx(model) {
         return Vec::new();
     }
     model
@@ -57,13 +57,18 @@ pub fn folded_batch_norms(model: &Model) -> Vec<String> {
         .collect()
 }
 
+/// Whether tf2onnx wrote `model`.
+pub fn exported_by_tf2onnx(model: &Model) -> bool {
+    model.header.producer_name() == PRODUCER
+}
+
 /// tf2onnx's naming of constants, when `model` is a tf2onnx export.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Tf2onnxNames;
 
 impl Tf2onnxNames {
     pub fn of(model: &Model) -> Option<Tf2onnxNames> {
-        (model.header.producer_name() == PRODUCER).then_some(Tf2onnxNames)
+        exported_by_tf2onnx(model).then_some(Tf2onnxNames)
     }
 
     /// Whether the initializer `name` of shape `dims` is one of the export's constants

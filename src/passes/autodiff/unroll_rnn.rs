@@ -244,12 +244,13 @@ pub fn unroll(
         }
     }
 
+    let gh = cell.gates() * hidden;
+    let bias = input(3);
+    let single_bias = bias.is_some_and(|v| keras_single_bias(model, v, gh));
     let mut b = Builder::new(model, BodyId::MAIN, pass);
     let h = hint.as_str();
-    let gh = cell.gates() * hidden;
     // X is [S, N, I]; initial states [dirs, N, H].
     let (h0_all, c0_all) = (input(5), input(6));
-    let bias = input(3);
     let peepholes = if cell == Cell::Lstm { input(7) } else { None };
 
     let mut ys = Vec::new();
@@ -272,6 +273,7 @@ pub fn unroll(
             let wb = slice_last(&mut b, bd, 0, gh, h);
             let rbd = slice_last(&mut b, bd, gh, 2 * gh, h);
             match cell {
+                _ if single_bias => xw = b.op("Add", &[xw, wb], vec![], h),
                 Cell::Gru { .. } => {
                     xw = b.op("Add", &[xw, wb], vec![], h);
                     rb = Some(rbd);
@@ -498,4 +500,32 @@ fn run_direction(
     // `None` only for zero steps, which `unroll` refuses before.
     let last = state_h?;
     Some((hs, last, if cell == Cell::Lstm { state_c } else { None }))
+}
+
+/// Whether `bias` is a Keras layer's one bias as tf2onnx writes it: `B = [Wb, Rb]` with the
+/// recurrent half `Rb` all zeros (Keras's LSTM, SimpleRNN and reset_after=False GRU have one
+/// bias; ONNX's layers two). Both halves add into the same gates, so training both would
+/// move the Keras bias twice per step; such a layer adds `Wb` alone and `Rb` gets no gradient
+/// (it stays zero, and the forward is the same). A torch export's `b_hh` is a parameter of
+/// its own, zero or not: only tf2onnx's files are read so.
+fn keras_single_bias(model: &Model, bias: ValueId, gates_hidden: i64) -> bool {
+    if !super::tf2onnx_constants::exported_by_tf2onnx(model) {
+        return false;
+    }
+    let Some(t) = model
+        .initializer(bias)
+        .and_then(|t| crate::data::Tensor::from_tensor_proto(t).ok())
+    else {
+        return false;
+    };
+    let Some(values) = t.as_f32() else {
+        return false;
+    };
+    let per_direction = 2 * gates_hidden as usize;
+    per_direction > 0
+        && values.len() % per_direction == 0
+        && values.as_slice().is_some_and(|v| {
+            v.chunks(per_direction)
+                .all(|d| d[per_direction / 2..].iter().all(|x| *x == 0.0))
+        })
 }
