@@ -342,13 +342,7 @@ fn keras_bn_default_export_with_folded_batch_norms_is_refused() {
 /// full-batch SGD and Adam steps.
 #[test]
 fn keras_lstm_forward_equals_keras() {
-    if !ort_available() {
-        return;
-    }
-    let reference = fixture("keras_lstm", "forward.npz");
-    let out = run_ort(&load(&graph_path("keras_lstm", "keras.onnx")), &reference);
-    let err = max_abs(&out["logits"], &reference["logits"]);
-    assert!(err <= 1e-5, "keras_lstm: logits {err:e} from Keras");
+    keras_forward("keras_lstm");
 }
 #[test]
 fn keras_lstm_gradients_equal_gradient_tape() {
