@@ -22,9 +22,10 @@
 //! tf2onnx 1.17, graphs/forward/survey_keras.py): no trainable variable is named either way,
 //! and the only untrainable tensor left to train is a Normalization layer's deviation,
 //! which tf2onnx folds to `normalization/Maximum__6` (3 values in ResNetRS and the
-//! EfficientNets): `--freeze` it. Keras's
-//! non-trainable variables (a frozen layer, an adapted Normalization's mean and variance)
-//! are read like trainable ones and cannot be told apart in the file: `--freeze` them.
+//! EfficientNets): `--freeze` it. Keras's non-trainable variables (a frozen layer, an
+//! adapted Normalization's mean and variance) are read like trainable ones and cannot be
+//! told apart in the file: `--freeze` them. (A Keras recurrent layer's one bias, written as
+//! ONNX's two with the recurrent half zeros, is `unroll_rnn`'s to handle.)
 //!
 //! tf2onnx's own optimizer folds each BatchNormalization that follows a Conv into the Conv
 //! (`..._weights_fused_bn`): such a file is refused, with the export that keeps them
