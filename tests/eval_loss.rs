@@ -927,18 +927,22 @@ fn the_step_records_its_eval_model_until_the_file_changes() {
         String::from_utf8_lossy(&out.stderr)
     );
     let data = art.join("data.npz");
-    let out = onnx_ga_cli(&[
-        "train",
-        art_step.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--micro-batch",
-        "8",
-        "--steps",
-        "4",
-        "--eval-data",
-        data.to_str().unwrap(),
-    ]);
+    // `--eval-data` alone, on the artifacts' data.
+    let validate = |step: &Path| {
+        onnx_ga_cli(&[
+            "train",
+            step.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--micro-batch",
+            "8",
+            "--steps",
+            "4",
+            "--eval-data",
+            data.to_str().unwrap(),
+        ])
+    };
+    let out = validate(&art_step);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(
@@ -953,18 +957,7 @@ fn the_step_records_its_eval_model_until_the_file_changes() {
         .metadata_props
         .retain(|p| p.key() != onnx_ga::eval_model::EVAL_MODEL_KEY);
     onnx_ga::model::save_model(&proto, &bare).unwrap();
-    let out = onnx_ga_cli(&[
-        "train",
-        bare.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--micro-batch",
-        "8",
-        "--steps",
-        "4",
-        "--eval-data",
-        data.to_str().unwrap(),
-    ]);
+    let out = validate(&bare);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("records no eval model"), "{stderr}");

@@ -35,7 +35,6 @@ use std::collections::{HashMap, HashSet};
 
 pub use loss_fn::{LossFn, LossSpec};
 pub use normalize::DropoutMode;
-use tf2onnx_constants::Tf2onnxNames;
 
 use super::{Pass, PassContext, PassError, PassOptions, PassReport};
 use crate::ir::builder::Builder;
@@ -455,10 +454,10 @@ fn first_few<S: AsRef<str>>(names: &[S]) -> String {
     }
 }
 
-/// tf2onnx's naming of constants (`tf2onnx_constants`), unless `--trainable` chooses the set
-/// itself.
-fn tf2onnx_names_in_force(model: &Model, options: &Autodiff) -> Option<Tf2onnxNames> {
-    Tf2onnxNames::of(model).filter(|_| options.trainable.is_empty())
+/// Whether tf2onnx's constants are told from its variables (`tf2onnx_constants`): in its
+/// exports, unless `--trainable` chooses the set itself.
+fn tf2onnx_rules_in_force(model: &Model, options: &Autodiff) -> bool {
+    options.trainable.is_empty() && tf2onnx_constants::exported_by_tf2onnx(model)
 }
 
 /// torch's recorded signature, unless `--trainable` chooses the set itself.
@@ -515,7 +514,7 @@ pub fn differentiated_graph(
     pass.run(&mut graph.model, &mut cx)
         .with_context(|| path.display().to_string())?;
     let torch = signature_in_force(&graph.model, &pass);
-    let tf2onnx = tf2onnx_names_in_force(&graph.model, &pass);
+    let tf2onnx = tf2onnx_rules_in_force(&graph.model, &pass);
     let untrained = floats
         .into_iter()
         .filter(|(name, _)| graph.signature.param(name).is_none())
@@ -528,7 +527,7 @@ pub fn differentiated_graph(
                 UntrainedReason::OutsideTrainable
             } else if torch.as_ref().is_some_and(|t| !t.is_parameter(&name)) {
                 UntrainedReason::NotATorchParameter
-            } else if tf2onnx.is_some_and(|t| t.is_constant(&name, &dims)) {
+            } else if tf2onnx && tf2onnx_constants::is_constant(&name, &dims) {
                 UntrainedReason::Tf2onnxConstant
             } else {
                 UntrainedReason::Unreached
@@ -727,9 +726,12 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
         Some(TorchParameters { signature, absent }) => (Some(signature), absent),
         None => (None, Vec::new()),
     };
-    let tf2onnx = tf2onnx_names_in_force(model, options);
-    let folded = tf2onnx_constants::folded_batch_norms(model);
-    if !folded.is_empty() && options.trainable.is_empty() {
+    let tf2onnx = tf2onnx_rules_in_force(model, options);
+    let folded = match tf2onnx {
+        true => tf2onnx_constants::folded_batch_norms(model),
+        false => Vec::new(),
+    };
+    if !folded.is_empty() {
         return Err(fail(format!(
             "tf2onnx folded BatchNormalization layers into the convolutions before them ({} tensors: {}): the file computes inference arithmetic, a different network to train (no batch statistics; the scale and shift are gone). Export with tf2onnx's Conv + BatchNormalization fold taken out, as graphs/forward/generate_keras.py's export_kept does (README.md, \"From Keras\"), or choose the trainable set with --trainable GLOB",
             folded.len(),
@@ -771,11 +773,10 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
     // tf2onnx's constants leave the candidates (`tf2onnx_constants`), named in the report.
     let (candidates, tf2onnx_constants): (Vec<ValueId>, Vec<ValueId>) =
         candidates.into_iter().partition(|v| {
-            tf2onnx.is_none_or(|t| {
-                model
+            !tf2onnx
+                || model
                     .initializer(*v)
-                    .is_some_and(|i| !t.is_constant(model.name(*v), &i.dims))
-            })
+                    .is_some_and(|i| !tf2onnx_constants::is_constant(model.name(*v), &i.dims))
         });
     // A glob may name BatchNorm statistics and tf2onnx's constants (never trained anyway)
     // without complaint.

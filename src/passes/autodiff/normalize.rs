@@ -24,12 +24,14 @@
 //!   provider has no CastLike kernel, so it ran on the CPU and the activation was copied to
 //!   the host at every micro-step only for its type.
 
+use std::collections::HashMap;
+
 use crate::ir::builder::{attr_float, attr_int, tensor_bool, Builder, NodeAttributes};
 use crate::ir::{BodyId, Model, NodeId, Use, ValueId};
 use crate::passes::PassError;
 
 use super::rules::node_error;
-use super::shapes::constant_ints;
+use super::shapes::{constant_ints, Facts};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DropoutMode {
@@ -68,6 +70,7 @@ pub fn normalize(
 ) -> Result<Normalized, PassError> {
     let mut out = Normalized::default();
     let nodes: Vec<NodeId> = model.body_nodes(BodyId::MAIN).collect();
+    let inputs = computed_statistics_inputs(model, &nodes);
     for node in nodes {
         let p = &model.node(node).proto;
         if !p.domain().is_empty() && p.domain() != "ai.onnx" {
@@ -77,7 +80,7 @@ pub fn normalize(
             "BatchNormalization" => {
                 // (A match guard would hold the op type's borrow of the model.)
                 #[allow(clippy::collapsible_match)]
-                if batch_norm(model, node, pass, &mut out)? {
+                if batch_norm(model, node, pass, inputs.get(&node), &mut out)? {
                     out.batch_norms += 1;
                 }
             }
@@ -138,6 +141,7 @@ fn batch_norm(
     model: &mut Model,
     node: NodeId,
     pass: &'static str,
+    x_facts: Option<&Facts>,
     out: &mut Normalized,
 ) -> Result<bool, PassError> {
     let n = model.node(node).clone();
@@ -157,7 +161,10 @@ fn batch_norm(
         .count();
     match computed {
         0 => {}
-        2 => return with_computed_statistics(model, node, pass, epsilon).map(|()| false),
+        2 => {
+            let facts = x_facts.cloned().unwrap_or_default();
+            return with_computed_statistics(model, node, pass, epsilon, &facts).map(|()| false);
+        }
         _ => {
             return Err(node_error(
                 model,
@@ -441,6 +448,39 @@ fn cast_likes_to_casts(model: &mut Model) {
     }
 }
 
+/// The facts of X of each BatchNormalization among `nodes` whose statistics the graph
+/// computes, from one shape inference before any is written out (writing one out replaces
+/// its output by a new value, which a later one may read as its X).
+fn computed_statistics_inputs(model: &Model, nodes: &[NodeId]) -> HashMap<NodeId, Facts> {
+    let computed: Vec<(NodeId, ValueId)> = nodes
+        .iter()
+        .filter_map(|n| {
+            let node = model.node(*n);
+            let default_domain = matches!(node.proto.domain(), "" | "ai.onnx");
+            if !default_domain || node.proto.op_type() != "BatchNormalization" {
+                return None;
+            }
+            let stat_computed = |slot: usize| {
+                node.inputs
+                    .get(slot)
+                    .copied()
+                    .flatten()
+                    .is_some_and(|v| model.initializer(v).is_none())
+            };
+            let x = node.inputs.first().copied().flatten()?;
+            (stat_computed(3) || stat_computed(4)).then_some((*n, x))
+        })
+        .collect();
+    if computed.is_empty() {
+        return HashMap::new();
+    }
+    let shapes = super::shapes::Shapes::infer(model);
+    computed
+        .into_iter()
+        .map(|(n, x)| (n, shapes.get(x)))
+        .collect()
+}
+
 /// A BatchNormalization whose mean and variance the graph computes is no running-statistics
 /// layer but arithmetic on those: tf2onnx writes Keras's LayerNormalization so (a fused
 /// batch norm over a reshaped view, its statistics from ReduceMean and ReduceSumSquare).
@@ -451,6 +491,7 @@ fn with_computed_statistics(
     node: NodeId,
     pass: &'static str,
     epsilon: f32,
+    x_facts: &Facts,
 ) -> Result<(), PassError> {
     let n = model.node(node).clone();
     let [x, scale, bias, mean, var] = [0, 1, 2, 3, 4].map(|i| n.inputs.get(i).copied().flatten());
@@ -458,8 +499,7 @@ fn with_computed_statistics(
     else {
         return Err(node_error(model, node, "an input is absent".into()));
     };
-    let facts = super::shapes::Shapes::infer(model).get(x);
-    let (Some(rank), Some(elem)) = (facts.rank(), facts.elem) else {
+    let (Some(rank), Some(elem)) = (x_facts.rank(), x_facts.elem) else {
         return Err(node_error(
             model,
             node,
@@ -494,10 +534,14 @@ fn with_computed_statistics(
         &format!("{hint}_epsilon"),
         crate::ir::emit::scalar_tensor(elem, f64::from(epsilon)),
     );
+    // Per channel first, so that X is read once by each of the two full-size ops:
+    // Y = X · g + (B - mean · g), g = scale / sqrt(var + epsilon).
     let var_eps = b.op("Add", &[var, eps], vec![], &format!("{hint}_var_eps"));
     let std = b.op("Sqrt", &[var_eps], vec![], &format!("{hint}_std"));
     let gain = b.op("Div", &[scale, std], vec![], &format!("{hint}_gain"));
-    let [gain, mean, bias] = [(gain, "gain"), (mean, "mean"), (bias, "bias")].map(|(v, what)| {
+    let mean_gain = b.op("Mul", &[mean, gain], vec![], &format!("{hint}_mean_gain"));
+    let shift = b.op("Sub", &[bias, mean_gain], vec![], &format!("{hint}_shift"));
+    let [gain, shift] = [(gain, "gain"), (shift, "shift")].map(|(v, what)| {
         b.op(
             "Reshape",
             &[v, shape],
@@ -505,9 +549,8 @@ fn with_computed_statistics(
             &format!("{hint}_{what}_c11"),
         )
     });
-    let centred = b.op("Sub", &[x, mean], vec![], &format!("{hint}_centred"));
-    let scaled = b.op("Mul", &[centred, gain], vec![], &format!("{hint}_scaled"));
-    let out = b.op("Add", &[scaled, bias], vec![], &format!("{hint}_out"));
+    let scaled = b.op("Mul", &[x, gain], vec![], &format!("{hint}_scaled"));
+    let out = b.op("Add", &[scaled, shift], vec![], &format!("{hint}_out"));
     model.replace_value(y, out);
     model
         .remove_node(node)

@@ -63,31 +63,21 @@ pub fn exported_by_tf2onnx(model: &Model) -> bool {
     model.header.producer_name() == PRODUCER
 }
 
-/// tf2onnx's naming of constants, when `model` is a tf2onnx export.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Tf2onnxNames;
-
-impl Tf2onnxNames {
-    pub fn of(model: &Model) -> Option<Tf2onnxNames> {
-        exported_by_tf2onnx(model).then_some(Tf2onnxNames)
+/// Whether the initializer `name` of shape `dims` in a tf2onnx export is one of its
+/// constants (else it may hold a variable and trains by the general rule).
+pub fn is_constant(name: &str, dims: &[i64]) -> bool {
+    if name.contains(READ) {
+        return false;
     }
-
-    /// Whether the initializer `name` of shape `dims` is one of the export's constants
-    /// (else it may hold a variable and trains by the general rule).
-    pub fn is_constant(self, name: &str, dims: &[i64]) -> bool {
-        if name.contains(READ) {
-            return false;
-        }
-        let one_element = dims.iter().all(|d| *d == 1);
-        let op = name.strip_suffix(":0").unwrap_or(name);
-        let last = op.rsplit('/').next().unwrap_or(op);
-        let constant_op = last == "Const"
-            || last
-                .strip_prefix("Const_")
-                .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
-        let operand = name.ends_with(":0") && (last == "x" || last == "y");
-        one_element || constant_op || operand
-    }
+    let one_element = dims.iter().all(|d| *d == 1);
+    let op = name.strip_suffix(":0").unwrap_or(name);
+    let last = op.rsplit('/').next().unwrap_or(op);
+    let constant_op = last == "Const"
+        || last
+            .strip_prefix("Const_")
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+    let operand = name.ends_with(":0") && (last == "x" || last == "y");
+    one_element || constant_op || operand
 }
 
 #[cfg(test)]
@@ -96,7 +86,6 @@ mod tests {
 
     #[test]
     fn constants_are_python_numbers_and_tensorflow_constant_ops() {
-        let names = Tf2onnxNames;
         // Variables, in the forms the survey met.
         for (name, dims) in [
             (
@@ -114,7 +103,7 @@ mod tests {
             ("W0__26", &[1, 64, 16]),
             ("B0__28", &[1, 128]),
         ] {
-            assert!(!names.is_constant(name, dims), "{name}");
+            assert!(!is_constant(name, dims), "{name}");
         }
         // Constants.
         for (name, dims) in [
@@ -125,10 +114,10 @@ mod tests {
             ("m/bn/Const_3:0", &[8]),
             ("resnet-rs-50/normalization/sub/y:0", &[3]),
         ] {
-            assert!(names.is_constant(name, dims), "{name}");
+            assert!(is_constant(name, dims), "{name}");
         }
         // Not a constant op's name.
-        assert!(!names.is_constant("m/Constant_scale:0", &[8]));
-        assert!(!names.is_constant("m/layer/y_proj:0", &[8]));
+        assert!(!is_constant("m/Constant_scale:0", &[8]));
+        assert!(!is_constant("m/layer/y_proj:0", &[8]));
     }
 }
