@@ -356,3 +356,28 @@ fn keras_lstm_accumulated_sgd_equals_full_batch() {
 fn keras_lstm_accumulated_keras_adam_equals_full_batch() {
     keras_training("keras_lstm", KERAS_ADAM, "run_adam64.npz");
 }
+
+/// Keras's GRU and SimpleRNN as tf2onnx writes them: TensorFlow while loops, each a `Loop`
+/// with no trip count whose condition compares a counter with the sequence length, which
+/// the autodiff unrolls (`unroll_loop`); the Bidirectional layer's backward GRU reads its
+/// sequence through ReverseSequence; each GRU's one bias [2, 3H] is two initializers
+/// [1, 3H] (its input and recurrent rows), so 14 parameters for Keras's 11 variables.
+/// Gradients equal GradientTape's, and 4 micro-batches x 8 windows equal Keras's 8
+/// full-batch SGD and Adam steps. (`default.onnx`, with grappler's constant folding, has
+/// the GRU as ONNX's GRU instead; its forward is compared too.)
+#[test]
+fn keras_gru_forward_equals_keras() {
+    keras_forward("keras_gru");
+}
+#[test]
+fn keras_gru_gradients_equal_gradient_tape() {
+    keras_gradients("keras_gru", 14);
+}
+#[test]
+fn keras_gru_accumulated_sgd_equals_full_batch() {
+    keras_training("keras_gru", SGD, "run_sgd.npz");
+}
+#[test]
+fn keras_gru_accumulated_keras_adam_equals_full_batch() {
+    keras_training("keras_gru", KERAS_ADAM, "run_adam64.npz");
+}

@@ -169,6 +169,10 @@
 //! log                                        f64  2.5e-11
 //! log_softmax_axis1                          f64  3.6e-10
 //! log_softmax_last                           f64  4.8e-10
+//! loop_tf_while                              f32  4.2e-4
+//! loop_tf_while_f64                          f64  3.1e-10
+//! loop_trip_count                            f32  1.4e-4
+//! loop_trip_count_f64                        f64  1.9e-10
 //! lp_normalization_default_3d                f64  1.5e-10
 //! lp_normalization_p1_axis0                  f64  1.5e-10
 //! lp_normalization_p2_axis1                  f64  1.3e-10
@@ -254,6 +258,7 @@
 //! resize_nearest_sizes_prefer_ceil           f32  5.8e-5
 //! resize_nearest_tf_half_pixel               f32  5.4e-5
 //! resize_nearest_torch_upsample              f32  1.0e-4
+//! reverse_sequence                           f64  8.3e-11
 //! rms_norm_axis1_broadcast_scale             f64  2.6e-10
 //! rms_norm_f32_default_stash                 f32  1.0e-4
 //! rms_norm_last_axis                         f64  1.5e-10
@@ -1792,6 +1797,14 @@ cases! {
         let x = n.param("X", &[4, 3], -1.0, 1.0);
         vec![n.op("Trilu", &[x], vec![attr_int("upper", 0)])]
     };
+    // Each batch column's first lens[b] steps reversed (the rest stay): tf2onnx's
+    // Bidirectional backward layer.
+    reverse_sequence: 17, F64 => |n| {
+        let x = n.param("X", &[4, 3, 2], -1.0, 1.0);
+        let lens = n.ints("lens", &[3], &[4, 2, 3]);
+        vec![n.op("ReverseSequence", &[x, lens],
+            vec![attr_int("batch_axis", 1), attr_int("time_axis", 0)])]
+    };
     cum_sum: 17, F64 => |n| {
         let x = n.param("X", &[3, 4], -1.0, 1.0);
         let axis = n.ints("axis", &[], &[1]);
@@ -2065,6 +2078,100 @@ cases! {
         vec![attr_strings("activations", &["Sigmoid", "Tanh"])]);
     rnn_sigmoid_bidirectional_f64: 14, F64 => |n| recurrent_case(n, "RNN", 1, 2, true, false, false,
         vec![attr_strings("activations", &["Sigmoid", "Tanh"])]);
+}
+
+/// A Loop node with `inputs` and `outputs` outputs, and its body, empty (to be filled).
+fn loop_node(n: &mut Net, inputs: &[Option<ValueId>], outputs: usize) -> (Vec<ValueId>, BodyId) {
+    let outs = n.node("Loop", inputs, outputs, vec![]);
+    let (node, _) = n.model.producer(outs[0]).unwrap();
+    let body = n.model.add_subgraph(node, "body");
+    (outs, body)
+}
+
+/// A TensorFlow while loop as tf2onnx writes a Keras SimpleRNN: no trip count; the first
+/// condition `Less(0.0, 4.0)` computed outside, the body's `Less(Cast(t + 1), Cast(limit))`
+/// on an int32 counter it carries (`limit` an outer constant, `one` a body initializer);
+/// the step `Gather(X, t)` of an outer sequence; the hidden state carried; the kernel `W`
+/// carried through unchanged; every H a scan output. S 4, N 2, I 3, H 2; the last H, the
+/// carried-through W and the stacked Hs reach the loss.
+fn tf_while_loop_case(n: &mut Net) -> Vec<ValueId> {
+    let x = n.param("X", &[4, 2, 3], -1.0, 1.0);
+    let w = n.param("W", &[3, 2], -0.8, 0.8);
+    let r = n.param("R", &[2, 2], -0.8, 0.8);
+    let b = n.param("B", &[2], -0.5, 0.5);
+    let h0 = n.param("H0", &[2, 2], -0.5, 0.5);
+    let zero = n.konst("zero", &[], &[0.0]);
+    let four = n.konst("four", &[], &[4.0]);
+    let go = n.op("Less", &[zero, four], vec![]);
+    let t0 = n.int32s("t0", &[], &[0]);
+    let limit = n.int32s("limit", &[], &[4]);
+    let (outs, body) = loop_node(n, &[None, Some(go), Some(t0), Some(h0), Some(w)], 4);
+    let elem = n.elem;
+    let m = &mut n.model;
+    let _i = m.add_input(body, "i", tensor_type(7, &[]), None);
+    let _c = m.add_input(body, "c", tensor_type(9, &[]), None);
+    let t = m.add_input(body, "t", tensor_type(6, &[]), None);
+    let h = m.add_input(body, "h", tensor_type(elem, &[2, 2]), None);
+    let wk = m.add_input(body, "w", tensor_type(elem, &[3, 2]), None);
+    let one = m.add_initializer(
+        body,
+        "one",
+        TensorProto {
+            data_type: Some(6),
+            int32_data: vec![1],
+            ..Default::default()
+        },
+    );
+    let mut bb = Builder::new(m, body, "test");
+    let t1 = bb.op("Add", &[t, one], vec![], "t1");
+    let x_t = bb.op("Gather", &[x, t], vec![], "x_t");
+    let xw = bb.op("MatMul", &[x_t, wk], vec![], "xw");
+    let hr = bb.op("MatMul", &[h, r], vec![], "hr");
+    let s = bb.op("Add", &[xw, hr], vec![], "s");
+    let sb = bb.op("Add", &[s, b], vec![], "sb");
+    let h1 = bb.op("Tanh", &[sb], vec![], "h1");
+    let scan = bb.op("Identity", &[h1], vec![], "h_scan");
+    let t1f = bb.op("Cast", &[t1], vec![attr_int("to", 1)], "t1f");
+    let limitf = bb.op("Cast", &[limit], vec![attr_int("to", 1)], "limitf");
+    let cond = bb.op("Less", &[t1f, limitf], vec![], "cond");
+    for v in [cond, t1, h1, wk, scan] {
+        m.add_output(body, v, None);
+    }
+    vec![outs[1], outs[2], outs[3]]
+}
+
+/// A Loop with a trip count M = 3 and no condition, its iteration number the index: the
+/// state `A` (carried, float) becomes `A ⊙ g + X[i]`, and `A'²` is scanned. X has 4 steps,
+/// so one step of its Split is never read (its gradient is zeros).
+fn counted_loop_case(n: &mut Net) -> Vec<ValueId> {
+    let x = n.param("X", &[4, 2, 3], -1.0, 1.0);
+    let g = n.param("G", &[3], -1.0, 1.0);
+    let a0 = n.param("A0", &[2, 3], -1.0, 1.0);
+    let trips = n.ints("trips", &[], &[3]);
+    let (outs, body) = loop_node(n, &[Some(trips), None, Some(a0)], 2);
+    let elem = n.elem;
+    let m = &mut n.model;
+    let i = m.add_input(body, "i", tensor_type(7, &[]), None);
+    let c = m.add_input(body, "c", tensor_type(9, &[]), None);
+    let a = m.add_input(body, "a", tensor_type(elem, &[2, 3]), None);
+    let mut bb = Builder::new(m, body, "test");
+    let x_i = bb.op("Gather", &[x, i], vec![], "x_i");
+    let ag = bb.op("Mul", &[a, g], vec![], "ag");
+    let a1 = bb.op("Add", &[ag, x_i], vec![], "a1");
+    let sq = bb.op("Mul", &[a1, a1], vec![], "sq");
+    let cond = bb.op("Identity", &[c], vec![], "cond");
+    for v in [cond, a1, sq] {
+        m.add_output(body, v, None);
+    }
+    outs
+}
+
+cases! {
+    // ---- Loop, unrolled (unroll_loop): ONNX Runtime's Loop is the forward's reference
+    loop_tf_while: 17, F32 => tf_while_loop_case;
+    loop_tf_while_f64: 17, F64 => tf_while_loop_case;
+    loop_trip_count: 17, F32 => counted_loop_case;
+    loop_trip_count_f64: 17, F64 => counted_loop_case;
 }
 
 #[test]

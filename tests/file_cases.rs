@@ -278,9 +278,11 @@ macro_rules! cases {
 
 cases! {
     dce_if_branches => "dce/if_branches.onnxtxt",
+    errors_loop_trip_count_at_run_time => "errors/loop_trip_count_at_run_time.onnxtxt",
     errors_missing_gradient => "errors/missing_gradient.onnxtxt",
     errors_unknown_com_microsoft_op => "errors/unknown_com_microsoft_op.onnxtxt",
     errors_unsupported_reduction => "errors/unsupported_reduction.onnxtxt",
+    forward_loop_unrolled => "forward/loop_unrolled.onnxtxt",
     forward_mlp_mse_sgd => "forward/mlp_mse_sgd.onnxtxt",
     forward_own_loss_autodiff => "forward/own_loss_autodiff.onnxtxt",
     legalize_accumulate => "legalize/accumulate.onnxtxt",

@@ -352,6 +352,28 @@ fn subgraph_redefines_outer_name() {
 }
 
 #[test]
+fn sibling_subgraphs_may_reuse_names() {
+    // Each branch is its own scope: tf2onnx gives two loop bodies the same names (a
+    // Bidirectional layer's two while loops), and ONNX allows it; the main graph may not.
+    let mut g = valid_if_graph();
+    let then_b = graph(
+        "then_g",
+        vec![node("same_node", "Relu", &["a"], &["same"])],
+        vec![],
+        vec![float("same")],
+    );
+    let else_b = graph(
+        "else_g",
+        vec![node("same_node", "Neg", &["x"], &["same"])],
+        vec![],
+        vec![float("same")],
+    );
+    g.node[1].attribute[0] = graph_attr("then_branch", then_b);
+    g.node[1].attribute[1] = graph_attr("else_branch", else_b);
+    assert_errors(&errors(&model(g)), &[]);
+}
+
+#[test]
 fn duplicate_initializer() {
     let mut g = graph(
         "g",

@@ -73,6 +73,10 @@ HWIO_TO_OIHW = (3, 2, 0, 1)
 DEPTHWISE = "depthwise"
 
 
+# A GRU's bias [2, 3H] (input and recurrent halves), which tf2onnx unstacks into one
+# initializer [1, 3H] per row: layout (ROW, i).
+ROW = "row"
+
 # An LSTM's kernels [in, 4H] (gates i f c o) are ONNX's W, R [1, 4H, in] (gates i o f c);
 # its one bias [4H] is the first half of ONNX's B [1, 8H], the recurrent half zeros.
 LSTM_KERNEL, LSTM_BIAS = "lstm kernel", "lstm bias"
@@ -86,6 +90,8 @@ def _onnx_gates(value):
 
 def to_onnx(value, perm):
     """A Keras variable's value (or gradient) in the layout of its ONNX initializer."""
+    if isinstance(perm, tuple) and perm[0] == ROW:
+        return value[perm[1]][np.newaxis]
     if perm == LSTM_KERNEL:
         return _onnx_gates(value).T[np.newaxis]
     if perm == LSTM_BIAS:
@@ -187,6 +193,27 @@ def make_lstm(dtype="float32", bias=None):
     )
 
 
+def make_gru(dtype="float32", bias=None):
+    """Tokens -> Embedding -> Bidirectional(GRU, sequences) -> SimpleRNN -> Dense: tf2onnx
+    writes each recurrent layer as a Loop (TensorFlow's while loop) over the 12 steps, the
+    backward GRU's sequence reversed by ReverseSequence, and each GRU's one bias [2, 3H] as
+    two initializers [1, 3H], its input and recurrent halves (rows)."""
+    L = tf.keras.layers
+    init = tf.keras.initializers
+    bias = bias or (lambda: init.RandomNormal(stddev=0.1))
+    return tf.keras.Sequential(
+        [
+            tf.keras.Input((12,), name="x", dtype="int32"),
+            L.Embedding(16, 8, name="embed", dtype=dtype),
+            L.Bidirectional(L.GRU(6, return_sequences=True, name="gru", dtype=dtype,
+                                  bias_initializer=bias()), name="bigru", dtype=dtype),
+            L.SimpleRNN(5, name="rnn", dtype=dtype, bias_initializer=bias()),
+            L.Dense(4, name="logits", dtype=dtype, bias_initializer=bias()),
+        ],
+        name="keras_gru",
+    )
+
+
 def make_data_mlp(rng):
     x = rng.standard_normal((N_SAMPLES, 16)).astype(np.float32)
     return {"x": x, "labels": rng.integers(0, 10, N_SAMPLES).astype(np.int64)}
@@ -214,6 +241,9 @@ MODELS = {
     "keras_lstm": dict(make=make_lstm, data=make_data_tokens, seed=3,
                        what="Embedding(16, 8) -> LSTM(8) -> Dense(4), int32 tokens [N, 12], "
                             "logits"),
+    "keras_gru": dict(make=make_gru, data=make_data_tokens, seed=4,
+                      what="Embedding(16, 8) -> Bidirectional(GRU(6, return_sequences)) -> "
+                           "SimpleRNN(5) -> Dense(4), int32 tokens [N, 12], logits"),
     "keras_cnn": dict(make=make_cnn, data=make_data_cnn, seed=1,
                       what="Conv2D(8,3,same,relu) -> MaxPooling2D(2) -> Conv2D(8,3,same,relu) -> "
                            "Flatten -> Dense(4), NHWC input, logits"),
@@ -244,6 +274,11 @@ def op_counts(model: onnx.ModelProto) -> dict:
 
 def initializers(model: onnx.ModelProto) -> dict:
     return {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+
+
+def float_initializer_values(model: onnx.ModelProto) -> list:
+    return [numpy_helper.to_array(i) for i in model.graph.initializer
+            if i.data_type == onnx.TensorProto.FLOAT]
 
 
 def float_initializers(model: onnx.ModelProto) -> dict:
@@ -340,6 +375,10 @@ def map_variables(model, proto: onnx.ModelProto) -> dict:
         value = var.numpy()
         lstm = {"kernel": ("W0__", LSTM_KERNEL), "recurrent_kernel": ("R0__", LSTM_KERNEL),
                 "bias": ("B0__", LSTM_BIAS)}
+        if "gru_cell" in var.name or "simple_rnn_cell" in var.name:
+            # tf2onnx's while loops read the cell's variables under `Read/ReadVariableOp`
+            # names or unstacked: by value.
+            names = []
         if "lstm_cell" in var.name:
             prefix, perm = lstm[what]
             (name,) = [n for n in inits if n.startswith(prefix)]
@@ -357,6 +396,14 @@ def map_variables(model, proto: onnx.ModelProto) -> dict:
                          if v.shape == onnx_value.shape and np.array_equal(v, onnx_value)]
                 if names:
                     break
+        if not names and value.ndim == 2:
+            rows = [[n for n, v in inits.items()
+                     if v.shape == (1, value.shape[1]) and np.array_equal(v[0], row)]
+                    for row in value]
+            if all(len(r) == 1 for r in rows):
+                for i, (n,) in enumerate(rows):
+                    mapping[n] = (var, (ROW, i))
+                continue
         if not names:
             continue  # dropped by the export (recorded by the caller)
         assert len(names) == 1, (var.name, names)
@@ -522,10 +569,18 @@ def generate(name: str, spec: dict) -> dict:
     assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
 
     mapping = map_variables(model, kept)
-    assert len(mapping) == len(model.trainable_variables), "every Keras variable is kept"
+    assert {var.name for var, _ in mapping.values()} == {
+        v.name for v in model.trainable_variables}, "every Keras variable is kept"
     default_mapping = map_variables(model, default)
-    dropped = sorted(v.name for v in model.trainable_variables
-                     if v.name not in {var.name for var, _ in default_mapping.values()})
+    unmapped = [v for v in model.trainable_variables
+                if v.name not in {var.name for var, _ in default_mapping.values()}]
+    # A variable whose (non-zero) values are all in the file in another layout is rewritten,
+    # not dropped: grappler's constant folding lets tf2onnx write a GRU's while loop as
+    # ONNX's GRU, its gates in ONNX's order.
+    default_values = np.concatenate([v.ravel() for v in float_initializer_values(default)])
+    rewritten = sorted(v.name for v in unmapped
+                       if v.numpy().any() and np.isin(v.numpy(), default_values).all())
+    dropped = sorted(v.name for v in unmapped if v.name not in rewritten)
 
     grads = keras_grads(model, mapping, data, GRAD_SAMPLES)
     # A call with training=True moved BatchNorm's statistics: back to the exported ones.
@@ -572,7 +627,8 @@ def generate(name: str, spec: dict) -> dict:
         "seed": f"tf.keras.utils.set_random_seed({spec['seed']}); data np.random.default_rng({spec['seed']})",
         "keras_variables": keras_vars,
         "initializer_of_keras_variable": {
-            var.name: {"onnx": n, "layout": LAYOUTS[perm]}
+            f"{var.name}" + (f"[{perm[1]}]" if perm not in LAYOUTS else ""): {
+                "onnx": n, "layout": LAYOUTS.get(perm, "row of [2, 3H] as [1, 3H]")}
             for n, (var, perm) in sorted(mapping.items())},
         "export": {
             "opset": OPSET,
@@ -586,7 +642,8 @@ def generate(name: str, spec: dict) -> dict:
             "default.onnx": {
                 "how": "tf2onnx.convert.from_keras(model, input_signature=..., opset=17)",
                 "ops": op_counts(default), "float_initializers": float_initializers(default),
-                "dropped_keras_variables": dropped},
+                "dropped_keras_variables": dropped,
+                **({"rewritten_keras_variables": rewritten} if rewritten else {})},
             "default_export_with_nonzero_bias_init": bias_init_workarounds(spec["make"]),
             "constfold_off_merge_duplication_on": {
                 "ops": op_counts(merged), **sharing(merged),
@@ -634,7 +691,8 @@ def main(argv):
         with open(os.path.join(FIXTURES, name, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1, sort_keys=False)
             f.write("\n")
-        print(name, "dropped by default:", meta["export"]["default.onnx"]["dropped_keras_variables"])
+        print(name, "dropped by default:", meta["export"]["default.onnx"]["dropped_keras_variables"],
+              "rewritten:", meta["export"]["default.onnx"].get("rewritten_keras_variables", []))
         print(name, "f32 vs f64:", max(meta["grads_float32_vs_float64_relative_l2"].values()),
               "adam ratio:", meta["keras_adam_first_update_over_textbook"]["min_max"],
               "adam f32 vs f64:", meta["runs"]["run_adam64.npz"]["max_abs_from_run_adam.npz"])

@@ -21,6 +21,7 @@ wrote as initializers, non-trainable variables), which a user must `--freeze`.
 `.venv-keras` is regen_keras.sh's venv plus `pip install onnxruntime==1.19.2`.
 """
 
+import itertools
 import os
 import subprocess
 import sys
@@ -187,20 +188,32 @@ def perturb(model, rng):
 def layouts(value):
     """(how tf2onnx may have laid a Keras variable out, that layout of `value`)."""
     yield "same", value
+    # PReLU's alpha, which tf2onnx folds into Neg(alpha) (the same training: the gradient
+    # and every update negate with it).
+    yield "negated", -value
     if value.ndim == 4:
         yield "HWIO->OIHW", np.transpose(value, (3, 2, 0, 1))
         h, w, c, m = value.shape  # a depthwise kernel: group convolution weight [C*M, 1, H, W]
         yield "HWCM->(CM)1HW", np.transpose(value, (2, 3, 0, 1)).reshape(c * m, 1, h, w)
     if value.ndim == 3:  # a Conv1D kernel [k, in, out]: a 2-D convolution's [out, in, 1, k]
         yield "KIO->OIK", np.transpose(value, (2, 1, 0))
+        # MultiHeadAttention's kernels ([d, heads, key_dim], [heads, key_dim, d]), which
+        # tf2onnx's Einsum lowering transposes (and reshapes).
+        for perm in itertools.permutations(range(3)):
+            yield f"perm {perm}", np.transpose(value, perm)
     if value.ndim == 2:
         yield "transposed", value.T
+    # An LSTM's kernels and bias, its gates reordered (generate_keras.to_onnx).
+    if value.ndim == 2 and value.shape[1] % 4 == 0:
+        yield "lstm kernel", generate_keras.to_onnx(value, generate_keras.LSTM_KERNEL)
+    if value.ndim == 1 and value.size % 4 == 0:
+        yield "lstm bias", generate_keras.to_onnx(value, generate_keras.LSTM_BIAS)
 
 
 def find(value, inits, used):
     """The initializer holding `value` in some layout: (name, layout) or None."""
     for name, init in inits.items():
-        if name in used or init.size != value.size or init.dtype != value.dtype:
+        if name in used or init.dtype != value.dtype:
             continue
         for layout, v in layouts(value):
             if v.shape == init.shape and np.array_equal(v, init):
@@ -210,9 +223,28 @@ def find(value, inits, used):
     return None
 
 
+def find_rows(value, inits, used):
+    """A 2-D variable tf2onnx unstacked into one initializer per row (a GRU's input and
+    recurrent biases, folded out of Keras's one [2, 3H] bias): [(name, "row i")] or None."""
+    if value.ndim != 2:
+        return None
+    hits = []
+    for i, row in enumerate(value):
+        hit = next((name for name, init in inits.items()
+                    if name not in used and init.size == row.size and init.dtype == row.dtype
+                    and np.array_equal(init.reshape(-1), row)), None)
+        if hit is None:
+            return None
+        hits.append((hit, f"row {i}"))
+    return hits
+
+
 def in_layout(layout, value, shape):
+    if layout.startswith("row "):
+        return value[int(layout.split()[1])].reshape(shape)
+    layout = layout.split(" reshaped")[0]
     for name, v in layouts(value):
-        if layout.split(" reshaped")[0] == name:
+        if layout == name:
             return v.reshape(shape)
     raise ValueError(layout)
 
@@ -237,17 +269,19 @@ def survey(name, workdir):
     path = os.path.join(workdir, f"{name}.onnx")
     onnx.save(proto, path)
     inits = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
-    # Each trainable variable with its initializer; a variable tf2onnx rewrote beyond a
-    # layout (a recurrent layer's gates reordered) is not found and not compared.
-    variables, found, used, lost = [], [], set(), []
-    for v in model.trainable_variables:
+    # Each trainable variable with its initializer (or one per row); a variable tf2onnx
+    # rewrote beyond a layout (a recurrent layer's gates reordered) is not found and not
+    # compared. `found` holds (variable index, initializer, layout) per piece.
+    found, used, lost = [], set(), []
+    for k, v in enumerate(model.trainable_variables):
         hit = find(v.numpy(), inits, used)
-        if hit is None:
+        hits = [hit] if hit is not None else find_rows(v.numpy(), inits, used)
+        if hits is None:
             lost.append(v.name)
             continue
-        used.add(hit[0])
-        variables.append(v)
-        found.append(hit)
+        for init, layout in hits:
+            used.add(init)
+            found.append((k, init, layout))
     gradient_graph = os.path.join(workdir, f"{name}.grad.onnx")
     r = subprocess.run([BIN, "rewrite", path, "-o", gradient_graph, "--pipeline", "autodiff",
                         "--loss-fn", "cross-entropy"], capture_output=True, text=True)
@@ -262,27 +296,28 @@ def survey(name, workdir):
     out = dict(zip(outputs, session.run(None, {input_name: x, "labels": labels})))
     trained = {o[:-len("_grad")] for o in outputs if o.endswith("_grad")}
     loss32, g32 = keras_gradients(model, x, labels)
-    kept = [i for i, v in enumerate(model.trainable_variables) if v.name not in lost]
     model64, _ = build(name, "float64")
     model64.set_weights([w.astype(np.float64) if np.issubdtype(w.dtype, np.floating) else w
                          for w in model.get_weights()])
     _, g64 = keras_gradients(model64, x.astype(np.float64) if x.dtype == np.float32 else x,
                              labels)
     whole = np.sqrt(sum(np.sum(g ** 2) for g in g64))
-    g32, g64 = [g32[i] for i in kept], [g64[i] for i in kept]
-    missing = [v.name for v, (init, _) in zip(variables, found) if init not in trained]
+    names = [v.name for v in model.trainable_variables]
+    missing = [names[k] for k, init, _ in found if init not in trained]
     if missing:
         return f"no gradient for {len(missing)} trainable variables: {missing[:3]}"
     def distance(ours, reference):
         return np.linalg.norm(ours - reference) / max(np.linalg.norm(reference), 1e-3 * whole)
 
+    def piece(g, init, layout):
+        return in_layout(layout, g, inits[init].shape)
+
     worst = max(
-        (distance(out[f"{init}_grad"], in_layout(layout, b, inits[init].shape)),
-         distance(a, b), v.name)
-        for v, (init, layout), a, b in zip(variables, found, g32, g64))
+        (distance(out[f"{init}_grad"], piece(g64[k], init, layout)),
+         distance(piece(g32[k], init, layout), piece(g64[k], init, layout)), names[k])
+        for k, init, layout in found)
     from_keras32 = max(
-        distance(out[f"{init}_grad"], in_layout(layout, a, inits[init].shape))
-        for (init, layout), a in zip(found, g32))
+        distance(out[f"{init}_grad"], piece(g32[k], init, layout)) for k, init, layout in found)
     extra = sorted(trained - used)
     extra_note = ""
     if lost:
@@ -297,10 +332,11 @@ def survey(name, workdir):
                       f"larger: {[e for e, s in zip(extra, sizes) if s > 1][:3]})")
     # Which names tf2onnx gives variables: a read (`.../ReadVariableOp...`) or, where its
     # constant folding reshaped or transposed one, a `const_fold_opt__N`.
-    folded = [init for init, _ in found if "ReadVariableOp" not in init]
+    folded = [init for _, init, _ in found if "ReadVariableOp" not in init]
     if folded:
-        extra_note += f"; {len(folded)} variables named {folded[:2]}"
-    return (f"{len(found)} variables, {model.count_params()} weights, loss "
+        extra_note += f"; {len(folded)} initializers named {folded[:2]}"
+    compared = len({k for k, _, _ in found})
+    return (f"{compared} variables, {model.count_params()} weights, loss "
             f"{abs(float(out['loss']) - loss32):.1e} from Keras, worst gradient {worst[0]:.1e} "
             f"from float64 (Keras float32 {worst[1]:.1e}, {worst[2]}), "
             f"{from_keras32:.1e} from Keras float32{extra_note}")

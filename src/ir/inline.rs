@@ -405,8 +405,9 @@ impl Model {
     }
 
     /// Removes every node of `body` and of the bodies nested in it, with the uses they and
-    /// the body's outputs hold.
-    fn discard_body(&mut self, body: BodyId) {
+    /// the body's outputs hold; its inputs, initializers and declared types go too, so no
+    /// name stays defined by a body nothing holds.
+    pub(crate) fn discard_body(&mut self, body: BodyId) {
         for n in self.body(body).nodes.clone() {
             if self.node(n).removed {
                 continue;
@@ -426,6 +427,11 @@ impl Model {
                 .uses
                 .retain(|u| *u != Use::Output { body, index });
         }
+        let b = self.body_mut(body);
+        b.inputs.clear();
+        b.initializers.clear();
+        b.sparse_initializers.clear();
+        b.value_info.clear();
     }
 }
 

@@ -5,8 +5,9 @@
 //!    initializer or node output), visible from the scope of its use.
 //! 2. Use lists and node inputs / graph outputs agree in both directions.
 //! 3. Each body is acyclic (captures by subgraphs count as reads of the owning node).
-//! 4. Value names are unique across all scopes (ONNX forbids shadowing), node names are
-//!    unique where given.
+//! 4. Value names are unique along every chain of nested scopes (ONNX forbids shadowing;
+//!    sibling subgraphs may reuse a name, as tf2onnx's loop bodies do), node names likewise
+//!    where given.
 //! 5. Every node's domain is declared in `opset_import`.
 //! 6. `If` has `then_branch` and `else_branch`, no branch inputs, and both branches have
 //!    as many outputs as the node, with the same element types where declared.
@@ -321,17 +322,25 @@ impl Verifier<'_> {
     /// Invariant 4.
     fn unique_names(&mut self) {
         let m = self.model;
-        let mut first: HashMap<&str, ValueId> = HashMap::new();
+        // Scopes that see each other: one is the other or nested in it.
+        let related = |a: BodyId, b: BodyId| m.is_within(a, b) || m.is_within(b, a);
+        let mut first: HashMap<&str, Vec<ValueId>> = HashMap::new();
         for v in self.live_values().collect::<Vec<_>>() {
             let name = m.name(v);
             // A use without a definition is no definition; `definitions` reports it.
             if name.is_empty() || matches!(m.value(v).def, ValueDef::Undefined { .. }) {
                 continue;
             }
-            match first.get(name) {
-                Some(other) if *other != v => {
+            let body = m.defining_body(v);
+            let seen = first.entry(name).or_default();
+            match seen
+                .iter()
+                .find(|other| **other != v && related(m.defining_body(**other), body))
+            {
+                Some(other) => {
+                    let other = *other;
                     let message =
-                        format!("is already defined by {}", describe_definition(m, *other));
+                        format!("is already defined by {}", describe_definition(m, other));
                     let body = m.defining_body(v);
                     match m.value(v).def {
                         ValueDef::Node { node, slot } => {
@@ -346,19 +355,21 @@ impl Verifier<'_> {
                         _ => self.at_body(body, format!("value '{name}'"), message),
                     }
                 }
-                _ => {
-                    first.insert(name, v);
-                }
+                None => seen.push(v),
             }
         }
-        let mut node_names: HashMap<&str, NodeId> = HashMap::new();
+        let mut node_names: HashMap<&str, Vec<NodeId>> = HashMap::new();
         for n in m.all_nodes().collect::<Vec<_>>() {
             let name = m.node(n).proto.name();
             if name.is_empty() {
                 continue;
             }
-            if node_names.insert(name, n).is_some() {
+            let body = m.node(n).body;
+            let seen = node_names.entry(name).or_default();
+            if seen.iter().any(|other| related(m.node(*other).body, body)) {
                 self.at_node(n, "node name is used by another node too".into());
+            } else {
+                seen.push(n);
             }
         }
     }

@@ -23,6 +23,9 @@
 //!   number"); summed in float64 and cast back (`legalize/cumsum_integer.rs`), exact for
 //!   every int32 and for int64 sums below 2^53.
 //!
+//! - `ReverseSequence` (tf2onnx's Bidirectional layers; tract has none): a `GatherElements`
+//!   along the time axis at the mirrored positions (`legalize/reverse_sequence.rs`).
+//!
 //! - `Slice` bounds beyond the int32 range (PyTorch's `INT64_MAX` for "to the end"), which
 //!   tract misreads (a row short): clamped to ±(2^31 - 1) ([`clamp_slice_bounds`]).
 //!
@@ -259,9 +262,9 @@ pub fn needs_lowering(model: &ModelProto) -> bool {
         return true;
     }
     // A Gemm's or a CumSum's element type may need a walk up its producers: ask the IR,
-    // only when there is one at all.
+    // only when there is one at all (or a ReverseSequence, which tract lacks).
     if !graph_has(g, |n| {
-        matches!(n.op_type(), "Gemm" | "CumSum")
+        matches!(n.op_type(), "Gemm" | "CumSum" | "ReverseSequence")
             && crate::ir::normalize_domain(n.domain()).is_empty()
     }) {
         return false;

@@ -29,6 +29,7 @@ pub mod rules;
 pub mod shapes;
 pub mod tf2onnx_constants;
 pub mod torch_signature;
+mod unroll_loop;
 mod unroll_rnn;
 
 use std::collections::{HashMap, HashSet};
@@ -296,6 +297,20 @@ impl Pass for Autodiff {
                 first_few(&differentiated.tf2onnx_constants)
             ));
         }
+        if !differentiated.unrolled_loops.is_empty() {
+            let loops: Vec<String> = differentiated
+                .unrolled_loops
+                .iter()
+                .map(|(name, trips)| format!("{name} x{trips}"))
+                .collect();
+            let plural = if loops.len() == 1 { "" } else { "s" };
+            report.notes.push(format!(
+                "{} Loop{plural} unrolled into {} iterations: {}",
+                loops.len(),
+                if loops.len() == 1 { "its" } else { "their" },
+                first_few(&loops)
+            ));
+        }
         if !differentiated.absent_torch_parameters.is_empty() {
             report.notes.push(format!(
                 "torch's parameters {} are not in the file: torch exports tied weights once, under one of their names (that tensor trains for all of them), and unused parameters not at all",
@@ -483,6 +498,8 @@ pub struct Differentiated {
     pub tf2onnx_constants: Vec<String>,
     /// BatchNorm layers turned to their training form.
     pub batch_norms: usize,
+    /// Loops unrolled into their iterations: name and trip count.
+    pub unrolled_loops: Vec<(String, usize)>,
 }
 
 /// The gradient graph the autodiff pass `spec` (an `autodiff(...)` element) builds from the
@@ -698,10 +715,17 @@ fn rule_of(
         } else {
             format!("{domain}::{op}")
         };
+        // A Loop has no rule: it is unrolled where its trip count is known (`unroll_loop`).
+        let unrolled_when = match (domain.is_empty(), op) {
+            (true, "Loop") => unroll_loop::why_not(model, n)
+                .map(|why| format!("; a Loop is differentiated by unrolling it, and this one is not unrolled: {why}"))
+                .unwrap_or_default(),
+            _ => String::new(),
+        };
         rules::node_error(
             model,
             n,
-            format!("no gradient rule for {op_name}; parameter '{param}' needs the gradient through it (freeze it with --freeze, or file an issue)"),
+            format!("no gradient rule for {op_name}; parameter '{param}' needs the gradient through it (freeze it with --freeze, or file an issue){unrolled_when}"),
         )
     })?;
     if !node.subgraphs.is_empty() {
@@ -933,6 +957,7 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
             .map(|v| model.name(*v).to_string())
             .collect(),
         batch_norms: normalized.batch_norms,
+        unrolled_loops: normalized.loops,
     })
 }
 

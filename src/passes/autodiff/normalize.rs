@@ -17,6 +17,8 @@
 //!   forward draws is reused by the backward), or is removed (`--dropout off`).
 //! - **SplitToSequence + SequenceAt** at constant positions (what the torch exporter writes
 //!   for `x.split(n)`) become one `Split`, so no sequence reaches the gradient.
+//! - **Loop** with a trip count known before the run is unrolled first (`unroll_loop`:
+//!   tf2onnx's Keras SimpleRNN and GRU), so what its body holds is normalised like the rest.
 //! - **LSTM, GRU, RNN** are unrolled into their cell equations over the (known) sequence
 //!   length (`unroll_rnn`), so their gradients come from the rules of the ops they are made of.
 //! - **CastLike(X, like)** whose `like` has a known element type becomes `Cast(X, to)`. The
@@ -61,6 +63,8 @@ pub struct Normalized {
     pub splits: usize,
     pub recurrent: usize,
     pub attention: usize,
+    /// Loops unrolled: name and trip count.
+    pub loops: Vec<(String, usize)>,
 }
 
 pub fn normalize(
@@ -68,7 +72,10 @@ pub fn normalize(
     dropout: DropoutMode,
     pass: &'static str,
 ) -> Result<Normalized, PassError> {
-    let mut out = Normalized::default();
+    let mut out = Normalized {
+        loops: unroll_loops(model, pass)?,
+        ..Default::default()
+    };
     let nodes: Vec<NodeId> = model.body_nodes(BodyId::MAIN).collect();
     let inputs = computed_statistics_inputs(model, &nodes);
     for node in nodes {
@@ -112,6 +119,32 @@ pub fn normalize(
         |model, node, shapes| super::expand_attention::expand(model, node, shapes, pass),
     )?;
     Ok(out)
+}
+
+/// Unrolls every Loop of the main graph whose trip count is known before the run; each
+/// one's name and trip count. One that is not stays, and the autodiff says why if a
+/// gradient must pass it.
+fn unroll_loops(model: &mut Model, pass: &'static str) -> Result<Vec<(String, usize)>, PassError> {
+    let loops: Vec<NodeId> = model
+        .body_nodes(BodyId::MAIN)
+        .filter(|n| {
+            let p = &model.node(*n).proto;
+            (p.domain().is_empty() || p.domain() == "ai.onnx")
+                && super::unroll_loop::is_loop(p.op_type())
+        })
+        .collect();
+    let mut unrolled = Vec::new();
+    for node in loops {
+        let shapes = super::shapes::Shapes::infer(model);
+        let name = match model.node(node).proto.name() {
+            "" => "Loop".to_string(),
+            name => name.to_string(),
+        };
+        if let Some(trips) = super::unroll_loop::unroll(model, node, &shapes, pass)? {
+            unrolled.push((name, trips));
+        }
+    }
+    Ok(unrolled)
 }
 
 /// Rewrites every default-domain node of the main graph whose op `selects` picks with

@@ -408,6 +408,7 @@ const SAME_AS_INPUT: &[&str] = &[
     "Mish",
     "Trilu",
     "CumSum",
+    "ReverseSequence",
     "ScatterElements",
     "ScatterND",
     "LpNormalization",

@@ -29,6 +29,7 @@ mod max_pool_grad;
 mod max_unpool;
 mod quick_gelu_grad;
 mod relu_grad;
+mod reverse_sequence;
 mod scale;
 mod sgd_optimizer;
 mod sigmoid_grad;
@@ -50,11 +51,15 @@ use crate::ir::{Model, NodeId, ValueId};
 pub const PASS: &str = "legalize-ort";
 
 /// The lowerings `lower-for-tract` adds to these, by the nodes they take: float16 `Gemm`
-/// (tract mixes float32 constants into its own expansion) and integer `CumSum` (tract cannot
-/// sum the symbolic dims it folds shapes into).
+/// (tract mixes float32 constants into its own expansion), integer `CumSum` (tract cannot
+/// sum the symbolic dims it folds shapes into) and `ReverseSequence` (tract has none).
 pub const TRACT_LOWERINGS: &[(TakesFn, LowerFn)] = &[
     (gemm_half::is_half_gemm, gemm_half::lower),
     (cumsum_integer::is_integer_cumsum, cumsum_integer::lower),
+    (
+        reverse_sequence::is_reverse_sequence,
+        reverse_sequence::lower,
+    ),
 ];
 
 /// Lowers every node of `model` (its subgraphs included) that one of [`TRACT_LOWERINGS`]

@@ -143,6 +143,7 @@ const RULES: &[(&str, RuleFn)] = &[
     ("ReduceL1", reduce::reduce_l1),
     ("GlobalMaxPool", reduce::global_max_pool),
     ("Trilu", shape::trilu),
+    ("ReverseSequence", shape::reverse_sequence),
     ("TopK", shape::top_k),
     ("CumSum", shape::cum_sum),
     ("DepthToSpace", shape::depth_to_space),

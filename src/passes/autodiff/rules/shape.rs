@@ -18,6 +18,8 @@
 //! GatherElements(axis)                the same per element                  GatherElementsGrad
 //! TopK(axis) -> values, indices      dX = zeros(shape X), dvalues put at the indices  GatherElementsGrad
 //! Trilu(k, upper)                     dX = Trilu(dY, k, upper)
+//! ReverseSequence(lens)               dX = ReverseSequence(dY, lens): a reversal of each
+//!                                          sequence's first lens steps is its own inverse
 //! CumSum(axis, exclusive, reverse)    dX = CumSum(dY, axis, exclusive, not reverse)
 //! DepthToSpace(b, DCR)                dX = SpaceToDepth(dY, b)
 //! DepthToSpace(b, CRD)                dX = SpaceToDepth(dY, b) with its channels from
@@ -693,6 +695,26 @@ pub fn trilu(
     inputs.extend(cx.opt_input(node, 1));
     let attrs = cx.attrs_of(node, &["upper"]);
     let g = cx.op_like("Trilu", &inputs, attrs, &h, x);
+    Ok(first_only(wants.len(), g))
+}
+
+pub fn reverse_sequence(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let x = cx.input(node, 0)?;
+    let lens = cx.input(node, 1)?;
+    let h = hint(cx, x);
+    let attrs = cx.attrs_of(node, &["batch_axis", "time_axis"]);
+    let g = cx.op_like(
+        "ReverseSequence",
+        &[cx.dy(node, dys, 0)?, lens],
+        attrs,
+        &h,
+        x,
+    );
     Ok(first_only(wants.len(), g))
 }
 

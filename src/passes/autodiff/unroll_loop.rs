@@ -1,0 +1,789 @@
+//! A `Loop` whose trip count is known before the run, unrolled into the graph that holds it,
+//! so that the autodiff differentiates its iterations with the rules it has and no
+//! control-flow gradient is needed. TensorFlow's while loops come out of tf2onnx this way
+//! (Keras's SimpleRNN and GRU: a Loop without `M` whose condition compares a counter with
+//! the sequence length, `Less(Cast(t + 1), Cast(12))`).
+//!
+//! ONNX's semantics, with `v` the N loop-carried values and `s` the K scan outputs:
+//!
+//! ```text
+//! i = 0, c = cond, v = v₀
+//! while (M absent or i < M) and (cond absent or c):
+//!     c, v, sᵢ = body(i, c, v)
+//!     i = i + 1
+//! outputs: v, and each scan output stacked on a new axis 0: [s₀, s₁, ...]
+//! ```
+//!
+//! The trip count comes from evaluating, iteration by iteration, the one-element integer
+//! and boolean values the body computes from constants, the iteration number and what it
+//! carries (the counter, the condition: [`Scalar`]); `M`, the first condition and the
+//! carried starting values must be such values of the enclosing graph. Then every other
+//! body node is copied once per iteration, reading the copies of the iteration before for
+//! the carried values, and the evaluated scalars as constants; each scan output becomes the
+//! Concat of its copies unsqueezed on axis 0. Floating-point nodes are always copied: a
+//! float the body carries may be a parameter, and its gradient must flow. A body's
+//! Identity is not copied: what reads it reads its input.
+//!
+//! A Gather of an outer value at a constant position on axis 0 (TensorFlow's TensorArray
+//! read, one time step per iteration) becomes one output of one Split of that value,
+//! squeezed: its gradient is then one Concat, where T Gathers' gradients would be T
+//! scatters into zeros of the whole sequence.
+//!
+//! Not unrolled (the Loop stays, and the autodiff names the reason if a gradient must pass
+//! it, [`why_not`]): a trip count or condition computed at run time, more than
+//! [`MAX_TRIP_COUNT`] iterations, a body holding control flow itself, no iteration at all
+//! with scan outputs (their shape is unknown).
+
+use std::collections::HashMap;
+
+use crate::ir::builder::{attr_int, attr_ints, Builder, NodeAttributes};
+use crate::ir::emit::{axes_as_input, scalar_bytes, tensor_scalar, Emit};
+use crate::ir::{topological_order, BodyId, Model, NodeId, NodeSpec, ValueDef, ValueId};
+use crate::passes::PassError;
+use crate::proto::elem::{BFLOAT16, BOOL, DOUBLE, FLOAT, FLOAT16, INT64};
+use crate::proto::TensorProto;
+
+use super::rules::node_error;
+use super::shapes::{constant_ints, constant_tensor, known_ints, Shapes};
+
+/// The most iterations unrolled: each is a copy of the body in the file and in the
+/// gradient (a sequence of 4096 steps is beyond what a recurrent layer is trained on).
+pub const MAX_TRIP_COUNT: usize = 4096;
+
+/// How far up the enclosing graph a scalar is evaluated.
+const DEPTH: usize = 16;
+
+/// Whether `op` (default domain) is the control flow this module unrolls.
+pub fn is_loop(op: &str) -> bool {
+    op == "Loop"
+}
+
+/// A one-element value known before the run: its ONNX element type, its rank (every dim is
+/// 1) and its value (exact for the integers and booleans a loop counts with).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Scalar {
+    elem: i32,
+    rank: usize,
+    value: f64,
+}
+
+impl Scalar {
+    fn of_tensor(t: &TensorProto) -> Option<Scalar> {
+        Some(Scalar {
+            elem: t.data_type(),
+            rank: t.dims.len(),
+            value: tensor_scalar(t)?,
+        })
+    }
+
+    fn tensor(self) -> TensorProto {
+        let bytes = match self.elem {
+            BOOL => vec![(self.value != 0.0) as u8],
+            e => scalar_bytes(e, self.value).unwrap_or_default(),
+        };
+        TensorProto {
+            data_type: Some(self.elem),
+            dims: vec![1; self.rank],
+            raw_data: Some(bytes),
+            ..Default::default()
+        }
+    }
+
+    fn truth(self) -> bool {
+        self.value != 0.0
+    }
+
+    /// `value` as element type `elem` would hold it.
+    fn of(elem: i32, rank: usize, value: f64) -> Scalar {
+        let value = match elem {
+            BOOL => (value != 0.0) as u8 as f64,
+            FLOAT | FLOAT16 | BFLOAT16 => value as f32 as f64,
+            DOUBLE => value,
+            _ => value.trunc(),
+        };
+        Scalar { elem, rank, value }
+    }
+}
+
+fn is_float(elem: i32) -> bool {
+    matches!(elem, FLOAT | DOUBLE | FLOAT16 | BFLOAT16)
+}
+
+/// The value of a node's output from its inputs' values, for the ops loop counters and
+/// conditions are made of; `None` for any other op.
+fn evaluate(model: &Model, node: NodeId, inputs: &[Option<Scalar>]) -> Option<Scalar> {
+    let n = model.node(node);
+    let p = &n.proto;
+    if !p.domain().is_empty() && p.domain() != "ai.onnx" {
+        return None;
+    }
+    if p.op_type() == "Constant" {
+        return Scalar::of_tensor(constant_tensor(model, n.outputs.first().copied()??)?);
+    }
+    let a = (*inputs.first()?)?;
+    let b = || inputs.get(1).copied().flatten();
+    let rank2 = |b: Scalar| a.rank.max(b.rank);
+    let compare = |f: fn(f64, f64) -> bool| -> Option<Scalar> {
+        let b = b()?;
+        Some(Scalar::of(BOOL, rank2(b), f(a.value, b.value) as u8 as f64))
+    };
+    let arithmetic = |f: fn(f64, f64) -> f64| -> Option<Scalar> {
+        let b = b()?;
+        (a.elem == b.elem).then(|| Scalar::of(a.elem, rank2(b), f(a.value, b.value)))
+    };
+    match p.op_type() {
+        "Identity" => Some(a),
+        "Add" => arithmetic(|x, y| x + y),
+        "Sub" => arithmetic(|x, y| x - y),
+        "Mul" => arithmetic(|x, y| x * y),
+        // Integer division truncates (ONNX Runtime's kernels divide in C++).
+        "Div" => arithmetic(|x, y| x / y).filter(|v| v.value.is_finite()),
+        "Min" => arithmetic(f64::min),
+        "Max" => arithmetic(f64::max),
+        "Neg" => Some(Scalar::of(a.elem, a.rank, -a.value)),
+        "Abs" => Some(Scalar::of(a.elem, a.rank, a.value.abs())),
+        "Not" => Some(Scalar::of(BOOL, a.rank, !a.truth() as u8 as f64)),
+        "And" => compare(|x, y| x != 0.0 && y != 0.0),
+        "Or" => compare(|x, y| x != 0.0 || y != 0.0),
+        "Xor" => compare(|x, y| (x != 0.0) != (y != 0.0)),
+        "Less" => compare(|x, y| x < y),
+        "LessOrEqual" => compare(|x, y| x <= y),
+        "Greater" => compare(|x, y| x > y),
+        "GreaterOrEqual" => compare(|x, y| x >= y),
+        "Equal" => compare(|x, y| x == y),
+        "Cast" => {
+            let to = p.attr_int("to").ok().flatten()? as i32;
+            Some(Scalar::of(to, a.rank, a.value))
+        }
+        "Squeeze" => Some(Scalar { rank: 0, ..a }),
+        "Unsqueeze" => {
+            let axes = match p.attr_ints("axes").ok().flatten() {
+                Some(axes) => axes.len(),
+                None => constant_ints(model, n.inputs.get(1).copied().flatten()?)?.len(),
+            };
+            Some(Scalar {
+                rank: a.rank + axes,
+                ..a
+            })
+        }
+        "Reshape" => {
+            let target = constant_ints(model, n.inputs.get(1).copied().flatten()?)?;
+            Some(Scalar {
+                rank: target.len(),
+                ..a
+            })
+        }
+        _ => None,
+    }
+}
+
+/// The value of `v` of the enclosing graphs where it is known before the run: a constant,
+/// one of the ops of [`evaluate`] on such values, `depth` nodes up, or an element of a shape
+/// whose dims `shapes` knows (tf2onnx compares the counter with `Shape(x)[0]` where Keras
+/// lost the static sequence length).
+fn outer_scalar(model: &Model, shapes: &Shapes, v: ValueId, depth: usize) -> Option<Scalar> {
+    if let Some(t) = constant_tensor(model, v) {
+        return Scalar::of_tensor(t);
+    }
+    let (node, _) = model.producer(v)?;
+    if depth == 0 || !model.node(node).subgraphs.is_empty() {
+        return None;
+    }
+    let inputs: Vec<Option<Scalar>> = model
+        .node(node)
+        .inputs
+        .iter()
+        .map(|i| i.and_then(|i| outer_scalar(model, shapes, i, depth - 1)))
+        .collect();
+    evaluate(model, node, &inputs).or_else(|| {
+        let facts = shapes.get(v);
+        match known_ints(model, shapes, v)?.as_slice() {
+            [value] => Some(Scalar::of(
+                facts.elem.unwrap_or(INT64),
+                facts.rank().unwrap_or(1),
+                *value as f64,
+            )),
+            _ => None,
+        }
+    })
+}
+
+/// What the Loop is made of.
+struct Parts {
+    body: BodyId,
+    /// The body's nodes in topological order.
+    order: Vec<NodeId>,
+    trip_count: Option<ValueId>,
+    condition: Option<ValueId>,
+    /// The N carried starting values.
+    initial: Vec<ValueId>,
+    /// The body's inputs: iteration number, condition, N carried.
+    body_inputs: Vec<ValueId>,
+    /// The body's outputs: condition, N carried, K scan outputs.
+    body_outputs: Vec<ValueId>,
+}
+
+impl Parts {
+    fn carried(&self) -> usize {
+        self.initial.len()
+    }
+
+    fn is_local(&self, model: &Model, v: ValueId) -> bool {
+        match model.value(v).def {
+            ValueDef::Node { node, .. } => model.node(node).body == self.body,
+            ValueDef::Input { body } => body == self.body,
+            _ => false,
+        }
+    }
+}
+
+fn parts(model: &Model, node: NodeId) -> Result<Parts, String> {
+    let n = model.node(node);
+    let body = n
+        .subgraphs
+        .iter()
+        .find(|s| s.element.is_none() && n.proto.attribute[s.attribute].name() == "body")
+        .map(|s| s.body)
+        .ok_or("it has no body")?;
+    let b = model.body(body);
+    let body_inputs: Vec<ValueId> = b.inputs.iter().map(|(v, _)| *v).collect();
+    let body_outputs: Vec<ValueId> = b.outputs.iter().map(|(v, _)| *v).collect();
+    let input = |i: usize| n.inputs.get(i).copied().flatten();
+    let initial: Vec<ValueId> = (2..n.inputs.len().max(2))
+        .map(|i| input(i).ok_or(format!("its carried value {} is omitted", i - 2)))
+        .collect::<Result<_, _>>()?;
+    let carried = initial.len();
+    if body_inputs.len() != 2 + carried || body_outputs.len() < 1 + carried {
+        return Err(format!(
+            "its body takes {} inputs and returns {} outputs for {carried} carried values (ONNX: 2 + N inputs, 1 + N + K outputs)",
+            body_inputs.len(),
+            body_outputs.len()
+        ));
+    }
+    if n.outputs.len() > body_outputs.len() - 1 {
+        return Err(format!(
+            "it has {} outputs, its body returns {} values besides the condition",
+            n.outputs.len(),
+            body_outputs.len() - 1
+        ));
+    }
+    let order = topological_order(model, body);
+    if let Some(inner) = order.iter().find(|i| !model.node(**i).subgraphs.is_empty()) {
+        return Err(format!(
+            "its body holds control flow itself (node '{}', {})",
+            model.node(*inner).proto.name(),
+            model.node(*inner).proto.op_type()
+        ));
+    }
+    Ok(Parts {
+        body,
+        order,
+        trip_count: input(0),
+        condition: input(1),
+        initial,
+        body_inputs,
+        body_outputs,
+    })
+}
+
+/// One iteration's known scalars: the body values computed from constants, the iteration
+/// number `i`, the condition `c` and the carried values known before the run.
+fn iteration_scalars(
+    model: &Model,
+    shapes: &Shapes,
+    parts: &Parts,
+    i: usize,
+    c: Option<Scalar>,
+    carried: &[Option<Scalar>],
+) -> HashMap<ValueId, Scalar> {
+    let mut known = HashMap::new();
+    known.insert(parts.body_inputs[0], Scalar::of(INT64, 0, i as f64));
+    // Without a condition input the body reads true (it loops on the trip count alone).
+    known.insert(parts.body_inputs[1], c.unwrap_or(Scalar::of(BOOL, 0, 1.0)));
+    for (k, s) in carried.iter().enumerate() {
+        if let Some(s) = s {
+            known.insert(parts.body_inputs[2 + k], *s);
+        }
+    }
+    for &node in &parts.order {
+        let inputs: Vec<Option<Scalar>> = model
+            .node(node)
+            .inputs
+            .iter()
+            .map(|v| {
+                let v = (*v)?;
+                match parts.is_local(model, v) {
+                    true => known.get(&v).copied(),
+                    false => outer_scalar(model, shapes, v, DEPTH),
+                }
+            })
+            .collect();
+        if let (Some(s), Some(Some(out))) = (
+            evaluate(model, node, &inputs),
+            model.node(node).outputs.first().copied(),
+        ) {
+            if model.node(node).outputs.len() == 1 {
+                known.insert(out, s);
+            }
+        }
+    }
+    known
+}
+
+/// A body value's scalar in an iteration whose local scalars are `known`.
+fn scalar_in(
+    model: &Model,
+    shapes: &Shapes,
+    parts: &Parts,
+    known: &HashMap<ValueId, Scalar>,
+    v: ValueId,
+) -> Option<Scalar> {
+    match parts.is_local(model, v) {
+        true => known.get(&v).copied(),
+        false => outer_scalar(model, shapes, v, DEPTH),
+    }
+}
+
+/// How many iterations the Loop runs, or why that is not known before the run.
+fn trip_count(model: &Model, shapes: &Shapes, parts: &Parts) -> Result<usize, String> {
+    let limit = match parts.trip_count {
+        Some(m) => {
+            let s = outer_scalar(model, shapes, m, DEPTH).ok_or_else(|| {
+                format!(
+                    "its trip count M ('{}') is computed at run time",
+                    model.name(m)
+                )
+            })?;
+            Some(s.value.max(0.0) as usize)
+        }
+        None => None,
+    };
+    let mut c = match parts.condition {
+        Some(c) => Some(outer_scalar(model, shapes, c, DEPTH).ok_or_else(|| {
+            format!(
+                "its first condition ('{}') is computed at run time",
+                model.name(c)
+            )
+        })?),
+        None => None,
+    };
+    if limit.is_none() && c.is_none() {
+        return Err("it has neither a trip count nor a condition (it never ends)".into());
+    }
+    let mut carried: Vec<Option<Scalar>> = parts
+        .initial
+        .iter()
+        .map(|v| outer_scalar(model, shapes, *v, DEPTH))
+        .collect();
+    let mut i = 0;
+    loop {
+        if limit.is_some_and(|m| i >= m) || c.is_some_and(|c| !c.truth()) {
+            return Ok(i);
+        }
+        if i == MAX_TRIP_COUNT {
+            return Err(format!(
+                "it runs more than {MAX_TRIP_COUNT} iterations, each a copy of its body once unrolled"
+            ));
+        }
+        let known = iteration_scalars(model, shapes, parts, i, c, &carried);
+        if c.is_some() {
+            let out = parts.body_outputs[0];
+            c = Some(scalar_in(model, shapes, parts, &known, out).ok_or_else(|| {
+                format!(
+                    "its condition ('{}') depends on values computed at run time",
+                    model.name(out)
+                )
+            })?);
+        }
+        carried = (0..parts.carried())
+            .map(|k| scalar_in(model, shapes, parts, &known, parts.body_outputs[1 + k]))
+            .collect();
+        i += 1;
+    }
+}
+
+/// Why the Loop `node` is not unrolled, when it is not (for the autodiff's error).
+pub fn why_not(model: &Model, node: NodeId) -> Option<String> {
+    let shapes = Shapes::infer(model);
+    let parts = match parts(model, node) {
+        Ok(p) => p,
+        Err(e) => return Some(e),
+    };
+    let scans = parts.body_outputs.len() - 1 - parts.carried();
+    match trip_count(model, &shapes, &parts) {
+        Err(e) => Some(e),
+        Ok(0) if scans > 0 => {
+            Some("it runs no iteration, so its scan outputs have no shape".into())
+        }
+        Ok(_) => None,
+    }
+}
+
+/// One carried value between iterations: the graph value holding it (none while it is a
+/// scalar the body computed from constants, made a constant where something reads it) and
+/// its scalar where known.
+#[derive(Clone, Copy)]
+struct Carried {
+    value: Option<ValueId>,
+    scalar: Option<Scalar>,
+}
+
+/// Unrolls the Loop `node` into the main graph and returns its trip count; `None` (nothing
+/// changed) when it cannot be unrolled ([`why_not`] says why).
+pub fn unroll(
+    model: &mut Model,
+    node: NodeId,
+    shapes: &Shapes,
+    pass: &'static str,
+) -> Result<Option<usize>, PassError> {
+    let Ok(parts) = parts(model, node) else {
+        return Ok(None);
+    };
+    let Ok(trips) = trip_count(model, shapes, &parts) else {
+        return Ok(None);
+    };
+    let carried_count = parts.carried();
+    let scans = parts.body_outputs.len() - 1 - carried_count;
+    if trips == 0 && scans > 0 {
+        return Ok(None);
+    }
+    hoist_initializers(model, parts.body);
+    let loop_outputs = model.node(node).outputs.clone();
+    let loop_name = model.node(node).proto.name().to_string();
+    let mut unrolled = Unrolled {
+        b: Builder::new(model, BodyId::MAIN, pass),
+        parts: &parts,
+        shapes,
+        loop_name,
+        split_of: HashMap::new(),
+    };
+
+    let mut c = parts
+        .condition
+        .and_then(|v| outer_scalar(unrolled.b.model, shapes, v, DEPTH));
+    let mut state: Vec<Carried> = parts
+        .initial
+        .iter()
+        .map(|v| Carried {
+            value: Some(*v),
+            scalar: outer_scalar(unrolled.b.model, shapes, *v, DEPTH),
+        })
+        .collect();
+    let mut scanned: Vec<Vec<ValueId>> = vec![Vec::new(); scans];
+    for i in 0..trips {
+        let scalars: Vec<Option<Scalar>> = state.iter().map(|s| s.scalar).collect();
+        let known = iteration_scalars(unrolled.b.model, shapes, &parts, i, c, &scalars);
+        let mut copies: HashMap<ValueId, ValueId> = HashMap::new();
+        for (k, s) in state.iter().enumerate() {
+            if let Some(v) = s.value {
+                copies.insert(parts.body_inputs[2 + k], v);
+            }
+        }
+        for &n in &parts.order {
+            unrolled.copy(n, &known, &mut copies)?;
+        }
+        let next = |u: &mut Unrolled<'_, '_>, out: ValueId, copies: &HashMap<ValueId, ValueId>| {
+            if let Some(j) = parts.body_inputs[2..].iter().position(|v| *v == out) {
+                return state[j];
+            }
+            let model = &*u.b.model;
+            Carried {
+                value: match parts.is_local(model, out) {
+                    true => copies.get(&out).copied(),
+                    false => Some(out),
+                },
+                scalar: scalar_in(model, shapes, &parts, &known, out),
+            }
+        };
+        let next_state: Vec<Carried> = (0..carried_count)
+            .map(|k| next(&mut unrolled, parts.body_outputs[1 + k], &copies))
+            .collect();
+        for (k, scan) in scanned.iter_mut().enumerate() {
+            let out = parts.body_outputs[1 + carried_count + k];
+            let carried = next(&mut unrolled, out, &copies);
+            scan.push(unrolled.materialize(out, carried)?);
+        }
+        if c.is_some() {
+            c = scalar_in(
+                unrolled.b.model,
+                shapes,
+                &parts,
+                &known,
+                parts.body_outputs[0],
+            );
+        }
+        state = next_state;
+    }
+
+    // The Loop's outputs: the last carried values, then each scan output stacked.
+    let mut replacements = Vec::new();
+    for (k, out) in loop_outputs.iter().enumerate() {
+        let Some(out) = *out else { continue };
+        let new = match k < carried_count {
+            true => unrolled.materialize(parts.body_outputs[1 + k], state[k])?,
+            false => {
+                let hint = unrolled.b.model.name(out).to_string();
+                let steps: Vec<ValueId> = scanned[k - carried_count]
+                    .iter()
+                    .map(|v| unrolled.b.unsqueeze(*v, &[0], &hint))
+                    .collect();
+                match steps.as_slice() {
+                    [one] => *one,
+                    _ => unrolled
+                        .b
+                        .op("Concat", &steps, vec![attr_int("axis", 0)], &hint),
+                }
+            }
+        };
+        replacements.push((out, new));
+    }
+    for (old, new) in replacements {
+        if !model.uses(old).is_empty() {
+            model.replace_value(old, new);
+        }
+    }
+    model.discard_body(parts.body);
+    model
+        .remove_node(node)
+        .map_err(|e| node_error(model, node, format!("could not replace the node: {e}")))?;
+    Ok(Some(trips))
+}
+
+/// The body's initializers move to the main graph, where the copies read them; renamed
+/// where another value holds the name (tf2onnx gives sibling loop bodies the same names).
+fn hoist_initializers(model: &mut Model, body: BodyId) {
+    let moved = std::mem::take(&mut model.body_mut(body).initializers);
+    for (v, mut t) in moved {
+        let name = model.name(v).to_string();
+        let clash = (0..model.values.len() as u32)
+            .map(ValueId)
+            .any(|other| other != v && model.name(other) == name);
+        if clash {
+            let fresh = model.names.fresh(&name);
+            model.values[v.0 as usize].name = fresh.clone();
+            t.name = Some(fresh);
+        }
+        model.values[v.0 as usize].def = ValueDef::Initializer { body: BodyId::MAIN };
+        model.body_mut(BodyId::MAIN).initializers.push((v, t));
+    }
+}
+
+/// The copying of one Loop's iterations into the main graph.
+struct Unrolled<'m, 'p> {
+    b: Builder<'m>,
+    parts: &'p Parts,
+    shapes: &'p Shapes,
+    loop_name: String,
+    /// An outer value read one step per iteration: its Split's outputs, squeezed where read.
+    split_of: HashMap<ValueId, (NodeId, Vec<Option<ValueId>>)>,
+}
+
+impl Unrolled<'_, '_> {
+    fn error(&self, message: String) -> PassError {
+        PassError::Node {
+            pass: super::PASS.into(),
+            node: self.loop_name.clone(),
+            op: "Loop".into(),
+            message,
+        }
+    }
+
+    /// The graph value of body value `v` in this iteration: its copy, or its scalar as a
+    /// constant.
+    fn materialize(&mut self, v: ValueId, carried: Carried) -> Result<ValueId, PassError> {
+        if let Some(value) = carried.value {
+            return Ok(value);
+        }
+        let scalar = carried.scalar.ok_or_else(|| {
+            self.error(format!(
+                "internal: body value '{}' was neither copied nor evaluated",
+                self.b.model.name(v)
+            ))
+        })?;
+        let hint = self.b.model.name(v).to_string();
+        Ok(self.b.constant(&hint, scalar.tensor()))
+    }
+
+    /// Input `v` of a body node as the copy reads it.
+    fn read(
+        &mut self,
+        v: ValueId,
+        known: &HashMap<ValueId, Scalar>,
+        copies: &HashMap<ValueId, ValueId>,
+    ) -> Result<ValueId, PassError> {
+        if !self.parts.is_local(self.b.model, v) {
+            return Ok(v);
+        }
+        let carried = Carried {
+            value: copies.get(&v).copied(),
+            scalar: known.get(&v).copied(),
+        };
+        self.materialize(v, carried)
+    }
+
+    /// Copies body node `n` for this iteration, unless its outputs are integer or boolean
+    /// scalars known before the run.
+    fn copy(
+        &mut self,
+        n: NodeId,
+        known: &HashMap<ValueId, Scalar>,
+        copies: &mut HashMap<ValueId, ValueId>,
+    ) -> Result<(), PassError> {
+        let node = self.b.model.node(n).clone();
+        let outputs: Vec<ValueId> = node.outputs.iter().flatten().copied().collect();
+        if outputs
+            .iter()
+            .all(|o| known.get(o).is_some_and(|s| !is_float(s.elem)))
+        {
+            return Ok(());
+        }
+        if let Some(step) = self.time_step(&node, known)? {
+            copies.insert(outputs[0], step);
+            return Ok(());
+        }
+        // A body's Identity (tf2onnx writes one per TensorFlow Identity) forwards its input:
+        // the copies read that directly.
+        let p = &node.proto;
+        if p.op_type() == "Identity" && (p.domain().is_empty() || p.domain() == "ai.onnx") {
+            if let (Some(Some(x)), [y]) = (node.inputs.first(), outputs.as_slice()) {
+                let forwarded = self.read(*x, known, copies)?;
+                copies.insert(*y, forwarded);
+                return Ok(());
+            }
+        }
+        let mut inputs = Vec::with_capacity(node.inputs.len());
+        for v in &node.inputs {
+            inputs.push(match v {
+                Some(v) => Some(self.read(*v, known, copies)?),
+                None => None,
+            });
+        }
+        let hints: Vec<String> = node
+            .outputs
+            .iter()
+            .map(|o| match o {
+                Some(o) => self.b.model.name(*o).to_string(),
+                None => String::new(),
+            })
+            .collect();
+        let hint_refs: Vec<&str> = hints.iter().map(String::as_str).collect();
+        let copy = self.b.model.add_node(
+            BodyId::MAIN,
+            NodeSpec {
+                op_type: p.op_type(),
+                domain: p.domain(),
+                inputs: &inputs,
+                output_hints: &hint_refs,
+                attributes: p.attribute.clone(),
+                name_hint: Some(p.name()),
+                pass: Some(self.b.pass),
+            },
+        );
+        self.b.added += 1;
+        for (slot, o) in node.outputs.iter().enumerate() {
+            let Some(o) = o else { continue };
+            let new = self.b.model.output(copy, slot);
+            if let Some(ty) = self.b.model.value_type(*o) {
+                self.b.model.set_value_type(new, ty);
+            }
+            copies.insert(*o, new);
+        }
+        // An omitted output slot stays omitted in the copy.
+        for (slot, o) in node.outputs.iter().enumerate() {
+            if o.is_none() {
+                self.b.model.node_mut(copy).outputs[slot] = None;
+            }
+        }
+        Ok(())
+    }
+
+    /// `Gather(X, t)` of an outer X at a known position t on axis 0, as output t of one
+    /// Split of X (squeezed); `None` where the node is not that.
+    fn time_step(
+        &mut self,
+        node: &crate::ir::Node,
+        known: &HashMap<ValueId, Scalar>,
+    ) -> Result<Option<ValueId>, PassError> {
+        let p = &node.proto;
+        if p.op_type() != "Gather" || !(p.domain().is_empty() || p.domain() == "ai.onnx") {
+            return Ok(None);
+        }
+        let (Some(Some(x)), Some(Some(index))) = (node.inputs.first(), node.inputs.get(1)) else {
+            return Ok(None);
+        };
+        if self.parts.is_local(self.b.model, *x) {
+            return Ok(None);
+        }
+        let Some(t) = known
+            .get(index)
+            .filter(|s| s.rank == 0 && !is_float(s.elem))
+        else {
+            return Ok(None);
+        };
+        let facts = self.shapes.get(*x);
+        let (Some(rank), Some(steps)) = (
+            facts.rank(),
+            facts
+                .dims
+                .as_ref()
+                .and_then(|d| d.first())
+                .and_then(|d| d.known()),
+        ) else {
+            return Ok(None);
+        };
+        let axis = p.attr_int("axis").ok().flatten().unwrap_or(0);
+        let t = if t.value < 0.0 {
+            t.value as i64 + steps
+        } else {
+            t.value as i64
+        };
+        if (axis != 0 && axis != -(rank as i64)) || !(0..steps).contains(&t) || steps < 2 {
+            return Ok(None);
+        }
+        let h = self.b.model.name(*x).to_string();
+        if !self.split_of.contains_key(x) {
+            let ones = vec![1; steps as usize];
+            let hints: Vec<String> = (0..steps).map(|_| h.clone()).collect();
+            let hint_refs: Vec<&str> = hints.iter().map(String::as_str).collect();
+            let split = match self.b.opset() >= 13 {
+                true => {
+                    let sizes = self.b.ints("split", &ones);
+                    self.b.node(
+                        "Split",
+                        "",
+                        &[Some(*x), Some(sizes)],
+                        &hint_refs,
+                        vec![attr_int("axis", 0)],
+                    )
+                }
+                false => self.b.node(
+                    "Split",
+                    "",
+                    &[Some(*x)],
+                    &hint_refs,
+                    vec![attr_int("axis", 0), attr_ints("split", &ones)],
+                ),
+            };
+            self.split_of
+                .insert(*x, (split, vec![None; steps as usize]));
+        }
+        let (split, squeezed) = &self.split_of[x];
+        if let Some(v) = squeezed[t as usize] {
+            return Ok(Some(v));
+        }
+        let piece = self.b.model.output(*split, t as usize);
+        let v = match axes_as_input("Squeeze", self.b.opset()) {
+            true => {
+                let axes = self.b.axes(&[0]);
+                self.b.op("Squeeze", &[piece, axes], vec![], &h)
+            }
+            false => self
+                .b
+                .op("Squeeze", &[piece], vec![attr_ints("axes", &[0])], &h),
+        };
+        if let Some(entry) = self.split_of.get_mut(x) {
+            entry.1[t as usize] = Some(v);
+        }
+        Ok(Some(v))
+    }
+}
