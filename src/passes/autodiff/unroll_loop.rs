@@ -109,6 +109,33 @@ fn is_float(elem: i32) -> bool {
     matches!(elem, FLOAT | DOUBLE | FLOAT16 | BFLOAT16)
 }
 
+/// The ops [`evaluate`] computes.
+const EVALUATED: &[&str] = &[
+    "Constant",
+    "Identity",
+    "Add",
+    "Sub",
+    "Mul",
+    "Div",
+    "Min",
+    "Max",
+    "Neg",
+    "Abs",
+    "Not",
+    "And",
+    "Or",
+    "Xor",
+    "Less",
+    "LessOrEqual",
+    "Greater",
+    "GreaterOrEqual",
+    "Equal",
+    "Cast",
+    "Squeeze",
+    "Unsqueeze",
+    "Reshape",
+];
+
 /// The value of a node's output from its inputs' values, for the ops loop counters and
 /// conditions are made of; `None` for any other op.
 fn evaluate(model: &Model, node: NodeId, inputs: &[Option<Scalar>]) -> Option<Scalar> {
@@ -189,12 +216,17 @@ fn outer_scalar(model: &Model, shapes: &Shapes, v: ValueId, depth: usize) -> Opt
     if depth == 0 || !model.node(node).subgraphs.is_empty() {
         return None;
     }
-    let inputs: Vec<Option<Scalar>> = model
-        .node(node)
-        .inputs
-        .iter()
-        .map(|i| i.and_then(|i| outer_scalar(model, shapes, i, depth - 1)))
-        .collect();
+    // Up only through the ops `evaluate` knows: a walk through anything else could visit a
+    // whole network's DAG.
+    let inputs: Vec<Option<Scalar>> = match EVALUATED.contains(&model.node(node).proto.op_type()) {
+        true => model
+            .node(node)
+            .inputs
+            .iter()
+            .map(|i| i.and_then(|i| outer_scalar(model, shapes, i, depth - 1)))
+            .collect(),
+        false => Vec::new(),
+    };
     evaluate(model, node, &inputs).or_else(|| {
         let facts = shapes.get(v);
         match known_ints(model, shapes, v)?.as_slice() {
@@ -221,11 +253,18 @@ struct Parts {
     body_inputs: Vec<ValueId>,
     /// The body's outputs: condition, N carried, K scan outputs.
     body_outputs: Vec<ValueId>,
+    /// The scalars, where known, of the enclosing graphs' values the Loop and its body read
+    /// (evaluated once: they are the same in every iteration).
+    outer: HashMap<ValueId, Scalar>,
 }
 
 impl Parts {
     fn carried(&self) -> usize {
         self.initial.len()
+    }
+
+    fn outer_scalar(&self, v: ValueId) -> Option<Scalar> {
+        self.outer.get(&v).copied()
     }
 
     fn is_local(&self, model: &Model, v: ValueId) -> bool {
@@ -237,7 +276,7 @@ impl Parts {
     }
 }
 
-fn parts(model: &Model, node: NodeId) -> Result<Parts, String> {
+fn parts(model: &Model, shapes: &Shapes, node: NodeId) -> Result<Parts, String> {
     let n = model.node(node);
     let body = n
         .subgraphs
@@ -275,7 +314,10 @@ fn parts(model: &Model, node: NodeId) -> Result<Parts, String> {
             model.node(*inner).proto.op_type()
         ));
     }
-    Ok(Parts {
+    if !b.sparse_initializers.is_empty() {
+        return Err("its body holds sparse initializers".into());
+    }
+    let mut parts = Parts {
         body,
         order,
         trip_count: input(0),
@@ -283,14 +325,29 @@ fn parts(model: &Model, node: NodeId) -> Result<Parts, String> {
         initial,
         body_inputs,
         body_outputs,
-    })
+        outer: HashMap::new(),
+    };
+    let read: Vec<ValueId> = n
+        .inputs
+        .iter()
+        .chain(parts.order.iter().flat_map(|i| &model.node(*i).inputs))
+        .flatten()
+        .copied()
+        .chain(parts.body_outputs.iter().copied())
+        .filter(|v| !parts.is_local(model, *v))
+        .collect();
+    for v in read {
+        if let Some(s) = outer_scalar(model, shapes, v, DEPTH) {
+            parts.outer.insert(v, s);
+        }
+    }
+    Ok(parts)
 }
 
 /// One iteration's known scalars: the body values computed from constants, the iteration
 /// number `i`, the condition `c` and the carried values known before the run.
 fn iteration_scalars(
     model: &Model,
-    shapes: &Shapes,
     parts: &Parts,
     i: usize,
     c: Option<Scalar>,
@@ -314,7 +371,7 @@ fn iteration_scalars(
                 let v = (*v)?;
                 match parts.is_local(model, v) {
                     true => known.get(&v).copied(),
-                    false => outer_scalar(model, shapes, v, DEPTH),
+                    false => parts.outer_scalar(v),
                 }
             })
             .collect();
@@ -333,22 +390,21 @@ fn iteration_scalars(
 /// A body value's scalar in an iteration whose local scalars are `known`.
 fn scalar_in(
     model: &Model,
-    shapes: &Shapes,
     parts: &Parts,
     known: &HashMap<ValueId, Scalar>,
     v: ValueId,
 ) -> Option<Scalar> {
     match parts.is_local(model, v) {
         true => known.get(&v).copied(),
-        false => outer_scalar(model, shapes, v, DEPTH),
+        false => parts.outer_scalar(v),
     }
 }
 
 /// How many iterations the Loop runs, or why that is not known before the run.
-fn trip_count(model: &Model, shapes: &Shapes, parts: &Parts) -> Result<usize, String> {
+fn trip_count(model: &Model, parts: &Parts) -> Result<usize, String> {
     let limit = match parts.trip_count {
         Some(m) => {
-            let s = outer_scalar(model, shapes, m, DEPTH).ok_or_else(|| {
+            let s = parts.outer_scalar(m).ok_or_else(|| {
                 format!(
                     "its trip count M ('{}') is computed at run time",
                     model.name(m)
@@ -359,7 +415,7 @@ fn trip_count(model: &Model, shapes: &Shapes, parts: &Parts) -> Result<usize, St
         None => None,
     };
     let mut c = match parts.condition {
-        Some(c) => Some(outer_scalar(model, shapes, c, DEPTH).ok_or_else(|| {
+        Some(c) => Some(parts.outer_scalar(c).ok_or_else(|| {
             format!(
                 "its first condition ('{}') is computed at run time",
                 model.name(c)
@@ -373,7 +429,7 @@ fn trip_count(model: &Model, shapes: &Shapes, parts: &Parts) -> Result<usize, St
     let mut carried: Vec<Option<Scalar>> = parts
         .initial
         .iter()
-        .map(|v| outer_scalar(model, shapes, *v, DEPTH))
+        .map(|v| parts.outer_scalar(*v))
         .collect();
     let mut i = 0;
     loop {
@@ -385,10 +441,10 @@ fn trip_count(model: &Model, shapes: &Shapes, parts: &Parts) -> Result<usize, St
                 "it runs more than {MAX_TRIP_COUNT} iterations, each a copy of its body once unrolled"
             ));
         }
-        let known = iteration_scalars(model, shapes, parts, i, c, &carried);
+        let known = iteration_scalars(model, parts, i, c, &carried);
         if c.is_some() {
             let out = parts.body_outputs[0];
-            c = Some(scalar_in(model, shapes, parts, &known, out).ok_or_else(|| {
+            c = Some(scalar_in(model, parts, &known, out).ok_or_else(|| {
                 format!(
                     "its condition ('{}') depends on values computed at run time",
                     model.name(out)
@@ -396,7 +452,7 @@ fn trip_count(model: &Model, shapes: &Shapes, parts: &Parts) -> Result<usize, St
             })?);
         }
         carried = (0..parts.carried())
-            .map(|k| scalar_in(model, shapes, parts, &known, parts.body_outputs[1 + k]))
+            .map(|k| scalar_in(model, parts, &known, parts.body_outputs[1 + k]))
             .collect();
         i += 1;
     }
@@ -405,12 +461,12 @@ fn trip_count(model: &Model, shapes: &Shapes, parts: &Parts) -> Result<usize, St
 /// Why the Loop `node` is not unrolled, when it is not (for the autodiff's error).
 pub fn why_not(model: &Model, node: NodeId) -> Option<String> {
     let shapes = Shapes::infer(model);
-    let parts = match parts(model, node) {
+    let parts = match parts(model, &shapes, node) {
         Ok(p) => p,
         Err(e) => return Some(e),
     };
     let scans = parts.body_outputs.len() - 1 - parts.carried();
-    match trip_count(model, &shapes, &parts) {
+    match trip_count(model, &parts) {
         Err(e) => Some(e),
         Ok(0) if scans > 0 => {
             Some("it runs no iteration, so its scan outputs have no shape".into())
@@ -436,10 +492,10 @@ pub fn unroll(
     shapes: &Shapes,
     pass: &'static str,
 ) -> Result<Option<usize>, PassError> {
-    let Ok(parts) = parts(model, node) else {
+    let Ok(parts) = parts(model, shapes, node) else {
         return Ok(None);
     };
-    let Ok(trips) = trip_count(model, shapes, &parts) else {
+    let Ok(trips) = trip_count(model, &parts) else {
         return Ok(None);
     };
     let carried_count = parts.carried();
@@ -458,21 +514,19 @@ pub fn unroll(
         split_of: HashMap::new(),
     };
 
-    let mut c = parts
-        .condition
-        .and_then(|v| outer_scalar(unrolled.b.model, shapes, v, DEPTH));
+    let mut c = parts.condition.and_then(|v| parts.outer_scalar(v));
     let mut state: Vec<Carried> = parts
         .initial
         .iter()
         .map(|v| Carried {
             value: Some(*v),
-            scalar: outer_scalar(unrolled.b.model, shapes, *v, DEPTH),
+            scalar: parts.outer_scalar(*v),
         })
         .collect();
     let mut scanned: Vec<Vec<ValueId>> = vec![Vec::new(); scans];
     for i in 0..trips {
         let scalars: Vec<Option<Scalar>> = state.iter().map(|s| s.scalar).collect();
-        let known = iteration_scalars(unrolled.b.model, shapes, &parts, i, c, &scalars);
+        let known = iteration_scalars(unrolled.b.model, &parts, i, c, &scalars);
         let mut copies: HashMap<ValueId, ValueId> = HashMap::new();
         for (k, s) in state.iter().enumerate() {
             if let Some(v) = s.value {
@@ -482,7 +536,8 @@ pub fn unroll(
         for &n in &parts.order {
             unrolled.copy(n, &known, &mut copies)?;
         }
-        let next = |u: &mut Unrolled<'_, '_>, out: ValueId, copies: &HashMap<ValueId, ValueId>| {
+        // What a body output holds after this iteration.
+        let next = |u: &Unrolled<'_, '_>, out: ValueId, copies: &HashMap<ValueId, ValueId>| {
             if let Some(j) = parts.body_inputs[2..].iter().position(|v| *v == out) {
                 return state[j];
             }
@@ -492,25 +547,19 @@ pub fn unroll(
                     true => copies.get(&out).copied(),
                     false => Some(out),
                 },
-                scalar: scalar_in(model, shapes, &parts, &known, out),
+                scalar: scalar_in(model, &parts, &known, out),
             }
         };
         let next_state: Vec<Carried> = (0..carried_count)
-            .map(|k| next(&mut unrolled, parts.body_outputs[1 + k], &copies))
+            .map(|k| next(&unrolled, parts.body_outputs[1 + k], &copies))
             .collect();
         for (k, scan) in scanned.iter_mut().enumerate() {
             let out = parts.body_outputs[1 + carried_count + k];
-            let carried = next(&mut unrolled, out, &copies);
+            let carried = next(&unrolled, out, &copies);
             scan.push(unrolled.materialize(out, carried)?);
         }
         if c.is_some() {
-            c = scalar_in(
-                unrolled.b.model,
-                shapes,
-                &parts,
-                &known,
-                parts.body_outputs[0],
-            );
+            c = scalar_in(unrolled.b.model, &parts, &known, parts.body_outputs[0]);
         }
         state = next_state;
     }
