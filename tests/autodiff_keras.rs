@@ -209,13 +209,18 @@ fn keras_training(model: &str, optimizer: &str, reference: &str) {
 
 /// The same in `k` micro-batches of 32 / k per window.
 fn keras_training_in(model: &str, optimizer: &str, reference: &str, k: usize) {
+    keras_training_of(model, "keras.onnx", optimizer, reference, k);
+}
+
+/// The same for one of the model's exports.
+fn keras_training_of(model: &str, file: &str, optimizer: &str, reference: &str, k: usize) {
     if !ort_available() {
         return;
     }
     let spec = format!(
         "autodiff(loss_fn=cross-entropy,grads=internal),grad-accum(steps={k},normalize=mean),{optimizer},legalize-ort,dce"
     );
-    let step = build(&graph_path(model, "keras.onnx"), &spec);
+    let step = build(&graph_path(model, file), &spec);
     let data = read_npz(&graph_path(model, "data.npz"));
     let mut trainer = common::trainer(&step);
     let samples = trainer
@@ -229,7 +234,7 @@ fn keras_training_in(model: &str, optimizer: &str, reference: &str, k: usize) {
     }
     let state = trainer.state().unwrap_or_else(|e| panic!("{e}")).clone();
     let expected = fixture(model, reference);
-    let initial = load(&graph_path(model, "keras.onnx"));
+    let initial = load(&graph_path(model, file));
     let initial: BTreeMap<String, Tensor> = initial
         .graph
         .as_ref()
@@ -255,7 +260,9 @@ fn keras_training_in(model: &str, optimizer: &str, reference: &str, k: usize) {
         );
         worst = worst.max(err);
     }
-    eprintln!("{model} {optimizer}: worst parameter {worst:e} max abs from Keras ({reference})");
+    eprintln!(
+        "{model}/{file} {optimizer}: worst parameter {worst:e} max abs from Keras ({reference})"
+    );
 }
 
 const SGD: &str = "optimizer(kind=sgd,lr=0.1)";
@@ -380,4 +387,13 @@ fn keras_gru_accumulated_sgd_equals_full_batch() {
 #[test]
 fn keras_gru_accumulated_keras_adam_equals_full_batch() {
     keras_training("keras_gru", KERAS_ADAM, "run_adam64.npz");
+}
+/// The plain export of the same model (grappler's constant folding on) has the
+/// Bidirectional GRU as ONNX's GRU (linear_before_reset, each direction's bias the input row
+/// then the recurrent row of Keras's), which `unroll_rnn` unrolls, and the SimpleRNN as a
+/// Loop: it trains like Keras too (default_run_sgd.npz: Keras's SGD run in that layout,
+/// checked against the file's initial values by the generator).
+#[test]
+fn keras_gru_default_export_sgd_equals_full_batch() {
+    keras_training_of("keras_gru", "default.onnx", SGD, "default_run_sgd.npz", 4);
 }

@@ -242,6 +242,7 @@ MODELS = {
                        what="Embedding(16, 8) -> LSTM(8) -> Dense(4), int32 tokens [N, 12], "
                             "logits"),
     "keras_gru": dict(make=make_gru, data=make_data_tokens, seed=4,
+                      default_layout="gru_default_layout",
                       what="Embedding(16, 8) -> Bidirectional(GRU(6, return_sequences)) -> "
                            "SimpleRNN(5) -> Dense(4), int32 tokens [N, 12], logits"),
     "keras_cnn": dict(make=make_cnn, data=make_data_cnn, seed=1,
@@ -480,6 +481,50 @@ def keras_run(make, model, mapping, data, optimizer):
     return params, losses
 
 
+def variable_values(mapping, params):
+    """Keras variable name -> value, from parameters in the layout of `mapping` (as it is,
+    or split into rows)."""
+    values, rows = {}, collections.defaultdict(dict)
+    for name, (var, perm) in mapping.items():
+        if isinstance(perm, tuple) and perm[0] == ROW:
+            rows[var.name][perm[1]] = params[name][0]
+        elif perm is None:
+            values[var.name] = params[name]
+        else:
+            raise ValueError(f"{var.name}: layout {perm} is not inverted here")
+    for var, by_row in rows.items():
+        values[var] = np.stack([by_row[i] for i in sorted(by_row)])
+    return values
+
+
+def gru_default_layout(default: onnx.ModelProto, values: dict) -> dict:
+    """keras_gru's `default.onnx` (grappler's constant folding on): tf2onnx writes the
+    Bidirectional GRU as ONNX's GRU, gates z r h as Keras's: W [2, 3H, in] the two kernels
+    transposed (forward, backward), R [2, 3H, H] the recurrent kernels, B [2, 6H] each
+    bias's input row then recurrent row; every other variable as it is, found by value.
+    Returns initializer name -> value for `values` (Keras variable name -> value)."""
+    inits = initializers(default)
+    # By direction: "forward_gru" -> {"kernel:0": ..., "recurrent_kernel:0": ..., "bias:0": ...}
+    cell = {dirn: {k.split("/")[-1]: v for k, v in values.items() if f"/{dirn}/" in k}
+            for dirn in ("forward_gru", "backward_gru")}
+    assert all(cell.values()), values.keys()
+    out = {}
+    for prefix, build in (
+        ("W__", lambda c: c["kernel:0"].T),
+        ("R__", lambda c: c["recurrent_kernel:0"].T),
+        ("B__", lambda c: np.concatenate([c["bias:0"][0], c["bias:0"][1]])),
+    ):
+        (name,) = [n for n in inits if n.startswith(prefix)]
+        out[name] = np.stack([build(cell["forward_gru"]), build(cell["backward_gru"])])
+    for var, value in values.items():
+        if "_gru/" in var:
+            continue
+        names = [n for n, v in inits.items() if v.shape == value.shape and n not in out]
+        (name,) = [n for n in names if np.array_equal(inits[n], value)] or names
+        out[name] = value
+    return out
+
+
 def adam_first_step_ratio(make, model, data):
     """Keras's first Adam update over the textbook one (lr sqrt(1-b2)/(1-b1) m/(sqrt(v)+eps) with
     the decimal betas), float64, on elements with |g| > 1e-4: measures that Keras computes
@@ -620,6 +665,19 @@ def generate(name: str, spec: dict) -> dict:
                                "losses": adam64_losses,
                                "max_abs_from_run_adam.npz": adam_noise}}
     ratio = adam_first_step_ratio(spec["make"], model, data)
+    if spec.get("default_layout"):
+        # The default export in its own layout: the initial values must be the file's
+        # (which checks the layout), then the SGD run's.
+        layout = globals()[spec["default_layout"]]
+        initial = layout(default, variable_values(mapping, {
+            n: initializers(kept)[n] for n in mapping}))
+        inits = initializers(default)
+        for name, value in initial.items():
+            assert np.array_equal(inits[name], value), name
+        save_npz(os.path.join(fdir, "default_run_sgd.npz"),
+                 layout(default, variable_values(mapping, sgd)))
+        runs["default_run_sgd.npz"] = {
+            "of": "run_sgd.npz", "layout": layout.__doc__.split("Returns")[0].strip()}
 
     return {
         "model": name,

@@ -686,9 +686,11 @@ impl Unrolled<'_, '_> {
         {
             return Ok(());
         }
-        if let Some(step) = self.time_step(&node, known)? {
-            copies.insert(outputs[0], step);
-            return Ok(());
+        if let [out] = outputs.as_slice() {
+            if let Some(step) = self.time_step(&node, known)? {
+                copies.insert(*out, step);
+                return Ok(());
+            }
         }
         // A body's Identity (tf2onnx writes one per TensorFlow Identity) forwards its input:
         // the copies read that directly.
