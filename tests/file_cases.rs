@@ -278,6 +278,8 @@ macro_rules! cases {
 
 cases! {
     dce_if_branches => "dce/if_branches.onnxtxt",
+    errors_loop_body_signature => "errors/loop_body_signature.onnxtxt",
+    errors_loop_too_many_iterations => "errors/loop_too_many_iterations.onnxtxt",
     errors_loop_trip_count_at_run_time => "errors/loop_trip_count_at_run_time.onnxtxt",
     errors_missing_gradient => "errors/missing_gradient.onnxtxt",
     errors_unknown_com_microsoft_op => "errors/unknown_com_microsoft_op.onnxtxt",
