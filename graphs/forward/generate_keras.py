@@ -176,21 +176,27 @@ def make_bn(dtype="float32", bias=None):
     )
 
 
-def make_lstm(dtype="float32", bias=None):
-    """Tokens -> Embedding -> LSTM -> Dense: tf2onnx writes the LSTM as ONNX's LSTM, its
-    gates reordered and Keras's one bias as B = [bias, zeros] (ONNX's two)."""
+def token_model(name, dtype, bias, recurrent):
+    """Tokens [N, 12] -> Embedding(16, 8) `embed` -> recurrent(L, dtype, bias) -> Dense(4)
+    `logits`, biases from `bias()` (default RandomNormal(0.1), so each is found by value)."""
     L = tf.keras.layers
-    init = tf.keras.initializers
-    bias = bias or (lambda: init.RandomNormal(stddev=0.1))
+    bias = bias or (lambda: tf.keras.initializers.RandomNormal(stddev=0.1))
     return tf.keras.Sequential(
         [
             tf.keras.Input((12,), name="x", dtype="int32"),
             L.Embedding(16, 8, name="embed", dtype=dtype),
-            L.LSTM(8, name="lstm", dtype=dtype, bias_initializer=bias()),
+            *recurrent(L, dtype, bias),
             L.Dense(4, name="logits", dtype=dtype, bias_initializer=bias()),
         ],
-        name="keras_lstm",
+        name=name,
     )
+
+
+def make_lstm(dtype="float32", bias=None):
+    """Tokens -> Embedding -> LSTM -> Dense: tf2onnx writes the LSTM as ONNX's LSTM, its
+    gates reordered and Keras's one bias as B = [bias, zeros] (ONNX's two)."""
+    return token_model("keras_lstm", dtype, bias, lambda L, dtype, bias: [
+        L.LSTM(8, name="lstm", dtype=dtype, bias_initializer=bias())])
 
 
 def make_gru(dtype="float32", bias=None):
@@ -198,20 +204,11 @@ def make_gru(dtype="float32", bias=None):
     writes each recurrent layer as a Loop (TensorFlow's while loop) over the 12 steps, the
     backward GRU's sequence reversed by ReverseSequence, and each GRU's one bias [2, 3H] as
     two initializers [1, 3H], its input and recurrent halves (rows)."""
-    L = tf.keras.layers
-    init = tf.keras.initializers
-    bias = bias or (lambda: init.RandomNormal(stddev=0.1))
-    return tf.keras.Sequential(
-        [
-            tf.keras.Input((12,), name="x", dtype="int32"),
-            L.Embedding(16, 8, name="embed", dtype=dtype),
-            L.Bidirectional(L.GRU(6, return_sequences=True, name="gru", dtype=dtype,
-                                  bias_initializer=bias()), name="bigru", dtype=dtype),
-            L.SimpleRNN(5, name="rnn", dtype=dtype, bias_initializer=bias()),
-            L.Dense(4, name="logits", dtype=dtype, bias_initializer=bias()),
-        ],
-        name="keras_gru",
-    )
+    return token_model("keras_gru", dtype, bias, lambda L, dtype, bias: [
+        L.Bidirectional(L.GRU(6, return_sequences=True, name="gru", dtype=dtype,
+                              bias_initializer=bias()), name="bigru", dtype=dtype),
+        L.SimpleRNN(5, name="rnn", dtype=dtype, bias_initializer=bias()),
+    ])
 
 
 def make_data_mlp(rng):
