@@ -27,7 +27,10 @@
 //! A Gather of an outer value at a constant position on axis 0 (TensorFlow's TensorArray
 //! read, one time step per iteration) becomes one output of one Split of that value,
 //! squeezed: its gradient is then one Concat, where T Gathers' gradients would be T
-//! scatters into zeros of the whole sequence.
+//! scatters into zeros of the whole sequence. A MatMul of such a step by a weight that
+//! every iteration reads (a cell's input kernel) becomes a step of one MatMul of the whole
+//! sequence: `Split(X · W)[t]` for `X[t] · W`, one product forward and one per gradient
+//! instead of T each.
 //!
 //! Not unrolled (the Loop stays, and the autodiff names the reason if a gradient must pass
 //! it, [`why_not`]): a trip count or condition computed at run time, more than
@@ -512,6 +515,9 @@ pub fn unroll(
         shapes,
         loop_name,
         split_of: HashMap::new(),
+        step_reads: HashMap::new(),
+        projections: HashMap::new(),
+        created: Default::default(),
     };
 
     let mut c = parts.condition.and_then(|v| parts.outer_scalar(v));
@@ -528,6 +534,7 @@ pub fn unroll(
         let scalars: Vec<Option<Scalar>> = state.iter().map(|s| s.scalar).collect();
         let known = iteration_scalars(unrolled.b.model, &parts, i, c, &scalars);
         let mut copies: HashMap<ValueId, ValueId> = HashMap::new();
+        unrolled.step_reads.clear();
         for (k, s) in state.iter().enumerate() {
             if let Some(v) = s.value {
                 copies.insert(parts.body_inputs[2 + k], v);
@@ -625,6 +632,13 @@ struct Unrolled<'m, 'p> {
     loop_name: String,
     /// An outer value read one step per iteration: its Split's outputs, squeezed where read.
     split_of: HashMap<ValueId, (NodeId, Vec<Option<ValueId>>)>,
+    /// This iteration's time-step reads: body value -> (outer X, step t, steps T), emitted
+    /// (as a Split output) only where something reads the step itself.
+    step_reads: HashMap<ValueId, (ValueId, i64, i64)>,
+    /// `MatMul(X, W)` over every step at once, by (X, W).
+    projections: HashMap<(ValueId, ValueId), ValueId>,
+    /// Values the copies made (what differs from iteration to iteration).
+    created: std::collections::HashSet<ValueId>,
 }
 
 impl Unrolled<'_, '_> {
@@ -663,6 +677,9 @@ impl Unrolled<'_, '_> {
         if !self.parts.is_local(self.b.model, v) {
             return Ok(v);
         }
+        if let Some(&(x, t, steps)) = self.step_reads.get(&v) {
+            return Ok(self.step(x, t, steps));
+        }
         let carried = Carried {
             value: copies.get(&v).copied(),
             scalar: known.get(&v).copied(),
@@ -686,16 +703,41 @@ impl Unrolled<'_, '_> {
         {
             return Ok(());
         }
+        let p = &node.proto;
+        let default_domain = p.domain().is_empty() || p.domain() == "ai.onnx";
         if let [out] = outputs.as_slice() {
-            if let Some(step) = self.time_step(&node, known)? {
-                copies.insert(*out, step);
+            if let Some(read) = self.time_step(&node, known) {
+                self.step_reads.insert(*out, read);
                 return Ok(());
+            }
+            // A time step's projection by a weight every iteration reads (TensorFlow's
+            // cells multiply each step's input by the kernel): one MatMul of the whole
+            // sequence, split, whose gradient is one MatMul too.
+            if let (true, "MatMul", [Some(a), Some(w)]) =
+                (default_domain, p.op_type(), node.inputs.as_slice())
+            {
+                if let Some(&(x, t, steps)) = self.step_reads.get(a) {
+                    let w = self.read(*w, known, copies)?;
+                    if !self.created.contains(&w) && self.shapes.get(w).rank() == Some(2) {
+                        let projected = match self.projections.get(&(x, w)) {
+                            Some(p) => *p,
+                            None => {
+                                let hint = format!("{}_projected", self.b.model.name(x));
+                                let p = self.b.op("MatMul", &[x, w], vec![], &hint);
+                                self.projections.insert((x, w), p);
+                                p
+                            }
+                        };
+                        let step = self.step(projected, t, steps);
+                        copies.insert(*out, step);
+                        return Ok(());
+                    }
+                }
             }
         }
         // A body's Identity (tf2onnx writes one per TensorFlow Identity) forwards its input:
         // the copies read that directly.
-        let p = &node.proto;
-        if p.op_type() == "Identity" && (p.domain().is_empty() || p.domain() == "ai.onnx") {
+        if p.op_type() == "Identity" && default_domain {
             if let (Some(Some(x)), [y]) = (node.inputs.first(), outputs.as_slice()) {
                 let forwarded = self.read(*x, known, copies)?;
                 copies.insert(*y, forwarded);
@@ -734,6 +776,7 @@ impl Unrolled<'_, '_> {
         for (slot, o) in node.outputs.iter().enumerate() {
             let Some(o) = o else { continue };
             let new = self.b.model.output(copy, slot);
+            self.created.insert(new);
             if let Some(ty) = self.b.model.value_type(*o) {
                 self.b.model.set_value_type(new, ty);
             }
@@ -748,51 +791,44 @@ impl Unrolled<'_, '_> {
         Ok(())
     }
 
-    /// `Gather(X, t)` of an outer X at a known position t on axis 0, as output t of one
-    /// Split of X (squeezed); `None` where the node is not that.
+    /// `Gather(X, t)` of an outer X at a known position t on axis 0 of T: (X, t, T); `None`
+    /// where the node is not that.
     fn time_step(
-        &mut self,
+        &self,
         node: &crate::ir::Node,
         known: &HashMap<ValueId, Scalar>,
-    ) -> Result<Option<ValueId>, PassError> {
+    ) -> Option<(ValueId, i64, i64)> {
         let p = &node.proto;
         if p.op_type() != "Gather" || !(p.domain().is_empty() || p.domain() == "ai.onnx") {
-            return Ok(None);
+            return None;
         }
         let (Some(Some(x)), Some(Some(index))) = (node.inputs.first(), node.inputs.get(1)) else {
-            return Ok(None);
+            return None;
         };
         if self.parts.is_local(self.b.model, *x) {
-            return Ok(None);
+            return None;
         }
-        let Some(t) = known
+        let t = known
             .get(index)
-            .filter(|s| s.rank == 0 && !is_float(s.elem))
-        else {
-            return Ok(None);
-        };
+            .filter(|s| s.rank == 0 && !is_float(s.elem))?;
         let facts = self.shapes.get(*x);
-        let (Some(rank), Some(steps)) = (
-            facts.rank(),
-            facts
-                .dims
-                .as_ref()
-                .and_then(|d| d.first())
-                .and_then(|d| d.known()),
-        ) else {
-            return Ok(None);
-        };
+        let rank = facts.rank()?;
+        let steps = facts.dims.as_ref()?.first()?.known()?;
         let axis = p.attr_int("axis").ok().flatten().unwrap_or(0);
         let t = if t.value < 0.0 {
             t.value as i64 + steps
         } else {
             t.value as i64
         };
-        if (axis != 0 && axis != -(rank as i64)) || !(0..steps).contains(&t) || steps < 2 {
-            return Ok(None);
-        }
-        let h = self.b.model.name(*x).to_string();
-        if !self.split_of.contains_key(x) {
+        ((axis == 0 || axis == -(rank as i64)) && (0..steps).contains(&t) && steps >= 2)
+            .then_some((*x, t, steps))
+    }
+
+    /// Step t of the T along axis 0 of `x`: output t of one Split of `x`, squeezed (the
+    /// Split and each Squeeze made once).
+    fn step(&mut self, x: ValueId, t: i64, steps: i64) -> ValueId {
+        let h = self.b.model.name(x).to_string();
+        if !self.split_of.contains_key(&x) {
             let ones = vec![1; steps as usize];
             let hints: Vec<String> = (0..steps).map(|_| h.clone()).collect();
             let hint_refs: Vec<&str> = hints.iter().map(String::as_str).collect();
@@ -802,7 +838,7 @@ impl Unrolled<'_, '_> {
                     self.b.node(
                         "Split",
                         "",
-                        &[Some(*x), Some(sizes)],
+                        &[Some(x), Some(sizes)],
                         &hint_refs,
                         vec![attr_int("axis", 0)],
                     )
@@ -810,17 +846,16 @@ impl Unrolled<'_, '_> {
                 false => self.b.node(
                     "Split",
                     "",
-                    &[Some(*x)],
+                    &[Some(x)],
                     &hint_refs,
                     vec![attr_int("axis", 0), attr_ints("split", &ones)],
                 ),
             };
-            self.split_of
-                .insert(*x, (split, vec![None; steps as usize]));
+            self.split_of.insert(x, (split, vec![None; steps as usize]));
         }
-        let (split, squeezed) = &self.split_of[x];
+        let (split, squeezed) = &self.split_of[&x];
         if let Some(v) = squeezed[t as usize] {
-            return Ok(Some(v));
+            return v;
         }
         let piece = self.b.model.output(*split, t as usize);
         let v = match axes_as_input("Squeeze", self.b.opset()) {
@@ -832,9 +867,9 @@ impl Unrolled<'_, '_> {
                 .b
                 .op("Squeeze", &[piece], vec![attr_ints("axes", &[0])], &h),
         };
-        if let Some(entry) = self.split_of.get_mut(x) {
+        if let Some(entry) = self.split_of.get_mut(&x) {
             entry.1[t as usize] = Some(v);
         }
-        Ok(Some(v))
+        v
     }
 }
