@@ -313,14 +313,18 @@ fn keras_bn_default_export_with_folded_batch_norms_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("step.onnx");
     let rewrite = |extra: &[&str]| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_onnx-ga"))
-            .arg("rewrite")
-            .arg(&file)
-            .args(["--loss-fn", "cross-entropy", "--optimizer", "sgd", "-o"])
-            .arg(&out)
-            .args(extra)
-            .output()
-            .unwrap()
+        let mut args = vec![
+            "rewrite",
+            file.to_str().unwrap(),
+            "--loss-fn",
+            "cross-entropy",
+            "--optimizer",
+            "sgd",
+            "-o",
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        common::onnx_ga_cli(&args)
     };
     let refused = rewrite(&[]);
     let stderr = String::from_utf8_lossy(&refused.stderr);

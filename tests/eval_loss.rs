@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use onnx_ga::data::Tensor;
 use tempfile::TempDir;
 
-use crate::common::{cli_rewrite, onnx_ga_cli, ort_available, root};
+use crate::common::{cli_rewrite, cli_train, onnx_ga_cli, ort_available, root};
 
 #[derive(serde::Deserialize)]
 struct Reference {
@@ -287,22 +287,19 @@ fn a_model_or_data_that_does_not_fit_is_refused_before_training() {
     let data = root().join("graphs/forward/torch_mlp/data.npz");
     let metrics = dir.path().join("m.jsonl");
     let run = |eval_data: &Path, eval_model: &Path, extra: &[&str]| {
-        let mut args = vec![
-            "train",
-            step.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-            "--micro-batch",
+        let mut args = cli_train(
+            &step,
+            &data,
             "8",
-            "--steps",
-            "8",
-            "--metrics",
-            metrics.to_str().unwrap(),
-            "--eval-data",
-            eval_data.to_str().unwrap(),
-            "--eval-model",
-            eval_model.to_str().unwrap(),
-        ];
+            &[
+                "--metrics",
+                metrics.to_str().unwrap(),
+                "--eval-data",
+                eval_data.to_str().unwrap(),
+                "--eval-model",
+                eval_model.to_str().unwrap(),
+            ],
+        );
         args.extend_from_slice(extra);
         let out = onnx_ga_cli(&args);
         assert!(!metrics.exists(), "{args:?}: wrote the metrics");
@@ -929,18 +926,12 @@ fn the_step_records_its_eval_model_until_the_file_changes() {
     let data = art.join("data.npz");
     // `--eval-data` alone, on the artifacts' data.
     let validate = |step: &Path| {
-        onnx_ga_cli(&[
-            "train",
-            step.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-            "--micro-batch",
-            "8",
-            "--steps",
+        onnx_ga_cli(&cli_train(
+            step,
+            &data,
             "4",
-            "--eval-data",
-            data.to_str().unwrap(),
-        ])
+            &["--eval-data", data.to_str().unwrap()],
+        ))
     };
     let out = validate(&art_step);
     let stderr = String::from_utf8_lossy(&out.stderr);

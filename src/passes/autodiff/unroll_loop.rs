@@ -112,57 +112,36 @@ fn is_float(elem: i32) -> bool {
     matches!(elem, FLOAT | DOUBLE | FLOAT16 | BFLOAT16)
 }
 
-/// The ops [`evaluate`] computes.
-const EVALUATED: &[&str] = &[
-    "Constant",
-    "Identity",
-    "Add",
-    "Sub",
-    "Mul",
-    "Div",
-    "Min",
-    "Max",
-    "Neg",
-    "Abs",
-    "Not",
-    "And",
-    "Or",
-    "Xor",
-    "Less",
-    "LessOrEqual",
-    "Greater",
-    "GreaterOrEqual",
-    "Equal",
-    "Cast",
-    "Squeeze",
-    "Unsqueeze",
-    "Reshape",
-];
-
-/// The value of a node's output from its inputs' values, for the ops loop counters and
-/// conditions are made of; `None` for any other op.
-fn evaluate(model: &Model, node: NodeId, inputs: &[Option<Scalar>]) -> Option<Scalar> {
+/// The value of a node's output, for the ops loop counters and conditions are made of;
+/// `None` for any other op. Its inputs' values come from `value`, asked only for an op it
+/// computes (a walk up through anything else could visit a whole network's DAG).
+fn evaluate(
+    model: &Model,
+    node: NodeId,
+    value: &dyn Fn(ValueId) -> Option<Scalar>,
+) -> Option<Scalar> {
     let n = model.node(node);
     let p = &n.proto;
     if !p.domain().is_empty() && p.domain() != "ai.onnx" {
         return None;
     }
-    if p.op_type() == "Constant" {
-        return Scalar::of_tensor(constant_tensor(model, n.outputs.first().copied()??)?);
-    }
-    let a = (*inputs.first()?)?;
-    let b = || inputs.get(1).copied().flatten();
-    let rank2 = |b: Scalar| a.rank.max(b.rank);
+    let input = |i: usize| n.inputs.get(i).copied().flatten().and_then(value);
     let compare = |f: fn(f64, f64) -> bool| -> Option<Scalar> {
-        let b = b()?;
-        Some(Scalar::of(BOOL, rank2(b), f(a.value, b.value) as u8 as f64))
+        let (a, b) = (input(0)?, input(1)?);
+        Some(Scalar::of(
+            BOOL,
+            a.rank.max(b.rank),
+            f(a.value, b.value) as u8 as f64,
+        ))
     };
     let arithmetic = |f: fn(f64, f64) -> f64| -> Option<Scalar> {
-        let b = b()?;
-        (a.elem == b.elem).then(|| Scalar::of(a.elem, rank2(b), f(a.value, b.value)))
+        let (a, b) = (input(0)?, input(1)?);
+        (a.elem == b.elem).then(|| Scalar::of(a.elem, a.rank.max(b.rank), f(a.value, b.value)))
     };
+    let unary = |f: &dyn Fn(Scalar) -> Scalar| input(0).map(f);
     match p.op_type() {
-        "Identity" => Some(a),
+        "Constant" => Scalar::of_tensor(constant_tensor(model, n.outputs.first().copied()??)?),
+        "Identity" => input(0),
         "Add" => arithmetic(|x, y| x + y),
         "Sub" => arithmetic(|x, y| x - y),
         "Mul" => arithmetic(|x, y| x * y),
@@ -170,9 +149,9 @@ fn evaluate(model: &Model, node: NodeId, inputs: &[Option<Scalar>]) -> Option<Sc
         "Div" => arithmetic(|x, y| x / y).filter(|v| v.value.is_finite()),
         "Min" => arithmetic(f64::min),
         "Max" => arithmetic(f64::max),
-        "Neg" => Some(Scalar::of(a.elem, a.rank, -a.value)),
-        "Abs" => Some(Scalar::of(a.elem, a.rank, a.value.abs())),
-        "Not" => Some(Scalar::of(BOOL, a.rank, !a.truth() as u8 as f64)),
+        "Neg" => unary(&|a| Scalar::of(a.elem, a.rank, -a.value)),
+        "Abs" => unary(&|a| Scalar::of(a.elem, a.rank, a.value.abs())),
+        "Not" => unary(&|a| Scalar::of(BOOL, a.rank, !a.truth() as u8 as f64)),
         "And" => compare(|x, y| x != 0.0 && y != 0.0),
         "Or" => compare(|x, y| x != 0.0 || y != 0.0),
         "Xor" => compare(|x, y| (x != 0.0) != (y != 0.0)),
@@ -183,22 +162,22 @@ fn evaluate(model: &Model, node: NodeId, inputs: &[Option<Scalar>]) -> Option<Sc
         "Equal" => compare(|x, y| x == y),
         "Cast" => {
             let to = p.attr_int("to").ok().flatten()? as i32;
-            Some(Scalar::of(to, a.rank, a.value))
+            unary(&|a| Scalar::of(to, a.rank, a.value))
         }
-        "Squeeze" => Some(Scalar { rank: 0, ..a }),
+        "Squeeze" => unary(&|a| Scalar { rank: 0, ..a }),
         "Unsqueeze" => {
             let axes = match p.attr_ints("axes").ok().flatten() {
                 Some(axes) => axes.len(),
                 None => constant_ints(model, n.inputs.get(1).copied().flatten()?)?.len(),
             };
-            Some(Scalar {
+            unary(&|a| Scalar {
                 rank: a.rank + axes,
                 ..a
             })
         }
         "Reshape" => {
             let target = constant_ints(model, n.inputs.get(1).copied().flatten()?)?;
-            Some(Scalar {
+            unary(&|a| Scalar {
                 rank: target.len(),
                 ..a
             })
@@ -219,18 +198,7 @@ fn outer_scalar(model: &Model, shapes: &Shapes, v: ValueId, depth: usize) -> Opt
     if depth == 0 || !model.node(node).subgraphs.is_empty() {
         return None;
     }
-    // Up only through the ops `evaluate` knows: a walk through anything else could visit a
-    // whole network's DAG.
-    let inputs: Vec<Option<Scalar>> = match EVALUATED.contains(&model.node(node).proto.op_type()) {
-        true => model
-            .node(node)
-            .inputs
-            .iter()
-            .map(|i| i.and_then(|i| outer_scalar(model, shapes, i, depth - 1)))
-            .collect(),
-        false => Vec::new(),
-    };
-    evaluate(model, node, &inputs).or_else(|| {
+    evaluate(model, node, &|i| outer_scalar(model, shapes, i, depth - 1)).or_else(|| {
         let facts = shapes.get(v);
         match known_ints(model, shapes, v)?.as_slice() {
             [value] => Some(Scalar::of(
@@ -347,8 +315,21 @@ fn parts(model: &Model, shapes: &Shapes, node: NodeId) -> Result<Parts, String> 
     Ok(parts)
 }
 
-/// One iteration's known scalars: the body values computed from constants, the iteration
-/// number `i`, the condition `c` and the carried values known before the run.
+/// A body value's scalar in an iteration whose local scalars are `known`.
+fn scalar_in(
+    model: &Model,
+    parts: &Parts,
+    known: &HashMap<ValueId, Scalar>,
+    v: ValueId,
+) -> Option<Scalar> {
+    match parts.is_local(model, v) {
+        true => known.get(&v).copied(),
+        false => parts.outer_scalar(v),
+    }
+}
+
+/// One iteration's known scalars: its number `i`, its condition `c`, the carried values
+/// known before the run, and the body values computed from those and constants.
 fn iteration_scalars(
     model: &Model,
     parts: &Parts,
@@ -366,45 +347,18 @@ fn iteration_scalars(
         }
     }
     for &node in &parts.order {
-        let inputs: Vec<Option<Scalar>> = model
-            .node(node)
-            .inputs
-            .iter()
-            .map(|v| {
-                let v = (*v)?;
-                match parts.is_local(model, v) {
-                    true => known.get(&v).copied(),
-                    false => parts.outer_scalar(v),
-                }
-            })
-            .collect();
-        if let (Some(s), Some(Some(out))) = (
-            evaluate(model, node, &inputs),
-            model.node(node).outputs.first().copied(),
-        ) {
-            if model.node(node).outputs.len() == 1 {
-                known.insert(out, s);
-            }
+        let outputs = &model.node(node).outputs;
+        let value = evaluate(model, node, &|v| scalar_in(model, parts, &known, v));
+        if let (Some(s), [Some(out)]) = (value, outputs.as_slice()) {
+            known.insert(*out, s);
         }
     }
     known
 }
 
-/// A body value's scalar in an iteration whose local scalars are `known`.
-fn scalar_in(
-    model: &Model,
-    parts: &Parts,
-    known: &HashMap<ValueId, Scalar>,
-    v: ValueId,
-) -> Option<Scalar> {
-    match parts.is_local(model, v) {
-        true => known.get(&v).copied(),
-        false => parts.outer_scalar(v),
-    }
-}
-
-/// How many iterations the Loop runs, or why that is not known before the run.
-fn trip_count(model: &Model, parts: &Parts) -> Result<usize, String> {
+/// The known scalars of every iteration the Loop runs (how many: the trip count), or why
+/// the trip count is not known before the run.
+fn iterations(model: &Model, parts: &Parts) -> Result<Vec<HashMap<ValueId, Scalar>>, String> {
     let limit = match parts.trip_count {
         Some(m) => {
             let s = parts.outer_scalar(m).ok_or_else(|| {
@@ -434,10 +388,11 @@ fn trip_count(model: &Model, parts: &Parts) -> Result<usize, String> {
         .iter()
         .map(|v| parts.outer_scalar(*v))
         .collect();
-    let mut i = 0;
+    let mut iterations = Vec::new();
     loop {
+        let i = iterations.len();
         if limit.is_some_and(|m| i >= m) || c.is_some_and(|c| !c.truth()) {
-            return Ok(i);
+            return Ok(iterations);
         }
         if i == MAX_TRIP_COUNT {
             return Err(format!(
@@ -457,7 +412,7 @@ fn trip_count(model: &Model, parts: &Parts) -> Result<usize, String> {
         carried = (0..parts.carried())
             .map(|k| scalar_in(model, parts, &known, parts.body_outputs[1 + k]))
             .collect();
-        i += 1;
+        iterations.push(known);
     }
 }
 
@@ -469,22 +424,13 @@ pub fn why_not(model: &Model, node: NodeId) -> Option<String> {
         Err(e) => return Some(e),
     };
     let scans = parts.body_outputs.len() - 1 - parts.carried();
-    match trip_count(model, &parts) {
+    match iterations(model, &parts) {
         Err(e) => Some(e),
-        Ok(0) if scans > 0 => {
+        Ok(i) if i.is_empty() && scans > 0 => {
             Some("it runs no iteration, so its scan outputs have no shape".into())
         }
         Ok(_) => None,
     }
-}
-
-/// One carried value between iterations: the graph value holding it (none while it is a
-/// scalar the body computed from constants, made a constant where something reads it) and
-/// its scalar where known.
-#[derive(Clone, Copy)]
-struct Carried {
-    value: Option<ValueId>,
-    scalar: Option<Scalar>,
 }
 
 /// Unrolls the Loop `node` into the main graph and returns its trip count; `None` (nothing
@@ -498,86 +444,73 @@ pub fn unroll(
     let Ok(parts) = parts(model, shapes, node) else {
         return Ok(None);
     };
-    let Ok(trips) = trip_count(model, &parts) else {
+    let Ok(iterations) = iterations(model, &parts) else {
         return Ok(None);
     };
     let carried_count = parts.carried();
     let scans = parts.body_outputs.len() - 1 - carried_count;
-    if trips == 0 && scans > 0 {
+    if iterations.is_empty() && scans > 0 {
         return Ok(None);
     }
     hoist_initializers(model, parts.body);
     let loop_outputs = model.node(node).outputs.clone();
     let loop_name = model.node(node).proto.name().to_string();
+    let first_copy = NodeId(model.nodes.len() as u32);
     let mut unrolled = Unrolled {
         b: Builder::new(model, BodyId::MAIN, pass),
         parts: &parts,
         shapes,
         loop_name,
+        first_copy,
         split_of: HashMap::new(),
         step_reads: HashMap::new(),
         projections: HashMap::new(),
-        created: Default::default(),
     };
 
-    let mut c = parts.condition.and_then(|v| parts.outer_scalar(v));
-    let mut state: Vec<Carried> = parts
-        .initial
-        .iter()
-        .map(|v| Carried {
-            value: Some(*v),
-            scalar: parts.outer_scalar(*v),
-        })
-        .collect();
+    // Each carried value's graph value between iterations; none while it is a scalar the
+    // body computed from constants (made a constant where something reads it).
+    let mut carried: Vec<Option<ValueId>> = parts.initial.iter().copied().map(Some).collect();
     let mut scanned: Vec<Vec<ValueId>> = vec![Vec::new(); scans];
-    for i in 0..trips {
-        let scalars: Vec<Option<Scalar>> = state.iter().map(|s| s.scalar).collect();
-        let known = iteration_scalars(unrolled.b.model, &parts, i, c, &scalars);
-        let mut copies: HashMap<ValueId, ValueId> = HashMap::new();
+    let mut copies: HashMap<ValueId, ValueId> = HashMap::new();
+    for known in &iterations {
+        copies.clear();
         unrolled.step_reads.clear();
-        for (k, s) in state.iter().enumerate() {
-            if let Some(v) = s.value {
-                copies.insert(parts.body_inputs[2 + k], v);
+        for (k, v) in carried.iter().enumerate() {
+            if let Some(v) = v {
+                copies.insert(parts.body_inputs[2 + k], *v);
             }
         }
         for &n in &parts.order {
-            unrolled.copy(n, &known, &mut copies)?;
+            unrolled.copy(n, known, &mut copies)?;
         }
-        // What a body output holds after this iteration.
-        let next = |u: &Unrolled<'_, '_>, out: ValueId, copies: &HashMap<ValueId, ValueId>| {
-            if let Some(j) = parts.body_inputs[2..].iter().position(|v| *v == out) {
-                return state[j];
-            }
-            let model = &*u.b.model;
-            Carried {
-                value: match parts.is_local(model, out) {
-                    true => copies.get(&out).copied(),
-                    false => Some(out),
-                },
-                scalar: scalar_in(model, &parts, &known, out),
-            }
-        };
-        let next_state: Vec<Carried> = (0..carried_count)
-            .map(|k| next(&unrolled, parts.body_outputs[1 + k], &copies))
-            .collect();
         for (k, scan) in scanned.iter_mut().enumerate() {
             let out = parts.body_outputs[1 + carried_count + k];
-            let carried = next(&unrolled, out, &copies);
-            scan.push(unrolled.materialize(out, carried)?);
+            scan.push(unrolled.read(out, known, &copies)?);
         }
-        if c.is_some() {
-            c = scalar_in(unrolled.b.model, &parts, &known, parts.body_outputs[0]);
-        }
-        state = next_state;
+        carried = parts.body_outputs[1..=carried_count]
+            .iter()
+            .map(|out| match parts.is_local(unrolled.b.model, *out) {
+                true => copies.get(out).copied(),
+                false => Some(*out),
+            })
+            .collect();
     }
 
     // The Loop's outputs: the last carried values, then each scan output stacked.
     let mut replacements = Vec::new();
     for (k, out) in loop_outputs.iter().enumerate() {
         let Some(out) = *out else { continue };
-        let new = match k < carried_count {
-            true => unrolled.materialize(parts.body_outputs[1 + k], state[k])?,
-            false => {
+        let new = match (k < carried_count, carried.get(k).copied().flatten()) {
+            (true, Some(v)) => v,
+            (true, None) => {
+                // A scalar of the last iteration (there was one: the value is not the
+                // starting value).
+                let last = iterations.last().ok_or_else(|| {
+                    unrolled.error("internal: a carried scalar without an iteration".into())
+                })?;
+                unrolled.read(parts.body_outputs[1 + k], last, &copies)?
+            }
+            (false, _) => {
                 let hint = unrolled.b.model.name(out).to_string();
                 let steps: Vec<ValueId> = scanned[k - carried_count]
                     .iter()
@@ -602,7 +535,7 @@ pub fn unroll(
     model
         .remove_node(node)
         .map_err(|e| node_error(model, node, format!("could not replace the node: {e}")))?;
-    Ok(Some(trips))
+    Ok(Some(iterations.len()))
 }
 
 /// The body's initializers move to the main graph, where the copies read them; renamed
@@ -637,8 +570,9 @@ struct Unrolled<'m, 'p> {
     step_reads: HashMap<ValueId, (ValueId, i64, i64)>,
     /// `MatMul(X, W)` over every step at once, by (X, W).
     projections: HashMap<(ValueId, ValueId), ValueId>,
-    /// Values the copies made (what differs from iteration to iteration).
-    created: std::collections::HashSet<ValueId>,
+    /// The first node the unrolling made: a value from a node before it is the same in
+    /// every iteration.
+    first_copy: NodeId,
 }
 
 impl Unrolled<'_, '_> {
@@ -651,23 +585,8 @@ impl Unrolled<'_, '_> {
         }
     }
 
-    /// The graph value of body value `v` in this iteration: its copy, or its scalar as a
-    /// constant.
-    fn materialize(&mut self, v: ValueId, carried: Carried) -> Result<ValueId, PassError> {
-        if let Some(value) = carried.value {
-            return Ok(value);
-        }
-        let scalar = carried.scalar.ok_or_else(|| {
-            self.error(format!(
-                "internal: body value '{}' was neither copied nor evaluated",
-                self.b.model.name(v)
-            ))
-        })?;
-        let hint = self.b.model.name(v).to_string();
-        Ok(self.b.constant(&hint, scalar.tensor()))
-    }
-
-    /// Input `v` of a body node as the copy reads it.
+    /// Body value `v` (or an outer one) as this iteration's copies read it: the outer value
+    /// itself, its time step, its copy, or its scalar as a constant.
     fn read(
         &mut self,
         v: ValueId,
@@ -680,11 +599,25 @@ impl Unrolled<'_, '_> {
         if let Some(&(x, t, steps)) = self.step_reads.get(&v) {
             return Ok(self.step(x, t, steps));
         }
-        let carried = Carried {
-            value: copies.get(&v).copied(),
-            scalar: known.get(&v).copied(),
-        };
-        self.materialize(v, carried)
+        if let Some(copy) = copies.get(&v) {
+            return Ok(*copy);
+        }
+        let scalar = known.get(&v).ok_or_else(|| {
+            self.error(format!(
+                "internal: body value '{}' was neither copied nor evaluated",
+                self.b.model.name(v)
+            ))
+        })?;
+        let hint = self.b.model.name(v).to_string();
+        Ok(self.b.constant(&hint, scalar.tensor()))
+    }
+
+    /// Whether `v` is the same in every iteration: no copy made it.
+    fn invariant(&self, v: ValueId) -> bool {
+        self.b
+            .model
+            .producer(v)
+            .is_none_or(|(n, _)| n.0 < self.first_copy.0)
     }
 
     /// Copies body node `n` for this iteration, unless its outputs are integer or boolean
@@ -718,7 +651,7 @@ impl Unrolled<'_, '_> {
             {
                 if let Some(&(x, t, steps)) = self.step_reads.get(a) {
                     let w = self.read(*w, known, copies)?;
-                    if !self.created.contains(&w) && self.shapes.get(w).rank() == Some(2) {
+                    if self.invariant(w) && self.shapes.get(w).rank() == Some(2) {
                         let projected = match self.projections.get(&(x, w)) {
                             Some(p) => *p,
                             None => {
@@ -776,7 +709,6 @@ impl Unrolled<'_, '_> {
         for (slot, o) in node.outputs.iter().enumerate() {
             let Some(o) = o else { continue };
             let new = self.b.model.output(copy, slot);
-            self.created.insert(new);
             if let Some(ty) = self.b.model.value_type(*o) {
                 self.b.model.set_value_type(new, ty);
             }

@@ -18,7 +18,7 @@
 //! those two layouts).
 
 use super::Lowering;
-use crate::ir::builder::attr_int;
+use crate::ir::builder::{attr_int, tensor_i64};
 use crate::ir::emit::Emit;
 use crate::ir::{Model, NodeId};
 use crate::passes::PassError;
@@ -44,14 +44,11 @@ pub fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassError> {
     let int64 = DataType::Int64 as i32;
     let lens = l.cast(lens, int64, "reverse_lens");
     let shape = l.op("Shape", &[x], vec![], "reverse_shape");
-    let axis = l.constant(
-        "reverse_time_axis",
-        crate::ir::builder::tensor_i64(&[], &[time_axis]),
-    );
+    let axis = l.constant("reverse_time_axis", tensor_i64(&[], &[time_axis]));
     let steps_count = l.op("Gather", &[shape, axis], vec![], "reverse_steps");
     let (zero, one) = (
-        l.constant("reverse_zero", crate::ir::builder::tensor_i64(&[], &[0])),
-        l.constant("reverse_one", crate::ir::builder::tensor_i64(&[], &[1])),
+        l.constant("reverse_zero", tensor_i64(&[], &[0])),
+        l.constant("reverse_one", tensor_i64(&[], &[1])),
     );
     let steps = l.op("Range", &[zero, steps_count, one], vec![], "reverse_t");
     // t along the time axis of j, lens along its batch axis.
