@@ -425,6 +425,12 @@ struct ForwardArgs {
     /// Dropout in training mode (its mask reused by the backward) or removed.
     #[arg(long, value_enum, default_value = "train")]
     dropout: onnx_ga::passes::autodiff::DropoutMode,
+    /// ONNX Loops: unrolled into their iterations where the trip count is known before the
+    /// run (Keras's recurrent layers at a fixed sequence length), or kept as Loops, their
+    /// gradient a Loop running the iterations backwards (always so for a trip count known
+    /// only at run time).
+    #[arg(long, value_enum, default_value = "unroll")]
+    loops: onnx_ga::passes::autodiff::LoopMode,
     /// The variance BatchNorm running variances move with: unbiased (n - 1, PyTorch's
     /// BatchNorm) or biased (n: ONNX, ONNX Runtime's training build, Keras). Default: the
     /// convention of the model's producer (unbiased for `pytorch`).
@@ -476,6 +482,9 @@ impl ForwardArgs {
         }
         if self.dropout != onnx_ga::passes::autodiff::DropoutMode::Train {
             options.push(format!("dropout={}", self.dropout.as_str()));
+        }
+        if self.loops != onnx_ga::passes::autodiff::LoopMode::Unroll {
+            options.push(format!("loops={}", self.loops.as_str()));
         }
         if let Some(v) = self.bn_var {
             options.push(format!("bn_var={}", v.as_str()));

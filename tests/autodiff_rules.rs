@@ -332,6 +332,8 @@ const F32: i32 = 1;
 const F64: i32 = 11;
 const MAIN: BodyId = BodyId::MAIN;
 const PIPELINE: &str = "autodiff(loss=loss,freeze=k_*),legalize-ort";
+/// The same with every Loop kept a Loop (its gradient a Loop running backwards).
+const PIPELINE_LOOPS_KEPT: &str = "autodiff(loss=loss,freeze=k_*,loops=keep),legalize-ort";
 
 /// xorshift64*: deterministic, seeded per case.
 struct Rng(u64);
@@ -374,6 +376,8 @@ struct Net {
     /// A case's own tolerance for the forward's loss against the gradient graph's, where
     /// ONNX Runtime's graph optimisations round the gradient graph's forward differently.
     loss_tolerance: Option<f64>,
+    /// The pipeline the case is differentiated by ([`PIPELINE`] unless the case says).
+    pipeline: &'static str,
 }
 
 fn count(dims: &[i64]) -> usize {
@@ -402,6 +406,7 @@ impl Net {
             output_dims: None,
             tolerance: None,
             loss_tolerance: None,
+            pipeline: PIPELINE,
         }
     }
 
@@ -626,6 +631,7 @@ fn check(name: &str, opset: i64, elem: i32, build: impl FnOnce(&mut Net) -> Vec<
     let forward_runs = net.output_dims.is_none();
     let tolerance = net.tolerance;
     let loss_tolerance = net.loss_tolerance;
+    let pipeline = net.pipeline;
     let (forward, params) = net.finish(&ys);
     assert!(!params.is_empty(), "{name}: no parameters");
     // The forward as ONNX Runtime runs it, before any normalisation (unrolled recurrent
@@ -650,8 +656,8 @@ fn check(name: &str, opset: i64, elem: i32, build: impl FnOnce(&mut Net) -> Vec<
             .unwrap_or_else(|| panic!("{name}: the forward has no loss"))
     });
     let graph = onnx_ga::signature::forward(forward, Path::new("case.onnx"));
-    let step = onnx_ga::step::build_step(graph, PIPELINE, true)
-        .unwrap_or_else(|e| panic!("{name}: {PIPELINE}: {e}"));
+    let step = onnx_ga::step::build_step(graph, pipeline, true)
+        .unwrap_or_else(|e| panic!("{name}: {pipeline}: {e}"));
     let proto = step.model.to_proto();
     let mut s = session(&proto);
     let base: Vec<(String, Tensor)> = s.run(&[]).unwrap_or_else(|e| panic!("{name}: run: {e}"));
@@ -2166,12 +2172,25 @@ fn counted_loop_case(n: &mut Net) -> Vec<ValueId> {
     outs
 }
 
+/// A case with its Loops kept (`loops=keep`): differentiated by `loop_grad`.
+fn loops_kept(build: fn(&mut Net) -> Vec<ValueId>) -> impl FnOnce(&mut Net) -> Vec<ValueId> {
+    move |n| {
+        n.pipeline = PIPELINE_LOOPS_KEPT;
+        build(n)
+    }
+}
+
 cases! {
     // ---- Loop, unrolled (unroll_loop): ONNX Runtime's Loop is the forward's reference
     loop_tf_while: 17, F32 => tf_while_loop_case;
     loop_tf_while_f64: 17, F64 => tf_while_loop_case;
     loop_trip_count: 17, F32 => counted_loop_case;
     loop_trip_count_f64: 17, F64 => counted_loop_case;
+    // ---- Loop, kept (loop_grad): the gradient a Loop over the iterations backwards
+    loop_kept_tf_while: 17, F32 => loops_kept(tf_while_loop_case);
+    loop_kept_tf_while_f64: 17, F64 => loops_kept(tf_while_loop_case);
+    loop_kept_trip_count: 17, F32 => loops_kept(counted_loop_case);
+    loop_kept_trip_count_f64: 17, F64 => loops_kept(counted_loop_case);
 }
 
 #[test]

@@ -23,6 +23,7 @@
 //! that needs it.
 
 mod expand_attention;
+mod loop_grad;
 mod loss_fn;
 mod normalize;
 pub mod rules;
@@ -35,7 +36,7 @@ mod unroll_rnn;
 use std::collections::{HashMap, HashSet};
 
 pub use loss_fn::{LossFn, LossSpec};
-pub use normalize::DropoutMode;
+pub use normalize::{DropoutMode, LoopMode};
 
 use super::{Pass, PassContext, PassError, PassOptions, PassReport};
 use crate::ir::builder::Builder;
@@ -64,6 +65,9 @@ pub struct Autodiff {
     /// `--trainable GLOB`: when given, only matching parameters train.
     pub trainable: Vec<String>,
     pub dropout: DropoutMode,
+    /// `loops=`: unroll the Loops whose trip count is known before the run, or keep every
+    /// Loop a Loop.
+    pub loops: LoopMode,
     /// Expose every `p_grad` as a graph output (the gradient graph alone); off when later
     /// passes consume the gradients.
     pub grads_as_outputs: bool,
@@ -115,6 +119,7 @@ impl Autodiff {
             "freeze",
             "trainable",
             "dropout",
+            "loops",
             "grads",
             "bn_var",
         ])?;
@@ -150,6 +155,11 @@ impl Autodiff {
             "off" => DropoutMode::Off,
             other => return Err(spec_err(format!("dropout={other}: expected train or off"))),
         };
+        let loops = match options.get("loops").unwrap_or("unroll") {
+            "unroll" => LoopMode::Unroll,
+            "keep" => LoopMode::Keep,
+            other => return Err(spec_err(format!("loops={other}: expected unroll or keep"))),
+        };
         let grads_as_outputs = match options.get("grads").unwrap_or("outputs") {
             "outputs" => true,
             "internal" => false,
@@ -164,6 +174,7 @@ impl Autodiff {
             freeze: globs(options, "freeze"),
             trainable: globs(options, "trainable"),
             dropout,
+            loops,
             grads_as_outputs,
             bn_var: options.parse("bn_var")?,
         })
@@ -210,6 +221,9 @@ impl Pass for Autodiff {
         }
         if self.dropout == DropoutMode::Off {
             o.push("dropout=off".into());
+        }
+        if self.loops == LoopMode::Keep {
+            o.push("loops=keep".into());
         }
         if !self.grads_as_outputs {
             o.push("grads=internal".into());
@@ -308,6 +322,19 @@ impl Pass for Autodiff {
                 "{} Loop{plural} unrolled into {} iterations: {}",
                 loops.len(),
                 if loops.len() == 1 { "its" } else { "their" },
+                first_few(&loops)
+            ));
+        }
+        if !differentiated.kept_loops.is_empty() {
+            let loops: Vec<String> = differentiated
+                .kept_loops
+                .iter()
+                .map(|(name, why)| format!("{name} ({why})"))
+                .collect();
+            report.notes.push(format!(
+                "{} Loop{} not unrolled, differentiated by a Loop over the iterations backwards (what each iteration carried in kept, the rest recomputed): {}",
+                loops.len(),
+                if loops.len() == 1 { "" } else { "s" },
                 first_few(&loops)
             ));
         }
@@ -500,6 +527,9 @@ pub struct Differentiated {
     pub batch_norms: usize,
     /// Loops unrolled into their iterations: name and trip count.
     pub unrolled_loops: Vec<(String, usize)>,
+    /// Loops left as Loops (`loop_grad` differentiates them): name and why they were not
+    /// unrolled.
+    pub kept_loops: Vec<(String, String)>,
 }
 
 /// The gradient graph the autodiff pass `spec` (an `autodiff(...)` element) builds from the
@@ -694,38 +724,44 @@ pub fn append_loss(model: &mut Model, spec: &LossSpec) -> Result<(ValueId, Value
 }
 
 /// The gradient rule of node `n`, which the gradient of some parameter (`origin`) must
-/// pass; an error naming the node, the op and that parameter when there is none.
-fn rule_of(
+/// pass, or `None` for a Loop `loop_grad` differentiates; an error naming the node, the op
+/// and that parameter when there is neither.
+fn check_rule(
     model: &Model,
     n: NodeId,
     origin: &HashMap<ValueId, ValueId>,
-) -> Result<rules::RuleFn, PassError> {
+) -> Result<Option<rules::RuleFn>, PassError> {
     let node = model.node(n);
     let (domain, op) = (node.proto.domain(), node.proto.op_type());
     let param = node
         .inputs
         .iter()
         .flatten()
-        .find_map(|v| origin.get(v))
+        .copied()
+        .chain(node.subgraphs.iter().flat_map(|s| model.captures(s.body)))
+        .find_map(|v| origin.get(&v))
         .map(|p| model.name(*p).to_string())
         .unwrap_or_default();
+    if loop_grad::is_differentiated_loop(model, n) {
+        return match loop_grad::why_not(model, n) {
+            None => Ok(None),
+            Some(why) => Err(rules::node_error(
+                model,
+                n,
+                format!("parameter '{param}' needs the gradient through this Loop, and it has none: {why}"),
+            )),
+        };
+    }
     let rule = rules::rule_for(domain, op).ok_or_else(|| {
         let op_name = if domain.is_empty() {
             op.to_string()
         } else {
             format!("{domain}::{op}")
         };
-        // A Loop has no rule: it is unrolled where its trip count is known (`unroll_loop`).
-        let unrolled_when = match (domain.is_empty(), op) {
-            (true, "Loop") => unroll_loop::why_not(model, n)
-                .map(|why| format!("; a Loop is differentiated by unrolling it, and this one is not unrolled: {why}"))
-                .unwrap_or_default(),
-            _ => String::new(),
-        };
         rules::node_error(
             model,
             n,
-            format!("no gradient rule for {op_name}; parameter '{param}' needs the gradient through it (freeze it with --freeze, or file an issue){unrolled_when}"),
+            format!("no gradient rule for {op_name}; parameter '{param}' needs the gradient through it (freeze it with --freeze, or file an issue)"),
         )
     })?;
     if !node.subgraphs.is_empty() {
@@ -735,7 +771,7 @@ fn rule_of(
             "differentiating through control flow (subgraphs) is not supported".into(),
         ));
     }
-    Ok(rule)
+    Ok(Some(rule))
 }
 
 /// The whole transformation; see the module docs.
@@ -762,7 +798,21 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
             first_few(&folded)
         )));
     }
-    let normalized = normalize::normalize(model, options.dropout, PASS)?;
+    let normalized = normalize::normalize(model, options.dropout, options.loops, PASS)?;
+    // The Loops left (differentiated as Loops where the gradient passes them), with why
+    // they were not unrolled.
+    let kept_loops: Vec<(String, String)> = model
+        .body_nodes(main)
+        .filter(|n| loop_grad::is_differentiated_loop(model, *n))
+        .map(|n| {
+            let name = match model.node(n).proto.name() {
+                "" => "Loop".to_string(),
+                name => name.to_string(),
+            };
+            let why = unroll_loop::why_not(model, n).unwrap_or_default();
+            (name, why)
+        })
+        .collect();
     let mut shapes = Shapes::infer(model);
 
     // The loss.
@@ -834,7 +884,7 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
         })
         .collect();
 
-    let needed = differentiable_ancestors(model, &shapes, loss);
+    let needed = differentiable_ancestors(model, &shapes, BodyId::MAIN, &[loss]);
     let params: Vec<ValueId> = selected
         .iter()
         .copied()
@@ -958,6 +1008,7 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
             .collect(),
         batch_norms: normalized.batch_norms,
         unrolled_loops: normalized.loops,
+        kept_loops,
     })
 }
 
@@ -968,11 +1019,16 @@ fn differentiable(model: &Model, n: NodeId) -> bool {
     !(plain && NON_DIFFERENTIABLE.contains(&p.op_type()))
 }
 
-/// Values `y` depends on differentiably (not through shape computations, comparisons or
-/// integer tensors).
-fn differentiable_ancestors(model: &Model, shapes: &Shapes, y: ValueId) -> HashSet<ValueId> {
-    let order = topological_order(model, BodyId::MAIN);
-    let mut needed: HashSet<ValueId> = HashSet::from([y]);
+/// Values the `roots` depend on differentiably in `body` (not through shape computations,
+/// comparisons or integer tensors); what a node's subgraphs read counts as its input.
+fn differentiable_ancestors(
+    model: &Model,
+    shapes: &Shapes,
+    body: BodyId,
+    roots: &[ValueId],
+) -> HashSet<ValueId> {
+    let order = topological_order(model, body);
+    let mut needed: HashSet<ValueId> = roots.iter().copied().collect();
     for &n in order.iter().rev() {
         let node = model.node(n);
         let reaches = node
@@ -1008,103 +1064,13 @@ pub fn backward(
     params: &[ValueId],
 ) -> Result<Vec<ValueId>, PassError> {
     let main = BodyId::MAIN;
-    let order = topological_order(model, main);
-    let needed = differentiable_ancestors(model, shapes, loss);
-    // Values that depend on a parameter, each with one parameter it depends on (for errors).
-    let mut origin: HashMap<ValueId, ValueId> = params.iter().map(|p| (*p, *p)).collect();
-    for &n in &order {
-        let node = model.node(n);
-        let op = node.proto.op_type();
-        let Some(from) = node
-            .inputs
-            .iter()
-            .enumerate()
-            .filter(|(slot, _)| rules::carries_gradient(op, *slot))
-            .find_map(|(_, v)| v.and_then(|v| origin.get(&v).copied()))
-        else {
-            continue;
-        };
-        if !differentiable(model, n) {
-            continue;
-        }
-        for out in node.outputs.iter().flatten() {
-            let float = shapes.get(*out).elem.map(is_float).unwrap_or(true);
-            if float && needed.contains(out) {
-                origin.insert(*out, from);
-            }
-        }
-    }
-
-    // Every op the gradient must pass has a rule, checked before the sweep: the error then
-    // names the op that stops it (a tf2onnx Loop), not a later rule's missing shape facts.
-    for &n in &order {
-        let node = model.node(n);
-        let op = node.proto.op_type();
-        let reached = node.inputs.iter().enumerate().any(|(slot, v)| {
-            rules::carries_gradient(op, slot) && v.is_some_and(|v| origin.contains_key(&v))
-        });
-        let feeds_loss = node.outputs.iter().flatten().any(|v| needed.contains(v));
-        if reached && feeds_loss && differentiable(model, n) {
-            rule_of(model, n, &origin)?;
-        }
-    }
-
-    // The sweep.
-    let mut contributions: HashMap<ValueId, Vec<ValueId>> =
-        HashMap::from([(loss, vec![seed_tensor])]);
     let mut cx = Grad::new(Builder::new(model, main, PASS), shapes);
-    for &n in order.iter().rev() {
-        let node = cx.model().node(n);
-        let outputs: Vec<Option<ValueId>> = node.outputs.clone();
-        let inputs: Vec<Option<ValueId>> = node.inputs.clone();
-        let op = node.proto.op_type().to_string();
-        if !outputs
-            .iter()
-            .flatten()
-            .any(|v| contributions.contains_key(v))
-        {
-            continue;
-        }
-        let wants: Vec<bool> = inputs
-            .iter()
-            .enumerate()
-            .map(|(slot, i)| {
-                rules::carries_gradient(&op, slot) && i.is_some_and(|v| origin.contains_key(&v))
-            })
-            .collect();
-        if !wants.iter().any(|w| *w) {
-            continue;
-        }
-        let dys: Vec<Option<ValueId>> = outputs
-            .iter()
-            .map(|o| o.and_then(|v| sum_contributions(&mut cx, v, contributions.remove(&v))))
-            .collect();
-        let rule = rule_of(cx.model(), n, &origin)?;
-        let grads = rule(&mut cx, n, &dys, &wants)?;
-        // A rule's gradient has its input's shape and type.
-        for (slot, g) in grads.iter().enumerate() {
-            if let (Some(g), Some(Some(x))) = (g, inputs.get(slot)) {
-                if cx.facts(*g) == shapes::Facts::default() {
-                    let f = cx.facts(*x);
-                    cx.shapes.set(*g, f);
-                }
-            }
-        }
-        for (slot, g) in grads.into_iter().enumerate() {
-            let (Some(g), true) = (g, wants.get(slot).copied().unwrap_or(false)) else {
-                continue;
-            };
-            let Some(input) = cx.model().node(n).inputs[slot] else {
-                continue;
-            };
-            contributions.entry(input).or_default().push(g);
-        }
-    }
+    let sums = sweep(&mut cx, &[(loss, seed_tensor)], params)?;
 
-    // Parameter gradients: the sum of their contributions, named p_grad.
+    // Parameter gradients, named p_grad.
     let mut grad_values = Vec::new();
-    for p in params {
-        let Some(g) = sum_contributions(&mut cx, *p, contributions.remove(p)) else {
+    for (p, g) in params.iter().zip(sums) {
+        let Some(g) = g else {
             return Err(fail(format!(
                 "parameter '{}' got no gradient",
                 cx.model().name(*p)
@@ -1130,6 +1096,143 @@ pub fn backward(
         grad_values.push(g);
     }
     Ok(grad_values)
+}
+
+/// The reverse sweep over the body `cx` builds in: from `seeds` (a value and its gradient),
+/// the gradient of each of `targets` (values of that body or of an enclosing one), the sum of
+/// its contributions, or `None` where none reaches it.
+pub(crate) fn sweep(
+    cx: &mut Grad<'_>,
+    seeds: &[(ValueId, ValueId)],
+    targets: &[ValueId],
+) -> Result<Vec<Option<ValueId>>, PassError> {
+    let body = cx.b.body;
+    let order = topological_order(cx.model(), body);
+    let roots: Vec<ValueId> = seeds.iter().map(|(v, _)| *v).collect();
+    let needed = differentiable_ancestors(cx.model(), cx.shapes, body, &roots);
+    // Values that depend on a target, each with one target it depends on (for errors).
+    let mut origin: HashMap<ValueId, ValueId> = targets.iter().map(|p| (*p, *p)).collect();
+    for &n in &order {
+        let model = cx.model();
+        let node = model.node(n);
+        let op = node.proto.op_type();
+        let captured = node.subgraphs.iter().flat_map(|s| model.captures(s.body));
+        let Some(from) = node
+            .inputs
+            .iter()
+            .enumerate()
+            .filter(|(slot, _)| rules::carries_gradient(op, *slot))
+            .filter_map(|(_, v)| *v)
+            .chain(captured)
+            .find_map(|v| origin.get(&v).copied())
+        else {
+            continue;
+        };
+        if !differentiable(model, n) {
+            continue;
+        }
+        for out in node.outputs.iter().flatten() {
+            let float = cx.shapes.get(*out).elem.map(is_float).unwrap_or(true);
+            if float && needed.contains(out) {
+                origin.insert(*out, from);
+            }
+        }
+    }
+    let reached = |model: &Model, n: NodeId, origin: &HashMap<ValueId, ValueId>| {
+        let node = model.node(n);
+        let op = node.proto.op_type();
+        let by_input = node.inputs.iter().enumerate().any(|(slot, v)| {
+            rules::carries_gradient(op, slot) && v.is_some_and(|v| origin.contains_key(&v))
+        });
+        by_input
+            || node.subgraphs.iter().any(|s| {
+                model
+                    .captures(s.body)
+                    .iter()
+                    .any(|v| origin.contains_key(v))
+            })
+    };
+
+    // Every op the gradient must pass has a rule, checked before the sweep: the error then
+    // names the op that stops it, not a later rule's missing shape facts.
+    for &n in &order {
+        let model = cx.model();
+        let feeds_loss = model
+            .node(n)
+            .outputs
+            .iter()
+            .flatten()
+            .any(|v| needed.contains(v));
+        if reached(model, n, &origin) && feeds_loss && differentiable(model, n) {
+            check_rule(model, n, &origin)?;
+        }
+    }
+
+    // The sweep.
+    let mut contributions: HashMap<ValueId, Vec<ValueId>> = HashMap::new();
+    for (v, g) in seeds {
+        contributions.entry(*v).or_default().push(*g);
+    }
+    for &n in order.iter().rev() {
+        let node = cx.model().node(n);
+        let outputs: Vec<Option<ValueId>> = node.outputs.clone();
+        let inputs: Vec<Option<ValueId>> = node.inputs.clone();
+        let op = node.proto.op_type().to_string();
+        if !outputs
+            .iter()
+            .flatten()
+            .any(|v| contributions.contains_key(v))
+        {
+            continue;
+        }
+        if !reached(cx.model(), n, &origin) || !differentiable(cx.model(), n) {
+            continue;
+        }
+        let dys: Vec<Option<ValueId>> = outputs
+            .iter()
+            .map(|o| o.and_then(|v| sum_contributions(cx, v, contributions.remove(&v))))
+            .collect();
+        if loop_grad::is_differentiated_loop(cx.model(), n) {
+            let grads = loop_grad::gradients(cx, n, &dys, &|v| origin.contains_key(&v))?;
+            for (input, g) in grads {
+                contributions.entry(input).or_default().push(g);
+            }
+            continue;
+        }
+        let wants: Vec<bool> = inputs
+            .iter()
+            .enumerate()
+            .map(|(slot, i)| {
+                rules::carries_gradient(&op, slot) && i.is_some_and(|v| origin.contains_key(&v))
+            })
+            .collect();
+        let rule = check_rule(cx.model(), n, &origin)?
+            .ok_or_else(|| cx.error(n, "internal: no gradient rule".into()))?;
+        let grads = rule(cx, n, &dys, &wants)?;
+        // A rule's gradient has its input's shape and type.
+        for (slot, g) in grads.iter().enumerate() {
+            if let (Some(g), Some(Some(x))) = (g, inputs.get(slot)) {
+                if cx.facts(*g) == shapes::Facts::default() {
+                    let f = cx.facts(*x);
+                    cx.shapes.set(*g, f);
+                }
+            }
+        }
+        for (slot, g) in grads.into_iter().enumerate() {
+            let (Some(g), true) = (g, wants.get(slot).copied().unwrap_or(false)) else {
+                continue;
+            };
+            let Some(input) = cx.model().node(n).inputs[slot] else {
+                continue;
+            };
+            contributions.entry(input).or_default().push(g);
+        }
+    }
+
+    Ok(targets
+        .iter()
+        .map(|t| sum_contributions(cx, *t, contributions.remove(t)))
+        .collect())
 }
 
 /// The sum of a value's gradient contributions (one Add per extra contribution, in the

@@ -53,6 +53,27 @@ impl DropoutMode {
 
 value_enum!(DropoutMode: DropoutMode::Train, DropoutMode::Off);
 
+/// What becomes of a `Loop`: unrolled into its iterations where its trip count is known
+/// before the run (`unroll_loop`; the default), or kept as a Loop whose gradient is a Loop
+/// too (`loop_grad`; a graph that does not grow with the sequence).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoopMode {
+    Unroll,
+    Keep,
+}
+
+impl LoopMode {
+    /// The word of autodiff's `loops=` option and `--loops`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LoopMode::Unroll => "unroll",
+            LoopMode::Keep => "keep",
+        }
+    }
+}
+
+value_enum!(LoopMode: LoopMode::Unroll, LoopMode::Keep);
+
 /// What normalisation changed, for the report.
 #[derive(Default)]
 pub struct Normalized {
@@ -70,10 +91,14 @@ pub struct Normalized {
 pub fn normalize(
     model: &mut Model,
     dropout: DropoutMode,
+    loops: LoopMode,
     pass: &'static str,
 ) -> Result<Normalized, PassError> {
     let mut out = Normalized {
-        loops: unroll_loops(model, pass)?,
+        loops: match loops {
+            LoopMode::Unroll => unroll_loops(model, pass)?,
+            LoopMode::Keep => Vec::new(),
+        },
         ..Default::default()
     };
     let nodes: Vec<NodeId> = model.body_nodes(BodyId::MAIN).collect();

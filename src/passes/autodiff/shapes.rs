@@ -74,18 +74,145 @@ impl Shapes {
                 shapes.facts.insert(v, declared);
             }
         }
-        for node in topological_order(model, BodyId::MAIN) {
-            let inferred = infer_node(model, &shapes, node);
+        shapes.propagate(model, BodyId::MAIN);
+        shapes
+    }
+
+    /// Completes the facts of the values `body`'s nodes compute by propagation in
+    /// topological order, from what is known of what they read (a Loop body's, its inputs'
+    /// facts set first).
+    pub fn propagate(&mut self, model: &Model, body: BodyId) {
+        for node in topological_order(model, body) {
+            let inferred = match loop_body(model, node) {
+                Some(loop_body) => self.infer_loop(model, node, loop_body),
+                None => infer_node(model, self, node),
+            };
             for (slot, facts) in inferred.into_iter().enumerate() {
                 let Some(Some(out)) = model.node(node).outputs.get(slot).copied() else {
                     continue;
                 };
-                let merged = merge(shapes.get(out), facts);
-                shapes.facts.insert(out, merged);
+                let merged = merge(self.get(out), facts);
+                self.facts.insert(out, merged);
             }
         }
-        shapes
     }
+}
+
+/// The body of `node` when it is a Loop (default domain).
+fn loop_body(model: &Model, node: NodeId) -> Option<BodyId> {
+    let n = model.node(node);
+    let p = &n.proto;
+    if !(p.domain().is_empty() || p.domain() == "ai.onnx") || p.op_type() != "Loop" {
+        return None;
+    }
+    n.subgraphs
+        .iter()
+        .find(|s| s.element.is_none() && p.attribute[s.attribute].name() == "body")
+        .map(|s| s.body)
+}
+
+impl Shapes {
+    /// The facts of a Loop's body, then of its outputs: the body's last carried values and
+    /// its scan outputs stacked. The body's inputs are as declared, else the iteration
+    /// number and condition scalars (ONNX), and a carried value as its starting value; where
+    /// the body changes that shape, only the element type and rank are kept, and the body is
+    /// propagated again.
+    fn infer_loop(&mut self, model: &Model, node: NodeId, body: BodyId) -> Vec<Facts> {
+        let n = model.node(node);
+        let inputs: Vec<ValueId> = model.body(body).inputs.iter().map(|(v, _)| *v).collect();
+        let outputs: Vec<ValueId> = model.body(body).outputs.iter().map(|(v, _)| *v).collect();
+        let carried = inputs.len().saturating_sub(2);
+        if outputs.len() < 1 + carried {
+            return Vec::new();
+        }
+        let undeclared = |shapes: &Shapes, v: ValueId| shapes.get(v) == Facts::default();
+        for (slot, elem) in [(0, DataType::Int64 as i32), (1, DataType::Bool as i32)] {
+            if let Some(v) = inputs.get(slot).copied().filter(|v| undeclared(self, *v)) {
+                self.set(
+                    v,
+                    Facts {
+                        elem: Some(elem),
+                        dims: Some(Vec::new()),
+                    },
+                );
+            }
+        }
+        let mut assumed = Vec::new();
+        for k in 0..carried {
+            let v = inputs[2 + k];
+            let start = n.inputs.get(2 + k).copied().flatten();
+            if let (true, Some(start)) = (undeclared(self, v), start) {
+                self.set(v, self.get(start));
+                assumed.push(k);
+            }
+        }
+        self.propagate(model, body);
+        let mut changed = false;
+        for k in assumed {
+            let (v, next) = (inputs[2 + k], outputs[1 + k]);
+            let (start, after) = (self.get(v), self.get(next));
+            if start.dims != after.dims {
+                let dims = match (&start.dims, &after.dims) {
+                    (Some(a), Some(b)) if a.len() == b.len() => Some(vec![Dim::Unknown; a.len()]),
+                    _ => None,
+                };
+                self.set(
+                    v,
+                    Facts {
+                        elem: start.elem,
+                        dims,
+                    },
+                );
+                changed = true;
+            }
+        }
+        if changed {
+            // What was propagated from the assumed shapes is forgotten first.
+            for inner in topological_order(model, body) {
+                for out in model.node(inner).outputs.iter().flatten() {
+                    self.facts.insert(*out, declared(model, *out));
+                }
+            }
+            self.propagate(model, body);
+        }
+        (1..outputs.len())
+            .map(|slot| {
+                let each = self.get(outputs[slot]);
+                match slot <= carried {
+                    true => each,
+                    false => stacked(&each),
+                }
+            })
+            .collect()
+    }
+}
+
+/// `[unknown] + facts`: a value stacked over a Loop's iterations.
+pub fn stacked(facts: &Facts) -> Facts {
+    Facts {
+        elem: facts.elem,
+        dims: facts.dims.as_ref().map(|d| {
+            std::iter::once(Dim::Unknown)
+                .chain(d.iter().cloned())
+                .collect()
+        }),
+    }
+}
+
+/// The type `facts` declare: a tensor of its element type, with its dims where the rank is
+/// known; `None` when the element type is not known.
+pub fn type_of_facts(facts: &Facts) -> Option<crate::proto::TypeProto> {
+    let elem = facts.elem?;
+    Some(match &facts.dims {
+        Some(dims) => type_of(elem, dims),
+        None => crate::proto::TypeProto {
+            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                elem_type: Some(elem),
+                shape: None,
+            })),
+            ..Default::default()
+        },
+    })
 }
 
 /// Declared beats inferred where it says something; inferred fills what it leaves open.

@@ -32,8 +32,8 @@
 //! sequence: `Split(X · W)[t]` for `X[t] · W`, one product forward and one per gradient
 //! instead of T each.
 //!
-//! Not unrolled (the Loop stays, and the autodiff names the reason if a gradient must pass
-//! it, [`why_not`]): a trip count or condition computed at run time, more than
+//! Not unrolled (the Loop stays, `loop_grad` differentiates it, and the report names the
+//! reason, [`why_not`]): a trip count or condition computed at run time, more than
 //! [`MAX_TRIP_COUNT`] iterations, a body holding control flow itself, no iteration at all
 //! with scan outputs (their shape is unknown).
 
@@ -416,7 +416,7 @@ fn iterations(model: &Model, parts: &Parts) -> Result<Vec<HashMap<ValueId, Scala
     }
 }
 
-/// Why the Loop `node` is not unrolled, when it is not (for the autodiff's error).
+/// Why the Loop `node` is not unrolled, when it is not (for the autodiff's report).
 pub fn why_not(model: &Model, node: NodeId) -> Option<String> {
     let shapes = Shapes::infer(model);
     let parts = match parts(model, &shapes, node) {

@@ -1,0 +1,512 @@
+//! The gradient of a `Loop` that stays a Loop (its trip count or condition is known only
+//! at run time: a sequence of any length, a while loop on data; `unroll_loop` unrolls the
+//! others): a second Loop that runs the iterations backwards.
+//!
+//! ```text
+//! forward    v_N, S = Loop(M, c, v_0)      body (i, c, v) -> (c', v', s)
+//!            W: the outer values the body reads
+//! kept       the forward Loop also stacks what each iteration starts from:
+//!            I = [0, 1, .., N-1], V = [v_0, .., v_{N-1}] (C, the conditions, if the body reads them)
+//! backward   dv_0, dW = Loop(Size(I), true, dv_N, 0)
+//!              body (j, _, dv, gW):   t = N - 1 - j
+//!                v', s = body(t, C[t], V[t])                      recomputed
+//!                dv_t, dW_t = (dv, dS[t]) · ∂(v', s)/∂(v, W)      the body's gradient, by the rules
+//!                -> (true, dv_t, gW + dW_t)
+//! ```
+//!
+//! What is kept per iteration is what it carried in (an RNN's hidden state, as PyTorch's
+//! autograd keeps a cell's inputs), not the body's intermediates: those are recomputed, one
+//! more forward of the body per iteration. The gradients of the float carried values flow
+//! through every iteration; those of the outer values the body reads (a cell's weights, a
+//! whole input sequence read one step per iteration) are summed over the iterations.
+//!
+//! Not differentiated (the error says why): a body holding control flow itself, sparse
+//! initializers in it, carried values that are not tensors (sequences, optionals).
+
+use std::collections::{HashMap, HashSet};
+
+use crate::ir::builder::{tensor_bool, Builder};
+use crate::ir::{topological_order, BodyId, Model, NodeId, NodeSpec, ValueDef, ValueId};
+use crate::passes::PassError;
+use crate::proto::elem::{BOOL, INT64};
+use crate::proto::type_proto;
+
+use super::rules::Grad;
+use super::shapes::{stacked, type_of_facts, Facts};
+use super::{is_float, PASS};
+
+/// Whether node `n` is a Loop (default domain): differentiated here when it is not unrolled.
+pub fn is_differentiated_loop(model: &Model, n: NodeId) -> bool {
+    let p = &model.node(n).proto;
+    (p.domain().is_empty() || p.domain() == "ai.onnx") && p.op_type() == "Loop"
+}
+
+/// Why the Loop `n` has no gradient here, when it has none.
+pub fn why_not(model: &Model, n: NodeId) -> Option<String> {
+    parts(model, n).err()
+}
+
+/// What the Loop is made of.
+struct Parts {
+    body: BodyId,
+    /// The N carried starting values.
+    initial: Vec<ValueId>,
+    /// The body's inputs: iteration number, condition, N carried.
+    body_inputs: Vec<ValueId>,
+    /// The body's outputs: condition, N carried, K scan outputs.
+    body_outputs: Vec<ValueId>,
+}
+
+impl Parts {
+    fn carried(&self) -> usize {
+        self.initial.len()
+    }
+
+    fn scans(&self) -> usize {
+        self.body_outputs.len() - 1 - self.carried()
+    }
+}
+
+fn parts(model: &Model, n: NodeId) -> Result<Parts, String> {
+    let node = model.node(n);
+    let body = node
+        .subgraphs
+        .iter()
+        .find(|s| s.element.is_none() && node.proto.attribute[s.attribute].name() == "body")
+        .map(|s| s.body)
+        .ok_or("it has no body")?;
+    let b = model.body(body);
+    let body_inputs: Vec<ValueId> = b.inputs.iter().map(|(v, _)| *v).collect();
+    let body_outputs: Vec<ValueId> = b.outputs.iter().map(|(v, _)| *v).collect();
+    let initial: Vec<ValueId> = (2..node.inputs.len().max(2))
+        .map(|i| node.inputs[i].ok_or(format!("its carried value {} is omitted", i - 2)))
+        .collect::<Result<_, _>>()?;
+    let carried = initial.len();
+    if body_inputs.len() != 2 + carried || body_outputs.len() < 1 + carried {
+        return Err(format!(
+            "its body takes {} inputs and returns {} outputs for {carried} carried values (ONNX: 2 + N inputs, 1 + N + K outputs)",
+            body_inputs.len(),
+            body_outputs.len()
+        ));
+    }
+    if node.outputs.len() > body_outputs.len() - 1 {
+        return Err(format!(
+            "it has {} outputs, its body returns {} values besides the condition",
+            node.outputs.len(),
+            body_outputs.len() - 1
+        ));
+    }
+    if let Some(inner) = model
+        .body_nodes(body)
+        .find(|i| !model.node(*i).subgraphs.is_empty())
+    {
+        let inner = model.node(inner);
+        let computing: Vec<&str> = inner
+            .outputs
+            .iter()
+            .flatten()
+            .map(|v| model.name(*v))
+            .collect();
+        return Err(format!(
+            "its body holds control flow itself (the {} '{}' computing {})",
+            inner.proto.op_type(),
+            inner.proto.name(),
+            computing.join(", ")
+        ));
+    }
+    if !b.sparse_initializers.is_empty() {
+        return Err("its body holds sparse initializers".into());
+    }
+    let not_tensor = |v: &ValueId| {
+        model
+            .value_type(*v)
+            .is_some_and(|t| !matches!(t.value, None | Some(type_proto::Value::TensorType(_))))
+    };
+    if let Some(v) = body_inputs
+        .iter()
+        .chain(&body_outputs)
+        .find(|v| not_tensor(v))
+    {
+        return Err(format!(
+            "its body's value '{}' is not a tensor (a sequence or an optional)",
+            model.name(*v)
+        ));
+    }
+    Ok(Parts {
+        body,
+        initial,
+        body_inputs,
+        body_outputs,
+    })
+}
+
+/// The stacks the forward Loop keeps for the backward: the iteration numbers (their count is
+/// the trip count), and per iteration what the body reads of its carried values and
+/// condition.
+struct Kept {
+    iterations: ValueId,
+    carried: Vec<Option<ValueId>>,
+    condition: Option<ValueId>,
+}
+
+/// The gradient contributions of the Loop `n` (the gradients `dys` reach its outputs), as
+/// (value, contribution) pairs: its carried starting values and the outer values its body
+/// reads, those of them that `depends` on a parameter.
+pub fn gradients(
+    cx: &mut Grad<'_>,
+    n: NodeId,
+    dys: &[Option<ValueId>],
+    depends: &dyn Fn(ValueId) -> bool,
+) -> Result<Vec<(ValueId, ValueId)>, PassError> {
+    let parts = parts(cx.model(), n).map_err(|why| cx.error(n, why))?;
+    let loop_name = match cx.model().node(n).proto.name() {
+        "" => "loop".to_string(),
+        name => name.to_string(),
+    };
+    let carried = parts.carried();
+    let float: Vec<bool> = (0..carried)
+        .map(|k| {
+            cx.facts(parts.body_inputs[2 + k])
+                .elem
+                .is_some_and(is_float)
+        })
+        .collect();
+    let captured: Vec<ValueId> = cx
+        .model()
+        .captures(parts.body)
+        .into_iter()
+        .filter(|w| cx.facts(*w).elem.is_some_and(is_float) && depends(*w))
+        .collect();
+    if !float.contains(&true) && captured.is_empty() {
+        return Ok(Vec::new());
+    }
+    let kept = keep(cx, n, &parts);
+
+    // The backward Loop's trip count and condition, in the enclosing body.
+    let count = cx.op(
+        "Size",
+        &[kept.iterations],
+        vec![],
+        &format!("{loop_name}_trips"),
+    );
+    cx.shapes.set(count, scalar_facts(INT64));
+    let one = cx.scalar(INT64, 1.0);
+    let last = cx.op("Sub", &[count, one], vec![], &format!("{loop_name}_last"));
+    cx.shapes.set(last, scalar_facts(INT64));
+    let yes = cx.constant("true", tensor_bool(&[], &[true]));
+
+    // What it carries: the gradients of the float carried values (from those of the
+    // Loop's last values, zeros where none reaches them), and the sums of the outer
+    // values' gradients (from zeros).
+    let mut inputs = vec![Some(count), Some(yes)];
+    let mut hints = Vec::new();
+    let mut flowing = Vec::new();
+    for k in (0..carried).filter(|k| float[*k]) {
+        let last_value = cx.model().output(n, k);
+        let start = match dys.get(k).copied().flatten() {
+            Some(d) => d,
+            None => {
+                let hint = format!("{}_grad", cx.model().name(last_value));
+                cx.zeros_like(n, last_value, &hint)?
+            }
+        };
+        inputs.push(Some(start));
+        hints.push(format!("{}_grad", cx.model().name(parts.initial[k])));
+        flowing.push(k);
+    }
+    for w in &captured {
+        let hint = format!("{}_grad", cx.model().name(*w));
+        let zeros = cx.zeros_like(n, *w, &format!("{hint}_zero"))?;
+        inputs.push(Some(zeros));
+        hints.push(hint);
+    }
+    let hint_refs: Vec<&str> = hints.iter().map(String::as_str).collect();
+    let back = cx.b.node("Loop", "", &inputs, &hint_refs, vec![]);
+    let back_body = cx.b.model.add_subgraph(back, "body");
+    for (slot, like) in flowing
+        .iter()
+        .map(|k| parts.initial[*k])
+        .chain(captured.iter().copied())
+        .enumerate()
+    {
+        let out = cx.model().output(back, slot);
+        let facts = cx.facts(like);
+        cx.shapes.set(out, facts);
+    }
+
+    let scan_grads: Vec<Option<ValueId>> = (0..parts.scans())
+        .map(|m| dys.get(carried + m).copied().flatten())
+        .collect();
+    let step = Step {
+        parts: &parts,
+        kept: &kept,
+        last,
+        flowing: &flowing,
+        captured: &captured,
+        scan_grads: &scan_grads,
+    };
+    let mut inner = Grad::new(
+        Builder::new(&mut *cx.b.model, back_body, PASS),
+        &mut *cx.shapes,
+    );
+    step.build(&mut inner, n)?;
+
+    let mut contributions = Vec::new();
+    for (slot, k) in flowing.iter().enumerate() {
+        let v0 = parts.initial[*k];
+        if depends(v0) {
+            contributions.push((v0, cx.model().output(back, slot)));
+        }
+    }
+    for (i, w) in captured.iter().enumerate() {
+        contributions.push((*w, cx.model().output(back, flowing.len() + i)));
+    }
+    Ok(contributions)
+}
+
+fn scalar_facts(elem: i32) -> Facts {
+    Facts {
+        elem: Some(elem),
+        dims: Some(Vec::new()),
+    }
+}
+
+/// Makes the forward Loop `n` stack what the backward reads (new scan outputs after its
+/// own).
+fn keep(cx: &mut Grad<'_>, n: NodeId, parts: &Parts) -> Kept {
+    // Every output slot the body gives a value is made present, so that the new ones line
+    // up with the body's new outputs.
+    for slot in 0..parts.body_outputs.len() - 1 {
+        let hint = format!("{}_out{slot}", cx.model().node(n).proto.name());
+        cx.b.model.ensure_node_output(n, slot, &hint);
+    }
+    let stack = |cx: &mut Grad<'_>, v: ValueId| -> ValueId {
+        let name = cx.model().name(v).to_string();
+        let facts = cx.facts(v);
+        let each = Builder::new(&mut *cx.b.model, parts.body, PASS).op(
+            "Identity",
+            &[v],
+            vec![],
+            &format!("{name}_kept"),
+        );
+        cx.shapes.set(each, facts.clone());
+        cx.b.model
+            .add_output(parts.body, each, type_of_facts(&facts));
+        let all = cx.b.model.add_node_output(n, &format!("{name}_stacked"));
+        cx.shapes.set(all, stacked(&facts));
+        all
+    };
+    // What the recomputation reads: the body values its float outputs depend on.
+    let mut needed: HashSet<ValueId> = parts.body_outputs[1..]
+        .iter()
+        .copied()
+        .filter(|v| cx.facts(*v).elem.is_some_and(is_float))
+        .collect();
+    for node in topological_order(cx.model(), parts.body).into_iter().rev() {
+        let node = cx.model().node(node);
+        if node.outputs.iter().flatten().any(|o| needed.contains(o)) {
+            needed.extend(node.inputs.iter().flatten().copied());
+        }
+    }
+    let read = |_: &Grad<'_>, v: ValueId| needed.contains(&v);
+    let iterations = stack(cx, parts.body_inputs[0]);
+    let condition = match read(cx, parts.body_inputs[1]) {
+        true => Some(stack(cx, parts.body_inputs[1])),
+        false => None,
+    };
+    let carried = (0..parts.carried())
+        .map(|k| {
+            let v = parts.body_inputs[2 + k];
+            read(cx, v).then(|| stack(cx, v))
+        })
+        .collect();
+    Kept {
+        iterations,
+        carried,
+        condition,
+    }
+}
+
+/// One backward iteration: the body of the backward Loop.
+struct Step<'p> {
+    parts: &'p Parts,
+    kept: &'p Kept,
+    /// N - 1, in the enclosing body.
+    last: ValueId,
+    /// The carried values whose gradients flow (their indices).
+    flowing: &'p [usize],
+    /// The outer values whose gradients are summed.
+    captured: &'p [ValueId],
+    /// The gradients reaching the Loop's scan outputs (stacked), where one does.
+    scan_grads: &'p [Option<ValueId>],
+}
+
+impl Step<'_> {
+    fn build(&self, g: &mut Grad<'_>, n: NodeId) -> Result<(), PassError> {
+        let body = g.b.body;
+        let input = |g: &mut Grad<'_>, hint: &str, facts: Facts| -> ValueId {
+            let ty = type_of_facts(&facts).unwrap_or_default();
+            let v = g.b.model.add_input(body, hint, ty, None);
+            g.shapes.set(v, facts);
+            v
+        };
+        let j = input(g, "j", scalar_facts(INT64));
+        let condition = input(g, "cond", scalar_facts(BOOL));
+        let mut flowing_in = Vec::new();
+        for k in self.flowing {
+            let v = self.parts.body_inputs[2 + k];
+            let hint = format!("{}_grad", g.model().name(v));
+            let facts = g.facts(v);
+            flowing_in.push(input(g, &hint, facts));
+        }
+        let mut sums_in = Vec::new();
+        for w in self.captured {
+            let hint = format!("{}_grad_sum", g.model().name(*w));
+            let facts = g.facts(*w);
+            sums_in.push(input(g, &hint, facts));
+        }
+
+        // This iteration: t = N - 1 - j, and what the forward's iteration t started from.
+        let t = g.op("Sub", &[self.last, j], vec![], "t");
+        g.shapes.set(t, scalar_facts(INT64));
+        let mut copies: HashMap<ValueId, ValueId> = HashMap::new();
+        copies.insert(self.parts.body_inputs[0], t);
+        let at_t = |g: &mut Grad<'_>, stack: ValueId, like: ValueId| -> ValueId {
+            let hint = g.model().name(like).to_string();
+            g.op_like("Gather", &[stack, t], vec![], &hint, like)
+        };
+        if let Some(c) = self.kept.condition {
+            let v = at_t(g, c, self.parts.body_inputs[1]);
+            copies.insert(self.parts.body_inputs[1], v);
+        }
+        for (k, kept) in self.kept.carried.iter().enumerate() {
+            if let Some(stack) = kept {
+                let like = self.parts.body_inputs[2 + k];
+                let v = at_t(g, *stack, like);
+                copies.insert(like, v);
+            }
+        }
+        self.recompute(g, &mut copies);
+
+        // The seeds: the carried gradients at the iteration's end, the scan outputs'
+        // gradients at step t.
+        let copy_of = |v: ValueId| copies.get(&v).copied().unwrap_or(v);
+        let mut seeds = Vec::new();
+        for (k, d) in self.flowing.iter().zip(&flowing_in) {
+            seeds.push((copy_of(self.parts.body_outputs[1 + k]), *d));
+        }
+        let carried = self.parts.carried();
+        for (m, d) in self.scan_grads.iter().enumerate() {
+            let Some(d) = d else { continue };
+            let out = self.parts.body_outputs[1 + carried + m];
+            if !g.facts(out).elem.is_some_and(is_float) {
+                continue;
+            }
+            let d_t = at_t(g, *d, out);
+            seeds.push((copy_of(out), d_t));
+        }
+        let starts: Vec<Option<ValueId>> = self
+            .flowing
+            .iter()
+            .map(|k| copies.get(&self.parts.body_inputs[2 + k]).copied())
+            .collect();
+        let mut targets: Vec<ValueId> = starts.iter().flatten().copied().collect();
+        targets.extend(self.captured.iter().copied());
+        let sums = super::sweep(g, &seeds, &targets)?;
+        let mut sums = sums.into_iter();
+
+        // Outputs: the condition, each carried value's gradient at the iteration's start
+        // (zeros where the body does not read it or nothing reaches it), the sums.
+        let cond_out = g.op("Identity", &[condition], vec![], "cond_out");
+        g.b.model
+            .add_output(body, cond_out, type_of_facts(&scalar_facts(BOOL)));
+        for ((k, start), d_in) in self.flowing.iter().zip(&starts).zip(&flowing_in) {
+            let like = self.parts.body_inputs[2 + k];
+            let grad = match start {
+                Some(_) => sums.next().flatten(),
+                None => None,
+            };
+            let hint = format!("{}_grad_prev", g.model().name(like));
+            let out = match grad {
+                Some(gr) => self.local(g, gr, &hint),
+                None => g.zeros_like(n, *d_in, &hint)?,
+            };
+            let facts = g.facts(like);
+            g.b.model.add_output(body, out, type_of_facts(&facts));
+        }
+        for (w, sum_in) in self.captured.iter().zip(&sums_in) {
+            let hint = format!("{}_grad_sum_next", g.model().name(*w));
+            let out = match sums.next().flatten() {
+                Some(gw) => g.op_like("Add", &[*sum_in, gw], vec![], &hint, *w),
+                None => g.op_like("Identity", &[*sum_in], vec![], &hint, *w),
+            };
+            let facts = g.facts(*w);
+            g.b.model.add_output(body, out, type_of_facts(&facts));
+        }
+        Ok(())
+    }
+
+    /// `v` as a value a node of this body computes (a body output must be one here: an
+    /// input of the body or an outer value is passed through an Identity).
+    fn local(&self, g: &mut Grad<'_>, v: ValueId, hint: &str) -> ValueId {
+        let here = matches!(g.model().value(v).def, ValueDef::Node { node, .. } if g.model().node(node).body == g.b.body);
+        match here {
+            true => v,
+            false => g.op_like("Identity", &[v], vec![], hint, v),
+        }
+    }
+
+    /// The forward body's nodes, copied into this body reading `copies` of its inputs (its
+    /// initializers copied too); `copies` gains every value they compute.
+    fn recompute(&self, g: &mut Grad<'_>, copies: &mut HashMap<ValueId, ValueId>) {
+        let forward = self.parts.body;
+        let body = g.b.body;
+        let initializers = g.model().body(forward).initializers.clone();
+        for (v, t) in initializers {
+            let name = g.model().name(v).to_string();
+            let copy = g.b.model.add_initializer(body, &name, t);
+            let facts = g.facts(v);
+            g.shapes.set(copy, facts);
+            copies.insert(v, copy);
+        }
+        for node in topological_order(g.model(), forward) {
+            let original = g.model().node(node).clone();
+            let p = &original.proto;
+            let inputs: Vec<Option<ValueId>> = original
+                .inputs
+                .iter()
+                .map(|v| v.map(|v| copies.get(&v).copied().unwrap_or(v)))
+                .collect();
+            let hints: Vec<String> = original
+                .outputs
+                .iter()
+                .map(|o| o.map(|o| g.model().name(o).to_string()).unwrap_or_default())
+                .collect();
+            let hint_refs: Vec<&str> = hints.iter().map(String::as_str).collect();
+            let copy = g.b.model.add_node(
+                body,
+                NodeSpec {
+                    op_type: p.op_type(),
+                    domain: p.domain(),
+                    inputs: &inputs,
+                    output_hints: &hint_refs,
+                    attributes: p.attribute.clone(),
+                    name_hint: Some(p.name()),
+                    pass: Some(PASS),
+                },
+            );
+            g.b.added += 1;
+            for (slot, o) in original.outputs.iter().enumerate() {
+                match o {
+                    Some(o) => {
+                        let new = g.model().output(copy, slot);
+                        let facts = g.facts(*o);
+                        g.shapes.set(new, facts);
+                        copies.insert(*o, new);
+                    }
+                    None => g.b.model.node_mut(copy).outputs[slot] = None,
+                }
+            }
+        }
+    }
+}
