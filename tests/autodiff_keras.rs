@@ -119,12 +119,23 @@ fn keras_bn_forward_equals_keras() {
 /// Every Keras variable is a trainable initializer of `keras.onnx`, and its gradient is
 /// within 1e-5 relative (norm-wise) of tf.GradientTape's, float32, samples [0, 8).
 fn keras_gradients(model: &str, variables: usize) {
+    keras_gradients_with(model, CE, "grads.npz", variables);
+}
+
+/// The same, the gradient graph built by `spec`, against the `reference` gradients (on the
+/// samples' first as many tokens as the reference says).
+fn keras_gradients_with(model: &str, spec: &str, reference: &str, variables: usize) {
     if !ort_available() {
         return;
     }
-    let graph = build(&graph_path(model, "keras.onnx"), CE);
-    let data = read_npz(&graph_path(model, "data.npz"));
-    let reference = fixture(model, "grads.npz");
+    let graph = build(&graph_path(model, "keras.onnx"), spec);
+    let mut data = read_npz(&graph_path(model, "data.npz"));
+    let reference = fixture(model, reference);
+    if let Some(x) = reference.get("x") {
+        data.insert("x".into(), x.clone());
+    }
+    let reference: BTreeMap<String, Tensor> =
+        reference.into_iter().filter(|(k, _)| k != "x").collect();
     let out = run_ort(&graph, &first_rows(&data, 8));
     let loss_err = max_abs(&out["loss"], &reference["loss"]);
     assert!(loss_err < 1e-6, "{model}: loss {loss_err:e} from Keras");
@@ -214,11 +225,23 @@ fn keras_training_in(model: &str, optimizer: &str, reference: &str, k: usize) {
 
 /// The same for one of the model's exports.
 fn keras_training_of(model: &str, file: &str, optimizer: &str, reference: &str, k: usize) {
+    keras_training_with(model, file, "", optimizer, reference, k);
+}
+
+/// The same with more autodiff options (`,loops=keep`).
+fn keras_training_with(
+    model: &str,
+    file: &str,
+    autodiff: &str,
+    optimizer: &str,
+    reference: &str,
+    k: usize,
+) {
     if !ort_available() {
         return;
     }
     let spec = format!(
-        "autodiff(loss_fn=cross-entropy,grads=internal),grad-accum(steps={k},normalize=mean),{optimizer},legalize-ort,dce"
+        "autodiff(loss_fn=cross-entropy,grads=internal{autodiff}),grad-accum(steps={k},normalize=mean),{optimizer},legalize-ort,dce"
     );
     let step = build(&graph_path(model, file), &spec);
     let data = read_npz(&graph_path(model, "data.npz"));
@@ -391,6 +414,40 @@ fn keras_gru_accumulated_sgd_equals_full_batch() {
 #[test]
 fn keras_gru_accumulated_keras_adam_equals_full_batch() {
     keras_training("keras_gru", KERAS_ADAM, "run_adam64.npz");
+}
+/// The same model with its Loops kept (`--loops keep`): each recurrent layer stays a Loop
+/// and its gradient is a Loop over the 12 steps backwards (`loop_grad`): the same gradients
+/// and the same training.
+#[test]
+fn keras_gru_loops_kept_gradients_equal_gradient_tape() {
+    keras_gradients_with(
+        "keras_gru",
+        "autodiff(loss_fn=cross-entropy,loops=keep),legalize-ort",
+        "grads.npz",
+        14,
+    );
+}
+#[test]
+fn keras_gru_loops_kept_accumulated_sgd_equals_full_batch() {
+    keras_training_with(
+        "keras_gru",
+        "keras.onnx",
+        ",loops=keep",
+        SGD,
+        "run_sgd.npz",
+        4,
+    );
+}
+#[test]
+fn keras_gru_loops_kept_accumulated_keras_adam_equals_full_batch() {
+    keras_training_with(
+        "keras_gru",
+        "keras.onnx",
+        ",loops=keep",
+        KERAS_ADAM,
+        "run_adam64.npz",
+        4,
+    );
 }
 /// The plain export of the same model (grappler's constant folding on) has the
 /// Bidirectional GRU as ONNX's GRU (linear_before_reset, each direction's bias the input row

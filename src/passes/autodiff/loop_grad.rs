@@ -6,7 +6,8 @@
 //! forward    v_N, S = Loop(M, c, v_0)      body (i, c, v) -> (c', v', s)
 //!            W: the outer values the body reads
 //! kept       the forward Loop also stacks what each iteration starts from:
-//!            I = [0, 1, .., N-1], V = [v_0, .., v_{N-1}] (C, the conditions, if the body reads them)
+//!            I = [0, 1, .., N-1], V = [v_0, .., v_{N-1}] (C, the conditions, if the body reads them;
+//!            no stack of a value the body passes on unchanged, a TensorFlow cell's weights)
 //! backward   dv_0, dW = Loop(Size(I), true, dv_N, 0)
 //!              body (j, _, dv, gW):   t = N - 1 - j
 //!                v', s = body(t, C[t], V[t])                      recomputed
@@ -145,8 +146,20 @@ fn parts(model: &Model, n: NodeId) -> Result<Parts, String> {
 /// condition.
 struct Kept {
     iterations: ValueId,
-    carried: Vec<Option<ValueId>>,
+    carried: Vec<CarriedRead>,
     condition: Option<ValueId>,
+}
+
+/// How the backward reads what an iteration carried in.
+#[derive(Clone, Copy)]
+enum CarriedRead {
+    /// The recomputation does not read it.
+    Unread,
+    /// Step t of this stack.
+    Stacked(ValueId),
+    /// This value: the body passes it on unchanged (TensorFlow's while loops carry a
+    /// cell's weights), so every iteration starts from the Loop's starting value.
+    Same(ValueId),
 }
 
 /// The gradient contributions of the Loop `n` (the gradients `dys` reach its outputs), as
@@ -317,7 +330,11 @@ fn keep(cx: &mut Grad<'_>, n: NodeId, parts: &Parts) -> Kept {
     let carried = (0..parts.carried())
         .map(|k| {
             let v = parts.body_inputs[2 + k];
-            read(cx, v).then(|| stack(cx, v))
+            match (read(cx, v), passed_on(cx.model(), parts, k)) {
+                (false, _) => CarriedRead::Unread,
+                (true, true) => CarriedRead::Same(parts.initial[k]),
+                (true, false) => CarriedRead::Stacked(stack(cx, v)),
+            }
         })
         .collect();
     Kept {
@@ -325,6 +342,20 @@ fn keep(cx: &mut Grad<'_>, n: NodeId, parts: &Parts) -> Kept {
         carried,
         condition,
     }
+}
+
+/// Whether the body passes carried value `k` on unchanged (its output is its input, through
+/// Identities).
+fn passed_on(model: &Model, parts: &Parts, k: usize) -> bool {
+    let mut v = parts.body_outputs[1 + k];
+    while let Some((node, 0)) = model.producer(v) {
+        let n = model.node(node);
+        match (n.proto.op_type(), n.inputs.first()) {
+            ("Identity", Some(Some(x))) if n.body == parts.body => v = *x,
+            _ => break,
+        }
+    }
+    v == parts.body_inputs[2 + k]
 }
 
 /// One backward iteration: the body of the backward Loop.
@@ -380,10 +411,20 @@ impl Step<'_> {
             copies.insert(self.parts.body_inputs[1], v);
         }
         for (k, kept) in self.kept.carried.iter().enumerate() {
-            if let Some(stack) = kept {
-                let like = self.parts.body_inputs[2 + k];
-                let v = at_t(g, *stack, like);
-                copies.insert(like, v);
+            let like = self.parts.body_inputs[2 + k];
+            match kept {
+                CarriedRead::Unread => {}
+                CarriedRead::Stacked(stack) => {
+                    let v = at_t(g, *stack, like);
+                    copies.insert(like, v);
+                }
+                CarriedRead::Same(start) => {
+                    // Its own value here, so that its gradient is told from that of the
+                    // outer value itself (which the body may read too).
+                    let hint = g.model().name(like).to_string();
+                    let v = g.op_like("Identity", &[*start], vec![], &hint, like);
+                    copies.insert(like, v);
+                }
             }
         }
         self.recompute(g, &mut copies);

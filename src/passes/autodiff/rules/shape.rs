@@ -286,6 +286,9 @@ pub fn slice(
     }
     let dims = cx.facts(x).dims.unwrap_or_default();
     let mut pads = vec![0i64; 2 * rank];
+    // Unit-step axes of a size known only at run time (a sequence of any length): their
+    // pads computed from the size then, (axis, start, end).
+    let mut at_run_time: Vec<(usize, i64, i64)> = Vec::new();
     // Axes with a step other than 1: (axis, first index read, step, elements read, size).
     let mut strided: Vec<(usize, i64, i64, i64, i64)> = Vec::new();
     for (j, axis) in axes.iter().enumerate() {
@@ -310,8 +313,8 @@ pub fn slice(
                 pads[a] = s;
                 pads[a + rank] = (size - e.max(s)).max(0);
             }
-            // Without the size only a slice that runs to the end is understood.
             None if step == 1 && start >= 0 && end >= i32::MAX as i64 => pads[a] = start,
+            None if step == 1 => at_run_time.push((a, start, end)),
             None => {
                 return Err(cx.error(
                     node,
@@ -332,8 +335,11 @@ pub fn slice(
     }
     let h = hint(cx, x);
     // Unit steps: the rows the slice dropped come back as zeros.
-    let mut g = if pads.iter().any(|p| *p != 0) || strided.is_empty() {
-        let p = cx.ints(&pads);
+    let mut g = if pads.iter().any(|p| *p != 0) || strided.is_empty() || !at_run_time.is_empty() {
+        let p = match at_run_time.is_empty() {
+            true => cx.ints(&pads),
+            false => pads_at_run_time(cx, x, &pads, &at_run_time, &h),
+        };
         let padded = cx.op("Pad", &[dy, p], vec![], &h);
         // X's facts, with the strided axes still at their sliced length.
         let mut f = cx.facts(x);
@@ -409,6 +415,58 @@ pub fn slice(
     let f = cx.facts(x);
     cx.shapes.set(g, f);
     Ok(first_only(wants.len(), g))
+}
+
+/// Pad's `pads` for a unit-step Slice's gradient where some sliced axes have a size known
+/// only at run time: `known` as given, and for each (axis, start, end) of `dynamic` the rows
+/// before the start and after the end, from the size as Slice clamps them:
+/// `s = clamp(start (+ size if negative), 0, size)`, likewise `e`; pads `s` and
+/// `size - max(e, s)`.
+fn pads_at_run_time(
+    cx: &mut Grad<'_>,
+    x: ValueId,
+    known: &[i64],
+    dynamic: &[(usize, i64, i64)],
+    h: &str,
+) -> ValueId {
+    let rank = known.len() / 2;
+    let mut entries: Vec<ValueId> = known.iter().map(|p| cx.ints(&[*p])).collect();
+    let shape = cx.shape_of(x);
+    let zero = cx.ints(&[0]);
+    for &(a, start, end) in dynamic {
+        let (from, to) = (cx.ints(&[a as i64]), cx.ints(&[a as i64 + 1]));
+        let size = cx.op("Slice", &[shape, from, to], vec![], &format!("{h}_size"));
+        let clamp = |cx: &mut Grad<'_>, v: i64| -> ValueId {
+            let c = cx.ints(&[v]);
+            match v < 0 {
+                true => {
+                    let shifted = cx.op("Add", &[size, c], vec![], h);
+                    cx.op("Max", &[shifted, zero], vec![], h)
+                }
+                false => cx.op("Min", &[c, size], vec![], h),
+            }
+        };
+        let s = clamp(cx, start);
+        let e = clamp(cx, end);
+        let e = cx.op("Max", &[e, s], vec![], h);
+        let after = cx.op("Sub", &[size, e], vec![], h);
+        entries[a] = s;
+        entries[a + rank] = after;
+    }
+    let pads = cx.op(
+        "Concat",
+        &entries,
+        vec![attr_int("axis", 0)],
+        &format!("{h}_pads"),
+    );
+    cx.shapes.set(
+        pads,
+        Facts {
+            elem: Some(crate::proto::elem::INT64),
+            dims: Some(vec![Dim::Known(2 * rank as i64)]),
+        },
+    );
+    pads
 }
 
 pub fn pad(
