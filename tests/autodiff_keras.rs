@@ -449,6 +449,47 @@ fn keras_gru_loops_kept_accumulated_keras_adam_equals_full_batch() {
         4,
     );
 }
+/// keras_gru on sequences of any length (`Input((None,))`): tf2onnx's Loops run as many
+/// iterations as the input has steps, known only at run time, so none is unrolled: each
+/// stays a Loop, differentiated by a Loop over its iterations backwards (`loop_grad`). The
+/// one gradient graph gives Keras's gradients at 12 steps and at 7, and trains like Keras
+/// at 12 (4 micro-batches x 8 windows against 8 full batches).
+#[test]
+fn keras_gru_any_length_forward_equals_keras() {
+    keras_forward("keras_gru_any_length");
+}
+#[test]
+fn keras_gru_any_length_gradients_equal_gradient_tape() {
+    keras_gradients("keras_gru_any_length", 14);
+}
+#[test]
+fn keras_gru_any_length_gradients_at_7_steps_equal_gradient_tape() {
+    keras_gradients_with("keras_gru_any_length", CE, "grads_t7.npz", 14);
+}
+#[test]
+fn keras_gru_any_length_accumulated_sgd_equals_full_batch() {
+    keras_training("keras_gru_any_length", SGD, "run_sgd.npz");
+}
+#[test]
+fn keras_gru_any_length_accumulated_keras_adam_equals_full_batch() {
+    keras_training("keras_gru_any_length", KERAS_ADAM, "run_adam64.npz");
+}
+/// Its plain export (grappler's constant folding on) has the Bidirectional GRU as ONNX's
+/// GRU over the run-time length, which `unroll_rnn` cannot unroll: a clear refusal naming
+/// the node and the length, not a wrong gradient.
+#[test]
+fn keras_gru_any_length_default_export_is_refused() {
+    let path = graph_path("keras_gru_any_length", "default.onnx");
+    let graph = onnx_ga::signature::forward(load(&path), &path);
+    let err = onnx_ga::step::build_step(graph, CE, true)
+        .err()
+        .expect("an ONNX GRU over a run-time length is refused");
+    let message = err.to_string();
+    assert!(
+        message.contains("(GRU)") && message.contains("sequence length"),
+        "{message}"
+    );
+}
 /// The plain export of the same model (grappler's constant folding on) has the
 /// Bidirectional GRU as ONNX's GRU (linear_before_reset, each direction's bias the input row
 /// then the recurrent row of Keras's), which `unroll_rnn` unrolls, and the SimpleRNN as a

@@ -2172,6 +2172,23 @@ fn counted_loop_case(n: &mut Net) -> Vec<ValueId> {
     outs
 }
 
+/// The counted Loop with its Loops kept, its stacked output then sliced along the steps,
+/// whose number the shape facts do not know: the last step (`[-1:]`), all but the last
+/// (`[:-1]`) and the second (`[1:2]`); Slice's gradient computes its pads at run time.
+fn scan_sliced_case(n: &mut Net) -> Vec<ValueId> {
+    n.pipeline = PIPELINE_LOOPS_KEPT;
+    let outs = counted_loop_case(n);
+    let stacked = outs[1];
+    let axis = n.ints("axis", &[1], &[0]);
+    let mut ys = vec![outs[0]];
+    for (start, end) in [(-1, i64::MAX), (0, -1), (1, 2)] {
+        let s = n.ints(&format!("start{start}"), &[1], &[start]);
+        let e = n.ints(&format!("end{end}"), &[1], &[end]);
+        ys.push(n.op("Slice", &[stacked, s, e, axis], vec![]));
+    }
+    ys
+}
+
 /// A case with its Loops kept (`loops=keep`): differentiated by `loop_grad`.
 fn loops_kept(build: fn(&mut Net) -> Vec<ValueId>) -> impl FnOnce(&mut Net) -> Vec<ValueId> {
     move |n| {
@@ -2191,6 +2208,8 @@ cases! {
     loop_kept_tf_while_f64: 17, F64 => loops_kept(tf_while_loop_case);
     loop_kept_trip_count: 17, F32 => loops_kept(counted_loop_case);
     loop_kept_trip_count_f64: 17, F64 => loops_kept(counted_loop_case);
+    loop_kept_scan_sliced: 17, F32 => scan_sliced_case;
+    loop_kept_scan_sliced_f64: 17, F64 => scan_sliced_case;
 }
 
 #[test]

@@ -176,14 +176,15 @@ def make_bn(dtype="float32", bias=None):
     )
 
 
-def token_model(name, dtype, bias, recurrent):
-    """Tokens [N, 12] -> Embedding(16, 8) `embed` -> recurrent(L, dtype, bias) -> Dense(4)
-    `logits`, biases from `bias()` (default RandomNormal(0.1), so each is found by value)."""
+def token_model(name, dtype, bias, recurrent, steps=12):
+    """Tokens [N, steps] -> Embedding(16, 8) `embed` -> recurrent(L, dtype, bias) -> Dense(4)
+    `logits`, biases from `bias()` (default RandomNormal(0.1), so each is found by value).
+    steps=None: sequences of any length."""
     L = tf.keras.layers
     bias = bias or (lambda: tf.keras.initializers.RandomNormal(stddev=0.1))
     return tf.keras.Sequential(
         [
-            tf.keras.Input((12,), name="x", dtype="int32"),
+            tf.keras.Input((steps,), name="x", dtype="int32"),
             L.Embedding(16, 8, name="embed", dtype=dtype),
             *recurrent(L, dtype, bias),
             L.Dense(4, name="logits", dtype=dtype, bias_initializer=bias()),
@@ -199,16 +200,26 @@ def make_lstm(dtype="float32", bias=None):
         L.LSTM(8, name="lstm", dtype=dtype, bias_initializer=bias())])
 
 
+def gru_layers(L, dtype, bias):
+    return [
+        L.Bidirectional(L.GRU(6, return_sequences=True, name="gru", dtype=dtype,
+                              bias_initializer=bias()), name="bigru", dtype=dtype),
+        L.SimpleRNN(5, name="rnn", dtype=dtype, bias_initializer=bias()),
+    ]
+
+
 def make_gru(dtype="float32", bias=None):
     """Tokens -> Embedding -> Bidirectional(GRU, sequences) -> SimpleRNN -> Dense: tf2onnx
     writes each recurrent layer as a Loop (TensorFlow's while loop) over the 12 steps, the
     backward GRU's sequence reversed by ReverseSequence, and each GRU's one bias [2, 3H] as
     two initializers [1, 3H], its input and recurrent halves (rows)."""
-    return token_model("keras_gru", dtype, bias, lambda L, dtype, bias: [
-        L.Bidirectional(L.GRU(6, return_sequences=True, name="gru", dtype=dtype,
-                              bias_initializer=bias()), name="bigru", dtype=dtype),
-        L.SimpleRNN(5, name="rnn", dtype=dtype, bias_initializer=bias()),
-    ])
+    return token_model("keras_gru", dtype, bias, gru_layers)
+
+
+def make_gru_any_length(dtype="float32", bias=None):
+    """keras_gru on sequences of any length (Input((None,))): each Loop's trip count is the
+    input's length, known only at run time."""
+    return token_model("keras_gru_any_length", dtype, bias, gru_layers, steps=None)
 
 
 def make_data_mlp(rng):
@@ -242,6 +253,11 @@ MODELS = {
                       default_layout="gru_default_layout",
                       what="Embedding(16, 8) -> Bidirectional(GRU(6, return_sequences)) -> "
                            "SimpleRNN(5) -> Dense(4), int32 tokens [N, 12], logits"),
+    "keras_gru_any_length": dict(
+        make=make_gru_any_length, data=make_data_tokens, seed=5, lengths=[7],
+        what="keras_gru on tokens [N, T] of any length T: Embedding(16, 8) -> "
+             "Bidirectional(GRU(6, return_sequences)) -> SimpleRNN(5) -> Dense(4), logits; "
+             "trained at T = 12, gradients at T = 12 and 7"),
     "keras_cnn": dict(make=make_cnn, data=make_data_cnn, seed=1,
                       what="Conv2D(8,3,same,relu) -> MaxPooling2D(2) -> Conv2D(8,3,same,relu) -> "
                            "Flatten -> Dense(4), NHWC input, logits"),
@@ -628,6 +644,12 @@ def generate(name: str, spec: dict) -> dict:
     # A call with training=True moved BatchNorm's statistics: back to the exported ones.
     model.set_weights(before)
     save_npz(os.path.join(fdir, "grads.npz"), grads)
+    # A model of any sequence length: the same file's gradients at other lengths (the first
+    # T tokens of each sample, stored as `x` with them).
+    for steps in spec.get("lengths", []):
+        short = {"x": data["x"][:GRAD_SAMPLES, :steps], "labels": data["labels"]}
+        save_npz(os.path.join(fdir, f"grads_t{steps}.npz"),
+                 {"x": short["x"], **keras_grads(model, mapping, short, GRAD_SAMPLES)})
     g64 = keras_grads64(spec["make"], model, data, GRAD_SAMPLES)
     f64_agreement = {}
     for onnx_name, (var, perm) in mapping.items():
@@ -716,6 +738,9 @@ def generate(name: str, spec: dict) -> dict:
             "grads.npz": f"'loss' and the tf.GradientTape gradient of every variable (ONNX name and "
                          f"layout), samples [0,{GRAD_SAMPLES}), float32, training=True",
             "forward.npz": f"x[0:{GRAD_SAMPLES}] and Keras's logits (training=False)",
+            **{f"grads_t{t}.npz": f"'x' (x[0:{GRAD_SAMPLES}, 0:{t}]: the first {t} tokens), "
+                                  f"'loss' and the gradients on it, as grads.npz"
+               for t in spec.get("lengths", [])},
             **{k: f"parameters after {STEPS} full-batch steps of {BATCH}, step t on rows "
                   f"(arange({BATCH}) + {BATCH}*t) mod {N_SAMPLES}" for k in runs},
         },

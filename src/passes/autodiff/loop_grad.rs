@@ -26,10 +26,11 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::ir::builder::{tensor_bool, Builder};
+use crate::ir::builder::{tensor_bool, Builder, NodeAttributes};
+use crate::ir::emit::Emit;
 use crate::ir::{topological_order, BodyId, Model, NodeId, NodeSpec, ValueDef, ValueId};
 use crate::passes::PassError;
-use crate::proto::elem::{BOOL, INT64};
+use crate::proto::elem::{BOOL, INT32, INT64};
 use crate::proto::type_proto;
 
 use super::rules::Grad;
@@ -184,15 +185,23 @@ pub fn gradients(
                 .is_some_and(is_float)
         })
         .collect();
-    let captured: Vec<ValueId> = cx
+    let wanted: Vec<ValueId> = cx
         .model()
         .captures(parts.body)
         .into_iter()
         .filter(|w| cx.facts(*w).elem.is_some_and(is_float) && depends(*w))
         .collect();
-    if !float.contains(&true) && captured.is_empty() {
+    if !float.contains(&true) && wanted.is_empty() {
         return Ok(Vec::new());
     }
+    // An outer sequence the body reads one step per iteration gets its gradient by one
+    // scatter of the steps' gradients; the other outer values by sums carried along.
+    let step_reads = step_reads(cx, &parts, &wanted);
+    let captured: Vec<ValueId> = wanted
+        .iter()
+        .copied()
+        .filter(|w| !step_reads.iter().any(|r| r.x == *w))
+        .collect();
     let kept = keep(cx, n, &parts);
 
     // The backward Loop's trip count and condition, in the enclosing body.
@@ -256,6 +265,7 @@ pub fn gradients(
         last,
         flowing: &flowing,
         captured: &captured,
+        step_reads: &step_reads,
         scan_grads: &scan_grads,
     };
     let mut inner = Grad::new(
@@ -263,6 +273,26 @@ pub fn gradients(
         &mut *cx.shapes,
     );
     step.build(&mut inner, n)?;
+
+    // Each step read's gradients, stacked (in the backward's order) with the positions
+    // read: one ScatterND adds them into zeros of the sequence.
+    let mut scattered = Vec::new();
+    for read in &step_reads {
+        let x_name = cx.model().name(read.x).to_string();
+        let steps =
+            cx.b.model
+                .add_node_output(back, &format!("{x_name}_step_grads"));
+        let positions = cx.b.model.add_node_output(back, &format!("{x_name}_steps"));
+        let zeros = cx.zeros_like(n, read.x, &format!("{x_name}_grad_zero"))?;
+        let grad = cx.op_like(
+            "ScatterND",
+            &[zeros, positions, steps],
+            vec![crate::ir::builder::attr_string("reduction", "add")],
+            &format!("{x_name}_grad"),
+            read.x,
+        );
+        scattered.push((read.x, grad));
+    }
 
     let mut contributions = Vec::new();
     for (slot, k) in flowing.iter().enumerate() {
@@ -274,7 +304,65 @@ pub fn gradients(
     for (i, w) in captured.iter().enumerate() {
         contributions.push((*w, cx.model().output(back, flowing.len() + i)));
     }
+    contributions.extend(scattered);
     Ok(contributions)
+}
+
+/// A body node `Gather(X, i)` of an outer float sequence X at a scalar position the body
+/// computes (TensorFlow's TensorArray read: one time step per iteration), on axis 0.
+struct StepRead {
+    gather: NodeId,
+    x: ValueId,
+    index: ValueId,
+}
+
+/// The step reads of the `wanted` outer values that the body reads only so (needs
+/// ScatterND's `reduction`, opset 16).
+fn step_reads(cx: &Grad<'_>, parts: &Parts, wanted: &[ValueId]) -> Vec<StepRead> {
+    let model = cx.model();
+    if model.opset("").unwrap_or(1) < 16 {
+        return Vec::new();
+    }
+    let as_step_read = |node: NodeId| -> Option<StepRead> {
+        let n = model.node(node);
+        let p = &n.proto;
+        if !(p.domain().is_empty() || p.domain() == "ai.onnx") || p.op_type() != "Gather" {
+            return None;
+        }
+        let (Some(Some(x)), Some(Some(index))) = (n.inputs.first(), n.inputs.get(1)) else {
+            return None;
+        };
+        let axis = p.attr_int("axis").ok().flatten().unwrap_or(0);
+        let rank = cx.facts(*x).rank()? as i64;
+        let index_facts = cx.facts(*index);
+        let scalar_int = index_facts.rank() == Some(0)
+            && index_facts.elem.is_some_and(|e| e == INT64 || e == INT32);
+        ((axis == 0 || axis == -rank) && scalar_int && n.body == parts.body).then_some(StepRead {
+            gather: node,
+            x: *x,
+            index: *index,
+        })
+    };
+    let mut reads = Vec::new();
+    for x in wanted {
+        let uses: Vec<NodeId> = model
+            .uses(*x)
+            .iter()
+            .filter_map(|u| match u {
+                crate::ir::Use::Node { node, .. }
+                    if model.is_within(model.node(*node).body, parts.body) =>
+                {
+                    Some(*node)
+                }
+                _ => None,
+            })
+            .collect();
+        let as_reads: Vec<StepRead> = uses.iter().filter_map(|u| as_step_read(*u)).collect();
+        if !uses.is_empty() && as_reads.len() == uses.len() {
+            reads.extend(as_reads);
+        }
+    }
+    reads
 }
 
 fn scalar_facts(elem: i32) -> Facts {
@@ -368,6 +456,8 @@ struct Step<'p> {
     flowing: &'p [usize],
     /// The outer values whose gradients are summed.
     captured: &'p [ValueId],
+    /// The outer sequences read one step per iteration.
+    step_reads: &'p [StepRead],
     /// The gradients reaching the Loop's scan outputs (stacked), where one does.
     scan_grads: &'p [Option<ValueId>],
 }
@@ -453,6 +543,12 @@ impl Step<'_> {
             .collect();
         let mut targets: Vec<ValueId> = starts.iter().flatten().copied().collect();
         targets.extend(self.captured.iter().copied());
+        let steps_read: Vec<ValueId> = self
+            .step_reads
+            .iter()
+            .map(|r| copy_of(g.model().output(r.gather, 0)))
+            .collect();
+        targets.extend(steps_read.iter().copied());
         let sums = super::sweep(g, &seeds, &targets)?;
         let mut sums = sums.into_iter();
 
@@ -483,6 +579,33 @@ impl Step<'_> {
             };
             let facts = g.facts(*w);
             g.b.model.add_output(body, out, type_of_facts(&facts));
+        }
+        // Scan outputs: each step read's gradient (zeros where none reaches it) and the
+        // position read, as ScatterND's one-element index.
+        for (read, step) in self.step_reads.iter().zip(&steps_read) {
+            let hint = format!("{}_grad", g.model().name(*step));
+            let grad = match sums.next().flatten() {
+                Some(gr) => self.local(g, gr, &hint),
+                None => g.zeros_like(n, *step, &hint)?,
+            };
+            let facts = g.facts(*step);
+            g.b.model.add_output(body, grad, type_of_facts(&facts));
+            let mut position = copy_of(read.index);
+            if g.facts(position).elem != Some(INT64) {
+                position = g.op(
+                    "Cast",
+                    &[position],
+                    vec![crate::ir::builder::attr_int("to", INT64 as i64)],
+                    "position",
+                );
+            }
+            let position = g.unsqueeze(position, &[0], "position");
+            let facts = Facts {
+                elem: Some(INT64),
+                dims: Some(vec![super::shapes::Dim::Known(1)]),
+            };
+            g.shapes.set(position, facts.clone());
+            g.b.model.add_output(body, position, type_of_facts(&facts));
         }
         Ok(())
     }
