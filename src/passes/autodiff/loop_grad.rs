@@ -28,11 +28,11 @@ use std::collections::{HashMap, HashSet};
 
 use crate::ir::builder::{tensor_bool, Builder, NodeAttributes};
 use crate::ir::emit::Emit;
-use crate::ir::{topological_order, BodyId, Model, NodeId, NodeSpec, ValueDef, ValueId};
+use crate::ir::{topological_order, Model, NodeId, NodeSpec, ValueDef, ValueId};
 use crate::passes::PassError;
 use crate::proto::elem::{BOOL, INT32, INT64};
-use crate::proto::type_proto;
 
+use super::loop_parts::LoopParts;
 use super::rules::Grad;
 use super::shapes::{stacked, type_of_facts, Facts};
 use super::{is_float, PASS};
@@ -45,101 +45,7 @@ pub fn is_differentiated_loop(model: &Model, n: NodeId) -> bool {
 
 /// Why the Loop `n` has no gradient here, when it has none.
 pub fn why_not(model: &Model, n: NodeId) -> Option<String> {
-    parts(model, n).err()
-}
-
-/// What the Loop is made of.
-struct Parts {
-    body: BodyId,
-    /// The N carried starting values.
-    initial: Vec<ValueId>,
-    /// The body's inputs: iteration number, condition, N carried.
-    body_inputs: Vec<ValueId>,
-    /// The body's outputs: condition, N carried, K scan outputs.
-    body_outputs: Vec<ValueId>,
-}
-
-impl Parts {
-    fn carried(&self) -> usize {
-        self.initial.len()
-    }
-
-    fn scans(&self) -> usize {
-        self.body_outputs.len() - 1 - self.carried()
-    }
-}
-
-fn parts(model: &Model, n: NodeId) -> Result<Parts, String> {
-    let node = model.node(n);
-    let body = node
-        .subgraphs
-        .iter()
-        .find(|s| s.element.is_none() && node.proto.attribute[s.attribute].name() == "body")
-        .map(|s| s.body)
-        .ok_or("it has no body")?;
-    let b = model.body(body);
-    let body_inputs: Vec<ValueId> = b.inputs.iter().map(|(v, _)| *v).collect();
-    let body_outputs: Vec<ValueId> = b.outputs.iter().map(|(v, _)| *v).collect();
-    let initial: Vec<ValueId> = (2..node.inputs.len().max(2))
-        .map(|i| node.inputs[i].ok_or(format!("its carried value {} is omitted", i - 2)))
-        .collect::<Result<_, _>>()?;
-    let carried = initial.len();
-    if body_inputs.len() != 2 + carried || body_outputs.len() < 1 + carried {
-        return Err(format!(
-            "its body takes {} inputs and returns {} outputs for {carried} carried values (ONNX: 2 + N inputs, 1 + N + K outputs)",
-            body_inputs.len(),
-            body_outputs.len()
-        ));
-    }
-    if node.outputs.len() > body_outputs.len() - 1 {
-        return Err(format!(
-            "it has {} outputs, its body returns {} values besides the condition",
-            node.outputs.len(),
-            body_outputs.len() - 1
-        ));
-    }
-    if let Some(inner) = model
-        .body_nodes(body)
-        .find(|i| !model.node(*i).subgraphs.is_empty())
-    {
-        let inner = model.node(inner);
-        let computing: Vec<&str> = inner
-            .outputs
-            .iter()
-            .flatten()
-            .map(|v| model.name(*v))
-            .collect();
-        return Err(format!(
-            "its body holds control flow itself (the {} '{}' computing {})",
-            inner.proto.op_type(),
-            inner.proto.name(),
-            computing.join(", ")
-        ));
-    }
-    if !b.sparse_initializers.is_empty() {
-        return Err("its body holds sparse initializers".into());
-    }
-    let not_tensor = |v: &ValueId| {
-        model
-            .value_type(*v)
-            .is_some_and(|t| !matches!(t.value, None | Some(type_proto::Value::TensorType(_))))
-    };
-    if let Some(v) = body_inputs
-        .iter()
-        .chain(&body_outputs)
-        .find(|v| not_tensor(v))
-    {
-        return Err(format!(
-            "its body's value '{}' is not a tensor (a sequence or an optional)",
-            model.name(*v)
-        ));
-    }
-    Ok(Parts {
-        body,
-        initial,
-        body_inputs,
-        body_outputs,
-    })
+    LoopParts::of(model, n).err()
 }
 
 /// The stacks the forward Loop keeps for the backward: the iteration numbers (their count is
@@ -172,7 +78,7 @@ pub fn gradients(
     dys: &[Option<ValueId>],
     depends: &dyn Fn(ValueId) -> bool,
 ) -> Result<Vec<(ValueId, ValueId)>, PassError> {
-    let parts = parts(cx.model(), n).map_err(|why| cx.error(n, why))?;
+    let parts = LoopParts::of(cx.model(), n).map_err(|why| cx.error(n, why))?;
     let loop_name = match cx.model().node(n).proto.name() {
         "" => "loop".to_string(),
         name => name.to_string(),
@@ -318,7 +224,7 @@ struct StepRead {
 
 /// The step reads of the `wanted` outer values that the body reads only so (needs
 /// ScatterND's `reduction`, opset 16).
-fn step_reads(cx: &Grad<'_>, parts: &Parts, wanted: &[ValueId]) -> Vec<StepRead> {
+fn step_reads(cx: &Grad<'_>, parts: &LoopParts, wanted: &[ValueId]) -> Vec<StepRead> {
     let model = cx.model();
     if model.opset("").unwrap_or(1) < 16 {
         return Vec::new();
@@ -374,7 +280,7 @@ fn scalar_facts(elem: i32) -> Facts {
 
 /// Makes the forward Loop `n` stack what the backward reads (new scan outputs after its
 /// own).
-fn keep(cx: &mut Grad<'_>, n: NodeId, parts: &Parts) -> Kept {
+fn keep(cx: &mut Grad<'_>, n: NodeId, parts: &LoopParts) -> Kept {
     // Every output slot the body gives a value is made present, so that the new ones line
     // up with the body's new outputs.
     for slot in 0..parts.body_outputs.len() - 1 {
@@ -434,7 +340,7 @@ fn keep(cx: &mut Grad<'_>, n: NodeId, parts: &Parts) -> Kept {
 
 /// Whether the body passes carried value `k` on unchanged (its output is its input, through
 /// Identities).
-fn passed_on(model: &Model, parts: &Parts, k: usize) -> bool {
+fn passed_on(model: &Model, parts: &LoopParts, k: usize) -> bool {
     let mut v = parts.body_outputs[1 + k];
     while let Some((node, 0)) = model.producer(v) {
         let n = model.node(node);
@@ -448,7 +354,7 @@ fn passed_on(model: &Model, parts: &Parts, k: usize) -> bool {
 
 /// One backward iteration: the body of the backward Loop.
 struct Step<'p> {
-    parts: &'p Parts,
+    parts: &'p LoopParts,
     kept: &'p Kept,
     /// N - 1, in the enclosing body.
     last: ValueId,

@@ -24,6 +24,7 @@
 
 mod expand_attention;
 mod loop_grad;
+mod loop_parts;
 mod loss_fn;
 mod normalize;
 pub mod rules;

@@ -46,6 +46,7 @@ use crate::passes::PassError;
 use crate::proto::elem::{BFLOAT16, BOOL, DOUBLE, FLOAT, FLOAT16, INT64};
 use crate::proto::TensorProto;
 
+use super::loop_parts::LoopParts;
 use super::rules::node_error;
 use super::shapes::{constant_ints, constant_tensor, known_ints, Shapes};
 
@@ -213,98 +214,45 @@ fn outer_scalar(model: &Model, shapes: &Shapes, v: ValueId, depth: usize) -> Opt
 
 /// What the Loop is made of.
 struct Parts {
-    body: BodyId,
+    anatomy: LoopParts,
     /// The body's nodes in topological order.
     order: Vec<NodeId>,
-    trip_count: Option<ValueId>,
-    condition: Option<ValueId>,
-    /// The N carried starting values.
-    initial: Vec<ValueId>,
-    /// The body's inputs: iteration number, condition, N carried.
-    body_inputs: Vec<ValueId>,
-    /// The body's outputs: condition, N carried, K scan outputs.
-    body_outputs: Vec<ValueId>,
     /// The scalars, where known, of the enclosing graphs' values the Loop and its body read
     /// (evaluated once: they are the same in every iteration).
     outer: HashMap<ValueId, Scalar>,
 }
 
 impl Parts {
-    fn carried(&self) -> usize {
-        self.initial.len()
-    }
-
     fn outer_scalar(&self, v: ValueId) -> Option<Scalar> {
         self.outer.get(&v).copied()
     }
 
     fn is_local(&self, model: &Model, v: ValueId) -> bool {
+        let body = self.anatomy.body;
         match model.value(v).def {
-            ValueDef::Node { node, .. } => model.node(node).body == self.body,
-            ValueDef::Input { body } => body == self.body,
+            ValueDef::Node { node, .. } => model.node(node).body == body,
+            ValueDef::Input { body: b } => b == body,
             _ => false,
         }
     }
 }
 
 fn parts(model: &Model, shapes: &Shapes, node: NodeId) -> Result<Parts, String> {
-    let n = model.node(node);
-    let body = n
-        .subgraphs
-        .iter()
-        .find(|s| s.element.is_none() && n.proto.attribute[s.attribute].name() == "body")
-        .map(|s| s.body)
-        .ok_or("it has no body")?;
-    let b = model.body(body);
-    let body_inputs: Vec<ValueId> = b.inputs.iter().map(|(v, _)| *v).collect();
-    let body_outputs: Vec<ValueId> = b.outputs.iter().map(|(v, _)| *v).collect();
-    let input = |i: usize| n.inputs.get(i).copied().flatten();
-    let initial: Vec<ValueId> = (2..n.inputs.len().max(2))
-        .map(|i| input(i).ok_or(format!("its carried value {} is omitted", i - 2)))
-        .collect::<Result<_, _>>()?;
-    let carried = initial.len();
-    if body_inputs.len() != 2 + carried || body_outputs.len() < 1 + carried {
-        return Err(format!(
-            "its body takes {} inputs and returns {} outputs for {carried} carried values (ONNX: 2 + N inputs, 1 + N + K outputs)",
-            body_inputs.len(),
-            body_outputs.len()
-        ));
-    }
-    if n.outputs.len() > body_outputs.len() - 1 {
-        return Err(format!(
-            "it has {} outputs, its body returns {} values besides the condition",
-            n.outputs.len(),
-            body_outputs.len() - 1
-        ));
-    }
-    let order = topological_order(model, body);
-    if let Some(inner) = order.iter().find(|i| !model.node(**i).subgraphs.is_empty()) {
-        return Err(format!(
-            "its body holds control flow itself (node '{}', {})",
-            model.node(*inner).proto.name(),
-            model.node(*inner).proto.op_type()
-        ));
-    }
-    if !b.sparse_initializers.is_empty() {
-        return Err("its body holds sparse initializers".into());
-    }
+    let anatomy = LoopParts::of(model, node)?;
+    let order = topological_order(model, anatomy.body);
     let mut parts = Parts {
-        body,
+        anatomy,
         order,
-        trip_count: input(0),
-        condition: input(1),
-        initial,
-        body_inputs,
-        body_outputs,
         outer: HashMap::new(),
     };
-    let read: Vec<ValueId> = n
+    let read: Vec<ValueId> = model
+        .node(node)
         .inputs
         .iter()
         .chain(parts.order.iter().flat_map(|i| &model.node(*i).inputs))
         .flatten()
         .copied()
-        .chain(parts.body_outputs.iter().copied())
+        .chain(parts.anatomy.body_outputs.iter().copied())
         .filter(|v| !parts.is_local(model, *v))
         .collect();
     for v in read {
@@ -338,12 +286,15 @@ fn iteration_scalars(
     carried: &[Option<Scalar>],
 ) -> HashMap<ValueId, Scalar> {
     let mut known = HashMap::new();
-    known.insert(parts.body_inputs[0], Scalar::of(INT64, 0, i as f64));
+    known.insert(parts.anatomy.body_inputs[0], Scalar::of(INT64, 0, i as f64));
     // Without a condition input the body reads true (it loops on the trip count alone).
-    known.insert(parts.body_inputs[1], c.unwrap_or(Scalar::of(BOOL, 0, 1.0)));
+    known.insert(
+        parts.anatomy.body_inputs[1],
+        c.unwrap_or(Scalar::of(BOOL, 0, 1.0)),
+    );
     for (k, s) in carried.iter().enumerate() {
         if let Some(s) = s {
-            known.insert(parts.body_inputs[2 + k], *s);
+            known.insert(parts.anatomy.body_inputs[2 + k], *s);
         }
     }
     for &node in &parts.order {
@@ -359,7 +310,7 @@ fn iteration_scalars(
 /// The known scalars of every iteration the Loop runs (how many: the trip count), or why
 /// the trip count is not known before the run.
 fn iterations(model: &Model, parts: &Parts) -> Result<Vec<HashMap<ValueId, Scalar>>, String> {
-    let limit = match parts.trip_count {
+    let limit = match parts.anatomy.trip_count {
         Some(m) => {
             let s = parts.outer_scalar(m).ok_or_else(|| {
                 format!(
@@ -371,7 +322,7 @@ fn iterations(model: &Model, parts: &Parts) -> Result<Vec<HashMap<ValueId, Scala
         }
         None => None,
     };
-    let mut c = match parts.condition {
+    let mut c = match parts.anatomy.condition {
         Some(c) => Some(parts.outer_scalar(c).ok_or_else(|| {
             format!(
                 "its first condition ('{}') is computed at run time",
@@ -384,6 +335,7 @@ fn iterations(model: &Model, parts: &Parts) -> Result<Vec<HashMap<ValueId, Scala
         return Err("it has neither a trip count nor a condition (it never ends)".into());
     }
     let mut carried: Vec<Option<Scalar>> = parts
+        .anatomy
         .initial
         .iter()
         .map(|v| parts.outer_scalar(*v))
@@ -401,7 +353,7 @@ fn iterations(model: &Model, parts: &Parts) -> Result<Vec<HashMap<ValueId, Scala
         }
         let known = iteration_scalars(model, parts, i, c, &carried);
         if c.is_some() {
-            let out = parts.body_outputs[0];
+            let out = parts.anatomy.body_outputs[0];
             c = Some(scalar_in(model, parts, &known, out).ok_or_else(|| {
                 format!(
                     "its condition ('{}') depends on values computed at run time",
@@ -409,8 +361,8 @@ fn iterations(model: &Model, parts: &Parts) -> Result<Vec<HashMap<ValueId, Scala
                 )
             })?);
         }
-        carried = (0..parts.carried())
-            .map(|k| scalar_in(model, parts, &known, parts.body_outputs[1 + k]))
+        carried = (0..parts.anatomy.carried())
+            .map(|k| scalar_in(model, parts, &known, parts.anatomy.body_outputs[1 + k]))
             .collect();
         iterations.push(known);
     }
@@ -423,7 +375,7 @@ pub fn why_not(model: &Model, node: NodeId) -> Option<String> {
         Ok(p) => p,
         Err(e) => return Some(e),
     };
-    let scans = parts.body_outputs.len() - 1 - parts.carried();
+    let scans = parts.anatomy.body_outputs.len() - 1 - parts.anatomy.carried();
     match iterations(model, &parts) {
         Err(e) => Some(e),
         Ok(i) if i.is_empty() && scans > 0 => {
@@ -447,12 +399,12 @@ pub fn unroll(
     let Ok(iterations) = iterations(model, &parts) else {
         return Ok(None);
     };
-    let carried_count = parts.carried();
-    let scans = parts.body_outputs.len() - 1 - carried_count;
+    let carried_count = parts.anatomy.carried();
+    let scans = parts.anatomy.body_outputs.len() - 1 - carried_count;
     if iterations.is_empty() && scans > 0 {
         return Ok(None);
     }
-    hoist_initializers(model, parts.body);
+    hoist_initializers(model, parts.anatomy.body);
     let loop_outputs = model.node(node).outputs.clone();
     let loop_name = model.node(node).proto.name().to_string();
     let first_copy = NodeId(model.nodes.len() as u32);
@@ -469,7 +421,8 @@ pub fn unroll(
 
     // Each carried value's graph value between iterations; none while it is a scalar the
     // body computed from constants (made a constant where something reads it).
-    let mut carried: Vec<Option<ValueId>> = parts.initial.iter().copied().map(Some).collect();
+    let mut carried: Vec<Option<ValueId>> =
+        parts.anatomy.initial.iter().copied().map(Some).collect();
     let mut scanned: Vec<Vec<ValueId>> = vec![Vec::new(); scans];
     let mut copies: HashMap<ValueId, ValueId> = HashMap::new();
     for known in &iterations {
@@ -477,17 +430,17 @@ pub fn unroll(
         unrolled.step_reads.clear();
         for (k, v) in carried.iter().enumerate() {
             if let Some(v) = v {
-                copies.insert(parts.body_inputs[2 + k], *v);
+                copies.insert(parts.anatomy.body_inputs[2 + k], *v);
             }
         }
         for &n in &parts.order {
             unrolled.copy(n, known, &mut copies)?;
         }
         for (k, scan) in scanned.iter_mut().enumerate() {
-            let out = parts.body_outputs[1 + carried_count + k];
+            let out = parts.anatomy.body_outputs[1 + carried_count + k];
             scan.push(unrolled.read(out, known, &copies)?);
         }
-        carried = parts.body_outputs[1..=carried_count]
+        carried = parts.anatomy.body_outputs[1..=carried_count]
             .iter()
             .map(|out| match parts.is_local(unrolled.b.model, *out) {
                 true => copies.get(out).copied(),
@@ -508,7 +461,7 @@ pub fn unroll(
                 let last = iterations.last().ok_or_else(|| {
                     unrolled.error("internal: a carried scalar without an iteration".into())
                 })?;
-                unrolled.read(parts.body_outputs[1 + k], last, &copies)?
+                unrolled.read(parts.anatomy.body_outputs[1 + k], last, &copies)?
             }
             (false, _) => {
                 let hint = unrolled.b.model.name(out).to_string();
@@ -531,7 +484,7 @@ pub fn unroll(
             model.replace_value(old, new);
         }
     }
-    model.discard_body(parts.body);
+    model.discard_body(parts.anatomy.body);
     model
         .remove_node(node)
         .map_err(|e| node_error(model, node, format!("could not replace the node: {e}")))?;

@@ -1,0 +1,112 @@
+//! What a `Loop` node is made of, as both ways of differentiating one read it (unrolled,
+//! `unroll_loop`; as a Loop, `loop_grad`), with the checks both need.
+//!
+//! ONNX's Loop: inputs `M` (trip count), `cond`, and the N carried starting values; its body
+//! takes (iteration number, condition, N carried) and returns (condition, N carried, K scan
+//! outputs); the node's outputs are the N last carried values and the K scan outputs stacked.
+
+use crate::ir::{BodyId, Model, NodeId, ValueId};
+use crate::proto::type_proto;
+
+/// What the Loop is made of.
+pub struct LoopParts {
+    pub body: BodyId,
+    /// `M`, when given.
+    pub trip_count: Option<ValueId>,
+    /// The first condition, when given.
+    pub condition: Option<ValueId>,
+    /// The N carried starting values.
+    pub initial: Vec<ValueId>,
+    /// The body's inputs: iteration number, condition, N carried.
+    pub body_inputs: Vec<ValueId>,
+    /// The body's outputs: condition, N carried, K scan outputs.
+    pub body_outputs: Vec<ValueId>,
+}
+
+impl LoopParts {
+    pub fn carried(&self) -> usize {
+        self.initial.len()
+    }
+
+    pub fn scans(&self) -> usize {
+        self.body_outputs.len() - 1 - self.carried()
+    }
+
+    /// The Loop `n`'s parts, or why it is not a Loop either differentiation can read: its body
+    /// signature off, control flow or sparse initializers in its body, a carried value that is
+    /// not a tensor.
+    pub fn of(model: &Model, n: NodeId) -> Result<LoopParts, String> {
+        let node = model.node(n);
+        let body = node
+            .subgraphs
+            .iter()
+            .find(|s| s.element.is_none() && node.proto.attribute[s.attribute].name() == "body")
+            .map(|s| s.body)
+            .ok_or("it has no body")?;
+        let b = model.body(body);
+        let body_inputs: Vec<ValueId> = b.inputs.iter().map(|(v, _)| *v).collect();
+        let body_outputs: Vec<ValueId> = b.outputs.iter().map(|(v, _)| *v).collect();
+        let initial: Vec<ValueId> = (2..node.inputs.len().max(2))
+            .map(|i| node.inputs[i].ok_or(format!("its carried value {} is omitted", i - 2)))
+            .collect::<Result<_, _>>()?;
+        let carried = initial.len();
+        if body_inputs.len() != 2 + carried || body_outputs.len() < 1 + carried {
+            return Err(format!(
+            "its body takes {} inputs and returns {} outputs for {carried} carried values (ONNX: 2 + N inputs, 1 + N + K outputs)",
+            body_inputs.len(),
+            body_outputs.len()
+        ));
+        }
+        if node.outputs.len() > body_outputs.len() - 1 {
+            return Err(format!(
+                "it has {} outputs, its body returns {} values besides the condition",
+                node.outputs.len(),
+                body_outputs.len() - 1
+            ));
+        }
+        if let Some(inner) = model
+            .body_nodes(body)
+            .find(|i| !model.node(*i).subgraphs.is_empty())
+        {
+            let inner = model.node(inner);
+            let computing: Vec<&str> = inner
+                .outputs
+                .iter()
+                .flatten()
+                .map(|v| model.name(*v))
+                .collect();
+            return Err(format!(
+                "its body holds control flow itself (the {} '{}' computing {})",
+                inner.proto.op_type(),
+                inner.proto.name(),
+                computing.join(", ")
+            ));
+        }
+        if !b.sparse_initializers.is_empty() {
+            return Err("its body holds sparse initializers".into());
+        }
+        let not_tensor = |v: &ValueId| {
+            model
+                .value_type(*v)
+                .is_some_and(|t| !matches!(t.value, None | Some(type_proto::Value::TensorType(_))))
+        };
+        if let Some(v) = body_inputs
+            .iter()
+            .chain(&body_outputs)
+            .find(|v| not_tensor(v))
+        {
+            return Err(format!(
+                "its body's value '{}' is not a tensor (a sequence or an optional)",
+                model.name(*v)
+            ));
+        }
+        Ok(LoopParts {
+            body,
+            trip_count: node.inputs.first().copied().flatten(),
+            condition: node.inputs.get(1).copied().flatten(),
+            initial,
+            body_inputs,
+            body_outputs,
+        })
+    }
+}
