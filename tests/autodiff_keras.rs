@@ -474,6 +474,60 @@ fn keras_gru_any_length_accumulated_sgd_equals_full_batch() {
 fn keras_gru_any_length_accumulated_keras_adam_equals_full_batch() {
     keras_training("keras_gru_any_length", KERAS_ADAM, "run_adam64.npz");
 }
+/// `rewrite --loops keep` on the fixed-length model keeps its three Loops and says so (and
+/// why); the default unrolls them.
+#[test]
+fn rewrite_loops_keep_keeps_the_loops_and_says_so() {
+    let file = graph_path("keras_gru", "keras.onnx");
+    let dir = tempfile::tempdir().unwrap();
+    let rewrite = |name: &str, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let mut args = vec![
+            "rewrite",
+            file.to_str().unwrap(),
+            "--loss-fn",
+            "cross-entropy",
+            "--optimizer",
+            "sgd",
+            "--accum-steps",
+            "4",
+            "-o",
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let output = common::onnx_ga_cli(&args);
+        let text = String::from_utf8_lossy(&output.stdout).to_string()
+            + &String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{text}");
+        let loops = load(&out)
+            .graph
+            .unwrap()
+            .node
+            .iter()
+            .filter(|n| n.op_type() == "Loop")
+            .count();
+        (text, loops)
+    };
+    let (kept, loops) = rewrite("kept.onnx", &["--loops", "keep"]);
+    assert!(
+        kept.contains(
+            "3 Loops not unrolled, differentiated by a Loop over the iterations backwards"
+        ),
+        "{kept}"
+    );
+    assert!(
+        kept.contains("keras_gru/rnn/while_loop (--loops keep)"),
+        "{kept}"
+    );
+    // Three forward Loops and their three backward ones.
+    assert_eq!(loops, 6, "{kept}");
+    let (unrolled, loops) = rewrite("unrolled.onnx", &[]);
+    assert!(
+        unrolled.contains("3 Loops unrolled into their iterations"),
+        "{unrolled}"
+    );
+    assert_eq!(loops, 0, "{unrolled}");
+}
 /// Its plain export (grappler's constant folding on) has the Bidirectional GRU as ONNX's
 /// GRU over the run-time length, which `unroll_rnn` cannot unroll: a clear refusal naming
 /// the node and the length, not a wrong gradient.

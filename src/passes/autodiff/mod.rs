@@ -810,7 +810,10 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
                 "" => "Loop".to_string(),
                 name => name.to_string(),
             };
-            let why = unroll_loop::why_not(model, n).unwrap_or_default();
+            let why = match options.loops {
+                LoopMode::Keep => "--loops keep".to_string(),
+                LoopMode::Unroll => unroll_loop::why_not(model, n).unwrap_or_default(),
+            };
             (name, why)
         })
         .collect();
