@@ -82,6 +82,8 @@ fn first_rows(data: &BTreeMap<String, Tensor>, n: usize) -> BTreeMap<String, Ten
 }
 
 const CE: &str = "autodiff(loss_fn=cross-entropy,ignore_index=-100),legalize-ort";
+const CE_LOOPS_KEPT: &str =
+    "autodiff(loss_fn=cross-entropy,ignore_index=-100,loops=keep),legalize-ort";
 
 /// Every parameter's gradient within 1e-5 relative (norm-wise) of torch autograd, float32,
 /// or as close to torch's float64 gradient as torch's own float32 one is, within twice that
@@ -108,6 +110,17 @@ fn torch_gradients_on(
     } else {
         CE
     };
+    torch_gradients_by(model, export, spec, run);
+}
+
+/// [`torch_gradients_on`] with the gradient graph built by `spec`.
+fn torch_gradients_by(
+    model: &str,
+    export: &str,
+    spec: &str,
+    run: fn(&ModelProto, &BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor>,
+) {
+    let path = forward_path(model, export);
     let graph = build(&path, spec);
     let data = read_npz(&root().join("graphs/forward").join(model).join("data.npz"));
     let fixtures = root().join("fixtures/forward").join(model);
@@ -361,6 +374,20 @@ fn torch_rnn_dynamo_gradients() {
 #[test]
 fn torch_rnn_legacy_gradients() {
     torch_gradients("torch_rnn", "legacy");
+}
+/// The same LSTM and GRU as Loops (`--loops keep`: what a sequence length known only at run
+/// time makes of them; `loop_grad` differentiates them): torch's gradients too.
+#[test]
+fn torch_rnn_legacy_as_loops_gradients() {
+    if ort_available() {
+        torch_gradients_by("torch_rnn", "legacy", CE_LOOPS_KEPT, run_ort);
+    }
+}
+#[test]
+fn torch_rnn_dynamo_as_loops_gradients() {
+    if ort_available() {
+        torch_gradients_by("torch_rnn", "dynamo", CE_LOOPS_KEPT, run_ort);
+    }
 }
 
 /// Trains `spec` on the model's data (micro-batch `b`, `steps` micro-steps) and returns the

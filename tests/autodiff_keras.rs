@@ -529,19 +529,17 @@ fn rewrite_loops_keep_keeps_the_loops_and_says_so() {
     assert_eq!(loops, 0, "{unrolled}");
 }
 /// Its plain export (grappler's constant folding on) has the Bidirectional GRU as ONNX's
-/// GRU over the run-time length, which `unroll_rnn` cannot unroll: a clear refusal naming
-/// the node and the length, not a wrong gradient.
+/// GRU over the run-time length, which `unroll_rnn` makes one Loop per direction (the
+/// SimpleRNN stays tf2onnx's Loop): it trains like Keras too (`default_run_sgd.npz`: Keras's
+/// SGD run in that layout).
 #[test]
-fn keras_gru_any_length_default_export_is_refused() {
-    let path = graph_path("keras_gru_any_length", "default.onnx");
-    let graph = onnx_ga::signature::forward(load(&path), &path);
-    let err = onnx_ga::step::build_step(graph, CE, true)
-        .err()
-        .expect("an ONNX GRU over a run-time length is refused");
-    let message = err.to_string();
-    assert!(
-        message.contains("(GRU)") && message.contains("sequence length"),
-        "{message}"
+fn keras_gru_any_length_default_export_sgd_equals_full_batch() {
+    keras_training_of(
+        "keras_gru_any_length",
+        "default.onnx",
+        SGD,
+        "default_run_sgd.npz",
+        4,
     );
 }
 /// The plain export of the same model (grappler's constant folding on) has the

@@ -2086,6 +2086,29 @@ cases! {
         vec![attr_strings("activations", &["Sigmoid", "Tanh"])]);
 }
 
+/// A recurrent case with the layer as Loops (`loops=keep`: one per direction, the cell in
+/// the body, differentiated by `loop_grad`) instead of unrolled cells.
+fn kept(n: &mut Net) -> &mut Net {
+    n.pipeline = PIPELINE_LOOPS_KEPT;
+    n
+}
+
+cases! {
+    // ---- recurrent layers as Loops (opset 16 on: a step's gradient is a scatter that adds):
+    // float32 against ONNX Runtime's kernels, float64 for the gradients
+    lstm_full_as_loop: 17, F32 => |n| recurrent_case(kept(n), "LSTM", 4, 1, true, true, true, vec![]);
+    lstm_full_as_loop_f64: 17, F64 => |n| recurrent_case(kept(n), "LSTM", 4, 1, true, true, true, vec![]);
+    lstm_plain_as_loop_f64: 17, F64 => |n| recurrent_case(kept(n), "LSTM", 4, 1, false, false, false, vec![]);
+    lstm_bidirectional_as_loop: 17, F32 => |n| recurrent_case(kept(n), "LSTM", 4, 2, true, true, false, vec![]);
+    lstm_bidirectional_as_loop_f64: 17, F64 => |n| recurrent_case(kept(n), "LSTM", 4, 2, true, true, false, vec![]);
+    gru_linear_before_reset_zero_state_as_loop_f64: 17, F64 => |n| recurrent_case(kept(n), "GRU", 3, 1, true, false, false,
+        vec![attr_int("linear_before_reset", 1)]);
+    gru_bidirectional_as_loop: 17, F32 => |n| recurrent_case(kept(n), "GRU", 3, 2, true, false, false, vec![]);
+    gru_bidirectional_as_loop_f64: 17, F64 => |n| recurrent_case(kept(n), "GRU", 3, 2, true, false, false, vec![]);
+    rnn_sigmoid_bidirectional_as_loop_f64: 17, F64 => |n| recurrent_case(kept(n), "RNN", 1, 2, true, false, false,
+        vec![attr_strings("activations", &["Sigmoid", "Tanh"])]);
+}
+
 /// A Loop node with `inputs` and `outputs` outputs, and its body, empty (to be filled).
 fn loop_node(n: &mut Net, inputs: &[Option<ValueId>], outputs: usize) -> (Vec<ValueId>, BodyId) {
     let outs = n.node("Loop", inputs, outputs, vec![]);

@@ -304,11 +304,10 @@ fn every_forward_model_trains_alike_on_tract_and_ort() {
             {
                 continue;
             }
-            // A GRU on sequences of any length: tf2onnx's plain export is ONNX's GRU over a
-            // length known only at run time, which is not unrolled (refused,
-            // `autodiff_keras::keras_gru_any_length_default_export_is_refused`); the kept
-            // export's Loops stay Loops, which tract 0.23 does not implement (its loading
-            // error names each Loop; ONNX Runtime trains it, `autodiff_keras`).
+            // A GRU on sequences of any length: its Loops (tf2onnx's, and the ones ONNX's
+            // GRU over a run-time length becomes) stay Loops, which tract 0.23 does not
+            // implement (its loading error names each Loop; ONNX Runtime trains both exports,
+            // `autodiff_keras`).
             if model == "keras_gru_any_length" {
                 continue;
             }

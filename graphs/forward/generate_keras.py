@@ -255,6 +255,7 @@ MODELS = {
                            "SimpleRNN(5) -> Dense(4), int32 tokens [N, 12], logits"),
     "keras_gru_any_length": dict(
         make=make_gru_any_length, data=make_data_tokens, seed=5, lengths=[7],
+        default_layout="gru_default_layout",
         what="keras_gru on tokens [N, T] of any length T: Embedding(16, 8) -> "
              "Bidirectional(GRU(6, return_sequences)) -> SimpleRNN(5) -> Dense(4), logits; "
              "trained at T = 12, gradients at T = 12 and 7"),

@@ -136,7 +136,7 @@ pub fn normalize(
     out.recurrent = rewrite_each(
         model,
         super::unroll_rnn::is_recurrent,
-        |model, node, shapes| super::unroll_rnn::unroll(model, node, shapes, pass),
+        |model, node, shapes| super::unroll_rnn::unroll(model, node, shapes, loops, pass),
     )?;
     out.attention = rewrite_each(
         model,

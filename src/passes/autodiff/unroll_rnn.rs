@@ -1,7 +1,6 @@
 //! Recurrent layers unrolled into their cell equations, so that the autodiff differentiates
 //! them with the rules it has (MatMul, Add, Mul, Sigmoid, Tanh, Relu, Slice, Concat, ...)
-//! and no recurrent backward op is needed. The sequence length must be known (it is the
-//! number of cells written); the batch may be dynamic.
+//! and no recurrent backward op is needed. The batch may be dynamic.
 //!
 //! Per direction `d` (ONNX's equations; `⊙` elementwise, `W`, `R`, `B`, `P` the node's
 //! weights for `d`, gates in ONNX's order, `f`, `g`, `h` the node's activations):
@@ -22,15 +21,22 @@
 //! out rather than computed from zeros. The reverse direction runs the time steps backwards.
 //! Outputs: `Y` stacks every step's H in time order, `Y_h` (`Y_c`) is the last cell's.
 //!
+//! A sequence length known only at run time (or `--loops keep`, from opset 16) makes one
+//! `Loop` per direction instead, the cell once in its body, its states carried and every H
+//! a scan output; `loop_grad` differentiates it.
+//!
 //! Not supported (a clear error naming the node): `sequence_lens`, `clip`,
 //! `input_forget`, `layout` = 1 (which ONNX Runtime's kernels refuse as well), activations
-//! other than Sigmoid, Tanh and Relu, an unknown sequence length, opsets before 10.
+//! other than Sigmoid, Tanh and Relu, a run-time sequence length before opset 16, opsets
+//! before 10.
 
-use crate::ir::builder::{attr_int, attr_ints, Builder, NodeAttributes};
+use crate::ir::builder::{attr_int, attr_ints, attr_tensor, Builder, NodeAttributes};
 use crate::ir::emit::Emit;
 use crate::ir::{BodyId, Model, NodeId, ValueId};
 use crate::passes::PassError;
+use crate::proto::elem::{BOOL, INT64};
 
+use super::normalize::LoopMode;
 use super::rules::node_error;
 use super::shapes::{type_of, Dim, Shapes};
 
@@ -85,6 +91,7 @@ pub fn unroll(
     model: &mut Model,
     node: NodeId,
     shapes: &Shapes,
+    loops: LoopMode,
     pass: &'static str,
 ) -> Result<(), PassError> {
     let err = |model: &Model, m: String| node_error(model, node, m);
@@ -188,21 +195,34 @@ pub fn unroll(
         .as_ref()
         .and_then(|d| d.get(1).cloned())
         .unwrap_or(Dim::Unknown);
-    let steps = x_facts
+    let known_steps = x_facts
         .dims
         .as_ref()
-        .and_then(|d| d.get(seq_axis).and_then(|d| d.known()))
-        .filter(|s| *s > 0)
-        .ok_or_else(|| {
-            err(
-                model,
-                format!(
-                    "the sequence length of '{}' (axis {seq_axis}) is not known (its dims: {}): unrolling needs it",
-                    model.name(x),
-                    shapes.get(x).dims.map_or("unknown".into(), |d| format!("{d:?}"))
-                ),
-            )
-        })?;
+        .and_then(|d| d.get(seq_axis).and_then(|d| d.known()));
+    if known_steps == Some(0) {
+        return Err(err(model, "the layer has no time steps".into()));
+    }
+    // Unrolled where the length is known (unless `--loops keep`), else one Loop per
+    // direction over the steps the input has at run time. A Loop reads step t of the
+    // sequence with a Gather, whose gradient needs opset 16 (scatters that add): before it,
+    // a known length is unrolled even with `--loops keep`.
+    let loops_possible = opset >= 16;
+    let steps = known_steps.filter(|_| loops == LoopMode::Unroll || !loops_possible);
+    if steps.is_none() && !loops_possible {
+        return Err(err(
+            model,
+            format!(
+                "the sequence length of '{}' is known only at run time, so the layer becomes a Loop over its steps, whose gradient needs opset 16 (ScatterND adding each step's gradient); this model imports opset {opset}",
+                model.name(x)
+            ),
+        ));
+    }
+    let elem = x_facts.elem.ok_or_else(|| {
+        err(
+            model,
+            format!("the element type of '{}' is not known", model.name(x)),
+        )
+    })?;
     let hint = n
         .outputs
         .iter()
@@ -294,6 +314,13 @@ pub fn unroll(
             activations: activations[d * per_direction..(d + 1) * per_direction].to_vec(),
             reverse: *reverse,
         };
+        let Some(steps) = steps else {
+            let (y, hn, cn) = loop_direction(&mut b, cell, &dir, x, elem, &batch, hidden, h);
+            ys.push(y);
+            last_h.push(hn);
+            last_c.extend(cn);
+            continue;
+        };
         let Some((hs, hn, cn)) = run_direction(&mut b, cell, &dir, steps, hidden, h) else {
             return Err(node_error(
                 b.model,
@@ -314,8 +341,9 @@ pub fn unroll(
     let y_c = (!last_c.is_empty()).then(|| concat(&mut b, &last_c, 0, h));
     // Declared: the shape facts cannot always follow the exporter's weight arithmetic,
     // and a stacked layer needs its sequence length.
-    if let Some(elem) = x_facts.elem {
-        let (s, n, hd) = (Dim::Known(steps), batch.clone(), Dim::Known(hidden));
+    {
+        let s = known_steps.map_or(Dim::Unknown, Dim::Known);
+        let (n, hd) = (batch.clone(), Dim::Known(hidden));
         let dirs = Dim::Known(reverse_flags.len() as i64);
         let state = [dirs.clone(), n.clone(), hd.clone()];
         model.set_value_type(y, type_of(elem, &[s, dirs, n.clone(), hd.clone()]));
@@ -381,117 +409,11 @@ fn run_direction(
     } else {
         (0..steps).collect()
     };
-    let gate =
-        |b: &mut Builder<'_>, v: ValueId, k: i64| slice_last(b, v, k * hidden, (k + 1) * hidden, h);
-    let act = |k: usize| dir.activations[k].as_str();
     let (mut state_h, mut state_c) = (dir.h0, dir.c0);
     let mut hs = vec![None; steps as usize];
     for t in order {
         let xw_t = slice_axis(b, dir.xw, 0, t, t + 1, h);
-        let recurrent = state_h.map(|hp| b.op("MatMul", &[hp, dir.r_t], vec![], h));
-        let (new_h, new_c) = match cell {
-            Cell::Lstm => {
-                let pre = match recurrent {
-                    Some(r) => b.op("Add", &[xw_t, r], vec![], h),
-                    None => xw_t,
-                };
-                let peep = |b: &mut Builder<'_>, k: i64, c: Option<ValueId>, v: ValueId| match (
-                    dir.p, c,
-                ) {
-                    (Some(p), Some(c)) => {
-                        let pk = slice_last(b, p, k * hidden, (k + 1) * hidden, h);
-                        let pc = b.op("Mul", &[pk, c], vec![], h);
-                        b.op("Add", &[v, pc], vec![], h)
-                    }
-                    _ => v,
-                };
-                // ONNX's LSTM gate order: i, o, f, c; peepholes i, o, f.
-                let (pi, po, pf, pc) = (
-                    gate(b, pre, 0),
-                    gate(b, pre, 1),
-                    gate(b, pre, 2),
-                    gate(b, pre, 3),
-                );
-                let pi = peep(b, 0, state_c, pi);
-                let i = activate(b, act(0), pi, h);
-                let c_tilde = activate(b, act(1), pc, h);
-                let ic = b.op("Mul", &[i, c_tilde], vec![], h);
-                let c = match state_c {
-                    Some(cp) => {
-                        let pf = peep(b, 2, Some(cp), pf);
-                        let f = activate(b, act(0), pf, h);
-                        let fc = b.op("Mul", &[f, cp], vec![], h);
-                        b.op("Add", &[fc, ic], vec![], h)
-                    }
-                    None => ic,
-                };
-                let po = peep(b, 1, Some(c), po);
-                let o = activate(b, act(0), po, h);
-                let hc = activate(b, act(2), c, h);
-                (b.op("Mul", &[o, hc], vec![], h), Some(c))
-            }
-            Cell::Gru {
-                linear_before_reset,
-            } => {
-                // The recurrent term with its bias (zero state: the bias alone).
-                let rec = match (recurrent, dir.rb) {
-                    (Some(r), Some(rb)) => Some(b.op("Add", &[r, rb], vec![], h)),
-                    (Some(r), None) => Some(r),
-                    (None, rb) => rb,
-                };
-                let (xz, xr, xh) = (gate(b, xw_t, 0), gate(b, xw_t, 1), gate(b, xw_t, 2));
-                let with = |b: &mut Builder<'_>, x: ValueId, k: i64| match rec {
-                    Some(rec) => {
-                        let rk = gate(b, rec, k);
-                        b.op("Add", &[x, rk], vec![], h)
-                    }
-                    None => x,
-                };
-                let zs = with(b, xz, 0);
-                let z = activate(b, act(0), zs, h);
-                let rs = with(b, xr, 1);
-                let rg = activate(b, act(0), rs, h);
-                let hidden_term = if linear_before_reset {
-                    rec.map(|rec| {
-                        let rh = gate(b, rec, 2);
-                        b.op("Mul", &[rg, rh], vec![], h)
-                    })
-                } else {
-                    let reset = state_h.map(|hp| {
-                        let rhp = b.op("Mul", &[rg, hp], vec![], h);
-                        let rh_t = slice_last(b, dir.r_t, 2 * hidden, 3 * hidden, h);
-                        b.op("MatMul", &[rhp, rh_t], vec![], h)
-                    });
-                    let rbh = dir
-                        .rb
-                        .map(|rb| slice_last(b, rb, 2 * hidden, 3 * hidden, h));
-                    match (reset, rbh) {
-                        (Some(a), Some(c)) => Some(b.op("Add", &[a, c], vec![], h)),
-                        (a, c) => a.or(c),
-                    }
-                };
-                let hs_pre = match hidden_term {
-                    Some(t) => b.op("Add", &[xh, t], vec![], h),
-                    None => xh,
-                };
-                let h_tilde = activate(b, act(1), hs_pre, h);
-                // H' = h̃ - z ⊙ h̃ + z ⊙ H = (1 - z) ⊙ h̃ + z ⊙ H.
-                let zh = b.op("Mul", &[z, h_tilde], vec![], h);
-                let mut out = b.op("Sub", &[h_tilde, zh], vec![], h);
-                if let Some(hp) = state_h {
-                    let zp = b.op("Mul", &[z, hp], vec![], h);
-                    out = b.op("Add", &[out, zp], vec![], h);
-                }
-                (out, None)
-            }
-            Cell::Rnn => {
-                let pre = match recurrent {
-                    Some(r) => b.op("Add", &[xw_t, r], vec![], h),
-                    None => xw_t,
-                };
-                (activate(b, act(0), pre, h), None)
-            }
-        };
+        let (new_h, new_c) = cell_step(b, cell, dir, xw_t, state_h, state_c, hidden, h);
         hs[t as usize] = Some(new_h);
         state_h = Some(new_h);
         state_c = new_c.or(state_c);
@@ -500,6 +422,236 @@ fn run_direction(
     // `None` only for zero steps, which `unroll` refuses before.
     let last = state_h?;
     Some((hs, last, if cell == Cell::Lstm { state_c } else { None }))
+}
+
+/// One direction as a Loop over the time steps, for a sequence length known only at run
+/// time (or `--loops keep`): the cell once, in the Loop's body, reading step t of X·Wᵀ;
+/// its states carried (zeros where the layer has none: the same arithmetic as leaving
+/// their terms out), every H a scan output. Returns Y for the direction ([S, 1, N, H], in
+/// time order), the last H and C. Its gradient is `loop_grad`'s.
+#[allow(clippy::too_many_arguments)]
+fn loop_direction(
+    b: &mut Builder<'_>,
+    cell: Cell,
+    dir: &Direction,
+    x: ValueId,
+    elem: i32,
+    batch: &Dim,
+    hidden: i64,
+    h: &str,
+) -> (ValueId, ValueId, Option<ValueId>) {
+    let shape = b.op("Shape", &[x], vec![], h);
+    let first = b.scalar_i64("zero", 0);
+    let steps = b.op("Gather", &[shape, first], vec![], &format!("{h}_steps"));
+    let one = b.scalar_i64("one", 1);
+    let last = b.op("Sub", &[steps, one], vec![], h);
+    let lstm = cell == Cell::Lstm;
+    let zeros = |b: &mut Builder<'_>| {
+        let n = slice_axis(b, shape, 0, 1, 2, h);
+        let lead = b.ints("one", &[1]);
+        let width = b.ints("hidden", &[hidden]);
+        let dims = b.op("Concat", &[lead, n, width], vec![attr_int("axis", 0)], h);
+        let zero = crate::ir::emit::scalar_tensor(elem, 0.0);
+        let zero = crate::proto::TensorProto {
+            dims: vec![1],
+            ..zero
+        };
+        b.op(
+            "ConstantOfShape",
+            &[dims],
+            vec![attr_tensor("value", zero)],
+            h,
+        )
+    };
+    let h0 = match dir.h0 {
+        Some(v) => v,
+        None => zeros(b),
+    };
+    let c0 = match (lstm, dir.c0) {
+        (false, _) => None,
+        (true, Some(v)) => Some(v),
+        (true, None) => Some(zeros(b)),
+    };
+    let mut inputs = vec![Some(steps), None, Some(h0)];
+    let mut hints = vec![format!("{h}_last_h")];
+    if let Some(c0) = c0 {
+        inputs.push(Some(c0));
+        hints.push(format!("{h}_last_c"));
+    }
+    hints.push(format!("{h}_y"));
+    let hint_refs: Vec<&str> = hints.iter().map(String::as_str).collect();
+    let node = b.node("Loop", "", &inputs, &hint_refs, vec![]);
+    let body = b.model.add_subgraph(node, "body");
+    let state_ty = type_of(elem, &[Dim::Known(1), batch.clone(), Dim::Known(hidden)]);
+    {
+        let model = &mut *b.model;
+        let i = model.add_input(body, "i", crate::ir::tensor_type(INT64, &[]), None);
+        let cond = model.add_input(body, "cond", crate::ir::tensor_type(BOOL, &[]), None);
+        let state_h = model.add_input(body, &format!("{h}_h"), state_ty.clone(), None);
+        let state_c = c0.map(|_| model.add_input(body, &format!("{h}_c"), state_ty.clone(), None));
+        let mut lb = Builder::new(model, body, b.pass);
+        let t = match dir.reverse {
+            true => lb.op("Sub", &[last, i], vec![], "t"),
+            false => i,
+        };
+        let x_t = lb.op("Gather", &[dir.xw, t], vec![], h);
+        let xw_t = lb.unsqueeze(x_t, &[0], h);
+        let (new_h, new_c) = cell_step(&mut lb, cell, dir, xw_t, Some(state_h), state_c, hidden, h);
+        let cond_out = lb.op("Identity", &[cond], vec![], "cond_out");
+        let each_h = lb.op("Identity", &[new_h], vec![], h);
+        lb.model
+            .add_output(body, cond_out, Some(crate::ir::tensor_type(BOOL, &[])));
+        lb.model.add_output(body, new_h, Some(state_ty.clone()));
+        if let Some(c) = new_c {
+            lb.model.add_output(body, c, Some(state_ty.clone()));
+        }
+        lb.model.add_output(body, each_h, Some(state_ty.clone()));
+    }
+    let last_h = b.model.output(node, 0);
+    let last_c = c0.map(|_| b.model.output(node, 1));
+    let mut y = b.model.output(node, if lstm { 2 } else { 1 });
+    if dir.reverse {
+        // The scan output is in the order of the iterations, backwards in time.
+        let steps_1 = b.unsqueeze(steps, &[0], h);
+        let n = slice_axis(b, shape, 0, 1, 2, h);
+        let lens = b.op("Expand", &[steps_1, n], vec![], h);
+        let squeezed = match crate::ir::emit::axes_as_input("Squeeze", b.opset()) {
+            true => {
+                let axes = b.axes(&[1]);
+                b.op("Squeeze", &[y, axes], vec![], h)
+            }
+            false => b.op("Squeeze", &[y], vec![attr_ints("axes", &[1])], h),
+        };
+        let forward = b.op(
+            "ReverseSequence",
+            &[squeezed, lens],
+            vec![attr_int("batch_axis", 1), attr_int("time_axis", 0)],
+            h,
+        );
+        y = b.unsqueeze(forward, &[1], h);
+    }
+    (y, last_h, last_c)
+}
+
+/// One cell: the new H (and C) from this step's `xw_t` [1, N, G·H] and the states before
+/// it (`None`: zero, whose terms are left out).
+#[allow(clippy::too_many_arguments)]
+fn cell_step(
+    b: &mut Builder<'_>,
+    cell: Cell,
+    dir: &Direction,
+    xw_t: ValueId,
+    state_h: Option<ValueId>,
+    state_c: Option<ValueId>,
+    hidden: i64,
+    h: &str,
+) -> (ValueId, Option<ValueId>) {
+    let gate =
+        |b: &mut Builder<'_>, v: ValueId, k: i64| slice_last(b, v, k * hidden, (k + 1) * hidden, h);
+    let act = |k: usize| dir.activations[k].as_str();
+    let recurrent = state_h.map(|hp| b.op("MatMul", &[hp, dir.r_t], vec![], h));
+    match cell {
+        Cell::Lstm => {
+            let pre = match recurrent {
+                Some(r) => b.op("Add", &[xw_t, r], vec![], h),
+                None => xw_t,
+            };
+            let peep =
+                |b: &mut Builder<'_>, k: i64, c: Option<ValueId>, v: ValueId| match (dir.p, c) {
+                    (Some(p), Some(c)) => {
+                        let pk = slice_last(b, p, k * hidden, (k + 1) * hidden, h);
+                        let pc = b.op("Mul", &[pk, c], vec![], h);
+                        b.op("Add", &[v, pc], vec![], h)
+                    }
+                    _ => v,
+                };
+            // ONNX's LSTM gate order: i, o, f, c; peepholes i, o, f.
+            let (pi, po, pf, pc) = (
+                gate(b, pre, 0),
+                gate(b, pre, 1),
+                gate(b, pre, 2),
+                gate(b, pre, 3),
+            );
+            let pi = peep(b, 0, state_c, pi);
+            let i = activate(b, act(0), pi, h);
+            let c_tilde = activate(b, act(1), pc, h);
+            let ic = b.op("Mul", &[i, c_tilde], vec![], h);
+            let c = match state_c {
+                Some(cp) => {
+                    let pf = peep(b, 2, Some(cp), pf);
+                    let f = activate(b, act(0), pf, h);
+                    let fc = b.op("Mul", &[f, cp], vec![], h);
+                    b.op("Add", &[fc, ic], vec![], h)
+                }
+                None => ic,
+            };
+            let po = peep(b, 1, Some(c), po);
+            let o = activate(b, act(0), po, h);
+            let hc = activate(b, act(2), c, h);
+            (b.op("Mul", &[o, hc], vec![], h), Some(c))
+        }
+        Cell::Gru {
+            linear_before_reset,
+        } => {
+            // The recurrent term with its bias (zero state: the bias alone).
+            let rec = match (recurrent, dir.rb) {
+                (Some(r), Some(rb)) => Some(b.op("Add", &[r, rb], vec![], h)),
+                (Some(r), None) => Some(r),
+                (None, rb) => rb,
+            };
+            let (xz, xr, xh) = (gate(b, xw_t, 0), gate(b, xw_t, 1), gate(b, xw_t, 2));
+            let with = |b: &mut Builder<'_>, x: ValueId, k: i64| match rec {
+                Some(rec) => {
+                    let rk = gate(b, rec, k);
+                    b.op("Add", &[x, rk], vec![], h)
+                }
+                None => x,
+            };
+            let zs = with(b, xz, 0);
+            let z = activate(b, act(0), zs, h);
+            let rs = with(b, xr, 1);
+            let rg = activate(b, act(0), rs, h);
+            let hidden_term = if linear_before_reset {
+                rec.map(|rec| {
+                    let rh = gate(b, rec, 2);
+                    b.op("Mul", &[rg, rh], vec![], h)
+                })
+            } else {
+                let reset = state_h.map(|hp| {
+                    let rhp = b.op("Mul", &[rg, hp], vec![], h);
+                    let rh_t = slice_last(b, dir.r_t, 2 * hidden, 3 * hidden, h);
+                    b.op("MatMul", &[rhp, rh_t], vec![], h)
+                });
+                let rbh = dir
+                    .rb
+                    .map(|rb| slice_last(b, rb, 2 * hidden, 3 * hidden, h));
+                match (reset, rbh) {
+                    (Some(a), Some(c)) => Some(b.op("Add", &[a, c], vec![], h)),
+                    (a, c) => a.or(c),
+                }
+            };
+            let hs_pre = match hidden_term {
+                Some(t) => b.op("Add", &[xh, t], vec![], h),
+                None => xh,
+            };
+            let h_tilde = activate(b, act(1), hs_pre, h);
+            // H' = h̃ - z ⊙ h̃ + z ⊙ H = (1 - z) ⊙ h̃ + z ⊙ H.
+            let zh = b.op("Mul", &[z, h_tilde], vec![], h);
+            let mut out = b.op("Sub", &[h_tilde, zh], vec![], h);
+            if let Some(hp) = state_h {
+                let zp = b.op("Mul", &[z, hp], vec![], h);
+                out = b.op("Add", &[out, zp], vec![], h);
+            }
+            (out, None)
+        }
+        Cell::Rnn => {
+            let pre = match recurrent {
+                Some(r) => b.op("Add", &[xw_t, r], vec![], h),
+                None => xw_t,
+            };
+            (activate(b, act(0), pre, h), None)
+        }
+    }
 }
 
 /// Whether `bias` is a Keras layer's one bias as tf2onnx writes it: `B = [Wb, Rb]` with the
