@@ -288,6 +288,7 @@ cases! {
     forward_loop_unrolled => "forward/loop_unrolled.onnxtxt",
     forward_mlp_mse_sgd => "forward/mlp_mse_sgd.onnxtxt",
     forward_own_loss_autodiff => "forward/own_loss_autodiff.onnxtxt",
+    forward_rnn_at_run_time => "forward/rnn_at_run_time.onnxtxt",
     legalize_accumulate => "legalize/accumulate.onnxtxt",
     legalize_accumulate_no_reset => "legalize/accumulate_no_reset.onnxtxt",
     legalize_accumulate_reset => "legalize/accumulate_reset.onnxtxt",
