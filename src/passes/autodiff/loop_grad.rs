@@ -28,11 +28,11 @@ use std::collections::{HashMap, HashSet};
 
 use crate::ir::builder::{tensor_bool, Builder, NodeAttributes};
 use crate::ir::emit::Emit;
-use crate::ir::{topological_order, Model, NodeId, NodeSpec, ValueDef, ValueId};
+use crate::ir::{topological_order, Model, NodeId, ValueDef, ValueId};
 use crate::passes::PassError;
 use crate::proto::elem::{BOOL, INT32, INT64};
 
-use super::loop_parts::LoopParts;
+use super::loop_parts::{copy_node, LoopParts};
 use super::rules::Grad;
 use super::shapes::{stacked, type_of_facts, Facts};
 use super::{is_float, PASS};
@@ -540,42 +540,17 @@ impl Step<'_> {
             copies.insert(v, copy);
         }
         for node in topological_order(g.model(), forward) {
-            let original = g.model().node(node).clone();
-            let p = &original.proto;
-            let inputs: Vec<Option<ValueId>> = original
+            let inputs: Vec<Option<ValueId>> = g
+                .model()
+                .node(node)
                 .inputs
                 .iter()
                 .map(|v| v.map(|v| copies.get(&v).copied().unwrap_or(v)))
                 .collect();
-            let hints: Vec<String> = original
-                .outputs
-                .iter()
-                .map(|o| o.map(|o| g.model().name(o).to_string()).unwrap_or_default())
-                .collect();
-            let hint_refs: Vec<&str> = hints.iter().map(String::as_str).collect();
-            let copy = g.b.model.add_node(
-                body,
-                NodeSpec {
-                    op_type: p.op_type(),
-                    domain: p.domain(),
-                    inputs: &inputs,
-                    output_hints: &hint_refs,
-                    attributes: p.attribute.clone(),
-                    name_hint: Some(p.name()),
-                    pass: Some(PASS),
-                },
-            );
-            g.b.added += 1;
-            for (slot, o) in original.outputs.iter().enumerate() {
-                match o {
-                    Some(o) => {
-                        let new = g.model().output(copy, slot);
-                        let facts = g.facts(*o);
-                        g.shapes.set(new, facts);
-                        copies.insert(*o, new);
-                    }
-                    None => g.b.model.node_mut(copy).outputs[slot] = None,
-                }
+            for (original, copy) in copy_node(&mut g.b, node, &inputs) {
+                let facts = g.facts(original);
+                g.shapes.set(copy, facts);
+                copies.insert(original, copy);
             }
         }
     }

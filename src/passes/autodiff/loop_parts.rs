@@ -5,7 +5,8 @@
 //! takes (iteration number, condition, N carried) and returns (condition, N carried, K scan
 //! outputs); the node's outputs are the N last carried values and the K scan outputs stacked.
 
-use crate::ir::{BodyId, Model, NodeId, ValueId};
+use crate::ir::builder::Builder;
+use crate::ir::{BodyId, Model, NodeId, NodeSpec, ValueId};
 use crate::proto::type_proto;
 
 /// What the Loop is made of.
@@ -109,4 +110,44 @@ impl LoopParts {
             body_outputs,
         })
     }
+}
+
+/// A copy of body node `node` (op, domain, attributes, name) made by `b` in its body,
+/// reading `inputs`: each output of the original as (original, copy); an output the
+/// original omits stays omitted. Both differentiations copy a Loop's body this way
+/// (unrolled: once per iteration; as a Loop: once, recomputed in the backward's body).
+pub fn copy_node(
+    b: &mut Builder<'_>,
+    node: NodeId,
+    inputs: &[Option<ValueId>],
+) -> Vec<(ValueId, ValueId)> {
+    let original = b.model.node(node).clone();
+    let p = &original.proto;
+    let hints: Vec<String> = original
+        .outputs
+        .iter()
+        .map(|o| o.map(|o| b.model.name(o).to_string()).unwrap_or_default())
+        .collect();
+    let hint_refs: Vec<&str> = hints.iter().map(String::as_str).collect();
+    let copy = b.model.add_node(
+        b.body,
+        NodeSpec {
+            op_type: p.op_type(),
+            domain: p.domain(),
+            inputs,
+            output_hints: &hint_refs,
+            attributes: p.attribute.clone(),
+            name_hint: Some(p.name()),
+            pass: Some(b.pass),
+        },
+    );
+    b.added += 1;
+    let mut pairs = Vec::new();
+    for (slot, o) in original.outputs.iter().enumerate() {
+        match o {
+            Some(o) => pairs.push((*o, b.model.output(copy, slot))),
+            None => b.model.node_mut(copy).outputs[slot] = None,
+        }
+    }
+    pairs
 }

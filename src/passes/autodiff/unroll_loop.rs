@@ -41,12 +41,12 @@ use std::collections::HashMap;
 
 use crate::ir::builder::{attr_int, attr_ints, Builder, NodeAttributes};
 use crate::ir::emit::{axes_as_input, scalar_bytes, tensor_scalar, Emit};
-use crate::ir::{topological_order, BodyId, Model, NodeId, NodeSpec, ValueDef, ValueId};
+use crate::ir::{topological_order, BodyId, Model, NodeId, ValueDef, ValueId};
 use crate::passes::PassError;
 use crate::proto::elem::{BFLOAT16, BOOL, DOUBLE, FLOAT, FLOAT16, INT64};
 use crate::proto::TensorProto;
 
-use super::loop_parts::LoopParts;
+use super::loop_parts::{copy_node, LoopParts};
 use super::rules::node_error;
 use super::shapes::{constant_ints, constant_tensor, known_ints, Shapes};
 
@@ -637,41 +637,11 @@ impl Unrolled<'_, '_> {
                 None => None,
             });
         }
-        let hints: Vec<String> = node
-            .outputs
-            .iter()
-            .map(|o| match o {
-                Some(o) => self.b.model.name(*o).to_string(),
-                None => String::new(),
-            })
-            .collect();
-        let hint_refs: Vec<&str> = hints.iter().map(String::as_str).collect();
-        let copy = self.b.model.add_node(
-            BodyId::MAIN,
-            NodeSpec {
-                op_type: p.op_type(),
-                domain: p.domain(),
-                inputs: &inputs,
-                output_hints: &hint_refs,
-                attributes: p.attribute.clone(),
-                name_hint: Some(p.name()),
-                pass: Some(self.b.pass),
-            },
-        );
-        self.b.added += 1;
-        for (slot, o) in node.outputs.iter().enumerate() {
-            let Some(o) = o else { continue };
-            let new = self.b.model.output(copy, slot);
-            if let Some(ty) = self.b.model.value_type(*o) {
-                self.b.model.set_value_type(new, ty);
+        for (original, copy) in copy_node(&mut self.b, n, &inputs) {
+            if let Some(ty) = self.b.model.value_type(original) {
+                self.b.model.set_value_type(copy, ty);
             }
-            copies.insert(*o, new);
-        }
-        // An omitted output slot stays omitted in the copy.
-        for (slot, o) in node.outputs.iter().enumerate() {
-            if o.is_none() {
-                self.b.model.node_mut(copy).outputs[slot] = None;
-            }
+            copies.insert(original, copy);
         }
         Ok(())
     }
