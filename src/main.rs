@@ -425,10 +425,11 @@ struct ForwardArgs {
     /// Dropout in training mode (its mask reused by the backward) or removed.
     #[arg(long, value_enum, default_value = "train")]
     dropout: onnx_ga::passes::autodiff::DropoutMode,
-    /// ONNX Loops: unrolled into their iterations where the trip count is known before the
-    /// run (Keras's recurrent layers at a fixed sequence length), or kept as Loops, their
-    /// gradient a Loop running the iterations backwards (always so for a trip count known
-    /// only at run time).
+    /// ONNX Loops and recurrent layers (LSTM, GRU, RNN): unrolled into their iterations where
+    /// the trip count or sequence length is known before the run (Keras's recurrent layers
+    /// at a fixed sequence length), or kept as Loops, their gradient a Loop running the
+    /// iterations backwards (always so for a length known only at run time; recurrent
+    /// layers from opset 16).
     #[arg(long, value_enum, default_value = "unroll")]
     loops: onnx_ga::passes::autodiff::LoopMode,
     /// The variance BatchNorm running variances move with: unbiased (n - 1, PyTorch's
