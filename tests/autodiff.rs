@@ -389,6 +389,14 @@ fn torch_rnn_dynamo_as_loops_gradients() {
         torch_gradients_by("torch_rnn", "dynamo", CE_LOOPS_KEPT, run_ort);
     }
 }
+/// On tract, which has no Loop: `lower-for-tract` makes each counted Loop (the layers' and
+/// their backward Loops) a Scan over `Range(M)` (`legalize::loop_as_scan`).
+#[test]
+fn torch_rnn_as_loops_gradients_on_tract() {
+    for export in ["legacy", "dynamo"] {
+        torch_gradients_by("torch_rnn", export, CE_LOOPS_KEPT, run_tract);
+    }
+}
 
 /// Trains `spec` on the model's data (micro-batch `b`, `steps` micro-steps) and returns the
 /// state.

@@ -304,10 +304,11 @@ fn every_forward_model_trains_alike_on_tract_and_ort() {
             {
                 continue;
             }
-            // A GRU on sequences of any length: its Loops (tf2onnx's, and the ones ONNX's
-            // GRU over a run-time length becomes) stay Loops, which tract 0.23 does not
-            // implement (its loading error names each Loop; ONNX Runtime trains both exports,
-            // `autodiff_keras`).
+            // A GRU on sequences of any length: tf2onnx's while loops compute their
+            // condition, so they stay Loops, which tract 0.23 does not implement (its loading
+            // error names each Loop; ONNX Runtime trains both exports, `autodiff_keras`).
+            // Counted Loops run on tract as Scans (`legalize::loop_as_scan`;
+            // `autodiff::torch_rnn_as_loops_gradients_on_tract`).
             if model == "keras_gru_any_length" {
                 continue;
             }

@@ -264,7 +264,7 @@ pub fn needs_lowering(model: &ModelProto) -> bool {
     // A Gemm's or a CumSum's element type may need a walk up its producers: ask the IR,
     // only when there is one at all (or a ReverseSequence, which tract lacks).
     if !graph_has(g, |n| {
-        matches!(n.op_type(), "Gemm" | "CumSum" | "ReverseSequence")
+        matches!(n.op_type(), "Gemm" | "CumSum" | "ReverseSequence" | "Loop")
             && crate::ir::normalize_domain(n.domain()).is_empty()
     }) {
         return false;
@@ -272,9 +272,10 @@ pub fn needs_lowering(model: &ModelProto) -> bool {
     let ir = Model::from_proto(model.clone());
     let mut nodes = ir.all_nodes();
     nodes.any(|n| {
-        legalize::TRACT_LOWERINGS
-            .iter()
-            .any(|(takes, _)| takes(&ir, n))
+        legalize::loop_as_scan::takes(&ir, n)
+            || legalize::TRACT_LOWERINGS
+                .iter()
+                .any(|(takes, _)| takes(&ir, n))
     })
 }
 

@@ -199,9 +199,20 @@ pub fn stacked(facts: &Facts) -> Facts {
     }
 }
 
-/// The type `facts` declare: a tensor of its element type, with its dims where the rank is
-/// known; `None` when the element type is not known.
+/// The type a subgraph's input or output is declared with, from its `facts`: a tensor of
+/// its element type with its dims where the rank is known, symbolic dims left open (a
+/// symbol names a dim of the main graph's inputs, and a runtime that binds symbols graph by
+/// graph, as tract does, would not unify the body's with the main graph's); `None` when
+/// the element type is not known.
 pub fn type_of_facts(facts: &Facts) -> Option<crate::proto::TypeProto> {
+    let open = |d: &Dim| match d {
+        Dim::Symbol(_) => Dim::Unknown,
+        d => d.clone(),
+    };
+    let facts = &Facts {
+        elem: facts.elem,
+        dims: facts.dims.as_ref().map(|d| d.iter().map(open).collect()),
+    };
     let elem = facts.elem?;
     Some(match &facts.dims {
         Some(dims) => type_of(elem, dims),

@@ -482,7 +482,11 @@ fn loop_direction(
     let hint_refs: Vec<&str> = hints.iter().map(String::as_str).collect();
     let node = b.node("Loop", "", &inputs, &hint_refs, vec![]);
     let body = b.model.add_subgraph(node, "body");
-    let state_ty = type_of(elem, &[Dim::Known(1), batch.clone(), Dim::Known(hidden)]);
+    let state_ty = super::shapes::type_of_facts(&super::shapes::Facts {
+        elem: Some(elem),
+        dims: Some(vec![Dim::Known(1), batch.clone(), Dim::Known(hidden)]),
+    })
+    .unwrap_or_default();
     {
         let model = &mut *b.model;
         let i = model.add_input(body, "i", crate::ir::tensor_type(INT64, &[]), None);

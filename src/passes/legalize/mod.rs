@@ -25,6 +25,7 @@ mod in_place_accumulator;
 mod layer_norm_grad;
 mod leaky_relu_grad;
 mod log_softmax_grad;
+pub mod loop_as_scan;
 mod max_pool_grad;
 mod max_unpool;
 mod quick_gelu_grad;
@@ -66,6 +67,15 @@ pub const TRACT_LOWERINGS: &[(TakesFn, LowerFn)] = &[
 /// takes; new nodes are stamped with `stamp`.
 pub fn lower_for_tract(model: &mut Model, stamp: &'static str) -> Result<PassReport, PassError> {
     let mut report = PassReport::default();
+    // Counted Loops as Scans (tract has no Loop).
+    let loops: Vec<NodeId> = model
+        .all_nodes()
+        .filter(|n| loop_as_scan::takes(model, *n))
+        .collect();
+    for node in loops {
+        report.added += loop_as_scan::rewrite(model, node, stamp)?;
+        report.changed = true;
+    }
     let mut constants = util::Constants::default();
     let mut state = Vec::new();
     for (takes, lower) in TRACT_LOWERINGS {

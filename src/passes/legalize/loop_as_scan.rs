@@ -1,0 +1,158 @@
+//! A counted `Loop` as a `Scan`, for tract (`lower-for-tract` only; ONNX Runtime runs the
+//! Loop, tract-onnx 0.23 has no Loop but has Scan). The Loops this takes are the ones that
+//! run exactly `M` iterations: a recurrent layer over a run-time length made into a Loop
+//! (`unroll_rnn`), and every backward Loop `loop_grad` builds:
+//!
+//! ```text
+//! Loop(M, cond, v₀…)  body (i, c, v…) -> (c', v'…, s…)    with c' = c (or true), c read by
+//!                                                          nothing else, cond absent or true
+//! Scan(v₀…, Range(0, M, 1); num_scan_inputs = 1)  body (v…, i) -> (v'…, s…)
+//! ```
+//!
+//! The iteration number becomes the scan input's element (step i of `[0, 1, …, M-1]`); the
+//! outputs (last carried values, stacked scan outputs) are the same. The node and its body
+//! are changed in place. A Loop whose condition the body computes (TensorFlow's while loops)
+//! is not taken: its trip count is not M.
+
+use crate::ir::builder::{attr_int, tensor_i64, Builder};
+use crate::ir::{BodyId, Model, NodeId, Use, ValueDef, ValueId};
+use crate::passes::PassError;
+
+/// Whether `node` is a Loop this rewrites: `M` given, the first condition absent or a
+/// constant true, the body's condition output its condition input (through Identities) or a
+/// constant true, and that input read by nothing else.
+pub fn takes(model: &Model, node: NodeId) -> bool {
+    parts(model, node).is_some()
+}
+
+struct Parts {
+    body: BodyId,
+    trip_count: ValueId,
+    /// The body's condition input, and the nodes between it and the condition output.
+    condition: ValueId,
+    forwarding: Vec<NodeId>,
+}
+
+fn parts(model: &Model, node: NodeId) -> Option<Parts> {
+    let n = model.node(node);
+    let p = &n.proto;
+    if p.op_type() != "Loop" || !crate::ir::normalize_domain(p.domain()).is_empty() {
+        return None;
+    }
+    let body = n
+        .subgraphs
+        .iter()
+        .find(|s| s.element.is_none() && p.attribute[s.attribute].name() == "body")?
+        .body;
+    let trip_count = n.inputs.first().copied().flatten()?;
+    if let Some(Some(first)) = n.inputs.get(1) {
+        if !is_constant_true(model, *first) {
+            return None;
+        }
+    }
+    let b = model.body(body);
+    let condition = b.inputs.get(1)?.0;
+    let mut out = b.outputs.first()?.0;
+    // The condition output, back through Identities to the condition input.
+    let mut forwarding = Vec::new();
+    while let Some((producer, 0)) = model.producer(out) {
+        let pn = model.node(producer);
+        match (pn.proto.op_type(), pn.inputs.first()) {
+            ("Identity", Some(Some(x))) if pn.body == body => {
+                forwarding.push(producer);
+                out = *x;
+            }
+            _ => break,
+        }
+    }
+    if out != condition && !is_constant_true(model, out) {
+        return None;
+    }
+    // The condition input feeds nothing but that chain (or nothing at all).
+    let only_forwarded = model.uses(condition).iter().all(|u| match u {
+        Use::Node { node, .. } => forwarding.contains(node),
+        Use::Output { body: b, index } => *b == body && *index == 0,
+    });
+    let nested = model
+        .body_nodes(body)
+        .any(|i| !model.node(i).subgraphs.is_empty());
+    (only_forwarded && !nested).then_some(Parts {
+        body,
+        trip_count,
+        condition,
+        forwarding,
+    })
+}
+
+/// A bool initializer or Constant holding one `true`.
+fn is_constant_true(model: &Model, v: ValueId) -> bool {
+    let tensor = match model.value(v).def {
+        ValueDef::Initializer { .. } => model.initializer(v).cloned(),
+        ValueDef::Node { node, .. } if model.node(node).proto.op_type() == "Constant" => model
+            .node(node)
+            .proto
+            .attribute
+            .iter()
+            .find(|a| a.name() == "value")
+            .and_then(|a| a.t.clone()),
+        _ => None,
+    };
+    tensor.is_some_and(|t| {
+        t.data_type() == crate::proto::elem::BOOL
+            && match &t.raw_data {
+                Some(raw) => raw.len() == 1 && raw[0] != 0,
+                None => t.int32_data.len() == 1 && t.int32_data[0] != 0,
+            }
+    })
+}
+
+/// Rewrites the Loop `node` (which [`takes`] took) into a Scan in place.
+pub fn rewrite(model: &mut Model, node: NodeId, stamp: &'static str) -> Result<usize, PassError> {
+    let Some(parts) = parts(model, node) else {
+        return Ok(0);
+    };
+    let outer = model.node(node).body;
+    let mut b = Builder::new(model, outer, stamp);
+    let scalar = b.constant("scan_scalar_shape", tensor_i64(&[0], &[]));
+    let steps = b.op("Reshape", &[parts.trip_count, scalar], vec![], "scan_steps");
+    let zero = b.constant("scan_zero", tensor_i64(&[], &[0]));
+    let one = b.constant("scan_one", tensor_i64(&[], &[1]));
+    let iterations = b.op("Range", &[zero, steps, one], vec![], "scan_iterations");
+    let added = b.added;
+
+    // The node: Scan(v₀…, iterations).
+    let carried: Vec<Option<ValueId>> = model.node(node).inputs.iter().skip(2).copied().collect();
+    let slots = model.node(node).inputs.len();
+    for slot in 0..slots {
+        model.set_input(node, slot, None);
+    }
+    model.node_mut(node).inputs.clear();
+    for (slot, v) in carried.iter().enumerate() {
+        if let Some(v) = v {
+            model.set_input_growing(node, slot, *v);
+        }
+    }
+    model.set_input_growing(node, carried.len(), iterations);
+    let proto = &mut model.node_mut(node).proto;
+    proto.op_type = Some("Scan".into());
+    proto.attribute.push(attr_int("num_scan_inputs", 1));
+
+    // The body: no condition; the iteration number last, as the scan input's element.
+    model.remove_output(parts.body, 0);
+    for n in parts.forwarding {
+        model.remove_node(n).map_err(|e| PassError::Other {
+            pass: stamp.into(),
+            message: format!("rewriting a Loop as a Scan: {e}"),
+        })?;
+    }
+    model
+        .remove_input(parts.condition)
+        .map_err(|e| PassError::Other {
+            pass: stamp.into(),
+            message: format!("rewriting a Loop as a Scan: {e}"),
+        })?;
+    let inputs = &mut model.body_mut(parts.body).inputs;
+    let iteration = inputs.remove(0);
+    inputs.push(iteration);
+    Ok(added)
+}
