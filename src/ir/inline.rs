@@ -109,12 +109,16 @@ pub struct Inlined {
 impl Model {
     /// The body of `branch` of the `If` `node`, if it has one.
     pub fn if_branch(&self, node: NodeId, branch: Branch) -> Option<BodyId> {
+        self.subgraph(node, branch.attribute())
+    }
+
+    /// The body `node` holds as its graph attribute `attribute` (an If's branch, a Loop's or
+    /// Scan's `body`), if it has one.
+    pub fn subgraph(&self, node: NodeId, attribute: &str) -> Option<BodyId> {
         let n = self.node(node);
         n.subgraphs
             .iter()
-            .find(|s| {
-                s.element.is_none() && n.proto.attribute[s.attribute].name() == branch.attribute()
-            })
+            .find(|s| s.element.is_none() && n.proto.attribute[s.attribute].name() == attribute)
             .map(|s| s.body)
     }
 

@@ -396,14 +396,7 @@ impl Verifier<'_> {
             if node.proto.op_type() != "If" || !node.proto.domain().is_empty() {
                 continue;
             }
-            let branch = |name: &str| {
-                node.subgraphs
-                    .iter()
-                    .find(|s| {
-                        node.proto.attribute[s.attribute].name() == name && s.element.is_none()
-                    })
-                    .map(|s| s.body)
-            };
+            let branch = |name: &str| self.model.subgraph(n, name);
             let (Some(then_b), Some(else_b)) = (branch("then_branch"), branch("else_branch"))
             else {
                 self.at_node(

@@ -37,12 +37,6 @@ use super::rules::Grad;
 use super::shapes::{stacked, type_of_facts, Facts};
 use super::{is_float, PASS};
 
-/// Whether node `n` is a Loop (default domain): differentiated here when it is not unrolled.
-pub fn is_differentiated_loop(model: &Model, n: NodeId) -> bool {
-    let p = &model.node(n).proto;
-    (p.domain().is_empty() || p.domain() == "ai.onnx") && p.op_type() == "Loop"
-}
-
 /// Why the Loop `n` has no gradient here, when it has none.
 pub fn why_not(model: &Model, n: NodeId) -> Option<String> {
     LoopParts::of(model, n).err()
@@ -341,15 +335,7 @@ fn keep(cx: &mut Grad<'_>, n: NodeId, parts: &LoopParts) -> Kept {
 /// Whether the body passes carried value `k` on unchanged (its output is its input, through
 /// Identities).
 fn passed_on(model: &Model, parts: &LoopParts, k: usize) -> bool {
-    let mut v = parts.body_outputs[1 + k];
-    while let Some((node, 0)) = model.producer(v) {
-        let n = model.node(node);
-        match (n.proto.op_type(), n.inputs.first()) {
-            ("Identity", Some(Some(x))) if n.body == parts.body => v = *x,
-            _ => break,
-        }
-    }
-    v == parts.body_inputs[2 + k]
+    model.forwarded(parts.body_outputs[1 + k], parts.body) == parts.body_inputs[2 + k]
 }
 
 /// One backward iteration: the body of the backward Loop.

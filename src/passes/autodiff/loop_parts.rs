@@ -10,6 +10,12 @@ use crate::ir::{BodyId, Model, NodeId, NodeSpec, ValueId};
 use crate::proto::type_proto;
 
 /// What the Loop is made of.
+/// Whether node `n` is a Loop (default domain).
+pub fn is_loop(model: &Model, n: NodeId) -> bool {
+    let p = &model.node(n).proto;
+    p.op_type() == "Loop" && crate::ir::normalize_domain(p.domain()).is_empty()
+}
+
 pub struct LoopParts {
     pub body: BodyId,
     /// `M`, when given.
@@ -38,12 +44,7 @@ impl LoopParts {
     /// not a tensor.
     pub fn of(model: &Model, n: NodeId) -> Result<LoopParts, String> {
         let node = model.node(n);
-        let body = node
-            .subgraphs
-            .iter()
-            .find(|s| s.element.is_none() && node.proto.attribute[s.attribute].name() == "body")
-            .map(|s| s.body)
-            .ok_or("it has no body")?;
+        let body = model.subgraph(n, "body").ok_or("it has no body")?;
         let b = model.body(body);
         let body_inputs: Vec<ValueId> = b.inputs.iter().map(|(v, _)| *v).collect();
         let body_outputs: Vec<ValueId> = b.outputs.iter().map(|(v, _)| *v).collect();

@@ -36,6 +36,7 @@ mod unroll_rnn;
 
 use std::collections::{HashMap, HashSet};
 
+pub use loop_parts::is_loop;
 pub use loss_fn::{LossFn, LossSpec};
 pub use normalize::{DropoutMode, LoopMode};
 
@@ -743,7 +744,7 @@ fn check_rule(
         .find_map(|v| origin.get(&v))
         .map(|p| model.name(*p).to_string())
         .unwrap_or_default();
-    if loop_grad::is_differentiated_loop(model, n) {
+    if loop_parts::is_loop(model, n) {
         return match loop_grad::why_not(model, n) {
             None => Ok(None),
             Some(why) => Err(rules::node_error(
@@ -804,7 +805,7 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
     // they were not unrolled.
     let kept_loops: Vec<(String, String)> = model
         .body_nodes(main)
-        .filter(|n| loop_grad::is_differentiated_loop(model, *n))
+        .filter(|n| loop_parts::is_loop(model, *n))
         .map(|n| {
             let name = match model.node(n).proto.name() {
                 "" => "Loop".to_string(),
@@ -1196,7 +1197,7 @@ pub(crate) fn sweep(
             .iter()
             .map(|o| o.and_then(|v| sum_contributions(cx, v, contributions.remove(&v))))
             .collect();
-        if loop_grad::is_differentiated_loop(cx.model(), n) {
+        if loop_parts::is_loop(cx.model(), n) {
             let grads = loop_grad::gradients(cx, n, &dys, &|v| origin.contains_key(&v))?;
             for (input, g) in grads {
                 contributions.entry(input).or_default().push(g);

@@ -152,11 +152,7 @@ pub fn normalize(
 fn unroll_loops(model: &mut Model, pass: &'static str) -> Result<Vec<(String, usize)>, PassError> {
     let loops: Vec<NodeId> = model
         .body_nodes(BodyId::MAIN)
-        .filter(|n| {
-            let p = &model.node(*n).proto;
-            (p.domain().is_empty() || p.domain() == "ai.onnx")
-                && super::unroll_loop::is_loop(p.op_type())
-        })
+        .filter(|n| super::loop_parts::is_loop(model, *n))
         .collect();
     let mut unrolled = Vec::new();
     for node in loops {

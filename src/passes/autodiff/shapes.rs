@@ -100,15 +100,10 @@ impl Shapes {
 
 /// The body of `node` when it is a Loop (default domain).
 fn loop_body(model: &Model, node: NodeId) -> Option<BodyId> {
-    let n = model.node(node);
-    let p = &n.proto;
-    if !(p.domain().is_empty() || p.domain() == "ai.onnx") || p.op_type() != "Loop" {
-        return None;
+    match super::loop_parts::is_loop(model, node) {
+        true => model.subgraph(node, "body"),
+        false => None,
     }
-    n.subgraphs
-        .iter()
-        .find(|s| s.element.is_none() && p.attribute[s.attribute].name() == "body")
-        .map(|s| s.body)
 }
 
 impl Shapes {

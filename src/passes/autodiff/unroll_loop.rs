@@ -57,11 +57,6 @@ pub const MAX_TRIP_COUNT: usize = 4096;
 /// How far up the enclosing graph a scalar is evaluated.
 const DEPTH: usize = 16;
 
-/// Whether `op` (default domain) is the control flow this module unrolls.
-pub fn is_loop(op: &str) -> bool {
-    op == "Loop"
-}
-
 /// A one-element value known before the run: its ONNX element type, its rank (every dim is
 /// 1) and its value (exact for the integers and booleans a loop counts with).
 #[derive(Clone, Copy, Debug, PartialEq)]

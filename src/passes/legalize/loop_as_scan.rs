@@ -34,16 +34,11 @@ struct Parts {
 }
 
 fn parts(model: &Model, node: NodeId) -> Option<Parts> {
-    let n = model.node(node);
-    let p = &n.proto;
-    if p.op_type() != "Loop" || !crate::ir::normalize_domain(p.domain()).is_empty() {
+    if !crate::passes::autodiff::is_loop(model, node) {
         return None;
     }
-    let body = n
-        .subgraphs
-        .iter()
-        .find(|s| s.element.is_none() && p.attribute[s.attribute].name() == "body")?
-        .body;
+    let n = model.node(node);
+    let body = model.subgraph(node, "body")?;
     let trip_count = n.inputs.first().copied().flatten()?;
     if let Some(Some(first)) = n.inputs.get(1) {
         if !is_constant_true(model, *first) {
