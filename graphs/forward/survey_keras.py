@@ -94,6 +94,25 @@ def simple_rnn(_):
     return tf.keras.Model(x, L.Dense(10)(L.SimpleRNN(8)(h)), name="simple_rnn")
 
 
+def masked(recurrent, name):
+    """Embedding(mask_zero=True) before a recurrent layer: padded sequences, as text models
+    are trained. tf2onnx writes the layer as a while loop that holds the state on masked
+    steps (no `sequence_lens`)."""
+    def make(_):
+        inputs = tf.keras.Input((12,), dtype="int32", name="x")
+        h = recurrent()(L.Embedding(32, 16, mask_zero=True)(inputs))
+        return tf.keras.Model(inputs, L.Dense(10)(h), name=name)
+    return make
+
+
+def padded_token_ids(rng, n):
+    """Token ids 1..31 with 0-6 trailing zeros (the padding the mask hides)."""
+    ids = rng.integers(1, 32, (n, 12)).astype(np.int32)
+    for row, pad in zip(ids, rng.integers(0, 7, n)):
+        row[12 - pad:] = 0
+    return ids
+
+
 def transformer(_):
     x, h = tokens()
     h = L.LayerNormalization()(h + L.MultiHeadAttention(num_heads=2, key_dim=8)(h, h))
@@ -138,6 +157,12 @@ LAYER_MODELS = {
     "bidirectional_gru": (bidirectional_gru, token_ids),
     "simple_rnn": (simple_rnn, token_ids),
     "transformer (MultiHeadAttention, LayerNormalization, GELU)": (transformer, token_ids),
+    "masked_lstm (Embedding mask_zero, LSTM)": (
+        masked(lambda: L.LSTM(16), "masked_lstm"), padded_token_ids),
+    "masked_bidirectional_gru (Embedding mask_zero, Bidirectional GRU)": (
+        masked(lambda: L.Bidirectional(L.GRU(8)), "masked_bigru"), padded_token_ids),
+    "masked_simple_rnn (Embedding mask_zero, SimpleRNN)": (
+        masked(lambda: L.SimpleRNN(8), "masked_simple_rnn"), padded_token_ids),
     "conv1d (ELU, swish, LeakyReLU, pooling)": (
         conv1d, lambda rng, n: rng.normal(0, 1, (n, 16, 4)).astype(np.float32)),
     "encoder_decoder (separable, transposed, PReLU, up-sampling, padding, cropping)": (
