@@ -342,6 +342,7 @@ cases! {
     legalize_leaky_relu_grad => "legalize/leaky_relu_grad.onnxtxt",
     legalize_leaky_relu_grad_default => "legalize/leaky_relu_grad_default.onnxtxt",
     legalize_loop_as_scan => "legalize/loop_as_scan.onnxtxt",
+    legalize_while_as_scan => "legalize/while_as_scan.onnxtxt",
     legalize_log_softmax_grad_13_axis1 => "legalize/log_softmax_grad_13_axis1.onnxtxt",
     legalize_log_softmax_grad_13_last => "legalize/log_softmax_grad_13_last.onnxtxt",
     legalize_log_softmax_grad_v1 => "legalize/log_softmax_grad_v1.onnxtxt",

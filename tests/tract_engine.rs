@@ -273,7 +273,9 @@ fn every_graph_trains_alike_on_tract_and_ort_with_loss_scaling() {
 /// CNNs, whose gradient `legalize-ort` makes a MaxUnpool that `lower-for-tract` scatters;
 /// GPT's -100 labels, which the one-hot of the loss gradient must not index with; BERT's and
 /// ViT's INT64_MAX slice ends, which tract misread; Hugging Face's masks, whose integer
-/// CumSum tract could not evaluate) trains on tract as on ONNX Runtime. tract once refused
+/// CumSum tract could not evaluate; keras_gru_any_length's while loops, which tract, having
+/// no Loop, runs as Scans once `lower-for-tract` has counted them) trains on tract as on
+/// ONNX Runtime. tract once refused
 /// every CNN ("no implementation of dX_MaxUnpool"), panicked on GPT's ignored labels, failed
 /// to plan BERT and ViT, and failed hf_llama and hf_gpt2 ("TDim is not a number").
 #[test]
@@ -302,14 +304,6 @@ fn every_forward_model_trains_alike_on_tract_and_ort() {
             if !onnx_ga::passes::autodiff::tf2onnx_constants::folded_batch_norms(&model_ir)
                 .is_empty()
             {
-                continue;
-            }
-            // A GRU on sequences of any length: tf2onnx's while loops compute their
-            // condition, so they stay Loops, which tract 0.23 does not implement (its loading
-            // error names each Loop; ONNX Runtime trains both exports, `autodiff_keras`).
-            // Counted Loops run on tract as Scans (`legalize::loop_as_scan`;
-            // `autodiff::torch_rnn_as_loops_gradients_on_tract`).
-            if model == "keras_gru_any_length" {
                 continue;
             }
             checked.push(format!("{model}/{export}"));
@@ -363,6 +357,42 @@ fn every_forward_model_trains_alike_on_tract_and_ort() {
         }
     }
     assert!(checked.len() >= 26, "forward models found: {checked:?}");
+}
+
+/// Recurrent layers made Loops (`loops=keep`), which `lower-for-tract` makes Scans, train
+/// on tract as on ONNX Runtime over 32 micro-steps: tract's Scan, built for streaming,
+/// once carried its states from one run into the next (the second micro-step's loss
+/// differed), and reading only one run's gradients did not show it.
+#[test]
+fn recurrent_layers_as_loops_train_alike_on_tract_and_ort() {
+    let spec = "autodiff(loss_fn=cross-entropy,loops=keep,grads=internal),grad-accum(steps=4,normalize=mean),optimizer(kind=adamw,lr=0.01),legalize-ort,dce";
+    let dir = root().join("graphs/forward/torch_rnn");
+    let data = read_npz(&dir.join("data.npz"));
+    let path = dir.join("legacy.onnx");
+    let proto = onnx_ga::model::load_model_with_data(&path).unwrap_or_else(|e| panic!("{e}"));
+    let step = onnx_ga::step::build_step(signature::forward(proto, &path), spec, true)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .model
+        .to_proto();
+    let loops = step
+        .graph
+        .as_ref()
+        .unwrap()
+        .node
+        .iter()
+        .filter(|n| n.op_type() == "Loop")
+        .count();
+    assert!(
+        loops >= 6,
+        "torch_rnn's layers as Loops: {loops} Loops in the step"
+    );
+    cross_engine_step(
+        "torch_rnn/legacy",
+        spec,
+        &step,
+        &data,
+        FORWARD_CROSS_ENGINE_ATOL,
+    );
 }
 
 /// Every model folder of graphs/forward, by name.

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use tract_onnx::prelude::{
     DatumType, Framework, InferenceFact, InferenceModel, InferenceModelExt, IntoRunnable, TValue,
-    Tensor as TractTensor, TypedRunnableModel, TypedSimpleState,
+    Tensor as TractTensor, TypedModel, TypedRunnableModel, TypedSimpleState,
 };
 use tract_onnx::tract_hir::ops::unimpl::UnimplementedOp;
 
@@ -204,17 +204,36 @@ impl TractSession {
                 .set_input_fact(i, InferenceFact::dt_shape_from_tensor(v))
                 .map_err(tract_err(context()))?;
         }
-        let typed = if self.optimize {
-            model.into_optimized()
-        } else {
-            model.into_typed().and_then(|m| m.into_decluttered())
-        }
-        .map_err(tract_err(context()))?;
+        let typed = model
+            .into_typed()
+            .map(scans_start_from_their_inputs)
+            .and_then(|m| match self.optimize {
+                true => m.into_optimized(),
+                false => m.into_decluttered(),
+            })
+            .map_err(tract_err(context()))?;
         let runnable: Arc<TypedRunnableModel> =
             typed.into_runnable().map_err(tract_err(context()))?;
         let state = runnable.spawn().map_err(tract_err(context()))?;
         Ok(Plan { state })
     }
+}
+
+/// ONNX's Scan starts every run from the initial states its inputs give. tract's, built
+/// for streaming, carries its states over from one run of a plan to the next unless told to
+/// reset them every turn; the plans here are kept and run once per micro-step, so a Loop made
+/// a Scan (`lower-for-tract`) would start its second micro-step where the first ended.
+fn scans_start_from_their_inputs(mut model: TypedModel) -> TypedModel {
+    use tract_onnx::tract_core::ops::scan::Scan;
+    for node in model.nodes_mut() {
+        if let Some(scan) = node.op_as::<Scan>() {
+            let mut scan = scan.clone();
+            scan.reset_every_turn = true;
+            scan.body = scans_start_from_their_inputs(scan.body);
+            node.op = Box::new(scan);
+        }
+    }
+    model
 }
 
 thread_local! {

@@ -26,6 +26,11 @@
 //! - `ReverseSequence` (tf2onnx's Bidirectional layers; tract has none): a `GatherElements`
 //!   along the time axis at the mirrored positions (`legalize/reverse_sequence.rs`).
 //!
+//! - `Loop` (tract has none): a while loop counting to a bound becomes a counted Loop
+//!   (`legalize/while_as_counted.rs`: tf2onnx's recurrent layers over a run-time length),
+//!   and a counted Loop a `Scan` over `Range(0, M)` (`legalize/loop_as_scan.rs`: the
+//!   recurrent layers `autodiff` makes Loops, every backward Loop).
+//!
 //! - `Slice` bounds beyond the int32 range (PyTorch's `INT64_MAX` for "to the end"), which
 //!   tract misreads (a row short): clamped to ±(2^31 - 1) ([`clamp_slice_bounds`]).
 //!
@@ -273,6 +278,7 @@ pub fn needs_lowering(model: &ModelProto) -> bool {
     let mut nodes = ir.all_nodes();
     nodes.any(|n| {
         legalize::loop_as_scan::takes(&ir, n)
+            || legalize::while_as_counted::takes(&ir, n)
             || legalize::TRACT_LOWERINGS
                 .iter()
                 .any(|(takes, _)| takes(&ir, n))

@@ -149,5 +149,60 @@ pub fn rewrite(model: &mut Model, node: NodeId, stamp: &'static str) -> Result<u
     let inputs = &mut model.body_mut(parts.body).inputs;
     let iteration = inputs.remove(0);
     inputs.push(iteration);
-    Ok(added)
+    open_symbolic_dims(model.body_mut(parts.body));
+    Ok(added + distinct_outputs(model, parts.body, stamp))
+}
+
+/// Gives a body output an Identity of its own where tract needs one: an output that is a
+/// body input itself (a value carried on unchanged, as TensorFlow's while loops carry the
+/// cell's weights: tract wants outputs distinct from inputs), and a scan output that the body
+/// reads too (tract puts its stacking axis onto that value for every reader: tf2onnx's GRU
+/// steps carry `Identity(h)` next to the scan output `h`). Returns the nodes added.
+fn distinct_outputs(model: &mut Model, body: BodyId, stamp: &'static str) -> usize {
+    let inputs: Vec<ValueId> = model.body(body).inputs.iter().map(|(v, _)| *v).collect();
+    let outputs: Vec<ValueId> = model.body(body).outputs.iter().map(|(v, _)| *v).collect();
+    // Carried values come first: as many as the body has inputs besides the scan input.
+    let carried = inputs.len().saturating_sub(1);
+    let mut b = Builder::new(model, body, stamp);
+    for (index, out) in outputs.into_iter().enumerate() {
+        let read_elsewhere = b.model.uses(out).iter().any(|u| match u {
+            Use::Node { .. } => true,
+            Use::Output {
+                body: other,
+                index: i,
+            } => *other != body || *i != index,
+        });
+        if inputs.contains(&out) || (index >= carried && read_elsewhere) {
+            let hint = format!("{}_out", b.model.name(out));
+            let copy = b.op("Identity", &[out], vec![], &hint);
+            b.model.set_output(body, index, copy);
+        }
+    }
+    b.added
+}
+
+/// Leaves the body's named dims open: tract binds a symbol per graph, so a body input
+/// declared `[unk__470, 6]` (tf2onnx names every dim it does not know) cannot unify with
+/// the batch of 8 the outer graph gives it.
+fn open_symbolic_dims(body: &mut crate::ir::Body) {
+    use crate::proto::tensor_shape_proto::dimension::Value;
+    use crate::proto::type_proto;
+    let infos = body
+        .inputs
+        .iter_mut()
+        .chain(body.outputs.iter_mut())
+        .chain(body.value_info.iter_mut())
+        .map(|(_, info)| info);
+    for info in infos {
+        let Some(type_proto::Value::TensorType(tensor)) =
+            info.r#type.as_mut().and_then(|t| t.value.as_mut())
+        else {
+            continue;
+        };
+        for dim in tensor.shape.iter_mut().flat_map(|s| s.dim.iter_mut()) {
+            if matches!(dim.value, Some(Value::DimParam(_))) {
+                dim.value = None;
+            }
+        }
+    }
 }

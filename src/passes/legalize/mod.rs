@@ -39,6 +39,7 @@ mod softmax_cross_entropy_loss_grad;
 mod softmax_grad;
 mod tanh_grad;
 mod util;
+pub mod while_as_counted;
 
 /// Optimizer updates for per-parameter tensors (the optimizer pass lowers ORT's
 /// optimizer_model.onnx, whose sequences are graph inputs, with these).
@@ -67,7 +68,16 @@ pub const TRACT_LOWERINGS: &[(TakesFn, LowerFn)] = &[
 /// takes; new nodes are stamped with `stamp`.
 pub fn lower_for_tract(model: &mut Model, stamp: &'static str) -> Result<PassReport, PassError> {
     let mut report = PassReport::default();
-    // Counted Loops as Scans (tract has no Loop).
+    // While loops that count to a bound as counted Loops, then counted Loops as Scans
+    // (tract has no Loop).
+    let counting: Vec<NodeId> = model
+        .all_nodes()
+        .filter(|n| while_as_counted::takes(model, *n))
+        .collect();
+    for node in counting {
+        report.added += while_as_counted::rewrite(model, node, stamp)?;
+        report.changed = true;
+    }
     let loops: Vec<NodeId> = model
         .all_nodes()
         .filter(|n| loop_as_scan::takes(model, *n))
