@@ -138,6 +138,9 @@ fn declared_elem(ty: &TypeProto) -> Option<i32> {
     }
 }
 
+/// What the nodes added to the eval model are stamped with.
+const STAMP: &str = "evaluate";
+
 impl EvalGraph {
     /// Makes `model` (read from `file`) the eval graph of the step `trainer` trains.
     pub fn new(model: ModelProto, file: &Path, trainer: &Trainer) -> Result<EvalGraph, EvalError> {
@@ -149,6 +152,9 @@ impl EvalGraph {
         let objective = objective(manifest).map_err(&bad)?;
         let mut m = Model::from_proto(model);
         let main = BodyId::MAIN;
+        // A model stored in half precision reads its data as float32, as the step does
+        // (`autodiff::half_model`).
+        autodiff::half_model::float32_inputs(&mut m, STAMP);
 
         // Which tensors are the state's, checked before anything is removed as unused.
         let mut fed = Vec::new();
@@ -176,6 +182,15 @@ impl EvalGraph {
                 .ok_or_else(|| bad(format!("the step has no state '{name}'")))?
                 .layout(name)
                 .map_err(|e| bad(e.to_string()))?;
+            // A half parameter the step trains as a float32 master: fed as one, read
+            // through a Cast, as the step reads it.
+            let half = m
+                .initializer(v)
+                .map(|t| t.data_type())
+                .filter(|e| autodiff::half_model::is_half(*e));
+            if half.is_some() && elem == crate::proto::elem::FLOAT {
+                autodiff::half_model::float32_masters(&mut m, &[v], STAMP);
+            }
             let ty = m.value_type(v);
             let fits = ty.as_ref().is_some_and(|ty| {
                 declared_elem(ty) == Some(elem)

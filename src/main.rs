@@ -966,7 +966,6 @@ struct UsageError(String);
 fn loss_scale_plan(
     args: &RewriteArgs,
 ) -> Result<Option<onnx_ga::passes::plan::LossScalePlan>, UsageError> {
-    use onnx_ga::passes::plan::LossScalePlan;
     if args.pipeline.is_some() && args.precision != "fp32" {
         return Err(UsageError(format!(
             "--precision builds its pass into the default pipeline; with --pipeline add precision(dtype={}) there instead",
@@ -986,7 +985,18 @@ fn loss_scale_plan(
     } else {
         "none"
     };
-    let mode = args.loss_scale.as_deref().unwrap_or(default);
+    loss_scale_plan_for(args.loss_scale.as_deref().unwrap_or(default), args)
+}
+
+/// The loss scaling `mode` (dynamic, static:S or none) with `args`' tuning.
+fn loss_scale_plan_for(
+    mode: &str,
+    args: &RewriteArgs,
+) -> Result<Option<onnx_ga::passes::plan::LossScalePlan>, UsageError> {
+    use onnx_ga::passes::plan::LossScalePlan;
+    let tuning = args.loss_scale_init.is_some()
+        || args.loss_scale_interval.is_some()
+        || args.loss_scale_hysteresis.is_some();
     if tuning && mode != "dynamic" {
         return Err(UsageError(format!(
             "--loss-scale-init, --loss-scale-interval and --loss-scale-hysteresis tune dynamic loss scaling, but --loss-scale is {mode}"
@@ -1049,6 +1059,24 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
     if let Some(max) = args.clip_norm.filter(|m| !(m.is_finite() && *m > 0.0)) {
         return Err(UsageError(format!("--clip-norm {max}: must be a positive number")).into());
     }
+    // A forward model: autodiff first (in place of a bare `autodiff` in --pipeline).
+    let autodiff = args.forward.autodiff_spec(&args.path, &args.roles)?;
+    let forward = match &autodiff {
+        Some(_) => Some(onnx_ga::model::load_model_with_data(&args.path)?),
+        None => None,
+    };
+    // A model stored in float16 trains its float16 arithmetic as `--precision fp16` does, so
+    // it gets the same default: dynamic loss scaling (its small gradients underflow).
+    let loss_scale = match (&loss_scale, &forward) {
+        (None, Some(proto))
+            if args.loss_scale.is_none()
+                && args.pipeline.is_none()
+                && onnx_ga::passes::autodiff::stored_in_float16(proto) =>
+        {
+            loss_scale_plan_for("dynamic", &args)?
+        }
+        _ => loss_scale,
+    };
     let spec = match &args.pipeline {
         Some(spec) => spec.clone(),
         None => {
@@ -1119,8 +1147,6 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
             plan.spec()
         }
     };
-    // A forward model: autodiff first (in place of a bare `autodiff` in --pipeline).
-    let autodiff = args.forward.autodiff_spec(&args.path, &args.roles)?;
     let spec = match &autodiff {
         None => spec,
         Some(ad) => onnx_ga::passes::autodiff::with_autodiff(&spec, ad)?,
@@ -1132,10 +1158,6 @@ fn rewrite(args: RewriteArgs) -> Result<(), Failure> {
             format!("{spec},{}", onnx_ga::passes::lower_for_tract::PASS)
         }
         _ => spec,
-    };
-    let forward = match &autodiff {
-        Some(_) => Some(onnx_ga::model::load_model_with_data(&args.path)?),
-        None => None,
     };
     // A forward model newer than ONNX Runtime loads (onnx 1.23's helpers stamp IR version
     // 14 and opset 28): its step is moved down last, where no node's meaning changes.

@@ -13,7 +13,8 @@
 //! - A graph input with a state value and no initializer (ORT's eval model) becomes an
 //!   initializer and stops being a graph input (below IR version 4, where every initializer
 //!   must also be an input, it stays one).
-//! - Every match is checked: the data type must be equal, and the shape equal to the
+//! - Every match is checked: the data type must be equal (or the initializer float16 or
+//!   bfloat16 and the value its float32 master, which is rounded to it), and the shape equal to the
 //!   initializer's dims or to the input's declared dims (a symbolic dimension takes any
 //!   size). A mismatch is an error naming the tensor, both types and shapes and the files,
 //!   and nothing is returned, so nothing is written.
@@ -264,7 +265,8 @@ pub fn export_trained_with(
             continue;
         };
         let dims: Vec<Option<i64>> = init.dims.iter().map(|d| Some(*d)).collect();
-        if init.data_type() != value.elem_type() || !same_shape(&dims, value.shape(), false) {
+        let type_ok = init.data_type() == value.elem_type() || master_of_half(init, value);
+        if !type_ok || !same_shape(&dims, value.shape(), false) {
             return Err(mismatch(
                 init.name(),
                 describe(init.data_type(), &dims),
@@ -343,10 +345,30 @@ pub fn export_trained_with(
     Ok((model, report))
 }
 
+/// Whether `value` is the float32 master of the half-precision initializer `init` (a model
+/// stored in half precision trains float32 masters: `autodiff`'s `half_model`).
+fn master_of_half(init: &TensorProto, value: &Tensor) -> bool {
+    use crate::proto::elem::{BFLOAT16, FLOAT16};
+    matches!(init.data_type(), FLOAT16 | BFLOAT16) && value.as_f32().is_some()
+}
+
 /// Replaces an initializer's data with `value`'s (same name, dims and type, checked by the
-/// caller), little-endian in `raw_data`.
+/// caller; a float32 master of a half initializer rounded to its type, to nearest even),
+/// little-endian in `raw_data`.
 fn set_data(init: &mut TensorProto, value: &Tensor) {
-    init.raw_data = value.to_tensor_proto(init.name()).raw_data;
+    use crate::proto::elem::FLOAT16;
+    init.raw_data = match value.as_f32().filter(|_| master_of_half(init, value)) {
+        Some(values) => Some(
+            values
+                .iter()
+                .flat_map(|x| match init.data_type() {
+                    FLOAT16 => half::f16::from_f32(*x).to_le_bytes(),
+                    _ => half::bf16::from_f32(*x).to_le_bytes(),
+                })
+                .collect(),
+        ),
+        None => value.to_tensor_proto(init.name()).raw_data,
+    };
     init.float_data.clear();
     init.int32_data.clear();
     init.string_data.clear();

@@ -225,6 +225,83 @@ fn torch_mlp_dynamo_gradients() {
 fn torch_mlp_legacy_gradients() {
     torch_gradients("torch_mlp", "legacy");
 }
+/// A model stored in half precision (`torch_mlp_half`: torch_mlp after `.half()`): its
+/// float32 masters' gradients as close to torch's float64 gradient (of the same half-valued
+/// weights) as torch's own float16 one, within twice (ONNX Runtime's CPU provider computes
+/// the half Gemms in float32 between casts, and lands 8e-8 from it; torch's float16 is
+/// 3e-4 away). On tract, which computes them in half, `every_torch_model_...on_tract`.
+#[test]
+fn torch_mlp_half_dynamo_gradients() {
+    torch_gradients("torch_mlp_half", "dynamo");
+}
+#[test]
+fn torch_mlp_half_legacy_gradients() {
+    torch_gradients("torch_mlp_half", "legacy");
+}
+
+/// The half model trains as PyTorch's mixed precision by hand does (float32 masters, the
+/// half model's gradients accumulated in float32, SGD on the masters, half weights set from
+/// them): K = 4 micro-batches of 8, 8 windows, within 5e-5 max abs. torch's float16
+/// gradients are 3e-4 relative from exact arithmetic and ours 8e-8 (above), so the runs part
+/// by what torch's rounding moves the masters: 1.0e-5 measured, on ONNX Runtime and on tract.
+#[test]
+fn torch_mlp_half_trains_like_torch_mixed_precision() {
+    let spec = format!(
+        "autodiff(loss_fn=cross-entropy,ignore_index=-100,grads=internal),grad-accum(steps=4,normalize=mean),{SGD},legalize-ort,dce"
+    );
+    for export in ["dynamo", "legacy"] {
+        let step = build(&forward_path("torch_mlp_half", export), &spec);
+        // Float32 masters behind a float32 interface: the host has no half tensors.
+        for input in &step.graph.as_ref().unwrap().input {
+            let name = input.name();
+            if name == "x" || name.starts_with("fc") {
+                let elem = input.r#type.as_ref().and_then(|t| t.tensor_elem());
+                assert_eq!(elem, Some(1), "{export}: '{name}' is not float32");
+            }
+        }
+        if ort_available() {
+            let what = format!("torch_mlp_half/{export} sgd");
+            trains_like_torch_within(
+                &step,
+                "torch_mlp_half",
+                &what,
+                8,
+                "run_micro_sgd.npz",
+                &none,
+                5e-5,
+            );
+        }
+        // tract computes the half Gemms in half: 1.5e-5 measured.
+        let data = read_npz(&root().join("graphs/forward/torch_mlp_half/data.npz"));
+        let options = onnx_ga::engine::ort::SessionOptions::default();
+        let mut trainer = onnx_ga::train::Trainer::with_engine(
+            &step,
+            onnx_ga::engine::EngineKind::Tract,
+            &options,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let samples = trainer.check_data(&data, Path::new("data.npz")).unwrap();
+        for i in 0..32 {
+            let batch = onnx_ga::train::micro_batch(&data, samples, 8, i);
+            trainer
+                .step(&batch, false)
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
+        let state = trainer.state().unwrap();
+        let expected = read_npz(&root().join("fixtures/forward/torch_mlp_half/run_micro_sgd.npz"));
+        let mut largest = 0f64;
+        for (name, want) in &expected {
+            let worst = max_abs(&state[name], want);
+            assert!(
+                worst <= 5e-5,
+                "torch_mlp_half/{export} on tract: '{name}' {worst:e} from torch"
+            );
+            largest = largest.max(worst);
+        }
+        eprintln!("MEASURED torch_mlp_half/{export} sgd on tract: {largest:e} max abs from torch");
+    }
+}
+
 #[test]
 fn torch_cnn_nobn_dynamo_gradients() {
     torch_gradients("torch_cnn_nobn", "dynamo");
@@ -465,6 +542,19 @@ fn trains_like_torch(
     reference: &str,
     skip: &dyn Fn(&str, usize) -> bool,
 ) {
+    trains_like_torch_within(step, model, what, b, reference, skip, 2e-6);
+}
+
+/// [`trains_like_torch`] within `tolerance` max abs.
+fn trains_like_torch_within(
+    step: &ModelProto,
+    model: &str,
+    what: &str,
+    b: usize,
+    reference: &str,
+    skip: &dyn Fn(&str, usize) -> bool,
+    tolerance: f64,
+) {
     let state = train(step, model, b, 32);
     let expected = read_npz(&root().join("fixtures/forward").join(model).join(reference));
     let mut largest = 0f64;
@@ -479,7 +569,7 @@ fn trains_like_torch(
             .map(|(_, (x, y))| (x - y).abs())
             .fold(0.0, f64::max);
         assert!(
-            worst <= 2e-6,
+            worst <= tolerance,
             "{what}: '{name}' max abs {worst:e} from torch"
         );
         largest = largest.max(worst);

@@ -66,6 +66,10 @@ fn every_written_step_passes_the_onnx_checker() {
     let mut files = Vec::new();
     for (name, path, extra) in &sources {
         for (pipeline, flags) in PIPELINES {
+            if name.ends_with("_half") && *pipeline == "fp16" {
+                // Already half: `--precision` converts float32 models, and says so.
+                continue;
+            }
             let out_path = dir.path().join(format!("{name}.{pipeline}.onnx"));
             let out = Command::new(env!("CARGO_BIN_EXE_onnx-ga"))
                 .arg("rewrite")

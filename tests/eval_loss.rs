@@ -207,6 +207,28 @@ fn mlp_validation_loss_is_torchs_eval_loss() {
     assert_like_torch("torch_mlp", &lines, 2e-6);
 }
 
+/// A model stored in half precision (torch_mlp after `.half()`): the eval model is the half
+/// file, fed the step's float32 masters through Casts to half and float32 data, as the step
+/// reads them; after every window its validation loss is what torch's half model computes
+/// with the masters rounded to half (mixed precision by hand, `half_reference.py`), within
+/// float16's rounding of the forward (ONNX Runtime's CPU provider computes its half Gemms in
+/// float32), and the accuracy exactly.
+#[test]
+fn a_half_models_validation_loss_is_torchs() {
+    if !ort_available() {
+        return;
+    }
+    let dir = TempDir::new().unwrap();
+    let lines = train_with_validation(
+        dir.path(),
+        "torch_mlp_half",
+        &["--optimizer", "sgd", "--lr", "0.1", "--loss-scale", "none"],
+        "8",
+        &[],
+    );
+    assert_like_torch("torch_mlp_half", &lines, 5e-5);
+}
+
 /// Padded labels: the mean over every counted label of the set, whatever batches hold
 /// them (4 sequences at a time in training; 3 at a time here).
 #[test]

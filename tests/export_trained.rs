@@ -718,3 +718,129 @@ fn a_step_parameter_the_model_lacks_is_an_error() {
     assert!(report.not_in_model.contains(&"fc2.bias".to_string()));
     assert!(report.not_in_model.len() > 4, "{:?}", report.not_in_model);
 }
+
+/// A model stored in half precision trains float32 masters (`autodiff`'s `half_model`); its
+/// export rounds each to the initializer's type, to nearest even (float16 and bfloat16), and
+/// keeps the type, so the trained file is the user's half model. A float32 value for an
+/// integer initializer is still a mismatch.
+#[test]
+fn export_rounds_float32_masters_into_a_half_model() {
+    use onnx_ga::proto::elem::{BFLOAT16, FLOAT16};
+    let masters = [0.1f32, -2.7182817, 65504.0, 1.0e-8, 3.0e38];
+    let mut state = BTreeMap::new();
+    let mut model =
+        onnx_ga::model::load_model(&root().join("graphs/forward/torch_mlp_half/legacy.onnx"))
+            .unwrap();
+    let graph = model.graph.as_mut().unwrap();
+    for (name, elem) in [("w16", FLOAT16), ("wbf16", BFLOAT16)] {
+        graph.initializer.push(onnx_ga::proto::TensorProto {
+            name: Some(name.into()),
+            dims: vec![masters.len() as i64],
+            data_type: Some(elem),
+            raw_data: Some(vec![0; 2 * masters.len()]),
+            ..Default::default()
+        });
+        state.insert(
+            name.to_string(),
+            Tensor::F32(ndarray::arr1(&masters).into_dyn()),
+        );
+    }
+    let (out, report) =
+        onnx_ga::trained::export_trained(model, &state, Path::new("half.onnx")).unwrap();
+    assert_eq!(report.replaced, ["w16", "wbf16"]);
+    let graph = out.graph.as_ref().unwrap();
+    for init in graph
+        .initializer
+        .iter()
+        .filter(|t| t.name().starts_with('w'))
+    {
+        let stored: Vec<u16> = init
+            .raw_data()
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect();
+        let expected: Vec<u16> = masters
+            .iter()
+            .map(|x| match init.data_type() {
+                FLOAT16 => half::f16::from_f32(*x).to_bits(),
+                _ => half::bf16::from_f32(*x).to_bits(),
+            })
+            .collect();
+        assert_eq!(stored, expected, "{}", init.name());
+    }
+}
+
+/// The whole path on a half model: rewrite (the report says how it trains), train, export:
+/// the exported file holds float16 parameters equal to the trained float32 masters rounded
+/// to half.
+#[test]
+fn a_half_model_trains_and_exports_as_half() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = root().join("graphs/forward/torch_mlp_half/dynamo.onnx");
+    let data_path = root().join("graphs/forward/torch_mlp_half/data.npz");
+    let step = dir.path().join("step.onnx");
+    let out = onnx_ga(&[
+        "rewrite",
+        model.to_str().unwrap(),
+        "--loss-fn",
+        "cross-entropy",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.1",
+        "--accum-steps",
+        "4",
+        "-o",
+        step.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("4 parameters train as float32 masters")
+            || String::from_utf8_lossy(&out.stdout)
+                .contains("4 parameters train as float32 masters"),
+        "the report says how a half model trains"
+    );
+    if !common::ort_available() {
+        return;
+    }
+    let state = dir.path().join("state.safetensors");
+    let args = common::cli_train(
+        &step,
+        &data_path,
+        "16",
+        &["--save-state", state.to_str().unwrap()],
+    );
+    let out = onnx_ga(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let trained = dir.path().join("trained.onnx");
+    let out = export(&model, &state, &trained, Some(&step));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let masters = onnx_ga::data::read_state(&state).unwrap();
+    let exported = onnx_ga::model::load_model(&trained).unwrap();
+    let mut checked = 0;
+    for init in &exported.graph.as_ref().unwrap().initializer {
+        let Some(master) = masters.get(init.name()) else {
+            continue;
+        };
+        assert_eq!(
+            init.data_type(),
+            onnx_ga::proto::elem::FLOAT16,
+            "{}",
+            init.name()
+        );
+        let stored: Vec<u16> = init
+            .raw_data()
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect();
+        let rounded: Vec<u16> = master
+            .as_f32()
+            .unwrap()
+            .iter()
+            .map(|x| half::f16::from_f32(*x).to_bits())
+            .collect();
+        assert_eq!(stored, rounded, "{}", init.name());
+        checked += 1;
+    }
+    assert_eq!(checked, 4);
+}

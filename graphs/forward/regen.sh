@@ -21,3 +21,5 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
 "$VENV/bin/python" "$ROOT/graphs/forward/generate.py" "$@"
 # torch_mlp_nll starts from torch_mlp's export: after it.
 "$VENV/bin/python" "$ROOT/graphs/forward/own_loss_reference.py"
+# torch_mlp_half too (torch_mlp after .half()).
+"$VENV/bin/python" "$ROOT/graphs/forward/half_reference.py"

@@ -142,6 +142,9 @@ pub fn append(
             .map(|(_, d)| d.clone())
             .collect();
         (DataType::Int64 as i32, d)
+    } else if super::half_model::is_half(elem) {
+        // Targets like Y, in float32 like the loss (below) and the host's data.
+        (DataType::Float as i32, dims.clone())
     } else {
         (elem, dims.clone())
     };
@@ -171,6 +174,17 @@ pub fn append(
         }
     };
     let mut b = Builder::new(model, main, super::PASS);
+    // Half scores (a model stored in half precision, `half_model`): the loss in float32,
+    // as PyTorch's autocast computes it (a mean over a batch in half loses the digits).
+    let output = match super::half_model::is_half(elem) {
+        true => b.op(
+            "Cast",
+            &[output],
+            vec![attr_int("to", DataType::Float as i64)],
+            &format!("{y_name}_float"),
+        ),
+        false => output,
+    };
     let reduction = if spec.sum { "sum" } else { "mean" };
     let opset = b.model.opset("").unwrap_or(13);
     let loss = match spec.function {

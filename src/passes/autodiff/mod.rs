@@ -23,6 +23,7 @@
 //! that needs it.
 
 mod expand_attention;
+pub mod half_model;
 mod loop_grad;
 mod loop_parts;
 mod loss_fn;
@@ -36,6 +37,7 @@ mod unroll_rnn;
 
 use std::collections::{HashMap, HashSet};
 
+pub use half_model::stored_in_float16;
 pub use loop_parts::is_loop;
 pub use loss_fn::{LossFn, LossSpec};
 pub use normalize::{DropoutMode, LoopMode};
@@ -340,6 +342,20 @@ impl Pass for Autodiff {
                 first_few(&loops)
             ));
         }
+        if differentiated.half_masters > 0 || !differentiated.half_inputs.is_empty() {
+            let inputs = match differentiated.half_inputs.as_slice() {
+                [] => String::new(),
+                names => format!(
+                    "; data input{} {} float32, cast to half at entry",
+                    if names.len() == 1 { "" } else { "s" },
+                    first_few(names)
+                ),
+            };
+            report.notes.push(format!(
+                "the model is stored in half precision: {} parameters train as float32 masters, read through Casts to their type (the forward computes in half as the file does; the loss in float32){inputs}",
+                differentiated.half_masters
+            ));
+        }
         if !differentiated.absent_torch_parameters.is_empty() {
             report.notes.push(format!(
                 "torch's parameters {} are not in the file: torch exports tied weights once, under one of their names (that tensor trains for all of them), and unused parameters not at all",
@@ -532,6 +548,10 @@ pub struct Differentiated {
     /// Loops left as Loops (`loop_grad` differentiates them): name and why they were not
     /// unrolled.
     pub kept_loops: Vec<(String, String)>,
+    /// Half-precision parameters made float32 masters, and half data inputs made float32
+    /// (`half_model`).
+    pub half_masters: usize,
+    pub half_inputs: Vec<String>,
 }
 
 /// The gradient graph the autodiff pass `spec` (an `autodiff(...)` element) builds from the
@@ -818,6 +838,8 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
             (name, why)
         })
         .collect();
+    // A model stored in half precision: float32 data in (`half_model`).
+    let half_inputs = half_model::float32_inputs(model, PASS);
     let mut shapes = Shapes::infer(model);
 
     // The loss.
@@ -926,6 +948,12 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
         )));
     }
 
+    // Half parameters train as float32 masters read through Casts (`half_model`).
+    let half_masters = half_model::float32_masters(model, &params, PASS);
+    if half_masters > 0 {
+        shapes = Shapes::infer(model);
+    }
+
     // The seed: dL/dL = 1, shaped like the loss.
     let loss_facts = shapes.get(loss);
     let loss_elem = loss_facts.elem.unwrap_or(DataType::Float as i32);
@@ -1014,6 +1042,8 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
         batch_norms: normalized.batch_norms,
         unrolled_loops: normalized.loops,
         kept_loops,
+        half_masters,
+        half_inputs,
     })
 }
 

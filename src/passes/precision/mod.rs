@@ -555,7 +555,7 @@ impl<'a> Analysis<'a> {
             .min_by_key(|(v, _)| **v)
         {
             return Err(fail(format!(
-                "value '{}' is already {}: precision converts float32 graphs, once",
+                "value '{}' is already {}: precision converts float32 graphs, once (a model stored in half precision trains in it without --precision, its parameters as float32 masters)",
                 model.name(*v),
                 crate::ir::print::elem_type_name(*e)
             )));
