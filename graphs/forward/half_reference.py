@@ -18,6 +18,9 @@ model, whose Cast to half at entry is then exact), and fixtures/forward/torch_ml
   as float32) and, before that run and after each of its windows, the float32 mean
   cross-entropy and the accuracy of the half model on them (tests/eval_loss.rs's format).
 
+And torch_cnn_nobn_half, torch_gpt_half: those models after `.half()`, both exports, data.npz
+(the float input rounded to float16) and grads.npz / grads64.npz only.
+
 Keys: the ONNX initializer names (the same in both exports). Run with the torch venv:
 
     .venv-torch/bin/python graphs/forward/half_reference.py
@@ -41,14 +44,20 @@ K = 4
 MICRO = 8
 
 
-def export(model, example, graphs):
+# Also in half, gradients only (grads.npz, grads64.npz): a CNN (convolutions, MaxPool, a
+# mean over the map: ConvGrad, MaxPoolGrad) and the GPT (an embedding: GatherGrad; masks,
+# LayerNorm, softmax), each `<name>_half`.
+GRADIENTS_ONLY = ("torch_cnn_nobn", "torch_gpt")
+
+
+def export(model, example, graphs, name="x"):
     batch = torch.export.Dim("batch")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prog = torch.onnx.export(
             copy.deepcopy(model).eval(), (example,), dynamo=True, optimize=False,
-            verbose=False, input_names=["x"], output_names=["logits"],
-            dynamic_shapes={"x": {0: batch}},
+            verbose=False, input_names=[name], output_names=["logits"],
+            dynamic_shapes={name: {0: batch}},
         )
         proto = prog.model_proto
         g.strip_stack_traces(proto)
@@ -56,13 +65,50 @@ def export(model, example, graphs):
         torch.onnx.export(
             copy.deepcopy(model), (example,), os.path.join(graphs, "legacy.onnx"), dynamo=False,
             training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
-            opset_version=g.LEGACY_OPSET, input_names=["x"], output_names=["logits"],
-            dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}},
+            opset_version=g.LEGACY_OPSET, input_names=[name], output_names=["logits"],
+            dynamic_axes={name: {0: "batch"}, "logits": {0: "batch"}},
         )
 
 
 def loss_of(model, x, y):
-    return F.cross_entropy(model(x).float(), y)
+    return g.loss_fn(model(x).float(), y)
+
+
+def half_data(data, name):
+    """The model's data with its float input rounded to float16 (stored as float32)."""
+    out = dict(data)
+    if out[name].dtype == np.float32:
+        out[name] = out[name].astype(np.float16).astype(np.float32)
+    return out
+
+
+def gradients(half, data, name, fixtures):
+    """grads.npz (torch's float16 gradients) and grads64.npz (float64, the same weights)."""
+    rows = slice(0, g.GRAD_SAMPLES)
+    x, y = torch.from_numpy(data[name][rows]), torch.from_numpy(data["labels"][rows])
+    for dtype, file in ((torch.float16, "grads.npz"), (torch.float64, "grads64.npz")):
+        m = copy.deepcopy(half).to(dtype).train()
+        loss = loss_of(m, x.to(dtype) if x.is_floating_point() else x, y)
+        loss.backward()
+        kind = np.float32 if dtype == torch.float16 else np.float64
+        grads = {"loss": loss.detach().numpy().astype(kind)}
+        grads.update({n: p.grad.numpy().astype(kind) for n, p in m.named_parameters()})
+        g.save_npz(os.path.join(fixtures, file), grads)
+
+
+def gradients_only(name):
+    base = g.Exported(name)
+    input_name = base.spec["input"]
+    half = copy.deepcopy(base.model).half()
+    data = half_data({k: base.data[k] for k in (input_name, "labels")}, input_name)
+    graphs = os.path.join(g.GRAPHS, f"{name}_half")
+    fixtures = os.path.join(g.FIXTURES, f"{name}_half")
+    os.makedirs(graphs, exist_ok=True)
+    os.makedirs(fixtures, exist_ok=True)
+    g.save_npz(os.path.join(graphs, "data.npz"), data)
+    example = torch.from_numpy(data[input_name][: g.EXPORT_BATCH])
+    export(half, example.half() if example.is_floating_point() else example, graphs, input_name)
+    gradients(half, data, input_name, fixtures)
 
 
 def validation(m, val):
@@ -93,17 +139,7 @@ def main():
             assert inits[n].dtype == np.float16, (export_name, n, inits[n].dtype)
             assert np.array_equal(inits[n], p.detach().numpy()), (export_name, n)
 
-    x, y = torch.from_numpy(x16[: g.GRAD_SAMPLES]), torch.from_numpy(data["labels"][: g.GRAD_SAMPLES])
-    for dtype, file in ((torch.float16, "grads.npz"), (torch.float64, "grads64.npz")):
-        m = copy.deepcopy(half).to(dtype).train()
-        loss = loss_of(m, x.to(dtype), y)
-        loss.backward()
-        grads = {"loss": loss.detach().numpy().astype(np.float32 if dtype == torch.float16 else np.float64)}
-        grads.update({
-            n: p.grad.numpy().astype(np.float32 if dtype == torch.float16 else np.float64)
-            for n, p in m.named_parameters()
-        })
-        g.save_npz(os.path.join(fixtures, file), grads)
+    gradients(half, data, "x", fixtures)
 
     # Mixed precision by hand: float32 masters, half compute, float32 accumulation.
     mlp_val = np.load(os.path.join(g.FIXTURES, "torch_mlp", "eval_data.npz"))
@@ -142,6 +178,9 @@ def main():
         json.dump(meta, f, indent=1)
         f.write("\n")
     print(f"{NAME}: loss {losses[0]:.6f} -> {losses[-1]:.6f} over {len(losses)} micro-steps")
+    for name in GRADIENTS_ONLY:
+        gradients_only(name)
+        print(f"{name}_half: gradients")
 
 
 if __name__ == "__main__":

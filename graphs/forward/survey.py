@@ -9,7 +9,11 @@ dropout 0). Per model: the loss difference, and the worst parameter's gradient e
 relative to max(its norm, 1e-3 of the whole gradient's norm), ours and torch float32's,
 each against torch float64.
 
-    .venv-torch/bin/python graphs/forward/survey.py [NAME ...]     # after cargo build --release
+    .venv-torch/bin/python graphs/forward/survey.py [--half] [NAME ...]   # after cargo build --release
+
+`--half`: each model after `.half()` (a model stored in float16; onnx-ga trains float32
+masters of its parameters), against torch's float16 and float64 gradients of the same
+half-valued weights.
 """
 
 import copy
@@ -175,6 +179,7 @@ TORCH_INIT = {"efficientnet"}
 
 
 def cross_entropy(logits, labels):
+    logits = logits.float() if logits.dtype == torch.float16 else logits
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
@@ -189,6 +194,9 @@ def torch_gradients(model, inputs, labels, dtype):
                          if p.grad is not None}
 
 
+HALF = False
+
+
 def survey(name, workdir):
     config_class, model_class, config, argument, data = MODELS[name]
     torch.manual_seed(0)
@@ -201,6 +209,9 @@ def survey(name, workdir):
     x = data(8, g)
     seq2seq = "decoder_layers" in config or "num_decoder_layers" in config
     inputs = (x, tokens(t=6)(8, g)) if seq2seq else (x,)
+    if HALF:
+        model = model.half()
+        inputs = tuple(i.half() if i.is_floating_point() else i for i in inputs)
     return compare(name, model, inputs, workdir)
 
 
@@ -234,10 +245,11 @@ def compare(name, model, inputs, workdir):
     options.intra_op_num_threads = 1
     options.log_severity_level = 3
     session = ort.InferenceSession(gradient_graph, options)
-    feeds = {n: i.numpy() for n, i in zip(names, inputs)}
+    # A half model's float inputs are float32 in its gradient graph (onnx-ga's interface).
+    feeds = {n: (i.float() if i.is_floating_point() else i).numpy() for n, i in zip(names, inputs)}
     outputs = [o.name for o in session.get_outputs()]
     out = dict(zip(outputs, session.run(None, {**feeds, "labels": labels.numpy()})))
-    loss32, g32 = torch_gradients(model, inputs, labels, torch.float32)
+    loss32, g32 = torch_gradients(model, inputs, labels, torch.float16 if HALF else torch.float32)
     _, g64 = torch_gradients(model, inputs, labels, torch.float64)
     whole = np.sqrt(sum(np.sum(v ** 2) for v in g64.values()))
     trained = [k for k in g32 if f"{k}_grad" in out]
@@ -249,12 +261,15 @@ def compare(name, model, inputs, workdir):
          np.linalg.norm(g32[k] - g64[k]) / max(np.linalg.norm(g64[k]), 1e-3 * whole), k)
         for k in trained)
     return (f"{len(trained)} parameters, loss {abs(float(out['loss']) - loss32):.1e} from torch, "
-            f"worst gradient {worst[0]:.1e} from float64 (torch float32 {worst[1]:.1e}, "
+            f"worst gradient {worst[0]:.1e} from float64 (torch {'float16' if HALF else 'float32'} {worst[1]:.1e}, "
             f"{worst[2]})")
 
 
 def main(names):
+    global HALF
     torch.set_num_threads(1)
+    HALF = "--half" in names
+    names = [n for n in names if n != "--half"]
     report_each(names or MODELS, survey)
 
 

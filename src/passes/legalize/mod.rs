@@ -21,6 +21,7 @@ mod gather_grad;
 mod gelu;
 mod gelu_grad;
 mod gemm_half;
+pub mod half_in_float32;
 mod in_place_accumulator;
 mod layer_norm_grad;
 mod leaky_relu_grad;
@@ -390,6 +391,10 @@ impl LegalizeOrt {
         let targets = targets.to_vec();
         let mut constants = util::Constants::default();
         for node in targets {
+            if half_in_float32::takes(model, node) {
+                report.added += half_in_float32::widen(model, node, stamp);
+                report.changed = true;
+            }
             let proto = &model.node(node).proto;
             let (domain, op) = (proto.domain().to_string(), proto.op_type().to_string());
             let Some(lower) = self.lowering_for(&domain, &op) else {

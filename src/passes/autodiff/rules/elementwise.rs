@@ -29,6 +29,7 @@ use super::{wanted, Grad, InputGrads};
 use crate::ir::builder::attr_int;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
+use crate::proto::elem::FLOAT;
 
 fn name(cx: &Grad<'_>, v: ValueId) -> String {
     format!("{}_grad", cx.model().name(v))
@@ -341,12 +342,22 @@ pub fn min_max(
     let dy = cx.dy(node, dys, 0)?;
     let y = cx.forward_output(node, 0)?;
     let zero = cx.scalar_like(node, y, 0.0)?;
+    // Half values are compared in float32 (exactly the same values): ONNX Runtime 1.31's
+    // CPU provider answered false to Equal(x, Max(x, c)) in float16 for equal values
+    // (Hugging Face Whisper's float16 clamp, whose gradient then vanished; measured).
+    let half = crate::passes::autodiff::half_model::is_half(cx.elem(node, y)?);
+    let wide = |cx: &mut Grad<'_>, v: ValueId, hint: &str| match half {
+        true => cx.op("Cast", &[v], vec![attr_int("to", FLOAT as i64)], hint),
+        false => v,
+    };
+    let y_compared = wide(cx, y, "max_compared");
     let mut taken: Option<ValueId> = None;
     let mut out = vec![None; wants.len()];
     for (i, want) in wants.iter().enumerate() {
         let x = cx.input(node, i)?;
         let hint = format!("{}_grad", cx.model().name(x));
-        let hit = cx.op("Equal", &[x, y], vec![], &hint);
+        let x_compared = wide(cx, x, &hint);
+        let hit = cx.op("Equal", &[x_compared, y_compared], vec![], &hint);
         let first = match taken {
             None => hit,
             Some(t) => {

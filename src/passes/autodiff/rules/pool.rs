@@ -227,11 +227,15 @@ pub fn average_pool(
     let kernel: Vec<i64> = axes.iter().map(|a| a.kernel).collect();
     let weight_len = (c * kernel.iter().product::<i64>()) as usize;
     let weight_shape = [&[c, 1][..], &kernel[..]].concat();
-    let weight = match elem {
-        e if e == DataType::Double as i32 => {
-            crate::ir::builder::tensor_f64(&weight_shape, &vec![spread; weight_len])
-        }
-        _ => crate::ir::builder::tensor_f32(&weight_shape, &vec![spread as f32; weight_len]),
+    // In the input's type: ConvTranspose takes one type (a half model's pooling is half).
+    let weight = match crate::ir::emit::scalar_bytes(elem, spread) {
+        Some(one) => crate::proto::TensorProto {
+            dims: weight_shape.clone(),
+            data_type: Some(elem),
+            raw_data: Some(one.repeat(weight_len)),
+            ..Default::default()
+        },
+        None => crate::ir::builder::tensor_f32(&weight_shape, &vec![spread as f32; weight_len]),
     };
     let w =
         cx.b.model
