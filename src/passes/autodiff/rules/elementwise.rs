@@ -29,7 +29,6 @@ use super::{wanted, Grad, InputGrads};
 use crate::ir::builder::attr_int;
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
-use crate::proto::elem::FLOAT;
 
 fn name(cx: &Grad<'_>, v: ValueId) -> String {
     format!("{}_grad", cx.model().name(v))
@@ -332,7 +331,13 @@ pub fn mean(
 }
 
 /// `Max`/`Min`: the gradient goes to the first input that equals the result (a tie gives
-/// it to one input, never twice).
+/// it to one input, never twice): input i takes it where it beats every earlier input
+/// strictly and every later one or ties (`x_i > x_j` for j < i, `x_i >= x_j` for j > i; `<`
+/// for Min). Compared with the other inputs, not with the result: ONNX Runtime's CPU
+/// provider computes a float16 graph in float32 between casts and feeds a comparison the
+/// unrounded float32 value where the result holds it rounded, so `Equal(x, Max(x, c))` was
+/// false for equal float16 values (Hugging Face Whisper's float16 clamp: its encoder's whole
+/// gradient vanished; measured).
 pub fn min_max(
     cx: &mut Grad<'_>,
     node: NodeId,
@@ -342,37 +347,35 @@ pub fn min_max(
     let dy = cx.dy(node, dys, 0)?;
     let y = cx.forward_output(node, 0)?;
     let zero = cx.scalar_like(node, y, 0.0)?;
-    // Half values are compared in float32 (exactly the same values): ONNX Runtime 1.31's
-    // CPU provider answered false to Equal(x, Max(x, c)) in float16 for equal values
-    // (Hugging Face Whisper's float16 clamp, whose gradient then vanished; measured).
-    let half = crate::passes::autodiff::half_model::is_half(cx.elem(node, y)?);
-    let wide = |cx: &mut Grad<'_>, v: ValueId, hint: &str| match half {
-        true => cx.op("Cast", &[v], vec![attr_int("to", FLOAT as i64)], hint),
-        false => v,
+    let (beats, ties) = match cx.model().node(node).proto.op_type() {
+        "Max" => ("Greater", "GreaterOrEqual"),
+        _ => ("Less", "LessOrEqual"),
     };
-    let y_compared = wide(cx, y, "max_compared");
-    let mut taken: Option<ValueId> = None;
+    let inputs: Vec<ValueId> = (0..wants.len())
+        .map(|i| cx.input(node, i))
+        .collect::<Result<_, _>>()?;
     let mut out = vec![None; wants.len()];
     for (i, want) in wants.iter().enumerate() {
-        let x = cx.input(node, i)?;
-        let hint = format!("{}_grad", cx.model().name(x));
-        let x_compared = wide(cx, x, &hint);
-        let hit = cx.op("Equal", &[x_compared, y_compared], vec![], &hint);
-        let first = match taken {
-            None => hit,
-            Some(t) => {
-                let not_t = cx.op("Not", &[t], vec![], &hint);
-                cx.op("And", &[hit, not_t], vec![], &hint)
-            }
-        };
-        if *want {
-            let g = cx.op_like("Where", &[first, dy, zero], vec![], &hint, y);
-            out[i] = Some(cx.unbroadcast(node, g, y, x)?);
+        if !*want {
+            continue;
         }
-        taken = Some(match taken {
-            None => hit,
-            Some(t) => cx.op("Or", &[t, hit], vec![], &hint),
-        });
+        let x = inputs[i];
+        let hint = format!("{}_grad", cx.model().name(x));
+        let mut taken: Option<ValueId> = None;
+        for (j, other) in inputs.iter().enumerate().filter(|(j, _)| *j != i) {
+            let op = if j < i { beats } else { ties };
+            let hit = cx.op(op, &[x, *other], vec![], &hint);
+            taken = Some(match taken {
+                None => hit,
+                Some(t) => cx.op("And", &[t, hit], vec![], &hint),
+            });
+        }
+        let g = match taken {
+            // One input: it is the result.
+            None => cx.op_like("Identity", &[dy], vec![], &hint, y),
+            Some(mask) => cx.op_like("Where", &[mask, dy, zero], vec![], &hint, y),
+        };
+        out[i] = Some(cx.unbroadcast(node, g, y, x)?);
     }
     Ok(out)
 }
