@@ -316,22 +316,14 @@ fn torch_mlp_half_trains_like_torch_mixed_precision() {
             );
         }
         // tract computes the half Gemms in half: 1.5e-5 measured.
-        let data = read_npz(&root().join("graphs/forward/torch_mlp_half/data.npz"));
         let options = onnx_ga::engine::ort::SessionOptions::default();
-        let mut trainer = onnx_ga::train::Trainer::with_engine(
+        let tract = onnx_ga::train::Trainer::with_engine(
             &step,
             onnx_ga::engine::EngineKind::Tract,
             &options,
         )
         .unwrap_or_else(|e| panic!("{e}"));
-        let samples = trainer.check_data(&data, Path::new("data.npz")).unwrap();
-        for i in 0..32 {
-            let batch = onnx_ga::train::micro_batch(&data, samples, 8, i);
-            trainer
-                .step(&batch, false)
-                .unwrap_or_else(|e| panic!("{e}"));
-        }
-        let state = trainer.state().unwrap();
+        let state = train_with(tract, "torch_mlp_half", 8, 32);
         let expected = read_npz(&root().join("fixtures/forward/torch_mlp_half/run_micro_sgd.npz"));
         let mut largest = 0f64;
         for (name, want) in &expected {
@@ -522,13 +514,22 @@ fn torch_rnn_as_loops_gradients_on_tract() {
 /// Trains `spec` on the model's data (micro-batch `b`, `steps` micro-steps) and returns the
 /// state.
 fn train(step: &ModelProto, data_model: &str, b: usize, steps: u64) -> BTreeMap<String, Tensor> {
+    train_with(common::trainer(step), data_model, b, steps)
+}
+
+/// [`train`] with `trainer` (an engine of one's choice).
+fn train_with(
+    mut trainer: onnx_ga::train::Trainer,
+    data_model: &str,
+    b: usize,
+    steps: u64,
+) -> BTreeMap<String, Tensor> {
     let data = read_npz(
         &root()
             .join("graphs/forward")
             .join(data_model)
             .join("data.npz"),
     );
-    let mut trainer = common::trainer(step);
     let samples = trainer
         .check_data(&data, Path::new("data.npz"))
         .unwrap_or_else(|e| panic!("{e}"));

@@ -66,10 +66,7 @@ impl LoopParts {
                 body_outputs.len() - 1
             ));
         }
-        if let Some(inner) = model
-            .body_nodes(body)
-            .find(|i| !model.node(*i).subgraphs.is_empty())
-        {
+        if let Some(inner) = model.nested_control_flow(body) {
             let inner = model.node(inner);
             let computing: Vec<&str> = inner
                 .outputs

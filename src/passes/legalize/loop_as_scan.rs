@@ -68,9 +68,7 @@ fn parts(model: &Model, node: NodeId) -> Option<Parts> {
         Use::Node { node, .. } => forwarding.contains(node),
         Use::Output { body: b, index } => *b == body && *index == 0,
     });
-    let nested = model
-        .body_nodes(body)
-        .any(|i| !model.node(i).subgraphs.is_empty());
+    let nested = model.nested_control_flow(body).is_some();
     (only_forwarded && !nested).then_some(Parts {
         body,
         trip_count,

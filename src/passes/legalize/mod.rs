@@ -70,22 +70,18 @@ pub const TRACT_LOWERINGS: &[(TakesFn, LowerFn)] = &[
 pub fn lower_for_tract(model: &mut Model, stamp: &'static str) -> Result<PassReport, PassError> {
     let mut report = PassReport::default();
     // While loops that count to a bound as counted Loops, then counted Loops as Scans
-    // (tract has no Loop).
-    let counting: Vec<NodeId> = model
-        .all_nodes()
-        .filter(|n| while_as_counted::takes(model, *n))
-        .collect();
-    for node in counting {
-        report.added += while_as_counted::rewrite(model, node, stamp)?;
-        report.changed = true;
-    }
-    let loops: Vec<NodeId> = model
-        .all_nodes()
-        .filter(|n| loop_as_scan::takes(model, *n))
-        .collect();
-    for node in loops {
-        report.added += loop_as_scan::rewrite(model, node, stamp)?;
-        report.changed = true;
+    // (tract has no Loop), in that order.
+    type Rewrite = fn(&mut Model, NodeId, &'static str) -> Result<usize, PassError>;
+    let loop_rewrites: [(TakesFn, Rewrite); 2] = [
+        (while_as_counted::takes, while_as_counted::rewrite),
+        (loop_as_scan::takes, loop_as_scan::rewrite),
+    ];
+    for (takes, rewrite) in loop_rewrites {
+        let targets: Vec<NodeId> = model.all_nodes().filter(|n| takes(model, *n)).collect();
+        for node in targets {
+            report.added += rewrite(model, node, stamp)?;
+            report.changed = true;
+        }
     }
     let mut constants = util::Constants::default();
     let mut state = Vec::new();
