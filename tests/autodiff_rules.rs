@@ -211,6 +211,10 @@
 //! pad_axes_opset18                           f64  1.2e-10
 //! pad_constant                               f64  7.4e-11
 //! pad_constant_undeclared                    f64  1.8e-10
+//! pad_computed_from_shape                    f64  4.0e-11
+//! pad_negative                               f64  1.1e-10
+//! pad_negative_attribute_opset10             f64  1.2e-10
+//! pad_negative_axes_opset18                  f64  7.0e-11
 //! pow                                        f64  2.0e-10
 //! pow_broadcast_exponent                     f64  6.3e-10
 //! pow_constant_exponent                      f64  6.3e-11
@@ -1397,6 +1401,37 @@ cases! {
         let y = n.node("Pad", &[Some(x), Some(pads), None, Some(axes)], 1, vec![])[0];
         n.declare(y, &[4, 3, 6]);
         vec![y]
+    };
+    // Pads that remove elements (negative) and pads computed at run time (Swin pads its maps
+    // to a multiple of the window from their Shape): the gradient is Pad(dY, -pads).
+    pad_negative: 17, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let pads = n.ints("pads", &[4], &[1, -1, -1, 2]);
+        let value = n.konst("pad_value", &[], &[0.5]);
+        vec![n.op("Pad", &[x, pads, value], vec![])]
+    };
+    pad_negative_axes_opset18: 18, F64 => |n| {
+        let x = n.param("X", &[2, 3, 4], -1.0, 1.0);
+        let pads = n.ints("pads", &[4], &[-1, 1, 0, -2]);
+        let axes = n.ints("axes", &[2], &[0, -1]);
+        vec![n.node("Pad", &[Some(x), Some(pads), None, Some(axes)], 1, vec![])[0]]
+    };
+    pad_negative_attribute_opset10: 10, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        vec![n.op("Pad", &[x], vec![attr_ints("pads", &[0, 2, -1, -1])])]
+    };
+    pad_computed_from_shape: 17, F64 => |n| {
+        // pads = [0, 0, 0, 4 - W % 4 ... ] as Swin computes them: (w - W % w) % w, w = 3.
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let shape = n.op("Shape", &[x], vec![]);
+        let window = n.ints("window", &[2], &[3, 3]);
+        let rest = n.op("Mod", &[shape, window], vec![]);
+        let short = n.op("Sub", &[window, rest], vec![]);
+        let to_window = n.op("Mod", &[short, window], vec![]);
+        let zeros = n.ints("zeros", &[2], &[0, 0]);
+        let pads = n.op("Concat", &[zeros, to_window], vec![attr_int("axis", 0)]);
+        let value = n.konst("pad_value", &[], &[0.5]);
+        vec![n.op("Pad", &[x, pads, value], vec![])]
     };
     tile: 17, F64 => |n| {
         let x = n.param("X", &[2, 3], -1.0, 1.0);

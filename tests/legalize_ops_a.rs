@@ -491,3 +491,56 @@ fn lowered_cases_pass_the_onnx_checker() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A dropout gradient whose ratio is computed, behind a Cast of dY to its own type (T5's
+/// layer norm, exported by `torch.onnx.export(dynamo=False)` in training mode): ONNX Runtime
+/// 1.31's DivMulFusion folded a `Div(1, keep)` scale into the Mul after EliminateIdentity had
+/// removed that Cast, and the session failed to load ("'c' is not a graph input, initializer,
+/// or output of a previous node"). The lowering scales by `Reciprocal(keep)`; the result is
+/// dY * mask / (1 - ratio), computed here by hand.
+#[test]
+fn dropout_grad_behind_a_same_type_cast_loads_and_scales() {
+    if !ort_available() {
+        return;
+    }
+    let text = r#"
+<ir_version: 8, opset_import: ["" : 17, "com.microsoft" : 1]>
+g (float[2,3] dy, bool[2,3] mask, float ratio) => (float[2,3] dx) {
+  c = Cast <to = 1> (dy)
+  dx = com.microsoft.DropoutGrad (c, mask, ratio)
+}
+"#;
+    let model = Model::from_proto(onnx_ga::ir::text::parse_model(text).unwrap());
+    let (lowered, _) = legalize(model, Path::new("dropout_behind_cast.onnx"), LEGALIZE).unwrap();
+    let dy = [0.5f32, -1.0, 2.0, 0.25, -0.75, 1.5];
+    let mask = [true, false, true, true, false, true];
+    let ratio = 0.2f32;
+    let inputs: BTreeMap<String, Tensor> = [
+        (
+            "dy".to_string(),
+            Tensor::F32(ndarray::ArrayD::from_shape_vec(vec![2, 3], dy.to_vec()).unwrap()),
+        ),
+        (
+            "mask".to_string(),
+            Tensor::Bool(ndarray::ArrayD::from_shape_vec(vec![2, 3], mask.to_vec()).unwrap()),
+        ),
+        (
+            "ratio".to_string(),
+            Tensor::F32(ndarray::ArrayD::from_elem(vec![], ratio)),
+        ),
+    ]
+    .into();
+    let got = run_ort(&lowered.to_proto(), &inputs);
+    let expected: Vec<f32> = dy
+        .iter()
+        .zip(mask)
+        .map(|(d, m)| if m { d / (1.0 - ratio) } else { 0.0 })
+        .collect();
+    assert_close(
+        "dx",
+        &got["dx"],
+        &Tensor::F32(ndarray::ArrayD::from_shape_vec(vec![2, 3], expected).unwrap()),
+        1e-6,
+        0.0,
+    );
+}

@@ -9,11 +9,15 @@ dropout 0). Per model: the loss difference, and the worst parameter's gradient e
 relative to max(its norm, 1e-3 of the whole gradient's norm), ours and torch float32's,
 each against torch float64.
 
-    .venv-torch/bin/python graphs/forward/survey.py [--half] [NAME ...]   # after cargo build --release
+    .venv-torch/bin/python graphs/forward/survey.py [--half] [--legacy] [NAME ...]   # after cargo build --release
 
 `--half`: each model after `.half()` (a model stored in float16; onnx-ga trains float32
 masters of its parameters), against torch's float16 and float64 gradients of the same
 half-valued weights.
+
+`--legacy`: exported by torch's TorchScript exporter instead (`dynamo=False`, training mode,
+no constant folding, opset 17, dynamic batch), as generate.py's `_legacy` fixtures are; it
+exports T5 and Swin, which dynamo fails to.
 """
 
 import copy
@@ -195,6 +199,7 @@ def torch_gradients(model, inputs, labels, dtype):
 
 
 HALF = False
+LEGACY = False
 
 
 def survey(name, workdir):
@@ -227,12 +232,19 @@ def compare(name, model, inputs, workdir):
     path = os.path.join(workdir, f"{name}.onnx")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        batch = torch.export.Dim("batch")
-        program = torch.onnx.export(copy.deepcopy(model), tuple(i[:4] for i in inputs),
-                                    dynamo=True, optimize=False, verbose=False,
-                                    input_names=names, output_names=["logits"],
-                                    dynamic_shapes={n: {0: batch} for n in names})
-    program.save(path)
+        if LEGACY:
+            torch.onnx.export(copy.deepcopy(model).train(), tuple(i[:4] for i in inputs), path,
+                              dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
+                              do_constant_folding=False, opset_version=17,
+                              input_names=names, output_names=["logits"],
+                              dynamic_axes={n: {0: "batch"} for n in names})
+        else:
+            batch = torch.export.Dim("batch")
+            program = torch.onnx.export(copy.deepcopy(model), tuple(i[:4] for i in inputs),
+                                        dynamo=True, optimize=False, verbose=False,
+                                        input_names=names, output_names=["logits"],
+                                        dynamic_shapes={n: {0: batch} for n in names})
+            program.save(path)
     gradient_graph = os.path.join(workdir, f"{name}.grad.onnx")
     # torch's export does not record requires_grad (Marian's and Whisper's sinusoidal
     # position tables): frozen by name, as a user would.
@@ -266,10 +278,11 @@ def compare(name, model, inputs, workdir):
 
 
 def main(names):
-    global HALF
+    global HALF, LEGACY
     torch.set_num_threads(1)
     HALF = "--half" in names
-    names = [n for n in names if n != "--half"]
+    LEGACY = "--legacy" in names
+    names = [n for n in names if n not in ("--half", "--legacy")]
     report_each(names or MODELS, survey)
 
 

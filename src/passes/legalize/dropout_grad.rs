@@ -27,7 +27,11 @@ pub(super) fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassEr
             let one = l.scalar("one", t, 1.0);
             let r = l.cast(r, t, "dropout_ratio");
             let keep = l.op("Sub", &[one, r], vec![], "dropout_keep");
-            l.op("Div", &[one, keep], vec![], "dropout_scale")
+            // Not `Div(1, keep)`: ONNX Runtime 1.31's DivMulFusion rewrites that Div and the
+            // Mul below into one Div after EliminateIdentity has removed the node making dY
+            // (a Cast to dY's own type, from T5's layer norm), and the session fails to load
+            // ("... is not a graph input, initializer, or output of a previous node").
+            l.op("Reciprocal", &[keep], vec![], "dropout_scale")
         }
     };
     let kept = l.cast(mask, t, "dropout_mask");

@@ -469,6 +469,8 @@ fn pads_at_run_time(
     pads
 }
 
+/// A constant Pad's gradient: where the pads are known constants that add elements, the
+/// slice of dY that X was copied to; otherwise [`unpad`].
 pub fn pad(
     cx: &mut Grad<'_>,
     node: NodeId,
@@ -486,13 +488,13 @@ pub fn pad(
         ));
     }
     let rank = cx.need_rank(node, x)?;
+    let pads_input = cx.opt_input(node, 1);
     let pads = match cx.ints_attr(node, "pads")? {
-        Some(p) => p,
-        None => {
-            let v = cx.input(node, 1)?;
-            super::super::shapes::constant_ints(cx.model(), v)
-                .ok_or_else(|| cx.error(node, "the pads input is not a constant".into()))?
-        }
+        Some(p) => Some(p),
+        None => pads_input.and_then(|v| super::super::shapes::constant_ints(cx.model(), v)),
+    };
+    let Some(pads) = pads.filter(|p| p.iter().all(|p| *p >= 0)) else {
+        return unpad(cx, node, dys, wants, pads_input);
     };
     let axes: Vec<i64> = match cx.opt_input(node, 3) {
         Some(v) => super::super::shapes::constant_ints(cx.model(), v)
@@ -503,11 +505,8 @@ pub fn pad(
         None => (0..rank as i64).collect(),
     };
     let n = axes.len();
-    if pads.len() != 2 * n || pads.iter().any(|p| *p < 0) {
-        return Err(cx.error(
-            node,
-            "negative or malformed pads are not supported by the gradient rule".into(),
-        ));
+    if pads.len() != 2 * n {
+        return Err(cx.error(node, format!("{} pads for {n} axes", pads.len())));
     }
     let h = hint(cx, x);
     let begins = cx.ints(&pads[..n]);
@@ -528,6 +527,39 @@ pub fn pad(
         x,
     );
     Ok(first_only(wants.len(), g))
+}
+
+/// The gradient of a constant Pad whose pads are computed at run time (Swin pads its
+/// feature maps to a multiple of the window: `(w - W % w) % w`) or remove elements (negative
+/// pads): `Pad(dY, -pads)` on the same axes, which takes back what was added and puts zeros
+/// where elements were removed, whatever each pad's sign.
+fn unpad(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dys: &[Option<ValueId>],
+    wants: &[bool],
+    pads: Option<ValueId>,
+) -> Result<InputGrads, PassError> {
+    let x = cx.input(node, 0)?;
+    let h = hint(cx, x);
+    let dy = cx.dy(node, dys, 0)?;
+    let Some(pads) = pads else {
+        // Opset < 11: the pads are an attribute.
+        let negated: Vec<i64> = cx
+            .ints_attr(node, "pads")?
+            .unwrap_or_default()
+            .iter()
+            .map(|p| -p)
+            .collect();
+        let g = cx.op_like("Pad", &[dy], vec![attr_ints("pads", &negated)], &h, x);
+        return Ok(first_only(wants.len(), g));
+    };
+    let negated = cx.op("Neg", &[pads], vec![], &h);
+    let axes = cx.opt_input(node, 3);
+    let inputs = [Some(dy), Some(negated), None, axes];
+    let used = if axes.is_some() { 4 } else { 2 };
+    let g = cx.b.node("Pad", "", &inputs[..used], &[&h], vec![]);
+    Ok(first_only(wants.len(), cx.output_like(g, 0, x)))
 }
 
 pub fn tile(
@@ -571,6 +603,11 @@ pub fn cast(
 ) -> Result<InputGrads, PassError> {
     let x = cx.input(node, 0)?;
     let elem = cx.elem(node, x)?;
+    // A Cast to the type it reads (T5's layer norm casts float32 hidden states to float32)
+    // passes dY on as it is: no Cast back.
+    if cx.int_attr(node, "to", 0)? == elem as i64 {
+        return identity(cx, node, dys, wants);
+    }
     let h = hint(cx, x);
     let g = cx.op_like(
         "Cast",
