@@ -129,6 +129,7 @@
 //! gather_elements                            f64  8.2e-11
 //! gather_nd_elements                         f64  1.0e-11
 //! gather_nd_slices                           f64  4.6e-11
+//! gather_of_a_sliced_buffer_broadcast_over_the_batch f64 1.2e-10
 //! gelu                                       f32  1.0e-4
 //! gelu_tanh                                  f64  6.6e-9
 //! gemm_nn                                    f64  2.1e-10
@@ -282,7 +283,10 @@
 //! sigmoid                                    f64  2.6e-10
 //! sin                                        f64  1.3e-10
 //! sinh                                       f32  4.2e-5
+//! slice_bounds_at_run_time                   f64  2.1e-11
+//! slice_int32_bounds_at_run_time             f64  7.4e-11
 //! slice_mixed_steps_3d                       f64  2.0e-11
+//! slice_negative_bounds_at_run_time          f64  3.5e-11
 //! slice_negative_step                        f64  6.1e-11
 //! slice_negative_steps_both_axes             f64  2.6e-11
 //! slice_steps                                f64  1.0e-10
@@ -754,6 +758,19 @@ macro_rules! cases {
             check(stringify!($name), $opset, $elem, $build);
         }
     )*};
+}
+
+/// `[Shape(x)[1] / 2]` through float64 and back (a float64 case's constant halves it): a
+/// bound no shape arithmetic folds.
+fn half_of_width(n: &mut Net, x: ValueId) -> ValueId {
+    let shape = n.op("Shape", &[x], vec![]);
+    let one = n.ints("width_at", &[1], &[1]);
+    let two = n.ints("width_to", &[1], &[2]);
+    let width = n.op("Slice", &[shape, one, two], vec![]);
+    let f = n.op("Cast", &[width], vec![attr_int("to", F64 as i64)]);
+    let halves = n.konst("halves", &[1], &[0.5]);
+    let halved = n.op("Mul", &[f, halves], vec![]);
+    n.op("Cast", &[halved], vec![attr_int("to", 7)])
 }
 
 fn pair_minmax(n: &mut Net, a_dims: &[i64], b_dims: &[i64]) -> (ValueId, ValueId) {
@@ -1337,6 +1354,50 @@ cases! {
         let x = n.param("X", &[2, 6], -1.0, 1.0);
         let outs = n.node("Split", &[Some(x)], 3, vec![attr_int("axis", 1), attr_int("num_outputs", 3)]);
         vec![outs[0], outs[1], outs[2]]
+    };
+    // Bounds computed at run time (GPT-NeoX's rotary half, `x[..., Shape(x)[-1] / 2:]`,
+    // behind Casts that shape arithmetic does not follow): Pad(dY) by pads computed then.
+    slice_bounds_at_run_time: 17, F64 => |n| {
+        let x = n.param("X", &[3, 6], -1.0, 1.0);
+        let half = half_of_width(n, x);
+        let ends = n.ints("ends", &[1], &[i64::MAX]);
+        let axes = n.ints("axes", &[1], &[1]);
+        vec![n.op("Slice", &[x, half, ends, axes], vec![])]
+    };
+    slice_negative_bounds_at_run_time: 17, F64 => |n| {
+        // starts [0, -3] (the second computed), ends [-1, -1]: rows 0..2, columns 3..5.
+        let x = n.param("X", &[3, 6], -1.0, 1.0);
+        let half = half_of_width(n, x);
+        let from_end = n.op("Neg", &[half], vec![]);
+        let first = n.ints("first_start", &[1], &[0]);
+        let starts = n.op("Concat", &[first, from_end], vec![attr_int("axis", 0)]);
+        let ends = n.ints("ends", &[2], &[-1, -1]);
+        let axes = n.ints("axes", &[2], &[0, -1]);
+        vec![n.op("Slice", &[x, starts, ends, axes], vec![])]
+    };
+    slice_int32_bounds_at_run_time: 17, F64 => |n| {
+        let x = n.param("X", &[3, 6], -1.0, 1.0);
+        let half = half_of_width(n, x);
+        let starts = n.op("Cast", &[half], vec![attr_int("to", 6)]);
+        let ends = n.int32s("ends", &[1], &[5]);
+        let axes = n.int32s("axes", &[1], &[1]);
+        vec![n.op("Slice", &[x, starts, ends, axes], vec![])]
+    };
+    // BERT's position embeddings through torch's TorchScript exporter: a [1, 6] id buffer
+    // sliced to the sequence length (computed at run time), gathered from the table and
+    // added to [N, T, H] embeddings: the table's gradient is summed over the batch.
+    gather_of_a_sliced_buffer_broadcast_over_the_batch: 17, F64 => |n| {
+        let x = n.param("X", &[2, 4, 3], -1.0, 1.0);
+        let table = n.param("E", &[6, 3], -1.0, 1.0);
+        let ids = n.ints("ids", &[1, 6], &[0, 1, 2, 3, 4, 5]);
+        let width = n.op("Shape", &[x], vec![attr_int("start", 1), attr_int("end", 2)]);
+        let wide = n.op("Cast", &[width], vec![attr_int("to", F64 as i64)]);
+        let end = n.op("Cast", &[wide], vec![attr_int("to", 7)]);
+        let zero = n.ints("zero", &[1], &[0]);
+        let axis = n.ints("axis", &[1], &[1]);
+        let positions = n.op("Slice", &[ids, zero, end, axis], vec![]);
+        let embedded = n.op("Gather", &[table, positions], vec![]);
+        vec![n.op("Add", &[x, embedded], vec![])]
     };
     slice_unit_steps: 17, F64 => |n| {
         let x = n.param("X", &[3, 4, 5], -1.0, 1.0);

@@ -23,6 +23,7 @@
 //! that needs it.
 
 mod expand_attention;
+mod fold_ints;
 pub mod half_model;
 mod loop_grad;
 mod loop_parts;

@@ -11,6 +11,7 @@
 
 use std::collections::HashMap;
 
+use super::fold_ints::fold_dims;
 use crate::ir::builder::NodeAttributes;
 use crate::ir::{topological_order, BodyId, Model, NodeId, ValueDef, ValueId};
 use crate::proto::{tensor_proto::DataType, type_proto, TensorProto};
@@ -296,127 +297,6 @@ pub fn shape_value(
     fold_dims(model, dims_of, v, 16)
 }
 
-/// The value of a 1-D (or scalar) int64 tensor as dims, folded `depth` nodes up: constants
-/// (an initializer, `Constant`), and the integer computations exporters write around them
-/// (`Identity`, `Reshape`, `Unsqueeze`, `Squeeze`, `Flatten`, an integer `Cast`, `Concat`,
-/// `Gather` and `Slice` at constant positions, elementwise `Add`/`Sub`/`Mul`/`Div`, a short
-/// `Range`). `Shape(x)` gives x's dims from `dims_of`, known or named, so computed target
-/// shapes read symbolically; an element that is not known is `Dim::Unknown`.
-fn fold_dims(
-    model: &Model,
-    dims_of: &dyn Fn(ValueId) -> Option<Vec<Dim>>,
-    v: ValueId,
-    depth: usize,
-) -> Option<Vec<Dim>> {
-    if let Some(t) = constant_tensor(model, v) {
-        return Some(tensor_ints(t)?.into_iter().map(Dim::Known).collect());
-    }
-    let ValueDef::Node { node, slot: 0 } = model.value(v).def else {
-        return None;
-    };
-    let n = model.node(node);
-    let p = &n.proto;
-    if !(p.domain().is_empty() || p.domain() == "ai.onnx") || depth == 0 {
-        return None;
-    }
-    let input = |i: usize| n.inputs.get(i).copied().flatten();
-    let arg = |i: usize| input(i).and_then(|x| fold_dims(model, dims_of, x, depth - 1));
-    let ints = |i: usize| all_known(arg(i)?);
-    match p.op_type() {
-        "Constant" => p
-            .attr("value_ints")
-            .map(|a| a.ints.clone())
-            .or_else(|| p.attr("value_int").map(|a| vec![a.i()]))
-            .map(|v| v.into_iter().map(Dim::Known).collect()),
-        "Shape" => {
-            let d = dims_of(input(0)?)?;
-            let r = d.len() as i64;
-            let clamp = |x: i64| (if x < 0 { x + r } else { x }).clamp(0, r) as usize;
-            let start = clamp(p.attr_int("start").ok().flatten().unwrap_or(0));
-            let end = clamp(p.attr_int("end").ok().flatten().unwrap_or(r));
-            Some(d.get(start..end.max(start))?.to_vec())
-        }
-        "Identity" | "Reshape" | "Unsqueeze" | "Squeeze" | "Flatten" => arg(0),
-        "Cast" => {
-            let to = p.attr_int("to").ok().flatten()?;
-            (to == DataType::Int64 as i64 || to == DataType::Int32 as i64)
-                .then(|| arg(0))
-                .flatten()
-        }
-        "Concat" => (0..n.inputs.len())
-            .map(arg)
-            .collect::<Option<Vec<_>>>()
-            .map(|parts| parts.concat()),
-        "Gather" => {
-            let data = arg(0)?;
-            ints(1)?
-                .iter()
-                .map(|i| {
-                    let i = if *i < 0 { i + data.len() as i64 } else { *i };
-                    data.get(usize::try_from(i).ok()?).cloned()
-                })
-                .collect()
-        }
-        "Slice" => {
-            let d = arg(0)?;
-            let (starts, ends) = (ints(1)?, ints(2)?);
-            let steps = match input(4) {
-                Some(_) => ints(4)?,
-                None => vec![1],
-            };
-            if starts.len() != 1 || ends.len() != 1 || steps != [1] {
-                return None;
-            }
-            let (first, len) = slice_range(d.len() as i64, starts[0], ends[0], 1)?;
-            Some(d.get(first as usize..(first + len) as usize)?.to_vec())
-        }
-        // torch writes the axes of a broadcasting Unsqueeze this way (GroupNorm's scale:
-        // `Range(1, rank - 1, 1)`); a short one only, as axes and shapes are.
-        "Range" => {
-            let [start, limit, delta] = [ints(0)?, ints(1)?, ints(2)?].map(|v| v.first().copied());
-            let (start, limit, delta) = (start?, limit?, delta?);
-            // ceil((limit - start) / delta) elements, checked: the values come from the file.
-            let count = match delta {
-                0 => return None,
-                d => limit
-                    .checked_sub(start)?
-                    .checked_add(d - d.signum())?
-                    .checked_div(d)?
-                    .max(0),
-            };
-            if count > 64 {
-                return None;
-            }
-            (0..count)
-                .map(|i| Some(Dim::Known(start.checked_add(i.checked_mul(delta)?)?)))
-                .collect()
-        }
-        "Add" | "Sub" | "Mul" | "Div" => {
-            let (a, b) = (arg(0)?, arg(1)?);
-            let len = a.len().max(b.len());
-            if !(a.len() == b.len() || a.len() == 1 || b.len() == 1) {
-                return None;
-            }
-            let at = |v: &[Dim], i: usize| v[if v.len() == 1 { 0 } else { i }].clone();
-            Some(
-                (0..len)
-                    .map(|i| match (at(&a, i), at(&b, i)) {
-                        (Dim::Known(x), Dim::Known(y)) => match p.op_type() {
-                            "Add" => x.checked_add(y),
-                            "Sub" => x.checked_sub(y),
-                            "Mul" => x.checked_mul(y),
-                            _ => (y != 0).then(|| x.div_euclid(y)),
-                        }
-                        .map_or(Dim::Unknown, Dim::Known),
-                        _ => Dim::Unknown,
-                    })
-                    .collect(),
-            )
-        }
-        _ => None,
-    }
-}
-
 /// How many windows of `span` (the dilated kernel) a convolution or pooling slides over an
 /// axis of `size` with `pads` (begin, end), by ONNX: `floor((size + pads - span) / stride) +
 /// 1`, or `ceil` in ceil_mode, where a window that would start in the end padding is
@@ -468,7 +348,7 @@ pub fn constant_tensor(model: &Model, v: ValueId) -> Option<&TensorProto> {
     }
 }
 
-fn tensor_ints(t: &TensorProto) -> Option<Vec<i64>> {
+pub(super) fn tensor_ints(t: &TensorProto) -> Option<Vec<i64>> {
     let raw = t.raw_data.as_deref().unwrap_or(&[]);
     match t.data_type() {
         x if x == DataType::Int64 as i32 => Some(if raw.is_empty() {
@@ -699,7 +579,7 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
         }
         "Reshape" => {
             let target_v = n.inputs.get(1).copied().flatten();
-            let target = target_v.and_then(|v| constant_ints(model, v));
+            let target = target_v.and_then(|v| known_ints(model, shapes, v));
             let allowzero = int("allowzero") == Some(1);
             let dims = match target {
                 Some(t) => Some(reshape(x.dims.as_deref(), &t, allowzero)),
@@ -737,7 +617,7 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
                     .get(1)
                     .copied()
                     .flatten()
-                    .and_then(|v| constant_ints(model, v))
+                    .and_then(|v| known_ints(model, shapes, v))
             });
             let dims = x.dims.and_then(|d| squeeze_like(op, d, axes));
             vec![with_dims(x.elem, dims)]
@@ -753,7 +633,7 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
                     .get(1)
                     .copied()
                     .flatten()
-                    .and_then(|v| constant_ints(model, v))
+                    .and_then(|v| known_ints(model, shapes, v))
             });
             let keep = int("keepdims").unwrap_or(1) == 1;
             let noop = int("noop_with_empty_axes").unwrap_or(0) == 1;
@@ -789,7 +669,7 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
                 .get(1)
                 .copied()
                 .flatten()
-                .and_then(|v| constant_ints(model, v))
+                .and_then(|v| known_ints(model, shapes, v))
                 .and_then(|k| k.first().copied());
             let dims = x.dims.map(|mut d| {
                 let rank = d.len() as i64;
@@ -1058,14 +938,14 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
                     .get(1)
                     .copied()
                     .flatten()
-                    .and_then(|v| constant_ints(model, v))
+                    .and_then(|v| known_ints(model, shapes, v))
             });
             let axes = n
                 .inputs
                 .get(3)
                 .copied()
                 .flatten()
-                .and_then(|v| constant_ints(model, v));
+                .and_then(|v| known_ints(model, shapes, v));
             let dims = x.dims.map(|d| {
                 let rank = d.len() as i64;
                 let Some(pads) = pads else {
@@ -1098,7 +978,7 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
                 .get(1)
                 .copied()
                 .flatten()
-                .and_then(|v| constant_ints(model, v));
+                .and_then(|v| known_ints(model, shapes, v));
             let dims = x.dims.map(|d| match reps {
                 Some(r) if r.len() == d.len() => d
                     .iter()
@@ -1120,7 +1000,7 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
                 .and_then(|a| a.t.as_ref())
                 .map(|t| t.data_type());
             let shape = n.inputs.first().copied().flatten();
-            let dims = shape.and_then(|v| match constant_ints(model, v) {
+            let dims = shape.and_then(|v| match known_ints(model, shapes, v) {
                 Some(c) => Some(c.into_iter().map(Dim::Known).collect()),
                 None => shapes
                     .get(v)
@@ -1137,7 +1017,7 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
                     .get(1)
                     .copied()
                     .flatten()
-                    .and_then(|v| constant_ints(model, v))
+                    .and_then(|v| known_ints(model, shapes, v))
             });
             (0..outputs)
                 .map(|o| {
@@ -1163,18 +1043,32 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
                 .collect()
         }
         "Slice" => {
+            // Bounds computed from known dims (`x[:, :Shape(y)[1]]`) count as known.
             let c = |i: usize| {
                 n.inputs
                     .get(i)
                     .copied()
                     .flatten()
-                    .and_then(|v| constant_ints(model, v))
+                    .and_then(|v| known_ints(model, shapes, v))
             };
             let dims = x.dims.map(|d| {
-                let (Some(starts), Some(ends)) = (c(1), c(2)) else {
-                    return vec![Dim::Unknown; d.len()];
-                };
                 let rank = d.len() as i64;
+                let (Some(starts), Some(ends)) = (c(1), c(2)) else {
+                    // Bounds known only at run time: the axes sliced are unknown, the
+                    // others keep their dims (BERT's position ids, a [1, 512] buffer
+                    // sliced on axis 1, stay one row).
+                    let Some(axes) = c(3) else {
+                        return vec![Dim::Unknown; d.len()];
+                    };
+                    let mut out = d.clone();
+                    for axis in axes {
+                        let a = if axis < 0 { axis + rank } else { axis };
+                        if let Some(dim) = usize::try_from(a).ok().and_then(|a| out.get_mut(a)) {
+                            *dim = Dim::Unknown;
+                        }
+                    }
+                    return out;
+                };
                 let axes = c(3).unwrap_or_else(|| (0..starts.len() as i64).collect());
                 let steps = c(4).unwrap_or_else(|| vec![1; starts.len()]);
                 let mut out = d.clone();
@@ -1238,7 +1132,7 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
         }
         "Expand" => {
             let target_v = n.inputs.get(1).copied().flatten();
-            let target = target_v.and_then(|v| constant_ints(model, v));
+            let target = target_v.and_then(|v| known_ints(model, shapes, v));
             // A computed target (torch's `expand(B, -1, -1)`: a Where over the batch size):
             // its length still gives the rank, and a dimension of X other than 1 survives.
             let computed = || {
@@ -1654,6 +1548,48 @@ mod computed_shapes {
                 Dim::Known(6),
                 Dim::Known(8)
             ]
+        );
+    }
+
+    /// BERT's position ids through torch's TorchScript exporter: a [1, 6] buffer sliced on
+    /// axis 1 to a length only the run knows (here behind a float Cast no shape arithmetic
+    /// follows). The row axis stays 1, so an Add with [N, T, H] embeddings is seen to
+    /// broadcast over the batch (its gradient summed there; before, dY went to the position
+    /// table's scatter unsummed and failed at run time).
+    #[test]
+    fn slice_to_a_computed_length_keeps_the_axes_it_does_not_slice() {
+        let text = "<ir_version: 9, opset_import: [\"\" : 17]>\n\
+            g (float[N,4] x) => (int64[1,?] out) {\n\
+              ids = Constant<value = int64[1,6] {0, 1, 2, 3, 4, 5}>()\n\
+              width = Shape<start = 1, end = 2>(x)\n\
+              wf = Cast<to = 1>(width)\n\
+              end = Cast<to = 7>(wf)\n\
+              zero = Constant<value_ints = [0]>()\n\
+              one = Constant<value_ints = [1]>()\n\
+              y = Slice(ids, zero, end, one)\n\
+              out = Identity(y)\n\
+            }\n";
+        assert_eq!(dims(facts_of(text, "y")), [Dim::Known(1), Dim::Unknown]);
+    }
+
+    /// BLOOM's ALiBi slopes: `Expand(s, ConstantOfShape(Shape(Concat(..)), 1))`, a target of
+    /// ones whose length is the length of a computed shape. Shape-like inputs fold through
+    /// Shape of values whose dims are known, not only constants.
+    #[test]
+    fn expand_to_ones_of_a_computed_length_has_its_rank() {
+        let text = "<ir_version: 9, opset_import: [\"\" : 17]>\n\
+            g (float[N,8] x, float[2,1,3] s) => (float[2,1,3] out) {\n\
+              n = Shape<end = 1>(x)\n\
+              three = Constant<value_ints = [2, 3]>()\n\
+              target_dims = Concat<axis = 0>(n, three)\n\
+              rank = Shape(target_dims)\n\
+              ones = ConstantOfShape<value = int64[1] {1}>(rank)\n\
+              y = Expand(s, ones)\n\
+              out = Identity(y)\n\
+            }\n";
+        assert_eq!(
+            dims(facts_of(text, "y")),
+            [Dim::Known(2), Dim::Known(1), Dim::Known(3)]
         );
     }
 

@@ -268,6 +268,13 @@ pub fn slice(
                 }),
         }
     };
+    let known = |cx: &Grad<'_>, slot: usize| {
+        cx.opt_input(node, slot)
+            .and_then(|v| super::super::shapes::known_ints(cx.model(), cx.shapes, v))
+    };
+    if known(cx, 1).is_none() || known(cx, 2).is_none() {
+        return slice_at_run_time(cx, node, dy, x, rank, wants);
+    }
     let starts = constant(cx, 1)?.unwrap_or_default();
     let ends = constant(cx, 2)?.unwrap_or_default();
     let axes = constant(cx, 3)?.unwrap_or_else(|| (0..starts.len() as i64).collect());
@@ -288,7 +295,7 @@ pub fn slice(
     let mut pads = vec![0i64; 2 * rank];
     // Unit-step axes of a size known only at run time (a sequence of any length): their
     // pads computed from the size then, (axis, start, end).
-    let mut at_run_time: Vec<(usize, i64, i64)> = Vec::new();
+    let mut at_run_time: Vec<(usize, Bound, Bound)> = Vec::new();
     // Axes with a step other than 1: (axis, first index read, step, elements read, size).
     let mut strided: Vec<(usize, i64, i64, i64, i64)> = Vec::new();
     for (j, axis) in axes.iter().enumerate() {
@@ -314,7 +321,7 @@ pub fn slice(
                 pads[a + rank] = (size - e.max(s)).max(0);
             }
             None if step == 1 && start >= 0 && end >= i32::MAX as i64 => pads[a] = start,
-            None if step == 1 => at_run_time.push((a, start, end)),
+            None if step == 1 => at_run_time.push((a, Bound::Known(start), Bound::Known(end))),
             None => {
                 return Err(cx.error(
                     node,
@@ -417,16 +424,94 @@ pub fn slice(
     Ok(first_only(wants.len(), g))
 }
 
-/// Pad's `pads` for a unit-step Slice's gradient where some sliced axes have a size known
-/// only at run time: `known` as given, and for each (axis, start, end) of `dynamic` the rows
-/// before the start and after the end, from the size as Slice clamps them:
-/// `s = clamp(start (+ size if negative), 0, size)`, likewise `e`; pads `s` and
+/// A unit-step Slice's start or end on one axis: a number, or element `index` of the
+/// Slice's own starts or ends input, computed at run time (GPT-NeoX's rotary half,
+/// `x[..., Shape(x)[3] / 2:]` behind Casts no shape arithmetic follows).
+#[derive(Clone, Copy)]
+enum Bound {
+    Known(i64),
+    AtRunTime { bounds: ValueId, index: usize },
+}
+
+/// The gradient of a Slice whose starts or ends are known only at run time: its axes and
+/// steps must be known and the steps 1; each axis sliced is padded back from bounds
+/// computed then.
+fn slice_at_run_time(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dy: ValueId,
+    x: ValueId,
+    rank: usize,
+    wants: &[bool],
+) -> Result<InputGrads, PassError> {
+    let known = |cx: &Grad<'_>, slot: usize| {
+        cx.opt_input(node, slot)
+            .map(|v| super::super::shapes::known_ints(cx.model(), cx.shapes, v))
+    };
+    let (starts, ends) = (cx.input(node, 1)?, cx.input(node, 2)?);
+    let count = cx
+        .facts(starts)
+        .static_dims()
+        .and_then(|d| d.first().copied());
+    let axes = match known(cx, 3) {
+        Some(Some(axes)) => axes,
+        Some(None) => {
+            return Err(cx.error(
+                node,
+                "the axes of a Slice whose bounds are computed at run time must be constants"
+                    .into(),
+            ))
+        }
+        None => match count {
+            Some(n) => (0..n).collect(),
+            None => {
+                return Err(cx.error(
+                    node,
+                    "the number of bounds of a Slice computed at run time must be known".into(),
+                ))
+            }
+        },
+    };
+    if let Some(steps) = known(cx, 4) {
+        if steps.is_none_or(|s| s.iter().any(|s| *s != 1)) {
+            return Err(cx.error(
+                node,
+                "a Slice whose bounds are computed at run time needs steps of 1 for its gradient"
+                    .into(),
+            ));
+        }
+    }
+    let bound = |cx: &Grad<'_>, slot: usize, bounds: ValueId, index: usize| match known(cx, slot)
+        .flatten()
+        .and_then(|v| v.get(index).copied())
+    {
+        Some(v) => Bound::Known(v),
+        None => Bound::AtRunTime { bounds, index },
+    };
+    let mut at_run_time = Vec::new();
+    for (j, axis) in axes.iter().enumerate() {
+        let a = if *axis < 0 { axis + rank as i64 } else { *axis };
+        if a < 0 || a >= rank as i64 {
+            return Err(cx.error(node, format!("axis {axis} is out of range for rank {rank}")));
+        }
+        at_run_time.push((a as usize, bound(cx, 1, starts, j), bound(cx, 2, ends, j)));
+    }
+    let h = hint(cx, x);
+    let pads = pads_at_run_time(cx, x, &vec![0; 2 * rank], &at_run_time, &h);
+    let g = cx.op_like("Pad", &[dy, pads], vec![], &h, x);
+    Ok(first_only(wants.len(), g))
+}
+
+/// Pad's `pads` for a unit-step Slice's gradient where some sliced axes have a size or
+/// bounds known only at run time: `known` as given, and for each (axis, start, end) of
+/// `dynamic` the rows before the start and after the end, from the size as Slice clamps
+/// them: `s = clamp(start (+ size if negative), 0, size)`, likewise `e`; pads `s` and
 /// `size - max(e, s)`.
 fn pads_at_run_time(
     cx: &mut Grad<'_>,
     x: ValueId,
     known: &[i64],
-    dynamic: &[(usize, i64, i64)],
+    dynamic: &[(usize, Bound, Bound)],
     h: &str,
 ) -> ValueId {
     let rank = known.len() / 2;
@@ -436,14 +521,34 @@ fn pads_at_run_time(
     for &(a, start, end) in dynamic {
         let (from, to) = (cx.ints(&[a as i64]), cx.ints(&[a as i64 + 1]));
         let size = cx.op("Slice", &[shape, from, to], vec![], &format!("{h}_size"));
-        let clamp = |cx: &mut Grad<'_>, v: i64| -> ValueId {
-            let c = cx.ints(&[v]);
-            match v < 0 {
-                true => {
+        let clamp = |cx: &mut Grad<'_>, v: Bound| -> ValueId {
+            match v {
+                Bound::Known(v) if v < 0 => {
+                    let c = cx.ints(&[v]);
                     let shifted = cx.op("Add", &[size, c], vec![], h);
                     cx.op("Max", &[shifted, zero], vec![], h)
                 }
-                false => cx.op("Min", &[c, size], vec![], h),
+                Bound::Known(v) => {
+                    let c = cx.ints(&[v]);
+                    cx.op("Min", &[c, size], vec![], h)
+                }
+                Bound::AtRunTime { bounds, index } => {
+                    let (from, to) = (cx.ints(&[index as i64]), cx.ints(&[index as i64 + 1]));
+                    let mut v = cx.op("Slice", &[bounds, from, to], vec![], h);
+                    if cx.facts(bounds).elem != Some(crate::proto::elem::INT64) {
+                        v = cx.op(
+                            "Cast",
+                            &[v],
+                            vec![attr_int("to", crate::proto::elem::INT64 as i64)],
+                            h,
+                        );
+                    }
+                    let negative = cx.op("Less", &[v, zero], vec![], h);
+                    let shifted = cx.op("Add", &[v, size], vec![], h);
+                    let v = cx.op("Where", &[negative, shifted, v], vec![], h);
+                    let v = cx.op("Min", &[v, size], vec![], h);
+                    cx.op("Max", &[v, zero], vec![], h)
+                }
             }
         };
         let s = clamp(cx, start);

@@ -1,0 +1,543 @@
+//! Small integer tensors worked out before running: the shapes, axes, pads and slice bounds
+//! exporters compute with ONNX ops instead of writing them down.
+//!
+//! A value folds when it is a constant, `Shape` of a value whose dims are known (a named
+//! batch dim stays a name), or one of a few ops over such values. Each folded value keeps
+//! its own shape where the ops allow, so that layout-sensitive ops fold too: torch's
+//! TorchScript exporter turns `F.pad(x, [l, r, t, b])` into
+//! `Reshape(Transpose(Slice(Reshape(Concat(pads, ConstantOfShape(..)), [-1, 2]), steps -1),
+//! [1, 0]), [-1])` (EfficientNet's and MobileNetV2's padding), which is a constant.
+//!
+//! Everything read from the file is checked: sizes are capped, arithmetic is checked, and an
+//! op or layout this does not know leaves the value unfolded (never guessed).
+
+use super::shapes::{constant_tensor, slice_range, tensor_ints, Dim};
+use crate::ir::builder::NodeAttributes;
+use crate::ir::{Model, ValueDef, ValueId};
+use crate::proto::tensor_proto::DataType;
+
+/// More elements than any shape, axes or pads tensor has: larger values are not folded.
+const MOST_ELEMENTS: usize = 4096;
+
+/// A folded tensor: its values in row-major order, and its shape where it is known (`None`:
+/// the values are right, their layout is not known, so only flat uses fold).
+#[derive(Clone, Debug)]
+struct Folded {
+    values: Vec<Dim>,
+    shape: Option<Vec<usize>>,
+}
+
+impl Folded {
+    fn vector(values: Vec<Dim>) -> Folded {
+        let n = values.len();
+        Folded {
+            values,
+            shape: Some(vec![n]),
+        }
+    }
+
+    fn known(&self) -> Option<Vec<i64>> {
+        self.values.iter().map(Dim::known).collect()
+    }
+
+    /// The shape, where the values agree with it.
+    fn dims(&self) -> Option<&[usize]> {
+        let s = self.shape.as_deref()?;
+        (s.iter().product::<usize>() == self.values.len()).then_some(s)
+    }
+}
+
+/// The values of `v` as dims, folded up to `depth` nodes back; `dims_of` gives the dims a
+/// `Shape` reads.
+pub(super) fn fold_dims(
+    model: &Model,
+    dims_of: &dyn Fn(ValueId) -> Option<Vec<Dim>>,
+    v: ValueId,
+    depth: usize,
+) -> Option<Vec<Dim>> {
+    fold(model, dims_of, v, depth).map(|f| f.values)
+}
+
+fn fold(
+    model: &Model,
+    dims_of: &dyn Fn(ValueId) -> Option<Vec<Dim>>,
+    v: ValueId,
+    depth: usize,
+) -> Option<Folded> {
+    if let Some(t) = constant_tensor(model, v) {
+        let values: Vec<Dim> = tensor_ints(t)?.into_iter().map(Dim::Known).collect();
+        let shape: Option<Vec<usize>> = t.dims.iter().map(|d| usize::try_from(*d).ok()).collect();
+        return Some(Folded { values, shape });
+    }
+    let ValueDef::Node { node, slot: 0 } = model.value(v).def else {
+        return None;
+    };
+    let n = model.node(node);
+    let p = &n.proto;
+    if !(p.domain().is_empty() || p.domain() == "ai.onnx") || depth == 0 {
+        return None;
+    }
+    let input = |i: usize| n.inputs.get(i).copied().flatten();
+    let arg = |i: usize| input(i).and_then(|x| fold(model, dims_of, x, depth - 1));
+    let ints = |i: usize| arg(i)?.known();
+    let int_attr = |name: &str| p.attr_int(name).ok().flatten();
+    let ints_attr = |name: &str| p.attr(name).map(|a| a.ints.clone());
+    let folded = match p.op_type() {
+        "Constant" => {
+            if let Some(a) = p.attr("value_ints") {
+                Folded::vector(a.ints.iter().copied().map(Dim::Known).collect())
+            } else {
+                let i = p.attr("value_int")?.i();
+                Folded {
+                    values: vec![Dim::Known(i)],
+                    shape: Some(vec![]),
+                }
+            }
+        }
+        "Shape" => {
+            // The dims the shape facts give, else those of a value that folds itself.
+            let d = match dims_of(input(0)?) {
+                Some(d) => d,
+                None => arg(0)?
+                    .dims()?
+                    .iter()
+                    .map(|d| Dim::Known(*d as i64))
+                    .collect(),
+            };
+            let r = d.len() as i64;
+            let clamp = |x: i64| (if x < 0 { x + r } else { x }).clamp(0, r) as usize;
+            let start = clamp(int_attr("start").unwrap_or(0));
+            let end = clamp(int_attr("end").unwrap_or(r));
+            Folded::vector(d.get(start..end.max(start))?.to_vec())
+        }
+        "Identity" => arg(0)?,
+        "Cast" => {
+            let to = int_attr("to")?;
+            if to != DataType::Int64 as i64 && to != DataType::Int32 as i64 {
+                return None;
+            }
+            arg(0)?
+        }
+        "Reshape" => {
+            let x = arg(0)?;
+            let target = ints(1)?;
+            let shape = reshaped(x.dims(), x.values.len(), &target, int_attr("allowzero"));
+            Folded {
+                values: x.values,
+                shape,
+            }
+        }
+        "Unsqueeze" | "Squeeze" => {
+            let x = arg(0)?;
+            let axes = match input(1) {
+                Some(_) => Some(ints(1)?),
+                None => ints_attr("axes"),
+            };
+            let shape = x.dims().and_then(|d| match p.op_type() {
+                "Unsqueeze" => unsqueezed(d, &axes?),
+                _ => squeezed(d, axes.as_deref()),
+            });
+            Folded {
+                values: x.values,
+                shape,
+            }
+        }
+        "Flatten" => {
+            let x = arg(0)?;
+            let shape = x.dims().and_then(|d| {
+                let axis = normalized(int_attr("axis").unwrap_or(1), d.len() + 1)?;
+                Some(vec![d[..axis].iter().product(), d[axis..].iter().product()])
+            });
+            Folded {
+                values: x.values,
+                shape,
+            }
+        }
+        "Concat" => {
+            let parts = (0..n.inputs.len()).map(arg).collect::<Option<Vec<_>>>()?;
+            concat(&parts, int_attr("axis").unwrap_or(0))?
+        }
+        "Gather" => {
+            let data = arg(0)?;
+            // One axis of a vector (or of values laid out as one).
+            if data.dims().is_some_and(|d| d.len() != 1) {
+                return None;
+            }
+            let indices = arg(1)?;
+            let len = data.values.len() as i64;
+            let values = indices
+                .known()?
+                .iter()
+                .map(|i| {
+                    let i = if *i < 0 { i + len } else { *i };
+                    data.values.get(usize::try_from(i).ok()?).cloned()
+                })
+                .collect::<Option<Vec<_>>>()?;
+            Folded {
+                values,
+                shape: indices.shape,
+            }
+        }
+        "Slice" => {
+            let x = arg(0)?;
+            let (starts, ends) = (ints(1)?, ints(2)?);
+            let axes = match input(3) {
+                Some(_) => Some(ints(3)?),
+                None => None,
+            };
+            let steps = match input(4) {
+                Some(_) => ints(4)?,
+                None => vec![1; starts.len()],
+            };
+            slice(&x, &starts, &ends, axes.as_deref(), &steps)?
+        }
+        "Transpose" => {
+            let x = arg(0)?;
+            let d = x.dims()?.to_vec();
+            let perm: Vec<usize> = match ints_attr("perm") {
+                Some(p) => p
+                    .iter()
+                    .map(|a| usize::try_from(*a).ok())
+                    .collect::<Option<_>>()?,
+                None => (0..d.len()).rev().collect(),
+            };
+            transpose(&x.values, &d, &perm)?
+        }
+        "ConstantOfShape" => {
+            let shape: Vec<usize> = ints(0)?
+                .iter()
+                .map(|d| usize::try_from(*d).ok())
+                .collect::<Option<_>>()?;
+            let count = shape
+                .iter()
+                .try_fold(1usize, |acc, d| acc.checked_mul(*d))?;
+            if count > MOST_ELEMENTS {
+                return None;
+            }
+            let fill = match p.attr("value").and_then(|a| a.t.as_ref()) {
+                Some(t) => *tensor_ints(t)?.first()?,
+                None => return None, // float zeros by default: not an integer tensor
+            };
+            Folded {
+                values: vec![Dim::Known(fill); count],
+                shape: Some(shape),
+            }
+        }
+        // torch writes the axes of a broadcasting Unsqueeze this way (GroupNorm's scale:
+        // `Range(1, rank - 1, 1)`); a short one only, as axes and shapes are.
+        "Range" => {
+            let [start, limit, delta] = [ints(0)?, ints(1)?, ints(2)?].map(|v| v.first().copied());
+            let (start, limit, delta) = (start?, limit?, delta?);
+            // ceil((limit - start) / delta) elements, checked: the values come from the file.
+            let count = match delta {
+                0 => return None,
+                d => limit
+                    .checked_sub(start)?
+                    .checked_add(d - d.signum())?
+                    .checked_div(d)?
+                    .max(0),
+            };
+            if count > 64 {
+                return None;
+            }
+            Folded::vector(
+                (0..count)
+                    .map(|i| Some(Dim::Known(start.checked_add(i.checked_mul(delta)?)?)))
+                    .collect::<Option<_>>()?,
+            )
+        }
+        "Add" | "Sub" | "Mul" | "Div" => {
+            let (a, b) = (arg(0)?, arg(1)?);
+            let len = a.values.len().max(b.values.len());
+            if !(a.values.len() == b.values.len() || a.values.len() == 1 || b.values.len() == 1) {
+                return None;
+            }
+            let at = |v: &[Dim], i: usize| v[if v.len() == 1 { 0 } else { i }].clone();
+            let values = (0..len)
+                .map(|i| match (at(&a.values, i), at(&b.values, i)) {
+                    (Dim::Known(x), Dim::Known(y)) => match p.op_type() {
+                        "Add" => x.checked_add(y),
+                        "Sub" => x.checked_sub(y),
+                        "Mul" => x.checked_mul(y),
+                        _ => (y != 0).then(|| x.div_euclid(y)),
+                    }
+                    .map_or(Dim::Unknown, Dim::Known),
+                    _ => Dim::Unknown,
+                })
+                .collect();
+            // The longer operand's layout; equal lengths of different ranks: unknown.
+            let shape = match (a.dims(), b.dims()) {
+                (Some(x), Some(y)) if x == y => Some(x.to_vec()),
+                (Some(x), _) if b.values.len() == 1 && a.values.len() == len => Some(x.to_vec()),
+                (_, Some(y)) if a.values.len() == 1 && b.values.len() == len => Some(y.to_vec()),
+                _ => None,
+            };
+            Folded { values, shape }
+        }
+        _ => return None,
+    };
+    (folded.values.len() <= MOST_ELEMENTS).then_some(folded)
+}
+
+/// An axis in `0..rank` from one that may count from the end.
+fn normalized(axis: i64, rank: usize) -> Option<usize> {
+    let a = if axis < 0 { axis + rank as i64 } else { axis };
+    usize::try_from(a).ok().filter(|a| *a < rank)
+}
+
+/// Reshape's output shape: `0` copies the input's dim (unless `allowzero`), one `-1` takes
+/// what is left.
+fn reshaped(
+    input: Option<&[usize]>,
+    count: usize,
+    target: &[i64],
+    allowzero: Option<i64>,
+) -> Option<Vec<usize>> {
+    let mut out = Vec::with_capacity(target.len());
+    let mut infer = None;
+    for (i, t) in target.iter().enumerate() {
+        match *t {
+            -1 if infer.is_none() => {
+                infer = Some(i);
+                out.push(1);
+            }
+            0 if allowzero != Some(1) => out.push(*input?.get(i)?),
+            t => out.push(usize::try_from(t).ok()?),
+        }
+    }
+    let known: usize = out.iter().product();
+    if let Some(i) = infer {
+        if known == 0 || !count.is_multiple_of(known) {
+            return None;
+        }
+        out[i] = count / known;
+    }
+    (out.iter().product::<usize>() == count).then_some(out)
+}
+
+fn unsqueezed(dims: &[usize], axes: &[i64]) -> Option<Vec<usize>> {
+    let rank = dims.len() + axes.len();
+    let mut at: Vec<usize> = axes
+        .iter()
+        .map(|a| normalized(*a, rank))
+        .collect::<Option<_>>()?;
+    at.sort_unstable();
+    let mut rest = dims.iter();
+    (0..rank)
+        .map(|i| match at.binary_search(&i) {
+            Ok(_) => Some(1),
+            Err(_) => rest.next().copied(),
+        })
+        .collect()
+}
+
+fn squeezed(dims: &[usize], axes: Option<&[i64]>) -> Option<Vec<usize>> {
+    let drop: Vec<usize> = match axes {
+        Some(axes) => axes
+            .iter()
+            .map(|a| normalized(*a, dims.len()).filter(|a| dims[*a] == 1))
+            .collect::<Option<_>>()?,
+        None => (0..dims.len()).filter(|i| dims[*i] == 1).collect(),
+    };
+    Some(
+        dims.iter()
+            .enumerate()
+            .filter(|(i, _)| !drop.contains(i))
+            .map(|(_, d)| *d)
+            .collect(),
+    )
+}
+
+/// Row-major strides of `dims`.
+fn strides(dims: &[usize]) -> Vec<usize> {
+    let mut s = vec![1; dims.len()];
+    for i in (0..dims.len().saturating_sub(1)).rev() {
+        s[i] = s[i + 1] * dims[i + 1];
+    }
+    s
+}
+
+fn concat(parts: &[Folded], axis: i64) -> Option<Folded> {
+    // Vectors, or values whose layout is not known, joined end to end (axis 0).
+    let flat = parts.iter().all(|f| f.dims().is_none_or(|d| d.len() <= 1));
+    if flat {
+        if axis != 0 && axis != -1 {
+            return None;
+        }
+        let values: Vec<Dim> = parts.iter().flat_map(|f| f.values.clone()).collect();
+        let all_vectors = parts.iter().all(|f| f.dims().is_some());
+        let n = values.len();
+        return Some(Folded {
+            values,
+            shape: all_vectors.then(|| vec![n]),
+        });
+    }
+    let shapes: Vec<&[usize]> = parts.iter().map(|f| f.dims()).collect::<Option<_>>()?;
+    let rank = shapes[0].len();
+    let axis = normalized(axis, rank)?;
+    if shapes
+        .iter()
+        .any(|s| s.len() != rank || (0..rank).any(|i| i != axis && s[i] != shapes[0][i]))
+    {
+        return None;
+    }
+    let outer: usize = shapes[0][..axis].iter().product();
+    let inner: usize = shapes[0][axis + 1..].iter().product();
+    let mut values = Vec::new();
+    for o in 0..outer {
+        for (f, s) in parts.iter().zip(&shapes) {
+            let block = s[axis] * inner;
+            values.extend_from_slice(f.values.get(o * block..(o + 1) * block)?);
+        }
+    }
+    let mut shape = shapes[0].to_vec();
+    shape[axis] = shapes.iter().map(|s| s[axis]).sum();
+    Some(Folded {
+        values,
+        shape: Some(shape),
+    })
+}
+
+fn slice(
+    x: &Folded,
+    starts: &[i64],
+    ends: &[i64],
+    axes: Option<&[i64]>,
+    steps: &[i64],
+) -> Option<Folded> {
+    let n = starts.len();
+    if ends.len() != n || steps.len() != n || axes.is_some_and(|a| a.len() != n) {
+        return None;
+    }
+    // Values without a known layout slice as a vector.
+    let dims: Vec<usize> = match x.dims() {
+        Some(d) => d.to_vec(),
+        None => vec![x.values.len()],
+    };
+    let rank = dims.len();
+    // Per axis: the first index read and the step, and how many are read.
+    let mut first = vec![0i64; rank];
+    let mut step = vec![1i64; rank];
+    let mut len: Vec<usize> = dims.clone();
+    for j in 0..n {
+        let axis = match axes {
+            Some(a) => normalized(a[j], rank)?,
+            None => j,
+        };
+        if axis >= rank {
+            return None;
+        }
+        let (f, l) = slice_range(dims[axis] as i64, starts[j], ends[j], steps[j])?;
+        first[axis] = f;
+        step[axis] = steps[j];
+        len[axis] = usize::try_from(l).ok()?;
+    }
+    let stride = strides(&dims);
+    let count: usize = len.iter().product();
+    let mut values = Vec::with_capacity(count);
+    for flat in 0..count {
+        let mut rest = flat;
+        let mut at = 0usize;
+        for a in (0..rank).rev() {
+            let i = (rest % len[a]) as i64;
+            rest /= len[a];
+            let index = usize::try_from(first[a] + i * step[a]).ok()?;
+            at += index * stride[a];
+        }
+        values.push(x.values.get(at)?.clone());
+    }
+    Some(Folded {
+        values,
+        shape: x.dims().map(|_| len),
+    })
+}
+
+fn transpose(values: &[Dim], dims: &[usize], perm: &[usize]) -> Option<Folded> {
+    let rank = dims.len();
+    let mut seen = vec![false; rank];
+    if perm.len() != rank
+        || perm
+            .iter()
+            .any(|a| *a >= rank || std::mem::replace(&mut seen[*a], true))
+    {
+        return None;
+    }
+    let out_dims: Vec<usize> = perm.iter().map(|a| dims[*a]).collect();
+    let stride = strides(dims);
+    let count = values.len();
+    let mut out = Vec::with_capacity(count);
+    for flat in 0..count {
+        let mut rest = flat;
+        let mut at = 0usize;
+        for k in (0..rank).rev() {
+            let i = rest % out_dims[k];
+            rest /= out_dims[k];
+            at += i * stride[perm[k]];
+        }
+        out.push(values.get(at)?.clone());
+    }
+    Some(Folded {
+        values: out,
+        shape: Some(out_dims),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::BodyId;
+
+    fn folded(text: &str, name: &str) -> Vec<i64> {
+        let model = Model::from_proto(crate::ir::text::parse_model(text).unwrap());
+        let v = model.lookup(BodyId::MAIN, name).unwrap();
+        fold_dims(&model, &|_| None, v, 16)
+            .unwrap()
+            .iter()
+            .map(|d| d.known().unwrap())
+            .collect()
+    }
+
+    /// torch's TorchScript export of `F.pad(x, [0, 1, 0, 1])` on a 4-D input (EfficientNet's
+    /// stem): ONNX pads [0, 0, 0, 0, 0, 0, 1, 1], every axis's begin, then every end.
+    #[test]
+    fn torchs_pad_conversion_folds_to_onnx_pads() {
+        let text = r#"
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1] x) => (int64[8] pads)
+<int64[4] torch_pads = {0, 1, 0, 1}, int64[1] zero = {0}, int64 eight = {8},
+ int64[2] pairs = {-1, 2}, int64[1] start = {-1}, int64[1] end = {-9223372036854775807},
+ int64[1] axis = {0}, int64[1] back = {-1}, int64[1] flat = {-1}>
+{
+  shape = Shape (torch_pads)
+  count = Gather (shape, zero)
+  missing = Sub (eight, count)
+  zeros = ConstantOfShape <value = int64[1] {0}> (missing)
+  joined = Concat <axis = 0> (torch_pads, zeros)
+  paired = Reshape (joined, pairs)
+  reversed = Slice (paired, start, end, axis, back)
+  t = Transpose <perm = [1, 0]> (reversed)
+  flattened = Reshape (t, flat)
+  pads = Cast <to = 7> (flattened)
+}
+"#;
+        assert_eq!(folded(text, "pads"), vec![0, 0, 0, 0, 0, 0, 1, 1]);
+    }
+
+    #[test]
+    fn concat_slice_and_transpose_follow_the_layout() {
+        let text = r#"
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1] x) => (int64[2] sliced, int64[8] t)
+<int64[2, 3] a = {1, 2, 3, 4, 5, 6}, int64[2, 1] c = {7, 8}, int64[2] s = {1, 3},
+ int64[2] e = {2, -5}, int64[2] axes = {0, 1}, int64[2] steps = {1, -2}>
+{
+  joined = Concat <axis = 1> (a, c)
+  sliced = Slice (joined, s, e, axes, steps)
+  t = Transpose (joined)
+}
+"#;
+        // Row 1 of [[1, 2, 3, 7], [4, 5, 6, 8]], columns 3 and 1.
+        assert_eq!(folded(text, "sliced"), vec![8, 5]);
+        assert_eq!(folded(text, "t"), vec![1, 4, 2, 5, 3, 6, 7, 8]);
+    }
+}
