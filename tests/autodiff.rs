@@ -384,6 +384,28 @@ fn hf_llama_weighted_sgd_equals_full_batch() {
 /// Hugging Face's GPT-2: its lm_head is tied to the token embedding. torch's signature
 /// lists both names, the file holds the tensor once (`m.lm_head.weight`, read by the
 /// embedding's Gather and the output projection), and its gradient is the sum of both uses.
+// Hugging Face architectures through torch's TorchScript exporter (graphs/forward/
+// legacy_reference.py says what each one needed).
+#[test]
+fn legacy_t5_gradients() {
+    torch_gradients("legacy_t5", "legacy");
+}
+#[test]
+fn legacy_bert_gradients() {
+    torch_gradients("legacy_bert", "legacy");
+}
+#[test]
+fn legacy_gpt_neox_gradients() {
+    torch_gradients("legacy_gpt_neox", "legacy");
+}
+#[test]
+fn legacy_bloom_gradients() {
+    torch_gradients("legacy_bloom", "legacy");
+}
+#[test]
+fn legacy_swin_gradients() {
+    torch_gradients("legacy_swin", "legacy");
+}
 #[test]
 fn hf_gpt2_dynamo_gradients() {
     torch_gradients("hf_gpt2", "dynamo");

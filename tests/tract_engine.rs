@@ -144,8 +144,21 @@ fn cross_engine(model: &str, spec: &str) -> f64 {
 /// The forward models' bound: deeper graphs (attention and LayerNorms that sum in other
 /// orders on the two engines) under AdamW, which normalises small gradients. Measured: 3.3e-5
 /// at most (torch_vit legacy, blocks.1.fc2.weight, |w| <= 0.17; its micro-step losses agree
-/// within 1e-5), torch_vit dynamo 3.9e-7, every other model under 6e-6.
+/// within 1e-5), torch_vit dynamo 3.9e-7, every other torch_ model under 6e-6; the Hugging
+/// Face models through the TorchScript exporter 1.8e-5 (BERT) to 7.6e-5 (Swin).
 const FORWARD_CROSS_ENGINE_ATOL: f64 = 1e-4;
+
+/// The bound for one forward model: [`FORWARD_CROSS_ENGINE_ATOL`], but for T5 through the
+/// TorchScript exporter, where AdamW turns the engines' summation orders into 5.9e-4 in 32
+/// micro-steps (its ReLU feed-forward's output weight; the same 32 micro-steps under SGD
+/// agree to 3.0e-8, measured with `train --engine tract` against `--engine ort`, and its
+/// gradients agree with torch's on both engines).
+fn forward_cross_engine_atol(model: &str) -> f64 {
+    match model {
+        "legacy_t5" => 1e-3,
+        _ => FORWARD_CROSS_ENGINE_ATOL,
+    }
+}
 
 /// [`cross_engine`] for a step already built: `model` names it in messages (and picks the
 /// noise-driven state).
@@ -299,13 +312,6 @@ fn every_forward_model_trains_alike_on_tract_and_ort() {
             // torch's mixed precision (`autodiff::torch_mlp_half_trains_like_torch_...`).
             continue;
         }
-        if model.ends_with("_half") {
-            // Stored in half precision: ONNX Runtime's CPU provider computes its half Gemms
-            // in float32 between casts, tract in half, so the engines run different
-            // arithmetic (AdamW turns it into 1.5e-3 in 32 micro-steps). Each trains like
-            // torch's mixed precision (`autodiff::torch_mlp_half_trains_like_torch_...`).
-            continue;
-        }
         let data = read_npz(&dir.join("data.npz"));
         for export in exports_of(&dir) {
             let export = export.as_str();
@@ -366,7 +372,7 @@ fn every_forward_model_trains_alike_on_tract_and_ort() {
                 spec,
                 &step,
                 &data,
-                FORWARD_CROSS_ENGINE_ATOL,
+                forward_cross_engine_atol(model),
             );
         }
     }

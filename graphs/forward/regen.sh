@@ -23,3 +23,5 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
 "$VENV/bin/python" "$ROOT/graphs/forward/own_loss_reference.py"
 # torch_mlp_half too (torch_mlp after .half()).
 "$VENV/bin/python" "$ROOT/graphs/forward/half_reference.py"
+# Hugging Face architectures through torch's TorchScript exporter (legacy_<name>/).
+"$VENV/bin/python" "$ROOT/graphs/forward/legacy_reference.py"
