@@ -8,7 +8,7 @@ gradient graph run by ONNX Runtime on 8 images, against torch autograd in `train
 float32 and float64.
 
     .venv-torch/bin/pip install --no-deps torchvision pillow   # once; not a test requirement
-    .venv-torch/bin/python graphs/forward/survey_torchvision.py [NAME ...]   # after cargo build --release
+    .venv-torch/bin/python graphs/forward/survey_torchvision.py [--legacy] [NAME ...]   # after cargo build --release
 """
 
 import os
@@ -115,6 +115,9 @@ def build(name):
 
 def main(names):
     torch.set_num_threads(1)
+    # `--legacy`: torch's TorchScript exporter instead, as survey.py's.
+    s.LEGACY = "--legacy" in names
+    names = [n for n in names if n != "--legacy"]
     with tempfile.TemporaryDirectory() as workdir:
         for name in names or MODELS:
             try:
