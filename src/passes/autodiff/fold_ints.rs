@@ -246,7 +246,11 @@ fn fold(
                     .collect::<Option<_>>()?,
             )
         }
-        "Add" | "Sub" | "Mul" | "Div" => {
+        "Add" | "Sub" | "Mul" | "Div" | "Mod" => {
+            // Mod with fmod = 1 is C's remainder (the dividend's sign): not folded.
+            if p.op_type() == "Mod" && int_attr("fmod") == Some(1) {
+                return None;
+            }
             let (a, b) = (arg(0)?, arg(1)?);
             let len = a.values.len().max(b.values.len());
             if !(a.values.len() == b.values.len() || a.values.len() == 1 || b.values.len() == 1) {
@@ -259,7 +263,15 @@ fn fold(
                         "Add" => x.checked_add(y),
                         "Sub" => x.checked_sub(y),
                         "Mul" => x.checked_mul(y),
-                        _ => (y != 0).then(|| x.div_euclid(y)),
+                        // The divisor's sign, as Python's `%` (torch's `W % 2`).
+                        "Mod" => x
+                            .checked_rem(y)
+                            .map(|r| match r != 0 && (r < 0) != (y < 0) {
+                                true => r + y,
+                                false => r,
+                            }),
+                        // Integer Div truncates, as ONNX Runtime's kernel does.
+                        _ => x.checked_div(y),
                     }
                     .map_or(Dim::Unknown, Dim::Known),
                     _ => Dim::Unknown,
@@ -521,6 +533,23 @@ g (float[1] x) => (int64[8] pads)
 }
 "#;
         assert_eq!(folded(text, "pads"), vec![0, 0, 0, 0, 0, 0, 1, 1]);
+    }
+
+    /// torchvision's Swin pads to even sizes with `W % 2` (ONNX Mod, fmod 0: the divisor's
+    /// sign); integer Div truncates as ONNX Runtime's kernel does.
+    #[test]
+    fn mod_takes_the_divisors_sign_and_div_truncates() {
+        let text = r#"
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1] x) => (int64[4] m, int64[4] d)
+<int64[4] a = {7, -7, 7, -7}, int64[4] b = {2, 2, -2, -2}>
+{
+  m = Mod (a, b)
+  d = Div (a, b)
+}
+"#;
+        assert_eq!(folded(text, "m"), vec![1, 1, -1, -1]);
+        assert_eq!(folded(text, "d"), vec![3, -3, -3, 3]);
     }
 
     #[test]
