@@ -129,13 +129,18 @@ fn fold(
         }
         "Unsqueeze" | "Squeeze" => {
             let x = arg(0)?;
+            // Axes that do not fold leave the values folded and their layout unknown.
+            let given = input(1).is_some() || p.attr("axes").is_some();
             let axes = match input(1) {
-                Some(_) => Some(ints(1)?),
+                Some(_) => ints(1),
                 None => ints_attr("axes"),
             };
-            let shape = x.dims().and_then(|d| match p.op_type() {
-                "Unsqueeze" => unsqueezed(d, &axes?),
-                _ => squeezed(d, axes.as_deref()),
+            let shape = x.dims().and_then(|d| match (p.op_type(), axes) {
+                ("Unsqueeze", Some(a)) => unsqueezed(d, &a),
+                (_, Some(a)) => squeezed(d, Some(&a)),
+                // Squeeze without axes: every axis of size 1.
+                (_, None) if !given && p.op_type() == "Squeeze" => squeezed(d, None),
+                _ => None,
             });
             Folded {
                 values: x.values,
