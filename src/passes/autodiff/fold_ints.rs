@@ -150,7 +150,14 @@ fn fold(
         "Flatten" => {
             let x = arg(0)?;
             let shape = x.dims().and_then(|d| {
-                let axis = normalized(int_attr("axis").unwrap_or(1), d.len() + 1)?;
+                // axis in [-r, r]: a negative one counts from the rank, not from r + 1.
+                let axis = int_attr("axis").unwrap_or(1);
+                let axis = if axis < 0 {
+                    axis + d.len() as i64
+                } else {
+                    axis
+                };
+                let axis = normalized(axis, d.len() + 1)?;
                 Some(vec![d[..axis].iter().product(), d[axis..].iter().product()])
             });
             Folded {
@@ -555,6 +562,25 @@ g (float[1] x) => (int64[4] m, int64[4] d)
 "#;
         assert_eq!(folded(text, "m"), vec![1, 1, -1, -1]);
         assert_eq!(folded(text, "d"), vec![3, -3, -3, 3]);
+    }
+
+    /// Flatten's axis counts from the rank when negative: [2, 3, 4] at -1 is [6, 4], whose
+    /// transpose reads the values column by column.
+    #[test]
+    fn flatten_with_a_negative_axis_splits_before_the_last() {
+        let text = r#"
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1] x) => (int64[24] t)
+<int64[2, 3, 4] a = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23}>
+{
+  f = Flatten <axis = -1> (a)
+  t = Transpose (f)
+}
+"#;
+        let expected: Vec<i64> = (0..4)
+            .flat_map(|c| (0..6).map(move |r| r * 4 + c))
+            .collect();
+        assert_eq!(folded(text, "t"), expected);
     }
 
     #[test]

@@ -268,11 +268,8 @@ pub fn slice(
                 }),
         }
     };
-    let known = |cx: &Grad<'_>, slot: usize| {
-        cx.opt_input(node, slot)
-            .and_then(|v| super::super::shapes::known_ints(cx.model(), cx.shapes, v))
-    };
-    if known(cx, 1).is_none() || known(cx, 2).is_none() {
+    if known_input(cx, node, 1).flatten().is_none() || known_input(cx, node, 2).flatten().is_none()
+    {
         return slice_at_run_time(cx, node, dy, x, rank, wants);
     }
     let starts = constant(cx, 1)?.unwrap_or_default();
@@ -424,6 +421,13 @@ pub fn slice(
     Ok(first_only(wants.len(), g))
 }
 
+/// Input `slot` of `node` as integers known before the run: `None` when the input is
+/// absent, `Some(None)` when it is computed only at run time.
+fn known_input(cx: &Grad<'_>, node: NodeId, slot: usize) -> Option<Option<Vec<i64>>> {
+    cx.opt_input(node, slot)
+        .map(|v| super::super::shapes::known_ints(cx.model(), cx.shapes, v))
+}
+
 /// A unit-step Slice's start or end on one axis: a number, or element `index` of the
 /// Slice's own starts or ends input, computed at run time (GPT-NeoX's rotary half,
 /// `x[..., Shape(x)[3] / 2:]` behind Casts no shape arithmetic follows).
@@ -444,10 +448,7 @@ fn slice_at_run_time(
     rank: usize,
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
-    let known = |cx: &Grad<'_>, slot: usize| {
-        cx.opt_input(node, slot)
-            .map(|v| super::super::shapes::known_ints(cx.model(), cx.shapes, v))
-    };
+    let known = |cx: &Grad<'_>, slot: usize| known_input(cx, node, slot);
     let (starts, ends) = (cx.input(node, 1)?, cx.input(node, 2)?);
     let count = cx
         .facts(starts)
