@@ -59,6 +59,8 @@
 //! acosh                                      f32  1.9e-4
 //! add                                        f64  7.8e-11
 //! add_broadcast_nc_c                         f64  4.5e-11
+//! add_broadcast_decided_at_run_time          f64  3.5e-11
+//! add_not_broadcast_decided_at_run_time      f64  5.2e-11
 //! asin                                       f32  4.9e-5
 //! asinh                                      f32  5.0e-5
 //! atan                                       f32  5.1e-5
@@ -203,6 +205,7 @@
 //! mish                                       f32  6.1e-5
 //! mul                                        f64  8.0e-11
 //! mul_broadcast_n1h_1ch                      f64  9.9e-11
+//! mul_broadcast_some_axes_decided_at_run_time f64 1.8e-10
 //! neg                                        f64  2.2e-11
 //! nll_ignore_index_names_a_class_sum_int32   f64  3.3e-10
 //! nll_mean                                   f64  2.5e-10
@@ -762,6 +765,18 @@ macro_rules! cases {
 
 /// `[Shape(x)[1] / 2]` through float64 and back (a float64 case's constant halves it): a
 /// bound no shape arithmetic folds.
+/// `[k]` as an int64 tensor computed from the values of `x` (`k · max(exp(x) > 0)`), so the
+/// shape facts cannot know it.
+fn unknown_to_the_facts(n: &mut Net, x: ValueId, k: i64) -> ValueId {
+    let e = n.op("Exp", &[x], vec![]);
+    let zero = n.konst(&format!("zero_{k}"), &[1], &[0.0]);
+    let positive = n.op("Greater", &[e, zero], vec![]);
+    let ones = n.op("Cast", &[positive], vec![attr_int("to", 7)]);
+    let one = n.op("ReduceMax", &[ones], vec![attr_int("keepdims", 1)]);
+    let k = n.ints(&format!("times_{k}"), &[1], &[k]);
+    n.op("Mul", &[one, k], vec![])
+}
+
 fn half_of_width(n: &mut Net, x: ValueId) -> ValueId {
     let shape = n.op("Shape", &[x], vec![]);
     let one = n.ints("width_at", &[1], &[1]);
@@ -894,6 +909,39 @@ cases! {
         let a = n.param("A", &[4, 3], -1.0, 1.0);
         let b = n.param("B", &[3], -1.0, 1.0);
         vec![n.op("Add", &[a, b], vec![])]
+    };
+    // x's rows are a size the shape facts cannot know (1 at run time): its gradient is
+    // the sum over the rows, decided at run time.
+    add_broadcast_decided_at_run_time: 17, F64 => |n| {
+        let a = n.param("A", &[3], -1.0, 1.0);
+        let b = n.param("B", &[2, 3], -1.0, 1.0);
+        let rows = unknown_to_the_facts(n, a, 1);
+        let cols = n.ints("cols", &[1], &[3]);
+        let shape = n.op("Concat", &[rows, cols], vec![attr_int("axis", 0)]);
+        let x = n.op("Reshape", &[a, shape], vec![]);
+        vec![n.op("Add", &[x, b], vec![])]
+    };
+    // The same, 2 rows at run time: nothing is summed.
+    add_not_broadcast_decided_at_run_time: 17, F64 => |n| {
+        let a = n.param("A", &[6], -1.0, 1.0);
+        let b = n.param("B", &[2, 3], -1.0, 1.0);
+        let rows = unknown_to_the_facts(n, a, 2);
+        let cols = n.ints("cols", &[1], &[3]);
+        let shape = n.op("Concat", &[rows, cols], vec![attr_int("axis", 0)]);
+        let x = n.op("Reshape", &[a, shape], vec![]);
+        vec![n.op("Add", &[x, b], vec![])]
+    };
+    // x [?, 1, ?] = [1, 1, 4] against [2, 3, 5, 4]: a leading axis, an unsure axis that is
+    // broadcast, a known one, and an unsure one that is not.
+    mul_broadcast_some_axes_decided_at_run_time: 17, F64 => |n| {
+        let a = n.param("A", &[4], -1.0, 1.0);
+        let b = n.param("B", &[2, 3, 5, 4], -1.0, 1.0);
+        let first = unknown_to_the_facts(n, a, 1);
+        let middle = n.ints("middle", &[1], &[1]);
+        let last = unknown_to_the_facts(n, a, 4);
+        let shape = n.op("Concat", &[first, middle, last], vec![attr_int("axis", 0)]);
+        let x = n.op("Reshape", &[a, shape], vec![]);
+        vec![n.op("Mul", &[b, x], vec![])]
     };
     sub_broadcast: 17, F64 => |n| {
         let a = n.param("A", &[4], -1.0, 1.0);

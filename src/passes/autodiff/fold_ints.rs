@@ -263,44 +263,77 @@ fn fold(
             if p.op_type() == "Mod" && int_attr("fmod") == Some(1) {
                 return None;
             }
-            let (a, b) = (arg(0)?, arg(1)?);
-            let len = a.values.len().max(b.values.len());
-            if !(a.values.len() == b.values.len() || a.values.len() == 1 || b.values.len() == 1) {
-                return None;
-            }
-            let at = |v: &[Dim], i: usize| v[if v.len() == 1 { 0 } else { i }].clone();
-            let values = (0..len)
-                .map(|i| match (at(&a.values, i), at(&b.values, i)) {
-                    (Dim::Known(x), Dim::Known(y)) => match p.op_type() {
-                        "Add" => x.checked_add(y),
-                        "Sub" => x.checked_sub(y),
-                        "Mul" => x.checked_mul(y),
-                        // The divisor's sign, as Python's `%` (torch's `W % 2`).
-                        "Mod" => x
-                            .checked_rem(y)
-                            .map(|r| match r != 0 && (r < 0) != (y < 0) {
-                                true => r + y,
-                                false => r,
-                            }),
-                        // Integer Div truncates, as ONNX Runtime's kernel does.
-                        _ => x.checked_div(y),
-                    }
-                    .map_or(Dim::Unknown, Dim::Known),
-                    _ => Dim::Unknown,
-                })
-                .collect();
-            // The longer operand's layout; equal lengths of different ranks: unknown.
-            let shape = match (a.dims(), b.dims()) {
-                (Some(x), Some(y)) if x == y => Some(x.to_vec()),
-                (Some(x), _) if b.values.len() == 1 && a.values.len() == len => Some(x.to_vec()),
-                (_, Some(y)) if a.values.len() == 1 && b.values.len() == len => Some(y.to_vec()),
-                _ => None,
-            };
-            Folded { values, shape }
+            elementwise(&[arg(0)?, arg(1)?], |v| match (&v[0], &v[1]) {
+                (Dim::Known(x), Dim::Known(y)) => match p.op_type() {
+                    "Add" => x.checked_add(*y),
+                    "Sub" => x.checked_sub(*y),
+                    "Mul" => x.checked_mul(*y),
+                    // The divisor's sign, as Python's `%` (torch's `W % 2`).
+                    "Mod" => x
+                        .checked_rem(*y)
+                        .map(|r| match r != 0 && (r < 0) != (*y < 0) {
+                            true => r + y,
+                            false => r,
+                        }),
+                    // Integer Div truncates, as ONNX Runtime's kernel does.
+                    _ => x.checked_div(*y),
+                }
+                .map_or(Dim::Unknown, Dim::Known),
+                _ => Dim::Unknown,
+            })?
         }
+        // torch's `expand(n, -1)`: `Where(Equal(shape, -1), ones, shape)`, with the batch a
+        // name. Booleans fold as 1 and 0 (what a Cast to an integer makes of them).
+        "Equal" => elementwise(&[arg(0)?, arg(1)?], |v| match (&v[0], &v[1]) {
+            (Dim::Known(x), Dim::Known(y)) => Dim::Known((x == y) as i64),
+            (Dim::Symbol(a), Dim::Symbol(b)) if a == b => Dim::Known(1),
+            // A size is never negative.
+            (Dim::Symbol(_), Dim::Known(k)) | (Dim::Known(k), Dim::Symbol(_)) if *k < 0 => {
+                Dim::Known(0)
+            }
+            _ => Dim::Unknown,
+        })?,
+        "Where" => elementwise(&[arg(0)?, arg(1)?, arg(2)?], |v| match v[0] {
+            Dim::Known(0) => v[2].clone(),
+            Dim::Known(_) => v[1].clone(),
+            _ => Dim::Unknown,
+        })?,
         _ => return None,
     };
     (folded.values.len() <= MOST_ELEMENTS).then_some(folded)
+}
+
+/// An elementwise op over folded operands of one length, or of length one (broadcast):
+/// `f` of each position's operands; the layout of the longest operand where the others
+/// agree with it or are single values, else unknown.
+fn elementwise(parts: &[Folded], f: impl Fn(&[Dim]) -> Dim) -> Option<Folded> {
+    let len = parts.iter().map(|p| p.values.len()).max()?;
+    if parts
+        .iter()
+        .any(|p| p.values.len() != len && p.values.len() != 1)
+    {
+        return None;
+    }
+    let values = (0..len)
+        .map(|i| {
+            let at: Vec<Dim> = parts
+                .iter()
+                .map(|p| p.values[if p.values.len() == 1 { 0 } else { i }].clone())
+                .collect();
+            f(&at)
+        })
+        .collect();
+    // The full-length operands' common layout, if no single value has more axes (which
+    // would add leading axes); equal lengths of different ranks: unknown.
+    let (full, single): (Vec<&Folded>, Vec<&Folded>) =
+        parts.iter().partition(|p| p.values.len() == len);
+    let shape = full[0].dims().map(<[usize]>::to_vec).filter(|s| {
+        full.iter().all(|p| p.dims() == Some(s.as_slice()))
+            && single
+                .iter()
+                .all(|p| p.dims().is_some_and(|d| d.len() <= s.len()))
+    });
+    Some(Folded { values, shape })
 }
 
 /// An axis in `0..rank` from one that may count from the end.

@@ -222,16 +222,23 @@ pub fn type_of_facts(facts: &Facts) -> Option<crate::proto::TypeProto> {
     })
 }
 
-/// Declared beats inferred where it says something; inferred fills what it leaves open.
+/// Declared beats inferred where it says something, but for a declared symbol that the
+/// inference names otherwise: the model is only valid if they agree, and the inferred size
+/// or symbol is the one the values it was computed from share. (torch's TorchScript
+/// exporter declares its outputs with symbols of their own, `Addlogits_dim_0` for the
+/// batch of `logits = Add(MatMul(h, W), b)`: declared, the batch of the product looked
+/// possibly broadcast against it, and its gradient needed a sum decided at run time.)
+/// Inferred fills what the declaration leaves open.
 fn merge(declared: Facts, inferred: Facts) -> Facts {
     let elem = declared.elem.or(inferred.elem);
     let dims = match (declared.dims, inferred.dims) {
         (Some(d), Some(i)) if d.len() == i.len() => Some(
             d.into_iter()
                 .zip(i)
-                .map(|(d, i)| match d {
-                    Dim::Unknown => i,
-                    d => d,
+                .map(|(d, i)| match (d, i) {
+                    (Dim::Unknown, i) => i,
+                    (Dim::Symbol(_), i @ (Dim::Known(_) | Dim::Symbol(_))) => i,
+                    (d, _) => d,
                 })
                 .collect(),
         ),
@@ -960,8 +967,12 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
                 let mut out = d.clone();
                 for (j, a) in axes.iter().enumerate() {
                     let a = *a as usize;
-                    if let (Some(size), Some(b), Some(e)) =
-                        (d.get(a).and_then(Dim::known), pads.get(j), pads.get(j + k))
+                    let (b, e) = (pads.get(j), pads.get(j + k));
+                    if (b, e) == (Some(&0), Some(&0)) {
+                        // Not padded: the size stays, a named one too (Swin pads H and W
+                        // only, its batch a name).
+                    } else if let (Some(size), Some(b), Some(e)) =
+                        (d.get(a).and_then(Dim::known), b, e)
                     {
                         out[a] = Dim::Known(size + b + e);
                     } else if a < out.len() {
@@ -993,7 +1004,7 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
             });
             vec![with_dims(x.elem, dims)]
         }
-        "Range" => vec![with_dims(x.elem, Some(vec![Dim::Unknown]))],
+        "Range" => vec![with_dims(x.elem, Some(vec![range_len(model, shapes, n)]))],
         "ConstantOfShape" => {
             let t = p
                 .attr("value")
@@ -1132,9 +1143,11 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
         }
         "Expand" => {
             let target_v = n.inputs.get(1).copied().flatten();
-            let target = target_v.and_then(|v| known_ints(model, shapes, v));
-            // A computed target (torch's `expand(B, -1, -1)`: a Where over the batch size):
-            // its length still gives the rank, and a dimension of X other than 1 survives.
+            // A named batch in the target stays a name (torch's `expand(B, -1)`, a Where over
+            // the batch size, folds to [batch, T]).
+            let target = target_v.and_then(|v| fold_dims(model, &|x| shapes.get(x).dims, v, 16));
+            // A target that does not fold: its length still gives the rank, and a dimension of
+            // X other than 1 survives.
             let computed = || {
                 let rank = *target_v
                     .and_then(|v| shapes.get(v).static_dims())?
@@ -1158,7 +1171,7 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
                     x.clone(),
                     Facts {
                         elem: None,
-                        dims: Some(t.into_iter().map(Dim::Known).collect()),
+                        dims: Some(t),
                     },
                 ];
                 broadcast(&t)
@@ -1166,6 +1179,32 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
             vec![with_dims(x.elem, dims)]
         }
         _ => Vec::new(),
+    }
+}
+
+/// How many values `Range(start, limit, delta)` makes: `ceil((limit - start) / delta)`
+/// when the three fold, and the limit's name for `Range(0, T, 1)` (torch's `arange(T)`
+/// over a named length).
+fn range_len(model: &Model, shapes: &Shapes, n: &crate::ir::Node) -> Dim {
+    let scalar = |i: usize| {
+        let v = n.inputs.get(i).copied().flatten()?;
+        match fold_dims(model, &|x| shapes.get(x).dims, v, 16)?.as_slice() {
+            [d] => Some(d.clone()),
+            _ => None,
+        }
+    };
+    match (scalar(0), scalar(1), scalar(2)) {
+        (Some(Dim::Known(start)), Some(Dim::Known(limit)), Some(Dim::Known(delta)))
+            if delta != 0 =>
+        {
+            let len = limit
+                .checked_sub(start)
+                .and_then(|span| span.checked_add(delta - delta.signum()))
+                .and_then(|span| span.checked_div(delta));
+            len.map_or(Dim::Unknown, |l| Dim::Known(l.max(0)))
+        }
+        (Some(Dim::Known(0)), Some(limit @ Dim::Symbol(_)), Some(Dim::Known(1))) => limit,
+        _ => Dim::Unknown,
     }
 }
 
@@ -1590,6 +1629,100 @@ mod computed_shapes {
         assert_eq!(
             dims(facts_of(text, "y")),
             [Dim::Known(2), Dim::Known(1), Dim::Known(3)]
+        );
+    }
+
+    /// torch's `expand(batch, -1)` through the TorchScript exporter (BERT's token type ids):
+    /// the target `Where(Equal(shape, -1), ones, shape)` over `[batch, 8]`, the batch a name.
+    /// A named size is never -1, so the target folds to `[N, 8]` and the batch stays named
+    /// (it was unknown, and every elementwise op after it looked possibly broadcast).
+    #[test]
+    fn expand_to_a_target_with_minus_ones_replaced_keeps_the_named_batch() {
+        let text = "<ir_version: 9, opset_import: [\"\" : 17]>\n\
+            g (int64[N,8] x, int64[1,8] ids) => (int64[N,8] out) {\n\
+              n = Shape<end = 1>(x)\n\
+              t = Shape<start = 1, end = 2>(x)\n\
+              wanted = Concat<axis = 0>(n, t)\n\
+              count = Shape(wanted)\n\
+              ones = ConstantOfShape<value = int64[1] {1}>(count)\n\
+              minus = Constant<value_int = -1>()\n\
+              minus_ones = Mul(ones, minus)\n\
+              keep = Equal(wanted, minus_ones)\n\
+              target = Where(keep, ones, wanted)\n\
+              y = Expand(ids, target)\n\
+              out = Identity(y)\n\
+            }\n";
+        assert_eq!(
+            dims(facts_of(text, "y")),
+            [Dim::Symbol("N".into()), Dim::Known(8)]
+        );
+    }
+
+    /// `Range` makes `ceil((limit - start) / delta)` values when the three fold (BLOOM's
+    /// `arange` over the sequence length), and `T` values for `Range(0, T, 1)` with `T`
+    /// named; a delta of 0 or a limit only the run knows stays unknown.
+    #[test]
+    fn range_lengths_fold() {
+        let text = "<ir_version: 9, opset_import: [\"\" : 17]>\n\
+            g (float[N,8] x, int64 k) => (int64[?] a, int64[?] b, int64[?] c, int64[?] d, int64[?] e) {\n\
+              zero = Constant<value_int = 0>()\n\
+              one = Constant<value_int = 1>()\n\
+              three = Constant<value_int = 3>()\n\
+              minus_two = Constant<value_int = -2>()\n\
+              width = Shape<start = 1, end = 2>(x)\n\
+              w = Squeeze(width)\n\
+              batch = Shape<end = 1>(x)\n\
+              nb = Squeeze(batch)\n\
+              a = Range(zero, w, one)\n\
+              b = Range(w, zero, minus_two)\n\
+              c = Range(one, w, three)\n\
+              d = Range(zero, nb, one)\n\
+              e = Range(zero, k, one)\n\
+            }\n";
+        let len = |name| dims(facts_of(text, name));
+        assert_eq!(len("a"), [Dim::Known(8)]);
+        assert_eq!(len("b"), [Dim::Known(4)]);
+        assert_eq!(len("c"), [Dim::Known(3)]);
+        assert_eq!(len("d"), [Dim::Symbol("N".into())]);
+        assert_eq!(len("e"), [Dim::Unknown]);
+    }
+
+    /// Swin pads H and W to a multiple of its window, the pads computed: the batch, not
+    /// padded, keeps its name.
+    #[test]
+    fn pad_keeps_the_named_size_of_an_axis_it_does_not_pad() {
+        let text = "<ir_version: 9, opset_import: [\"\" : 17]>\n\
+            g (float[N,3,5] x) => (float[N,4,8] y) {\n\
+              pads = Constant<value_ints = [0, 0, 1, 0, 1, 2]>()\n\
+              y = Pad(x, pads)\n\
+            }\n";
+        assert_eq!(
+            dims(facts_of(text, "y")),
+            [Dim::Symbol("N".into()), Dim::Known(4), Dim::Known(8)]
+        );
+    }
+
+    /// A declared output named by the exporter (`Addlogits_dim_0`) yields to the name the
+    /// inference carries from the inputs, so the product it adds a bias to is not taken for
+    /// a broadcast operand; a declared size beats an inferred name.
+    #[test]
+    fn an_inferred_size_or_name_beats_a_declared_name() {
+        let text = "<ir_version: 9, opset_import: [\"\" : 17]>\n\
+            g (float[N,6,4] h, float[4,32] w, float[32] b) => (float[Addlogits_dim_0,Addlogits_dim_1,32] logits) {\n\
+              p = MatMul(h, w)\n\
+              logits = Add(p, b)\n\
+            }\n";
+        assert_eq!(
+            dims(facts_of(text, "logits")),
+            [Dim::Symbol("N".into()), Dim::Known(6), Dim::Known(32)]
+        );
+        let text = "<ir_version: 9, opset_import: [\"\" : 17]>\n\
+            g (float[N,6,4] h, float[4,32] w) => (float[8,6,32] p) {\n\
+              p = MatMul(h, w)\n\
+            }\n";
+        assert_eq!(
+            dims(facts_of(text, "p")),
+            [Dim::Known(8), Dim::Known(6), Dim::Known(32)]
         );
     }
 

@@ -113,16 +113,20 @@ pub fn matmul(
     if wanted(wants, 0) {
         let bt = cx.op("Transpose", &[b], vec![attr_ints("perm", &swap(rb))], &ha);
         let g = cx.op("MatMul", &[dy, bt], vec![], &ha);
-        // The product has y's batch axes and rows and a's columns (K, not y's N).
+        // The product has y's batch axes and a's matrix axes (its rows are y's, by a name
+        // the facts may not share; its columns K, not y's N).
         let mut facts = cx.facts(y);
         if let (Some(d), Some(ad)) = (facts.dims.as_mut(), cx.facts(a).dims) {
             let (r, ra) = (d.len(), ad.len());
             if r >= 1 && ra >= 1 {
                 d[r - 1] = ad[ra - 1].clone();
             }
+            if r >= 2 && ra >= 2 {
+                d[r - 2] = ad[ra - 2].clone();
+            }
         }
         cx.shapes.set(g, facts);
-        out[0] = Some(cx.unbroadcast(node, g, g, a)?);
+        out[0] = Some(cx.unbroadcast_from(node, g, g, a, None)?);
     }
     if wanted(wants, 1) {
         let at = cx.op("Transpose", &[a], vec![attr_ints("perm", &swap(ra))], &hb);
@@ -139,7 +143,7 @@ pub fn matmul(
             }
         }
         cx.shapes.set(g, facts);
-        out[1] = Some(cx.unbroadcast(node, g, g, b)?);
+        out[1] = Some(cx.unbroadcast_from(node, g, g, b, None)?);
     }
     Ok(out)
 }
@@ -189,7 +193,8 @@ pub fn gemm_rule(
             let k = cx.scalar_like(node, y, beta as f64)?;
             cx.op_like("Mul", &[dy, k], vec![], &h, y)
         };
-        out[2] = Some(cx.unbroadcast(node, scaled, y, c)?);
+        // A and B are not broadcast with C: only C's own dims tell.
+        out[2] = Some(cx.unbroadcast_from(node, scaled, y, c, None)?);
     }
     Ok(out)
 }

@@ -588,7 +588,15 @@ impl<'m> Grad<'m> {
 
     /// `dy` (the gradient of a broadcast result `y`) summed back to the shape of `x`:
     /// the leading axes `x` lacks are summed away, and so are the axes where `x` has size
-    /// 1 and `y` does not.
+    /// 1 and `y` does not. An axis whose size the shape facts cannot tell (`x`'s dim
+    /// unknown, or a symbol `y`'s dim is not) is decided at run time
+    /// ([`Grad::unbroadcast_at_run_time`]): assuming it is not broadcast made a gradient of
+    /// the wrong shape when it was (BERT's position ids through the TorchScript exporter
+    /// lost their row axis that way, and failed at run time; a gradient that only
+    /// continues elementwise would have been silently wrong).
+    ///
+    /// `y` is taken to be the broadcast of `node`'s inputs (an elementwise op's result);
+    /// [`Grad::unbroadcast_from`] names the operands otherwise.
     pub fn unbroadcast(
         &mut self,
         node: NodeId,
@@ -596,7 +604,30 @@ impl<'m> Grad<'m> {
         y: ValueId,
         x: ValueId,
     ) -> Result<ValueId, PassError> {
+        let inputs = &self.model().node(node).inputs;
+        let peers: Vec<ValueId> = inputs
+            .iter()
+            .flatten()
+            .copied()
+            .filter(|v| *v != x)
+            .collect();
+        self.unbroadcast_from(node, dy, y, x, Some(&peers))
+    }
+
+    /// [`Grad::unbroadcast`] where `y`'s shape is the broadcast of `x` and `peers` (`None`:
+    /// not known). Where no peer has an axis of `x` or has it of size 1, `y`'s size there
+    /// is `x`'s, whatever the facts know of either.
+    pub fn unbroadcast_from(
+        &mut self,
+        node: NodeId,
+        dy: ValueId,
+        y: ValueId,
+        x: ValueId,
+        peers: Option<&[ValueId]>,
+    ) -> Result<ValueId, PassError> {
         let (fx, fy) = (self.facts(x), self.facts(y));
+        let peer_dims: Option<Vec<Option<Vec<Dim>>>> =
+            peers.map(|p| p.iter().map(|v| self.facts(*v).dims).collect());
         let (Some(dx), Some(dyd)) = (fx.dims.clone(), fy.dims.clone()) else {
             if fx.dims.is_some() && fx.dims == fy.dims {
                 return Ok(dy);
@@ -612,12 +643,21 @@ impl<'m> Grad<'m> {
         };
         let lead = dyd.len().saturating_sub(dx.len());
         let mut axes: Vec<i64> = (0..lead as i64).collect();
+        let mut unsure = Vec::new();
         for (i, d) in dx.iter().enumerate() {
             let j = i + lead;
-            let broadcast = *d == Dim::Known(1) && dyd.get(j) != Some(&Dim::Known(1));
-            if broadcast {
-                axes.push(j as i64);
+            match broadcast(d, dyd.get(j)) {
+                Broadcast::Yes => axes.push(j as i64),
+                Broadcast::No => {}
+                Broadcast::Unsure
+                    if peer_dims
+                        .as_ref()
+                        .is_some_and(|p| y_axis_is_xs(p, dyd.len(), j)) => {}
+                Broadcast::Unsure => unsure.push(j),
             }
+        }
+        if !unsure.is_empty() {
+            return Ok(self.unbroadcast_at_run_time(dy, y, x, lead, &axes, &unsure));
         }
         if axes.is_empty() {
             return Ok(dy);
@@ -640,11 +680,136 @@ impl<'m> Grad<'m> {
         Ok(out)
     }
 
+    /// [`Grad::unbroadcast`] where the axes `unsure` of `y` (numbered in `y`, whose first
+    /// `lead` axes `x` lacks) may or may not be broadcast from `x`, and the axes `summed`
+    /// certainly are. Each unsure axis `j`
+    /// of `dy` is split in two, `(x_j, y_j + 1 - x_j)`: `(1, y_j)` where `x` is broadcast,
+    /// `(y_j, 1)` where it is not (and `(0, 1)` or `(1, 0)` for empty axes, so no division
+    /// is needed); the second part is summed with the certain axes, and the result takes
+    /// `x`'s shape. Exact either way; where the axis turns out not to be broadcast, it
+    /// costs one pass over `dy` (a sum over axes of size 1).
+    fn unbroadcast_at_run_time(
+        &mut self,
+        dy: ValueId,
+        y: ValueId,
+        x: ValueId,
+        lead: usize,
+        summed: &[i64],
+        unsure: &[usize],
+    ) -> ValueId {
+        let y_dims = self.facts(y).dims.unwrap_or_default();
+        let y_dims = y_dims.as_slice();
+        let hint = format!("{}_grad", self.model().name(x));
+        let x_shape = self.shape_of(x);
+        let mut pieces = Vec::new();
+        let mut axes = Vec::new();
+        let mut kept_from = 0;
+        for j in 0..y_dims.len() {
+            if !unsure.contains(&j) {
+                if summed.contains(&(j as i64)) {
+                    axes.push((j + unsure.iter().filter(|&&u| u < j).count()) as i64);
+                }
+                continue;
+            }
+            if kept_from < j {
+                pieces.push(self.dims_of(y, y_dims, kept_from..j));
+            }
+            kept_from = j + 1;
+            let i = self.ints(&[(j - lead) as i64]);
+            let x_j = self.op("Gather", &[x_shape, i], vec![], &format!("{hint}_dim"));
+            let y_j_plus_one = match y_dims[j] {
+                Dim::Known(n) => self.ints(&[n.saturating_add(1)]),
+                _ => {
+                    let y_j = self.dims_of(y, y_dims, j..j + 1);
+                    let one = self.ints(&[1]);
+                    self.add(y_j, one, &format!("{hint}_dim"))
+                }
+            };
+            let rest = self.sub(y_j_plus_one, x_j, &format!("{hint}_dim"));
+            axes.push((j + unsure.iter().filter(|&&u| u < j).count() + 1) as i64);
+            pieces.extend([x_j, rest]);
+        }
+        if kept_from < y_dims.len() {
+            pieces.push(self.dims_of(y, y_dims, kept_from..y_dims.len()));
+        }
+        let split_shape = self.op(
+            "Concat",
+            &pieces,
+            vec![crate::ir::builder::attr_int("axis", 0)],
+            &format!("{hint}_split_shape"),
+        );
+        let split = self.op(
+            "Reshape",
+            &[dy, split_shape],
+            vec![],
+            &format!("{hint}_split"),
+        );
+        let reduced = self.reduce("ReduceSum", split, &axes, true, &format!("{hint}_sum"));
+        self.op_like("Reshape", &[reduced, x_shape], vec![], &hint, x)
+    }
+
+    /// The dims `range` of `v` (whose dims are `dims`) as a 1-D int64 tensor: a constant
+    /// when they are known, else gathered from `Shape(v)`.
+    fn dims_of(&mut self, v: ValueId, dims: &[Dim], range: std::ops::Range<usize>) -> ValueId {
+        if let Some(known) = dims[range.clone()]
+            .iter()
+            .map(Dim::known)
+            .collect::<Option<Vec<_>>>()
+        {
+            return self.ints(&known);
+        }
+        let shape = self.shape_of(v);
+        let positions: Vec<i64> = range.map(|k| k as i64).collect();
+        let positions = self.ints(&positions);
+        self.op(
+            "Gather",
+            &[shape, positions],
+            vec![],
+            &format!("{}_dims", self.model().name(v)),
+        )
+    }
+
     /// `Expand(dy_kept, Shape(x))`: a reduction's gradient spread back over `x`.
     pub fn expand_to(&mut self, dy: ValueId, x: ValueId, hint: &str) -> ValueId {
         let shape = self.shape_of(x);
         self.op_like("Expand", &[dy, shape], vec![], hint, x)
     }
+}
+
+/// Whether an axis of `x` of size `x_dim` is broadcast to the result's `y_dim` (facts
+/// only; [`Grad::unbroadcast`]).
+#[derive(Debug, PartialEq)]
+enum Broadcast {
+    Yes,
+    No,
+    /// Either, as the run-time sizes decide.
+    Unsure,
+}
+
+fn broadcast(x_dim: &Dim, y_dim: Option<&Dim>) -> Broadcast {
+    match (x_dim, y_dim) {
+        (Dim::Known(1), Some(Dim::Known(1))) => Broadcast::No,
+        // Summing an axis of size 1, should y's turn out to be 1 too, changes nothing.
+        (Dim::Known(1), _) => Broadcast::Yes,
+        // Any other size is y's own.
+        (Dim::Known(_), _) => Broadcast::No,
+        // y has size 1 there, so x has too.
+        (_, Some(Dim::Known(1))) => Broadcast::No,
+        (Dim::Symbol(a), Some(Dim::Symbol(b))) if a == b => Broadcast::No,
+        _ => Broadcast::Unsure,
+    }
+}
+
+/// Whether axis `j` of a result of rank `rank` can only have its size from the operand
+/// that is not among `peers`: every peer lacks the axis or has it of size 1.
+fn y_axis_is_xs(peers: &[Option<Vec<Dim>>], rank: usize, j: usize) -> bool {
+    peers.iter().all(|p| match p {
+        Some(d) => match (j + d.len()).checked_sub(rank) {
+            None => true,
+            Some(k) => d.get(k) == Some(&Dim::Known(1)),
+        },
+        None => false,
+    })
 }
 
 impl Emit for Grad<'_> {
@@ -664,5 +829,50 @@ impl Emit for Grad<'_> {
 
     fn axes(&mut self, axes: &[i64]) -> ValueId {
         self.ints(axes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn named(s: &str) -> Dim {
+        Dim::Symbol(s.into())
+    }
+
+    #[test]
+    fn which_axes_are_broadcast_from_the_facts_alone() {
+        use Broadcast::*;
+        let k = Dim::Known;
+        let cases = [
+            (k(1), Some(k(4)), Yes),
+            (k(1), Some(named("N")), Yes),
+            (k(1), Some(Dim::Unknown), Yes),
+            (k(1), Some(k(1)), No),
+            (k(4), Some(k(4)), No),
+            (k(4), Some(Dim::Unknown), No),
+            (named("N"), Some(named("N")), No),
+            (Dim::Unknown, Some(k(1)), No),
+            (named("N"), Some(named("M")), Unsure),
+            (named("N"), Some(k(4)), Unsure),
+            (Dim::Unknown, Some(k(4)), Unsure),
+            (Dim::Unknown, Some(Dim::Unknown), Unsure),
+        ];
+        for (x, y, expected) in cases {
+            assert_eq!(broadcast(&x, y.as_ref()), expected, "{x:?} against {y:?}");
+        }
+    }
+
+    /// y = x + b with b of shape [8] (a bias) or [1, 8]: y's batch is x's, unknown or not;
+    /// with b of [?, 8] or of an unknown rank it may be either's.
+    #[test]
+    fn an_axis_no_peer_has_is_the_operands_own() {
+        let k = Dim::Known;
+        assert!(y_axis_is_xs(&[Some(vec![k(8)])], 2, 0));
+        assert!(y_axis_is_xs(&[Some(vec![k(1), k(8)])], 2, 0));
+        assert!(!y_axis_is_xs(&[Some(vec![Dim::Unknown, k(8)])], 2, 0));
+        assert!(!y_axis_is_xs(&[Some(vec![k(8)]), None], 2, 0));
+        assert!(!y_axis_is_xs(&[Some(vec![k(8)])], 2, 1));
+        assert!(y_axis_is_xs(&[], 2, 0));
     }
 }

@@ -111,7 +111,9 @@ pub fn expand(
 ) -> Result<InputGrads, PassError> {
     let x = cx.input(node, 0)?;
     let y = cx.forward_output(node, 0)?;
-    let g = cx.unbroadcast(node, cx.dy(node, dys, 0)?, y, x)?;
+    let dy = cx.dy(node, dys, 0)?;
+    // The target shape is not an operand: nothing tells whose size y has.
+    let g = cx.unbroadcast_from(node, dy, y, x, None)?;
     Ok(first_only(wants.len(), g))
 }
 
