@@ -279,7 +279,20 @@ fn fold(
                     _ => x.checked_div(*y),
                 }
                 .map_or(Dim::Unknown, Dim::Known),
-                _ => Dim::Unknown,
+                // A named size times or exactly over a number or a name (BLOOM's batch
+                // times its heads, and back): the product, by name.
+                (x, y) => {
+                    let (x, y) = match (x.monomial(), y.monomial()) {
+                        (Some(x), Some(y)) => (x, y),
+                        _ => return Dim::Unknown,
+                    };
+                    match p.op_type() {
+                        "Mul" => x.times(&y),
+                        "Div" => x.over(&y),
+                        _ => None,
+                    }
+                    .map_or(Dim::Unknown, |m| m.dim())
+                }
             })?
         }
         // torch's `expand(n, -1)`: `Where(Equal(shape, -1), ones, shape)`, with the batch a

@@ -17,7 +17,7 @@
 use super::rules::node_error;
 use super::shapes::{Dim, Shapes};
 use crate::ir::builder::{attr_int, attr_ints, attr_string, Builder};
-use crate::ir::{tensor_type, BodyId, Model, ValueId};
+use crate::ir::{BodyId, Model, ValueId};
 use crate::passes::PassError;
 use crate::proto::tensor_proto::DataType;
 
@@ -169,7 +169,7 @@ pub fn append(
             )))
         }
         None => {
-            let ty = labels_type(label_elem, &label_dims);
+            let ty = super::shapes::type_of(label_elem, &label_dims);
             model.add_input(main, &spec.labels, ty, None)
         }
     };
@@ -226,23 +226,6 @@ pub fn append(
         }
     };
     Ok((loss, labels))
-}
-
-fn labels_type(elem: i32, dims: &[Dim]) -> crate::proto::TypeProto {
-    use crate::proto::tensor_shape_proto::dimension::Value as D;
-    let mut ty = tensor_type(elem, &vec![0; dims.len()]);
-    if let Some(crate::proto::type_proto::Value::TensorType(t)) = &mut ty.value {
-        if let Some(shape) = t.shape.as_mut() {
-            for (slot, d) in shape.dim.iter_mut().zip(dims) {
-                slot.value = match d {
-                    Dim::Known(v) => Some(D::DimValue(*v)),
-                    Dim::Symbol(s) => Some(D::DimParam(s.clone())),
-                    Dim::Unknown => None,
-                };
-            }
-        }
-    }
-    ty
 }
 
 /// Scores with the classes on axis 1 and labels to match.
@@ -313,7 +296,7 @@ pub fn existing(model: &Model, name: &str, shapes: &Shapes) -> Result<ValueId, P
         if d.iter().any(|d| *d != Dim::Known(1)) {
             return Err(pass_error(format!(
                 "--loss '{name}' has shape [{}]: a loss must be a scalar (reduce it, or use --loss-fn on the model output)",
-                d.iter().map(|d| match d { Dim::Known(v) => v.to_string(), Dim::Symbol(s) => s.clone(), Dim::Unknown => "?".into() }).collect::<Vec<_>>().join(", ")
+                d.iter().map(Dim::to_string).collect::<Vec<_>>().join(", ")
             )));
         }
     }

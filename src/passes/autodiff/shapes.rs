@@ -1,13 +1,17 @@
 //! Static shape facts of the forward graph, as far as they can be known before running it:
-//! the rank of a value and each dimension as a number, a symbol (`batch`) or unknown.
+//! the rank of a value and each dimension as a number, a name (`batch`, or a product of
+//! names and a number, `2*batch`) or unknown.
 //!
 //! Why the autodiff needs them: the gradient of a broadcasting op must be summed back to
 //! the shape of each input (`Add(X[N,16], b[16])` gives `db = ReduceSum(dY, axes=[0])`),
 //! and which axes broadcast is a static question when ranks and the size-1 dimensions are
 //! known. Exporters declare most intermediate shapes (`value_info`), hand-built graphs often
 //! none, so the declared types are completed by a forward propagation over the ops models
-//! use. A dimension is never guessed: what cannot be derived stays unknown, and a rule that
-//! needs it says so (or falls back to a form computed at run time).
+//! use. A dimension is never guessed: what cannot be derived is unknown, and a rule that
+//! needs it says so (or falls back to a form computed at run time, as the sum of a
+//! broadcast does). An unknown size a node makes is given a name of its own
+//! ([`Dim::invented`], `?7`), so that the values it passes on unchanged are seen to share
+//! it: equal names are equal sizes, different names may or may not be.
 
 use std::collections::HashMap;
 
@@ -28,6 +32,128 @@ impl Dim {
         match self {
             Dim::Known(d) => Some(*d),
             _ => None,
+        }
+    }
+
+    /// A size the inference cannot work out, given a name of its own (`?7`) so that the
+    /// values it passes on unchanged are seen to share it: the residual `Add` of two
+    /// activations whose batch was lost in a `Reshape` is then known not to broadcast.
+    /// Never written to a file: [`type_of`] leaves it open.
+    fn invented(number: usize) -> Dim {
+        Dim::Symbol(format!("?{number}"))
+    }
+
+    /// Whether this is, or has a factor that is, a name [`Dim::invented`] made (a model's
+    /// own names never start with `?`; one that did would only be hidden from the types
+    /// written back).
+    pub fn is_invented(&self) -> bool {
+        matches!(self, Dim::Symbol(s) if s.split('*').any(|f| f.starts_with('?')))
+    }
+
+    /// The size as a [`Monomial`]: a number, or a named size such as `N`, or a product
+    /// such as `2*N` (as [`Monomial::dim`] writes them, and as ONNX Runtime's symbolic
+    /// shape inference names them too).
+    pub(super) fn monomial(&self) -> Option<Monomial> {
+        match self {
+            Dim::Known(k) => Some(Monomial {
+                coefficient: *k,
+                names: Vec::new(),
+            }),
+            Dim::Symbol(s) => {
+                let mut m = Monomial {
+                    coefficient: 1,
+                    names: Vec::new(),
+                };
+                for factor in s.split('*') {
+                    match factor.parse::<i64>() {
+                        Ok(k) => m.coefficient = m.coefficient.checked_mul(k)?,
+                        Err(_) if !factor.is_empty() => m.names.push(factor.to_string()),
+                        // `a**b`: not a product, an opaque name.
+                        Err(_) => {
+                            return Some(Monomial {
+                                coefficient: 1,
+                                names: vec![s.clone()],
+                            })
+                        }
+                    }
+                }
+                m.names.sort();
+                Some(m)
+            }
+            Dim::Unknown => None,
+        }
+    }
+}
+
+/// A size as `coefficient × names`, the names sorted: what a `Reshape` that merges the
+/// batch with the heads (`[N, H, T, d] -> [N*H, T, d]`, BLOOM's and Swin's attention) and
+/// the one that splits them again keep of the batch's name.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct Monomial {
+    coefficient: i64,
+    names: Vec<String>,
+}
+
+impl Monomial {
+    /// As a dim; a named product with a negative coefficient is not a size (and would
+    /// make `Equal(.., -1)` fold wrongly), so it is unknown.
+    pub(super) fn dim(self) -> Dim {
+        match (self.coefficient, self.names.len()) {
+            (k, 0) | (k @ 0, _) => Dim::Known(k),
+            (k, _) if k < 0 => Dim::Unknown,
+            (1, _) => Dim::Symbol(self.names.join("*")),
+            (k, _) => Dim::Symbol(format!("{k}*{}", self.names.join("*"))),
+        }
+    }
+
+    /// `self × other` (`None` on overflow).
+    pub(super) fn times(&self, other: &Monomial) -> Option<Monomial> {
+        let mut names = [self.names.clone(), other.names.clone()].concat();
+        names.sort();
+        Some(Monomial {
+            coefficient: self.coefficient.checked_mul(other.coefficient)?,
+            names,
+        })
+    }
+
+    /// `self / other` where it divides exactly: a positive coefficient dividing this one,
+    /// every name of `other` one of these.
+    pub(super) fn over(&self, other: &Monomial) -> Option<Monomial> {
+        if other.coefficient <= 0 || self.coefficient % other.coefficient != 0 {
+            return None;
+        }
+        let mut names = self.names.clone();
+        for name in &other.names {
+            let at = names.iter().position(|n| n == name)?;
+            names.remove(at);
+        }
+        Some(Monomial {
+            coefficient: self.coefficient / other.coefficient,
+            names,
+        })
+    }
+}
+
+/// The product of `dims` (a named product where names take part; unknown where a dim is,
+/// or the product overflows).
+fn product(dims: &[Dim]) -> Dim {
+    dims.iter()
+        .try_fold(
+            Monomial {
+                coefficient: 1,
+                names: Vec::new(),
+            },
+            |acc, d| acc.times(&d.monomial()?),
+        )
+        .map_or(Dim::Unknown, Monomial::dim)
+}
+
+impl std::fmt::Display for Dim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Dim::Known(d) => write!(f, "{d}"),
+            Dim::Symbol(s) if !self.is_invented() => f.write_str(s),
+            _ => f.write_str("?"),
         }
     }
 }
@@ -54,6 +180,8 @@ impl Facts {
 #[derive(Default)]
 pub struct Shapes {
     facts: HashMap<ValueId, Facts>,
+    /// How many sizes [`Dim::invented`] has named.
+    invented: usize,
 }
 
 impl Shapes {
@@ -92,7 +220,13 @@ impl Shapes {
                 let Some(Some(out)) = model.node(node).outputs.get(slot).copied() else {
                     continue;
                 };
-                let merged = merge(self.get(out), facts);
+                let mut merged = merge(self.get(out), facts);
+                for d in merged.dims.iter_mut().flatten() {
+                    if *d == Dim::Unknown {
+                        *d = Dim::invented(self.invented);
+                        self.invented += 1;
+                    }
+                }
                 self.facts.insert(out, merged);
             }
         }
@@ -237,7 +371,8 @@ fn merge(declared: Facts, inferred: Facts) -> Facts {
                 .zip(i)
                 .map(|(d, i)| match (d, i) {
                     (Dim::Unknown, i) => i,
-                    (Dim::Symbol(_), i @ (Dim::Known(_) | Dim::Symbol(_))) => i,
+                    (Dim::Symbol(_), i @ Dim::Known(_)) => i,
+                    (Dim::Symbol(_), i @ Dim::Symbol(_)) if !i.is_invented() => i,
                     (d, _) => d,
                 })
                 .collect(),
@@ -586,20 +721,15 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
         }
         "Reshape" => {
             let target_v = n.inputs.get(1).copied().flatten();
-            let target = target_v.and_then(|v| known_ints(model, shapes, v));
             let allowzero = int("allowzero") == Some(1);
-            let dims = match target {
-                Some(t) => Some(reshape(x.dims.as_deref(), &t, allowzero)),
-                // A computed target: read symbolically (sizes taken from Shape(..) of
-                // values with known or named dims), or at least its length gives the rank.
-                None => match target_v
-                    .and_then(|v| fold_dims(model, &|x| shapes.get(x).dims, v, 16))
-                {
-                    Some(t) => Some(reshape_dims(x.dims.as_deref(), &t, allowzero)),
-                    None => target_v
-                        .and_then(|v| shapes.get(v).static_dims())
-                        .and_then(|d| d.first().map(|r| vec![Dim::Unknown; (*r).max(0) as usize])),
-                },
+            // The target read symbolically (sizes taken from Shape(..) of values with known
+            // or named dims), or at least its length gives the rank.
+            let dims = match target_v.and_then(|v| fold_dims(model, &|x| shapes.get(x).dims, v, 16))
+            {
+                Some(t) => Some(reshape_dims(x.dims.as_deref(), &t, allowzero)),
+                None => target_v
+                    .and_then(|v| shapes.get(v).static_dims())
+                    .and_then(|d| d.first().map(|r| vec![Dim::Unknown; (*r).max(0) as usize])),
             };
             vec![with_dims(x.elem, dims)]
         }
@@ -1238,13 +1368,6 @@ pub fn slice_range(size: i64, start: i64, end: i64, step: i64) -> Option<(i64, i
     Some((s, len.max(0)))
 }
 
-fn product(dims: &[Dim]) -> Dim {
-    dims.iter()
-        .try_fold(1i64, |acc, d| d.known().map(|d| acc * d))
-        .map(Dim::Known)
-        .unwrap_or(Dim::Unknown)
-}
-
 /// Numpy broadcasting of several shapes (unknown when any rank is unknown).
 pub fn broadcast(inputs: &[Facts]) -> Option<Vec<Dim>> {
     let dims: Vec<&Vec<Dim>> = inputs
@@ -1310,12 +1433,11 @@ fn matmul(a: &Facts, b: &Facts) -> Option<Vec<Dim>> {
     Some(out)
 }
 
-/// `reshape` with a target of dims: `Known(0)` copies the input's dim (unless
-/// `allowzero`), `Known(-1)` is inferred where the sizes are known, named sizes pass.
+/// `Reshape`'s output for a target of dims: `Known(0)` copies the input's dim (unless
+/// `allowzero`), `Known(-1)` is what the input's size leaves once the other target dims
+/// are divided out (named sizes dividing by name: `[N, 2, 8, 8]` to `[-1, 8, 8]` is
+/// `[2*N, 8, 8]`), named sizes pass.
 fn reshape_dims(input: Option<&[Dim]>, target: &[Dim], allowzero: bool) -> Vec<Dim> {
-    if let Some(t) = target.iter().map(Dim::known).collect::<Option<Vec<i64>>>() {
-        return reshape(input, &t, allowzero);
-    }
     let mut out: Vec<Dim> = target
         .iter()
         .enumerate()
@@ -1327,67 +1449,19 @@ fn reshape_dims(input: Option<&[Dim]>, target: &[Dim], allowzero: bool) -> Vec<D
             other => other.clone(),
         })
         .collect();
-    // -1: what the input's size leaves once the other target dims are divided out, the
-    // named sizes cancelling by name.
     if let (Some(minus), Some(input)) = (target.iter().position(|t| *t == Dim::Known(-1)), input) {
-        let mut known = 1i64;
-        let mut names: Vec<&str> = Vec::new();
-        let mut whole = true;
-        for d in input {
-            match d {
-                Dim::Known(k) => known *= k,
-                Dim::Symbol(s) => names.push(s),
-                Dim::Unknown => whole = false,
-            }
-        }
-        for (i, d) in out.iter().enumerate() {
-            if i == minus || !whole {
-                continue;
-            }
-            match d {
-                Dim::Known(k) if *k > 0 && known % k == 0 => known /= k,
-                Dim::Symbol(s) => match names.iter().position(|n| n == s) {
-                    Some(at) => {
-                        names.remove(at);
-                    }
-                    None => whole = false,
-                },
-                _ => whole = false,
-            }
-        }
-        if whole && names.is_empty() {
-            out[minus] = Dim::Known(known);
-        }
-    }
-    out
-}
-
-fn reshape(input: Option<&[Dim]>, target: &[i64], allowzero: bool) -> Vec<Dim> {
-    let mut out: Vec<Dim> = target
-        .iter()
-        .enumerate()
-        .map(|(i, t)| match *t {
-            0 if !allowzero => input
-                .and_then(|d| d.get(i).cloned())
-                .unwrap_or(Dim::Unknown),
-            -1 => Dim::Unknown,
-            t => Dim::Known(t),
-        })
-        .collect();
-    if let Some(minus) = target.iter().position(|t| *t == -1) {
-        let total = input.map(product).and_then(|d| d.known());
-        let rest = product(
-            &out.iter()
-                .enumerate()
-                .filter(|(i, _)| *i != minus)
-                .map(|(_, d)| d.clone())
-                .collect::<Vec<_>>(),
-        )
-        .known();
-        if let (Some(total), Some(rest)) = (total, rest) {
-            if rest > 0 {
-                out[minus] = Dim::Known(total / rest);
-            }
+        let others: Vec<Dim> = out
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != minus)
+            .map(|(_, d)| d.clone())
+            .collect();
+        let left = product(input)
+            .monomial()
+            .zip(product(&others).monomial())
+            .and_then(|(total, rest)| total.over(&rest));
+        if let Some(left) = left {
+            out[minus] = left.dim();
         }
     }
     out
@@ -1493,6 +1567,7 @@ pub fn type_of(elem: i32, dims: &[Dim]) -> crate::proto::TypeProto {
             for (slot, d) in shape.dim.iter_mut().zip(dims) {
                 slot.value = match d {
                     Dim::Known(x) => Some(D::DimValue(*x)),
+                    d if d.is_invented() => None,
                     Dim::Symbol(s) => Some(D::DimParam(s.clone())),
                     Dim::Unknown => None,
                 };
@@ -1564,8 +1639,43 @@ mod computed_shapes {
         shapes.get(v)
     }
 
+    /// The dims, invented names shown as unknown.
     fn dims(f: Facts) -> Vec<Dim> {
-        f.dims.unwrap()
+        let open = |d: Dim| if d.is_invented() { Dim::Unknown } else { d };
+        f.dims.unwrap().into_iter().map(open).collect()
+    }
+
+    /// A batch lost in a `Reshape` whose target only the run knows gets a name of its own,
+    /// which the ops after it pass on: the residual `Add` of `h` and `relu(h)` is seen not
+    /// to broadcast, and `Add(h, k)` with another unknown batch is not taken for the same.
+    /// The type written for `h` leaves the invented name open.
+    #[test]
+    fn an_unknown_size_is_named_for_the_values_that_share_it() {
+        let text = "<ir_version: 9, opset_import: [\"\" : 17]>\n\
+            g (float[N,8] x, int64[2] target, float[M,8] k) => (float[?,8] out, float[?,8] other) {\n\
+              h = Reshape(x, target)\n\
+              r = Relu(h)\n\
+              out = Add(h, r)\n\
+              other = Add(h, k)\n\
+            }\n";
+        let model = Model::from_proto(crate::ir::text::parse_model(text).unwrap());
+        let shapes = Shapes::infer(&model);
+        let dims = |name| {
+            shapes
+                .get(model.lookup(BodyId::MAIN, name).unwrap())
+                .dims
+                .unwrap()
+        };
+        let batch = dims("h")[0].clone();
+        assert!(batch.is_invented(), "{batch:?}");
+        assert_eq!(dims("r")[0], batch);
+        assert_eq!(dims("out")[0], batch);
+        assert!(dims("other")[0].is_invented() && dims("other")[0] != batch);
+        let written = type_of(1, &dims("h"));
+        let Some(type_proto::Value::TensorType(t)) = written.value else {
+            panic!("{written:?}")
+        };
+        assert_eq!(t.shape.unwrap().dim[0].value, None);
     }
 
     /// MobileViT's `interpolate(size=(6, 8))`: Resize sizes of `Shape(x)[0:2] ++ [6, 8]`, the
@@ -1656,6 +1766,49 @@ mod computed_shapes {
             dims(facts_of(text, "y")),
             [Dim::Symbol("N".into()), Dim::Known(8)]
         );
+    }
+
+    /// BLOOM's attention merges the batch with the heads and splits them again, with
+    /// targets computed from `Shape`: the sizes stay named products (`2*N`), so the scores
+    /// of two such reshapes are seen to have one batch.
+    #[test]
+    fn merged_and_split_batches_keep_their_names() {
+        let text = "<ir_version: 9, opset_import: [\"\" : 17]>\n\
+            g (float[N,2,8,4] x) => (float[?,8,4] merged, float[?,2,8,4] split, float[?,2,8,4] back, float[?,4] rows, float[?,4] flat, float[?,4] odd) {\n\
+              batch = Shape<end = 1>(x)\n\
+              two = Constant<value_ints = [2]>()\n\
+              three = Constant<value_ints = [3]>()\n\
+              heads = Mul(batch, two)\n\
+              rest = Constant<value_ints = [8, 4]>()\n\
+              target = Concat<axis = 0>(heads, rest)\n\
+              merged = Reshape(x, target)\n\
+              minus = Constant<value_ints = [-1, 2, 8, 4]>()\n\
+              split = Reshape(merged, minus)\n\
+              first = Shape<end = 1>(merged)\n\
+              n = Div(first, two)\n\
+              rest2 = Constant<value_ints = [2, 8, 4]>()\n\
+              target2 = Concat<axis = 0>(n, rest2)\n\
+              back = Reshape(merged, target2)\n\
+              minus4 = Constant<value_ints = [-1, 4]>()\n\
+              rows = Reshape(x, minus4)\n\
+              flat = Flatten<axis = 3>(x)\n\
+              m = Div(first, three)\n\
+              four = Constant<value_ints = [4]>()\n\
+              target3 = Concat<axis = 0>(m, four)\n\
+              odd = Reshape(merged, target3)\n\
+            }\n";
+        let named = |s: &str| Dim::Symbol(s.into());
+        assert_eq!(
+            dims(facts_of(text, "merged")),
+            [named("2*N"), Dim::Known(8), Dim::Known(4)]
+        );
+        let n = [named("N"), Dim::Known(2), Dim::Known(8), Dim::Known(4)];
+        assert_eq!(dims(facts_of(text, "split")), n);
+        assert_eq!(dims(facts_of(text, "back")), n);
+        assert_eq!(dims(facts_of(text, "rows")), [named("16*N"), Dim::Known(4)]);
+        assert_eq!(dims(facts_of(text, "flat")), [named("16*N"), Dim::Known(4)]);
+        // 2*N over 3 does not divide: not known.
+        assert_eq!(dims(facts_of(text, "odd")), [Dim::Unknown, Dim::Known(4)]);
     }
 
     /// `Range` makes `ceil((limit - start) / delta)` values when the three fold (BLOOM's

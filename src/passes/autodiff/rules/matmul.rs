@@ -126,7 +126,9 @@ pub fn matmul(
             }
         }
         cx.shapes.set(g, facts);
-        out[0] = Some(cx.unbroadcast_from(node, g, g, a, None)?);
+        // Its batch axes are the broadcast of a's and b's (both have two matrix axes, so
+        // they align); its matrix axes are a's own.
+        out[0] = Some(cx.unbroadcast_from(node, g, g, a, Some(&[b]))?);
     }
     if wanted(wants, 1) {
         let at = cx.op("Transpose", &[a], vec![attr_ints("perm", &swap(ra))], &hb);
@@ -143,7 +145,7 @@ pub fn matmul(
             }
         }
         cx.shapes.set(g, facts);
-        out[1] = Some(cx.unbroadcast_from(node, g, g, b, None)?);
+        out[1] = Some(cx.unbroadcast_from(node, g, g, b, Some(&[a]))?);
     }
     Ok(out)
 }
