@@ -589,7 +589,7 @@ impl<'m> Grad<'m> {
     /// `dy` (the gradient of a broadcast result `y`) summed back to the shape of `x`:
     /// the leading axes `x` lacks are summed away, and so are the axes where `x` has size
     /// 1 and `y` does not. An axis whose size the shape facts cannot tell (`x`'s dim
-    /// unknown, or a symbol `y`'s dim is not) is decided at run time
+    /// unknown, or named otherwise than `y`'s) is decided at run time
     /// ([`Grad::unbroadcast_at_run_time`]): assuming it is not broadcast made a gradient of
     /// the wrong shape when it was (BERT's position ids through the TorchScript exporter
     /// lost their row axis that way, and failed at run time; a gradient that only
@@ -682,12 +682,12 @@ impl<'m> Grad<'m> {
 
     /// [`Grad::unbroadcast`] where the axes `unsure` of `y` (numbered in `y`, whose first
     /// `lead` axes `x` lacks) may or may not be broadcast from `x`, and the axes `summed`
-    /// certainly are. Each unsure axis `j`
-    /// of `dy` is split in two, `(x_j, y_j + 1 - x_j)`: `(1, y_j)` where `x` is broadcast,
-    /// `(y_j, 1)` where it is not (and `(0, 1)` or `(1, 0)` for empty axes, so no division
-    /// is needed); the second part is summed with the certain axes, and the result takes
-    /// `x`'s shape. Exact either way; where the axis turns out not to be broadcast, it
-    /// costs one pass over `dy` (a sum over axes of size 1).
+    /// certainly are. Each unsure axis `j` of `dy` is split in two, `(x_j, y_j + 1 - x_j)`:
+    /// `(1, y_j)` where `x` is broadcast, `(y_j, 1)` where it is not (and `(0, 1)` or
+    /// `(1, 0)` for empty axes, so no division is needed); the second part is summed with
+    /// the certain axes, and the result takes `x`'s shape. Exact either way; where the axis
+    /// turns out not to be broadcast, it costs one pass over `dy` (a sum over axes of
+    /// size 1).
     fn unbroadcast_at_run_time(
         &mut self,
         dy: ValueId,
