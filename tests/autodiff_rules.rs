@@ -777,6 +777,14 @@ fn unknown_to_the_facts(n: &mut Net, x: ValueId, k: i64) -> ValueId {
     n.op("Mul", &[one, k], vec![])
 }
 
+/// `x` reshaped to `[rows, cols]`, its rows a number the shape facts cannot know.
+fn rows_unknown_to_the_facts(n: &mut Net, x: ValueId, rows: i64, cols: i64) -> ValueId {
+    let rows = unknown_to_the_facts(n, x, rows);
+    let cols = n.ints("cols", &[1], &[cols]);
+    let shape = n.op("Concat", &[rows, cols], vec![attr_int("axis", 0)]);
+    n.op("Reshape", &[x, shape], vec![])
+}
+
 fn half_of_width(n: &mut Net, x: ValueId) -> ValueId {
     let shape = n.op("Shape", &[x], vec![]);
     let one = n.ints("width_at", &[1], &[1]);
@@ -915,20 +923,14 @@ cases! {
     add_broadcast_decided_at_run_time: 17, F64 => |n| {
         let a = n.param("A", &[3], -1.0, 1.0);
         let b = n.param("B", &[2, 3], -1.0, 1.0);
-        let rows = unknown_to_the_facts(n, a, 1);
-        let cols = n.ints("cols", &[1], &[3]);
-        let shape = n.op("Concat", &[rows, cols], vec![attr_int("axis", 0)]);
-        let x = n.op("Reshape", &[a, shape], vec![]);
+        let x = rows_unknown_to_the_facts(n, a, 1, 3);
         vec![n.op("Add", &[x, b], vec![])]
     };
     // The same, 2 rows at run time: nothing is summed.
     add_not_broadcast_decided_at_run_time: 17, F64 => |n| {
         let a = n.param("A", &[6], -1.0, 1.0);
         let b = n.param("B", &[2, 3], -1.0, 1.0);
-        let rows = unknown_to_the_facts(n, a, 2);
-        let cols = n.ints("cols", &[1], &[3]);
-        let shape = n.op("Concat", &[rows, cols], vec![attr_int("axis", 0)]);
-        let x = n.op("Reshape", &[a, shape], vec![]);
+        let x = rows_unknown_to_the_facts(n, a, 2, 3);
         vec![n.op("Add", &[x, b], vec![])]
     };
     // x [?, 1, ?] = [1, 1, 4] against [2, 3, 5, 4]: a leading axis, an unsure axis that is
