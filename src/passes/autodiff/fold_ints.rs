@@ -65,7 +65,8 @@ fn fold(
     depth: usize,
 ) -> Option<Folded> {
     if let Some(t) = constant_tensor(model, v) {
-        let values: Vec<Dim> = tensor_ints(t)?.into_iter().map(Dim::Known).collect();
+        let ints = tensor_ints(t).or_else(|| integral_floats(t))?;
+        let values: Vec<Dim> = ints.into_iter().map(Dim::Known).collect();
         let shape: Option<Vec<usize>> = t.dims.iter().map(|d| usize::try_from(*d).ok()).collect();
         return Some(Folded { values, shape });
     }
@@ -113,10 +114,41 @@ fn fold(
         "Identity" => arg(0)?,
         "Cast" => {
             let to = int_attr("to")?;
-            if to != DataType::Int64 as i64 && to != DataType::Int32 as i64 {
-                return None;
+            let x = arg(0)?;
+            // To an integer: the values are whole (a float folds only as whole numbers). To
+            // float or double: whole numbers float32 holds exactly.
+            let exact = |most: i64| {
+                x.values
+                    .iter()
+                    .all(|d| d.known().is_none_or(|k| k.abs() <= most))
+            };
+            match to {
+                t if t == DataType::Int64 as i64 || t == DataType::Int32 as i64 => x,
+                t if t == DataType::Float as i64 && exact(1 << 24) => x,
+                t if t == DataType::Double as i64 && exact(1 << 53) => x,
+                _ => return None,
             }
-            arg(0)?
+        }
+        // Whole numbers are their own ceiling and floor; a division of whole numbers in
+        // float (MobileViT's `ceil(h / patch)`) is rounded here in integers.
+        "Ceil" | "Floor" => {
+            let ceil = p.op_type() == "Ceil";
+            match quotient_operands(model, input(0)?) {
+                Some((a, b)) => {
+                    let (a, b) = (
+                        fold(model, dims_of, a, depth - 1)?,
+                        fold(model, dims_of, b, depth - 1)?,
+                    );
+                    elementwise(&[a, b], |v| match (&v[0], &v[1]) {
+                        (Dim::Known(x), Dim::Known(y)) => {
+                            rounded_quotient(*x, *y, ceil).map_or(Dim::Unknown, Dim::Known)
+                        }
+                        _ => Dim::Unknown,
+                    })?
+                }
+                None if float_valued(model, input(0)?, 16) => arg(0)?,
+                None => return None,
+            }
         }
         "Reshape" => {
             let x = arg(0)?;
@@ -263,6 +295,12 @@ fn fold(
             if p.op_type() == "Mod" && int_attr("fmod") == Some(1) {
                 return None;
             }
+            // Whole numbers in float: exact while float32 holds them; a Div only where it
+            // divides (its quotient is not whole otherwise), no Mod.
+            let float = float_valued(model, input(0)?, 16);
+            if float && p.op_type() == "Mod" {
+                return None;
+            }
             elementwise(&[arg(0)?, arg(1)?], |v| match (&v[0], &v[1]) {
                 (Dim::Known(x), Dim::Known(y)) => match p.op_type() {
                     "Add" => x.checked_add(*y),
@@ -275,9 +313,11 @@ fn fold(
                             true => r + y,
                             false => r,
                         }),
+                    _ if float => x.checked_rem(*y).filter(|r| *r == 0).and(x.checked_div(*y)),
                     // Integer Div truncates, as ONNX Runtime's kernel does.
                     _ => x.checked_div(*y),
                 }
+                .filter(|r| !float || r.abs() <= 1 << 24)
                 .map_or(Dim::Unknown, Dim::Known),
                 // A named size times or exactly over a number or a name (BLOOM's batch
                 // times its heads, and back): the product, by name.
@@ -314,6 +354,89 @@ fn fold(
         _ => return None,
     };
     (folded.values.len() <= MOST_ELEMENTS).then_some(folded)
+}
+
+/// The values of a float32 or float64 constant, when every one is a whole number that
+/// float32 holds exactly (the `2.0` of torch's `ceil(h / 2.0) * 2.0`).
+fn integral_floats(t: &crate::proto::TensorProto) -> Option<Vec<i64>> {
+    let values: Vec<f64> = match crate::data::Tensor::from_tensor_proto(t).ok()? {
+        crate::data::Tensor::F32(a) => a.iter().map(|x| f64::from(*x)).collect(),
+        crate::data::Tensor::F64(a) => a.iter().copied().collect(),
+        _ => return None,
+    };
+    values
+        .iter()
+        .map(|x| (x.fract() == 0.0 && x.abs() <= f64::from(1u32 << 24)).then_some(*x as i64))
+        .collect()
+}
+
+/// Whether `v` holds floats, as far as the ops that make small tensors tell: a float
+/// constant, a Cast to a float type, or an op whose result has its first input's type.
+fn float_valued(model: &Model, v: ValueId, depth: usize) -> bool {
+    let is_float = |t: i32| {
+        [
+            DataType::Float,
+            DataType::Double,
+            DataType::Float16,
+            DataType::Bfloat16,
+        ]
+        .iter()
+        .any(|f| *f as i32 == t)
+    };
+    if let Some(t) = constant_tensor(model, v) {
+        return is_float(t.data_type());
+    }
+    let ValueDef::Node { node, slot: 0 } = model.value(v).def else {
+        return false;
+    };
+    let n = model.node(node);
+    match n.proto.op_type() {
+        "Cast" => n
+            .proto
+            .attr_int("to")
+            .ok()
+            .flatten()
+            .is_some_and(|t| is_float(t as i32)),
+        "Add" | "Sub" | "Mul" | "Div" | "Ceil" | "Floor" | "Neg" | "Abs" | "Identity"
+        | "Reshape" | "Unsqueeze" | "Squeeze" | "Concat" | "Gather" | "Slice" => {
+            depth > 0
+                && n.inputs
+                    .first()
+                    .copied()
+                    .flatten()
+                    .is_some_and(|x| float_valued(model, x, depth - 1))
+        }
+        _ => false,
+    }
+}
+
+/// The operands of `v = Div(a, b)` in float, if that is what `v` is.
+fn quotient_operands(model: &Model, v: ValueId) -> Option<(ValueId, ValueId)> {
+    let ValueDef::Node { node, slot: 0 } = model.value(v).def else {
+        return None;
+    };
+    let n = model.node(node);
+    let (a, b) = (
+        n.inputs.first().copied().flatten()?,
+        n.inputs.get(1).copied().flatten()?,
+    );
+    (n.proto.op_type() == "Div" && n.proto.domain().is_empty() && float_valued(model, v, 16))
+        .then_some((a, b))
+}
+
+/// `⌈x / y⌉` or `⌊x / y⌋` of whole numbers, exactly (`None` for y = 0 or on overflow).
+fn rounded_quotient(x: i64, y: i64, ceil: bool) -> Option<i64> {
+    let q = x.checked_div(y)?;
+    let exact = x.checked_rem(y)? == 0;
+    // Truncation rounds towards zero: one more for a positive quotient's ceiling, one less
+    // for a negative quotient's floor.
+    let positive = (x < 0) == (y < 0);
+    Some(match (exact, ceil, positive) {
+        (true, ..) => q,
+        (false, true, true) => q + 1,
+        (false, false, false) => q - 1,
+        _ => q,
+    })
 }
 
 /// An elementwise op over folded operands of one length, or of length one (broadcast):
@@ -565,6 +688,78 @@ mod tests {
             .iter()
             .map(|d| d.known().unwrap())
             .collect()
+    }
+
+    /// MobileViT through torch's TorchScript exporter: the patch grid's height
+    /// `int(ceil(h / 2.0) * 2.0) / 2` in float arithmetic, h = 5 and 6 read from a shape.
+    #[test]
+    fn a_ceiling_of_a_float_division_folds_to_whole_numbers() {
+        let text = r#"
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1] x) => (int64[2] grid, int64[2] floor) {
+  hw = Constant<value = int64[2] {5, 6}>()
+  hf = Cast<to = 1>(hw)
+  two = Constant<value = float {2.0}>()
+  q = Div(hf, two)
+  up = Ceil(q)
+  padded = Mul(up, two)
+  whole = Cast<to = 7>(padded)
+  two_i = Constant<value = int64 {2}>()
+  grid = Div(whole, two_i)
+  down = Floor(q)
+  floor = Cast<to = 7>(down)
+}"#;
+        assert_eq!(folded(text, "grid"), [3, 3]);
+        assert_eq!(folded(text, "floor"), [2, 3]);
+    }
+
+    /// A float quotient that is not whole, a float remainder and a value float32 cannot
+    /// hold exactly are not folded (an integer Div truncates, and folds).
+    #[test]
+    fn float_values_fold_only_as_exact_whole_numbers() {
+        let text = r#"
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1] x) => (float[2] q, float[2] r, float[1] big, int64[2] t) {
+  hw = Constant<value = int64[2] {5, 6}>()
+  hf = Cast<to = 1>(hw)
+  two = Constant<value = float {2.0}>()
+  q = Div(hf, two)
+  r = Mod<fmod = 1>(hf, two)
+  huge = Constant<value = int64[1] {16777217}>()
+  big = Cast<to = 1>(huge)
+  two_i = Constant<value = int64 {2}>()
+  t = Div(hw, two_i)
+}"#;
+        let model = Model::from_proto(crate::ir::text::parse_model(text).unwrap());
+        let fold_of = |name| {
+            fold_dims(
+                &model,
+                &|_| None,
+                model.lookup(BodyId::MAIN, name).unwrap(),
+                16,
+            )
+        };
+        assert_eq!(fold_of("q"), Some(vec![Dim::Unknown, Dim::Known(3)]));
+        assert_eq!(fold_of("r"), None);
+        assert_eq!(fold_of("big"), None);
+        assert_eq!(folded(text, "t"), [2, 3]);
+    }
+
+    #[test]
+    fn rounded_quotients_of_every_sign() {
+        for (x, y, ceil, floor) in [
+            (7, 2, 4, 3),
+            (-7, 2, -3, -4),
+            (7, -2, -3, -4),
+            (-7, -2, 4, 3),
+            (6, 3, 2, 2),
+            (0, 5, 0, 0),
+        ] {
+            assert_eq!(rounded_quotient(x, y, true), Some(ceil), "ceil {x}/{y}");
+            assert_eq!(rounded_quotient(x, y, false), Some(floor), "floor {x}/{y}");
+        }
+        assert_eq!(rounded_quotient(1, 0, true), None);
+        assert_eq!(rounded_quotient(i64::MIN, -1, true), None);
     }
 
     /// torch's TorchScript export of `F.pad(x, [0, 1, 0, 1])` on a 4-D input (EfficientNet's

@@ -849,10 +849,9 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
             vec![with_dims(x.elem, dims)]
         }
         "Resize" => {
-            let dims = x
-                .dims
-                .as_ref()
-                .map(|d| super::rules::resize::output_dims(model, node, d));
+            let dims = x.dims.as_ref().map(|d| {
+                super::rules::resize::output_dims(model, node, d, &|v| shapes.get(v).dims)
+            });
             vec![with_dims(x.elem, dims)]
         }
         "LSTM" | "GRU" | "RNN" => {

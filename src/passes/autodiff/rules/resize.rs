@@ -114,6 +114,7 @@ fn plan(
     node: NodeId,
     x: &[Dim],
     y: Option<&[Dim]>,
+    dims_of: &dyn Fn(ValueId) -> Option<Vec<Dim>>,
 ) -> Result<Vec<AxisPlan>, String> {
     let n = model.node(node);
     let p = &n.proto;
@@ -143,10 +144,16 @@ fn plan(
         .and_then(|v| floats_of(model, v))
         .filter(|s| !s.is_empty());
     // Sizes a model computes keep the axes it does not resize as `Shape(X)` (MobileViT's
-    // `interpolate(size=...)`: the batch and channels, then constant H and W).
+    // `interpolate(size=...)`: the batch and channels, then constant H and W), and may read
+    // the sizes of other values (through the TorchScript exporter, the map it folds back to).
     let x_value = input(0);
     let sizes = input(3)
-        .and_then(|v| shape_value(model, v, &|s| (Some(s) == x_value).then(|| x.to_vec())))
+        .and_then(|v| {
+            shape_value(model, v, &|s| match Some(s) == x_value {
+                true => Some(x.to_vec()),
+                false => dims_of(s),
+            })
+        })
         .filter(|s| !s.is_empty());
     if input(3).is_some() && sizes.is_none() && scales.is_none() && y.is_none() {
         return Err("its sizes are not constant and its output shape is not known".into());
@@ -197,8 +204,13 @@ fn plan(
 
 /// The output dims for the shape facts: the input's, with each resized axis's new length,
 /// or unknown lengths of the same rank where the node does not tell them.
-pub fn output_dims(model: &Model, node: NodeId, x: &[Dim]) -> Vec<Dim> {
-    let Ok(plans) = plan(model, node, x, None) else {
+pub fn output_dims(
+    model: &Model,
+    node: NodeId,
+    x: &[Dim],
+    dims_of: &dyn Fn(ValueId) -> Option<Vec<Dim>>,
+) -> Vec<Dim> {
+    let Ok(plans) = plan(model, node, x, None, dims_of) else {
         return vec![Dim::Unknown; x.len()];
     };
     let mut dims = x.to_vec();
@@ -357,7 +369,10 @@ pub fn resize(
         )
     })?;
     let y_dims = cx.facts(y).dims;
-    let plans = plan(cx.model(), node, &x_dims, y_dims.as_deref()).map_err(|m| refuse(cx, m))?;
+    let plans = plan(cx.model(), node, &x_dims, y_dims.as_deref(), &|v| {
+        cx.facts(v).dims
+    })
+    .map_err(|m| refuse(cx, m))?;
     let antialias = cx.int_attr(node, "antialias", 0)? != 0;
     if antialias && s.mode != "nearest" && plans.iter().any(|a| a.output < a.input) {
         return Err(refuse(
