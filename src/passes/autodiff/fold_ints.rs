@@ -117,10 +117,10 @@ fn fold(
             let x = arg(0)?;
             // To an integer: the values are whole (a float folds only as whole numbers). To
             // float or double: whole numbers float32 holds exactly.
-            let exact = |most: i64| {
+            let exact = |most: u64| {
                 x.values
                     .iter()
-                    .all(|d| d.known().is_none_or(|k| k.abs() <= most))
+                    .all(|d| d.known().is_none_or(|k| k.unsigned_abs() <= most))
             };
             match to {
                 t if t == DataType::Int64 as i64 || t == DataType::Int32 as i64 => x,
@@ -317,7 +317,7 @@ fn fold(
                     // Integer Div truncates, as ONNX Runtime's kernel does.
                     _ => x.checked_div(*y),
                 }
-                .filter(|r| !float || r.abs() <= 1 << 24)
+                .filter(|r| !float || r.unsigned_abs() <= 1 << 24)
                 .map_or(Dim::Unknown, Dim::Known),
                 // A named size times or exactly over a number or a name (BLOOM's batch
                 // times its heads, and back): the product, by name.
@@ -719,7 +719,7 @@ g (float[1] x) => (int64[2] grid, int64[2] floor) {
     fn float_values_fold_only_as_exact_whole_numbers() {
         let text = r#"
 <ir_version: 8, opset_import: ["" : 17]>
-g (float[1] x) => (float[2] q, float[2] r, float[1] big, int64[2] t) {
+g (float[1] x) => (float[2] q, float[2] r, float[1] big, double[1] lowest, int64[2] t) {
   hw = Constant<value = int64[2] {5, 6}>()
   hf = Cast<to = 1>(hw)
   two = Constant<value = float {2.0}>()
@@ -727,6 +727,8 @@ g (float[1] x) => (float[2] q, float[2] r, float[1] big, int64[2] t) {
   r = Mod<fmod = 1>(hf, two)
   huge = Constant<value = int64[1] {16777217}>()
   big = Cast<to = 1>(huge)
+  least = Constant<value = int64[1] {-9223372036854775808}>()
+  lowest = Cast<to = 11>(least)
   two_i = Constant<value = int64 {2}>()
   t = Div(hw, two_i)
 }"#;
@@ -742,6 +744,7 @@ g (float[1] x) => (float[2] q, float[2] r, float[1] big, int64[2] t) {
         assert_eq!(fold_of("q"), Some(vec![Dim::Unknown, Dim::Known(3)]));
         assert_eq!(fold_of("r"), None);
         assert_eq!(fold_of("big"), None);
+        assert_eq!(fold_of("lowest"), None);
         assert_eq!(folded(text, "t"), [2, 3]);
     }
 
