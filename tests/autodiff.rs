@@ -74,13 +74,6 @@ fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
         .fold(0.0, f64::max)
 }
 
-fn first_rows(data: &BTreeMap<String, Tensor>, n: usize) -> BTreeMap<String, Tensor> {
-    let rows: Vec<usize> = (0..n).collect();
-    data.iter()
-        .map(|(k, v)| (k.clone(), v.rows(&rows)))
-        .collect()
-}
-
 const CE: &str = "autodiff(loss_fn=cross-entropy,ignore_index=-100),legalize-ort";
 const CE_LOOPS_KEPT: &str =
     "autodiff(loss_fn=cross-entropy,ignore_index=-100,loops=keep),legalize-ort";
@@ -120,19 +113,35 @@ fn torch_gradients_by(
     spec: &str,
     run: fn(&ModelProto, &BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor>,
 ) {
+    torch_gradients_of_rows(model, export, spec, run, 0..8, "grads");
+}
+
+/// [`torch_gradients_by`] on the samples `rows`, against torch's `REFERENCE.npz` (float32)
+/// and `REFERENCE64.npz` (float64) in fixtures/forward/MODEL/.
+fn torch_gradients_of_rows(
+    model: &str,
+    export: &str,
+    spec: &str,
+    run: fn(&ModelProto, &BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor>,
+    rows: std::ops::Range<usize>,
+    reference: &str,
+) {
     let path = forward_path(model, export);
     let graph = build(&path, spec);
     let data = read_npz(&root().join("graphs/forward").join(model).join("data.npz"));
     let fixtures = root().join("fixtures/forward").join(model);
-    let reference = match fixtures.join("grads.npz") {
+    let read = |name: String| match fixtures.join(&name) {
         p if p.exists() => read_npz(&p),
-        _ => read_npz(&fixtures.join(format!("{export}_grads.npz"))),
+        _ => read_npz(&fixtures.join(format!("{export}_{name}"))),
     };
-    let exact = match fixtures.join("grads64.npz") {
-        p if p.exists() => read_npz(&p),
-        _ => read_npz(&fixtures.join(format!("{export}_grads64.npz"))),
-    };
-    let out = run(&graph, &first_rows(&data, 8));
+    let exact = read(format!("{reference}64.npz"));
+    let reference = read(format!("{reference}.npz"));
+    let rows: Vec<usize> = rows.collect();
+    let batch: BTreeMap<String, Tensor> = data
+        .iter()
+        .map(|(k, v)| (k.clone(), v.rows(&rows)))
+        .collect();
+    let out = run(&graph, &batch);
     let loss_err = max_abs(&out["loss"], &reference["loss"]);
     // A model stored in half precision: its loss within one float16 rounding (2^-11,
     // relative) of torch's float64 loss on the same weights (ONNX Runtime's CPU provider
@@ -1085,6 +1094,51 @@ fn adamw_within_torch_rounding(model: &str, export: &str, normalize: &str) {
         worst > 0.0 && widened < 10,
         "{model}/{export}: worst {worst:e}, {widened} elements beyond 2e-6"
     );
+}
+
+/// `torch.cond` (ONNX If) on the data: the batch's mean input picks one of two experts.
+/// Rows [0, 8) take the then branch, rows [8, 16) the else branch: both branches' gradients
+/// against torch autograd's, by the If on the same condition `if_grad` builds.
+#[test]
+fn torch_cond_dynamo_gradients_then_branch() {
+    torch_gradients("torch_cond", "dynamo");
+}
+#[test]
+fn torch_cond_dynamo_gradients_else_branch() {
+    if !ort_available() {
+        return;
+    }
+    torch_gradients_of_rows("torch_cond", "dynamo", CE, run_ort, 8..16, "grads_else");
+    torch_gradients_of_rows("torch_cond", "dynamo", CE, run_tract, 8..16, "grads_else");
+}
+
+/// The branch is chosen per batch, so K micro-batches do not train like one batch of 4B:
+/// the reference is torch's own micro-batch loop (loss / K per micro-batch, backward
+/// accumulating, a step per window; the micro-batches of a window take both branches).
+#[test]
+fn torch_cond_equals_torch_micro_batch_loop() {
+    if !ort_available() {
+        return;
+    }
+    for (optimizer, reference) in [(SGD, "run_micro_sgd.npz"), (ADAMW, "run_micro_adamw.npz")] {
+        let spec = format!(
+            "autodiff(loss_fn=cross-entropy,grads=internal),grad-accum(steps=4,normalize=mean),{optimizer},legalize-ort,dce"
+        );
+        let step = build(&forward_path("torch_cond", "dynamo"), &spec);
+        let what = format!("torch_cond {optimizer}");
+        trains_like_torch(&step, "torch_cond", &what, 8, reference, &none);
+        // tract too (its Ifs but one per graph in one-step Scans: src/engine/tract_ifs.rs).
+        let options = onnx_ga::engine::ort::SessionOptions::default();
+        let tract = onnx_ga::train::Trainer::with_engine(
+            &step,
+            onnx_ga::engine::EngineKind::Tract,
+            &options,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let state = train_with(tract, "torch_cond", 8, 32);
+        let what = format!("torch_cond {optimizer} on tract");
+        matches_torch(&state, "torch_cond", &what, reference, &none, 2e-6);
+    }
 }
 
 /// BatchNorm: each micro-batch is normalised with its own statistics, so the reference is

@@ -35,7 +35,8 @@
 //! clear error naming the node instead of a gradient (never a panic): a ConvTranspose with
 //! `output_shape`, an einsum diagonal, Resize's tf_crop_and_resize, LSTM's sequence_lens,
 //! a scatter that multiplies, GatherND with batch_dims, an Attention with a cache or whose
-//! scores output is used, GridSample with reflection padding.
+//! scores output is used, GridSample with reflection padding, a Dropout inside an If
+//! branch.
 //!
 //! Every case also runs its forward model on ONNX Runtime and compares that loss with the
 //! gradient graph's (1e-12 relative in float64, 1e-5 in float32; Attention 1e-7, as
@@ -161,6 +162,11 @@
 //! hard_swish                                 f32  9.7e-5
 //! hardmax_carries_no_gradient                f32  3.9e-5
 //! identity                                   f64  4.9e-11
+//! if_decided_by_shapes_f64                   f64  1.9e-10
+//! if_on_data_else_branch                     f32  2.9e-4
+//! if_on_data_else_branch_f64                 f64  5.3e-10
+//! if_on_data_then_branch                     f32  5.9e-5
+//! if_on_data_then_branch_f64                 f64  2.1e-10
 //! instance_norm_1d                           f32  3.6e-4
 //! instance_norm_2d                           f32  1.9e-4
 //! layer_norm_all_outputs_axis1               f32  2.1e-4
@@ -2505,6 +2511,130 @@ fn grid_sample_reflection_padding_is_refused() {
                 &[x, g],
                 vec![attr_string("padding_mode", "reflection")],
             )]
+        },
+    );
+}
+
+/// An If node with condition `cond` and `outputs` outputs, and its two branches, empty.
+fn if_node(n: &mut Net, cond: ValueId, outputs: usize) -> (Vec<ValueId>, BodyId, BodyId) {
+    let outs = n.node("If", &[Some(cond)], outputs, vec![]);
+    let (node, _) = n.model.producer(outs[0]).unwrap();
+    let then = n.model.add_subgraph(node, "then_branch");
+    let otherwise = n.model.add_subgraph(node, "else_branch");
+    (outs, then, otherwise)
+}
+
+/// An If on data (`torch.cond`): the condition `ReduceSum(X) > 0` is known only at run
+/// time, so the If stays and `if_grad` differentiates it; `positive` picks the sign of X's
+/// values and so the branch taken. X [2, 3] is read by both branches and after the If; W
+/// only by the then branch, V only by the else branch (the other's gradient is zeros).
+/// Two outputs: then `(Tanh(X·W) + c, X ⊙ X)` with `c` an initializer of the branch; else
+/// `(Sigmoid(X·V) ⊙ X, X)`, the second the outer value itself through an Identity.
+fn if_on_data_case(n: &mut Net, positive: bool) -> Vec<ValueId> {
+    let (lo, hi) = if positive { (0.1, 1.0) } else { (-1.0, -0.1) };
+    let x = n.param("X", &[2, 3], lo, hi);
+    let w = n.param("W", &[3, 3], -0.8, 0.8);
+    let v = n.param("V", &[3, 3], -0.8, 0.8);
+    let sum = n.op("ReduceSum", &[x], vec![attr_int("keepdims", 0)]);
+    let zero = n.konst("zero", &[], &[0.0]);
+    let cond = n.op("Greater", &[sum, zero], vec![]);
+    let (outs, then, otherwise) = if_node(n, cond, 2);
+    let c = n.tensor(&[3], &[0.5, -0.25, 0.125]);
+    let m = &mut n.model;
+    let c = m.add_initializer(then, "c", c);
+    let mut tb = Builder::new(m, then, "test");
+    let xw = tb.op("MatMul", &[x, w], vec![], "xw");
+    let t = tb.op("Tanh", &[xw], vec![], "t");
+    let y0 = tb.op("Add", &[t, c], vec![], "then_y0");
+    let y1 = tb.op("Mul", &[x, x], vec![], "then_y1");
+    m.add_output(then, y0, None);
+    m.add_output(then, y1, None);
+    let mut eb = Builder::new(m, otherwise, "test");
+    let xv = eb.op("MatMul", &[x, v], vec![], "xv");
+    let s = eb.op("Sigmoid", &[xv], vec![], "s");
+    let y0 = eb.op("Mul", &[s, x], vec![], "else_y0");
+    let y1 = eb.op("Identity", &[x], vec![], "else_y1");
+    m.add_output(otherwise, y0, None);
+    m.add_output(otherwise, y1, None);
+    let after = n.op("Mul", &[outs[0], x], vec![]);
+    vec![after, outs[1]]
+}
+
+/// An If the shape facts decide (`Gather(Shape(X), 0) > 1`, TorchScript's shape checks): it
+/// is replaced by its then branch before differentiation (no If is left in the gradient
+/// graph: `if_decided_by_shapes_is_inlined`).
+fn if_decided_by_shapes_case(n: &mut Net) -> Vec<ValueId> {
+    let x = n.param("X", &[2, 3], -1.0, 1.0);
+    let w = n.param("W", &[3, 3], -0.8, 0.8);
+    let shape = n.op("Shape", &[x], vec![]);
+    let zero = n.ints("zero", &[], &[0]);
+    let rows = n.op("Gather", &[shape, zero], vec![]);
+    let one = n.ints("one", &[], &[1]);
+    let cond = n.op("Greater", &[rows, one], vec![]);
+    let (outs, then, otherwise) = if_node(n, cond, 1);
+    let m = &mut n.model;
+    let mut tb = Builder::new(m, then, "test");
+    let xw = tb.op("MatMul", &[x, w], vec![], "xw");
+    let y = tb.op("Tanh", &[xw], vec![], "then_y");
+    m.add_output(then, y, None);
+    let mut eb = Builder::new(m, otherwise, "test");
+    let y = eb.op("Neg", &[x], vec![], "else_y");
+    m.add_output(otherwise, y, None);
+    outs
+}
+
+cases! {
+    // ---- If: on data (if_grad: an If on the same condition), and decided by the shapes
+    if_on_data_then_branch_f64: 17, F64 => |n| if_on_data_case(n, true);
+    if_on_data_else_branch_f64: 17, F64 => |n| if_on_data_case(n, false);
+    if_on_data_then_branch: 17, F32 => |n| if_on_data_case(n, true);
+    if_on_data_else_branch: 17, F32 => |n| if_on_data_case(n, false);
+    if_decided_by_shapes_f64: 17, F64 => if_decided_by_shapes_case;
+}
+
+/// The If whose condition the shapes decide leaves no If in the gradient graph.
+#[test]
+fn if_decided_by_shapes_is_inlined() {
+    let mut net = Net::new(17, F64, 1);
+    let ys = if_decided_by_shapes_case(&mut net);
+    net.output_dims = Some(vec![vec![2, 3]]);
+    let (forward, _) = net.finish(&ys);
+    let graph = onnx_ga::signature::forward(forward, Path::new("case.onnx"));
+    let step = onnx_ga::step::build_step(graph, PIPELINE, true).unwrap_or_else(|e| panic!("{e}"));
+    let ifs = step
+        .model
+        .all_nodes()
+        .filter(|n| step.model.node(*n).proto.op_type() == "If")
+        .count();
+    assert_eq!(ifs, 0, "the decided If was inlined");
+    let kept = step
+        .model
+        .all_nodes()
+        .any(|n| step.model.node(n).proto.op_type() == "Tanh");
+    assert!(kept, "the then branch's Tanh is in the graph");
+}
+
+/// A branch that draws random numbers cannot be recomputed by the backward: refused, the
+/// error naming the If, the Dropout and why.
+#[test]
+fn if_with_dropout_in_a_branch_is_refused() {
+    check_error(
+        "if_with_dropout_in_a_branch_is_refused",
+        17,
+        F64,
+        "holds Dropout",
+        |n| {
+            let x = n.param("X", &[2, 3], 0.1, 1.0);
+            let sum = n.op("ReduceSum", &[x], vec![attr_int("keepdims", 0)]);
+            let zero = n.konst("zero", &[], &[0.0]);
+            let cond = n.op("Greater", &[sum, zero], vec![]);
+            let (outs, then, otherwise) = if_node(n, cond, 1);
+            let m = &mut n.model;
+            let y = Builder::new(m, then, "test").op("Dropout", &[x], vec![], "dropped");
+            m.add_output(then, y, None);
+            let y = Builder::new(m, otherwise, "test").op("Neg", &[x], vec![], "negated");
+            m.add_output(otherwise, y, None);
+            outs
         },
     );
 }

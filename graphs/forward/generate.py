@@ -495,6 +495,31 @@ class RecurrentClassifier(nn.Module):
         return self.head(last[0])
 
 
+class CondMLP(nn.Module):
+    """An MLP whose hidden layer goes through one of two experts, chosen per batch by a
+    condition on the data (`torch.cond`: ONNX If, both branches reading the parameters of the
+    enclosing graph): tanh(a(h)) where the batch's mean input is positive, sigmoid(b(h)) * h
+    otherwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+
+        def then(h):
+            return torch.tanh(self.a(h))
+
+        def otherwise(h):
+            return torch.sigmoid(self.b(h)) * h
+
+        return self.out(torch.cond(x.mean() > 0, then, otherwise, (h,)))
+
+
 def make_data_bert(rng):
     idx = rng.integers(1, 32, size=(N_SAMPLES, 8)).astype(np.int64)
     pads = rng.integers(0, 5, size=N_SAMPLES)  # 0..4 trailing pad tokens (id 0) per row
@@ -515,6 +540,19 @@ def make_data_bert_masked(rng):
 def make_data_mlp(rng):
     return {
         "x": rng.standard_normal((N_SAMPLES, 16)).astype(np.float32),
+        "labels": rng.integers(0, 10, size=N_SAMPLES).astype(np.int64),
+    }
+
+
+def make_data_cond(rng):
+    """make_data_mlp's shapes, each block of 8 rows shifted by +-0.4 (+ - - + + - + -), so that
+    a micro-batch of 8 takes CondMLP's then branch or its else branch by a wide margin (the
+    mean of 128 values of N(0.4, 1): 4.5 standard deviations from 0). Rows [0, 8) take the
+    then branch, [8, 16) the else branch."""
+    x = rng.standard_normal((N_SAMPLES, 16)).astype(np.float32)
+    signs = np.repeat(np.array([1, -1, -1, 1, 1, -1, 1, -1], dtype=np.float32), 8)
+    return {
+        "x": (x + 0.4 * signs[:, None]).astype(np.float32),
         "labels": rng.integers(0, 10, size=N_SAMPLES).astype(np.int64),
     }
 
@@ -618,6 +656,12 @@ MODELS = {
                     desc="Hugging Face transformers BertForSequenceClassification: vocab 32, d 16, "
                          "2 layers, 2 heads, two inputs (token ids and the attention mask, 0 "
                          "on the padding), sdpa attention, pooler, 3 classes"),
+    "torch_cond": dict(make=CondMLP, seed=14, input="x", data=make_data_cond, batch=32,
+                       runs=False, legacy=False, micro=("sgd", "adamw"), else_rows=True,
+                       runs_skipped="the branch is chosen per batch: K micro-batches of 8 "
+                                    "cannot equal one batch of 32; see micro",
+                       desc="Linear(16,32) -> ReLU -> torch.cond(x.mean() > 0, tanh(Linear(32,32)), "
+                            "sigmoid(Linear(32,32)) * h) -> Linear(32,10); dynamo only (ONNX If)"),
     "torch_rnn": dict(make=RecurrentClassifier, seed=7, input="idx", data=make_data_bert, batch=16,
                       runs=True,
                       desc="sequence classifier: Embedding(32, 12) -> 2-layer bidirectional "
@@ -780,12 +824,12 @@ def step_inputs(data, names, batch, t, dtype=torch.float32):
     return to_inputs(data, (np.arange(batch) + batch * t) % N_SAMPLES, names, dtype)
 
 
-def grads_ref(model, mapping, data, names, dtype):
+def grads_ref(model, mapping, data, names, dtype, rows=slice(0, GRAD_SAMPLES)):
     m = copy.deepcopy(model)
     if dtype == torch.float64:
         m = m.double()
     m.train()
-    x, y = to_inputs(data, slice(0, GRAD_SAMPLES), names, dtype)
+    x, y = to_inputs(data, rows, names, dtype)
     loss = loss_fn(m(*x), y)
     loss.backward()
     out = {"loss": loss.detach().numpy()}
@@ -811,9 +855,10 @@ def run_full(model, mapping, data, names, opt_name, batch, dtype=torch.float32):
     return {o: p.detach().numpy().copy() for o, p in trainable(m, mapping)}, losses
 
 
-def run_micro_sgd(model, mapping, data, names, k=4, micro=8):
+def run_micro_sgd(model, mapping, data, names, k=4, micro=8, opt_name="sgd"):
     m = copy.deepcopy(model).train()
-    opt = torch.optim.SGD([p for _, p in m.named_parameters()], **SGD)
+    params = [p for _, p in m.named_parameters()]
+    opt = torch.optim.SGD(params, **SGD) if opt_name == "sgd" else torch.optim.AdamW(params, **ADAMW)
     window = k * micro
     opt.zero_grad(set_to_none=True)
     for t in range(STEPS):
@@ -1041,6 +1086,17 @@ def generate(name: str, spec: dict) -> dict:
                                      torch.float64)
                 save_npz(os.path.join(fdir, f"{prefix}run_adamw64.npz"), params)
                 files["run_adamw64"] = f"{prefix}run_adamw64.npz"
+        if spec.get("else_rows"):
+            # rows [8, 16): the else branch of the condition on the data
+            rows = slice(GRAD_SAMPLES, 2 * GRAD_SAMPLES)
+            for suffix, dtype in (("", torch.float32), ("64", torch.float64)):
+                g = grads_ref(model, mapping, data, names, dtype, rows)
+                save_npz(os.path.join(fdir, f"{prefix}grads_else{suffix}.npz"), g)
+                files[f"grads_else{suffix}"] = f"{prefix}grads_else{suffix}.npz"
+        for opt_name in spec.get("micro", ()):
+            params, _, _ = run_micro_sgd(model, mapping, data, names, opt_name=opt_name)
+            save_npz(os.path.join(fdir, f"{prefix}run_micro_{opt_name}.npz"), params)
+            files[f"run_micro_{opt_name}"] = f"{prefix}run_micro_{opt_name}.npz"
         if name == "torch_cnn":
             params, stats, tracked = run_micro_sgd(model, mapping, data, names)
             save_npz(os.path.join(fdir, f"{prefix}run_micro_sgd.npz"), params)
@@ -1110,8 +1166,21 @@ def generate(name: str, spec: dict) -> dict:
             meta["runs"]["note"] = ("full batch of 16 samples (not 32) per step; "
                                     "K=4 micro-batches of 4 sequences is the matching accumulation")
     else:
-        meta["runs"] = {"skipped": "BatchNorm: K micro-batches cannot equal one full batch "
-                                   "(batch statistics differ); see micro"}
+        meta["runs"] = {"skipped": spec.get(
+            "runs_skipped", "BatchNorm: K micro-batches cannot equal one full batch "
+                            "(batch statistics differ); see micro")}
+    if spec.get("micro"):
+        meta["micro"] = {
+            "windows": STEPS, "K": 4, "micro_batch": 8, "optimizers": list(spec["micro"]),
+            "sampling": "window t, micro-batch j takes samples (arange(8) + 32*t + 8*j) mod 64",
+            "loop": "per micro-batch: (mean CE / K).backward() accumulating .grad; after the K-th: "
+                    "optimizer.step(), optimizer.zero_grad()",
+            "sgd": {"torch": "torch.optim.SGD", **SGD},
+            "adamw": {"torch": "torch.optim.AdamW", **{k: list(v) if isinstance(v, tuple) else v
+                                                      for k, v in ADAMW.items()}},
+            "why": "the branch is chosen per batch: K micro-batches of 8 take their own branches, "
+                   "a batch of 32 one, so only torch's own micro-batch loop is the reference",
+        }
     if name == "torch_cnn":
         meta["micro"] = {
             "windows": STEPS, "K": 4, "micro_batch": 8,

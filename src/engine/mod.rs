@@ -9,6 +9,7 @@ pub mod ort;
 mod ort_ops;
 #[cfg(feature = "tract")]
 pub mod tract;
+mod tract_ifs;
 
 use crate::data::Tensor;
 use crate::proto::ModelProto;

@@ -74,6 +74,8 @@ impl TractSession {
                 None => defaults.push(None),
             }
         }
+        // tract types an If by its then branch and names every If node "If" (tract_ifs).
+        super::tract_ifs::ifs_for_tract(&mut stripped);
         let bytes = crate::model::encode_model(&stripped);
         if let Some(message) = crate::model::too_large_to_parse(bytes.len()) {
             return Err(EngineError::Tract {

@@ -346,6 +346,46 @@ fn fold(
             }
             _ => Dim::Unknown,
         })?,
+        // Comparisons and logic fold to 1 and 0 as Equal does: an If's condition on shapes
+        // (TorchScript's `if x.dim() == 4`) decides its branch before the run.
+        "Less" | "Greater" | "LessOrEqual" | "GreaterOrEqual" => {
+            let op = p.op_type();
+            elementwise(&[arg(0)?, arg(1)?], |v| match (&v[0], &v[1]) {
+                (Dim::Known(x), Dim::Known(y)) => Dim::Known(match op {
+                    "Less" => x < y,
+                    "Greater" => x > y,
+                    "LessOrEqual" => x <= y,
+                    _ => x >= y,
+                } as i64),
+                _ => Dim::Unknown,
+            })?
+        }
+        "Not" => elementwise(&[arg(0)?], |v| match v[0] {
+            Dim::Known(x) => Dim::Known((x == 0) as i64),
+            _ => Dim::Unknown,
+        })?,
+        "And" | "Or" | "Xor" => {
+            let op = p.op_type();
+            elementwise(&[arg(0)?, arg(1)?], |v| match (&v[0], &v[1]) {
+                (Dim::Known(x), Dim::Known(y)) => {
+                    let (x, y) = (*x != 0, *y != 0);
+                    Dim::Known(match op {
+                        "And" => x && y,
+                        "Or" => x || y,
+                        _ => x != y,
+                    } as i64)
+                }
+                _ => Dim::Unknown,
+            })?
+        }
+        // The element count: the product of the dims (by name where names take part).
+        "Size" => {
+            let d = dims_of(input(0)?)?;
+            Folded {
+                values: vec![super::shapes::product(&d)],
+                shape: Some(Vec::new()),
+            }
+        }
         "Where" => elementwise(&[arg(0)?, arg(1)?, arg(2)?], |v| match v[0] {
             Dim::Known(0) => v[2].clone(),
             Dim::Known(_) => v[1].clone(),
@@ -711,6 +751,51 @@ g (float[1] x) => (int64[2] grid, int64[2] floor) {
 }"#;
         assert_eq!(folded(text, "grid"), [3, 3]);
         assert_eq!(folded(text, "floor"), [2, 3]);
+    }
+
+    /// An If's condition on shapes (TorchScript's `if x.dim() == 4 and x.size(0) > 1`):
+    /// comparisons, logic and Size fold to 1 and 0; a boolean constant reads as 1 and 0.
+    #[test]
+    fn comparisons_logic_and_sizes_fold_to_ones_and_zeros() {
+        let text = r#"
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[2,3,4,5] x) => (bool four_d, bool wide, bool either, bool neither, int64 n) {
+  s = Shape(x)
+  rank = Size(s)
+  four = Constant<value = int64 {4}>()
+  four_d = Equal(rank, four)
+  zero = Constant<value = int64 {0}>()
+  rows = Gather(s, zero)
+  one = Constant<value = int64 {1}>()
+  many = Greater(rows, one)
+  few = LessOrEqual(rows, one)
+  wide = And(four_d, many)
+  yes = Constant<value = bool {1}>()
+  either = Or(few, yes)
+  neither = Not(either)
+  n = Size(x)
+}"#;
+        let model = Model::from_proto(crate::ir::text::parse_model(text).unwrap());
+        // The dims the shape facts give: x's, and its shape's (a vector of 4).
+        let (x, s) = (
+            model.lookup(BodyId::MAIN, "x").unwrap(),
+            model.lookup(BodyId::MAIN, "s").unwrap(),
+        );
+        let dims_of = |v: ValueId| match v {
+            v if v == x => Some([2, 3, 4, 5].into_iter().map(Dim::Known).collect()),
+            v if v == s => Some(vec![Dim::Known(4)]),
+            _ => None,
+        };
+        let fold_of = |name| {
+            let v = model.lookup(BodyId::MAIN, name).unwrap();
+            fold_dims(&model, &dims_of, v, 16)
+                .and_then(|d| d.iter().map(Dim::known).collect::<Option<Vec<i64>>>())
+        };
+        assert_eq!(fold_of("four_d"), Some(vec![1]));
+        assert_eq!(fold_of("wide"), Some(vec![1]));
+        assert_eq!(fold_of("either"), Some(vec![1]));
+        assert_eq!(fold_of("neither"), Some(vec![0]));
+        assert_eq!(fold_of("n"), Some(vec![120]));
     }
 
     /// A float quotient that is not whole, a float remainder and a value float32 cannot

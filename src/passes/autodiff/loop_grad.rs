@@ -28,11 +28,11 @@ use std::collections::{HashMap, HashSet};
 
 use crate::ir::builder::{tensor_bool, Builder, NodeAttributes};
 use crate::ir::emit::Emit;
-use crate::ir::{topological_order, Model, NodeId, ValueDef, ValueId};
+use crate::ir::{topological_order, Model, NodeId, ValueId};
 use crate::passes::PassError;
 use crate::proto::elem::{BOOL, INT32, INT64};
 
-use super::loop_parts::{copy_node, LoopParts};
+use super::loop_parts::{computed_here, recompute, LoopParts};
 use super::rules::Grad;
 use super::shapes::{stacked, type_of_facts, Facts};
 use super::{is_float, PASS};
@@ -409,7 +409,7 @@ impl Step<'_> {
                 }
             }
         }
-        self.recompute(g, &mut copies);
+        recompute(g, self.parts.body, &mut copies);
 
         // The seeds: the carried gradients at the iteration's end, the scan outputs'
         // gradients at step t.
@@ -457,7 +457,7 @@ impl Step<'_> {
             };
             let hint = format!("{}_grad_prev", g.model().name(like));
             let out = match grad {
-                Some(gr) => self.local(g, gr, &hint),
+                Some(gr) => computed_here(g, gr, &hint),
                 None => g.zeros_like(n, *d_in, &hint)?,
             };
             let facts = g.facts(like);
@@ -477,7 +477,7 @@ impl Step<'_> {
         for (read, step) in self.step_reads.iter().zip(&steps_read) {
             let hint = format!("{}_grad", g.model().name(*step));
             let grad = match sums.next().flatten() {
-                Some(gr) => self.local(g, gr, &hint),
+                Some(gr) => computed_here(g, gr, &hint),
                 None => g.zeros_like(n, *step, &hint)?,
             };
             let facts = g.facts(*step);
@@ -500,44 +500,5 @@ impl Step<'_> {
             g.b.model.add_output(body, position, type_of_facts(&facts));
         }
         Ok(())
-    }
-
-    /// `v` as a value a node of this body computes (a body output must be one here: an
-    /// input of the body or an outer value is passed through an Identity).
-    fn local(&self, g: &mut Grad<'_>, v: ValueId, hint: &str) -> ValueId {
-        let here = matches!(g.model().value(v).def, ValueDef::Node { node, .. } if g.model().node(node).body == g.b.body);
-        match here {
-            true => v,
-            false => g.op_like("Identity", &[v], vec![], hint, v),
-        }
-    }
-
-    /// The forward body's nodes, copied into this body reading `copies` of its inputs (its
-    /// initializers copied too); `copies` gains every value they compute.
-    fn recompute(&self, g: &mut Grad<'_>, copies: &mut HashMap<ValueId, ValueId>) {
-        let forward = self.parts.body;
-        let body = g.b.body;
-        let initializers = g.model().body(forward).initializers.clone();
-        for (v, t) in initializers {
-            let name = g.model().name(v).to_string();
-            let copy = g.b.model.add_initializer(body, &name, t);
-            let facts = g.facts(v);
-            g.shapes.set(copy, facts);
-            copies.insert(v, copy);
-        }
-        for node in topological_order(g.model(), forward) {
-            let inputs: Vec<Option<ValueId>> = g
-                .model()
-                .node(node)
-                .inputs
-                .iter()
-                .map(|v| v.map(|v| copies.get(&v).copied().unwrap_or(v)))
-                .collect();
-            for (original, copy) in copy_node(&mut g.b, node, &inputs) {
-                let facts = g.facts(original);
-                g.shapes.set(copy, facts);
-                copies.insert(original, copy);
-            }
-        }
     }
 }

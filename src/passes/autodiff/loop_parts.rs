@@ -149,3 +149,48 @@ pub fn copy_node(
     }
     pairs
 }
+
+/// The nodes of `forward` (a Loop body, an If branch) copied into the body `g` builds in,
+/// its initializers too, each reading the copy of what it read where `copies` has one;
+/// `copies` gains every value they compute. The backward of a kept Loop and of an If
+/// recompute their forward this way.
+pub fn recompute(
+    g: &mut super::rules::Grad<'_>,
+    forward: crate::ir::BodyId,
+    copies: &mut std::collections::HashMap<ValueId, ValueId>,
+) {
+    let body = g.b.body;
+    let initializers = g.model().body(forward).initializers.clone();
+    for (v, t) in initializers {
+        let name = g.model().name(v).to_string();
+        let copy = g.b.model.add_initializer(body, &name, t);
+        let facts = g.facts(v);
+        g.shapes.set(copy, facts);
+        copies.insert(v, copy);
+    }
+    for node in crate::ir::topological_order(g.model(), forward) {
+        let inputs: Vec<Option<ValueId>> = g
+            .model()
+            .node(node)
+            .inputs
+            .iter()
+            .map(|v| v.map(|v| copies.get(&v).copied().unwrap_or(v)))
+            .collect();
+        for (original, copy) in copy_node(&mut g.b, node, &inputs) {
+            let facts = g.facts(original);
+            g.shapes.set(copy, facts);
+            copies.insert(original, copy);
+        }
+    }
+}
+
+/// `v` as a value a node of the body `g` builds in computes (a body output must be one
+/// here: an input of the body or an outer value passes through an Identity).
+pub fn computed_here(g: &mut super::rules::Grad<'_>, v: ValueId, hint: &str) -> ValueId {
+    let here = matches!(g.model().value(v).def,
+        crate::ir::ValueDef::Node { node, .. } if g.model().node(node).body == g.b.body);
+    match here {
+        true => v,
+        false => g.op_like("Identity", &[v], vec![], hint, v),
+    }
+}

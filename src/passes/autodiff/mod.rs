@@ -16,6 +16,11 @@
 //!             for the inputs X_i that depend on some parameter
 //! ```
 //!
+//! Control flow: a Loop is unrolled where its trip count is known before the run, else
+//! differentiated by a Loop running backwards (`loop_grad`); an If is replaced by its branch
+//! where the shape facts decide the condition, else differentiated by an If on the same
+//! condition (`if_grad`).
+//!
 //! Only nodes on a path from a parameter to the loss are differentiated; a gradient that
 //! reaches no parameter is never built. Shape computations (integer tensors, `Shape`,
 //! `Range`, comparisons) carry no gradient and are left alone. An op on such a path
@@ -25,6 +30,7 @@
 mod expand_attention;
 mod fold_ints;
 pub mod half_model;
+mod if_grad;
 mod loop_grad;
 mod loop_parts;
 mod loss_fn;
@@ -343,6 +349,27 @@ impl Pass for Autodiff {
                 first_few(&loops)
             ));
         }
+        if !differentiated.decided_ifs.is_empty() {
+            let ifs: Vec<String> = differentiated
+                .decided_ifs
+                .iter()
+                .map(|(name, branch)| format!("{name} ({})", branch.attribute()))
+                .collect();
+            report.notes.push(format!(
+                "{} If{} decided by the shapes before the run, replaced by the branch taken: {}",
+                ifs.len(),
+                if ifs.len() == 1 { "" } else { "s" },
+                first_few(&ifs)
+            ));
+        }
+        if !differentiated.kept_ifs.is_empty() {
+            report.notes.push(format!(
+                "{} If{} on data kept, differentiated by an If on the same condition (the branch taken recomputed in the backward): {}",
+                differentiated.kept_ifs.len(),
+                if differentiated.kept_ifs.len() == 1 { "" } else { "s" },
+                first_few(&differentiated.kept_ifs)
+            ));
+        }
         if differentiated.half_masters > 0 || !differentiated.half_inputs.is_empty() {
             let inputs = match differentiated.half_inputs.as_slice() {
                 [] => String::new(),
@@ -549,6 +576,11 @@ pub struct Differentiated {
     /// Loops left as Loops (`loop_grad` differentiates them): name and why they were not
     /// unrolled.
     pub kept_loops: Vec<(String, String)>,
+    /// Ifs whose condition the shape facts decide, replaced by the branch they take: name
+    /// and branch.
+    pub decided_ifs: Vec<(String, crate::ir::inline::Branch)>,
+    /// Ifs on data left as Ifs (`if_grad` differentiates those the gradient passes).
+    pub kept_ifs: Vec<String>,
     /// Half-precision parameters made float32 masters, and half data inputs made float32
     /// (`half_model`).
     pub half_masters: usize,
@@ -747,7 +779,7 @@ pub fn append_loss(model: &mut Model, spec: &LossSpec) -> Result<(ValueId, Value
 }
 
 /// The gradient rule of node `n`, which the gradient of some parameter (`origin`) must
-/// pass, or `None` for a Loop `loop_grad` differentiates; an error naming the node, the op
+/// pass, or `None` for a Loop or an If (`loop_grad`, `if_grad`); an error naming the node, the op
 /// and that parameter when there is neither.
 fn check_rule(
     model: &Model,
@@ -765,13 +797,18 @@ fn check_rule(
         .find_map(|v| origin.get(&v))
         .map(|p| model.name(*p).to_string())
         .unwrap_or_default();
-    if loop_parts::is_loop(model, n) {
-        return match loop_grad::why_not(model, n) {
+    let control_flow = match (loop_parts::is_loop(model, n), if_grad::is_if(model, n)) {
+        (true, _) => Some(("Loop", loop_grad::why_not(model, n))),
+        (false, true) => Some(("If", if_grad::why_not(model, n))),
+        (false, false) => None,
+    };
+    if let Some((op, why_not)) = control_flow {
+        return match why_not {
             None => Ok(None),
             Some(why) => Err(rules::node_error(
                 model,
                 n,
-                format!("parameter '{param}' needs the gradient through this Loop, and it has none: {why}"),
+                format!("parameter '{param}' needs the gradient through this {op}, and it has none: {why}"),
             )),
         };
     }
@@ -837,6 +874,14 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
                 LoopMode::Unroll => unroll_loop::why_not(model, n).unwrap_or_default(),
             };
             (name, why)
+        })
+        .collect();
+    let kept_ifs: Vec<String> = model
+        .body_nodes(main)
+        .filter(|n| if_grad::is_if(model, *n))
+        .map(|n| match model.node(n).proto.name() {
+            "" => "If".to_string(),
+            name => name.to_string(),
         })
         .collect();
     // A model stored in half precision: float32 data in (`half_model`).
@@ -1043,6 +1088,8 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
         batch_norms: normalized.batch_norms,
         unrolled_loops: normalized.loops,
         kept_loops,
+        decided_ifs: normalized.ifs,
+        kept_ifs,
         half_masters,
         half_inputs,
     })
@@ -1133,6 +1180,15 @@ pub fn backward(
     }
     Ok(grad_values)
 }
+
+/// The gradient of a node holding a body (`loop_grad`, `if_grad`): the contributions to
+/// the values it reads, its body's captures included, as (value, contribution) pairs.
+type ControlFlowRule = fn(
+    &mut Grad<'_>,
+    NodeId,
+    &[Option<ValueId>],
+    &dyn Fn(ValueId) -> bool,
+) -> Result<Vec<(ValueId, ValueId)>, PassError>;
 
 /// The reverse sweep over the body `cx` builds in: from `seeds` (a value and its gradient),
 /// the gradient of each of `targets` (values of that body or of an enclosing one), the sum of
@@ -1228,8 +1284,16 @@ pub(crate) fn sweep(
             .iter()
             .map(|o| o.and_then(|v| sum_contributions(cx, v, contributions.remove(&v))))
             .collect();
-        if loop_parts::is_loop(cx.model(), n) {
-            let grads = loop_grad::gradients(cx, n, &dys, &|v| origin.contains_key(&v))?;
+        let control_flow = match (
+            loop_parts::is_loop(cx.model(), n),
+            if_grad::is_if(cx.model(), n),
+        ) {
+            (true, _) => Some(loop_grad::gradients as ControlFlowRule),
+            (false, true) => Some(if_grad::gradients as ControlFlowRule),
+            (false, false) => None,
+        };
+        if let Some(gradients) = control_flow {
+            let grads = gradients(cx, n, &dys, &|v| origin.contains_key(&v))?;
             for (input, g) in grads {
                 contributions.entry(input).or_default().push(g);
             }

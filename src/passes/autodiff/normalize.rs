@@ -17,6 +17,8 @@
 //!   forward draws is reused by the backward), or is removed (`--dropout off`).
 //! - **SplitToSequence + SequenceAt** at constant positions (what the torch exporter writes
 //!   for `x.split(n)`) become one `Split`, so no sequence reaches the gradient.
+//! - **If** with a condition known before the run (shape arithmetic the facts fold) is
+//!   replaced by the branch it takes; one on data stays, and `if_grad` differentiates it.
 //! - **Loop** with a trip count known before the run is unrolled first (`unroll_loop`:
 //!   tf2onnx's Keras SimpleRNN and GRU), so what its body holds is normalised like the rest.
 //! - **LSTM, GRU, RNN** are unrolled into their cell equations over the (known) sequence
@@ -29,11 +31,12 @@
 use std::collections::HashMap;
 
 use crate::ir::builder::{attr_float, attr_int, tensor_bool, Builder, NodeAttributes};
+use crate::ir::inline::Branch;
 use crate::ir::{BodyId, Model, NodeId, Use, ValueId};
 use crate::passes::PassError;
 
 use super::rules::node_error;
-use super::shapes::{constant_ints, Facts};
+use super::shapes::{constant_ints, known_ints, Facts};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DropoutMode {
@@ -86,6 +89,8 @@ pub struct Normalized {
     pub attention: usize,
     /// Loops unrolled: name and trip count.
     pub loops: Vec<(String, usize)>,
+    /// Ifs the shape facts decide, replaced by the branch they take: name and branch.
+    pub ifs: Vec<(String, Branch)>,
 }
 
 pub fn normalize(
@@ -95,12 +100,17 @@ pub fn normalize(
     pass: &'static str,
 ) -> Result<Normalized, PassError> {
     let mut out = Normalized {
+        ifs: inline_decided_ifs(model)?,
         loops: match loops {
             LoopMode::Unroll => unroll_loops(model, pass)?,
             LoopMode::Keep => Vec::new(),
         },
         ..Default::default()
     };
+    // An unrolled Loop's body may have held an If the unrolled iteration decides.
+    if !out.loops.is_empty() {
+        out.ifs.extend(inline_decided_ifs(model)?);
+    }
     let nodes: Vec<NodeId> = model.body_nodes(BodyId::MAIN).collect();
     let inputs = computed_statistics_inputs(model, &nodes);
     for node in nodes {
@@ -144,6 +154,42 @@ pub fn normalize(
         |model, node, shapes| super::expand_attention::expand(model, node, shapes, pass),
     )?;
     Ok(out)
+}
+
+/// Replaces every If of the main graph whose condition is known before the run (shape
+/// arithmetic: TorchScript's `if x.dim() == 4`, an exporter's check of a size) by the branch
+/// it takes, until none is left (an inlined branch may hold Ifs of its own); each one's name
+/// and branch. One that is not stays, differentiated by `if_grad`.
+fn inline_decided_ifs(model: &mut Model) -> Result<Vec<(String, Branch)>, PassError> {
+    let mut inlined = Vec::new();
+    loop {
+        let shapes = super::shapes::Shapes::infer(model);
+        let decided: Vec<(NodeId, Branch)> = model
+            .body_nodes(BodyId::MAIN)
+            .filter(|n| super::if_grad::is_if(model, *n))
+            .filter_map(|n| {
+                let condition = model.node(n).inputs.first().copied().flatten()?;
+                match known_ints(model, &shapes, condition)?.as_slice() {
+                    [0] => Some((n, Branch::Else)),
+                    [_] => Some((n, Branch::Then)),
+                    _ => None,
+                }
+            })
+            .collect();
+        if decided.is_empty() {
+            return Ok(inlined);
+        }
+        for (node, branch) in decided {
+            let name = match model.node(node).proto.name() {
+                "" => "If".to_string(),
+                name => name.to_string(),
+            };
+            model
+                .inline_if(node, branch)
+                .map_err(|e| node_error(model, node, e.to_string()))?;
+            inlined.push((name, branch));
+        }
+    }
 }
 
 /// Unrolls every Loop of the main graph whose trip count is known before the run; each

@@ -17,6 +17,7 @@ use std::collections::HashMap;
 
 use super::fold_ints::fold_dims;
 use crate::ir::builder::NodeAttributes;
+use crate::ir::inline::Branch;
 use crate::ir::{topological_order, BodyId, Model, NodeId, ValueDef, ValueId};
 use crate::proto::{tensor_proto::DataType, type_proto, TensorProto};
 
@@ -136,7 +137,7 @@ impl Monomial {
 
 /// The product of `dims` (a named product where names take part; unknown where a dim is,
 /// or the product overflows).
-fn product(dims: &[Dim]) -> Dim {
+pub(super) fn product(dims: &[Dim]) -> Dim {
     dims.iter()
         .try_fold(
             Monomial {
@@ -212,9 +213,10 @@ impl Shapes {
     /// facts set first).
     pub fn propagate(&mut self, model: &Model, body: BodyId) {
         for node in topological_order(model, body) {
-            let inferred = match loop_body(model, node) {
-                Some(loop_body) => self.infer_loop(model, node, loop_body),
-                None => infer_node(model, self, node),
+            let inferred = match (loop_body(model, node), if_branches(model, node)) {
+                (Some(loop_body), _) => self.infer_loop(model, node, loop_body),
+                (None, Some(branches)) => self.infer_if(model, branches),
+                (None, None) => infer_node(model, self, node),
             };
             for (slot, facts) in inferred.into_iter().enumerate() {
                 let Some(Some(out)) = model.node(node).outputs.get(slot).copied() else {
@@ -241,7 +243,33 @@ fn loop_body(model: &Model, node: NodeId) -> Option<BodyId> {
     }
 }
 
+/// The then and else branches of `node` when it is an If (default domain).
+fn if_branches(model: &Model, node: NodeId) -> Option<(BodyId, BodyId)> {
+    match super::if_grad::is_if(model, node) {
+        true => Some((
+            model.if_branch(node, Branch::Then)?,
+            model.if_branch(node, Branch::Else)?,
+        )),
+        false => None,
+    }
+}
+
 impl Shapes {
+    /// The facts of an If's branches, then of its outputs: what both branches agree on
+    /// (the element type, and each axis the same in both; an If's branches may return
+    /// different shapes).
+    fn infer_if(&mut self, model: &Model, (then, otherwise): (BodyId, BodyId)) -> Vec<Facts> {
+        self.propagate(model, then);
+        self.propagate(model, otherwise);
+        let outputs =
+            |b: BodyId| -> Vec<ValueId> { model.body(b).outputs.iter().map(|(v, _)| *v).collect() };
+        outputs(then)
+            .into_iter()
+            .zip(outputs(otherwise))
+            .map(|(a, b)| agreed(self.get(a), self.get(b)))
+            .collect()
+    }
+
     /// The facts of a Loop's body, then of its outputs: the body's last carried values and
     /// its scan outputs stacked. The body's inputs are as declared, else the iteration
     /// number and condition scalars (ONNX), and a carried value as its starting value; where
@@ -315,6 +343,28 @@ impl Shapes {
             })
             .collect()
     }
+}
+
+/// What two values' facts agree on: an element type both have, and the axes of equal
+/// rank that are the same in both (unknown where they differ).
+fn agreed(a: Facts, b: Facts) -> Facts {
+    let elem = match (a.elem, b.elem) {
+        (Some(x), Some(y)) if x != y => None,
+        (x, y) => x.or(y),
+    };
+    let dims = match (a.dims, b.dims) {
+        (Some(x), Some(y)) if x.len() == y.len() => Some(
+            x.into_iter()
+                .zip(y)
+                .map(|(x, y)| match x == y {
+                    true => x,
+                    false => Dim::Unknown,
+                })
+                .collect(),
+        ),
+        _ => None,
+    };
+    Facts { elem, dims }
 }
 
 /// `[unknown] + facts`: a value stacked over a Loop's iterations.
@@ -499,6 +549,12 @@ pub(super) fn tensor_ints(t: &TensorProto) -> Option<Vec<i64>> {
             raw.chunks_exact(8)
                 .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
                 .collect()
+        }),
+        // Booleans as 1 and 0 (stored a byte each, or in int32_data).
+        x if x == DataType::Bool as i32 => Some(if raw.is_empty() {
+            t.int32_data.iter().map(|v| (*v != 0) as i64).collect()
+        } else {
+            raw.iter().map(|b| (*b != 0) as i64).collect()
         }),
         x if x == DataType::Int32 as i32 => Some(if raw.is_empty() {
             t.int32_data.iter().map(|v| *v as i64).collect()
