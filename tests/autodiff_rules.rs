@@ -36,7 +36,9 @@
 //! `output_shape`, an einsum diagonal, Resize's tf_crop_and_resize, LSTM's sequence_lens,
 //! a scatter that multiplies, GatherND with batch_dims, an Attention with a cache or whose
 //! scores output is used, GridSample with reflection padding, a Dropout inside an If
-//! branch.
+//! branch, a Scan axis beyond its input's rank. A Scan (rewritten as a Loop) runs its
+//! forward on ONNX Runtime's own Scan kernel, so its axes and directions are checked
+//! against ONNX Runtime's.
 //!
 //! Every case also runs its forward model on ONNX Runtime and compares that loss with the
 //! gradient graph's (1e-12 relative in float64, 1e-5 in float32; Attention 1e-7, as
@@ -280,6 +282,11 @@
 //! rnn_sigmoid_bidirectional_f64              f64  1.3e-9
 //! rnn_tanh                                   f32  2.2e-4
 //! rnn_tanh_f64                               f64  4.0e-10
+//! scan                                       f32  9.2e-5
+//! scan_axes_directions_f64                   f64  1.6e-10
+//! scan_axes_directions_kept_f64              f64  3.1e-10
+//! scan_f64                                   f64  6.3e-10
+//! scan_kept_f64                              f64  2.0e-10
 //! scatter_elements_add_repeated              f64  9.5e-11
 //! scatter_elements_none                      f64  6.9e-11
 //! scatter_nd_add_repeated                    f64  6.1e-10
@@ -2634,6 +2641,113 @@ fn if_with_dropout_in_a_branch_is_refused() {
             m.add_output(then, y, None);
             let y = Builder::new(m, otherwise, "test").op("Neg", &[x], vec![], "negated");
             m.add_output(otherwise, y, None);
+            outs
+        },
+    );
+}
+
+/// A Scan node with `inputs` (states, then scanned), `outputs` outputs and `attrs`, and its
+/// body, empty.
+fn scan_node(
+    n: &mut Net,
+    inputs: &[ValueId],
+    outputs: usize,
+    attrs: Vec<AttributeProto>,
+) -> (Vec<ValueId>, BodyId) {
+    let inputs: Vec<Option<ValueId>> = inputs.iter().map(|v| Some(*v)).collect();
+    let outs = n.node("Scan", &inputs, outputs, attrs);
+    let (node, _) = n.model.producer(outs[0]).unwrap();
+    let body = n.model.add_subgraph(node, "body");
+    (outs, body)
+}
+
+/// A Scan (rewritten as a Loop by `scan_as_loop`; ONNX Runtime's Scan is the forward's
+/// reference): a state S [2, 3] and a sequence X [4, 2, 3] on axis 0, the body
+/// `s' = Tanh(s ⊙ G + x)`, scanning `s' ⊙ s'`. The last state and the stacked outputs reach
+/// the loss.
+fn scan_case(n: &mut Net) -> Vec<ValueId> {
+    let s0 = n.param("S0", &[2, 3], -0.5, 0.5);
+    let x = n.param("X", &[4, 2, 3], -1.0, 1.0);
+    let g = n.param("G", &[3], -1.0, 1.0);
+    let (outs, body) = scan_node(n, &[s0, x], 2, vec![attr_int("num_scan_inputs", 1)]);
+    let elem = n.elem;
+    let m = &mut n.model;
+    let s = m.add_input(body, "s", tensor_type(elem, &[2, 3]), None);
+    let x_t = m.add_input(body, "x_t", tensor_type(elem, &[2, 3]), None);
+    let mut bb = Builder::new(m, body, "test");
+    let sg = bb.op("Mul", &[s, g], vec![], "sg");
+    let pre = bb.op("Add", &[sg, x_t], vec![], "pre");
+    let s1 = bb.op("Tanh", &[pre], vec![], "s1");
+    let y = bb.op("Mul", &[s1, s1], vec![], "y");
+    m.add_output(body, s1, Some(tensor_type(elem, &[2, 3])));
+    m.add_output(body, y, Some(tensor_type(elem, &[2, 3])));
+    outs
+}
+
+/// A Scan with its axes and directions set: X [2, 4, 3] scanned on axis 1 backwards and Z
+/// [4, 2, 3] on axis 0 forwards; the state's stacked steps on axis 1 in reverse, the
+/// steps of `z ⊙ s'` on axis -1 (a new last axis) forwards.
+fn scan_axes_directions_case(n: &mut Net) -> Vec<ValueId> {
+    let s0 = n.param("S0", &[2, 3], -0.5, 0.5);
+    let x = n.param("X", &[2, 4, 3], -1.0, 1.0);
+    let z = n.param("Z", &[4, 2, 3], -1.0, 1.0);
+    let attrs = vec![
+        attr_int("num_scan_inputs", 2),
+        attr_ints("scan_input_axes", &[1, 0]),
+        attr_ints("scan_input_directions", &[1, 0]),
+        attr_ints("scan_output_axes", &[1, -1]),
+        attr_ints("scan_output_directions", &[1, 0]),
+    ];
+    let (outs, body) = scan_node(n, &[s0, x, z], 3, attrs);
+    let elem = n.elem;
+    let m = &mut n.model;
+    let s = m.add_input(body, "s", tensor_type(elem, &[2, 3]), None);
+    let x_t = m.add_input(body, "x_t", tensor_type(elem, &[2, 3]), None);
+    let z_t = m.add_input(body, "z_t", tensor_type(elem, &[2, 3]), None);
+    let mut bb = Builder::new(m, body, "test");
+    let pre = bb.op("Add", &[s, x_t], vec![], "pre");
+    let s1 = bb.op("Sin", &[pre], vec![], "s1");
+    let kept = bb.op("Identity", &[s1], vec![], "kept");
+    let y = bb.op("Mul", &[z_t, s1], vec![], "y");
+    for v in [s1, kept, y] {
+        m.add_output(body, v, Some(tensor_type(elem, &[2, 3])));
+    }
+    outs
+}
+
+cases! {
+    // ---- Scan, as the Loop it is (scan_as_loop): unrolled, and kept a Loop (loop_grad)
+    scan_f64: 17, F64 => scan_case;
+    scan_axes_directions_f64: 17, F64 => scan_axes_directions_case;
+    scan_kept_f64: 17, F64 => loops_kept(scan_case);
+    scan_axes_directions_kept_f64: 17, F64 => loops_kept(scan_axes_directions_case);
+    scan: 17, F32 => scan_case;
+}
+
+/// A Scan whose scanned axis is not the one the attribute names in range: refused by name,
+/// never a panic.
+#[test]
+fn scan_with_an_axis_beyond_the_rank_is_refused() {
+    check_error(
+        "scan_with_an_axis_beyond_the_rank_is_refused",
+        17,
+        F64,
+        "axis 3",
+        |n| {
+            let s0 = n.param("S0", &[2, 3], -0.5, 0.5);
+            let x = n.param("X", &[4, 2, 3], -1.0, 1.0);
+            let attrs = vec![
+                attr_int("num_scan_inputs", 1),
+                attr_ints("scan_input_axes", &[3]),
+            ];
+            let (outs, body) = scan_node(n, &[s0, x], 1, attrs);
+            let elem = n.elem;
+            let m = &mut n.model;
+            let s = m.add_input(body, "s", tensor_type(elem, &[2, 3]), None);
+            let _x_t = m.add_input(body, "x_t", tensor_type(elem, &[2, 3]), None);
+            let s1 = Builder::new(m, body, "test").op("Neg", &[s], vec![], "s1");
+            m.add_output(body, s1, Some(tensor_type(elem, &[2, 3])));
+            n.output_dims = Some(vec![vec![2, 3]]);
             outs
         },
     );

@@ -150,47 +150,68 @@ pub fn copy_node(
     pairs
 }
 
-/// The nodes of `forward` (a Loop body, an If branch) copied into the body `g` builds in,
+/// The nodes of `body` (a Loop's, a Scan's, an If branch) copied into the body `b` builds in,
 /// its initializers too, each reading the copy of what it read where `copies` has one;
-/// `copies` gains every value they compute. The backward of a kept Loop and of an If
-/// recompute their forward this way.
-pub fn recompute(
-    g: &mut super::rules::Grad<'_>,
-    forward: crate::ir::BodyId,
+/// `copies` gains every value they compute. Returns the (original, copy) pairs made.
+pub fn copy_body(
+    b: &mut Builder<'_>,
+    body: crate::ir::BodyId,
     copies: &mut std::collections::HashMap<ValueId, ValueId>,
-) {
-    let body = g.b.body;
-    let initializers = g.model().body(forward).initializers.clone();
+) -> Vec<(ValueId, ValueId)> {
+    let mut made = Vec::new();
+    let initializers = b.model.body(body).initializers.clone();
     for (v, t) in initializers {
-        let name = g.model().name(v).to_string();
-        let copy = g.b.model.add_initializer(body, &name, t);
-        let facts = g.facts(v);
-        g.shapes.set(copy, facts);
+        let name = b.model.name(v).to_string();
+        let copy = b.model.add_initializer(b.body, &name, t);
         copies.insert(v, copy);
+        made.push((v, copy));
     }
-    for node in crate::ir::topological_order(g.model(), forward) {
-        let inputs: Vec<Option<ValueId>> = g
-            .model()
+    for node in crate::ir::topological_order(b.model, body) {
+        let inputs: Vec<Option<ValueId>> = b
+            .model
             .node(node)
             .inputs
             .iter()
             .map(|v| v.map(|v| copies.get(&v).copied().unwrap_or(v)))
             .collect();
-        for (original, copy) in copy_node(&mut g.b, node, &inputs) {
-            let facts = g.facts(original);
-            g.shapes.set(copy, facts);
+        for (original, copy) in copy_node(b, node, &inputs) {
             copies.insert(original, copy);
+            made.push((original, copy));
         }
+    }
+    made
+}
+
+/// [`copy_body`] into the body `g` builds in, each copy given its original's shape facts:
+/// the backward of a kept Loop and of an If recompute their forward this way.
+pub fn recompute(
+    g: &mut super::rules::Grad<'_>,
+    forward: crate::ir::BodyId,
+    copies: &mut std::collections::HashMap<ValueId, ValueId>,
+) {
+    for (original, copy) in copy_body(&mut g.b, forward, copies) {
+        let facts = g.facts(original);
+        g.shapes.set(copy, facts);
     }
 }
 
-/// `v` as a value a node of the body `g` builds in computes (a body output must be one
+/// `v` as a value a node of the body `b` builds in computes (a body output must be one
 /// here: an input of the body or an outer value passes through an Identity).
-pub fn computed_here(g: &mut super::rules::Grad<'_>, v: ValueId, hint: &str) -> ValueId {
-    let here = matches!(g.model().value(v).def,
-        crate::ir::ValueDef::Node { node, .. } if g.model().node(node).body == g.b.body);
+pub fn computed_in(b: &mut Builder<'_>, v: ValueId, hint: &str) -> ValueId {
+    let here = matches!(b.model.value(v).def,
+        crate::ir::ValueDef::Node { node, .. } if b.model.node(node).body == b.body);
     match here {
         true => v,
-        false => g.op_like("Identity", &[v], vec![], hint, v),
+        false => b.op("Identity", &[v], vec![], hint),
     }
+}
+
+/// [`computed_in`] in the body `g` builds in, a new copy given `v`'s shape facts.
+pub fn computed_here(g: &mut super::rules::Grad<'_>, v: ValueId, hint: &str) -> ValueId {
+    let out = computed_in(&mut g.b, v, hint);
+    if out != v {
+        let facts = g.facts(v);
+        g.shapes.set(out, facts);
+    }
+    out
 }

@@ -36,6 +36,7 @@ mod loop_parts;
 mod loss_fn;
 mod normalize;
 pub mod rules;
+mod scan_as_loop;
 pub mod shapes;
 pub mod tf2onnx_constants;
 pub mod torch_signature;
@@ -322,6 +323,19 @@ impl Pass for Autodiff {
                 first_few(&differentiated.tf2onnx_constants)
             ));
         }
+        if differentiated.scans > 0 {
+            report.notes.push(format!(
+                "{} Scan{} rewritten as the Loop{} {} (below)",
+                differentiated.scans,
+                if differentiated.scans == 1 { "" } else { "s" },
+                if differentiated.scans == 1 { "" } else { "s" },
+                if differentiated.scans == 1 {
+                    "it is"
+                } else {
+                    "they are"
+                },
+            ));
+        }
         if !differentiated.unrolled_loops.is_empty() {
             let loops: Vec<String> = differentiated
                 .unrolled_loops
@@ -581,6 +595,8 @@ pub struct Differentiated {
     pub decided_ifs: Vec<(String, crate::ir::inline::Branch)>,
     /// Ifs on data left as Ifs (`if_grad` differentiates those the gradient passes).
     pub kept_ifs: Vec<String>,
+    /// Scans rewritten as Loops (then unrolled or kept as any Loop).
+    pub scans: usize,
     /// Half-precision parameters made float32 masters, and half data inputs made float32
     /// (`half_model`).
     pub half_masters: usize,
@@ -1090,6 +1106,7 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
         kept_loops,
         decided_ifs: normalized.ifs,
         kept_ifs,
+        scans: normalized.scans,
         half_masters,
         half_inputs,
     })

@@ -19,6 +19,7 @@
 //!   for `x.split(n)`) become one `Split`, so no sequence reaches the gradient.
 //! - **If** with a condition known before the run (shape arithmetic the facts fold) is
 //!   replaced by the branch it takes; one on data stays, and `if_grad` differentiates it.
+//! - **Scan** becomes the Loop it is (`scan_as_loop`), which the next step treats as any.
 //! - **Loop** with a trip count known before the run is unrolled first (`unroll_loop`:
 //!   tf2onnx's Keras SimpleRNN and GRU), so what its body holds is normalised like the rest.
 //! - **LSTM, GRU, RNN** are unrolled into their cell equations over the (known) sequence
@@ -91,6 +92,8 @@ pub struct Normalized {
     pub loops: Vec<(String, usize)>,
     /// Ifs the shape facts decide, replaced by the branch they take: name and branch.
     pub ifs: Vec<(String, Branch)>,
+    /// Scans rewritten as Loops.
+    pub scans: usize,
 }
 
 pub fn normalize(
@@ -99,8 +102,16 @@ pub fn normalize(
     loops: LoopMode,
     pass: &'static str,
 ) -> Result<Normalized, PassError> {
+    let ifs = inline_decided_ifs(model)?;
+    // Scans become Loops first, so that they are unrolled or kept like any Loop.
+    let scans = rewrite_each(
+        model,
+        super::scan_as_loop::is_scan,
+        |model, node, shapes| super::scan_as_loop::rewrite(model, node, shapes, pass),
+    )?;
     let mut out = Normalized {
-        ifs: inline_decided_ifs(model)?,
+        ifs,
+        scans,
         loops: match loops {
             LoopMode::Unroll => unroll_loops(model, pass)?,
             LoopMode::Keep => Vec::new(),
