@@ -325,14 +325,7 @@ fn torch_mlp_half_trains_like_torch_mixed_precision() {
             );
         }
         // tract computes the half Gemms in half: 1.5e-5 measured.
-        let options = onnx_ga::engine::ort::SessionOptions::default();
-        let tract = onnx_ga::train::Trainer::with_engine(
-            &step,
-            onnx_ga::engine::EngineKind::Tract,
-            &options,
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
-        let state = train_with(tract, "torch_mlp_half", 8, 32);
+        let state = train_with(tract_trainer(&step), "torch_mlp_half", 8, 32);
         let what = format!("torch_mlp_half/{export} sgd on tract");
         matches_torch(
             &state,
@@ -544,6 +537,13 @@ fn torch_rnn_as_loops_gradients_on_tract() {
 /// state.
 fn train(step: &ModelProto, data_model: &str, b: usize, steps: u64) -> BTreeMap<String, Tensor> {
     train_with(common::trainer(step), data_model, b, steps)
+}
+
+/// A trainer of `step` on tract.
+fn tract_trainer(step: &ModelProto) -> onnx_ga::train::Trainer {
+    let options = onnx_ga::engine::ort::SessionOptions::default();
+    onnx_ga::train::Trainer::with_engine(step, onnx_ga::engine::EngineKind::Tract, &options)
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// [`train`] with `trainer` (an engine of one's choice).
@@ -1127,15 +1127,8 @@ fn torch_cond_equals_torch_micro_batch_loop() {
         let step = build(&forward_path("torch_cond", "dynamo"), &spec);
         let what = format!("torch_cond {optimizer}");
         trains_like_torch(&step, "torch_cond", &what, 8, reference, &none);
-        // tract too (its Ifs but one per graph in one-step Scans: src/engine/tract_ifs.rs).
-        let options = onnx_ga::engine::ort::SessionOptions::default();
-        let tract = onnx_ga::train::Trainer::with_engine(
-            &step,
-            onnx_ga::engine::EngineKind::Tract,
-            &options,
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
-        let state = train_with(tract, "torch_cond", 8, 32);
+        // tract too (its Ifs as it can run them: src/engine/tract_ifs.rs).
+        let state = train_with(tract_trainer(&step), "torch_cond", 8, 32);
         let what = format!("torch_cond {optimizer} on tract");
         matches_torch(&state, "torch_cond", &what, reference, &none, 2e-6);
     }

@@ -151,22 +151,17 @@ fn wrap_ifs(graph: &mut GraphProto, opset: i64, fresh: &mut Fresh) -> usize {
         }
         // Inside the body the If computes inner values; outside, the Squeezes give the If's
         // own output names back to their readers.
-        let inner: Vec<String> = node
-            .output
-            .iter()
-            .map(|o| match o.is_empty() {
-                true => String::new(),
-                false => fresh.name(&format!("{o}.in_step")),
-            })
-            .collect();
-        let stacked: Vec<String> = node
-            .output
-            .iter()
-            .map(|o| match o.is_empty() {
-                true => String::new(),
-                false => fresh.name(&format!("{o}.stacked")),
-            })
-            .collect();
+        let mut renamed = |suffix: &str| -> Vec<String> {
+            node.output
+                .iter()
+                .map(|o| match o.is_empty() {
+                    true => String::new(),
+                    false => fresh.name(&format!("{o}.{suffix}")),
+                })
+                .collect()
+        };
+        let inner = renamed("in_step");
+        let stacked = renamed("stacked");
         let body_input = fresh.name(&format!("{label}.step"));
         let mut inner_if = node.clone();
         inner_if.output = inner.clone();

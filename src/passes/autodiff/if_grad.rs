@@ -39,17 +39,11 @@ pub fn is_if(model: &Model, n: NodeId) -> bool {
     p.op_type() == "If" && crate::ir::normalize_domain(p.domain()).is_empty()
 }
 
-/// Ops a branch cannot hold when its gradient recomputes it.
-const NOT_RECOMPUTED: &[&str] = &[
-    "Dropout",
-    "RandomNormal",
-    "RandomUniform",
-    "RandomNormalLike",
-    "RandomUniformLike",
-    "Bernoulli",
-    "Multinomial",
-    "BatchNormalization",
-];
+/// Whether a branch the gradient recomputes cannot hold this op: it draws random numbers
+/// or, in training form, normalises with the batch's statistics.
+fn not_recomputed(op: &str) -> bool {
+    super::rules::RANDOM.contains(&op) || matches!(op, "Dropout" | "BatchNormalization")
+}
 
 /// Why the If `n` has no gradient here, when it has none.
 pub fn why_not(model: &Model, n: NodeId) -> Option<String> {
@@ -69,8 +63,7 @@ pub fn why_not(model: &Model, n: NodeId) -> Option<String> {
         }
         if let Some(node) = model.body_nodes(body).find(|x| {
             let p = &model.node(*x).proto;
-            crate::ir::normalize_domain(p.domain()).is_empty()
-                && NOT_RECOMPUTED.contains(&p.op_type())
+            crate::ir::normalize_domain(p.domain()).is_empty() && not_recomputed(p.op_type())
         }) {
             let p = &model.node(node).proto;
             return Some(format!(

@@ -55,7 +55,7 @@ use crate::ir::builder::Builder;
 use crate::ir::{topological_order, BodyId, Model, NodeId, ValueDef, ValueId};
 use crate::proto::{tensor_proto::DataType, TensorProto};
 use crate::signature::{Param, Source, TensorInfo};
-use rules::{Grad, NON_DIFFERENTIABLE};
+use rules::Grad;
 use shapes::Shapes;
 
 pub const PASS: &str = "autodiff";
@@ -1116,7 +1116,7 @@ pub fn differentiate(model: &mut Model, options: &Autodiff) -> Result<Differenti
 fn differentiable(model: &Model, n: NodeId) -> bool {
     let p = &model.node(n).proto;
     let plain = p.domain().is_empty() || p.domain() == "ai.onnx";
-    !(plain && NON_DIFFERENTIABLE.contains(&p.op_type()))
+    !(plain && rules::is_non_differentiable(p.op_type()))
 }
 
 /// Values the `roots` depend on differentiably in `body` (not through shape computations,

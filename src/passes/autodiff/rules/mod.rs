@@ -201,14 +201,25 @@ pub const NON_DIFFERENTIABLE: &[&str] = &[
     "IsInf",
     "EyeLike",
     "OneHot",
+    "BitShift",
+];
+
+/// Ops that draw random numbers (no gradient either: [`is_non_differentiable`]); a body the
+/// backward recomputes cannot hold them (`if_grad`).
+pub const RANDOM: &[&str] = &[
     "RandomNormal",
     "RandomUniform",
     "RandomNormalLike",
     "RandomUniformLike",
     "Bernoulli",
     "Multinomial",
-    "BitShift",
 ];
+
+/// Whether an op of the default domain carries no gradient ([`NON_DIFFERENTIABLE`],
+/// [`RANDOM`]).
+pub fn is_non_differentiable(op: &str) -> bool {
+    NON_DIFFERENTIABLE.contains(&op) || RANDOM.contains(&op)
+}
 
 /// Inputs that carry no gradient even when they are float tensors: `CastLike` takes only
 /// the element type of its second input (the torch exporter's `CastLike(0, x)` must not
