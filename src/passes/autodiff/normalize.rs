@@ -173,7 +173,11 @@ pub fn normalize(
 /// and branch. One that is not stays, differentiated by `if_grad`.
 fn inline_decided_ifs(model: &mut Model) -> Result<Vec<(String, Branch)>, PassError> {
     let mut inlined = Vec::new();
-    loop {
+    // Most models hold no If: no shape inference for them.
+    while model
+        .body_nodes(BodyId::MAIN)
+        .any(|n| super::if_grad::is_if(model, n))
+    {
         let shapes = super::shapes::Shapes::infer(model);
         let decided: Vec<(NodeId, Branch)> = model
             .body_nodes(BodyId::MAIN)
@@ -188,7 +192,7 @@ fn inline_decided_ifs(model: &mut Model) -> Result<Vec<(String, Branch)>, PassEr
             })
             .collect();
         if decided.is_empty() {
-            return Ok(inlined);
+            break;
         }
         for (node, branch) in decided {
             let name = match model.node(node).proto.name() {
@@ -201,6 +205,7 @@ fn inline_decided_ifs(model: &mut Model) -> Result<Vec<(String, Branch)>, PassEr
             inlined.push((name, branch));
         }
     }
+    Ok(inlined)
 }
 
 /// Unrolls every Loop of the main graph whose trip count is known before the run; each
