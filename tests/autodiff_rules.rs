@@ -384,6 +384,9 @@ impl Rng {
 /// A tensor the case feeds: name, shape, values.
 type Probe = (String, Vec<i64>, Vec<f64>);
 
+/// A case's builder: the outputs whose sum is the loss.
+type Build = fn(&mut Net) -> Vec<ValueId>;
+
 struct Net {
     model: Model,
     elem: i32,
@@ -2639,6 +2642,326 @@ fn if_with_dropout_in_a_branch_is_refused() {
             let m = &mut n.model;
             let y = Builder::new(m, then, "test").op("Dropout", &[x], vec![], "dropped");
             m.add_output(then, y, None);
+            let y = Builder::new(m, otherwise, "test").op("Neg", &[x], vec![], "negated");
+            m.add_output(otherwise, y, None);
+            outs
+        },
+    );
+}
+
+/// An If in `body` of `model` on `cond` with outputs named from `hints`, and its two
+/// branches, empty (control flow nested in a body).
+fn if_in(
+    model: &mut Model,
+    body: BodyId,
+    cond: ValueId,
+    hints: &[&str],
+) -> (Vec<ValueId>, BodyId, BodyId) {
+    let node = Builder::new(model, body, "test").node("If", "", &[Some(cond)], hints, vec![]);
+    let outs = (0..hints.len()).map(|k| model.output(node, k)).collect();
+    let then = model.add_subgraph(node, "then_branch");
+    let otherwise = model.add_subgraph(node, "else_branch");
+    (outs, then, otherwise)
+}
+
+/// A Loop in `body` of `model` with `inputs` and outputs named from `hints`, and its body,
+/// empty.
+fn loop_in(
+    model: &mut Model,
+    body: BodyId,
+    inputs: &[Option<ValueId>],
+    hints: &[&str],
+) -> (Vec<ValueId>, BodyId) {
+    let node = Builder::new(model, body, "test").node("Loop", "", inputs, hints, vec![]);
+    let outs = (0..hints.len()).map(|k| model.output(node, k)).collect();
+    (outs, model.add_subgraph(node, "body"))
+}
+
+/// A counted Loop (M = 4) whose body holds two Ifs: one on the iteration number (`i == 0`:
+/// decided once the Loop is unrolled; an If on data in a kept Loop) and one on the step's
+/// data (`ReduceSum(x_i) > 0`: X's first two steps are positive, its last two negative, so
+/// both branches run). Body:
+/// `a1 = If(i == 0){A ⊙ G}{Tanh(A) ⊙ G} + x_i`, `a2 = If(ReduceSum(x_i) > 0){Sin(a1) ⊙ H}{a1 ⊙ a1 + H}`;
+/// it carries a2 and scans `a2 ⊙ x_i`.
+fn loop_with_ifs_case(n: &mut Net) -> Vec<ValueId> {
+    let up = n.param("X_up", &[2, 2, 3], 0.1, 1.0);
+    let down = n.param("X_down", &[2, 2, 3], -1.0, -0.1);
+    let x = n.op("Concat", &[up, down], vec![attr_int("axis", 0)]);
+    let g = n.param("G", &[3], -1.0, 1.0);
+    let h = n.param("H", &[3], -1.0, 1.0);
+    let a0 = n.param("A0", &[2, 3], -1.0, 1.0);
+    let trips = n.ints("trips", &[], &[4]);
+    let first_i = n.ints("first_i", &[], &[0]);
+    let zero = n.konst("zero", &[], &[0.0]);
+    let (outs, body) = loop_node(n, &[Some(trips), None, Some(a0)], 2);
+    let elem = n.elem;
+    let m = &mut n.model;
+    let i = m.add_input(body, "i", tensor_type(7, &[]), None);
+    let c = m.add_input(body, "c", tensor_type(9, &[]), None);
+    let a = m.add_input(body, "a", tensor_type(elem, &[2, 3]), None);
+    let mut bb = Builder::new(m, body, "test");
+    let x_i = bb.op("Gather", &[x, i], vec![], "x_i");
+    let first = bb.op("Equal", &[i, first_i], vec![], "first");
+    let sum = bb.op(
+        "ReduceSum",
+        &[x_i],
+        vec![attr_int("keepdims", 0)],
+        "step_sum",
+    );
+    let positive = bb.op("Greater", &[sum, zero], vec![], "positive");
+    let cond = bb.op("Identity", &[c], vec![], "cond");
+    let (mixed, then, otherwise) = if_in(m, body, first, &["mixed"]);
+    let y = Builder::new(m, then, "test").op("Mul", &[a, g], vec![], "ag");
+    m.add_output(then, y, None);
+    let mut eb = Builder::new(m, otherwise, "test");
+    let t = eb.op("Tanh", &[a], vec![], "ta");
+    let y = eb.op("Mul", &[t, g], vec![], "tag");
+    m.add_output(otherwise, y, None);
+    let a1 = Builder::new(m, body, "test").op("Add", &[mixed[0], x_i], vec![], "a1");
+    let (a2, then, otherwise) = if_in(m, body, positive, &["a2"]);
+    let mut tb = Builder::new(m, then, "test");
+    let sin = tb.op("Sin", &[a1], vec![], "sin_a1");
+    let y = tb.op("Mul", &[sin, h], vec![], "sin_h");
+    m.add_output(then, y, None);
+    let mut eb = Builder::new(m, otherwise, "test");
+    let sq = eb.op("Mul", &[a1, a1], vec![], "sq_a1");
+    let y = eb.op("Add", &[sq, h], vec![], "sq_h");
+    m.add_output(otherwise, y, None);
+    let scan = Builder::new(m, body, "test").op("Mul", &[a2[0], x_i], vec![], "scanned");
+    for v in [cond, a2[0], scan] {
+        m.add_output(body, v, None);
+    }
+    outs
+}
+
+/// An If on data (`ReduceSum(X) > 0`) whose branches hold control flow: the then branch an
+/// If on data of its own (`ReduceSum(Y) > 0`: `Tanh(X·W) ⊙ Y` or `Sigmoid(X·W) + Y`), the
+/// else branch a counted Loop (M = 3, carrying `a = Sin(a ⊙ V) + Y` from X). The signs of X
+/// and Y pick the branches.
+fn if_holding_control_flow_case(n: &mut Net, x_positive: bool, y_positive: bool) -> Vec<ValueId> {
+    let sign = |positive: bool| if positive { (0.1, 1.0) } else { (-1.0, -0.1) };
+    let (lo, hi) = sign(x_positive);
+    let x = n.param("X", &[2, 3], lo, hi);
+    let (lo, hi) = sign(y_positive);
+    let y = n.param("Y", &[2, 3], lo, hi);
+    let w = n.param("W", &[3, 3], -0.8, 0.8);
+    let v = n.param("V", &[3], -1.0, 1.0);
+    let zero = n.konst("zero", &[], &[0.0]);
+    let trips = n.ints("trips", &[], &[3]);
+    let sum = n.op("ReduceSum", &[x], vec![attr_int("keepdims", 0)]);
+    let cond = n.op("Greater", &[sum, zero], vec![]);
+    let (outs, then, otherwise) = if_node(n, cond, 1);
+    let elem = n.elem;
+    let m = &mut n.model;
+    // then: an If of its own.
+    let mut tb = Builder::new(m, then, "test");
+    let xw = tb.op("MatMul", &[x, w], vec![], "xw");
+    let y_sum = tb.op("ReduceSum", &[y], vec![attr_int("keepdims", 0)], "y_sum");
+    let inner_cond = tb.op("Greater", &[y_sum, zero], vec![], "inner_cond");
+    let (inner, inner_then, inner_else) = if_in(m, then, inner_cond, &["inner"]);
+    let mut ib = Builder::new(m, inner_then, "test");
+    let t = ib.op("Tanh", &[xw], vec![], "t_xw");
+    let r = ib.op("Mul", &[t, y], vec![], "t_xw_y");
+    m.add_output(inner_then, r, None);
+    let mut ib = Builder::new(m, inner_else, "test");
+    let s = ib.op("Sigmoid", &[xw], vec![], "s_xw");
+    let r = ib.op("Add", &[s, y], vec![], "s_xw_y");
+    m.add_output(inner_else, r, None);
+    m.add_output(then, inner[0], None);
+    // else: a Loop.
+    let (last, body) = loop_in(m, otherwise, &[Some(trips), None, Some(x)], &["a_last"]);
+    let _i = m.add_input(body, "i", tensor_type(7, &[]), None);
+    let c = m.add_input(body, "c", tensor_type(9, &[]), None);
+    let a = m.add_input(body, "a", tensor_type(elem, &[2, 3]), None);
+    let mut bb = Builder::new(m, body, "test");
+    let av = bb.op("Mul", &[a, v], vec![], "av");
+    let sin = bb.op("Sin", &[av], vec![], "sin_av");
+    let a1 = bb.op("Add", &[sin, y], vec![], "a1");
+    let cond_out = bb.op("Identity", &[c], vec![], "cond_out");
+    m.add_output(body, cond_out, None);
+    m.add_output(body, a1, None);
+    m.add_output(otherwise, last[0], None);
+    let after = n.op("Mul", &[outs[0], x], vec![]);
+    vec![after]
+}
+
+/// A counted Loop (M = 2) whose body holds a counted Loop (M = 3): the inner carries
+/// `b = Tanh(b ⊙ G + X)` from the outer's state, the outer `a' = b_last ⊙ a` and scans it.
+fn loop_in_loop_case(n: &mut Net) -> Vec<ValueId> {
+    let x = n.param("X", &[2, 3], -1.0, 1.0);
+    let g = n.param("G", &[3], -1.0, 1.0);
+    let a0 = n.param("A0", &[2, 3], -1.0, 1.0);
+    let outer_trips = n.ints("outer_trips", &[], &[2]);
+    let inner_trips = n.ints("inner_trips", &[], &[3]);
+    let (outs, outer) = loop_node(n, &[Some(outer_trips), None, Some(a0)], 2);
+    let elem = n.elem;
+    let m = &mut n.model;
+    let _i = m.add_input(outer, "i", tensor_type(7, &[]), None);
+    let c = m.add_input(outer, "c", tensor_type(9, &[]), None);
+    let a = m.add_input(outer, "a", tensor_type(elem, &[2, 3]), None);
+    let (b_last, inner) = loop_in(m, outer, &[Some(inner_trips), None, Some(a)], &["b_last"]);
+    let _j = m.add_input(inner, "j", tensor_type(7, &[]), None);
+    let d = m.add_input(inner, "d", tensor_type(9, &[]), None);
+    let b = m.add_input(inner, "b", tensor_type(elem, &[2, 3]), None);
+    let mut ib = Builder::new(m, inner, "test");
+    let bg = ib.op("Mul", &[b, g], vec![], "bg");
+    let pre = ib.op("Add", &[bg, x], vec![], "pre");
+    let b1 = ib.op("Tanh", &[pre], vec![], "b1");
+    let d_out = ib.op("Identity", &[d], vec![], "d_out");
+    m.add_output(inner, d_out, None);
+    m.add_output(inner, b1, None);
+    let mut ob = Builder::new(m, outer, "test");
+    let a1 = ob.op("Mul", &[b_last[0], a], vec![], "a1");
+    let scan = ob.op("Identity", &[a1], vec![], "a1_scan");
+    let c_out = ob.op("Identity", &[c], vec![], "c_out");
+    for v in [c_out, a1, scan] {
+        m.add_output(outer, v, None);
+    }
+    outs
+}
+
+cases! {
+    // ---- control flow nested in control flow: unrolled (Ifs decided by the iteration, Loops
+    // unrolled in turn) and kept (if_grad inside loop_grad, loop_grad inside loop_grad)
+    loop_with_ifs_f64: 17, F64 => loop_with_ifs_case;
+    loop_with_ifs_kept_f64: 17, F64 => loops_kept(loop_with_ifs_case);
+    // (float32 finite differences through four iterations: A0's is 9e-4 here; the float64
+    // twins hold every gradient to 3e-9.)
+    loop_with_ifs: 17, F32 => |n| {
+        n.tolerance = Some(3e-3);
+        loop_with_ifs_case(n)
+    };
+    if_holding_if_then_then_f64: 17, F64 => |n| if_holding_control_flow_case(n, true, true);
+    if_holding_if_then_else_f64: 17, F64 => |n| if_holding_control_flow_case(n, true, false);
+    if_holding_loop_f64: 17, F64 => |n| if_holding_control_flow_case(n, false, true);
+    if_holding_loop_kept_f64: 17, F64 => |n| {
+        n.pipeline = PIPELINE_LOOPS_KEPT;
+        if_holding_control_flow_case(n, false, true)
+    };
+    if_holding_if: 17, F32 => |n| if_holding_control_flow_case(n, true, false);
+    loop_in_loop_f64: 17, F64 => loop_in_loop_case;
+    loop_in_loop_kept_f64: 17, F64 => loops_kept(loop_in_loop_case);
+}
+
+/// How many nodes of `op` the gradient graph of `build` holds, in every body.
+fn count_in_gradient_graph(build: Build, op: &str) -> usize {
+    let mut net = Net::new(17, F64, 1);
+    let ys = build(&mut net);
+    let pipeline = net.pipeline;
+    let (forward, _) = net.finish(&ys);
+    let graph = onnx_ga::signature::forward(forward, Path::new("case.onnx"));
+    let step = onnx_ga::step::build_step(graph, pipeline, true).unwrap_or_else(|e| panic!("{e}"));
+    step.model
+        .all_nodes()
+        .filter(|n| step.model.node(*n).proto.op_type() == op)
+        .count()
+}
+
+/// What becomes of the Ifs in a Loop's body. Unrolled: the If on the iteration number is
+/// decided in each of the 4 iterations (inlined), the If on the step's data stays in each,
+/// and each of those gets a backward If: 8 Ifs, no Loop. Kept: the forward Loop's body
+/// holds its 2 Ifs, the backward Loop's body their recomputation (2) and their backward
+/// Ifs (2).
+#[test]
+fn ifs_in_a_loop_body_are_decided_or_kept() {
+    assert_eq!(count_in_gradient_graph(loop_with_ifs_case, "Loop"), 0);
+    assert_eq!(count_in_gradient_graph(loop_with_ifs_case, "If"), 8);
+    let kept = loops_kept_case_of_loop_with_ifs;
+    assert_eq!(count_in_gradient_graph(kept, "Loop"), 2);
+    assert_eq!(count_in_gradient_graph(kept, "If"), 6);
+    // A Loop in a Loop's body, unrolled: the outer Loop's 2 iterations each bring an inner
+    // Loop into the main graph, which is unrolled in turn.
+    assert_eq!(count_in_gradient_graph(loop_in_loop_case, "Loop"), 0);
+}
+
+fn loops_kept_case_of_loop_with_ifs(n: &mut Net) -> Vec<ValueId> {
+    n.pipeline = PIPELINE_LOOPS_KEPT;
+    loop_with_ifs_case(n)
+}
+
+/// The gradient graphs of nested control flow run on tract (its Loops lowered to Scans, its
+/// Ifs prepared by `tract_ifs`) as on ONNX Runtime: the loss and every gradient within
+/// 1e-5 of ONNX Runtime's, relative to the tensor's norm (float32).
+#[test]
+fn nested_control_flow_runs_on_tract() {
+    if !common::ort_available() {
+        return;
+    }
+    let cases: [(&str, Build); 7] = [
+        ("loop_with_ifs", loop_with_ifs_case),
+        ("loop_with_ifs_kept", loops_kept_case_of_loop_with_ifs),
+        ("if_holding_if_then_then", |n| {
+            if_holding_control_flow_case(n, true, true)
+        }),
+        ("if_holding_if_then_else", |n| {
+            if_holding_control_flow_case(n, true, false)
+        }),
+        ("if_holding_loop", |n| {
+            if_holding_control_flow_case(n, false, true)
+        }),
+        ("loop_in_loop", loop_in_loop_case),
+        ("loop_in_loop_kept", |n| {
+            n.pipeline = PIPELINE_LOOPS_KEPT;
+            loop_in_loop_case(n)
+        }),
+    ];
+    for (name, build) in cases {
+        let mut net = Net::new(17, F32, 7);
+        let ys = build(&mut net);
+        let pipeline = net.pipeline;
+        let (forward, _) = net.finish(&ys);
+        let graph = onnx_ga::signature::forward(forward, Path::new("case.onnx"));
+        let step = onnx_ga::step::build_step(graph, pipeline, true)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let proto = step.model.to_proto();
+        let on_ort = session(&proto)
+            .run(&[])
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let lowered = onnx_ga::passes::lower_for_tract::lower_model(&proto)
+            .unwrap_or_else(|e| panic!("{name}: lower-for-tract: {e}"));
+        let on_tract =
+            onnx_ga::engine::tract::TractSession::new(&lowered, &SessionOptions::default())
+                .and_then(|mut s| s.run(&[]))
+                .unwrap_or_else(|e| panic!("{name}: tract: {e}"));
+        assert_eq!(on_ort.len(), on_tract.len(), "{name}: outputs");
+        let mut worst = 0.0f64;
+        for ((o, a), (p, b)) in on_ort.iter().zip(&on_tract) {
+            assert_eq!(o, p, "{name}: output order");
+            let (a, b) = (values(a), values(b));
+            let diff = norm(a.iter().zip(&b).map(|(x, y)| x - y));
+            let rel = diff / norm(a.iter().copied()).max(1e-30);
+            worst = worst.max(rel);
+            assert!(
+                rel <= 1e-5,
+                "{name}: {o}: tract {rel:.1e} from ONNX Runtime"
+            );
+        }
+        eprintln!("MEASURED nested control flow on tract, {name}: {worst:.1e}");
+    }
+}
+
+/// A Dropout two Ifs deep in a branch is refused as one in the branch itself is: the
+/// backward recomputes the branch with everything in it.
+#[test]
+fn if_with_dropout_in_a_nested_branch_is_refused() {
+    check_error(
+        "if_with_dropout_in_a_nested_branch_is_refused",
+        17,
+        F64,
+        "holds Dropout",
+        |n| {
+            let x = n.param("X", &[2, 3], 0.1, 1.0);
+            let sum = n.op("ReduceSum", &[x], vec![attr_int("keepdims", 0)]);
+            let zero = n.konst("zero", &[], &[0.0]);
+            let cond = n.op("Greater", &[sum, zero], vec![]);
+            let (outs, then, otherwise) = if_node(n, cond, 1);
+            let m = &mut n.model;
+            let (inner, inner_then, inner_else) = if_in(m, then, cond, &["inner"]);
+            let y = Builder::new(m, inner_then, "test").op("Dropout", &[x], vec![], "dropped");
+            m.add_output(inner_then, y, None);
+            let y = Builder::new(m, inner_else, "test").op("Abs", &[x], vec![], "abs");
+            m.add_output(inner_else, y, None);
+            m.add_output(then, inner[0], None);
             let y = Builder::new(m, otherwise, "test").op("Neg", &[x], vec![], "negated");
             m.add_output(otherwise, y, None);
             outs

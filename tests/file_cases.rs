@@ -278,8 +278,8 @@ macro_rules! cases {
 
 cases! {
     dce_if_branches => "dce/if_branches.onnxtxt",
+    errors_loop_body_draws_random => "errors/loop_body_draws_random.onnxtxt",
     errors_loop_body_signature => "errors/loop_body_signature.onnxtxt",
-    errors_loop_nested_control_flow => "errors/loop_nested_control_flow.onnxtxt",
     errors_missing_gradient => "errors/missing_gradient.onnxtxt",
     errors_unknown_com_microsoft_op => "errors/unknown_com_microsoft_op.onnxtxt",
     errors_unsupported_reduction => "errors/unsupported_reduction.onnxtxt",

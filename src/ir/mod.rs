@@ -638,6 +638,55 @@ impl Model {
         }
     }
 
+    /// Inserts `v` as output `index` of `body` (declared with `ty`), the outputs from
+    /// `index` on moving up one.
+    pub fn insert_output(&mut self, body: BodyId, index: usize, v: ValueId, ty: Option<TypeProto>) {
+        for value in &mut self.values {
+            for u in &mut value.uses {
+                if let Use::Output { body: b, index: i } = u {
+                    if *b == body && *i >= index {
+                        *i += 1;
+                    }
+                }
+            }
+        }
+        let info = ValueInfoProto {
+            name: Some(self.name(v).to_string()),
+            r#type: ty,
+            ..Default::default()
+        };
+        self.body_mut(body).outputs.insert(index, (v, info));
+        self.values[v.0 as usize]
+            .uses
+            .push(Use::Output { body, index });
+    }
+
+    /// Inserts a new output (named from `hint`) at `slot` of `node`, the outputs from `slot`
+    /// on moving up one.
+    pub fn insert_node_output(&mut self, node: NodeId, slot: usize, hint: &str) -> ValueId {
+        let later: Vec<ValueId> = self
+            .node(node)
+            .outputs
+            .iter()
+            .skip(slot)
+            .flatten()
+            .copied()
+            .collect();
+        for v in later {
+            if let ValueDef::Node { slot: s, .. } = &mut self.values[v.0 as usize].def {
+                *s += 1;
+            }
+        }
+        let name = self.names.fresh(hint);
+        let v = self.push_value(name, ValueDef::Node { node, slot });
+        let outputs = &mut self.nodes[node.0 as usize].outputs;
+        if outputs.len() < slot {
+            outputs.resize(slot, None);
+        }
+        outputs.insert(slot, Some(v));
+        v
+    }
+
     /// Output `slot` of `node`, created (named from `hint`) when the node omits it, e.g. the
     /// optional `Mean` and `InvStdDev` outputs of a forward LayerNormalization that its
     /// gradient reuses. Omitted slots before it stay omitted.

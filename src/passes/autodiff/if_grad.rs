@@ -16,10 +16,13 @@
 //! could keep them only padded to both branches' sets. The branch taken runs twice per
 //! step, as a kept Loop's body does (`loop_grad`).
 //!
-//! Not differentiated (the error says why): a branch holding control flow itself, and a
-//! branch drawing random numbers or normalising with batch statistics (Dropout, the random
-//! ops, BatchNormalization): its recomputation would draw again, and the normalisation that
-//! turns those into their training forms (`normalize`) works on the main graph.
+//! Control flow inside a branch (an If, a Loop) is recomputed with it and differentiated by
+//! the same sweep: a nested If by a nested backward If, a Loop by `loop_grad`.
+//!
+//! Not differentiated (the error says why): a branch drawing random numbers or normalising
+//! with batch statistics (Dropout, the random ops, BatchNormalization), at any depth: its
+//! recomputation would draw again, and the normalisation that turns those into their
+//! training forms (`normalize`) works on the main graph.
 
 use std::collections::HashMap;
 
@@ -28,7 +31,7 @@ use crate::ir::inline::Branch;
 use crate::ir::{BodyId, Model, NodeId, ValueId};
 use crate::passes::PassError;
 
-use super::loop_parts::{computed_here, recompute};
+use super::loop_parts::{computed_here, not_recomputable, recompute};
 use super::rules::Grad;
 use super::shapes::type_of_facts;
 use super::{is_float, PASS};
@@ -39,12 +42,6 @@ pub fn is_if(model: &Model, n: NodeId) -> bool {
     p.op_type() == "If" && crate::ir::normalize_domain(p.domain()).is_empty()
 }
 
-/// Whether a branch the gradient recomputes cannot hold this op: it draws random numbers
-/// or, in training form, normalises with the batch's statistics.
-fn not_recomputed(op: &str) -> bool {
-    super::rules::RANDOM.contains(&op) || matches!(op, "Dropout" | "BatchNormalization")
-}
-
 /// Why the If `n` has no gradient here, when it has none.
 pub fn why_not(model: &Model, n: NodeId) -> Option<String> {
     let branches = match branches(model, n) {
@@ -53,24 +50,8 @@ pub fn why_not(model: &Model, n: NodeId) -> Option<String> {
     };
     for (branch, body) in [Branch::Then, Branch::Else].into_iter().zip(branches) {
         let label = branch.attribute();
-        if let Some(inner) = model.nested_control_flow(body) {
-            let p = &model.node(inner).proto;
-            return Some(format!(
-                "its {label} holds control flow itself ({} '{}'), which is not differentiated inside a branch",
-                p.op_type(),
-                p.name()
-            ));
-        }
-        if let Some(node) = model.body_nodes(body).find(|x| {
-            let p = &model.node(*x).proto;
-            crate::ir::normalize_domain(p.domain()).is_empty() && not_recomputed(p.op_type())
-        }) {
-            let p = &model.node(node).proto;
-            return Some(format!(
-                "its {label} holds {} '{}': the gradient recomputes the branch, which would draw or normalise differently from the forward",
-                p.op_type(),
-                p.name()
-            ));
+        if let Some(why) = not_recomputable(model, body, label) {
+            return Some(why);
         }
         let want = model.node(n).outputs.len();
         let have = model.body(body).outputs.len();

@@ -21,7 +21,11 @@
 //! through every iteration; those of the outer values the body reads (a cell's weights, a
 //! whole input sequence read one step per iteration) are summed over the iterations.
 //!
-//! Not differentiated (the error says why): a body holding control flow itself, sparse
+//! Control flow in the body (an If, a Loop) is recomputed with it and differentiated by the
+//! same sweep (`if_grad`, this module again).
+//!
+//! Not differentiated (the error says why): a body drawing random numbers or normalising
+//! with batch statistics at any depth (as `if_grad`: the recomputation would differ), sparse
 //! initializers in it, carried values that are not tensors (sequences, optionals).
 
 use std::collections::{HashMap, HashSet};
@@ -32,14 +36,17 @@ use crate::ir::{topological_order, Model, NodeId, ValueId};
 use crate::passes::PassError;
 use crate::proto::elem::{BOOL, INT32, INT64};
 
-use super::loop_parts::{computed_here, recompute, LoopParts};
+use super::loop_parts::{computed_here, not_recomputable, recompute, LoopParts};
 use super::rules::Grad;
 use super::shapes::{stacked, type_of_facts, Facts};
 use super::{is_float, PASS};
 
 /// Why the Loop `n` has no gradient here, when it has none.
 pub fn why_not(model: &Model, n: NodeId) -> Option<String> {
-    LoopParts::of(model, n).err()
+    match LoopParts::of(model, n) {
+        Ok(parts) => not_recomputable(model, parts.body, "body"),
+        Err(why) => Some(why),
+    }
 }
 
 /// The stacks the forward Loop keeps for the backward: the iteration numbers (their count is
@@ -303,10 +310,13 @@ fn keep(cx: &mut Grad<'_>, n: NodeId, parts: &LoopParts) -> Kept {
         .copied()
         .filter(|v| cx.facts(*v).elem.is_some_and(is_float))
         .collect();
+    // (What an If or a Loop in the body reads inside its own bodies counts as its input.)
     for node in topological_order(cx.model(), parts.body).into_iter().rev() {
-        let node = cx.model().node(node);
+        let model = cx.model();
+        let node = model.node(node);
         if node.outputs.iter().flatten().any(|o| needed.contains(o)) {
             needed.extend(node.inputs.iter().flatten().copied());
+            needed.extend(node.subgraphs.iter().flat_map(|s| model.captures(s.body)));
         }
     }
     let read = |_: &Grad<'_>, v: ValueId| needed.contains(&v);

@@ -6,6 +6,8 @@
 //! outputs); the node's outputs are the N last carried values and the K scan outputs stacked.
 
 use crate::ir::builder::Builder;
+use std::collections::HashMap;
+
 use crate::ir::{BodyId, Model, NodeId, NodeSpec, ValueId};
 use crate::proto::type_proto;
 
@@ -14,6 +16,51 @@ use crate::proto::type_proto;
 pub fn is_loop(model: &Model, n: NodeId) -> bool {
     let p = &model.node(n).proto;
     p.op_type() == "Loop" && crate::ir::normalize_domain(p.domain()).is_empty()
+}
+
+/// Why the backward cannot recompute `body` (an If's `label`, a kept Loop's body), when it
+/// cannot: a node of it, or of a body nested in it, would not compute again what the
+/// forward computed. It draws random numbers (Dropout, the random ops) or, in training
+/// form, normalises with the batch's statistics (BatchNormalization, which `normalize`
+/// puts in that form only in the main graph).
+pub fn not_recomputable(model: &Model, body: BodyId, label: &str) -> Option<String> {
+    let node = redrawn_in(model, body)?;
+    let p = &model.node(node).proto;
+    let which = match p.name() {
+        "" => {
+            let computing: Vec<&str> = model
+                .node(node)
+                .outputs
+                .iter()
+                .flatten()
+                .map(|v| model.name(*v))
+                .collect();
+            format!("computing {}", computing.join(", "))
+        }
+        name => format!("'{name}'"),
+    };
+    Some(format!(
+        "its {label} holds {} {which}: the gradient recomputes the {label}, which would draw or normalise differently from the forward",
+        p.op_type()
+    ))
+}
+
+fn redrawn_in(model: &Model, body: BodyId) -> Option<NodeId> {
+    model.body_nodes(body).find_map(|n| {
+        let p = &model.node(n).proto;
+        let op = p.op_type();
+        let redrawn = crate::ir::normalize_domain(p.domain()).is_empty()
+            && (super::rules::RANDOM.contains(&op)
+                || matches!(op, "Dropout" | "BatchNormalization"));
+        match redrawn {
+            true => Some(n),
+            false => model
+                .node(n)
+                .subgraphs
+                .iter()
+                .find_map(|s| redrawn_in(model, s.body)),
+        }
+    })
 }
 
 pub struct LoopParts {
@@ -40,8 +87,8 @@ impl LoopParts {
     }
 
     /// The Loop `n`'s parts, or why it is not a Loop either differentiation can read: its body
-    /// signature off, control flow or sparse initializers in its body, a carried value that is
-    /// not a tensor.
+    /// signature off, sparse initializers in its body, a carried value that is not a tensor.
+    /// (Control flow in the body is copied with it: [`copy_node`].)
     pub fn of(model: &Model, n: NodeId) -> Result<LoopParts, String> {
         let node = model.node(n);
         let body = model.subgraph(n, "body").ok_or("it has no body")?;
@@ -64,21 +111,6 @@ impl LoopParts {
                 "it has {} outputs, its body returns {} values besides the condition",
                 node.outputs.len(),
                 body_outputs.len() - 1
-            ));
-        }
-        if let Some(inner) = model.nested_control_flow(body) {
-            let inner = model.node(inner);
-            let computing: Vec<&str> = inner
-                .outputs
-                .iter()
-                .flatten()
-                .map(|v| model.name(*v))
-                .collect();
-            return Err(format!(
-                "its body holds control flow itself (the {} '{}' computing {})",
-                inner.proto.op_type(),
-                inner.proto.name(),
-                computing.join(", ")
             ));
         }
         if !b.sparse_initializers.is_empty() {
@@ -111,13 +143,19 @@ impl LoopParts {
 }
 
 /// A copy of body node `node` (op, domain, attributes, name) made by `b` in its body,
-/// reading `inputs`: each output of the original as (original, copy); an output the
-/// original omits stays omitted. Both differentiations copy a Loop's body this way
-/// (unrolled: once per iteration; as a Loop: once, recomputed in the backward's body).
+/// reading `inputs`: every value the copy makes as (original, copy), its outputs first; an
+/// output the original omits stays omitted. Both differentiations copy a Loop's body this
+/// way (unrolled: once per iteration; as a Loop: once, recomputed in the backward's body).
+///
+/// A node holding bodies (an If, a Loop) gets copies of them, each reading the copy in
+/// `captured` of an outer value it reads (the outer value itself where there is none), and
+/// their values are among the pairs returned, so control flow nested in a body is copied
+/// with it.
 pub fn copy_node(
     b: &mut Builder<'_>,
     node: NodeId,
     inputs: &[Option<ValueId>],
+    captured: &HashMap<ValueId, ValueId>,
 ) -> Vec<(ValueId, ValueId)> {
     let original = b.model.node(node).clone();
     let p = &original.proto;
@@ -127,6 +165,15 @@ pub fn copy_node(
         .map(|o| o.map(|o| b.model.name(o).to_string()).unwrap_or_default())
         .collect();
     let hint_refs: Vec<&str> = hints.iter().map(String::as_str).collect();
+    // The graph attributes are made again below, as new bodies.
+    let graph_attributes: Vec<usize> = original.subgraphs.iter().map(|s| s.attribute).collect();
+    let attributes = p
+        .attribute
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| !graph_attributes.contains(i))
+        .map(|(_, a)| a.clone())
+        .collect();
     let copy = b.model.add_node(
         b.body,
         NodeSpec {
@@ -134,7 +181,7 @@ pub fn copy_node(
             domain: p.domain(),
             inputs,
             output_hints: &hint_refs,
-            attributes: p.attribute.clone(),
+            attributes,
             name_hint: Some(p.name()),
             pass: Some(b.pass),
         },
@@ -147,7 +194,45 @@ pub fn copy_node(
             None => b.model.node_mut(copy).outputs[slot] = None,
         }
     }
+    for sub in &original.subgraphs {
+        let attribute = p.attribute[sub.attribute].name().to_string();
+        let body = b.model.add_subgraph(copy, &attribute);
+        pairs.extend(copy_graph(b, sub.body, body, captured));
+    }
     pairs
+}
+
+/// The body `from` (inputs, initializers, nodes, outputs) copied into the empty body `to`,
+/// reading the copy in `captured` of each outer value it reads where there is one.
+fn copy_graph(
+    b: &mut Builder<'_>,
+    from: BodyId,
+    to: BodyId,
+    captured: &HashMap<ValueId, ValueId>,
+) -> Vec<(ValueId, ValueId)> {
+    let mut copies = captured.clone();
+    let mut made = Vec::new();
+    let inputs = b.model.body(from).inputs.clone();
+    for (v, info) in inputs {
+        let name = b.model.name(v).to_string();
+        let copy = b
+            .model
+            .add_input(to, &name, info.r#type.clone().unwrap_or_default(), None);
+        if let Some((_, copied)) = b.model.body_mut(to).inputs.last_mut() {
+            copied.r#type = info.r#type;
+        }
+        copies.insert(v, copy);
+        made.push((v, copy));
+    }
+    let mut inner = Builder::new(&mut *b.model, to, b.pass);
+    made.extend(copy_body(&mut inner, from, &mut copies));
+    b.added += inner.added;
+    let outputs = b.model.body(from).outputs.clone();
+    for (v, info) in outputs {
+        let copy = copies.get(&v).copied().unwrap_or(v);
+        b.model.add_output(to, copy, info.r#type);
+    }
+    made
 }
 
 /// The nodes of `body` (a Loop's, a Scan's, an If branch) copied into the body `b` builds in,
@@ -174,7 +259,7 @@ pub fn copy_body(
             .iter()
             .map(|v| v.map(|v| copies.get(&v).copied().unwrap_or(v)))
             .collect();
-        for (original, copy) in copy_node(b, node, &inputs) {
+        for (original, copy) in copy_node(b, node, &inputs, copies) {
             copies.insert(original, copy);
             made.push((original, copy));
         }

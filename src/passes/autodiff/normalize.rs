@@ -19,9 +19,13 @@
 //!   for `x.split(n)`) become one `Split`, so no sequence reaches the gradient.
 //! - **If** with a condition known before the run (shape arithmetic the facts fold) is
 //!   replaced by the branch it takes; one on data stays, and `if_grad` differentiates it.
-//! - **Scan** becomes the Loop it is (`scan_as_loop`), which the next step treats as any.
+//! - **Scan** becomes the Loop it is (`scan_as_loop`), which the next step treats as any,
+//!   in whatever body it is.
 //! - **Loop** with a trip count known before the run is unrolled first (`unroll_loop`:
 //!   tf2onnx's Keras SimpleRNN and GRU), so what its body holds is normalised like the rest.
+//!   These three repeat until nothing changes: control flow nested in an unrolled body or
+//!   an inlined branch lands in the main graph (an If on the iteration number is decided
+//!   once the iteration is).
 //! - **LSTM, GRU, RNN** are unrolled into their cell equations over the (known) sequence
 //!   length (`unroll_rnn`), so their gradients come from the rules of the ops they are made of.
 //! - **CastLike(X, like)** whose `like` has a known element type becomes `Cast(X, to)`. The
@@ -102,25 +106,23 @@ pub fn normalize(
     loops: LoopMode,
     pass: &'static str,
 ) -> Result<Normalized, PassError> {
-    let ifs = inline_decided_ifs(model)?;
-    // Scans become Loops first, so that they are unrolled or kept like any Loop.
-    let scans = rewrite_each(
-        model,
-        super::scan_as_loop::is_scan,
-        |model, node, shapes| super::scan_as_loop::rewrite(model, node, shapes, pass),
-    )?;
-    let mut out = Normalized {
-        ifs,
-        scans,
-        loops: match loops {
+    // Control flow, until nothing changes: Ifs the shapes decide are inlined, Scans become
+    // Loops (at any depth: a kept Loop's body is differentiated by the same rules), Loops
+    // with a known trip count are unrolled. Each may bring control flow that was nested in
+    // a body into the main graph: an unrolled iteration may decide an If, an inlined branch
+    // may hold a Loop.
+    let mut out = Normalized::default();
+    loop {
+        out.ifs.extend(inline_decided_ifs(model)?);
+        out.scans += rewrite_scans(model, pass)?;
+        let unrolled = match loops {
             LoopMode::Unroll => unroll_loops(model, pass)?,
             LoopMode::Keep => Vec::new(),
-        },
-        ..Default::default()
-    };
-    // An unrolled Loop's body may have held an If the unrolled iteration decides.
-    if !out.loops.is_empty() {
-        out.ifs.extend(inline_decided_ifs(model)?);
+        };
+        if unrolled.is_empty() {
+            break;
+        }
+        out.loops.extend(unrolled);
     }
     let nodes: Vec<NodeId> = model.body_nodes(BodyId::MAIN).collect();
     let inputs = computed_statistics_inputs(model, &nodes);
@@ -228,6 +230,41 @@ fn unroll_loops(model: &mut Model, pass: &'static str) -> Result<Vec<(String, us
         }
     }
     Ok(unrolled)
+}
+
+/// Rewrites every Scan as a Loop (`scan_as_loop`), wherever it is, an outer one before
+/// those nested in its body (which move with it); how many.
+fn rewrite_scans(model: &mut Model, pass: &'static str) -> Result<usize, PassError> {
+    let is_scan = |model: &Model, n: NodeId| {
+        let p = &model.node(n).proto;
+        crate::ir::normalize_domain(p.domain()).is_empty()
+            && super::scan_as_loop::is_scan(p.op_type())
+    };
+    let mut rewritten = 0;
+    loop {
+        let outermost = model
+            .all_nodes()
+            .find(|n| is_scan(model, *n) && !in_scan_body(model, model.node(*n).body));
+        let Some(scan) = outermost else { break };
+        let shapes = super::shapes::Shapes::infer(model);
+        super::scan_as_loop::rewrite(model, scan, &shapes, pass)?;
+        rewritten += 1;
+    }
+    Ok(rewritten)
+}
+
+/// Whether `body` is a Scan's body or nested in one.
+fn in_scan_body(model: &Model, body: BodyId) -> bool {
+    let mut scope = Some(body);
+    while let Some(b) = scope {
+        if let Some(owner) = model.body(b).owner {
+            if super::scan_as_loop::is_scan(model.node(owner).proto.op_type()) {
+                return true;
+            }
+        }
+        scope = model.body(b).parent;
+    }
+    false
 }
 
 /// Rewrites every default-domain node of the main graph whose op `selects` picks with

@@ -24,12 +24,13 @@
 //!
 //! Not rewritten (an error naming the node): opset 8's Scan (its first input is the batch's
 //! sequence lengths), attributes that do not match the inputs, a scan axis other than 0
-//! on a value whose rank is not known, a body holding control flow itself.
+//! on a value whose rank is not known. Control flow in the body moves into the Loop's body
+//! with it; a Scan in a body is rewritten in that body.
 
 use std::collections::HashMap;
 
 use crate::ir::builder::{attr_int, attr_ints, tensor_i64, Builder, NodeAttributes};
-use crate::ir::{tensor_type, BodyId, Model, NodeId, ValueId};
+use crate::ir::{tensor_type, Model, NodeId, ValueId};
 use crate::passes::PassError;
 use crate::proto::elem::{BOOL, INT64};
 
@@ -59,19 +60,10 @@ pub fn rewrite(
     let Some(body) = model.subgraph(node, "body") else {
         return Err(fail(model, "it has no body".into()));
     };
-    if let Some(inner) = model.nested_control_flow(body) {
-        let p = &model.node(inner).proto;
-        return Err(fail(
-            model,
-            format!(
-                "its body holds control flow itself ({} '{}'), which is not differentiated",
-                p.op_type(),
-                p.name()
-            ),
-        ));
-    }
     let n = model.node(node).clone();
     let p = &n.proto;
+    // The body the Scan is in (the main graph, or a body where control flow nests).
+    let home = n.body;
     let scans = p
         .attr_int("num_scan_inputs")
         .ok()
@@ -176,7 +168,7 @@ pub fn rewrite(
         name => name.to_string(),
     };
     let in_ranks: Vec<Option<usize>> = scanned.iter().map(|x| shapes.get(*x).rank()).collect();
-    let mut b = Builder::new(model, BodyId::MAIN, pass);
+    let mut b = Builder::new(model, home, pass);
     // Each scan input with its scan axis first, so that a step is a Gather on axis 0 (what
     // the unrolling splits and a kept Loop's gradient scatters).
     let mut firsts = Vec::new();
@@ -202,11 +194,9 @@ pub fn rewrite(
     }
     // T: the length of the first scan input's axis.
     let shape = b.op("Shape", &[firsts[0]], vec![], &format!("{label}_shape"));
-    let axis = b.model.add_initializer(
-        BodyId::MAIN,
-        &format!("{label}_axis"),
-        tensor_i64(&[], &[0]),
-    );
+    let axis = b
+        .model
+        .add_initializer(home, &format!("{label}_axis"), tensor_i64(&[], &[0]));
     let steps = b.op("Gather", &[shape, axis], vec![], &format!("{label}_steps"));
     let hints: Vec<String> = n
         .outputs
@@ -272,7 +262,7 @@ pub fn rewrite(
 
     // The Scan's outputs from the Loop's: its states as they are, each scan output reversed
     // and its axis moved where the Scan says.
-    let mut b = Builder::new(model, BodyId::MAIN, pass);
+    let mut b = Builder::new(model, home, pass);
     let mut replacements = Vec::new();
     for (slot, out) in n.outputs.iter().enumerate() {
         let Some(out) = out else { continue };
@@ -284,7 +274,7 @@ pub fn rewrite(
                 // Gathered at T - 1, ..., 0 (a Slice with step -1 would need T before the
                 // run for its gradient).
                 let minus_one = b.model.add_initializer(
-                    BodyId::MAIN,
+                    home,
                     &format!("{name}_minus_one"),
                     tensor_i64(&[], &[-1]),
                 );

@@ -1586,10 +1586,13 @@ fn concat(inputs: &[Facts], axis: i64) -> Option<Vec<Dim>> {
 }
 
 /// Declares the derived type of every node output that the model leaves undeclared (the
-/// lowerings of `legalize-ort` read declared types).
+/// lowerings of `legalize-ort` read declared types). In the main graph with its shape; in
+/// a body (an If branch, a Loop body, the backward's copies of them) the element type
+/// alone: a Loop body's facts hold for every iteration only as far as the element type
+/// and rank go, and the lowerings need no more there.
 pub fn declare(model: &mut Model, shapes: &Shapes) {
     let outputs: Vec<ValueId> = model
-        .body_nodes(BodyId::MAIN)
+        .all_nodes()
         .flat_map(|n| {
             model
                 .node(n)
@@ -1605,10 +1608,18 @@ pub fn declare(model: &mut Model, shapes: &Shapes) {
             continue;
         }
         let f = shapes.get(v);
-        let (Some(elem), Some(dims)) = (f.elem, f.dims) else {
-            continue;
+        let ty = match (model.defining_body(v) == BodyId::MAIN, f.elem, f.dims) {
+            (true, Some(elem), Some(dims)) => type_of(elem, &dims),
+            (false, Some(elem), _) => crate::proto::TypeProto {
+                value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                    elem_type: Some(elem),
+                    shape: None,
+                })),
+                ..Default::default()
+            },
+            _ => continue,
         };
-        model.set_value_type(v, type_of(elem, &dims));
+        model.set_value_type(v, ty);
     }
 }
 

@@ -632,7 +632,15 @@ impl Unrolled<'_, '_> {
                 None => None,
             });
         }
-        for (original, copy) in copy_node(&mut self.b, n, &inputs) {
+        // An If or Loop in the body reads this iteration's copies too.
+        let mut captured = HashMap::new();
+        for sub in &node.subgraphs {
+            for v in self.b.model.captures(sub.body) {
+                let copy = self.read(v, known, copies)?;
+                captured.insert(v, copy);
+            }
+        }
+        for (original, copy) in copy_node(&mut self.b, n, &inputs, &captured) {
             if let Some(ty) = self.b.model.value_type(original) {
                 self.b.model.set_value_type(copy, ty);
             }

@@ -15,8 +15,9 @@
 //! is not taken: its trip count is not M.
 
 use crate::ir::builder::{attr_int, tensor_i64, Builder};
-use crate::ir::{BodyId, Model, NodeId, Use, ValueDef, ValueId};
+use crate::ir::{tensor_type, BodyId, Model, NodeId, Use, ValueDef, ValueId};
 use crate::passes::PassError;
+use crate::proto::elem::INT64;
 
 /// Whether `node` is a Loop this rewrites: `M` given, the first condition absent or a
 /// constant true, the body's condition output its condition input (through Identities) or a
@@ -68,8 +69,7 @@ fn parts(model: &Model, node: NodeId) -> Option<Parts> {
         Use::Node { node, .. } => forwarding.contains(node),
         Use::Output { body: b, index } => *b == body && *index == 0,
     });
-    let nested = model.nested_control_flow(body).is_some();
-    (only_forwarded && !nested).then_some(Parts {
+    only_forwarded.then_some(Parts {
         body,
         trip_count,
         condition,
@@ -111,7 +111,7 @@ pub fn rewrite(model: &mut Model, node: NodeId, stamp: &'static str) -> Result<u
     let zero = b.constant("scan_zero", tensor_i64(&[], &[0]));
     let one = b.constant("scan_one", tensor_i64(&[], &[1]));
     let iterations = b.op("Range", &[zero, steps, one], vec![], "scan_iterations");
-    let added = b.added;
+    let mut added = b.added;
 
     // The node: Scan(v₀…, iterations).
     let carried: Vec<Option<ValueId>> = model.node(node).inputs.iter().skip(2).copied().collect();
@@ -146,9 +146,60 @@ pub fn rewrite(model: &mut Model, node: NodeId, stamp: &'static str) -> Result<u
         })?;
     let inputs = &mut model.body_mut(parts.body).inputs;
     let iteration = inputs.remove(0);
+    let iteration_number = iteration.0;
     inputs.push(iteration);
+    // tract drops a Scan body's input that nothing reads, and with its only scan input gone
+    // cannot type the Scan ("No scan input"); it drops a scan output nothing outside reads
+    // too (a kept Loop's stack of iteration numbers, once tract has folded the Size the
+    // backward reads of it). A body that computes nothing from its iteration number (a Loop
+    // nested in a kept Loop's body) carries one more state, the largest iteration number
+    // so far, which reads it.
+    if only_returned(model, parts.body, iteration_number) {
+        let carried_count = carried.len();
+        let hint = "scan_iteration_seen";
+        let mut b = Builder::new(model, outer, stamp);
+        let start = b.constant(hint, tensor_i64(&[], &[0]));
+        added += b.added;
+        // The node: the state's start after the carried values, before the scan input.
+        model.set_input(node, carried_count, Some(start));
+        model.set_input_growing(node, carried_count + 1, iterations);
+        // The body: its input before the iteration number, its next value after the
+        // carried values' outputs.
+        let scalar = tensor_type(INT64, &[]);
+        let seen = model.add_input(parts.body, hint, scalar.clone(), None);
+        let inputs = &mut model.body_mut(parts.body).inputs;
+        let entry = inputs.remove(inputs.len() - 1);
+        inputs.insert(carried_count, entry);
+        let mut b = Builder::new(model, parts.body, stamp);
+        let next = b.op("Max", &[seen, iteration_number], vec![], hint);
+        added += b.added;
+        model.insert_output(parts.body, carried_count, next, Some(scalar));
+        for slot in 0..carried_count {
+            model.ensure_node_output(node, slot, &format!("scan_out{slot}"));
+        }
+        model.insert_node_output(node, carried_count, hint);
+    }
     open_symbolic_dims(model.body_mut(parts.body));
     Ok(added + distinct_outputs(model, parts.body, stamp))
+}
+
+/// Whether `body` computes nothing from `v`: nothing reads it, or only body outputs and
+/// Identities that are body outputs.
+fn only_returned(model: &Model, body: BodyId, v: ValueId) -> bool {
+    model.uses(v).iter().all(|u| match u {
+        Use::Output { .. } => true,
+        Use::Node { node, .. } => {
+            let n = model.node(*node);
+            n.body == body
+                && n.proto.op_type() == "Identity"
+                && n.outputs.iter().flatten().all(|o| {
+                    model
+                        .uses(*o)
+                        .iter()
+                        .all(|u| matches!(u, Use::Output { body: b, .. } if *b == body))
+                })
+        }
+    })
 }
 
 /// Gives a body output an Identity of its own where tract needs one: an output that is a
