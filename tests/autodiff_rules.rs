@@ -34,7 +34,7 @@
 //! layer_norm_all_outputs_axis1, and the recurrent layers' Y, Y_h and Y_c. Tests expect a
 //! clear error naming the node instead of a gradient (never a panic): a ConvTranspose with
 //! `output_shape`, an einsum diagonal, Resize's tf_crop_and_resize, LSTM's sequence_lens,
-//! a scatter that multiplies, GatherND with batch_dims, an Attention with a cache or whose
+//! a scatter that multiplies, an Attention with a cache or whose
 //! scores output is used, GridSample with reflection padding, a Dropout inside an If
 //! branch, a Scan axis beyond its input's rank. A Scan (rewritten as a Loop) runs its
 //! forward on ONNX Runtime's own Scan kernel, so its axes and directions are checked
@@ -2044,19 +2044,29 @@ fn scatter_with_a_multiplying_reduction_is_refused() {
     });
 }
 
-#[test]
-fn gather_nd_with_batch_dims_is_refused() {
-    check_error(
-        "gather_nd_batch_dims_is_refused",
-        17,
-        F64,
-        "batch_dims = 1",
-        |n| {
-            let x = n.param("X", &[2, 3, 4], -1.0, 1.0);
-            let i = n.ints("indices", &[2, 1, 1], &[2, 0]);
-            vec![n.op("GatherND", &[x, i], vec![attr_int("batch_dims", 1)])]
-        },
-    );
+cases! {
+    // ---- GatherND with batch_dims: the batch positions written in front of each tuple
+    gather_nd_batch_dims_1_f64: 17, F64 => |n| {
+        let x = n.param("X", &[2, 3, 4], -1.0, 1.0);
+        // a repeated tuple in the first batch: its gradient adds up
+        let i = n.ints("indices", &[2, 2, 1], &[2, 2, 0, 1]);
+        vec![n.op("GatherND", &[x, i], vec![attr_int("batch_dims", 1)])]
+    };
+    gather_nd_batch_dims_1_pairs_f64: 17, F64 => |n| {
+        let x = n.param("X", &[2, 3, 4], -1.0, 1.0);
+        let i = n.ints("indices", &[2, 3, 2], &[0, 3, 2, 1, 0, 3, 1, 1, 1, 1, 2, 0]);
+        vec![n.op("GatherND", &[x, i], vec![attr_int("batch_dims", 1)])]
+    };
+    gather_nd_batch_dims_2_f64: 17, F64 => |n| {
+        let x = n.param("X", &[2, 3, 4, 5], -1.0, 1.0);
+        let i = n.ints("indices", &[2, 3, 2, 1], &[3, 0, 1, 1, 2, 3, 0, 0, 3, 2, 1, 2]);
+        vec![n.op("GatherND", &[x, i], vec![attr_int("batch_dims", 2)])]
+    };
+    gather_nd_batch_dims_1: 17, F32 => |n| {
+        let x = n.param("X", &[2, 3, 4], -1.0, 1.0);
+        let i = n.ints("indices", &[2, 2, 1], &[2, 2, 0, 1]);
+        vec![n.op("GatherND", &[x, i], vec![attr_int("batch_dims", 1)])]
+    };
 }
 
 /// Resize of a `dims` parameter by constant `scales` (or `sizes`), roi empty.

@@ -12,12 +12,16 @@
 //!
 //! `Y = GatherND(X, I)` (batch_dims 0) reads slices of X at the tuples `I[j]`; its
 //! gradient adds each `dY[j]` back at `I[j]`: `dX = ScatterND(zeros(X), I, dY, add)`, since
-//! a tuple may repeat.
+//! a tuple may repeat. With `batch_dims = b` the tuples index within each of the first b
+//! axes' positions, which is GatherND with those positions written in front of each tuple:
+//! `I' = [p₀, …, p_{b-1}, I[p…]]`, the same scatter of dY at `I'` (ScatterND has no
+//! batch_dims).
 
 use super::{wanted, Grad, InputGrads};
-use crate::ir::builder::attr_string;
+use crate::ir::builder::{attr_int, attr_string};
 use crate::ir::{NodeId, ValueId};
 use crate::passes::PassError;
+use crate::proto::elem::INT64;
 
 fn hint(cx: &Grad<'_>, x: ValueId) -> String {
     format!("{}_grad", cx.model().name(x))
@@ -95,12 +99,6 @@ pub fn gather_nd(
     wants: &[bool],
 ) -> Result<InputGrads, PassError> {
     let batch_dims = cx.int_attr(node, "batch_dims", 0)?;
-    if batch_dims != 0 {
-        return Err(cx.error(
-            node,
-            format!("batch_dims = {batch_dims} has no gradient rule (0 has)"),
-        ));
-    }
     // Repeated tuples add up: ScatterND's `reduction` exists from opset 16.
     if cx.opset() < 16 {
         return Err(cx.error(
@@ -113,6 +111,10 @@ pub fn gather_nd(
         ));
     }
     let (x, indices) = (cx.input(node, 0)?, cx.input(node, 1)?);
+    let indices = match batch_dims {
+        0 => indices,
+        b => with_batch_positions(cx, node, indices, b)?,
+    };
     let h = hint(cx, x);
     let zeros = cx.zeros_like(node, x, &format!("{h}_zeros"))?;
     let dy = cx.dy(node, dys, 0)?;
@@ -126,4 +128,89 @@ pub fn gather_nd(
     let mut grads = vec![None; wants.len().max(1)];
     grads[0] = Some(dx);
     Ok(grads)
+}
+
+/// The tuples `indices` of a GatherND with `batch_dims = b`, each with the positions of its
+/// first `b` axes written in front (`[r-1 axes…, b + k]` from `[r-1 axes…, k]`): what a
+/// GatherND without batch_dims reads the same slices with.
+fn with_batch_positions(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    indices: ValueId,
+    b: i64,
+) -> Result<ValueId, PassError> {
+    let Some(rank) = cx.facts(indices).rank() else {
+        return Err(cx.error(
+            node,
+            format!(
+                "batch_dims = {b}: the gradient needs the rank of the indices, which is not known"
+            ),
+        ));
+    };
+    let rank = rank as i64;
+    if b < 0 || b >= rank {
+        return Err(cx.error(
+            node,
+            format!(
+                "batch_dims = {b} is outside 0..{} (the indices' rank less one)",
+                rank - 1
+            ),
+        ));
+    }
+    let name = cx.model().name(indices).to_string();
+    let shape = cx.shape_of(indices);
+    // Each position grid is the shape of the tuples' axes with one coordinate.
+    let (start, end) = (cx.ints(&[0]), cx.ints(&[rank - 1]));
+    let leading = cx.op(
+        "Slice",
+        &[shape, start, end],
+        vec![],
+        &format!("{name}_axes"),
+    );
+    let one = cx.ints(&[1]);
+    let grid = cx.op(
+        "Concat",
+        &[leading, one],
+        vec![attr_int("axis", 0)],
+        &format!("{name}_grid"),
+    );
+    let (zero, step) = (cx.scalar(INT64, 0.0), cx.scalar(INT64, 1.0));
+    let mut parts = Vec::new();
+    for axis in 0..b {
+        let at = cx.scalar(INT64, axis as f64);
+        let size = cx.op(
+            "Gather",
+            &[shape, at],
+            vec![],
+            &format!("{name}_size{axis}"),
+        );
+        let positions = cx.op(
+            "Range",
+            &[zero, size, step],
+            vec![],
+            &format!("{name}_at{axis}"),
+        );
+        let mut along: Vec<i64> = vec![1; rank as usize];
+        along[axis as usize] = -1;
+        let along = cx.ints(&along);
+        let column = cx.op(
+            "Reshape",
+            &[positions, along],
+            vec![],
+            &format!("{name}_at{axis}"),
+        );
+        parts.push(cx.op(
+            "Expand",
+            &[column, grid],
+            vec![],
+            &format!("{name}_at{axis}"),
+        ));
+    }
+    parts.push(indices);
+    Ok(cx.op(
+        "Concat",
+        &parts,
+        vec![attr_int("axis", -1)],
+        &format!("{name}_with_batch"),
+    ))
 }
