@@ -36,7 +36,7 @@
 //! `output_shape`, an einsum diagonal, Resize's tf_crop_and_resize, LSTM's sequence_lens,
 //! a scatter that multiplies, an Attention with a cache or whose
 //! scores output is used, GridSample with reflection padding, a Dropout inside an If
-//! branch, a Scan axis beyond its input's rank. A Scan (rewritten as a Loop) runs its
+//! branch (or two Ifs deep), a Scan axis beyond its input's rank. A Scan (rewritten as a Loop) runs its
 //! forward on ONNX Runtime's own Scan kernel, so its axes and directions are checked
 //! against ONNX Runtime's.
 //!
@@ -61,8 +61,8 @@
 //! acos                                       f32  2.0e-4
 //! acosh                                      f32  1.9e-4
 //! add                                        f64  7.8e-11
-//! add_broadcast_nc_c                         f64  4.5e-11
 //! add_broadcast_decided_at_run_time          f64  3.5e-11
+//! add_broadcast_nc_c                         f64  4.5e-11
 //! add_not_broadcast_decided_at_run_time      f64  5.2e-11
 //! asin                                       f32  4.9e-5
 //! asinh                                      f32  5.0e-5
@@ -132,9 +132,13 @@
 //! gather_axis1_2d_negative                   f64  2.5e-10
 //! gather_axis1_scalar_index                  f64  8.5e-11
 //! gather_elements                            f64  8.2e-11
+//! gather_nd_batch_dims_1                     f32  2.3e-5
+//! gather_nd_batch_dims_1_f64                 f64  5.3e-11
+//! gather_nd_batch_dims_1_pairs_f64           f64  2.4e-11
+//! gather_nd_batch_dims_2_f64                 f64  1.4e-10
 //! gather_nd_elements                         f64  1.0e-11
 //! gather_nd_slices                           f64  4.6e-11
-//! gather_of_a_sliced_buffer_broadcast_over_the_batch f64 1.2e-10
+//! gather_of_a_sliced_buffer_broadcast_over_the_batch f64  1.2e-10
 //! gelu                                       f32  1.0e-4
 //! gelu_tanh                                  f64  6.6e-9
 //! gemm_nn                                    f64  2.1e-10
@@ -153,10 +157,13 @@
 //! group_norm_opset21_groups_equal_channels   f64  1.9e-10
 //! group_norm_opset21_per_channel             f64  6.9e-10
 //! gru_bidirectional                          f32  5.0e-4
+//! gru_bidirectional_as_loop                  f32  1.3e-3
+//! gru_bidirectional_as_loop_f64              f64  7.0e-10
 //! gru_bidirectional_f64                      f64  1.6e-9
 //! gru_linear_before_reset                    f32  1.2e-3
 //! gru_linear_before_reset_f64                f64  1.2e-9
 //! gru_linear_before_reset_zero_state         f32  1.2e-3
+//! gru_linear_before_reset_zero_state_as_loop_f64 f64  1.7e-9
 //! gru_linear_before_reset_zero_state_f64     f64  1.6e-9
 //! gru_no_bias_initial_state                  f32  7.6e-4
 //! gru_no_bias_initial_state_f64              f64  2.1e-9
@@ -165,6 +172,11 @@
 //! hardmax_carries_no_gradient                f32  3.9e-5
 //! identity                                   f64  4.9e-11
 //! if_decided_by_shapes_f64                   f64  1.9e-10
+//! if_holding_if                              f32  7.1e-5
+//! if_holding_if_then_else_f64                f64  2.3e-10
+//! if_holding_if_then_then_f64                f64  9.4e-11
+//! if_holding_loop_f64                        f64  6.9e-11
+//! if_holding_loop_kept_f64                   f64  4.2e-11
 //! if_on_data_else_branch                     f32  2.9e-4
 //! if_on_data_else_branch_f64                 f64  5.3e-10
 //! if_on_data_then_branch                     f32  5.9e-5
@@ -180,10 +192,21 @@
 //! log                                        f64  2.5e-11
 //! log_softmax_axis1                          f64  3.6e-10
 //! log_softmax_last                           f64  4.8e-10
+//! loop_in_loop_f64                           f64  4.7e-10
+//! loop_in_loop_kept_f64                      f64  2.2e-10
+//! loop_kept_scan_sliced                      f32  1.1e-4
+//! loop_kept_scan_sliced_f64                  f64  2.3e-10
+//! loop_kept_tf_while                         f32  7.0e-4
+//! loop_kept_tf_while_f64                     f64  6.9e-10
+//! loop_kept_trip_count                       f32  3.3e-4
+//! loop_kept_trip_count_f64                   f64  6.1e-11
 //! loop_tf_while                              f32  4.2e-4
 //! loop_tf_while_f64                          f64  3.1e-10
 //! loop_trip_count                            f32  1.4e-4
 //! loop_trip_count_f64                        f64  1.9e-10
+//! loop_with_ifs                              f32  9.1e-4
+//! loop_with_ifs_f64                          f64  8.1e-10
+//! loop_with_ifs_kept_f64                     f64  2.9e-9
 //! lp_normalization_default_3d                f64  1.5e-10
 //! lp_normalization_p1_axis0                  f64  1.5e-10
 //! lp_normalization_p2_axis1                  f64  1.3e-10
@@ -191,10 +214,15 @@
 //! lrn_size3_bias2                            f32  3.8e-4
 //! lrn_size5                                  f32  5.6e-4
 //! lstm_bidirectional                         f32  5.1e-4
+//! lstm_bidirectional_as_loop                 f32  8.0e-4
+//! lstm_bidirectional_as_loop_f64             f64  2.8e-9
 //! lstm_bidirectional_f64                     f64  2.3e-9
 //! lstm_full                                  f32  1.5e-3
+//! lstm_full_as_loop                          f32  8.3e-4
+//! lstm_full_as_loop_f64                      f64  4.1e-9
 //! lstm_full_f64                              f64  1.7e-9
 //! lstm_plain                                 f32  2.3e-3
+//! lstm_plain_as_loop_f64                     f64  2.0e-9
 //! lstm_plain_f64                             f64  5.9e-9
 //! lstm_reverse                               f32  1.0e-3
 //! lstm_reverse_f64                           f64  1.8e-9
@@ -213,7 +241,7 @@
 //! mish                                       f32  6.1e-5
 //! mul                                        f64  8.0e-11
 //! mul_broadcast_n1h_1ch                      f64  9.9e-11
-//! mul_broadcast_some_axes_decided_at_run_time f64 1.8e-10
+//! mul_broadcast_some_axes_decided_at_run_time f64  1.8e-10
 //! neg                                        f64  2.2e-11
 //! nll_ignore_index_names_a_class_sum_int32   f64  3.3e-10
 //! nll_mean                                   f64  2.5e-10
@@ -221,9 +249,9 @@
 //! nll_weighted_ignore_index_nd               f64  3.1e-10
 //! nll_weighted_none                          f64  1.8e-10
 //! pad_axes_opset18                           f64  1.2e-10
+//! pad_computed_from_shape                    f64  4.0e-11
 //! pad_constant                               f64  7.4e-11
 //! pad_constant_undeclared                    f64  1.8e-10
-//! pad_computed_from_shape                    f64  4.0e-11
 //! pad_negative                               f64  1.1e-10
 //! pad_negative_attribute_opset10             f64  1.2e-10
 //! pad_negative_axes_opset18                  f64  7.0e-11
@@ -279,6 +307,7 @@
 //! rms_norm_f32_default_stash                 f32  1.0e-4
 //! rms_norm_last_axis                         f64  1.5e-10
 //! rnn_sigmoid_bidirectional                  f32  4.4e-4
+//! rnn_sigmoid_bidirectional_as_loop_f64      f64  8.0e-10
 //! rnn_sigmoid_bidirectional_f64              f64  1.3e-9
 //! rnn_tanh                                   f32  2.2e-4
 //! rnn_tanh_f64                               f64  4.0e-10
@@ -288,8 +317,14 @@
 //! scan_f64                                   f64  6.3e-10
 //! scan_kept_f64                              f64  2.0e-10
 //! scatter_elements_add_repeated              f64  9.5e-11
+//! scatter_elements_max                       f32  4.1e-5
+//! scatter_elements_max_repeated              f64  1.6e-10
+//! scatter_elements_max_ties                  f64  1.7e-10
+//! scatter_elements_min                       f64  6.7e-11
 //! scatter_elements_none                      f64  6.9e-11
 //! scatter_nd_add_repeated                    f64  6.1e-10
+//! scatter_nd_max_repeated                    f64  8.1e-11
+//! scatter_nd_min_elements                    f64  6.2e-11
 //! scatter_nd_none                            f64  4.0e-11
 //! selu                                       f32  6.2e-5
 //! selu_attrs                                 f32  5.7e-5
@@ -1724,6 +1759,49 @@ cases! {
         let u = n.param("U", &[3], -1.0, 1.0);
         let i = n.ints("indices", &[3, 2], &[1, 2, 3, 0, 1, 2]);
         vec![n.op("ScatterND", &[x, i, u], vec![attr_string("reduction", "add")])]
+    };
+    // max and min (opset 18): the gradient to the values equal to the result
+    scatter_elements_max_repeated: 18, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let u = n.param("U", &[3, 4], -1.0, 1.0);
+        let i = n.ints("indices", &[3, 4], &[0, 2, 2, 1, 0, 0, 2, 1, 1, 2, 2, 1]);
+        vec![n.op("ScatterElements", &[x, i, u],
+            vec![attr_int("axis", 0), attr_string("reduction", "max")])]
+    };
+    scatter_elements_min: 18, F64 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let u = n.param("U", &[3, 2], -1.0, 1.0);
+        let i = n.ints("indices", &[3, 2], &[0, 3, 1, 1, 3, 0]);
+        vec![n.op("ScatterElements", &[x, i, u],
+            vec![attr_int("axis", 1), attr_string("reduction", "min")])]
+    };
+    scatter_nd_max_repeated: 18, F64 => |n| {
+        let x = n.param("X", &[4, 3], -1.0, 1.0);
+        let u = n.param("U", &[3, 3], -1.0, 1.0);
+        let i = n.ints("indices", &[3, 1], &[1, 3, 1]);
+        vec![n.op("ScatterND", &[x, i, u], vec![attr_string("reduction", "max")])]
+    };
+    scatter_nd_min_elements: 18, F64 => |n| {
+        let x = n.param("X", &[4, 3], -1.0, 1.0);
+        let u = n.param("U", &[4], -1.0, 1.0);
+        let i = n.ints("indices", &[4, 2], &[1, 2, 3, 0, 1, 2, 0, 0]);
+        vec![n.op("ScatterND", &[x, i, u], vec![attr_string("reduction", "min")])]
+    };
+    // Two-way ties, where a central difference gives each side half (the even split):
+    // X[0, 0] = U[0, 0] and U[0, 1] = U[1, 1] both written at [1, 1] over a smaller X.
+    scatter_elements_max_ties: 18, F64 => |n| {
+        let x = n.param_with("X", &[2, 2], vec![0.5, -0.2, 0.1, 0.3]);
+        let u = n.param_with("U", &[2, 2], vec![0.5, 0.7, -0.9, 0.7]);
+        let i = n.ints("indices", &[2, 2], &[0, 1, 1, 1]);
+        vec![n.op("ScatterElements", &[x, i, u],
+            vec![attr_int("axis", 0), attr_string("reduction", "max")])]
+    };
+    scatter_elements_max: 18, F32 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let u = n.param("U", &[3, 4], -1.0, 1.0);
+        let i = n.ints("indices", &[3, 4], &[0, 2, 2, 1, 0, 0, 2, 1, 1, 2, 2, 1]);
+        vec![n.op("ScatterElements", &[x, i, u],
+            vec![attr_int("axis", 0), attr_string("reduction", "max")])]
     };
 
     // ---- loss

@@ -8,7 +8,12 @@
 //!   zeros into dY), `dU = gather(dY, I)`. ONNX leaves duplicate indices undefined here, so
 //!   each written position has one update.
 //! - `reduction = add`: `Y = X + scatter_add(U)`, so `dX = dY` and `dU = gather(dY, I)`.
-//! - `mul`, `max`, `min`: refused by name (their derivative reads the other updates).
+//! - `max`, `min`: each position of Y is the largest (smallest) of X there and the updates
+//!   written there; its gradient goes to those equal to it, split evenly among ties (as
+//!   torch's `scatter_reduce` with `amax`/`amin` and `include_self`):
+//!   `count = [X = Y] + scatter_add([U = gather(Y, I)])`, `dX = dY / count · [X = Y]`,
+//!   `dU = gather(dY / count, I) · [U = gather(Y, I)]`.
+//! - `mul`: refused by name (the product's gradient divides by an update that may be zero).
 //!
 //! `Y = GatherND(X, I)` (batch_dims 0) reads slices of X at the tuples `I[j]`; its
 //! gradient adds each `dY[j]` back at `I[j]`: `dX = ScatterND(zeros(X), I, dY, add)`, since
@@ -27,16 +32,18 @@ fn hint(cx: &Grad<'_>, x: ValueId) -> String {
     format!("{}_grad", cx.model().name(x))
 }
 
-/// `none` or `add`, else an error naming the reduction.
+/// `none`, `add`, `max` or `min`, else an error naming the reduction.
 fn reduction(cx: &Grad<'_>, node: NodeId) -> Result<&'static str, PassError> {
     match cx.string_attr(node, "reduction")?.as_deref() {
         None | Some("none") => Ok("none"),
         Some("add") => Ok("add"),
+        Some("max") => Ok("max"),
+        Some("min") => Ok("min"),
         Some(other) => Err(cx.error(
             node,
             format!(
-                "reduction '{other}' has no gradient rule (its derivative depends on the other \
-                 updates at the same position); none and add do"
+                "reduction '{other}' has no gradient rule (the product's derivative divides by \
+                 an update that may be zero); none, add, max and min do"
             ),
         )),
     }
@@ -55,6 +62,9 @@ fn scatter(
     let dy = cx.dy(node, dys, 0)?;
     let (x, indices, updates) = (cx.input(node, 0)?, cx.input(node, 1)?, cx.input(node, 2)?);
     let axis = cx.attrs_of(node, &["axis"]);
+    if matches!(reduction, "max" | "min") {
+        return extremum(cx, node, dy, wants, gather);
+    }
     let mut grads = vec![None; wants.len()];
     if wanted(wants, 0) {
         grads[0] = Some(match reduction {
@@ -70,6 +80,67 @@ fn scatter(
     if wanted(wants, 2) {
         let h = hint(cx, updates);
         grads[2] = Some(cx.op_like(gather, &[dy, indices], axis, &h, updates));
+    }
+    Ok(grads)
+}
+
+/// The gradient of a scatter with `reduction = max` or `min` (see the module docs): to
+/// the values equal to the result, split evenly among ties.
+fn extremum(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dy: ValueId,
+    wants: &[bool],
+    gather: &str,
+) -> Result<InputGrads, PassError> {
+    let (x, indices, updates) = (cx.input(node, 0)?, cx.input(node, 1)?, cx.input(node, 2)?);
+    let y = cx.model().output(node, 0);
+    let axis = cx.attrs_of(node, &["axis"]);
+    let op = cx.model().node(node).proto.op_type().to_string();
+    let elem = cx.elem(node, x)?;
+    let (hx, hu) = (hint(cx, x), hint(cx, updates));
+    let cast = vec![attr_int("to", elem as i64)];
+    let x_is = cx.op("Equal", &[x, y], vec![], &format!("{hx}_is_extremum"));
+    let x_is = cx.op_like(
+        "Cast",
+        &[x_is],
+        cast.clone(),
+        &format!("{hx}_is_extremum"),
+        x,
+    );
+    let y_at_u = cx.op_like(
+        gather,
+        &[y, indices],
+        axis.clone(),
+        &format!("{hu}_result"),
+        updates,
+    );
+    let u_is = cx.op(
+        "Equal",
+        &[updates, y_at_u],
+        vec![],
+        &format!("{hu}_is_extremum"),
+    );
+    let u_is = cx.op_like("Cast", &[u_is], cast, &format!("{hu}_is_extremum"), updates);
+    let zeros = cx.zeros_like(node, x, &format!("{hx}_zeros"))?;
+    let mut add = axis.clone();
+    add.push(attr_string("reduction", "add"));
+    let u_ties = cx.op_like(&op, &[zeros, indices, u_is], add, &format!("{hx}_ties"), x);
+    let count = cx.op_like("Add", &[x_is, u_ties], vec![], &format!("{hx}_ties"), x);
+    let share = cx.op_like("Div", &[dy, count], vec![], &format!("{hx}_share"), x);
+    let mut grads = vec![None; wants.len()];
+    if wanted(wants, 0) {
+        grads[0] = Some(cx.op_like("Mul", &[share, x_is], vec![], &hx, x));
+    }
+    if wanted(wants, 2) {
+        let shared = cx.op_like(
+            gather,
+            &[share, indices],
+            axis,
+            &format!("{hu}_share"),
+            updates,
+        );
+        grads[2] = Some(cx.op_like("Mul", &[shared, u_is], vec![], &hu, updates));
     }
     Ok(grads)
 }
