@@ -34,7 +34,7 @@
 //! layer_norm_all_outputs_axis1, and the recurrent layers' Y, Y_h and Y_c. Tests expect a
 //! clear error naming the node instead of a gradient (never a panic): a ConvTranspose with
 //! `output_shape`, an einsum diagonal, Resize's tf_crop_and_resize, LSTM's sequence_lens,
-//! a scatter that multiplies, an Attention with a cache or whose
+//! a scatter whose reduction ONNX does not define, an Attention with a cache or whose
 //! scores output is used, GridSample with reflection padding, a Dropout inside an If
 //! branch (or two Ifs deep), a Scan axis beyond its input's rank. A Scan (rewritten as a Loop) runs its
 //! forward on ONNX Runtime's own Scan kernel, so its axes and directions are checked
@@ -321,10 +321,14 @@
 //! scatter_elements_max_repeated              f64  1.6e-10
 //! scatter_elements_max_ties                  f64  1.7e-10
 //! scatter_elements_min                       f64  6.7e-11
+//! scatter_elements_mul                       f32  7.4e-5
+//! scatter_elements_mul_repeated_f64          f64  7.1e-11
+//! scatter_elements_mul_zeros_f64             f64  6.5e-11
 //! scatter_elements_none                      f64  6.9e-11
 //! scatter_nd_add_repeated                    f64  6.1e-10
 //! scatter_nd_max_repeated                    f64  8.1e-11
 //! scatter_nd_min_elements                    f64  6.2e-11
+//! scatter_nd_mul_repeated_f64                f64  1.8e-10
 //! scatter_nd_none                            f64  4.0e-11
 //! selu                                       f32  6.2e-5
 //! selu_attrs                                 f32  5.7e-5
@@ -2109,17 +2113,56 @@ fn einsum_diagonal_is_refused() {
 }
 
 #[test]
-fn scatter_with_a_multiplying_reduction_is_refused() {
-    check_error("scatter_mul_is_refused", 17, F64, "reduction 'mul'", |n| {
+fn scatter_with_an_unknown_reduction_is_refused() {
+    check_error(
+        "scatter_prod_is_refused",
+        18,
+        F64,
+        "reduction 'prod'",
+        |n| {
+            let x = n.param("X", &[3, 4], -1.0, 1.0);
+            let u = n.param("U", &[1, 4], -1.0, 1.0);
+            let i = n.ints("indices", &[1, 4], &[0, 1, 2, 0]);
+            vec![n.op(
+                "ScatterElements",
+                &[x, i, u],
+                vec![attr_string("reduction", "prod")],
+            )]
+        },
+    );
+}
+
+cases! {
+    // ---- scatters that multiply (opset 18): no division by an update that may be zero
+    scatter_elements_mul_repeated_f64: 18, F64 => |n| {
         let x = n.param("X", &[3, 4], -1.0, 1.0);
-        let u = n.param("U", &[1, 4], -1.0, 1.0);
-        let i = n.ints("indices", &[1, 4], &[0, 1, 2, 0]);
-        vec![n.op(
-            "ScatterElements",
-            &[x, i, u],
-            vec![attr_string("reduction", "mul")],
-        )]
-    });
+        let u = n.param("U", &[3, 4], -1.5, 1.5);
+        let i = n.ints("indices", &[3, 4], &[0, 2, 2, 1, 0, 0, 2, 1, 1, 2, 2, 1]);
+        vec![n.op("ScatterElements", &[x, i, u],
+            vec![attr_int("axis", 0), attr_string("reduction", "mul")])]
+    };
+    scatter_nd_mul_repeated_f64: 18, F64 => |n| {
+        let x = n.param("X", &[4, 3], -1.0, 1.0);
+        let u = n.param("U", &[3, 3], -1.5, 1.5);
+        let i = n.ints("indices", &[3, 1], &[1, 3, 1]);
+        vec![n.op("ScatterND", &[x, i, u], vec![attr_string("reduction", "mul")])]
+    };
+    // Zero updates: at [0, 0] one zero beside a non-zero update (the zero's gradient is the
+    // others' product, the other's 0), at [0, 1] two zeros (both 0), at [1, 2] none.
+    scatter_elements_mul_zeros_f64: 18, F64 => |n| {
+        let x = n.param("X", &[2, 3], -1.0, 1.0);
+        let u = n.param_with("U", &[2, 3], vec![0.0, 0.0, 0.7, -1.3, 0.0, 1.1]);
+        let i = n.ints("indices", &[2, 3], &[0, 0, 1, 0, 0, 1]);
+        vec![n.op("ScatterElements", &[x, i, u],
+            vec![attr_int("axis", 0), attr_string("reduction", "mul")])]
+    };
+    scatter_elements_mul: 18, F32 => |n| {
+        let x = n.param("X", &[3, 4], -1.0, 1.0);
+        let u = n.param("U", &[3, 4], -1.5, 1.5);
+        let i = n.ints("indices", &[3, 4], &[0, 2, 2, 1, 0, 0, 2, 1, 1, 2, 2, 1]);
+        vec![n.op("ScatterElements", &[x, i, u],
+            vec![attr_int("axis", 0), attr_string("reduction", "mul")])]
+    };
 }
 
 cases! {

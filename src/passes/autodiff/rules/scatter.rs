@@ -13,7 +13,11 @@
 //!   torch's `scatter_reduce` with `amax`/`amin` and `include_self`):
 //!   `count = [X = Y] + scatter_add([U = gather(Y, I)])`, `dX = dY / count · [X = Y]`,
 //!   `dU = gather(dY / count, I) · [U = gather(Y, I)]`.
-//! - `mul`: refused by name (the product's gradient divides by an update that may be zero).
+//! - `mul`: `Y = X · Π U` at each written position. `dX = dY · scatter_mul(1, U)`; an
+//!   update's gradient is `dY · X · Π` of the other updates there, computed without
+//!   dividing by an update that may be zero: with `P = scatter_mul(X, U or 1 where U = 0)`
+//!   and `z` the number of zero updates at a position, `dU = gather(dY · P, I) / U` where
+//!   `U ≠ 0` and `z = 0`, `gather(dY · P, I)` where `U = 0` and `z = 1`, else 0.
 //!
 //! `Y = GatherND(X, I)` (batch_dims 0) reads slices of X at the tuples `I[j]`; its
 //! gradient adds each `dY[j]` back at `I[j]`: `dX = ScatterND(zeros(X), I, dY, add)`, since
@@ -32,19 +36,17 @@ fn hint(cx: &Grad<'_>, x: ValueId) -> String {
     format!("{}_grad", cx.model().name(x))
 }
 
-/// `none`, `add`, `max` or `min`, else an error naming the reduction.
+/// `none`, `add`, `mul`, `max` or `min`, else an error naming the reduction.
 fn reduction(cx: &Grad<'_>, node: NodeId) -> Result<&'static str, PassError> {
     match cx.string_attr(node, "reduction")?.as_deref() {
         None | Some("none") => Ok("none"),
         Some("add") => Ok("add"),
+        Some("mul") => Ok("mul"),
         Some("max") => Ok("max"),
         Some("min") => Ok("min"),
         Some(other) => Err(cx.error(
             node,
-            format!(
-                "reduction '{other}' has no gradient rule (the product's derivative divides by \
-                 an update that may be zero); none, add, max and min do"
-            ),
+            format!("reduction '{other}' is not one of none, add, mul, max, min"),
         )),
     }
 }
@@ -62,8 +64,10 @@ fn scatter(
     let dy = cx.dy(node, dys, 0)?;
     let (x, indices, updates) = (cx.input(node, 0)?, cx.input(node, 1)?, cx.input(node, 2)?);
     let axis = cx.attrs_of(node, &["axis"]);
-    if matches!(reduction, "max" | "min") {
-        return extremum(cx, node, dy, wants, gather);
+    match reduction {
+        "max" | "min" => return extremum(cx, node, dy, wants, gather),
+        "mul" => return product(cx, node, dy, wants, gather),
+        _ => {}
     }
     let mut grads = vec![None; wants.len()];
     if wanted(wants, 0) {
@@ -141,6 +145,130 @@ fn extremum(
             updates,
         );
         grads[2] = Some(cx.op_like("Mul", &[shared, u_is], vec![], &hu, updates));
+    }
+    Ok(grads)
+}
+
+/// The gradient of a scatter with `reduction = mul` (see the module docs).
+fn product(
+    cx: &mut Grad<'_>,
+    node: NodeId,
+    dy: ValueId,
+    wants: &[bool],
+    gather: &str,
+) -> Result<InputGrads, PassError> {
+    let (x, indices, updates) = (cx.input(node, 0)?, cx.input(node, 1)?, cx.input(node, 2)?);
+    let axis = cx.attrs_of(node, &["axis"]);
+    let op = cx.model().node(node).proto.op_type().to_string();
+    let (hx, hu) = (hint(cx, x), hint(cx, updates));
+    let with = |reduction: &str| {
+        let mut a = axis.clone();
+        a.push(attr_string("reduction", reduction));
+        a
+    };
+    let (zero, one) = (cx.scalar_like(node, x, 0.0)?, cx.scalar_like(node, x, 1.0)?);
+    let mut grads = vec![None; wants.len()];
+    if wanted(wants, 0) {
+        let zeros = cx.zeros_like(node, x, &format!("{hx}_zeros"))?;
+        let ones = cx.op_like("Add", &[zeros, one], vec![], &format!("{hx}_ones"), x);
+        let factor = cx.op_like(
+            &op,
+            &[ones, indices, updates],
+            with("mul"),
+            &format!("{hx}_factor"),
+            x,
+        );
+        grads[0] = Some(cx.op_like("Mul", &[dy, factor], vec![], &hx, x));
+    }
+    if wanted(wants, 2) {
+        let is_zero = cx.op("Equal", &[updates, zero], vec![], &format!("{hu}_is_zero"));
+        let nonzero = cx.op_like(
+            "Where",
+            &[is_zero, one, updates],
+            vec![],
+            &format!("{hu}_nonzero"),
+            updates,
+        );
+        let product = cx.op_like(
+            &op,
+            &[x, indices, nonzero],
+            with("mul"),
+            &format!("{hu}_product"),
+            x,
+        );
+        let elem = cx.elem(node, x)?;
+        let zero_count = cx.op_like(
+            "Cast",
+            &[is_zero],
+            vec![attr_int("to", elem as i64)],
+            &format!("{hu}_zero_count"),
+            updates,
+        );
+        let zeros = cx.zeros_like(node, x, &format!("{hx}_zeros"))?;
+        let zeros_at = cx.op_like(
+            &op,
+            &[zeros, indices, zero_count],
+            with("add"),
+            &format!("{hu}_zeros_at"),
+            x,
+        );
+        let weighted = cx.op_like("Mul", &[dy, product], vec![], &format!("{hu}_weighted"), x);
+        let weighted = cx.op_like(
+            gather,
+            &[weighted, indices],
+            axis.clone(),
+            &format!("{hu}_weighted"),
+            updates,
+        );
+        let zeros_here = cx.op_like(
+            gather,
+            &[zeros_at, indices],
+            axis,
+            &format!("{hu}_zeros_here"),
+            updates,
+        );
+        // U ≠ 0: the others' product is P / U, and zero where another update is zero.
+        let divided = cx.op_like(
+            "Div",
+            &[weighted, nonzero],
+            vec![],
+            &format!("{hu}_divided"),
+            updates,
+        );
+        let none_zero = cx.op(
+            "Equal",
+            &[zeros_here, zero],
+            vec![],
+            &format!("{hu}_none_zero"),
+        );
+        let if_nonzero = cx.op_like(
+            "Where",
+            &[none_zero, divided, zero],
+            vec![],
+            &format!("{hu}_if_nonzero"),
+            updates,
+        );
+        // U = 0: the others' product is P itself when U is the only zero there.
+        let only_zero = cx.op(
+            "Equal",
+            &[zeros_here, one],
+            vec![],
+            &format!("{hu}_only_zero"),
+        );
+        let if_zero = cx.op_like(
+            "Where",
+            &[only_zero, weighted, zero],
+            vec![],
+            &format!("{hu}_if_zero"),
+            updates,
+        );
+        grads[2] = Some(cx.op_like(
+            "Where",
+            &[is_zero, if_zero, if_nonzero],
+            vec![],
+            &hu,
+            updates,
+        ));
     }
     Ok(grads)
 }
