@@ -31,7 +31,7 @@ use crate::ir::inline::Branch;
 use crate::ir::{BodyId, Model, NodeId, ValueId};
 use crate::passes::PassError;
 
-use super::loop_parts::{computed_here, not_recomputable, recompute};
+use super::loop_parts::{computed_here, not_copied, not_recomputable, recompute};
 use super::rules::Grad;
 use super::shapes::type_of_facts;
 use super::{is_float, PASS};
@@ -52,6 +52,9 @@ pub fn why_not(model: &Model, n: NodeId) -> Option<String> {
         let label = branch.attribute();
         if let Some(why) = not_recomputable(model, body, label) {
             return Some(why);
+        }
+        if let Some(why) = not_copied(model, body) {
+            return Some(format!("its {label}: {why}"));
         }
         let want = model.node(n).outputs.len();
         let have = model.body(body).outputs.len();

@@ -45,6 +45,25 @@ pub fn not_recomputable(model: &Model, body: BodyId, label: &str) -> Option<Stri
     ))
 }
 
+/// Why [`copy_node`] cannot copy what `body` holds, when it cannot: a node with a list of
+/// graphs (a `GRAPHS` attribute: no standard op has one), at any depth.
+pub fn not_copied(model: &Model, body: BodyId) -> Option<String> {
+    model.body_nodes(body).find_map(|n| {
+        let node = model.node(n);
+        match node.subgraphs.iter().any(|s| s.element.is_some()) {
+            true => Some(format!(
+                "it holds {} '{}', whose attribute is a list of graphs, which is not copied",
+                node.proto.op_type(),
+                node.proto.name()
+            )),
+            false => node
+                .subgraphs
+                .iter()
+                .find_map(|s| not_copied(model, s.body)),
+        }
+    })
+}
+
 fn redrawn_in(model: &Model, body: BodyId) -> Option<NodeId> {
     model.body_nodes(body).find_map(|n| {
         let p = &model.node(n).proto;
@@ -115,6 +134,9 @@ impl LoopParts {
         }
         if !b.sparse_initializers.is_empty() {
             return Err("its body holds sparse initializers".into());
+        }
+        if let Some(why) = not_copied(model, body) {
+            return Err(why);
         }
         let not_tensor = |v: &ValueId| {
             model
@@ -299,4 +321,85 @@ pub fn computed_here(g: &mut super::rules::Grad<'_>, v: ValueId, hint: &str) -> 
         g.shapes.set(out, facts);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::{
+        attribute_proto::AttributeType, AttributeProto, GraphProto, ModelProto, NodeProto,
+        OperatorSetIdProto, ValueInfoProto,
+    };
+
+    fn info(name: &str) -> ValueInfoProto {
+        ValueInfoProto {
+            name: Some(name.into()),
+            ..Default::default()
+        }
+    }
+
+    /// A Loop whose body holds a node of another domain with a list of graphs (`GRAPHS`):
+    /// neither differentiation can copy it, and the error says so instead of writing a
+    /// broken copy.
+    #[test]
+    fn a_body_holding_a_list_of_graphs_is_refused_by_name() {
+        let listed = AttributeProto {
+            name: Some("bodies".into()),
+            r#type: Some(AttributeType::Graphs as i32),
+            graphs: vec![GraphProto {
+                name: Some("inner".into()),
+                output: vec![info("a")],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let body = GraphProto {
+            name: Some("body".into()),
+            input: vec![info("i"), info("c"), info("a")],
+            output: vec![info("c"), info("a_next")],
+            node: vec![NodeProto {
+                name: Some("listing".into()),
+                op_type: Some("Custom".into()),
+                domain: Some("example.org".into()),
+                input: vec!["a".into()],
+                output: vec!["a_next".into()],
+                attribute: vec![listed],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let model = ModelProto {
+            opset_import: vec![OperatorSetIdProto {
+                domain: Some(String::new()),
+                version: Some(17),
+            }],
+            graph: Some(GraphProto {
+                name: Some("g".into()),
+                input: vec![info("m"), info("a0")],
+                output: vec![info("a_last")],
+                node: vec![NodeProto {
+                    name: Some("loop".into()),
+                    op_type: Some("Loop".into()),
+                    input: vec!["m".into(), String::new(), "a0".into()],
+                    output: vec!["a_last".into()],
+                    attribute: vec![AttributeProto {
+                        name: Some("body".into()),
+                        r#type: Some(AttributeType::Graph as i32),
+                        g: Some(body),
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let model = Model::from_proto(model);
+        let the_loop = model.body_nodes(BodyId::MAIN).next().expect("the Loop");
+        let Err(why) = LoopParts::of(&model, the_loop) else {
+            panic!("a body with a list of graphs was taken");
+        };
+        assert!(why.contains("Custom 'listing'"), "{why}");
+        assert!(why.contains("list of graphs"), "{why}");
+    }
 }

@@ -60,6 +60,9 @@ pub fn rewrite(
     let Some(body) = model.subgraph(node, "body") else {
         return Err(fail(model, "it has no body".into()));
     };
+    if let Some(why) = super::loop_parts::not_copied(model, body) {
+        return Err(fail(model, format!("its body: {why}")));
+    }
     let n = model.node(node).clone();
     let p = &n.proto;
     // The body the Scan is in (the main graph, or a body where control flow nests).
