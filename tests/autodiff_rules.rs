@@ -317,16 +317,16 @@
 //! scan_f64                                   f64  6.3e-10
 //! scan_kept_f64                              f64  2.0e-10
 //! scatter_elements_add_repeated              f64  9.5e-11
-//! scatter_elements_max                       f32  4.1e-5
-//! scatter_elements_max_repeated              f64  1.6e-10
+//! scatter_elements_max                       f32  2.4e-5
+//! scatter_elements_max_repeated              f64  2.0e-10
 //! scatter_elements_max_ties                  f64  1.7e-10
-//! scatter_elements_min                       f64  6.7e-11
+//! scatter_elements_min                       f64  7.5e-11
 //! scatter_elements_mul                       f32  7.4e-5
 //! scatter_elements_mul_repeated_f64          f64  7.1e-11
 //! scatter_elements_mul_zeros_f64             f64  6.5e-11
 //! scatter_elements_none                      f64  6.9e-11
 //! scatter_nd_add_repeated                    f64  6.1e-10
-//! scatter_nd_max_repeated                    f64  8.1e-11
+//! scatter_nd_max_repeated                    f64  1.3e-10
 //! scatter_nd_min_elements                    f64  6.2e-11
 //! scatter_nd_mul_repeated_f64                f64  1.8e-10
 //! scatter_nd_none                            f64  4.0e-11
@@ -422,6 +422,9 @@ impl Rng {
 /// A forward model under construction, in one float type.
 /// A tensor the case feeds: name, shape, values.
 type Probe = (String, Vec<i64>, Vec<f64>);
+
+/// Rows of X [3, 4] that a ScatterElements on axis 0 writes three updates into, with repeats.
+const REPEATED_ROWS: &[i64] = &[0, 2, 2, 1, 0, 0, 2, 1, 1, 2, 2, 1];
 
 /// A case's builder: the outputs whose sum is the loss.
 type Build = fn(&mut Net) -> Vec<ValueId>;
@@ -1765,32 +1768,10 @@ cases! {
         vec![n.op("ScatterND", &[x, i, u], vec![attr_string("reduction", "add")])]
     };
     // max and min (opset 18): the gradient to the values equal to the result
-    scatter_elements_max_repeated: 18, F64 => |n| {
-        let x = n.param("X", &[3, 4], -1.0, 1.0);
-        let u = n.param("U", &[3, 4], -1.0, 1.0);
-        let i = n.ints("indices", &[3, 4], &[0, 2, 2, 1, 0, 0, 2, 1, 1, 2, 2, 1]);
-        vec![n.op("ScatterElements", &[x, i, u],
-            vec![attr_int("axis", 0), attr_string("reduction", "max")])]
-    };
-    scatter_elements_min: 18, F64 => |n| {
-        let x = n.param("X", &[3, 4], -1.0, 1.0);
-        let u = n.param("U", &[3, 2], -1.0, 1.0);
-        let i = n.ints("indices", &[3, 2], &[0, 3, 1, 1, 3, 0]);
-        vec![n.op("ScatterElements", &[x, i, u],
-            vec![attr_int("axis", 1), attr_string("reduction", "min")])]
-    };
-    scatter_nd_max_repeated: 18, F64 => |n| {
-        let x = n.param("X", &[4, 3], -1.0, 1.0);
-        let u = n.param("U", &[3, 3], -1.0, 1.0);
-        let i = n.ints("indices", &[3, 1], &[1, 3, 1]);
-        vec![n.op("ScatterND", &[x, i, u], vec![attr_string("reduction", "max")])]
-    };
-    scatter_nd_min_elements: 18, F64 => |n| {
-        let x = n.param("X", &[4, 3], -1.0, 1.0);
-        let u = n.param("U", &[4], -1.0, 1.0);
-        let i = n.ints("indices", &[4, 2], &[1, 2, 3, 0, 1, 2, 0, 0]);
-        vec![n.op("ScatterND", &[x, i, u], vec![attr_string("reduction", "min")])]
-    };
+    scatter_elements_max_repeated: 18, F64 => |n| scatter_elements_case(n, "max", 0, (&[3, 4], &[3, 4]), REPEATED_ROWS);
+    scatter_elements_min: 18, F64 => |n| scatter_elements_case(n, "min", 1, (&[3, 4], &[3, 2]), &[0, 3, 1, 1, 3, 0]);
+    scatter_nd_max_repeated: 18, F64 => |n| scatter_nd_case(n, "max", &[3, 3], (&[3, 1], &[1, 3, 1]));
+    scatter_nd_min_elements: 18, F64 => |n| scatter_nd_case(n, "min", &[4], (&[4, 2], &[1, 2, 3, 0, 1, 2, 0, 0]));
     // Two-way ties, where a central difference gives each side half (the even split):
     // X[0, 0] = U[0, 0] and U[0, 1] = U[1, 1] both written at [1, 1] over a smaller X.
     scatter_elements_max_ties: 18, F64 => |n| {
@@ -1800,13 +1781,7 @@ cases! {
         vec![n.op("ScatterElements", &[x, i, u],
             vec![attr_int("axis", 0), attr_string("reduction", "max")])]
     };
-    scatter_elements_max: 18, F32 => |n| {
-        let x = n.param("X", &[3, 4], -1.0, 1.0);
-        let u = n.param("U", &[3, 4], -1.0, 1.0);
-        let i = n.ints("indices", &[3, 4], &[0, 2, 2, 1, 0, 0, 2, 1, 1, 2, 2, 1]);
-        vec![n.op("ScatterElements", &[x, i, u],
-            vec![attr_int("axis", 0), attr_string("reduction", "max")])]
-    };
+    scatter_elements_max: 18, F32 => |n| scatter_elements_case(n, "max", 0, (&[3, 4], &[3, 4]), REPEATED_ROWS);
 
     // ---- loss
     softmax_cross_entropy_ignore_index: 17, F64 => |n| {
@@ -2112,6 +2087,38 @@ fn einsum_diagonal_is_refused() {
     });
 }
 
+/// `ScatterElements(X, indices, U)` along `axis` with `reduction`, X and U parameters.
+fn scatter_elements_case(
+    n: &mut Net,
+    reduction: &str,
+    axis: i64,
+    (x_dims, u_dims): (&[i64], &[i64]),
+    indices: &[i64],
+) -> Vec<ValueId> {
+    let x = n.param("X", x_dims, -1.0, 1.0);
+    let u = n.param("U", u_dims, -1.5, 1.5);
+    let i = n.ints("indices", u_dims, indices);
+    let attrs = vec![attr_int("axis", axis), attr_string("reduction", reduction)];
+    vec![n.op("ScatterElements", &[x, i, u], attrs)]
+}
+
+/// `ScatterND(X, indices, U)` with `reduction`, X [4, 3] and U parameters.
+fn scatter_nd_case(
+    n: &mut Net,
+    reduction: &str,
+    u_dims: &[i64],
+    (i_dims, indices): (&[i64], &[i64]),
+) -> Vec<ValueId> {
+    let x = n.param("X", &[4, 3], -1.0, 1.0);
+    let u = n.param("U", u_dims, -1.5, 1.5);
+    let i = n.ints("indices", i_dims, indices);
+    vec![n.op(
+        "ScatterND",
+        &[x, i, u],
+        vec![attr_string("reduction", reduction)],
+    )]
+}
+
 #[test]
 fn scatter_with_an_unknown_reduction_is_refused() {
     check_error(
@@ -2134,19 +2141,8 @@ fn scatter_with_an_unknown_reduction_is_refused() {
 
 cases! {
     // ---- scatters that multiply (opset 18): no division by an update that may be zero
-    scatter_elements_mul_repeated_f64: 18, F64 => |n| {
-        let x = n.param("X", &[3, 4], -1.0, 1.0);
-        let u = n.param("U", &[3, 4], -1.5, 1.5);
-        let i = n.ints("indices", &[3, 4], &[0, 2, 2, 1, 0, 0, 2, 1, 1, 2, 2, 1]);
-        vec![n.op("ScatterElements", &[x, i, u],
-            vec![attr_int("axis", 0), attr_string("reduction", "mul")])]
-    };
-    scatter_nd_mul_repeated_f64: 18, F64 => |n| {
-        let x = n.param("X", &[4, 3], -1.0, 1.0);
-        let u = n.param("U", &[3, 3], -1.5, 1.5);
-        let i = n.ints("indices", &[3, 1], &[1, 3, 1]);
-        vec![n.op("ScatterND", &[x, i, u], vec![attr_string("reduction", "mul")])]
-    };
+    scatter_elements_mul_repeated_f64: 18, F64 => |n| scatter_elements_case(n, "mul", 0, (&[3, 4], &[3, 4]), REPEATED_ROWS);
+    scatter_nd_mul_repeated_f64: 18, F64 => |n| scatter_nd_case(n, "mul", &[3, 3], (&[3, 1], &[1, 3, 1]));
     // Zero updates: at [0, 0] one zero beside a non-zero update (the zero's gradient is the
     // others' product, the other's 0), at [0, 1] two zeros (both 0), at [1, 2] none.
     scatter_elements_mul_zeros_f64: 18, F64 => |n| {
@@ -2156,13 +2152,7 @@ cases! {
         vec![n.op("ScatterElements", &[x, i, u],
             vec![attr_int("axis", 0), attr_string("reduction", "mul")])]
     };
-    scatter_elements_mul: 18, F32 => |n| {
-        let x = n.param("X", &[3, 4], -1.0, 1.0);
-        let u = n.param("U", &[3, 4], -1.5, 1.5);
-        let i = n.ints("indices", &[3, 4], &[0, 2, 2, 1, 0, 0, 2, 1, 1, 2, 2, 1]);
-        vec![n.op("ScatterElements", &[x, i, u],
-            vec![attr_int("axis", 0), attr_string("reduction", "mul")])]
-    };
+    scatter_elements_mul: 18, F32 => |n| scatter_elements_case(n, "mul", 0, (&[3, 4], &[3, 4]), REPEATED_ROWS);
 }
 
 cases! {
