@@ -370,7 +370,7 @@ impl Pass for Autodiff {
                 .map(|(name, branch)| format!("{name} ({})", branch.attribute()))
                 .collect();
             report.notes.push(format!(
-                "{} If{} decided by the shapes before the run, replaced by the branch taken: {}",
+                "{} If{} decided before the run (by the shapes, or by an unrolled iteration), replaced by the branch taken: {}",
                 ifs.len(),
                 if ifs.len() == 1 { "" } else { "s" },
                 first_few(&ifs)
