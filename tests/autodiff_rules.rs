@@ -2400,6 +2400,22 @@ fn loop_node(n: &mut Net, inputs: &[Option<ValueId>], outputs: usize) -> (Vec<Va
     (outs, body)
 }
 
+/// The inputs of a Loop body carrying one value of `dims`: the iteration number, the
+/// condition and the carried value, named `i`, `c` and `carried`.
+fn one_carried(
+    m: &mut Model,
+    body: BodyId,
+    elem: i32,
+    dims: &[i64],
+    carried: &str,
+) -> [ValueId; 3] {
+    [
+        m.add_input(body, "i", tensor_type(7, &[]), None),
+        m.add_input(body, "c", tensor_type(9, &[]), None),
+        m.add_input(body, carried, tensor_type(elem, dims), None),
+    ]
+}
+
 /// A TensorFlow while loop as tf2onnx writes a Keras SimpleRNN: no trip count; the first
 /// condition `Less(0.0, 4.0)` computed outside, the body's `Less(Cast(t + 1), Cast(limit))`
 /// on an int32 counter it carries (`limit` an outer constant, `one` a body initializer);
@@ -2463,9 +2479,7 @@ fn counted_loop_case(n: &mut Net) -> Vec<ValueId> {
     let (outs, body) = loop_node(n, &[Some(trips), None, Some(a0)], 2);
     let elem = n.elem;
     let m = &mut n.model;
-    let i = m.add_input(body, "i", tensor_type(7, &[]), None);
-    let c = m.add_input(body, "c", tensor_type(9, &[]), None);
-    let a = m.add_input(body, "a", tensor_type(elem, &[2, 3]), None);
+    let [i, c, a] = one_carried(m, body, elem, &[2, 3], "a");
     let mut bb = Builder::new(m, body, "test");
     let x_i = bb.op("Gather", &[x, i], vec![], "x_i");
     let ag = bb.op("Mul", &[a, g], vec![], "ag");
@@ -2817,9 +2831,7 @@ fn loop_with_ifs_case(n: &mut Net) -> Vec<ValueId> {
     let (outs, body) = loop_node(n, &[Some(trips), None, Some(a0)], 2);
     let elem = n.elem;
     let m = &mut n.model;
-    let i = m.add_input(body, "i", tensor_type(7, &[]), None);
-    let c = m.add_input(body, "c", tensor_type(9, &[]), None);
-    let a = m.add_input(body, "a", tensor_type(elem, &[2, 3]), None);
+    let [i, c, a] = one_carried(m, body, elem, &[2, 3], "a");
     let mut bb = Builder::new(m, body, "test");
     let x_i = bb.op("Gather", &[x, i], vec![], "x_i");
     let first = bb.op("Equal", &[i, first_i], vec![], "first");
@@ -2891,9 +2903,7 @@ fn if_holding_control_flow_case(n: &mut Net, x_positive: bool, y_positive: bool)
     m.add_output(then, inner[0], None);
     // else: a Loop.
     let (last, body) = loop_in(m, otherwise, &[Some(trips), None, Some(x)], &["a_last"]);
-    let _i = m.add_input(body, "i", tensor_type(7, &[]), None);
-    let c = m.add_input(body, "c", tensor_type(9, &[]), None);
-    let a = m.add_input(body, "a", tensor_type(elem, &[2, 3]), None);
+    let [_i, c, a] = one_carried(m, body, elem, &[2, 3], "a");
     let mut bb = Builder::new(m, body, "test");
     let av = bb.op("Mul", &[a, v], vec![], "av");
     let sin = bb.op("Sin", &[av], vec![], "sin_av");
@@ -2917,9 +2927,7 @@ fn loop_in_loop_case(n: &mut Net) -> Vec<ValueId> {
     let (outs, outer) = loop_node(n, &[Some(outer_trips), None, Some(a0)], 2);
     let elem = n.elem;
     let m = &mut n.model;
-    let _i = m.add_input(outer, "i", tensor_type(7, &[]), None);
-    let c = m.add_input(outer, "c", tensor_type(9, &[]), None);
-    let a = m.add_input(outer, "a", tensor_type(elem, &[2, 3]), None);
+    let [_i, c, a] = one_carried(m, outer, elem, &[2, 3], "a");
     let (b_last, inner) = loop_in(m, outer, &[Some(inner_trips), None, Some(a)], &["b_last"]);
     let _j = m.add_input(inner, "j", tensor_type(7, &[]), None);
     let d = m.add_input(inner, "d", tensor_type(9, &[]), None);
