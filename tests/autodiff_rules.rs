@@ -365,6 +365,7 @@
 //! swish_default_alpha                        f64  2.1e-10
 //! tan                                        f32  2.3e-5
 //! tanh                                       f64  1.1e-10
+//! tf_while_with_if_kept_f64                  f64  3.1e-11
 //! thresholded_relu                           f32  4.6e-5
 //! tile                                       f64  1.5e-10
 //! tile_undeclared                            f64  3.0e-10
@@ -2969,7 +2970,59 @@ cases! {
     };
     if_holding_if: 17, F32 => |n| if_holding_control_flow_case(n, true, false);
     loop_in_loop_f64: 17, F64 => loop_in_loop_case;
+    tf_while_with_if_kept_f64: 17, F64 => loops_kept(tf_while_with_if_case);
     loop_in_loop_kept_f64: 17, F64 => loops_kept(loop_in_loop_case);
+}
+
+/// A TensorFlow while loop (no trip count: `Less(Cast(t + 1), Cast(3))` on an int32 counter
+/// it carries) whose body holds an If on data: `h' = If(ReduceSum(h) > 0){Tanh(h ⊙ G)}{Sin(h) ⊙ G}`.
+/// (ONNX Runtime only: on tract, `while_as_counted` does not take a while loop whose body
+/// holds control flow, and tract has no Loop.)
+fn tf_while_with_if_case(n: &mut Net) -> Vec<ValueId> {
+    let g = n.param("G", &[3], -1.0, 1.0);
+    let h0 = n.param("H0", &[2, 3], -1.0, 1.0);
+    let zero = n.konst("zero", &[], &[0.0]);
+    let t0 = n.int32s("t0", &[], &[0]);
+    let limit = n.int32s("limit", &[], &[3]);
+    let t0f = n.op("Cast", &[t0], vec![attr_int("to", 1)]);
+    let limitf = n.op("Cast", &[limit], vec![attr_int("to", 1)]);
+    let go = n.op("Less", &[t0f, limitf], vec![]);
+    let (outs, body) = loop_node(n, &[None, Some(go), Some(t0), Some(h0)], 2);
+    let elem = n.elem;
+    let m = &mut n.model;
+    let _i = m.add_input(body, "i", tensor_type(7, &[]), None);
+    let _c = m.add_input(body, "c", tensor_type(9, &[]), None);
+    let t = m.add_input(body, "t", tensor_type(6, &[]), None);
+    let h = m.add_input(body, "h", tensor_type(elem, &[2, 3]), None);
+    let one = m.add_initializer(
+        body,
+        "one",
+        TensorProto {
+            data_type: Some(6),
+            int32_data: vec![1],
+            ..Default::default()
+        },
+    );
+    let mut bb = Builder::new(m, body, "test");
+    let t1 = bb.op("Add", &[t, one], vec![], "t1");
+    let t1f = bb.op("Cast", &[t1], vec![attr_int("to", 1)], "t1f");
+    let limitf = bb.op("Cast", &[limit], vec![attr_int("to", 1)], "limitf");
+    let cond = bb.op("Less", &[t1f, limitf], vec![], "cond");
+    let sum = bb.op("ReduceSum", &[h], vec![attr_int("keepdims", 0)], "h_sum");
+    let positive = bb.op("Greater", &[sum, zero], vec![], "positive");
+    let (h1, then, otherwise) = if_in(m, body, positive, &["h1"]);
+    let mut tb = Builder::new(m, then, "test");
+    let hg = tb.op("Mul", &[h, g], vec![], "hg");
+    let y = tb.op("Tanh", &[hg], vec![], "tanh_hg");
+    m.add_output(then, y, None);
+    let mut eb = Builder::new(m, otherwise, "test");
+    let sin = eb.op("Sin", &[h], vec![], "sin_h");
+    let y = eb.op("Mul", &[sin, g], vec![], "sin_h_g");
+    m.add_output(otherwise, y, None);
+    for v in [cond, t1, h1[0]] {
+        m.add_output(body, v, None);
+    }
+    vec![outs[1]]
 }
 
 /// How many nodes of `op` the gradient graph of `build` holds, in every body.

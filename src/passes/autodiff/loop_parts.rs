@@ -48,36 +48,40 @@ pub fn not_recomputable(model: &Model, body: BodyId, label: &str) -> Option<Stri
 /// Why [`copy_node`] cannot copy what `body` holds, when it cannot: a node with a list of
 /// graphs (a `GRAPHS` attribute: no standard op has one), at any depth.
 pub fn not_copied(model: &Model, body: BodyId) -> Option<String> {
-    model.body_nodes(body).find_map(|n| {
-        let node = model.node(n);
-        match node.subgraphs.iter().any(|s| s.element.is_some()) {
-            true => Some(format!(
-                "it holds {} '{}', whose attribute is a list of graphs, which is not copied",
-                node.proto.op_type(),
-                node.proto.name()
-            )),
-            false => node
-                .subgraphs
-                .iter()
-                .find_map(|s| not_copied(model, s.body)),
-        }
-    })
+    let listing = find_at_any_depth(model, body, &|node| {
+        node.subgraphs.iter().any(|s| s.element.is_some())
+    })?;
+    let p = &model.node(listing).proto;
+    Some(format!(
+        "it holds {} '{}', whose attribute is a list of graphs, which is not copied",
+        p.op_type(),
+        p.name()
+    ))
 }
 
 fn redrawn_in(model: &Model, body: BodyId) -> Option<NodeId> {
-    model.body_nodes(body).find_map(|n| {
-        let p = &model.node(n).proto;
-        let op = p.op_type();
-        let redrawn = crate::ir::normalize_domain(p.domain()).is_empty()
+    find_at_any_depth(model, body, &|node| {
+        let op = node.proto.op_type();
+        crate::ir::normalize_domain(node.proto.domain()).is_empty()
             && (super::rules::RANDOM.contains(&op)
-                || matches!(op, "Dropout" | "BatchNormalization"));
-        match redrawn {
+                || matches!(op, "Dropout" | "BatchNormalization"))
+    })
+}
+
+/// The first node of `body`, or of a body nested in it, that `holds`.
+fn find_at_any_depth(
+    model: &Model,
+    body: BodyId,
+    holds: &dyn Fn(&crate::ir::Node) -> bool,
+) -> Option<NodeId> {
+    model.body_nodes(body).find_map(|n| {
+        let node = model.node(n);
+        match holds(node) {
             true => Some(n),
-            false => model
-                .node(n)
+            false => node
                 .subgraphs
                 .iter()
-                .find_map(|s| redrawn_in(model, s.body)),
+                .find_map(|s| find_at_any_depth(model, s.body, holds)),
         }
     })
 }
