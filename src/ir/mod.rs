@@ -280,20 +280,27 @@ impl Model {
     /// Outer values that nodes of `body` (or of bodies nested in it) read by name.
     /// Sorted by value id, so the order is deterministic.
     pub fn captures(&self, body: BodyId) -> Vec<ValueId> {
-        let mut captured: Vec<ValueId> = self
-            .values
-            .iter()
-            .enumerate()
-            .filter(|(_, value)| {
-                value.uses.iter().any(|u| match u {
-                    Use::Node { node, .. } => self.is_within(self.node(*node).body, body),
-                    Use::Output { body: b, .. } => self.is_within(*b, body),
-                })
-            })
-            .map(|(i, _)| ValueId(i as u32))
-            .filter(|v| !self.is_within(self.defining_body(*v), body))
-            .collect();
+        // Walk the body and the bodies nested in it (not every value of the model: unrolling
+        // asks this once per nested node per iteration).
+        let mut captured = Vec::new();
+        let mut pending = vec![body];
+        while let Some(b) = pending.pop() {
+            let graph = self.body(b);
+            let read = self
+                .body_nodes(b)
+                .flat_map(|n| self.node(n).inputs.iter().flatten())
+                .chain(graph.outputs.iter().map(|(v, _)| v));
+            for v in read {
+                if !self.is_within(self.defining_body(*v), body) {
+                    captured.push(*v);
+                }
+            }
+            for n in self.body_nodes(b) {
+                pending.extend(self.node(n).subgraphs.iter().map(|s| s.body));
+            }
+        }
         captured.sort();
+        captured.dedup();
         captured
     }
 
