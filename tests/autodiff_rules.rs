@@ -181,6 +181,7 @@
 //! if_on_data_else_branch_f64                 f64  5.3e-10
 //! if_on_data_then_branch                     f32  5.9e-5
 //! if_on_data_then_branch_f64                 f64  2.1e-10
+//! if_with_dropout_off_f64                    f64  4.2e-11
 //! instance_norm_1d                           f32  3.6e-4
 //! instance_norm_2d                           f32  1.9e-4
 //! layer_norm_all_outputs_axis1               f32  2.1e-4
@@ -200,6 +201,7 @@
 //! loop_kept_tf_while_f64                     f64  6.9e-10
 //! loop_kept_trip_count                       f32  3.3e-4
 //! loop_kept_trip_count_f64                   f64  6.1e-11
+//! loop_kept_with_dropout_twin_f64            f64  1.6e-9 (varies with the masks drawn)
 //! loop_tf_while                              f32  4.2e-4
 //! loop_tf_while_f64                          f64  3.1e-10
 //! loop_trip_count                            f32  1.4e-4
@@ -687,16 +689,20 @@ fn norm(v: impl Iterator<Item = f64>) -> f64 {
     v.map(|x| x * x).sum::<f64>().sqrt()
 }
 
+/// A case's parameters' seed, from its name.
+fn seed_of(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
 /// Builds the case, differentiates it, checks every parameter's gradient against central
 /// differences; returns the largest relative error.
 fn check(name: &str, opset: i64, elem: i32, build: impl FnOnce(&mut Net) -> Vec<ValueId>) {
     if !common::ort_available() {
         return;
     }
-    let seed = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-    });
-    let mut net = Net::new(opset, elem, seed);
+    let mut net = Net::new(opset, elem, seed_of(name));
     let ys = build(&mut net);
     let forward_runs = net.output_dims.is_none();
     let tolerance = net.tolerance;
@@ -2785,6 +2791,30 @@ fn if_with_dropout_in_a_branch_is_refused() {
     );
 }
 
+/// With `--dropout off` the Dropout in a branch is gone (an Identity there, as it is
+/// removed from the main graph), and the If is differentiated as any.
+fn if_with_dropout_off_case(n: &mut Net) -> Vec<ValueId> {
+    n.pipeline = "autodiff(loss=loss,freeze=k_*,dropout=off),legalize-ort";
+    let x = n.param("X", &[2, 3], 0.1, 1.0);
+    let w = n.param("W", &[2, 3], -1.0, 1.0);
+    let sum = n.op("ReduceSum", &[x], vec![attr_int("keepdims", 0)]);
+    let zero = n.konst("zero", &[], &[0.0]);
+    let cond = n.op("Greater", &[sum, zero], vec![]);
+    let (outs, then, otherwise) = if_node(n, cond, 1);
+    let m = &mut n.model;
+    let mut tb = Builder::new(m, then, "test");
+    let xw = tb.op("Mul", &[x, w], vec![], "xw");
+    let y = tb.op("Dropout", &[xw], vec![], "dropped");
+    m.add_output(then, y, None);
+    let y = Builder::new(m, otherwise, "test").op("Neg", &[x], vec![], "negated");
+    m.add_output(otherwise, y, None);
+    outs
+}
+
+cases! {
+    if_with_dropout_off_f64: 17, F64 => if_with_dropout_off_case;
+}
+
 /// An If in `body` of `model` on `cond` with outputs named from `hints`, and its two
 /// branches, empty (control flow nested in a body).
 fn if_in(
@@ -3255,5 +3285,120 @@ fn scan_with_an_axis_beyond_the_rank_is_refused() {
             n.output_dims = Some(vec![vec![2, 3]]);
             outs
         },
+    );
+}
+
+/// The Dropout probability of the Loop cases below.
+const LOOP_DROPOUT: f64 = 0.3;
+
+/// A counted Loop (M = 4) whose body drops out: `d = Dropout(Tanh(A ⊙ G + x_i), 0.3)`, it
+/// carries d and scans `d ⊙ H`. With `masks` (4 x [2, 3], 1 kept, 0 dropped) it is the
+/// deterministic twin: `masks[i] ⊙ Tanh(A ⊙ G + x_i) / keep`, as ONNX Runtime's kernel
+/// computes it (keep = 1 - 0.3 in float32, whatever the types).
+fn loop_with_dropout_case(n: &mut Net, masks: Option<&[f64]>) -> Vec<ValueId> {
+    n.pipeline = PIPELINE_LOOPS_KEPT;
+    let x = n.param("X", &[4, 2, 3], -1.0, 1.0);
+    let g = n.param("G", &[3], -1.0, 1.0);
+    let h = n.param("H", &[3], -1.0, 1.0);
+    let a0 = n.param("A0", &[2, 3], -1.0, 1.0);
+    let trips = n.ints("trips", &[], &[4]);
+    let ratio = n.konst("ratio", &[], &[LOOP_DROPOUT]);
+    let twin = masks.map(|m| {
+        let keep = (1.0f32 - LOOP_DROPOUT as f32) as f64;
+        (
+            n.konst("masks", &[4, 2, 3], m),
+            n.konst("keep", &[], &[keep]),
+        )
+    });
+    let (outs, body) = loop_node(n, &[Some(trips), None, Some(a0)], 2);
+    let elem = n.elem;
+    let m = &mut n.model;
+    let [i, c, a] = one_carried(m, body, elem, &[2, 3], "a");
+    let mut b = Builder::new(m, body, "test");
+    let x_i = b.op("Gather", &[x, i], vec![], "x_i");
+    let ag = b.op("Mul", &[a, g], vec![], "ag");
+    let pre = b.op("Add", &[ag, x_i], vec![], "pre");
+    let t = b.op("Tanh", &[pre], vec![], "t");
+    let d = match twin {
+        None => b.op("Dropout", &[t, ratio], vec![], "d"),
+        Some((masks, keep)) => {
+            let mask_i = b.op("Gather", &[masks, i], vec![], "mask_i");
+            let masked = b.op("Mul", &[mask_i, t], vec![], "masked");
+            b.op("Div", &[masked, keep], vec![], "d")
+        }
+    };
+    let s = b.op("Mul", &[d, h], vec![], "s");
+    let c_out = b.op("Identity", &[c], vec![], "c_out");
+    for v in [c_out, d, s] {
+        m.add_output(body, v, None);
+    }
+    outs
+}
+
+/// A kept Loop whose body drops out: the backward must multiply by the masks the forward
+/// drew (stacked per iteration), not draw new ones. The random run's loss and gradients
+/// are compared with those of its deterministic twin (the same Loop with the masks that
+/// run drew as a constant), whose gradient is checked by central differences in float64.
+#[test]
+fn loop_kept_with_dropout_reads_the_masks_the_forward_drew_f64() {
+    if !common::ort_available() {
+        return;
+    }
+    const TWIN: &str = "loop_kept_with_dropout_twin_f64";
+    let gradient_graph = |masks: Option<&[f64]>| {
+        let mut net = Net::new(17, F64, seed_of(TWIN));
+        let ys = loop_with_dropout_case(&mut net, masks);
+        let pipeline = net.pipeline;
+        let (forward, _) = net.finish(&ys);
+        let graph = onnx_ga::signature::forward(forward, Path::new("case.onnx"));
+        let step = onnx_ga::step::build_step(graph, pipeline, true)
+            .unwrap_or_else(|e| panic!("{pipeline}: {e}"));
+        step.model.to_proto()
+    };
+    // The random run, the forward's masks made an output of the gradient graph.
+    let mut random = gradient_graph(None);
+    let graph = random.graph.as_mut().unwrap();
+    let stacked = graph
+        .node
+        .iter()
+        .filter(|n| n.op_type() == "Loop")
+        .flat_map(|n| n.output.iter())
+        .find(|o| o.ends_with("_mask_stacked"))
+        .unwrap_or_else(|| panic!("no stacked mask among the Loops' outputs"))
+        .clone();
+    graph.output.push(onnx_ga::proto::ValueInfoProto {
+        name: Some(stacked.clone()),
+        ..Default::default()
+    });
+    let drawn = run(&random, &[]);
+    let masks: Vec<f64> = match &drawn.iter().find(|(o, _)| *o == stacked).unwrap().1 {
+        Tensor::Bool(m) => m.iter().map(|k| *k as u8 as f64).collect(),
+        other => panic!("the mask is not bool: {other:?}"),
+    };
+    assert_eq!(masks.len(), 24);
+    let dropped = masks.iter().filter(|k| **k == 0.0).count();
+    assert!(
+        (1..24).contains(&dropped),
+        "{dropped} of 24 dropped: the case needs both"
+    );
+    // The twin, its gradient against central differences.
+    check(TWIN, 17, F64, |n| loop_with_dropout_case(n, Some(&masks)));
+    let twin = run(&gradient_graph(Some(&masks)), &[]);
+    let mut compared = 0;
+    for (name, t) in &twin {
+        let (a, b) = (
+            values(t),
+            values(&drawn.iter().find(|(o, _)| o == name).unwrap().1),
+        );
+        let rel = norm(a.iter().zip(&b).map(|(x, y)| x - y)) / norm(a.iter().copied()).max(1e-30);
+        assert!(
+            rel <= 1e-12,
+            "{name}: the random run is {rel:.1e} from the twin"
+        );
+        compared += 1;
+    }
+    assert_eq!(compared, 5, "loss and four gradients");
+    eprintln!(
+        "MEASURED loop kept with dropout: {dropped} of 24 dropped, the random run equals its twin"
     );
 }

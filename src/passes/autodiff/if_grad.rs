@@ -50,7 +50,7 @@ pub fn why_not(model: &Model, n: NodeId) -> Option<String> {
     };
     for (branch, body) in [Branch::Then, Branch::Else].into_iter().zip(branches) {
         let label = branch.attribute();
-        if let Some(why) = not_recomputable(model, body, label) {
+        if let Some(why) = not_recomputable(model, body, label, false) {
             return Some(why);
         }
         if let Some(why) = not_copied(model, body) {

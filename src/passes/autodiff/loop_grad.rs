@@ -24,9 +24,13 @@
 //! Control flow in the body (an If, a Loop) is recomputed with it and differentiated by the
 //! same sweep (`if_grad`, this module again).
 //!
-//! Not differentiated (the error says why): a body drawing random numbers or normalising
-//! with batch statistics at any depth (as `if_grad`: the recomputation would differ), sparse
-//! initializers in it, carried values that are not tensors (sequences, optionals).
+//! What an iteration draws (a Dropout's mask, a random op's values) the forward Loop stacks
+//! as well, and the recomputation reads it instead of drawing again: `Y = X · mask[t] / (1 -
+//! ratio)` for a Dropout, so that X's gradient is `Mul`'s.
+//!
+//! Not differentiated (the error says why): draws nested deeper (in an If or a Loop of the
+//! body: recomputed with their body, they would draw again), BatchNormalization in the body,
+//! sparse initializers in it, carried values that are not tensors (sequences, optionals).
 
 use std::collections::{HashMap, HashSet};
 
@@ -34,9 +38,9 @@ use crate::ir::builder::{tensor_bool, Builder, NodeAttributes};
 use crate::ir::emit::Emit;
 use crate::ir::{topological_order, Model, NodeId, ValueId};
 use crate::passes::PassError;
-use crate::proto::elem::{BOOL, INT32, INT64};
+use crate::proto::elem::{BOOL, FLOAT, INT32, INT64};
 
-use super::loop_parts::{computed_here, not_recomputable, recompute, LoopParts};
+use super::loop_parts::{computed_here, draws, not_recomputable, recompute_with, LoopParts};
 use super::rules::Grad;
 use super::shapes::{stacked, type_of_facts, Facts};
 use super::{is_float, PASS};
@@ -44,7 +48,7 @@ use super::{is_float, PASS};
 /// Why the Loop `n` has no gradient here, when it has none.
 pub fn why_not(model: &Model, n: NodeId) -> Option<String> {
     match LoopParts::of(model, n) {
-        Ok(parts) => not_recomputable(model, parts.body, "body"),
+        Ok(parts) => not_recomputable(model, parts.body, "body", true),
         Err(why) => Some(why),
     }
 }
@@ -56,6 +60,18 @@ struct Kept {
     iterations: ValueId,
     carried: Vec<CarriedRead>,
     condition: Option<ValueId>,
+    /// What the body's own nodes drew, per iteration, where the recomputation reads it.
+    drawn: HashMap<NodeId, Drawn>,
+}
+
+/// What a node of the body drew, stacked by the forward Loop: the backward reads iteration
+/// t's draw instead of drawing again.
+#[derive(Clone, Copy)]
+enum Drawn {
+    /// A Dropout's mask: the recomputation multiplies by it, scaled as the Dropout scales.
+    Mask(ValueId),
+    /// A random op's output.
+    Values(ValueId),
 }
 
 /// How the backward reads what an iteration carried in.
@@ -335,11 +351,109 @@ fn keep(cx: &mut Grad<'_>, n: NodeId, parts: &LoopParts) -> Kept {
             }
         })
         .collect();
+    // What the body's own nodes draw and the recomputation reads: a Dropout's mask (the
+    // forward returns it), a random op's values.
+    let mut drawn = HashMap::new();
+    let draws_read: Vec<NodeId> = cx
+        .model()
+        .body_nodes(parts.body)
+        .filter(|d| draws(cx.model(), *d))
+        .filter(|d| {
+            cx.model()
+                .node(*d)
+                .outputs
+                .iter()
+                .flatten()
+                .any(|o| needed.contains(o))
+        })
+        .collect();
+    for d in draws_read {
+        let first = cx.model().output(d, 0);
+        let kept = match cx.model().node(d).proto.op_type() {
+            "Dropout" => {
+                let hint = format!("{}_mask", cx.model().name(first));
+                let mask = cx.b.model.ensure_node_output(d, 1, &hint);
+                let dims = cx.facts(first).dims;
+                cx.shapes.set(
+                    mask,
+                    Facts {
+                        elem: Some(BOOL),
+                        dims,
+                    },
+                );
+                Drawn::Mask(stack(cx, mask))
+            }
+            _ => Drawn::Values(stack(cx, first)),
+        };
+        drawn.insert(d, kept);
+    }
     Kept {
         iterations,
         carried,
         condition,
+        drawn,
     }
+}
+
+/// What the recomputation makes of the draw `node` (whose inputs' copies are `inputs`):
+/// iteration `t` of what the forward drew, as (original, replacement) pairs.
+fn read_drawn(
+    g: &mut Grad<'_>,
+    node: NodeId,
+    inputs: &[Option<ValueId>],
+    drawn: Drawn,
+    t: ValueId,
+) -> Result<Vec<(ValueId, ValueId)>, PassError> {
+    let first = g.model().output(node, 0);
+    let hint = g.model().name(first).to_string();
+    let stack = match drawn {
+        Drawn::Values(stack) | Drawn::Mask(stack) => stack,
+    };
+    let like = match drawn {
+        Drawn::Values(_) => first,
+        Drawn::Mask(_) => g.model().output(node, 1),
+    };
+    let at_t = g.op_like(
+        "Gather",
+        &[stack, t],
+        vec![],
+        &format!("{hint}_drawn"),
+        like,
+    );
+    let Drawn::Mask(_) = drawn else {
+        return Ok(vec![(first, at_t)]);
+    };
+    // Dropout: Y = mask · X / (1 - ratio) (ratio 0.5 when absent), as ONNX Runtime's kernel
+    // computes it: 1 - ratio in float32 whatever the types, the division in X's type.
+    let x = inputs
+        .first()
+        .copied()
+        .flatten()
+        .ok_or_else(|| g.error(node, "its input is absent".into()))?;
+    let elem = g.elem(node, first)?;
+    let cast = |g: &mut Grad<'_>, v: ValueId, elem: i32, hint: &str| {
+        let facts = Facts {
+            elem: Some(elem),
+            ..g.facts(v)
+        };
+        let to = vec![crate::ir::builder::attr_int("to", elem as i64)];
+        let cast = g.op("Cast", &[v], to, hint);
+        g.shapes.set(cast, facts);
+        cast
+    };
+    let keep = match inputs.get(1).copied().flatten() {
+        None => g.scalar(elem, 0.5),
+        Some(ratio) => {
+            let ratio = cast(g, ratio, FLOAT, &format!("{hint}_ratio"));
+            let one = g.scalar(FLOAT, 1.0);
+            let keep = g.op_like("Sub", &[one, ratio], vec![], &format!("{hint}_keep"), ratio);
+            cast(g, keep, elem, &format!("{hint}_keep"))
+        }
+    };
+    let kept = cast(g, at_t, elem, &format!("{hint}_kept"));
+    let masked = g.op_like("Mul", &[kept, x], vec![], &format!("{hint}_masked"), first);
+    let y = g.op_like("Div", &[masked, keep], vec![], &hint, first);
+    Ok(vec![(first, y), (like, at_t)])
 }
 
 /// Whether the body passes carried value `k` on unchanged (its output is its input, through
@@ -419,7 +533,17 @@ impl Step<'_> {
                 }
             }
         }
-        recompute(g, self.parts.body, &mut copies);
+        let drawn = &self.kept.drawn;
+        let mut failed = None;
+        recompute_with(g, self.parts.body, &mut copies, &mut |g, node, inputs| {
+            let kept = *drawn.get(&node)?;
+            read_drawn(g, node, inputs, kept, t)
+                .map_err(|e| failed = Some(e))
+                .ok()
+        });
+        if let Some(e) = failed {
+            return Err(e);
+        }
 
         // The seeds: the carried gradients at the iteration's end, the scan outputs'
         // gradients at step t.

@@ -20,11 +20,20 @@ pub fn is_loop(model: &Model, n: NodeId) -> bool {
 
 /// Why the backward cannot recompute `body` (an If's `label`, a kept Loop's body), when it
 /// cannot: a node of it, or of a body nested in it, would not compute again what the
-/// forward computed. It draws random numbers (Dropout, the random ops) or, in training
-/// form, normalises with the batch's statistics (BatchNormalization, which `normalize`
-/// puts in that form only in the main graph).
-pub fn not_recomputable(model: &Model, body: BodyId, label: &str) -> Option<String> {
-    let node = redrawn_in(model, body)?;
+/// forward computed. It draws random numbers (a Dropout that drops, the random ops) or
+/// normalises (BatchNormalization: `normalize` puts it in its training form only in the
+/// main graph, so one in a body would train on running statistics).
+///
+/// `draws_kept`: the forward keeps what the body's own nodes draw, so that the backward
+/// reads it instead of drawing again (a kept Loop stacks it per iteration, `loop_grad`);
+/// only draws nested deeper are refused.
+pub fn not_recomputable(
+    model: &Model,
+    body: BodyId,
+    label: &str,
+    draws_kept: bool,
+) -> Option<String> {
+    let node = redrawn_in(model, body, draws_kept)?;
     let p = &model.node(node).proto;
     let which = match p.name() {
         "" => {
@@ -39,8 +48,12 @@ pub fn not_recomputable(model: &Model, body: BodyId, label: &str) -> Option<Stri
         }
         name => format!("'{name}'"),
     };
+    let instead = match p.op_type() {
+        "Dropout" => " (`--dropout off` trains without it)",
+        _ => "",
+    };
     Some(format!(
-        "its {label} holds {} {which}: the gradient recomputes the {label}, which would draw or normalise differently from the forward",
+        "its {label} holds {} {which}: the gradient recomputes the {label}, which would draw or normalise differently from the forward{instead}",
         p.op_type()
     ))
 }
@@ -59,13 +72,32 @@ pub fn not_copied(model: &Model, body: BodyId) -> Option<String> {
     ))
 }
 
-fn redrawn_in(model: &Model, body: BodyId) -> Option<NodeId> {
-    find_at_any_depth(model, body, &|node| {
-        let op = node.proto.op_type();
-        crate::ir::normalize_domain(node.proto.domain()).is_empty()
-            && (super::rules::RANDOM.contains(&op)
-                || matches!(op, "Dropout" | "BatchNormalization"))
+fn redrawn_in(model: &Model, body: BodyId, draws_kept: bool) -> Option<NodeId> {
+    model.body_nodes(body).find_map(|n| {
+        let node = model.node(n);
+        let standard = crate::ir::normalize_domain(node.proto.domain()).is_empty();
+        let normalises = standard && node.proto.op_type() == "BatchNormalization";
+        match normalises || (!draws_kept && draws(model, n)) {
+            true => Some(n),
+            false => node
+                .subgraphs
+                .iter()
+                .find_map(|s| redrawn_in(model, s.body, false)),
+        }
     })
+}
+
+/// Whether node `n` draws random numbers: a random op, or a Dropout that drops (its
+/// `training_mode` the constant true; one that does not is the identity).
+pub fn draws(model: &Model, n: NodeId) -> bool {
+    let p = &model.node(n).proto;
+    if !crate::ir::normalize_domain(p.domain()).is_empty() {
+        return false;
+    }
+    match p.op_type() {
+        "Dropout" => super::rules::dropout_drops(model, n),
+        op => super::rules::RANDOM.contains(&op),
+    }
 }
 
 /// The first node of `body`, or of a body nested in it, that `holds`.
@@ -300,9 +332,56 @@ pub fn recompute(
     forward: crate::ir::BodyId,
     copies: &mut std::collections::HashMap<ValueId, ValueId>,
 ) {
-    for (original, copy) in copy_body(&mut g.b, forward, copies) {
-        let facts = g.facts(original);
-        g.shapes.set(copy, facts);
+    recompute_with(g, forward, copies, &mut |_, _, _| None);
+}
+
+/// What [`recompute_with`] makes of a node instead of a copy, given the copies of its inputs:
+/// its (original, replacement) pairs, or `None` to copy it.
+pub type Instead<'a> = dyn FnMut(
+        &mut super::rules::Grad<'_>,
+        NodeId,
+        &[Option<ValueId>],
+    ) -> Option<Vec<(ValueId, ValueId)>>
+    + 'a;
+
+/// [`recompute`], except for the nodes `instead` makes something else of (a kept Loop's
+/// backward reads what the forward drew rather than drawing again).
+pub fn recompute_with(
+    g: &mut super::rules::Grad<'_>,
+    forward: crate::ir::BodyId,
+    copies: &mut std::collections::HashMap<ValueId, ValueId>,
+    instead: &mut Instead<'_>,
+) {
+    fn made(
+        g: &mut super::rules::Grad<'_>,
+        copies: &mut HashMap<ValueId, ValueId>,
+        pairs: Vec<(ValueId, ValueId)>,
+    ) {
+        for (original, copy) in pairs {
+            copies.insert(original, copy);
+            let facts = g.facts(original);
+            g.shapes.set(copy, facts);
+        }
+    }
+    let initializers = g.model().body(forward).initializers.clone();
+    for (v, t) in initializers {
+        let name = g.model().name(v).to_string();
+        let copy = g.b.model.add_initializer(g.b.body, &name, t);
+        made(g, copies, vec![(v, copy)]);
+    }
+    for node in crate::ir::topological_order(g.model(), forward) {
+        let inputs: Vec<Option<ValueId>> = g
+            .model()
+            .node(node)
+            .inputs
+            .iter()
+            .map(|v| v.map(|v| copies.get(&v).copied().unwrap_or(v)))
+            .collect();
+        let pairs = match instead(g, node, &inputs) {
+            Some(pairs) => pairs,
+            None => copy_node(&mut g.b, node, &inputs, copies),
+        };
+        made(g, copies, pairs);
     }
 }
 

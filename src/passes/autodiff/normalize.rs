@@ -13,8 +13,9 @@
 //!   drifting between runs).
 //!   A BatchNormalization whose mean and variance the graph computes (tf2onnx's Keras
 //!   LayerNormalization) is arithmetic on them and is written out instead.
-//! - **Dropout** gets `training_mode = true` (`--dropout train`, the default: the mask the
-//!   forward draws is reused by the backward), or is removed (`--dropout off`).
+//! - **Dropout**, in any body, gets `training_mode = true` (`--dropout train`, the default:
+//!   the mask the forward draws is reused by the backward), or is removed (`--dropout off`;
+//!   an Identity in a body, whose output must be computed there).
 //! - **SplitToSequence + SequenceAt** at constant positions (what the torch exporter writes
 //!   for `x.split(n)`) become one `Split`, so no sequence reaches the gradient.
 //! - **If** with a condition known before the run (shape arithmetic the facts fold) is
@@ -139,10 +140,6 @@ pub fn normalize(
                     out.batch_norms += 1;
                 }
             }
-            "Dropout" => {
-                dropout_node(model, node, dropout, pass)?;
-                out.dropouts += 1;
-            }
             "SplitToSequence" => {
                 // (A match guard would hold the op type's borrow of the model.)
                 #[allow(clippy::collapsible_match)]
@@ -152,6 +149,19 @@ pub fn normalize(
             }
             _ => {}
         }
+    }
+    // Dropouts at any depth: those of bodies train too (a kept Loop's backward reads the
+    // masks its forward drew; an If's refuses them).
+    let dropouts: Vec<NodeId> = model
+        .all_nodes()
+        .filter(|n| {
+            let p = &model.node(*n).proto;
+            p.op_type() == "Dropout" && (p.domain().is_empty() || p.domain() == "ai.onnx")
+        })
+        .collect();
+    for node in dropouts {
+        dropout_node(model, node, dropout, pass)?;
+        out.dropouts += 1;
     }
     cast_likes_to_casts(model);
     // The sequence length comes from the shape facts, inferred again before each layer:
@@ -407,6 +417,18 @@ fn dropout_node(
                 .copied()
                 .flatten()
                 .ok_or_else(|| node_error(model, node, "input 0 is absent".into()))?;
+            if n.body != BodyId::MAIN {
+                // The identity it is: a body's output may not be an outer value itself.
+                for slot in 1..n.inputs.len() {
+                    model.set_input(node, slot, None);
+                }
+                let node_mut = model.node_mut(node);
+                node_mut.inputs.truncate(1);
+                node_mut.outputs.truncate(1);
+                node_mut.proto.op_type = Some("Identity".into());
+                node_mut.proto.attribute.clear();
+                return Ok(());
+            }
             if let Some(Some(y)) = n.outputs.first() {
                 model.replace_value(*y, x);
             }

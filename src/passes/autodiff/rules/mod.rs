@@ -25,6 +25,7 @@ mod reduce;
 pub(in crate::passes::autodiff) mod resize;
 mod scatter;
 mod shape;
+pub use shape::dropout_drops;
 mod softmax;
 mod trig;
 

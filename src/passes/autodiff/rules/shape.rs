@@ -35,7 +35,7 @@ use super::super::shapes::{Dim, Facts};
 use super::{Grad, InputGrads};
 use crate::ir::builder::{attr_int, attr_ints, attr_string, attr_tensor};
 use crate::ir::emit::Emit;
-use crate::ir::{NodeId, ValueId};
+use crate::ir::{Model, NodeId, ValueId};
 use crate::passes::PassError;
 
 fn hint(cx: &Grad<'_>, x: ValueId) -> String {
@@ -729,9 +729,14 @@ pub fn cast(
 
 /// Whether a Dropout node drops at run time: its `training_mode` input is the constant true
 /// (the autodiff's normalisation sets it so for `--dropout train`).
-pub fn dropout_trains(cx: &Grad<'_>, node: NodeId) -> bool {
-    cx.opt_input(node, 2)
-        .and_then(|v| super::super::shapes::constant_tensor(cx.model(), v))
+pub fn dropout_drops(model: &Model, node: NodeId) -> bool {
+    model
+        .node(node)
+        .inputs
+        .get(2)
+        .copied()
+        .flatten()
+        .and_then(|v| super::super::shapes::constant_tensor(model, v))
         .and_then(crate::ir::emit::tensor_scalar)
         .is_some_and(|v| v != 0.0)
 }
@@ -747,7 +752,7 @@ pub fn dropout(
     if dys.first().copied().flatten().is_none() {
         return Ok(vec![None; wants.len()]);
     }
-    if !dropout_trains(cx, node) {
+    if !dropout_drops(cx.model(), node) {
         return identity(cx, node, dys, wants);
     }
     let x = cx.input(node, 0)?;
