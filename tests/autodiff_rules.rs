@@ -201,7 +201,7 @@
 //! loop_kept_tf_while_f64                     f64  6.9e-10
 //! loop_kept_trip_count                       f32  3.3e-4
 //! loop_kept_trip_count_f64                   f64  6.1e-11
-//! loop_kept_with_dropout_twin_f64            f64  1.6e-9 (varies with the masks drawn)
+//! loop_kept_with_draws_twin_f64              f64  1.6e-9 (varies with what is drawn)
 //! loop_tf_while                              f32  4.2e-4
 //! loop_tf_while_f64                          f64  3.1e-10
 //! loop_trip_count                            f32  1.4e-4
@@ -3291,11 +3291,18 @@ fn scan_with_an_axis_beyond_the_rank_is_refused() {
 /// The Dropout probability of the Loop cases below.
 const LOOP_DROPOUT: f64 = 0.3;
 
-/// A counted Loop (M = 4) whose body drops out: `d = Dropout(Tanh(A ⊙ G + x_i), 0.3)`, it
-/// carries d and scans `d ⊙ H`. With `masks` (4 x [2, 3], 1 kept, 0 dropped) it is the
-/// deterministic twin: `masks[i] ⊙ Tanh(A ⊙ G + x_i) / keep`, as ONNX Runtime's kernel
-/// computes it (keep = 1 - 0.3 in float32, whatever the types).
-fn loop_with_dropout_case(n: &mut Net, masks: Option<&[f64]>) -> Vec<ValueId> {
+/// What a kept Loop's body drew in one run: the Dropout's masks (1 kept, 0 dropped) and the
+/// noise, each 4 x [2, 3].
+struct Drawn {
+    masks: Vec<f64>,
+    noise: Vec<f64>,
+}
+
+/// A counted Loop (M = 4) whose body draws: `d = Dropout(Tanh(A ⊙ G ⊙ (1 + N / 10) + x_i),
+/// 0.3)` with N = RandomNormalLike(A); it carries d and scans `d ⊙ H`. With `drawn` it is the
+/// deterministic twin: N = noise[i], and the Dropout `masks[i] ⊙ t / keep` as ONNX Runtime's
+/// kernel computes it (keep = 1 - 0.3 in float32, whatever the types).
+fn loop_with_draws_case(n: &mut Net, drawn: Option<&Drawn>) -> Vec<ValueId> {
     n.pipeline = PIPELINE_LOOPS_KEPT;
     let x = n.param("X", &[4, 2, 3], -1.0, 1.0);
     let g = n.param("G", &[3], -1.0, 1.0);
@@ -3303,10 +3310,13 @@ fn loop_with_dropout_case(n: &mut Net, masks: Option<&[f64]>) -> Vec<ValueId> {
     let a0 = n.param("A0", &[2, 3], -1.0, 1.0);
     let trips = n.ints("trips", &[], &[4]);
     let ratio = n.konst("ratio", &[], &[LOOP_DROPOUT]);
-    let twin = masks.map(|m| {
+    let one = n.konst("one", &[], &[1.0]);
+    let tenth = n.konst("tenth", &[], &[0.1]);
+    let twin = drawn.map(|d| {
         let keep = (1.0f32 - LOOP_DROPOUT as f32) as f64;
         (
-            n.konst("masks", &[4, 2, 3], m),
+            n.konst("masks", &[4, 2, 3], &d.masks),
+            n.konst("noises", &[4, 2, 3], &d.noise),
             n.konst("keep", &[], &[keep]),
         )
     });
@@ -3316,12 +3326,19 @@ fn loop_with_dropout_case(n: &mut Net, masks: Option<&[f64]>) -> Vec<ValueId> {
     let [i, c, a] = one_carried(m, body, elem, &[2, 3], "a");
     let mut b = Builder::new(m, body, "test");
     let x_i = b.op("Gather", &[x, i], vec![], "x_i");
+    let noise = match twin {
+        None => b.op("RandomNormalLike", &[a], vec![], "noise"),
+        Some((_, noises, _)) => b.op("Gather", &[noises, i], vec![], "noise"),
+    };
+    let small = b.op("Mul", &[noise, tenth], vec![], "small_noise");
+    let jitter = b.op("Add", &[one, small], vec![], "jitter");
     let ag = b.op("Mul", &[a, g], vec![], "ag");
-    let pre = b.op("Add", &[ag, x_i], vec![], "pre");
+    let jittered = b.op("Mul", &[ag, jitter], vec![], "jittered");
+    let pre = b.op("Add", &[jittered, x_i], vec![], "pre");
     let t = b.op("Tanh", &[pre], vec![], "t");
     let d = match twin {
         None => b.op("Dropout", &[t, ratio], vec![], "d"),
-        Some((masks, keep)) => {
+        Some((masks, _, keep)) => {
             let mask_i = b.op("Gather", &[masks, i], vec![], "mask_i");
             let masked = b.op("Mul", &[mask_i, t], vec![], "masked");
             b.op("Div", &[masked, keep], vec![], "d")
@@ -3335,19 +3352,19 @@ fn loop_with_dropout_case(n: &mut Net, masks: Option<&[f64]>) -> Vec<ValueId> {
     outs
 }
 
-/// A kept Loop whose body drops out: the backward must multiply by the masks the forward
-/// drew (stacked per iteration), not draw new ones. The random run's loss and gradients
-/// are compared with those of its deterministic twin (the same Loop with the masks that
-/// run drew as a constant), whose gradient is checked by central differences in float64.
+/// A kept Loop whose body draws (a Dropout, a RandomNormalLike): the backward must use what
+/// the forward drew (stacked per iteration), not draw again. The random run's loss and
+/// gradients are compared with those of its deterministic twin (the same Loop with what
+/// that run drew as constants), whose gradient is checked by central differences in float64.
 #[test]
-fn loop_kept_with_dropout_reads_the_masks_the_forward_drew_f64() {
+fn loop_kept_with_draws_reads_what_the_forward_drew_f64() {
     if !common::ort_available() {
         return;
     }
-    const TWIN: &str = "loop_kept_with_dropout_twin_f64";
-    let gradient_graph = |masks: Option<&[f64]>| {
+    const TWIN: &str = "loop_kept_with_draws_twin_f64";
+    let gradient_graph = |drawn: Option<&Drawn>| {
         let mut net = Net::new(17, F64, seed_of(TWIN));
-        let ys = loop_with_dropout_case(&mut net, masks);
+        let ys = loop_with_draws_case(&mut net, drawn);
         let pipeline = net.pipeline;
         let (forward, _) = net.finish(&ys);
         let graph = onnx_ga::signature::forward(forward, Path::new("case.onnx"));
@@ -3355,41 +3372,48 @@ fn loop_kept_with_dropout_reads_the_masks_the_forward_drew_f64() {
             .unwrap_or_else(|e| panic!("{pipeline}: {e}"));
         step.model.to_proto()
     };
-    // The random run, the forward's masks made an output of the gradient graph.
+    // The random run, what its forward drew made outputs of the gradient graph.
     let mut random = gradient_graph(None);
     let graph = random.graph.as_mut().unwrap();
-    let stacked = graph
-        .node
-        .iter()
-        .filter(|n| n.op_type() == "Loop")
-        .flat_map(|n| n.output.iter())
-        .find(|o| o.ends_with("_mask_stacked"))
-        .unwrap_or_else(|| panic!("no stacked mask among the Loops' outputs"))
-        .clone();
-    graph.output.push(onnx_ga::proto::ValueInfoProto {
-        name: Some(stacked.clone()),
-        ..Default::default()
-    });
-    let drawn = run(&random, &[]);
-    let masks: Vec<f64> = match &drawn.iter().find(|(o, _)| *o == stacked).unwrap().1 {
-        Tensor::Bool(m) => m.iter().map(|k| *k as u8 as f64).collect(),
-        other => panic!("the mask is not bool: {other:?}"),
+    let stacked = |graph: &onnx_ga::proto::GraphProto, suffix: &str| {
+        graph
+            .node
+            .iter()
+            .filter(|n| n.op_type() == "Loop")
+            .flat_map(|n| n.output.iter())
+            .find(|o| o.ends_with(suffix))
+            .unwrap_or_else(|| panic!("no {suffix} among the Loops' outputs"))
+            .clone()
     };
-    assert_eq!(masks.len(), 24);
-    let dropped = masks.iter().filter(|k| **k == 0.0).count();
+    let masks = stacked(graph, "_mask_stacked");
+    let noise = stacked(graph, "noise_stacked");
+    for name in [&masks, &noise] {
+        graph.output.push(onnx_ga::proto::ValueInfoProto {
+            name: Some(name.clone()),
+            ..Default::default()
+        });
+    }
+    let outs = run(&random, &[]);
+    let output = |name: &str| &outs.iter().find(|(o, _)| o == name).unwrap().1;
+    let drawn = Drawn {
+        masks: match output(&masks) {
+            Tensor::Bool(m) => m.iter().map(|k| *k as u8 as f64).collect(),
+            other => panic!("the mask is not bool: {other:?}"),
+        },
+        noise: values(output(&noise)),
+    };
+    assert_eq!((drawn.masks.len(), drawn.noise.len()), (24, 24));
+    let dropped = drawn.masks.iter().filter(|k| **k == 0.0).count();
     assert!(
         (1..24).contains(&dropped),
         "{dropped} of 24 dropped: the case needs both"
     );
     // The twin, its gradient against central differences.
-    check(TWIN, 17, F64, |n| loop_with_dropout_case(n, Some(&masks)));
-    let twin = run(&gradient_graph(Some(&masks)), &[]);
+    check(TWIN, 17, F64, |n| loop_with_draws_case(n, Some(&drawn)));
+    let twin = run(&gradient_graph(Some(&drawn)), &[]);
     let mut compared = 0;
     for (name, t) in &twin {
-        let (a, b) = (
-            values(t),
-            values(&drawn.iter().find(|(o, _)| o == name).unwrap().1),
-        );
+        let (a, b) = (values(t), values(output(name)));
         let rel = norm(a.iter().zip(&b).map(|(x, y)| x - y)) / norm(a.iter().copied()).max(1e-30);
         assert!(
             rel <= 1e-12,
@@ -3399,6 +3423,6 @@ fn loop_kept_with_dropout_reads_the_masks_the_forward_drew_f64() {
     }
     assert_eq!(compared, 5, "loss and four gradients");
     eprintln!(
-        "MEASURED loop kept with dropout: {dropped} of 24 dropped, the random run equals its twin"
+        "MEASURED loop kept with draws: {dropped} of 24 dropped, the random run equals its twin"
     );
 }

@@ -688,6 +688,11 @@ fn infer_node(model: &Model, shapes: &Shapes, node: NodeId) -> Vec<Facts> {
     let x = input(0);
     let with_dims = |elem: Option<i32>, dims: Option<Vec<Dim>>| Facts { elem, dims };
     match op {
+        // Draws of the input's shape, of type `dtype` (the input's when absent).
+        "RandomNormalLike" | "RandomUniformLike" | "Bernoulli" => {
+            let elem = int("dtype").map(|t| t as i32).or(x.elem);
+            vec![with_dims(elem, x.dims.clone())]
+        }
         _ if SAME_AS_INPUT.contains(&op) => {
             let mut out = vec![x.clone()];
             if op == "Dropout" {
