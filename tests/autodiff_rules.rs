@@ -3006,8 +3006,7 @@ cases! {
 
 /// A TensorFlow while loop (no trip count: `Less(Cast(t + 1), Cast(3))` on an int32 counter
 /// it carries) whose body holds an If on data: `h' = If(ReduceSum(h) > 0){Tanh(h ⊙ G)}{Sin(h) ⊙ G}`.
-/// (ONNX Runtime only: on tract, `while_as_counted` does not take a while loop whose body
-/// holds control flow, and tract has no Loop.)
+/// (On tract too: `nested_control_flow_runs_on_tract`.)
 fn tf_while_with_if_case(n: &mut Net) -> Vec<ValueId> {
     let g = n.param("G", &[3], -1.0, 1.0);
     let h0 = n.param("H0", &[2, 3], -1.0, 1.0);
@@ -3099,7 +3098,7 @@ fn nested_control_flow_runs_on_tract() {
     if !common::ort_available() {
         return;
     }
-    let cases: [(&str, Build); 7] = [
+    let cases: [(&str, Build); 8] = [
         ("loop_with_ifs", loop_with_ifs_case),
         ("loop_with_ifs_kept", loops_kept_case_of_loop_with_ifs),
         ("if_holding_if_then_then", |n| {
@@ -3112,6 +3111,10 @@ fn nested_control_flow_runs_on_tract() {
             if_holding_control_flow_case(n, false, true)
         }),
         ("loop_in_loop", loop_in_loop_case),
+        ("tf_while_with_if_kept", |n| {
+            n.pipeline = PIPELINE_LOOPS_KEPT;
+            tf_while_with_if_case(n)
+        }),
         ("loop_in_loop_kept", |n| {
             n.pipeline = PIPELINE_LOOPS_KEPT;
             loop_in_loop_case(n)

@@ -122,13 +122,6 @@ impl Model {
             .map(|s| s.body)
     }
 
-    /// The first node of `body` that holds a body itself (an If, a Loop, a Scan): control
-    /// flow nested in it.
-    pub fn nested_control_flow(&self, body: BodyId) -> Option<NodeId> {
-        self.body_nodes(body)
-            .find(|n| !self.node(*n).subgraphs.is_empty())
-    }
-
     /// `v` seen through the `Identity` nodes of `body` that forward it: the value it copies.
     pub fn forwarded(&self, mut v: ValueId, body: BodyId) -> ValueId {
         while let Some((n, _)) = self.producer(v) {

@@ -503,8 +503,15 @@ impl Step<'_> {
             sums_in.push(input(g, &hint, facts));
         }
 
-        // This iteration: t = N - 1 - j, and what the forward's iteration t started from.
-        let t = g.op("Sub", &[self.last, j], vec![], "t");
+        // This iteration: t = I[N - 1 - j] (= N - 1 - j), and what the forward's iteration t
+        // started from. Read from the stack of iteration numbers, not computed from its
+        // size alone: tract folds a `Size` whose count it knows and then drops the stack, and
+        // with it the forward Scan's only scan input when its body reads nothing else of
+        // the iteration number ("Scan: No scan input"; a TensorFlow while loop counts with
+        // its own counter).
+        let position = g.op("Sub", &[self.last, j], vec![], "t_position");
+        g.shapes.set(position, scalar_facts(INT64));
+        let t = g.op("Gather", &[self.kept.iterations, position], vec![], "t");
         g.shapes.set(t, scalar_facts(INT64));
         let mut copies: HashMap<ValueId, ValueId> = HashMap::new();
         copies.insert(self.parts.body_inputs[0], t);

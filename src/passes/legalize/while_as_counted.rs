@@ -100,8 +100,7 @@ fn counting(model: &Model, node: NodeId) -> Option<Counting> {
     let (first_counter, first_casts) = uncast(model, first_counter, outer);
     let same_start = (first_counter == start && first_casts == casts)
         || same_constant(model, first_counter, start);
-    let nested = model.nested_control_flow(body).is_some();
-    (same_start && !nested).then_some(Counting {
+    same_start.then_some(Counting {
         body,
         counter,
         next,
