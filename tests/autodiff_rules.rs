@@ -108,6 +108,7 @@
 //! depth_to_space_dcr                         f64  1.3e-10
 //! div                                        f64  1.2e-10
 //! div_broadcast                              f64  1.0e-10
+//! dropout_ratio_initializer_is_no_parameter_f64 f64  6.9e-11
 //! einsum_attention_scores                    f64  2.5e-10
 //! einsum_ellipsis                            f64  1.2e-10
 //! einsum_ellipsis_broadcast_one              f64  1.2e-10
@@ -2813,6 +2814,25 @@ fn if_with_dropout_off_case(n: &mut Net) -> Vec<ValueId> {
 
 cases! {
     if_with_dropout_off_f64: 17, F64 => if_with_dropout_off_case;
+    dropout_ratio_initializer_is_no_parameter_f64: 17, F64 => dropout_ratio_initializer_case;
+}
+
+/// A Dropout whose ratio is a float initializer of the model (not frozen, not a constant
+/// node): a setting, not a parameter, so X alone is trained. Ratio 0 drops nothing in
+/// training mode, so central differences can check X's gradient.
+fn dropout_ratio_initializer_case(n: &mut Net) -> Vec<ValueId> {
+    let x = n.param("X", &[2, 3], -1.0, 1.0);
+    let ratio = n.model.add_initializer(
+        MAIN,
+        "ratio",
+        TensorProto {
+            data_type: Some(F64),
+            double_data: vec![0.0],
+            ..Default::default()
+        },
+    );
+    let t = n.op("Tanh", &[x], vec![]);
+    vec![n.op("Dropout", &[t, ratio], vec![])]
 }
 
 /// An If in `body` of `model` on `cond` with outputs named from `hints`, and its two

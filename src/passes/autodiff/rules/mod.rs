@@ -228,11 +228,13 @@ pub fn is_non_differentiable(op: &str) -> bool {
 /// settings, not parameters (PyTorch's `nll_loss`/`cross_entropy` have no derivative for
 /// them, and the legacy exporter leaves a `weight` buffer as a plain initializer); Resize's
 /// region and scales are geometry (tf2onnx writes Keras's UpSampling2D scales as a float
-/// initializer), whose gradient the rule does not give.
+/// initializer), whose gradient the rule does not give; a Dropout's ratio is a setting
+/// (torch has no derivative for `p`; an exporter may leave it a float initializer).
 pub fn carries_gradient(op: &str, slot: usize) -> bool {
     !matches!(
         (op, slot),
         ("CastLike", 1)
+            | ("Dropout", 1)
             | ("SoftmaxCrossEntropyLoss", 2)
             | ("NegativeLogLikelihoodLoss", 2)
             | ("Resize", 1 | 2)
