@@ -25,8 +25,8 @@
 //! same sweep (`if_grad`, this module again).
 //!
 //! What an iteration draws (a Dropout's mask, a random op's values) the forward Loop stacks
-//! as well, and the recomputation reads it instead of drawing again: `Y = X · mask[t] / (1 -
-//! ratio)` for a Dropout, so that X's gradient is `Mul`'s.
+//! as well, and the recomputation reads it instead of drawing again: `Y = mask[t] · X / (1 -
+//! ratio)` for a Dropout, whose gradient the `Mul` and `Div` rules give.
 //!
 //! Not differentiated (the error says why): draws nested deeper (in an If or a Loop of the
 //! body: recomputed with their body, they would draw again), BatchNormalization in the body,
