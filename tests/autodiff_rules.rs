@@ -2444,22 +2444,11 @@ fn tf_while_loop_case(n: &mut Net) -> Vec<ValueId> {
     let (outs, body) = loop_node(n, &[None, Some(go), Some(t0), Some(h0), Some(w)], 4);
     let elem = n.elem;
     let m = &mut n.model;
-    let _i = m.add_input(body, "i", tensor_type(7, &[]), None);
-    let _c = m.add_input(body, "c", tensor_type(9, &[]), None);
-    let t = m.add_input(body, "t", tensor_type(6, &[]), None);
+    let t = tf_counter_inputs(m, body);
     let h = m.add_input(body, "h", tensor_type(elem, &[2, 2]), None);
     let wk = m.add_input(body, "w", tensor_type(elem, &[3, 2]), None);
-    let one = m.add_initializer(
-        body,
-        "one",
-        TensorProto {
-            data_type: Some(6),
-            int32_data: vec![1],
-            ..Default::default()
-        },
-    );
     let mut bb = Builder::new(m, body, "test");
-    let t1 = bb.op("Add", &[t, one], vec![], "t1");
+    let (t1, cond) = tf_counter_next(&mut bb, t, limit);
     let x_t = bb.op("Gather", &[x, t], vec![], "x_t");
     let xw = bb.op("MatMul", &[x_t, wk], vec![], "xw");
     let hr = bb.op("MatMul", &[h, r], vec![], "hr");
@@ -2467,13 +2456,38 @@ fn tf_while_loop_case(n: &mut Net) -> Vec<ValueId> {
     let sb = bb.op("Add", &[s, b], vec![], "sb");
     let h1 = bb.op("Tanh", &[sb], vec![], "h1");
     let scan = bb.op("Identity", &[h1], vec![], "h_scan");
-    let t1f = bb.op("Cast", &[t1], vec![attr_int("to", 1)], "t1f");
-    let limitf = bb.op("Cast", &[limit], vec![attr_int("to", 1)], "limitf");
-    let cond = bb.op("Less", &[t1f, limitf], vec![], "cond");
     for v in [cond, t1, h1, wk, scan] {
         m.add_output(body, v, None);
     }
     vec![outs[1], outs[2], outs[3]]
+}
+
+/// The first inputs of a TensorFlow while loop's body: the iteration number and the
+/// condition, which it does not read, and the int32 counter `t` it carries (returned); the
+/// carried values come after.
+fn tf_counter_inputs(m: &mut Model, body: BodyId) -> ValueId {
+    m.add_input(body, "i", tensor_type(7, &[]), None);
+    m.add_input(body, "c", tensor_type(9, &[]), None);
+    m.add_input(body, "t", tensor_type(6, &[]), None)
+}
+
+/// The counter's next value `t + 1` (`one` a body initializer) and the condition to go on,
+/// compared in float as tf2onnx writes it: `Less(Cast(t + 1), Cast(limit))`.
+fn tf_counter_next(bb: &mut Builder<'_>, t: ValueId, limit: ValueId) -> (ValueId, ValueId) {
+    let one = bb.model.add_initializer(
+        bb.body,
+        "one",
+        TensorProto {
+            data_type: Some(6),
+            int32_data: vec![1],
+            ..Default::default()
+        },
+    );
+    let t1 = bb.op("Add", &[t, one], vec![], "t1");
+    let t1f = bb.op("Cast", &[t1], vec![attr_int("to", 1)], "t1f");
+    let limitf = bb.op("Cast", &[limit], vec![attr_int("to", 1)], "limitf");
+    let cond = bb.op("Less", &[t1f, limitf], vec![], "cond");
+    (t1, cond)
 }
 
 /// A Loop with a trip count M = 3 and no condition, its iteration number the index: the
@@ -3039,24 +3053,10 @@ fn tf_while_with_if_case(n: &mut Net) -> Vec<ValueId> {
     let (outs, body) = loop_node(n, &[None, Some(go), Some(t0), Some(h0)], 2);
     let elem = n.elem;
     let m = &mut n.model;
-    let _i = m.add_input(body, "i", tensor_type(7, &[]), None);
-    let _c = m.add_input(body, "c", tensor_type(9, &[]), None);
-    let t = m.add_input(body, "t", tensor_type(6, &[]), None);
+    let t = tf_counter_inputs(m, body);
     let h = m.add_input(body, "h", tensor_type(elem, &[2, 3]), None);
-    let one = m.add_initializer(
-        body,
-        "one",
-        TensorProto {
-            data_type: Some(6),
-            int32_data: vec![1],
-            ..Default::default()
-        },
-    );
     let mut bb = Builder::new(m, body, "test");
-    let t1 = bb.op("Add", &[t, one], vec![], "t1");
-    let t1f = bb.op("Cast", &[t1], vec![attr_int("to", 1)], "t1f");
-    let limitf = bb.op("Cast", &[limit], vec![attr_int("to", 1)], "limitf");
-    let cond = bb.op("Less", &[t1f, limitf], vec![], "cond");
+    let (t1, cond) = tf_counter_next(&mut bb, t, limit);
     let sum = bb.op("ReduceSum", &[h], vec![attr_int("keepdims", 0)], "h_sum");
     let positive = bb.op("Greater", &[sum, zero], vec![], "positive");
     let (h1, then, otherwise) = if_in(m, body, positive, &["h1"]);

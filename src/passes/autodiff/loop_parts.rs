@@ -61,8 +61,8 @@ pub fn not_recomputable(
 /// Why [`copy_node`] cannot copy what `body` holds, when it cannot: a node with a list of
 /// graphs (a `GRAPHS` attribute: no standard op has one), at any depth.
 pub fn not_copied(model: &Model, body: BodyId) -> Option<String> {
-    let listing = find_at_any_depth(model, body, &|node| {
-        node.subgraphs.iter().any(|s| s.element.is_some())
+    let listing = find_at_any_depth(model, body, &|n| {
+        model.node(n).subgraphs.iter().any(|s| s.element.is_some())
     })?;
     let p = &model.node(listing).proto;
     Some(format!(
@@ -72,19 +72,25 @@ pub fn not_copied(model: &Model, body: BodyId) -> Option<String> {
     ))
 }
 
+/// The node of `body` that would not compute again what the forward computed. At the top
+/// level a draw counts only unless `draws_kept`; in the bodies nested deeper every draw
+/// counts (nothing keeps theirs).
 fn redrawn_in(model: &Model, body: BodyId, draws_kept: bool) -> Option<NodeId> {
-    model.body_nodes(body).find_map(|n| {
-        let node = model.node(n);
-        let standard = crate::ir::normalize_domain(node.proto.domain()).is_empty();
-        let normalises = standard && node.proto.op_type() == "BatchNormalization";
-        match normalises || (!draws_kept && draws(model, n)) {
+    let normalises = |n: NodeId| {
+        let p = &model.node(n).proto;
+        crate::ir::normalize_domain(p.domain()).is_empty() && p.op_type() == "BatchNormalization"
+    };
+    let redraws = |n: NodeId| normalises(n) || draws(model, n);
+    model.body_nodes(body).find_map(
+        |n| match normalises(n) || (!draws_kept && draws(model, n)) {
             true => Some(n),
-            false => node
+            false => model
+                .node(n)
                 .subgraphs
                 .iter()
-                .find_map(|s| redrawn_in(model, s.body, false)),
-        }
-    })
+                .find_map(|s| find_at_any_depth(model, s.body, &redraws)),
+        },
+    )
 }
 
 /// Whether node `n` draws random numbers: a random op, or a Dropout that drops (its
@@ -104,17 +110,15 @@ pub fn draws(model: &Model, n: NodeId) -> bool {
 fn find_at_any_depth(
     model: &Model,
     body: BodyId,
-    holds: &dyn Fn(&crate::ir::Node) -> bool,
+    holds: &dyn Fn(NodeId) -> bool,
 ) -> Option<NodeId> {
-    model.body_nodes(body).find_map(|n| {
-        let node = model.node(n);
-        match holds(node) {
-            true => Some(n),
-            false => node
-                .subgraphs
-                .iter()
-                .find_map(|s| find_at_any_depth(model, s.body, holds)),
-        }
+    model.body_nodes(body).find_map(|n| match holds(n) {
+        true => Some(n),
+        false => model
+            .node(n)
+            .subgraphs
+            .iter()
+            .find_map(|s| find_at_any_depth(model, s.body, holds)),
     })
 }
 
@@ -298,91 +302,101 @@ fn copy_graph(
 /// `copies` gains every value they compute. Returns the (original, copy) pairs made.
 pub fn copy_body(
     b: &mut Builder<'_>,
-    body: crate::ir::BodyId,
-    copies: &mut std::collections::HashMap<ValueId, ValueId>,
+    body: BodyId,
+    copies: &mut HashMap<ValueId, ValueId>,
 ) -> Vec<(ValueId, ValueId)> {
-    let mut made = Vec::new();
-    let initializers = b.model.body(body).initializers.clone();
-    for (v, t) in initializers {
-        let name = b.model.name(v).to_string();
-        let copy = b.model.add_initializer(b.body, &name, t);
-        copies.insert(v, copy);
-        made.push((v, copy));
-    }
-    for node in crate::ir::topological_order(b.model, body) {
-        let inputs: Vec<Option<ValueId>> = b
-            .model
-            .node(node)
-            .inputs
-            .iter()
-            .map(|v| v.map(|v| copies.get(&v).copied().unwrap_or(v)))
-            .collect();
-        for (original, copy) in copy_node(b, node, &inputs, copies) {
-            copies.insert(original, copy);
-            made.push((original, copy));
-        }
-    }
-    made
+    copy_body_by(b, body, copies, &mut |_, _, _| None)
 }
 
 /// [`copy_body`] into the body `g` builds in, each copy given its original's shape facts:
 /// the backward of a kept Loop and of an If recompute their forward this way.
 pub fn recompute(
     g: &mut super::rules::Grad<'_>,
-    forward: crate::ir::BodyId,
-    copies: &mut std::collections::HashMap<ValueId, ValueId>,
+    forward: BodyId,
+    copies: &mut HashMap<ValueId, ValueId>,
 ) {
-    recompute_with(g, forward, copies, &mut |_, _, _| None);
+    copy_body_by(g, forward, copies, &mut |_, _, _| None);
 }
 
 /// What [`recompute_with`] makes of a node instead of a copy, given the copies of its inputs:
 /// its (original, replacement) pairs, or `None` to copy it.
-pub type Instead<'a> = dyn FnMut(
-        &mut super::rules::Grad<'_>,
-        NodeId,
-        &[Option<ValueId>],
-    ) -> Option<Vec<(ValueId, ValueId)>>
-    + 'a;
+pub type Instead<'a, C> =
+    dyn FnMut(&mut C, NodeId, &[Option<ValueId>]) -> Option<Vec<(ValueId, ValueId)>> + 'a;
 
 /// [`recompute`], except for the nodes `instead` makes something else of (a kept Loop's
 /// backward reads what the forward drew rather than drawing again).
-pub fn recompute_with(
-    g: &mut super::rules::Grad<'_>,
-    forward: crate::ir::BodyId,
-    copies: &mut std::collections::HashMap<ValueId, ValueId>,
-    instead: &mut Instead<'_>,
+pub fn recompute_with<'m>(
+    g: &mut super::rules::Grad<'m>,
+    forward: BodyId,
+    copies: &mut HashMap<ValueId, ValueId>,
+    instead: &mut Instead<'_, super::rules::Grad<'m>>,
 ) {
-    fn made(
-        g: &mut super::rules::Grad<'_>,
-        copies: &mut HashMap<ValueId, ValueId>,
-        pairs: Vec<(ValueId, ValueId)>,
-    ) {
+    copy_body_by(g, forward, copies, instead);
+}
+
+/// Where a body is copied to: a builder alone, or a gradient's builder, whose copies also
+/// take their originals' shape facts.
+pub trait CopyTarget<'m> {
+    fn builder(&mut self) -> &mut Builder<'m>;
+    /// `copy` was made of `original`.
+    fn made(&mut self, _original: ValueId, _copy: ValueId) {}
+}
+
+impl<'m> CopyTarget<'m> for Builder<'m> {
+    fn builder(&mut self) -> &mut Builder<'m> {
+        self
+    }
+}
+
+impl<'m> CopyTarget<'m> for super::rules::Grad<'m> {
+    fn builder(&mut self) -> &mut Builder<'m> {
+        &mut self.b
+    }
+    fn made(&mut self, original: ValueId, copy: ValueId) {
+        let facts = self.facts(original);
+        self.shapes.set(copy, facts);
+    }
+}
+
+/// The one walk behind [`copy_body`], [`recompute`] and [`recompute_with`]: initializers,
+/// then the nodes in order, each copied unless `instead` makes something else of it.
+fn copy_body_by<'m, C: CopyTarget<'m>>(
+    cx: &mut C,
+    body: BodyId,
+    copies: &mut HashMap<ValueId, ValueId>,
+    instead: &mut Instead<'_, C>,
+) -> Vec<(ValueId, ValueId)> {
+    let mut made = Vec::new();
+    let mut record = |cx: &mut C, copies: &mut HashMap<_, _>, pairs: Vec<(ValueId, ValueId)>| {
         for (original, copy) in pairs {
             copies.insert(original, copy);
-            let facts = g.facts(original);
-            g.shapes.set(copy, facts);
+            cx.made(original, copy);
+            made.push((original, copy));
         }
-    }
-    let initializers = g.model().body(forward).initializers.clone();
+    };
+    let initializers = cx.builder().model.body(body).initializers.clone();
     for (v, t) in initializers {
-        let name = g.model().name(v).to_string();
-        let copy = g.b.model.add_initializer(g.b.body, &name, t);
-        made(g, copies, vec![(v, copy)]);
+        let b = cx.builder();
+        let name = b.model.name(v).to_string();
+        let copy = b.model.add_initializer(b.body, &name, t);
+        record(cx, copies, vec![(v, copy)]);
     }
-    for node in crate::ir::topological_order(g.model(), forward) {
-        let inputs: Vec<Option<ValueId>> = g
-            .model()
+    for node in crate::ir::topological_order(cx.builder().model, body) {
+        let inputs: Vec<Option<ValueId>> = cx
+            .builder()
+            .model
             .node(node)
             .inputs
             .iter()
             .map(|v| v.map(|v| copies.get(&v).copied().unwrap_or(v)))
             .collect();
-        let pairs = match instead(g, node, &inputs) {
+        let pairs = match instead(cx, node, &inputs) {
             Some(pairs) => pairs,
-            None => copy_node(&mut g.b, node, &inputs, copies),
+            None => copy_node(cx.builder(), node, &inputs, copies),
         };
-        made(g, copies, pairs);
+        record(cx, copies, pairs);
     }
+    made
 }
 
 /// `v` as a value a node of the body `b` builds in computes (a body output must be one
