@@ -29,7 +29,9 @@
 //!   the split step against the whole one over two windows (bit-identical parameters);
 //! - `--round N --out FILE`: one round of every column and configuration, JSON lines;
 //! - `--pair MODEL B T A B`: two columns in one process, windows alternating, for
-//!   `2 x --cell-ms`: the median ratio of adjacent windows (an A/B on a drifting machine);
+//!   `2 x --cell-ms`: the median ratio of adjacent windows (an A/B on a drifting machine),
+//!   and per position in the window the median ratio of the two micro-steps there
+//!   (`a_over_b_at`: the first, the accumulating ones, the applying one);
 //!   a column `floor:FILE` is another floor file in the model's work folder (a graph change's
 //!   A/B: the floor a build before it wrote against this build's);
 //! - `--rss --out FILE`: peak RSS (VmHWM) of each (model, B, T, column) in a fresh child
@@ -1017,29 +1019,38 @@ fn pair(o: &Opts, model: &str, b: usize, threads: usize, columns: [&str; 2]) -> 
     ];
     let n = batches.len();
     let k = o.k as usize;
-    let window = |run: &mut Runner, w: usize| -> Result<f64> {
+    // A window's mean ms per micro-step, and each micro-step's ms.
+    let window = |run: &mut Runner, w: usize| -> Result<(f64, Vec<f64>)> {
         let t = Instant::now();
+        let mut each = Vec::with_capacity(k);
         for i in 0..k {
+            let s = Instant::now();
             run.step(&batches[(w * k + i) % n])?;
+            each.push(s.elapsed().as_secs_f64() * 1e3);
         }
-        Ok(t.elapsed().as_secs_f64() * 1e3 / k as f64)
+        Ok((t.elapsed().as_secs_f64() * 1e3 / k as f64, each))
     };
     let c2c_before = core_to_core_ns();
     // One warm-up window each, then pairs, the order alternating per pair.
     window(&mut runs[0], 0)?;
     window(&mut runs[1], 0)?;
     let (mut ms, mut ratios) = ([Vec::new(), Vec::new()], Vec::new());
+    // Per position j in the window, the ratios of A's micro-step j to B's.
+    let mut at = vec![Vec::new(); k];
     let start = Instant::now();
     let mut w = 1;
     while start.elapsed() < o.cell * 2 || ratios.len() < 5 {
         let order = if w % 2 == 0 { [0, 1] } else { [1, 0] };
-        let mut pair = [0.0; 2];
+        let mut pair = [(0.0, Vec::new()), (0.0, Vec::new())];
         for c in order {
             pair[c] = window(&mut runs[c], w)?;
         }
-        ms[0].push(pair[0]);
-        ms[1].push(pair[1]);
-        ratios.push(pair[0] / pair[1]);
+        ms[0].push(pair[0].0);
+        ms[1].push(pair[1].0);
+        ratios.push(pair[0].0 / pair[1].0);
+        for (j, ratios_at) in at.iter_mut().enumerate() {
+            ratios_at.push(pair[0].1[j] / pair[1].1[j]);
+        }
         w += 1;
     }
     let median = |v: &mut Vec<f64>| {
@@ -1048,6 +1059,7 @@ fn pair(o: &Opts, model: &str, b: usize, threads: usize, columns: [&str; 2]) -> 
     };
     let (a, bb) = (median(&mut ms[0]), median(&mut ms[1]));
     let r = median(&mut ratios);
+    let per_position: Vec<f64> = at.iter_mut().map(|v| median(v)).collect();
     println!(
         "{}",
         serde_json::json!({
@@ -1055,6 +1067,7 @@ fn pair(o: &Opts, model: &str, b: usize, threads: usize, columns: [&str; 2]) -> 
             "a": columns[0], "b": columns[1], "ms_a": a, "ms_b": bb,
             "a_over_b": r, "min": ratios[0], "max": ratios[ratios.len() - 1],
             "pairs": ratios.len(), "c2c_ns": [c2c_before, core_to_core_ns()],
+            "a_over_b_at": per_position,
         })
     );
     Ok(())
