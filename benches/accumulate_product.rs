@@ -9,7 +9,9 @@
 //! `cargo bench --bench accumulate_product` (with `--bench`; `cargo test --all-targets`
 //! runs it without, and then it only checks one small shape).
 
-use onnx_ga::fused_ops::{accumulate_product, Io, ProductShape};
+use onnx_ga::fused_ops::{
+    accumulate_product, Io, ProductOperands, ProductShape, PRODUCT_TASK_ROWS,
+};
 use std::time::Instant;
 
 fn quantiles(mut t: Vec<f64>) -> String {
@@ -33,7 +35,9 @@ fn main() {
     let (hot_runs, cold_runs) = if bench { (500, 100) } else { (2, 2) };
     let m = 1024;
     let mut stream = vec![1f32; if bench { 12 << 20 } else { 1024 }];
-    println!("| columns | k | in cache, µs | after a 48 MiB stream, µs |\n|--:|--:|---|---|");
+    println!(
+        "| columns | k | in cache, µs | after a 48 MiB stream, µs | in the session's tasks, B packed once, µs | in those tasks, B packed per task, µs |\n|--:|--:|---|---|---|---|"
+    );
     for &(n, k) in shapes {
         let shape = ProductShape { k, m, n };
         let a: Vec<f32> = (0..k * m).map(|i| (i % 7) as f32 * 0.1).collect();
@@ -51,9 +55,32 @@ fn main() {
                 run()
             })
             .collect();
-        println!("| {n} | {k} | {} | {} |", quantiles(hot), quantiles(cold));
+        // As the operator runs it (src/engine/ort_ops.rs): tasks of whole rows of about 64 Ki
+        // elements (a multiple of PRODUCT_TASK_ROWS), one after the other on one thread; B laid out
+        // once for all of them, or (as before run AI) once per task.
+        let rows = ((1 << 16) / n / PRODUCT_TASK_ROWS * PRODUCT_TASK_ROWS).max(1);
+        let mut tasks = |shared: bool| {
+            let t0 = Instant::now();
+            let operands = ProductOperands::new(&a, &b, shape);
+            for (t, piece) in acc.chunks_mut(rows * n).enumerate() {
+                match shared {
+                    true => operands.accumulate(t * rows, Io::InPlace([piece])),
+                    false => accumulate_product(&a, &b, shape, t * rows, Io::InPlace([piece])),
+                }
+            }
+            t0.elapsed().as_secs_f64() * 1e6
+        };
+        let shared: Vec<f64> = (0..hot_runs).map(|_| tasks(true)).collect();
+        let per_task: Vec<f64> = (0..hot_runs).map(|_| tasks(false)).collect();
+        println!(
+            "| {n} | {k} | {} | {} | {} | {} |",
+            quantiles(hot),
+            quantiles(cold),
+            quantiles(shared),
+            quantiles(per_task)
+        );
         // Every call added the same product: a check that the kernel ran, and on what.
-        let runs = (hot_runs + cold_runs) as f32;
+        let runs = (3 * hot_runs + cold_runs) as f32;
         let want: f32 = (0..k).map(|p| a[p * m] * b[p * n]).sum::<f32>() * runs;
         assert!(
             (acc[0] - want).abs() <= 1e-3 * want.abs().max(1.0),

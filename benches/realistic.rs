@@ -1059,7 +1059,7 @@ fn pair(o: &Opts, model: &str, b: usize, threads: usize, columns: [&str; 2]) -> 
     };
     let (a, bb) = (median(&mut ms[0]), median(&mut ms[1]));
     let r = median(&mut ratios);
-    let per_position: Vec<f64> = at.iter_mut().map(|v| median(v)).collect();
+    let per_position: Vec<f64> = at.iter_mut().map(median).collect();
     println!(
         "{}",
         serde_json::json!({

@@ -14,15 +14,15 @@ use ::ort::value::TensorElementType;
 use super::kernel_io;
 
 use crate::fused_ops::{
-    accumulate_grad, accumulate_product, accumulate_product_slot, accumulate_slot,
-    adamw_group_slot, adamw_slot, adamw_update, batch_norm_grad_channel, batch_norm_train_channel,
-    blocked_weight, conv_weight_grad_slot, folded_size, gelu_forward_slot, gelu_grad,
-    gelu_quotient, gelu_slot, gelu_tail, largest_fast_contraction, layer_norm_grad_rows,
-    layer_norm_grad_slot, leading_sum, relu_grad, sgd_slot, sgd_update, AdamWScalars,
-    BatchNormLayout, ChannelStats, GeluGradScalars, GeluScalars, Io, ProductShape, RowLayout,
-    SgdIo, SgdScalars, Unfolding, Window2d, ACCUMULATE_GRAD, ACCUMULATE_PRODUCT, ADAMW_UPDATE,
-    ADAMW_UPDATES, BATCH_NORM_GRAD, BATCH_NORM_TRAIN, BLOCKED_WEIGHT, COL2IM, CONV_WEIGHT_GRAD,
-    DOMAIN, GELU, GELU_GRAD, IM2COL, LAYER_NORM_GRAD, LAYER_NORM_GRAD_ROWS, LEADING_SUM, RELU_GRAD,
+    accumulate_grad, accumulate_product_slot, accumulate_slot, adamw_group_slot, adamw_slot,
+    adamw_update, batch_norm_grad_channel, batch_norm_train_channel, blocked_weight,
+    conv_weight_grad_slot, folded_size, gelu_forward_slot, gelu_grad, gelu_quotient, gelu_slot,
+    gelu_tail, largest_fast_contraction, layer_norm_grad_rows, layer_norm_grad_slot, leading_sum,
+    relu_grad, sgd_slot, sgd_update, AdamWScalars, BatchNormLayout, ChannelStats, GeluGradScalars,
+    GeluScalars, Io, ProductOperands, ProductShape, RowLayout, SgdIo, SgdScalars, Unfolding,
+    Window2d, ACCUMULATE_GRAD, ACCUMULATE_PRODUCT, ADAMW_UPDATE, ADAMW_UPDATES, BATCH_NORM_GRAD,
+    BATCH_NORM_TRAIN, BLOCKED_WEIGHT, COL2IM, CONV_WEIGHT_GRAD, DOMAIN, GELU, GELU_GRAD, IM2COL,
+    LAYER_NORM_GRAD, LAYER_NORM_GRAD_ROWS, LEADING_SUM, PRODUCT_TASK_ROWS, RELU_GRAD,
     ROW_TRANSPOSE, SGD_UPDATE,
 };
 
@@ -792,10 +792,21 @@ fn accumulate_product_kernel(ctx: &ComputeContext, gemm: &InvokedOp) -> ::ort::R
     let state = ([at::ACC], 0);
     if shape.k <= largest_fast_contraction() {
         let (a, b) = (a.f32s(op, at::A)?, b.f32s(op, at::B)?);
-        // Tasks of whole rows, about CHUNK elements each.
-        let rows = (CHUNK / shape.n.max(1)).max(1);
+        // B laid out once for every task; a task reads its unpacked tail columns from `b`.
+        if a.len() != shape.k * shape.m || b.len() != shape.k * shape.n {
+            return Err(::ort::Error::new(format!(
+                "{op}: A or B is not its shape's size"
+            )));
+        }
+        let operands = ProductOperands::new(a, b, shape);
+        // Tasks of whole rows, about CHUNK elements each, in multiples of the kernel's tile
+        // (83 rows of 784 columns left 3 rows a task on one-row tiles).
+        let rows = match CHUNK / shape.n.max(1) {
+            r if r >= PRODUCT_TASK_ROWS => r / PRODUCT_TASK_ROWS * PRODUCT_TASK_ROWS,
+            r => r.max(1),
+        };
         return run_update_by(ctx, op, state, keep, rows * shape.n, |range, io| {
-            accumulate_product(a, b, shape, range.start / shape.n.max(1), io)
+            operands.accumulate(range.start / shape.n.max(1), io)
         });
     }
     // MLAS's product into output 1 (ONNX Runtime's arena), then added: the standard ops'

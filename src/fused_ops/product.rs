@@ -43,6 +43,10 @@ pub mod accumulate_product_slot {
     pub const COUNT: usize = 4;
 }
 
+/// Tasks that split the accumulator at multiples of this many rows keep every tile of the
+/// kernel full (AVX-512 tiles are 8 rows, AVX2's 4).
+pub const TASK_ROWS: usize = 8;
+
 /// The largest `k` the kernel takes on AVX-512. Measured (one thread, the accumulator out of
 /// L2, a 1024 x 1024 weight; benches/README.md, "Run X"): at `k` = 8 the fused update costs
 /// 0.22 ms against MLAS's product (0.20) plus the accumulation (0.31), at 32 0.61 against
@@ -90,7 +94,8 @@ fn fast_lanes() -> Option<usize> {
 }
 
 /// `acc' = acc + Aᵀ·B` for the accumulator's rows `first_row..` that `io` holds (whole rows
-/// of `shape.n`), in the order of the module's comment.
+/// of `shape.n`), in the order of the module's comment. Tasks that each take some rows of
+/// one product share a [`ProductOperands`] instead.
 pub fn accumulate_product(
     a: &[f32],
     b: &[f32],
@@ -98,32 +103,108 @@ pub fn accumulate_product(
     first_row: usize,
     io: Io<'_, 1>,
 ) {
-    let acc = match io {
-        Io::InPlace([acc]) => acc,
-        Io::Apart([src], [dst]) => {
-            dst.copy_from_slice(src);
-            dst
+    ProductOperands::new(a, b, shape).accumulate(first_row, io)
+}
+
+/// The two operands of one product, `B` laid out for the kernel once: the tasks that add it
+/// into their rows of the accumulator all read the one layout. (Laid out per task, the
+/// MLP's 1024-row weight gradients at k 32 were packed 13 and 16 times a run, an allocation
+/// of 100-128 KiB each: their kernels ran 707 and 814 µs in the session against 445 and 573
+/// alone; benches/README.md, "Run AI".)
+pub struct ProductOperands<'a> {
+    a: &'a [f32],
+    b: &'a [f32],
+    shape: ProductShape,
+    /// The vector width of the kernel that runs (`None`: the portable loop).
+    lanes: Option<usize>,
+    /// `B` in the blocks that kernel reads ([`pack_blocks`]; empty for the portable loop).
+    packed: Vec<f32>,
+}
+
+impl<'a> ProductOperands<'a> {
+    /// # Panics
+    /// When `a` is not `k x m` or `b` not `k x n` elements.
+    pub fn new(a: &'a [f32], b: &'a [f32], shape: ProductShape) -> Self {
+        let ProductShape { k, m, n } = shape;
+        assert!(
+            a.len() == k * m && b.len() == k * n,
+            "AccumulateProduct: A {} and B {} elements for {shape:?}",
+            a.len(),
+            b.len(),
+        );
+        let lanes = fast_lanes();
+        let packed = match lanes {
+            Some(lanes) => pack_blocks(b, shape, 2 * lanes),
+            None => Vec::new(),
+        };
+        ProductOperands {
+            a,
+            b,
+            shape,
+            lanes,
+            packed,
         }
-    };
-    let ProductShape { k, m, n } = shape;
-    let rows = acc.len() / n.max(1);
-    assert!(
-        a.len() == k * m && b.len() == k * n && rows * n == acc.len() && first_row + rows <= m,
-        "AccumulateProduct: A {}, B {} and rows {first_row}+{rows} of {shape:?}",
-        a.len(),
-        b.len(),
-    );
-    if acc.is_empty() {
-        return;
     }
-    #[cfg(target_arch = "x86_64")]
-    match fast_lanes() {
-        // SAFETY: the CPU has the vectors and FMA (checked), the sizes were checked above.
-        Some(16) => return unsafe { simd::rows_avx512(a, b, shape, first_row, acc) },
-        Some(8) => return unsafe { simd::rows_avx2(a, b, shape, first_row, acc) },
-        _ => {}
+
+    /// [`accumulate_product`] for the accumulator's rows `first_row..` that `io` holds.
+    ///
+    /// # Panics
+    /// When `io` is not whole rows within the product's.
+    pub fn accumulate(&self, first_row: usize, io: Io<'_, 1>) {
+        let acc = match io {
+            Io::InPlace([acc]) => acc,
+            Io::Apart([src], [dst]) => {
+                dst.copy_from_slice(src);
+                dst
+            }
+        };
+        let ProductOperands { a, b, shape, .. } = *self;
+        let (m, n) = (shape.m, shape.n);
+        let rows = acc.len() / n.max(1);
+        assert!(
+            rows * n == acc.len() && first_row + rows <= m,
+            "AccumulateProduct: rows {first_row}+{rows} of {shape:?}",
+        );
+        if acc.is_empty() {
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        match self.lanes {
+            // SAFETY: the CPU has the vectors and FMA (`fast_lanes`), the sizes were checked
+            // here and in `new`, which packed B for this width.
+            Some(16) => {
+                return unsafe { simd::rows_avx512((a, b, &self.packed), shape, first_row, acc) }
+            }
+            Some(8) => {
+                return unsafe { simd::rows_avx2((a, b, &self.packed), shape, first_row, acc) }
+            }
+            _ => {}
+        }
+        with_widest_vectors!(portable_rows(a, b, shape, first_row, acc))
     }
-    with_widest_vectors!(portable_rows(a, b, shape, first_row, acc))
+}
+
+/// B's full blocks of `width` columns, each block's `k` rows one after the other (the
+/// columns past the last full block are read from B): a tile reads its `k` rows of B from
+/// one contiguous run instead of `k` rows a B row apart, which at a power-of-two row (1024
+/// columns: 4 KiB) all fall in one L1 set with the accumulator's rows and evict each other.
+///
+/// With the prefetch of the kernel's tile, measured on a 1024-row accumulator (AMD EPYC Zen
+/// 4, one thread, five alternations, benches/README.md "Run Z"): 784 columns, k 8: the same
+/// in cache, 365 -> 278 µs after a 48 MiB stream; k 32: 772 -> 599 after one. 1024 columns,
+/// k 8: 255 -> 270 in cache (within its spread), 395 -> 365 after; k 32: 782 -> 719 and 900
+/// -> 798. The same operations in the same order: the same bits.
+fn pack_blocks(b: &[f32], shape: ProductShape, width: usize) -> Vec<f32> {
+    let ProductShape { k, n, .. } = shape;
+    let blocks = n / width;
+    let mut packed = Vec::with_capacity(blocks * k * width);
+    for block in 0..blocks {
+        for p in 0..k {
+            let from = p * n + block * width;
+            packed.extend_from_slice(&b[from..from + width]);
+        }
+    }
+    packed
 }
 
 /// The same chains a row at a time, `BLOCK` columns of partial sums on the stack.
@@ -356,86 +437,70 @@ mod simd {
         }
     }
 
-    /// The rows `acc` holds, from row `first_row` of the product.
+    /// The rows `acc` holds, from row `first_row` of the product; `packed` is B in the
+    /// blocks of two of this width's vectors (`super::pack_blocks`).
     ///
     /// # Safety
-    /// As [`tile`], with `a`, `b` and `acc` of the sizes `super::accumulate_product` checks.
+    /// As [`tile`], with `a`, `b`, `packed` and `acc` of the sizes
+    /// `super::ProductOperands` checks and makes.
     #[inline(always)]
     unsafe fn rows<S: Lanes>(
-        a: &[f32],
-        b: &[f32],
+        (a, b, packed): (&[f32], &[f32], &[f32]),
         shape: ProductShape,
         first_row: usize,
         acc: &mut [f32],
     ) {
         let rows = acc.len() / shape.n.max(1);
         let ptrs = (a.as_ptr(), b.as_ptr(), acc.as_mut_ptr());
-        let packed = pack_blocks(b, shape, 2 * S::LANES);
         let mut i = 0;
         while i + S::ROWS <= rows {
             match S::ROWS {
-                8 => row_block::<S, 8>(ptrs, &packed, shape, first_row, i),
-                _ => row_block::<S, 4>(ptrs, &packed, shape, first_row, i),
+                8 => row_block::<S, 8>(ptrs, packed, shape, first_row, i),
+                _ => row_block::<S, 4>(ptrs, packed, shape, first_row, i),
             }
             i += S::ROWS;
         }
-        while i < rows {
-            row_block::<S, 1>(ptrs, &packed, shape, first_row, i);
-            i += 1;
+        // The rows left: four and two a tile where they can be (a one-row tile keeps two
+        // chains in flight, a quarter of what the FMA units take).
+        if S::ROWS > 4 && i + 4 <= rows {
+            row_block::<S, 4>(ptrs, packed, shape, first_row, i);
+            i += 4;
         }
-    }
-
-    /// B's full blocks of `width` columns, each block's `k` rows one after the other: a tile
-    /// then reads its `k` rows of B from one contiguous run instead of `k` rows a B row
-    /// apart, which at a power-of-two row (1024 columns: 4 KiB) all fall in one L1 set with
-    /// the accumulator's rows and evict each other.
-    ///
-    /// With the prefetch of [`tile`], measured on a 1024-row accumulator (AMD EPYC Zen 4,
-    /// one thread, five alternations, benches/README.md "Run Z"): 784 columns, k 8: the same
-    /// in cache, 365 -> 278 µs after a 48 MiB stream; k 32: 772 -> 599 after one. 1024
-    /// columns, k 8: 255 -> 270 in cache (within its spread), 395 -> 365 after; k 32:
-    /// 782 -> 719 and 900 -> 798. The same operations in the same order: the same bits.
-    fn pack_blocks(b: &[f32], shape: ProductShape, width: usize) -> Vec<f32> {
-        let ProductShape { k, n, .. } = shape;
-        let blocks = n / width;
-        let mut packed = Vec::with_capacity(blocks * k * width);
-        for block in 0..blocks {
-            for p in 0..k {
-                let from = p * n + block * width;
-                packed.extend_from_slice(&b[from..from + width]);
-            }
+        if i + 2 <= rows {
+            row_block::<S, 2>(ptrs, packed, shape, first_row, i);
+            i += 2;
         }
-        packed
+        if i < rows {
+            row_block::<S, 1>(ptrs, packed, shape, first_row, i);
+        }
     }
 
     /// [`rows`] on AVX-512.
     ///
     /// # Safety
-    /// AVX-512F and FMA; the sizes `super::accumulate_product` checks.
+    /// AVX-512F and FMA; the sizes of [`rows`], `packed` in blocks of 32 columns.
     #[target_feature(enable = "avx512f,fma")]
     pub(super) unsafe fn rows_avx512(
-        a: &[f32],
-        b: &[f32],
+        operands: (&[f32], &[f32], &[f32]),
         shape: ProductShape,
         first_row: usize,
         acc: &mut [f32],
     ) {
-        rows::<__m512>(a, b, shape, first_row, acc)
+        rows::<__m512>(operands, shape, first_row, acc)
     }
 
     /// [`rows`] on AVX2.
     ///
     /// # Safety
-    /// AVX2 and FMA; the sizes `super::accumulate_product` checks.
+    /// AVX2 and FMA; the sizes of [`rows`], `packed` in blocks of 16 columns.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn rows_avx2(
-        a: &[f32],
-        b: &[f32],
+        operands: (&[f32], &[f32], &[f32]),
         shape: ProductShape,
         first_row: usize,
         acc: &mut [f32],
     ) {
-        rows::<__m256>(a, b, shape, first_row, acc)
+        rows::<__m256>(operands, shape, first_row, acc)
     }
 }
 
@@ -468,13 +533,13 @@ mod tests {
                 if std::is_x86_feature_detected!("avx2") {
                     // SAFETY: the CPU has AVX2 and FMA; the test's sizes are the checked ones.
                     kernels.push(("avx2", |a, b, s, r, acc| unsafe {
-                        simd::rows_avx2(a, b, s, r, acc)
+                        simd::rows_avx2((a, b, &pack_blocks(b, s, 16)), s, r, acc)
                     }));
                 }
                 if std::is_x86_feature_detected!("avx512f") {
                     // SAFETY: the CPU has AVX-512F and FMA; the sizes as above.
                     kernels.push(("avx512", |a, b, s, r, acc| unsafe {
-                        simd::rows_avx512(a, b, s, r, acc)
+                        simd::rows_avx512((a, b, &pack_blocks(b, s, 32)), s, r, acc)
                     }));
                 }
             }
