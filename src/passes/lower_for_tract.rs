@@ -34,6 +34,11 @@
 //! - `Slice` bounds beyond the int32 range (PyTorch's `INT64_MAX` for "to the end"), which
 //!   tract misreads (a row short): clamped to ±(2^31 - 1) ([`clamp_slice_bounds`]).
 //!
+//! - `Dropout` in training mode (tract runs only its inference form): a uniform draw, a
+//!   comparison and a scale (`legalize/dropout_draw.rs`); and `RandomUniformLike` /
+//!   `RandomNormalLike`, which tract parses by their node's name, named so
+//!   ([`name_random_likes`]).
+//!
 //! Anything else of `com.microsoft` is an error naming the node. The pass runs at the end of
 //! a `rewrite --engine tract` pipeline, and `train --engine tract` applies it in memory to a
 //! step written for ONNX Runtime ([`lower_model`]), so one step file serves both engines.
@@ -117,7 +122,36 @@ fn lower(
     if clamp_slice_bounds(model) > 0 {
         report.changed = true;
     }
+    if name_random_likes(model) > 0 {
+        report.changed = true;
+    }
     Ok(report)
+}
+
+/// The ops tract 0.23 takes for their `Random...` form unless the node's name ends in
+/// "Like": its parser tests the name, not the op type, and then asks for the `shape`
+/// attribute only the `Random...` forms have ("expected attribute 'shape'").
+const RANDOM_LIKES: [&str; 2] = ["RandomUniformLike", "RandomNormalLike"];
+
+/// Whether `node` is a `RandomUniformLike` or `RandomNormalLike` whose name tract misreads.
+fn misnamed_random_like(node: &crate::proto::NodeProto) -> bool {
+    RANDOM_LIKES.contains(&node.op_type())
+        && crate::ir::normalize_domain(node.domain()).is_empty()
+        && !node.name().ends_with("Like")
+}
+
+/// Gives every [`misnamed_random_like`] node, at any depth, a name ending in "Like" (its
+/// own with `.Like` added: still unique). Returns how many it renamed.
+fn name_random_likes(model: &mut Model) -> usize {
+    let misnamed: Vec<_> = model
+        .all_nodes()
+        .filter(|&n| misnamed_random_like(&model.node(n).proto))
+        .collect();
+    for &n in &misnamed {
+        let proto = &mut model.node_mut(n).proto;
+        proto.name = Some(format!("{}.Like", proto.name()));
+    }
+    misnamed.len()
 }
 
 /// tract 0.23 misreads int64 `Slice` bounds beyond the int32 range: PyTorch's "to the end"
@@ -241,7 +275,9 @@ pub fn needs_lowering(model: &ModelProto) -> bool {
     let Some(g) = model.graph.as_ref() else {
         return false;
     };
-    if graph_has(g, |n| tract_lacks(n.domain(), n.op_type())) {
+    if graph_has(g, |n| {
+        tract_lacks(n.domain(), n.op_type()) || misnamed_random_like(n)
+    }) {
         return true;
     }
     // A Slice, and an int64 constant beyond the int32 range that may be its bound, which
@@ -269,8 +305,10 @@ pub fn needs_lowering(model: &ModelProto) -> bool {
     // A Gemm's or a CumSum's element type may need a walk up its producers: ask the IR,
     // only when there is one at all (or a ReverseSequence, which tract lacks).
     if !graph_has(g, |n| {
-        matches!(n.op_type(), "Gemm" | "CumSum" | "ReverseSequence" | "Loop")
-            && crate::ir::normalize_domain(n.domain()).is_empty()
+        matches!(
+            n.op_type(),
+            "Gemm" | "CumSum" | "ReverseSequence" | "Loop" | "Dropout"
+        ) && crate::ir::normalize_domain(n.domain()).is_empty()
     }) {
         return false;
     }

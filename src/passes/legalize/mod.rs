@@ -14,6 +14,7 @@ mod batch_normalization;
 mod conv_grad;
 mod cumsum_integer;
 mod div_grad;
+mod dropout_draw;
 mod dropout_grad;
 mod fast_gelu_grad;
 mod fused_matmul;
@@ -55,7 +56,8 @@ pub const PASS: &str = "legalize-ort";
 
 /// The lowerings `lower-for-tract` adds to these, by the nodes they take: float16 `Gemm`
 /// (tract mixes float32 constants into its own expansion), integer `CumSum` (tract cannot
-/// sum the symbolic dims it folds shapes into) and `ReverseSequence` (tract has none).
+/// sum the symbolic dims it folds shapes into), `ReverseSequence` (tract has none) and a
+/// Dropout that drops (tract runs only the inference form).
 pub const TRACT_LOWERINGS: &[(TakesFn, LowerFn)] = &[
     (gemm_half::is_half_gemm, gemm_half::lower),
     (cumsum_integer::is_integer_cumsum, cumsum_integer::lower),
@@ -63,6 +65,7 @@ pub const TRACT_LOWERINGS: &[(TakesFn, LowerFn)] = &[
         reverse_sequence::is_reverse_sequence,
         reverse_sequence::lower,
     ),
+    (dropout_draw::is_drawing_dropout, dropout_draw::lower),
 ];
 
 /// Lowers every node of `model` (its subgraphs included) that one of [`TRACT_LOWERINGS`]
