@@ -3437,6 +3437,14 @@ fn gradient_graph_of(label: &str, build: impl FnOnce(&mut Net) -> Vec<ValueId>) 
     step.model.to_proto()
 }
 
+/// A Dropout's mask as numbers: 1 kept, 0 dropped.
+fn mask_values(mask: &Tensor) -> Vec<f64> {
+    match mask {
+        Tensor::Bool(m) => m.iter().map(|k| *k as u8 as f64).collect(),
+        other => panic!("the mask is not bool: {other:?}"),
+    }
+}
+
 /// `outputs` made outputs of `model` too.
 fn with_outputs(mut model: ModelProto, outputs: &[&str]) -> ModelProto {
     let graph = model.graph.as_mut().unwrap();
@@ -3491,10 +3499,7 @@ fn loop_draws_against_twin(engine: Engine) -> usize {
     let outs = run_on(engine, &with_outputs(random, &[&masks, &noise]));
     let output = |name: &str| &outs.iter().find(|(o, _)| o == name).unwrap().1;
     let drawn = Drawn {
-        masks: match output(&masks) {
-            Tensor::Bool(m) => m.iter().map(|k| *k as u8 as f64).collect(),
-            other => panic!("the mask is not bool: {other:?}"),
-        },
+        masks: mask_values(output(&masks)),
         noise: values(output(&noise)),
     };
     assert_eq!((drawn.masks.len(), drawn.noise.len()), (24, 24));
@@ -3540,10 +3545,7 @@ fn dropout_trains_on_tract_f64() {
         .expect("the forward Dropout gives its mask to the gradient")
         .clone();
     let outs = run_on(Engine::Tract, &with_outputs(random, &[&mask]));
-    let masks: Vec<f64> = match &outs.iter().find(|(o, _)| *o == mask).unwrap().1 {
-        Tensor::Bool(m) => m.iter().map(|k| *k as u8 as f64).collect(),
-        other => panic!("the mask is not bool: {other:?}"),
-    };
+    let masks = mask_values(&outs.iter().find(|(o, _)| *o == mask).unwrap().1);
     let dropped = masks.iter().filter(|k| **k == 0.0).count();
     assert!(
         (1..masks.len()).contains(&dropped),

@@ -44,8 +44,8 @@ pub mod accumulate_product_slot {
 }
 
 /// Tasks that split the accumulator at multiples of this many rows keep every tile of the
-/// kernel full (AVX-512 tiles are 8 rows, AVX2's 4).
-pub const TASK_ROWS: usize = 8;
+/// kernel full and on A's panels (a multiple of both widths' tile rows).
+pub const TASK_ROWS: usize = AVX512_TILE_ROWS;
 
 /// The largest `k` the kernel takes on AVX-512. Measured (one thread, the accumulator out of
 /// L2, a 1024 x 1024 weight; benches/README.md, "Run X"): at `k` = 8 the fused update costs
@@ -119,6 +119,8 @@ pub struct ProductOperands<'a> {
     lanes: Option<usize>,
     /// `B` in the blocks that kernel reads ([`pack_blocks`]; empty for the portable loop).
     packed: Vec<f32>,
+    /// `A` in the panels that kernel reads ([`pack_panels`]; empty for the portable loop).
+    panels: Vec<f32>,
 }
 
 impl<'a> ProductOperands<'a> {
@@ -133,9 +135,15 @@ impl<'a> ProductOperands<'a> {
             b.len(),
         );
         let lanes = fast_lanes();
-        let packed = match lanes {
-            Some(lanes) => pack_blocks(b, shape, 2 * lanes),
-            None => Vec::new(),
+        let (packed, panels) = match lanes {
+            Some(lanes) => (
+                pack_blocks(b, shape, 2 * lanes),
+                match k > PANELS_FROM_K {
+                    true => pack_panels(a, shape, tile_rows(lanes)),
+                    false => Vec::new(),
+                },
+            ),
+            None => (Vec::new(), Vec::new()),
         };
         ProductOperands {
             a,
@@ -143,6 +151,7 @@ impl<'a> ProductOperands<'a> {
             shape,
             lanes,
             packed,
+            panels,
         }
     }
 
@@ -169,15 +178,13 @@ impl<'a> ProductOperands<'a> {
             return;
         }
         #[cfg(target_arch = "x86_64")]
+        let operands = (a, b, &self.packed[..], &self.panels[..]);
+        #[cfg(target_arch = "x86_64")]
         match self.lanes {
             // SAFETY: the CPU has the vectors and FMA (`fast_lanes`), the sizes were checked
-            // here and in `new`, which packed B for this width.
-            Some(16) => {
-                return unsafe { simd::rows_avx512((a, b, &self.packed), shape, first_row, acc) }
-            }
-            Some(8) => {
-                return unsafe { simd::rows_avx2((a, b, &self.packed), shape, first_row, acc) }
-            }
+            // here and in `new`, which packed B and A for this width.
+            Some(16) => return unsafe { simd::rows_avx512(operands, shape, first_row, acc) },
+            Some(8) => return unsafe { simd::rows_avx2(operands, shape, first_row, acc) },
             _ => {}
         }
         with_widest_vectors!(portable_rows(a, b, shape, first_row, acc))
@@ -202,6 +209,43 @@ fn pack_blocks(b: &[f32], shape: ProductShape, width: usize) -> Vec<f32> {
         for p in 0..k {
             let from = p * n + block * width;
             packed.extend_from_slice(&b[from..from + width]);
+        }
+    }
+    packed
+}
+
+/// Rows per tile: with two vectors a row, twice as many chains in registers, and room left
+/// for the row of `B` and a broadcast of `A`. AVX-512 (32 registers): 8, the fastest of 2-8
+/// rows by 1-4 vectors measured at `k` 8 and 32 (12 measured in run AI: no faster); AVX2
+/// (16): 4.
+const AVX512_TILE_ROWS: usize = 8;
+const AVX2_TILE_ROWS: usize = 4;
+
+/// The rows of a tile for a vector width.
+fn tile_rows(lanes: usize) -> usize {
+    match lanes {
+        16 => AVX512_TILE_ROWS,
+        _ => AVX2_TILE_ROWS,
+    }
+}
+
+/// Up to this `k` the kernel reads A in place: its `k` lines a tile reads fit one L1 set's
+/// ways (8 on Zen 4, 12 on Golden Cove), and the copy costs more than it saves (1024 x 256 at
+/// k 8, one thread: 42-44 µs in place, 45-65 with panels; benches/README.md, "Run AI").
+const PANELS_FROM_K: usize = 8;
+
+/// A's full panels of `rows` columns (rows of the product), each panel's `k` rows one after
+/// the other: a tile reads its `rows` coefficients for each `p` from one contiguous run
+/// instead of `k` rows of A a row of A apart, which at 1024 columns (4 KiB) all fall in one
+/// L1 set, more lines than its ways at k = 32.
+fn pack_panels(a: &[f32], shape: ProductShape, rows: usize) -> Vec<f32> {
+    let ProductShape { k, m, .. } = shape;
+    let panels = m / rows;
+    let mut packed = Vec::with_capacity(panels * k * rows);
+    for panel in 0..panels {
+        for p in 0..k {
+            let from = p * m + panel * rows;
+            packed.extend_from_slice(&a[from..from + rows]);
         }
     }
     packed
@@ -243,9 +287,7 @@ mod simd {
     /// pointer must hold the lanes it reads or writes (the masked ones: the mask's lanes).
     trait Lanes: Copy {
         const LANES: usize;
-        /// Rows per tile: with two vectors a row, twice as many chains in registers, and
-        /// room left for the row of `B` and a broadcast of `A`. AVX-512 (32 registers): 8,
-        /// the fastest of 2-8 rows by 1-4 vectors measured at `k` 8 and 32; AVX2 (16): 4.
+        /// Rows per tile (`super::AVX512_TILE_ROWS`, `super::AVX2_TILE_ROWS`).
         const ROWS: usize;
         /// Which lanes a masked load or store touches.
         type Mask: Copy;
@@ -264,7 +306,7 @@ mod simd {
 
     impl Lanes for __m512 {
         const LANES: usize = 16;
-        const ROWS: usize = 8;
+        const ROWS: usize = super::AVX512_TILE_ROWS;
         type Mask = __mmask16;
         #[inline(always)]
         unsafe fn first(lanes: usize) -> __mmask16 {
@@ -306,7 +348,7 @@ mod simd {
 
     impl Lanes for __m256 {
         const LANES: usize = 8;
-        const ROWS: usize = 4;
+        const ROWS: usize = super::AVX2_TILE_ROWS;
         type Mask = __m256i;
         #[inline(always)]
         unsafe fn first(lanes: usize) -> __m256i {
@@ -358,13 +400,13 @@ mod simd {
     /// `j` (the last masked) within the checked shapes.
     #[inline(always)]
     unsafe fn tile<S: Lanes, const R: usize, const V: usize, const MASKED: bool>(
-        (a, acc): (*const f32, *mut f32),
+        ((a, a_stride), acc): ((*const f32, usize), *mut f32),
         (b, b_stride): (*const f32, usize),
         shape: ProductShape,
-        (first_row, i, j): (usize, usize, usize),
+        (i, j): (usize, usize),
         mask: S::Mask,
     ) {
-        let ProductShape { k, m, n } = shape;
+        let ProductShape { k, n, .. } = shape;
         let masked = |v: usize| MASKED && v + 1 == V;
         // The accumulator's lines this row block reaches PREFETCH_TILES tiles on, asked for
         // now into L2: a tile reads R rows a row apart, more streams than the hardware
@@ -388,7 +430,7 @@ mod simd {
                 };
             }
             for (r, s) in s.iter_mut().enumerate() {
-                let coefficient = S::splat(*a.add(p * m + first_row + i + r));
+                let coefficient = S::splat(*a.add(p * a_stride + r));
                 for v in 0..V {
                     s[v] = s[v].fma(coefficient, x[v]);
                 }
@@ -405,16 +447,16 @@ mod simd {
         }
     }
 
-    /// `R` rows from `i`, every column.
+    /// `R` rows from `i`, every column; `a` the tile's coefficients of A (its `R` for `p` at
+    /// `a.0 + p * a.1`).
     ///
     /// # Safety
     /// As [`tile`].
     #[inline(always)]
     unsafe fn row_block<S: Lanes, const R: usize>(
-        (a, b, acc): (*const f32, *const f32, *mut f32),
+        (a, b, acc): ((*const f32, usize), *const f32, *mut f32),
         packed: &[f32],
         shape: ProductShape,
-        first_row: usize,
         i: usize,
     ) {
         let (k, n, lanes) = (shape.k, shape.n, S::LANES);
@@ -424,64 +466,77 @@ mod simd {
         while j + width <= n {
             // The block's k rows of B, packed one after the other.
             let block = packed.as_ptr().add(j / width * k * width);
-            tile::<S, R, 2, false>((a, acc), (block, width), shape, (first_row, i, j), all);
+            tile::<S, R, 2, false>((a, acc), (block, width), shape, (i, j), all);
             j += width;
         }
         if j + lanes <= n {
-            tile::<S, R, 1, false>((a, acc), (b.add(j), n), shape, (first_row, i, j), all);
+            tile::<S, R, 1, false>((a, acc), (b.add(j), n), shape, (i, j), all);
             j += lanes;
         }
         if j < n {
             let mask = S::first(n - j);
-            tile::<S, R, 1, true>((a, acc), (b.add(j), n), shape, (first_row, i, j), mask);
+            tile::<S, R, 1, true>((a, acc), (b.add(j), n), shape, (i, j), mask);
         }
     }
 
     /// The rows `acc` holds, from row `first_row` of the product; `packed` is B in the
-    /// blocks of two of this width's vectors (`super::pack_blocks`).
+    /// blocks of two of this width's vectors (`super::pack_blocks`), `panels` A in panels of
+    /// `S::ROWS` rows (`super::pack_panels`) or empty (A read in place).
     ///
     /// # Safety
-    /// As [`tile`], with `a`, `b`, `packed` and `acc` of the sizes
+    /// As [`tile`], with `a`, `b`, `packed`, `panels` and `acc` of the sizes
     /// `super::ProductOperands` checks and makes.
     #[inline(always)]
     unsafe fn rows<S: Lanes>(
-        (a, b, packed): (&[f32], &[f32], &[f32]),
+        (a, b, packed, panels): (&[f32], &[f32], &[f32], &[f32]),
         shape: ProductShape,
         first_row: usize,
         acc: &mut [f32],
     ) {
+        let (k, m) = (shape.k, shape.m);
         let rows = acc.len() / shape.n.max(1);
-        let ptrs = (a.as_ptr(), b.as_ptr(), acc.as_mut_ptr());
+        let (b, acc) = (b.as_ptr(), acc.as_mut_ptr());
+        // Row `i`'s coefficients in A itself, a row of A (m elements) apart per p.
+        let in_a = |i: usize| (a.as_ptr().add(first_row + i), m);
         let mut i = 0;
         while i + S::ROWS <= rows {
+            // A whole panel where the block starts at one (tasks split at multiples of
+            // the tile), else A itself: the same values, the same operations.
+            let row = first_row + i;
+            let on_panel = !panels.is_empty() && row.is_multiple_of(S::ROWS) && row + S::ROWS <= m;
+            let coefficients = match on_panel {
+                true => (panels.as_ptr().add(row / S::ROWS * k * S::ROWS), S::ROWS),
+                false => in_a(i),
+            };
             match S::ROWS {
-                8 => row_block::<S, 8>(ptrs, packed, shape, first_row, i),
-                _ => row_block::<S, 4>(ptrs, packed, shape, first_row, i),
+                8 => row_block::<S, 8>((coefficients, b, acc), packed, shape, i),
+                _ => row_block::<S, 4>((coefficients, b, acc), packed, shape, i),
             }
             i += S::ROWS;
         }
         // The rows left: four and two a tile where they can be (a one-row tile keeps two
         // chains in flight, a quarter of what the FMA units take).
         if S::ROWS > 4 && i + 4 <= rows {
-            row_block::<S, 4>(ptrs, packed, shape, first_row, i);
+            row_block::<S, 4>((in_a(i), b, acc), packed, shape, i);
             i += 4;
         }
         if i + 2 <= rows {
-            row_block::<S, 2>(ptrs, packed, shape, first_row, i);
+            row_block::<S, 2>((in_a(i), b, acc), packed, shape, i);
             i += 2;
         }
         if i < rows {
-            row_block::<S, 1>(ptrs, packed, shape, first_row, i);
+            row_block::<S, 1>((in_a(i), b, acc), packed, shape, i);
         }
     }
 
     /// [`rows`] on AVX-512.
     ///
     /// # Safety
-    /// AVX-512F and FMA; the sizes of [`rows`], `packed` in blocks of 32 columns.
+    /// AVX-512F and FMA; the sizes of [`rows`], `packed` in blocks of 32 columns, `panels`
+    /// of 8 rows.
     #[target_feature(enable = "avx512f,fma")]
     pub(super) unsafe fn rows_avx512(
-        operands: (&[f32], &[f32], &[f32]),
+        operands: (&[f32], &[f32], &[f32], &[f32]),
         shape: ProductShape,
         first_row: usize,
         acc: &mut [f32],
@@ -492,10 +547,11 @@ mod simd {
     /// [`rows`] on AVX2.
     ///
     /// # Safety
-    /// AVX2 and FMA; the sizes of [`rows`], `packed` in blocks of 16 columns.
+    /// AVX2 and FMA; the sizes of [`rows`], `packed` in blocks of 16 columns, `panels` of 4
+    /// rows.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn rows_avx2(
-        operands: (&[f32], &[f32], &[f32]),
+        operands: (&[f32], &[f32], &[f32], &[f32]),
         shape: ProductShape,
         first_row: usize,
         acc: &mut [f32],
@@ -533,13 +589,33 @@ mod tests {
                 if std::is_x86_feature_detected!("avx2") {
                     // SAFETY: the CPU has AVX2 and FMA; the test's sizes are the checked ones.
                     kernels.push(("avx2", |a, b, s, r, acc| unsafe {
-                        simd::rows_avx2((a, b, &pack_blocks(b, s, 16)), s, r, acc)
+                        simd::rows_avx2(
+                            (
+                                a,
+                                b,
+                                &pack_blocks(b, s, 16),
+                                &pack_panels(a, s, AVX2_TILE_ROWS),
+                            ),
+                            s,
+                            r,
+                            acc,
+                        )
                     }));
                 }
                 if std::is_x86_feature_detected!("avx512f") {
                     // SAFETY: the CPU has AVX-512F and FMA; the sizes as above.
                     kernels.push(("avx512", |a, b, s, r, acc| unsafe {
-                        simd::rows_avx512((a, b, &pack_blocks(b, s, 32)), s, r, acc)
+                        simd::rows_avx512(
+                            (
+                                a,
+                                b,
+                                &pack_blocks(b, s, 32),
+                                &pack_panels(a, s, AVX512_TILE_ROWS),
+                            ),
+                            s,
+                            r,
+                            acc,
+                        )
                     }));
                 }
             }
