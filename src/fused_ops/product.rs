@@ -138,7 +138,7 @@ impl<'a> ProductOperands<'a> {
         let (packed, panels) = match lanes {
             Some(lanes) => (
                 pack_blocks(b, shape, 2 * lanes),
-                match k > PANELS_FROM_K {
+                match k > A_IN_PLACE_UP_TO_K {
                     true => pack_panels(a, shape, tile_rows(lanes)),
                     false => Vec::new(),
                 },
@@ -202,13 +202,18 @@ impl<'a> ProductOperands<'a> {
 /// k 8: 255 -> 270 in cache (within its spread), 395 -> 365 after; k 32: 782 -> 719 and 900
 /// -> 798. The same operations in the same order: the same bits.
 fn pack_blocks(b: &[f32], shape: ProductShape, width: usize) -> Vec<f32> {
-    let ProductShape { k, n, .. } = shape;
-    let blocks = n / width;
+    column_blocks(b, (shape.k, shape.n), width)
+}
+
+/// The full blocks of `width` columns of a `[k, columns]` matrix, each block's `k` rows one
+/// after the other (the columns past the last full block left out).
+fn column_blocks(matrix: &[f32], (k, columns): (usize, usize), width: usize) -> Vec<f32> {
+    let blocks = columns / width;
     let mut packed = Vec::with_capacity(blocks * k * width);
     for block in 0..blocks {
         for p in 0..k {
-            let from = p * n + block * width;
-            packed.extend_from_slice(&b[from..from + width]);
+            let from = p * columns + block * width;
+            packed.extend_from_slice(&matrix[from..from + width]);
         }
     }
     packed
@@ -232,23 +237,14 @@ fn tile_rows(lanes: usize) -> usize {
 /// Up to this `k` the kernel reads A in place: its `k` lines a tile reads fit one L1 set's
 /// ways (8 on Zen 4, 12 on Golden Cove), and the copy costs more than it saves (1024 x 256 at
 /// k 8, one thread: 42-44 µs in place, 45-65 with panels; benches/README.md, "Run AI").
-const PANELS_FROM_K: usize = 8;
+const A_IN_PLACE_UP_TO_K: usize = 8;
 
 /// A's full panels of `rows` columns (rows of the product), each panel's `k` rows one after
 /// the other: a tile reads its `rows` coefficients for each `p` from one contiguous run
 /// instead of `k` rows of A a row of A apart, which at 1024 columns (4 KiB) all fall in one
 /// L1 set, more lines than its ways at k = 32.
 fn pack_panels(a: &[f32], shape: ProductShape, rows: usize) -> Vec<f32> {
-    let ProductShape { k, m, .. } = shape;
-    let panels = m / rows;
-    let mut packed = Vec::with_capacity(panels * k * rows);
-    for panel in 0..panels {
-        for p in 0..k {
-            let from = p * m + panel * rows;
-            packed.extend_from_slice(&a[from..from + rows]);
-        }
-    }
-    packed
+    column_blocks(a, (shape.k, shape.m), rows)
 }
 
 /// The same chains a row at a time, `BLOCK` columns of partial sums on the stack.
