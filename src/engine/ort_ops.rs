@@ -792,7 +792,7 @@ fn accumulate_product_kernel(ctx: &ComputeContext, gemm: &InvokedOp) -> ::ort::R
     let state = ([at::ACC], 0);
     if shape.k <= largest_fast_contraction() {
         let (a, b) = (a.f32s(op, at::A)?, b.f32s(op, at::B)?);
-        // B laid out once for every task; a task reads its unpacked tail columns from `b`.
+        // The operands laid out for the tiles once (B, and A from k 9), every task reads them.
         if a.len() != shape.k * shape.m || b.len() != shape.k * shape.n {
             return Err(::ort::Error::new(format!(
                 "{op}: A or B is not its shape's size"
