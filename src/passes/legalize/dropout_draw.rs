@@ -10,13 +10,13 @@
 //! ```
 //!
 //! as ONNX Runtime's kernel draws and computes it (`mask = u >= ratio`, `mask · X / (1.0f -
-//! ratio)`: keep in float32 whatever X's type, so a float64 step agrees with ONNX
-//! Runtime's to rounding, and with the backward's recomputation in a kept Loop). The mask output, which the backward reads (`DropoutGrad`, or the
-//! autodiff's rule), is this one, so the gradient uses what the forward drew. A Dropout that
-//! does not drop (no training mode, or it false) is left: tract runs it as the identity.
-//! The random draw's node gets a name ending in "Like": tract 0.23 tells `RandomUniformLike`
-//! from `RandomUniform` by the node's name, not its op (`lower_for_tract`'s
-//! `name_random_likes`).
+//! ratio)`: keep in float32 whatever X's type, so a float64 step agrees with ONNX Runtime's
+//! to rounding, and with the backward's recomputation in a kept Loop). The mask output,
+//! which the backward reads (`DropoutGrad`, or a kept Loop's stack), is this one, so the
+//! gradient uses what the forward drew. A Dropout that does not drop (no training mode, or
+//! it false) is left: tract runs it as the identity. The draw's node gets a name ending in
+//! "Like": tract 0.23 tells `RandomUniformLike` from `RandomUniform` by the node's name,
+//! not its op (`lower_for_tract`'s `name_random_likes`).
 
 use super::util::constant_scalar;
 use super::Lowering;
