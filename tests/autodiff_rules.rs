@@ -3409,20 +3409,16 @@ fn loop_kept_with_draws_trains_on_tract_f64() {
 #[derive(Clone, Copy, Debug)]
 enum Engine {
     Ort,
-    /// After `lower-for-tract`.
+    /// Lowered for it first where needed (`lower_for_tract::prepare`).
     Tract,
 }
 
 fn run_on(engine: Engine, model: &ModelProto) -> Vec<(String, Tensor)> {
     match engine {
         Engine::Ort => run(model, &[]),
-        Engine::Tract => {
-            let lowered = onnx_ga::passes::lower_for_tract::lower_model(model)
-                .unwrap_or_else(|e| panic!("lower-for-tract: {e}"));
-            onnx_ga::engine::tract::TractSession::new(&lowered, &SessionOptions::default())
-                .and_then(|mut s| s.run(&[]))
-                .unwrap_or_else(|e| panic!("tract: {e}"))
-        }
+        Engine::Tract => common::run_tract(model, &Default::default())
+            .into_iter()
+            .collect(),
     }
 }
 
@@ -3579,43 +3575,29 @@ fn dropout_trains_on_tract_f64() {
 #[test]
 fn dropout_on_tract_drops_its_ratio() {
     const N: usize = 100_000;
-    let named = |name: &str, t: TensorProto| TensorProto {
-        name: Some(name.into()),
-        ..t
-    };
-    let output = |name: &str| onnx_ga::proto::ValueInfoProto {
-        name: Some(name.into()),
-        ..Default::default()
-    };
-    let model = ModelProto {
-        ir_version: Some(8),
-        opset_import: vec![OperatorSetIdProto {
-            domain: Some(String::new()),
-            version: Some(17),
-        }],
-        graph: Some(onnx_ga::proto::GraphProto {
-            name: Some("dropout".into()),
-            node: vec![onnx_ga::proto::NodeProto {
-                op_type: Some("Dropout".into()),
-                name: Some("dropped".into()),
-                input: vec!["x".into(), "ratio".into(), "training".into()],
-                output: vec!["y".into(), "mask".into()],
-                ..Default::default()
-            }],
-            initializer: vec![
-                named("x", tensor_f32(&[N as i64], &vec![1.0; N])),
-                named("ratio", tensor_f32(&[], &[0.3])),
-                named("training", tensor_bool(&[], &[true])),
-            ],
-            output: vec![output("y"), output("mask")],
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    let lowered = onnx_ga::passes::lower_for_tract::lower_model(&model)
+    let mut model = common::empty_model(17);
+    let (x, ratio, training) = (
+        model.add_initializer(MAIN, "x", tensor_f32(&[N as i64], &vec![1.0; N])),
+        model.add_initializer(MAIN, "ratio", tensor_f32(&[], &[0.3])),
+        model.add_initializer(MAIN, "training", tensor_bool(&[], &[true])),
+    );
+    let dropout = Builder::new(&mut model, MAIN, "test").node(
+        "Dropout",
+        "",
+        &[Some(x), Some(ratio), Some(training)],
+        &["y", "mask"],
+        vec![],
+    );
+    for slot in 0..2 {
+        let v = model.output(dropout, slot);
+        model.add_output(MAIN, v, None);
+    }
+    // As `train --engine tract` prepares a model: lowered only where it needs to be.
+    let proto = model.to_proto();
+    let prepared = onnx_ga::passes::lower_for_tract::prepare(&proto)
         .unwrap_or_else(|e| panic!("lower-for-tract: {e}"));
     assert!(
-        !lowered
+        !prepared
             .graph
             .as_ref()
             .unwrap()
@@ -3625,16 +3607,12 @@ fn dropout_on_tract_drops_its_ratio() {
         "the training Dropout is left for tract"
     );
     let mut session =
-        onnx_ga::engine::tract::TractSession::new(&lowered, &SessionOptions::default())
+        onnx_ga::engine::tract::TractSession::new(&prepared, &SessionOptions::default())
             .unwrap_or_else(|e| panic!("tract: {e}"));
     let mut draw = || {
         let outs = session.run(&[]).unwrap_or_else(|e| panic!("tract: {e}"));
-        let y = values(&outs[0].1);
-        let mask = match &outs[1].1 {
-            Tensor::Bool(m) => m.iter().copied().collect::<Vec<bool>>(),
-            other => panic!("the mask is not bool: {other:?}"),
-        };
-        (y, mask)
+        let kept: Vec<bool> = mask_values(&outs[1].1).iter().map(|k| *k == 1.0).collect();
+        (values(&outs[0].1), kept)
     };
     let (y, mask) = draw();
     let scale = 1.0f32 / (1.0f32 - 0.3f32);
