@@ -9,9 +9,7 @@
 //! `cargo bench --bench accumulate_product` (with `--bench`; `cargo test --all-targets`
 //! runs it without, and then it only checks one small shape).
 
-use onnx_ga::fused_ops::{
-    accumulate_product, Io, ProductOperands, ProductShape, PRODUCT_TASK_ROWS,
-};
+use onnx_ga::fused_ops::{accumulate_product, Io, ProductLayout, ProductShape, PRODUCT_TASK_ROWS};
 use std::time::Instant;
 
 fn quantiles(mut t: Vec<f64>) -> String {
@@ -57,11 +55,13 @@ fn main() {
             .collect();
         // As the operator runs it (src/engine/ort_ops.rs): tasks of whole rows of about 64 Ki
         // elements (a multiple of PRODUCT_TASK_ROWS), one after the other on one thread; B laid out
-        // once for all of them, or (as before run AI) once per task.
+        // once for all of them in memory kept from run to run, or (as before run AI) once per
+        // task.
         let rows = ((1 << 16) / n / PRODUCT_TASK_ROWS * PRODUCT_TASK_ROWS).max(1);
+        let mut layout = ProductLayout::default();
         let mut tasks = |shared: bool| {
             let t0 = Instant::now();
-            let operands = ProductOperands::new(&a, &b, shape);
+            let operands = layout.operands(&a, &b, shape);
             for (t, piece) in acc.chunks_mut(rows * n).enumerate() {
                 match shared {
                     true => operands.accumulate(t * rows, Io::InPlace([piece])),

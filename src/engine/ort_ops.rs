@@ -19,7 +19,7 @@ use crate::fused_ops::{
     conv_weight_grad_slot, folded_size, gelu_forward_slot, gelu_grad, gelu_quotient, gelu_slot,
     gelu_tail, largest_fast_contraction, layer_norm_grad_rows, layer_norm_grad_slot, leading_sum,
     relu_grad, sgd_slot, sgd_update, AdamWScalars, BatchNormLayout, ChannelStats, GeluGradScalars,
-    GeluScalars, Io, ProductOperands, ProductShape, RowLayout, SgdIo, SgdScalars, Unfolding,
+    GeluScalars, Io, ProductLayout, ProductShape, RowLayout, SgdIo, SgdScalars, Unfolding,
     Window2d, ACCUMULATE_GRAD, ACCUMULATE_PRODUCT, ADAMW_UPDATE, ADAMW_UPDATES, BATCH_NORM_GRAD,
     BATCH_NORM_TRAIN, BLOCKED_WEIGHT, COL2IM, CONV_WEIGHT_GRAD, DOMAIN, GELU, GELU_GRAD, IM2COL,
     LAYER_NORM_GRAD, LAYER_NORM_GRAD_ROWS, LEADING_SUM, PRODUCT_TASK_ROWS, RELU_GRAD,
@@ -765,6 +765,15 @@ impl Drop for InvokedOp {
     }
 }
 
+thread_local! {
+    /// The memory [`accumulate_product_kernel`] lays its operands out in, one per thread
+    /// that runs sessions (the kernel lays out on the calling thread; its tasks only read),
+    /// kept between runs and shared by every node, so that it holds the largest node's
+    /// layout once. Taken while a kernel uses it (`None`).
+    static PRODUCT_LAYOUT: std::cell::Cell<Option<ProductLayout>> =
+        std::cell::Cell::new(Some(ProductLayout::default()));
+}
+
 fn accumulate_product_kernel(ctx: &ComputeContext, gemm: &InvokedOp) -> ::ort::Result<()> {
     use accumulate_product_slot as at;
     let op = ACCUMULATE_PRODUCT;
@@ -792,22 +801,33 @@ fn accumulate_product_kernel(ctx: &ComputeContext, gemm: &InvokedOp) -> ::ort::R
     let state = ([at::ACC], 0);
     if shape.k <= largest_fast_contraction() {
         let (a, b) = (a.f32s(op, at::A)?, b.f32s(op, at::B)?);
-        // The operands laid out for the tiles once (B, and A from k 9), every task reads them.
+        // The operands laid out for the tiles once (B, and A from k 9) in this thread's kept
+        // memory, every task reads them.
         if a.len() != shape.k * shape.m || b.len() != shape.k * shape.n {
             return Err(::ort::Error::new(format!(
                 "{op}: A or B is not its shape's size"
             )));
         }
-        let operands = ProductOperands::new(a, b, shape);
+        let mut layout = match PRODUCT_LAYOUT.with(std::cell::Cell::take) {
+            Some(layout) => layout,
+            None => {
+                return Err(::ort::Error::new(format!(
+                    "{op}: its layout is in use on this thread"
+                )))
+            }
+        };
+        let operands = layout.operands(a, b, shape);
         // Tasks of whole rows, about CHUNK elements each, in multiples of the kernel's tile
         // (83 rows of 784 columns left 3 rows a task on one-row tiles).
         let rows = match CHUNK / shape.n.max(1) {
             r if r >= PRODUCT_TASK_ROWS => r / PRODUCT_TASK_ROWS * PRODUCT_TASK_ROWS,
             r => r.max(1),
         };
-        return run_update_by(ctx, op, state, keep, rows * shape.n, |range, io| {
+        let ran = run_update_by(ctx, op, state, keep, rows * shape.n, |range, io| {
             operands.accumulate(range.start / shape.n.max(1), io)
         });
+        PRODUCT_LAYOUT.set(Some(layout));
+        return ran;
     }
     // MLAS's product into output 1 (ONNX Runtime's arena), then added: the standard ops'
     // computation, bits and passes.

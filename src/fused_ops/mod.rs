@@ -217,8 +217,8 @@ pub use layer_norm_grad::{
 };
 pub use leading_sum::{leading_sum, LEADING_SUM};
 pub use product::{
-    accumulate_product, accumulate_product_slot, largest_fast_contraction, ProductOperands,
-    ProductShape, ACCUMULATE_PRODUCT, TASK_ROWS as PRODUCT_TASK_ROWS,
+    accumulate_product, accumulate_product_slot, largest_fast_contraction, ProductLayout,
+    ProductOperands, ProductShape, ACCUMULATE_PRODUCT, TASK_ROWS as PRODUCT_TASK_ROWS,
 };
 use quotient::KnownDivisor;
 pub use relu_grad::{relu_grad, RELU_GRAD};

@@ -95,7 +95,8 @@ fn fast_lanes() -> Option<usize> {
 
 /// `acc' = acc + Aᵀ·B` for the accumulator's rows `first_row..` that `io` holds (whole rows
 /// of `shape.n`), in the order of the module's comment. Tasks that each take some rows of
-/// one product share a [`ProductOperands`] instead.
+/// one product share a [`ProductOperands`] instead, and a caller that runs many products
+/// keeps a [`ProductLayout`] for them.
 pub fn accumulate_product(
     a: &[f32],
     b: &[f32],
@@ -103,7 +104,109 @@ pub fn accumulate_product(
     first_row: usize,
     io: Io<'_, 1>,
 ) {
-    ProductOperands::new(a, b, shape).accumulate(first_row, io)
+    ProductLayout::default()
+        .operands(a, b, shape)
+        .accumulate(first_row, io)
+}
+
+/// The memory [`ProductOperands`] lays `A` and `B` out in, kept by the caller from one
+/// product to the next: the layouts are a few hundred KiB, which allocated and freed each
+/// run were fresh pages faulted in each run (the MLP's weight gradients at k 32: 37-42 µs
+/// of a 725-930 µs operator; benches/README.md, "Run AJ").
+#[derive(Default)]
+pub struct ProductLayout {
+    /// `B` in the blocks the kernel reads ([`pack_blocks`]).
+    blocks: Lines,
+    /// `A` in the panels the kernel reads ([`pack_panels`]).
+    panels: Lines,
+}
+
+/// Kept memory that hands out runs starting on a cache line: the kernel loads B's blocks
+/// whole vectors at a time, and a 64-byte vector from a line's start is one line, where
+/// from the 16-byte start an allocation guarantees it is two (benches/README.md, "Run AJ").
+#[derive(Default)]
+struct Lines {
+    memory: Vec<f32>,
+    start: usize,
+    len: usize,
+}
+
+/// The floats of a cache line.
+const LINE: usize = 64 / std::mem::size_of::<f32>();
+
+impl Lines {
+    /// `len` floats from a line's start, to be written over (what the memory held before
+    /// is left in them).
+    fn on_line(&mut self, len: usize) -> &mut [f32] {
+        // Kept memory is written once, by the caller: only what it lacks is zeroed first.
+        self.memory.truncate(len + LINE);
+        self.memory.resize(len + LINE, 0.0);
+        self.start = self.memory.as_ptr().align_offset(64).min(LINE);
+        self.len = len;
+        &mut self.memory[self.start..self.start + len]
+    }
+
+    fn as_slice(&self) -> &[f32] {
+        &self.memory[self.start..self.start + self.len]
+    }
+
+    fn clear(&mut self) {
+        self.len = 0;
+    }
+}
+
+impl ProductLayout {
+    /// `A` and `B` laid out for this CPU's kernel in this memory (the portable loop reads
+    /// them in place).
+    ///
+    /// # Panics
+    /// When `a` is not `k x m` or `b` not `k x n` elements.
+    pub fn operands<'a>(
+        &'a mut self,
+        a: &'a [f32],
+        b: &'a [f32],
+        shape: ProductShape,
+    ) -> ProductOperands<'a> {
+        let ProductShape { k, m, n } = shape;
+        assert!(
+            a.len() == k * m && b.len() == k * n,
+            "AccumulateProduct: A {} and B {} elements for {shape:?}",
+            a.len(),
+            b.len(),
+        );
+        let lanes = fast_lanes();
+        match lanes {
+            Some(16) => self.lay_out::<AVX512_BLOCK_COLUMNS, AVX512_TILE_ROWS>(a, b, shape),
+            Some(_) => self.lay_out::<AVX2_BLOCK_COLUMNS, AVX2_TILE_ROWS>(a, b, shape),
+            None => {
+                self.blocks.clear();
+                self.panels.clear();
+            }
+        }
+        ProductOperands {
+            a,
+            b,
+            shape,
+            lanes,
+            packed: self.blocks.as_slice(),
+            panels: self.panels.as_slice(),
+        }
+    }
+
+    /// B in blocks of `COLUMNS` (the kernel's two vectors), A in panels of `ROWS` (its
+    /// tile's) where `k` is above [`A_IN_PLACE_UP_TO_K`].
+    fn lay_out<const COLUMNS: usize, const ROWS: usize>(
+        &mut self,
+        a: &[f32],
+        b: &[f32],
+        shape: ProductShape,
+    ) {
+        pack_blocks::<COLUMNS>(b, shape, &mut self.blocks);
+        match shape.k > A_IN_PLACE_UP_TO_K {
+            true => pack_panels::<ROWS>(a, shape, &mut self.panels),
+            false => self.panels.clear(),
+        }
+    }
 }
 
 /// The two operands of one product, `B` laid out for the kernel once: the tasks that add it
@@ -118,43 +221,13 @@ pub struct ProductOperands<'a> {
     /// The vector width of the kernel that runs (`None`: the portable loop).
     lanes: Option<usize>,
     /// `B` in the blocks that kernel reads ([`pack_blocks`]; empty for the portable loop).
-    packed: Vec<f32>,
-    /// `A` in the panels that kernel reads ([`pack_panels`]; empty for the portable loop).
-    panels: Vec<f32>,
+    packed: &'a [f32],
+    /// `A` in the panels that kernel reads ([`pack_panels`]; empty for the portable loop
+    /// and up to [`A_IN_PLACE_UP_TO_K`]).
+    panels: &'a [f32],
 }
 
-impl<'a> ProductOperands<'a> {
-    /// # Panics
-    /// When `a` is not `k x m` or `b` not `k x n` elements.
-    pub fn new(a: &'a [f32], b: &'a [f32], shape: ProductShape) -> Self {
-        let ProductShape { k, m, n } = shape;
-        assert!(
-            a.len() == k * m && b.len() == k * n,
-            "AccumulateProduct: A {} and B {} elements for {shape:?}",
-            a.len(),
-            b.len(),
-        );
-        let lanes = fast_lanes();
-        let (packed, panels) = match lanes {
-            Some(lanes) => (
-                pack_blocks(b, shape, 2 * lanes),
-                match k > A_IN_PLACE_UP_TO_K {
-                    true => pack_panels(a, shape, tile_rows(lanes)),
-                    false => Vec::new(),
-                },
-            ),
-            None => (Vec::new(), Vec::new()),
-        };
-        ProductOperands {
-            a,
-            b,
-            shape,
-            lanes,
-            packed,
-            panels,
-        }
-    }
-
+impl ProductOperands<'_> {
     /// [`accumulate_product`] for the accumulator's rows `first_row..` that `io` holds.
     ///
     /// # Panics
@@ -178,7 +251,7 @@ impl<'a> ProductOperands<'a> {
             return;
         }
         #[cfg(target_arch = "x86_64")]
-        let operands = (a, b, &self.packed[..], &self.panels[..]);
+        let operands = (a, b, self.packed, self.panels);
         #[cfg(target_arch = "x86_64")]
         match self.lanes {
             // SAFETY: the CPU has the vectors and FMA (`fast_lanes`), the sizes were checked
@@ -201,22 +274,31 @@ impl<'a> ProductOperands<'a> {
 /// in cache, 365 -> 278 µs after a 48 MiB stream; k 32: 772 -> 599 after one. 1024 columns,
 /// k 8: 255 -> 270 in cache (within its spread), 395 -> 365 after; k 32: 782 -> 719 and 900
 /// -> 798. The same operations in the same order: the same bits.
-fn pack_blocks(b: &[f32], shape: ProductShape, width: usize) -> Vec<f32> {
-    column_blocks(b, (shape.k, shape.n), width)
+fn pack_blocks<const COLUMNS: usize>(b: &[f32], shape: ProductShape, into: &mut Lines) {
+    column_blocks::<COLUMNS>(b, (shape.k, shape.n), into)
 }
 
-/// The full blocks of `width` columns of a `[k, columns]` matrix, each block's `k` rows one
-/// after the other (the columns past the last full block left out).
-fn column_blocks(matrix: &[f32], (k, columns): (usize, usize), width: usize) -> Vec<f32> {
-    let blocks = columns / width;
-    let mut packed = Vec::with_capacity(blocks * k * width);
-    for block in 0..blocks {
-        for p in 0..k {
-            let from = p * columns + block * width;
-            packed.extend_from_slice(&matrix[from..from + width]);
+/// The columns of B a tile reads: two vectors.
+const AVX512_BLOCK_COLUMNS: usize = 2 * 16;
+const AVX2_BLOCK_COLUMNS: usize = 2 * 8;
+
+/// The full blocks of `WIDTH` columns of a `[k, columns]` matrix, each block's `k` rows one
+/// after the other (the columns past the last full block left out), in `into`. The matrix is read row by row, one stream; each piece is a few
+/// vectors, which with the width a constant are moves instead of calls to `memcpy` (A's
+/// panels at k 32 were 4096 such calls; benches/README.md, "Run AJ").
+fn column_blocks<const WIDTH: usize>(
+    matrix: &[f32],
+    (k, columns): (usize, usize),
+    into: &mut Lines,
+) {
+    let blocks = columns / WIDTH;
+    let (pieces, _) = into.on_line(blocks * k * WIDTH).as_chunks_mut::<WIDTH>();
+    for (p, row) in matrix.chunks_exact(columns.max(1)).take(k).enumerate() {
+        let (row, _) = row.as_chunks::<WIDTH>();
+        for (block, from) in row.iter().enumerate() {
+            pieces[block * k + p] = *from;
         }
     }
-    packed
 }
 
 /// Rows per tile: with two vectors a row, twice as many chains in registers, and room left
@@ -225,14 +307,6 @@ fn column_blocks(matrix: &[f32], (k, columns): (usize, usize), width: usize) -> 
 /// (16): 4.
 const AVX512_TILE_ROWS: usize = 8;
 const AVX2_TILE_ROWS: usize = 4;
-
-/// The rows of a tile for a vector width.
-fn tile_rows(lanes: usize) -> usize {
-    match lanes {
-        16 => AVX512_TILE_ROWS,
-        _ => AVX2_TILE_ROWS,
-    }
-}
 
 /// Up to this `k` the kernel reads A in place: its `k` lines a tile reads fit one L1 set's
 /// ways (8 on Zen 4, 12 on Golden Cove), and the copy costs more than it saves (1024 x 256 at
@@ -243,8 +317,8 @@ const A_IN_PLACE_UP_TO_K: usize = 8;
 /// the other: a tile reads its `rows` coefficients for each `p` from one contiguous run
 /// instead of `k` rows of A a row of A apart, which at 1024 columns (4 KiB) all fall in one
 /// L1 set, more lines than its ways at k = 32.
-fn pack_panels(a: &[f32], shape: ProductShape, rows: usize) -> Vec<f32> {
-    column_blocks(a, (shape.k, shape.m), rows)
+fn pack_panels<const ROWS: usize>(a: &[f32], shape: ProductShape, into: &mut Lines) {
+    column_blocks::<ROWS>(a, (shape.k, shape.m), into)
 }
 
 /// The same chains a row at a time, `BLOCK` columns of partial sums on the stack.
@@ -576,6 +650,17 @@ mod tests {
 
     type Kernel = fn(&[f32], &[f32], ProductShape, usize, &mut [f32]);
 
+    /// What `pack` lays out of `matrix`.
+    fn laid_out(
+        pack: fn(&[f32], ProductShape, &mut Lines),
+        matrix: &[f32],
+        shape: ProductShape,
+    ) -> Vec<f32> {
+        let mut into = Lines::default();
+        pack(matrix, shape, &mut into);
+        into.as_slice().to_vec()
+    }
+
     /// Every way this CPU can run the kernel: the portable loop, and each vector width it has.
     fn kernels() -> Vec<(&'static str, Kernel)> {
         let mut kernels: Vec<(&'static str, Kernel)> = vec![("portable", portable_rows)];
@@ -589,8 +674,8 @@ mod tests {
                             (
                                 a,
                                 b,
-                                &pack_blocks(b, s, 16),
-                                &pack_panels(a, s, AVX2_TILE_ROWS),
+                                &laid_out(pack_blocks::<AVX2_BLOCK_COLUMNS>, b, s),
+                                &laid_out(pack_panels::<AVX2_TILE_ROWS>, a, s),
                             ),
                             s,
                             r,
@@ -605,8 +690,8 @@ mod tests {
                             (
                                 a,
                                 b,
-                                &pack_blocks(b, s, 32),
-                                &pack_panels(a, s, AVX512_TILE_ROWS),
+                                &laid_out(pack_blocks::<AVX512_BLOCK_COLUMNS>, b, s),
+                                &laid_out(pack_panels::<AVX512_TILE_ROWS>, a, s),
                             ),
                             s,
                             r,
@@ -637,10 +722,11 @@ mod tests {
 
     /// Every tile shape and tail of the kernel (rows by 8 and one, columns by two vectors, one
     /// and masked), on every vector width the CPU has and the portable loop, in place and
-    /// apart, row ranges as the threads split them, gives the chain's bits; and the chain is
-    /// the product to float32 rounding (float64 sums).
+    /// apart, row ranges as the threads split them, in a layout kept from other shapes, gives
+    /// the chain's bits; and the chain is the product to float32 rounding (float64 sums).
     #[test]
     fn the_product_is_the_fused_chain() {
+        let mut kept = ProductLayout::default();
         for k in [1, 3, 8, 17, 32] {
             for m in [1, 7, 8, 9, 17] {
                 for n in [1, 15, 16, 17, 33, 48, 70] {
@@ -656,7 +742,16 @@ mod tests {
                     accumulate_product(&a, &b, shape, m / 2, Io::InPlace([bottom]));
                     let mut apart = vec![0f32; m * n];
                     accumulate_product(&a, &b, shape, 0, Io::Apart([&acc], [&mut apart]));
-                    let mut results = vec![("in place", in_place), ("apart", apart)];
+                    // The layout kept from the shapes before, as the operator keeps it: what
+                    // it held is written over.
+                    let mut kept_layout = acc.clone();
+                    kept.operands(&a, &b, shape)
+                        .accumulate(0, Io::InPlace([&mut kept_layout]));
+                    let mut results = vec![
+                        ("in place", in_place),
+                        ("apart", apart),
+                        ("kept layout", kept_layout),
+                    ];
                     for (what, kernel) in kernels() {
                         let mut got = acc.clone();
                         kernel(&a, &b, shape, 0, &mut got);
