@@ -106,9 +106,22 @@ fn f32_output<'c>(
     Ok(kernel_io::output(ctx, op, slot, shape)?.into_slice())
 }
 
-/// Elements per task of the intra-op thread pool: large enough that a task's overhead is
-/// small, small enough that 2-4 threads share a 1M-element parameter evenly.
+/// Elements per task of the intra-op thread pool, about: large enough that a task's
+/// overhead is small, small enough that 2-4 threads share a 1M-element parameter evenly.
 const CHUNK: usize = 1 << 16;
+
+/// A cache line of floats: tasks that start at a multiple of it never share a line.
+const LINE_FLOATS: usize = 16;
+
+/// Elements per task for `len` elements in tasks of whole `unit`s: at most about [`CHUNK`]
+/// (one unit where a unit is larger) and a power-of-two count of tasks, of equal size
+/// where the units divide so, which the pool's 2 or 4 threads then share evenly (the MLP's
+/// 802,816-element layer in tasks of CHUNK was 13 tasks: 7 on one thread, 6 on the other).
+fn even_chunk(len: usize, unit: usize) -> usize {
+    let unit = unit.max(1);
+    let tasks = len.div_ceil(CHUNK).next_power_of_two();
+    len.div_ceil(unit).div_ceil(tasks).max(1) * unit
+}
 
 /// Scalar input `slot` of a fused operator's node: `None` when the optional input is
 /// absent, an error naming `op` when it is not one element.
@@ -146,8 +159,8 @@ fn keep_input(ctx: &ComputeContext, op: &str, slot: usize) -> ::ort::Result<bool
 }
 
 /// Runs a fused update of the `N` states at input slots `state` into outputs
-/// `first_output..first_output + N`, all of one shape, `update(range, io)` per chunk of
-/// [`CHUNK`] elements. In place when the session
+/// `first_output..first_output + N`, all of one shape, `update(range, io)` per task
+/// ([`even_chunk`] of cache lines). In place when the session
 /// bound every output to its state's own buffer (`passes::fuse::in_place`), apart when it
 /// bound none; with `keep` false the state stays as it was (in place: untouched).
 fn run_update<const N: usize>(
@@ -158,19 +171,18 @@ fn run_update<const N: usize>(
     keep: bool,
     update: impl Fn(std::ops::Range<usize>, Io<'_, N>) + Sync,
 ) -> ::ort::Result<()> {
-    run_update_by(ctx, op, (state, first_output), keep, CHUNK, update)
+    run_update_by(ctx, op, (state, first_output), keep, LINE_FLOATS, update)
 }
 
-/// [`run_update`] in chunks of `chunk` elements (at least one).
+/// [`run_update`] in tasks of whole `unit`s of elements ([`even_chunk`]).
 fn run_update_by<const N: usize>(
     ctx: &ComputeContext,
     op: &str,
     (state, first_output): ([usize; N], usize),
     keep: bool,
-    chunk: usize,
+    unit: usize,
     update: impl Fn(std::ops::Range<usize>, Io<'_, N>) + Sync,
 ) -> ::ort::Result<()> {
-    let chunk = chunk.max(1);
     let inputs = state
         .iter()
         .map(|&slot| kernel_io::required(ctx, op, slot))
@@ -183,6 +195,7 @@ fn run_update_by<const N: usize>(
         )));
     }
     let shape = inputs[0].shape;
+    let chunk = even_chunk(len, unit);
     let outputs = (first_output..first_output + N)
         .map(|slot| kernel_io::output(ctx, op, slot, shape))
         .collect::<::ort::Result<Vec<_>>>()?;
@@ -817,13 +830,10 @@ fn accumulate_product_kernel(ctx: &ComputeContext, gemm: &InvokedOp) -> ::ort::R
             }
         };
         let operands = layout.operands(a, b, shape);
-        // Tasks of whole rows, about CHUNK elements each, in multiples of the kernel's tile
-        // (83 rows of 784 columns left 3 rows a task on one-row tiles).
-        let rows = match CHUNK / shape.n.max(1) {
-            r if r >= PRODUCT_TASK_ROWS => r / PRODUCT_TASK_ROWS * PRODUCT_TASK_ROWS,
-            r => r.max(1),
-        };
-        let ran = run_update_by(ctx, op, state, keep, rows * shape.n, |range, io| {
+        // Tasks of whole tiles of rows (83 rows of 784 columns left 3 rows a task on
+        // one-row tiles).
+        let tile = PRODUCT_TASK_ROWS * shape.n;
+        let ran = run_update_by(ctx, op, state, keep, tile, |range, io| {
             operands.accumulate(range.start / shape.n.max(1), io)
         });
         PRODUCT_LAYOUT.set(Some(layout));
@@ -1406,7 +1416,7 @@ impl Operator for RowTranspose {
     }
 }
 
-/// [`RowTranspose`] in tasks of whole output rows, about [`CHUNK`] elements each.
+/// [`RowTranspose`] in tasks of whole output rows ([`even_chunk`]).
 fn row_transpose_kernel(ctx: &ComputeContext, perm: &[usize]) -> ::ort::Result<()> {
     let op = ROW_TRANSPOSE;
     let (shape, x) = f32_input(ctx, op, 0)?;
@@ -1425,7 +1435,7 @@ fn row_transpose_kernel(ctx: &ComputeContext, perm: &[usize]) -> ::ort::Result<(
     if out.is_empty() || row == 0 {
         return Ok(());
     }
-    let task = (CHUNK / row).max(1) * row;
+    let task = even_chunk(out.len(), row);
     in_chunks(
         ctx,
         (out.len(), task),
@@ -1652,7 +1662,7 @@ impl Operator for Gelu {
     }
 }
 
-/// [`GELU`] by chunks of [`CHUNK`] elements, each through its three steps while it is in
+/// [`GELU`] by tasks of [`even_chunk`] elements, each through its three steps while it is in
 /// cache: `u = x / f` written where y goes, ONNX Runtime's `Erf` from there into A's chunk,
 /// then `A` and `y` ([`crate::fused_ops::gelu_tail`]).
 fn gelu_kernel(ctx: &ComputeContext, erf: &InvokedOp) -> ::ort::Result<()> {
@@ -1671,8 +1681,9 @@ fn gelu_kernel(ctx: &ComputeContext, erf: &InvokedOp) -> ::ort::Result<()> {
     let len = y.len();
     let failed: Mutex<Option<::ort::Error>> = Mutex::new(None);
     let running = RunningContext::of(ctx);
-    let chunks = y.chunks_mut(CHUNK).zip(a.chunks_mut(CHUNK));
-    in_chunks(ctx, (len, CHUNK), chunks, |range, (y, a)| {
+    let chunk = even_chunk(len, LINE_FLOATS);
+    let chunks = y.chunks_mut(chunk).zip(a.chunks_mut(chunk));
+    in_chunks(ctx, (len, chunk), chunks, |range, (y, a)| {
         let x = &x[range];
         gelu_quotient(&s, x, y);
         let erf_of_u = (|| {
@@ -1841,7 +1852,8 @@ fn gelu_grad_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
     }
     let dx = f32_output(ctx, op, 0, shape)?;
     let len = dx.len();
-    in_chunks(ctx, (len, CHUNK), dx.chunks_mut(CHUNK), |range, out| {
+    let chunk = even_chunk(len, LINE_FLOATS);
+    in_chunks(ctx, (len, chunk), dx.chunks_mut(chunk), |range, out| {
         let part = |k: usize| &data[k][range.clone()];
         gelu_grad(&s, [part(0), part(1), part(2)], out)
     })
@@ -1887,7 +1899,8 @@ fn relu_grad_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
     }
     let dx = f32_output(ctx, RELU_GRAD, 0, shape)?;
     let len = dx.len();
-    in_chunks(ctx, (len, CHUNK), dx.chunks_mut(CHUNK), |range, out| {
+    let chunk = even_chunk(len, LINE_FLOATS);
+    in_chunks(ctx, (len, chunk), dx.chunks_mut(chunk), |range, out| {
         relu_grad(&dy[range.clone()], &y[range], out)
     })
 }
@@ -2138,4 +2151,46 @@ fn blocked_weight_kernel(
     let out = f32_output(ctx, BLOCKED_WEIGHT, 0, &out_shape)?;
     blocked_weight(w, [m, c, kh, kw], block, transposed, out);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tasks [`even_chunk`] makes: whole units, at most about [`CHUNK`] elements each
+    /// (one unit where a unit is larger), a power-of-two count, equal where the units
+    /// divide so, and every element in one.
+    #[test]
+    fn even_chunks() {
+        let tasks = |len: usize, unit: usize| {
+            let chunk = even_chunk(len, unit);
+            assert_eq!(chunk % unit.max(1), 0, "{len} by {unit}");
+            (chunk, len.div_ceil(chunk))
+        };
+        // The MLP's layers: 1024 x 784 and 1024 x 1024, by lines and by 8-row tiles.
+        assert_eq!(tasks(802_816, LINE_FLOATS), (50_176, 16));
+        assert_eq!(tasks(802_816, 8 * 784), (50_176, 16));
+        assert_eq!(tasks(1 << 20, LINE_FLOATS), (CHUNK, 16));
+        assert_eq!(tasks(1 << 20, 8 * 1024), (CHUNK, 16));
+        // Small: one task. Units larger than CHUNK: one a task.
+        assert_eq!(tasks(10_240, LINE_FLOATS), (10_240, 1));
+        assert_eq!(tasks(1000, LINE_FLOATS), (1008, 1));
+        assert_eq!(tasks(0, LINE_FLOATS), (LINE_FLOATS, 0));
+        assert_eq!(tasks(16 * 200_000, 200_000), (200_000, 16));
+        // Uneven units: tasks of whole units, the last one shorter, none beyond.
+        for (len, unit) in [
+            (1_000_003, 16),
+            (777_777, 8 * 100),
+            (65_537, 16),
+            (3 << 20, 7),
+        ] {
+            let (chunk, count) = tasks(len, unit);
+            assert!(
+                count <= len.div_ceil(CHUNK).next_power_of_two(),
+                "{len} by {unit}"
+            );
+            assert!(chunk <= CHUNK + 2 * unit, "{len} by {unit}: {chunk}");
+            assert!(chunk * count >= len && chunk * (count - 1) < len);
+        }
+    }
 }
