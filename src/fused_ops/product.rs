@@ -110,9 +110,9 @@ pub fn accumulate_product(
 }
 
 /// The memory [`ProductOperands`] lays `A` and `B` out in, kept by the caller from one
-/// product to the next: the layouts are a few hundred KiB, which allocated and freed each
-/// run were fresh pages faulted in each run (the MLP's weight gradients at k 32: 37-42 µs
-/// of a 725-930 µs operator; benches/README.md, "Run AJ").
+/// product to the next: the layouts are a few hundred KiB, which the allocator may hand
+/// back as fresh pages, to be faulted in, on every run (the operator keeps one per thread,
+/// as `ConvWeightGrad` keeps its columns).
 #[derive(Default)]
 pub struct ProductLayout {
     /// `B` in the blocks the kernel reads ([`pack_blocks`]).
@@ -123,7 +123,9 @@ pub struct ProductLayout {
 
 /// Kept memory that hands out runs starting on a cache line: the kernel loads B's blocks
 /// whole vectors at a time, and a 64-byte vector from a line's start is one line, where
-/// from the 16-byte start an allocation guarantees it is two (benches/README.md, "Run AJ").
+/// from the 16-byte start an allocation guarantees it is two. (No change measured in the
+/// kernel's bench, where both were misaligned and aligned by turns; benches/README.md,
+/// "Run AJ".)
 #[derive(Default)]
 struct Lines {
     memory: Vec<f32>,
@@ -283,9 +285,12 @@ const AVX512_BLOCK_COLUMNS: usize = 2 * 16;
 const AVX2_BLOCK_COLUMNS: usize = 2 * 8;
 
 /// The full blocks of `WIDTH` columns of a `[k, columns]` matrix, each block's `k` rows one
-/// after the other (the columns past the last full block left out), in `into`. The matrix is read row by row, one stream; each piece is a few
-/// vectors, which with the width a constant are moves instead of calls to `memcpy` (A's
-/// panels at k 32 were 4096 such calls; benches/README.md, "Run AJ").
+/// after the other (the columns past the last full block left out), in `into`. The matrix
+/// is read row by row, one stream; each piece is a few vectors, which with the width a
+/// constant are moves instead of calls to `memcpy`: A's panels at k 32 were 4096 such
+/// calls, and laying out both operands of a 1024 x 1024 product took 23-27 µs against
+/// 17-21 now in the kernel's bench, 37-45 against 24-30 in the MLP's session
+/// (benches/README.md, "Run AJ").
 fn column_blocks<const WIDTH: usize>(
     matrix: &[f32],
     (k, columns): (usize, usize),
