@@ -811,6 +811,10 @@ fn accumulate_product_kernel(ctx: &ComputeContext, gemm: &InvokedOp) -> ::ort::R
         }
     };
     let keep = keep_input(ctx, op, at::KEEP)?;
+    // A discarded micro-step: the accumulator stays as it was, nothing to multiply.
+    if !keep {
+        return run_update(ctx, op, [at::ACC], 0, keep, |_, _| {});
+    }
     let state = ([at::ACC], 0);
     if shape.k <= largest_fast_contraction() {
         let (a, b) = (a.f32s(op, at::A)?, b.f32s(op, at::B)?);
@@ -841,9 +845,6 @@ fn accumulate_product_kernel(ctx: &ComputeContext, gemm: &InvokedOp) -> ::ort::R
     }
     // MLAS's product into output 1 (ONNX Runtime's arena), then added: the standard ops'
     // computation, bits and passes.
-    if !keep {
-        return run_update(ctx, op, [at::ACC], 0, keep, |_, _| {});
-    }
     let product = kernel_io::output(ctx, op, 1, acc.shape)?;
     gemm.run(
         RunningContext::of(ctx),
