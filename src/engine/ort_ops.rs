@@ -782,9 +782,9 @@ thread_local! {
     /// The memory [`accumulate_product_kernel`] lays its operands out in, one per thread
     /// that runs sessions (the kernel lays out on the calling thread; its tasks only read),
     /// kept between runs and shared by every node, so that it holds the largest node's
-    /// layout once. Taken while a kernel uses it (`None`).
-    static PRODUCT_LAYOUT: std::cell::Cell<Option<ProductLayout>> =
-        std::cell::Cell::new(Some(ProductLayout::default()));
+    /// layout once.
+    static PRODUCT_LAYOUT: std::cell::RefCell<ProductLayout> =
+        std::cell::RefCell::new(ProductLayout::default());
 }
 
 fn accumulate_product_kernel(ctx: &ComputeContext, gemm: &InvokedOp) -> ::ort::Result<()> {
@@ -818,30 +818,26 @@ fn accumulate_product_kernel(ctx: &ComputeContext, gemm: &InvokedOp) -> ::ort::R
     let state = ([at::ACC], 0);
     if shape.k <= largest_fast_contraction() {
         let (a, b) = (a.f32s(op, at::A)?, b.f32s(op, at::B)?);
-        // The operands laid out for the tiles once (B, and A from k 9) in this thread's kept
-        // memory, every task reads them.
         if a.len() != shape.k * shape.m || b.len() != shape.k * shape.n {
             return Err(::ort::Error::new(format!(
                 "{op}: A or B is not its shape's size"
             )));
         }
-        let mut layout = match PRODUCT_LAYOUT.with(std::cell::Cell::take) {
-            Some(layout) => layout,
-            None => {
-                return Err(::ort::Error::new(format!(
-                    "{op}: its layout is in use on this thread"
-                )))
-            }
-        };
-        let operands = layout.operands(a, b, shape);
         // Tasks of whole tiles of rows (83 rows of 784 columns left 3 rows a task on
-        // one-row tiles).
+        // one-row tiles), every one reading the operands laid out once in this thread's
+        // kept memory.
         let tile = PRODUCT_TASK_ROWS * shape.n;
-        let ran = run_update_by(ctx, op, state, keep, tile, |range, io| {
-            operands.accumulate(range.start / shape.n.max(1), io)
+        return PRODUCT_LAYOUT.with(|layout| match layout.try_borrow_mut() {
+            Ok(mut layout) => {
+                let operands = layout.operands(a, b, shape);
+                run_update_by(ctx, op, state, keep, tile, |range, io| {
+                    operands.accumulate(range.start / shape.n.max(1), io)
+                })
+            }
+            Err(_) => Err(::ort::Error::new(format!(
+                "{op}: its layout is in use on this thread"
+            ))),
         });
-        PRODUCT_LAYOUT.set(Some(layout));
-        return ran;
     }
     // MLAS's product into output 1 (ONNX Runtime's arena), then added: the standard ops'
     // computation, bits and passes.
