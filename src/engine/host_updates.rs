@@ -46,7 +46,6 @@ impl<'a> Operands<'a> {
             Operand::Constant(t) => return tensor_data(t, "a constant").map(Some),
             Operand::Input { name, default } => (name.as_str(), default.as_ref()),
             Operand::Output(name) => (name.as_str(), None),
-            Operand::Gate { .. } => return Err(wrong(update, slot, "a tensor")),
         };
         // A gradient, the usual operand, is among the few kept outputs: looked for there
         // first, before the feeds.
@@ -99,29 +98,16 @@ impl<'a> Operands<'a> {
         }
     }
 
-    /// The gate: true when absent.
-    fn keep(&self, update: &'a HostUpdate, slot: usize) -> Result<bool, EngineError> {
-        if let Some(Some(Operand::Gate { loss, keep })) = update.operands.get(slot) {
-            // As the session's nodes would: Or(Not(Or(IsNaN(loss), IsInf(loss))), keep).
-            let overridden = match self.host.iter().find(|(n, _)| n == keep) {
-                Some((_, Tensor::Bool(k))) => k.iter().next() == Some(&true),
-                Some(_) => return Err(wrong(update, slot, "fed a bool")),
-                None => true,
-            };
-            let finite = match self.output(loss) {
-                Some(value) => match value.try_extract_tensor::<f32>() {
-                    Ok((_, [l])) => l.is_finite(),
-                    _ => return Err(wrong(update, slot, "a float loss")),
-                },
-                None => return Err(missing(loss)),
-            };
-            return Ok(finite || overridden);
-        }
-        match self.find(update, slot)? {
-            None => Ok(true),
-            Some(Data::Bool([keep])) => Ok(*keep),
-            Some(_) => Err(wrong(update, slot, "one bool")),
-        }
+    /// The gate ([`crate::fused_ops::keeps`]) from its `keep` slot and the `loss` slot after
+    /// it.
+    fn gate(&self, update: &'a HostUpdate, keep_slot: usize) -> Result<bool, EngineError> {
+        let keep = match self.find(update, keep_slot)? {
+            None => None,
+            Some(Data::Bool([keep])) => Some(*keep),
+            Some(_) => return Err(wrong(update, keep_slot, "one bool")),
+        };
+        let loss = self.scalar(update, keep_slot + 1)?;
+        Ok(crate::fused_ops::keeps(keep, loss))
     }
 }
 
@@ -158,10 +144,12 @@ fn wrong(update: &HostUpdate, slot: usize, what: &str) -> EngineError {
 /// scalars (learning rate, betas, bias corrections) and the one gate, and at small sizes
 /// finding them again for every tensor cost more than the arithmetic (8K parameters: 1.4
 /// µs a parameter's AdamW update against 0.4 of arithmetic).
+type GateOperands<'a> = (Option<&'a Operand>, Option<&'a Operand>);
+
 #[derive(Default)]
 struct Shared<'a> {
-    /// The gate's operand and its value.
-    gate: Option<(&'a Operand, bool)>,
+    /// The gate's operands (keep, loss) and its value.
+    gate: Option<(GateOperands<'a>, bool)>,
     /// The AdamW update whose scalars were read last, and them.
     adamw: Option<(&'a HostUpdate, AdamWScalars)>,
     sgd: Option<(&'a HostUpdate, SgdScalars)>,
@@ -179,19 +167,17 @@ impl<'a> Shared<'a> {
         &mut self,
         operands: &Operands<'a>,
         update: &'a HostUpdate,
-        slot: usize,
+        keep_slot: usize,
     ) -> Result<bool, EngineError> {
-        let operand = match update.operands.get(slot) {
-            Some(Some(operand @ Operand::Gate { .. })) => operand,
-            _ => return operands.keep(update, slot),
-        };
+        let operand = |slot: usize| update.operands.get(slot).and_then(Option::as_ref);
+        let gate = (operand(keep_slot), operand(keep_slot + 1));
         if let Some((seen, keep)) = self.gate {
-            if seen == operand {
+            if seen == gate {
                 return Ok(keep);
             }
         }
-        let keep = operands.keep(update, slot)?;
-        self.gate = Some((operand, keep));
+        let keep = operands.gate(update, keep_slot)?;
+        self.gate = Some((gate, keep));
         Ok(keep)
     }
 }

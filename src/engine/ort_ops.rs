@@ -143,19 +143,35 @@ fn required_scalar(ctx: &ComputeContext, op: &str, slot: usize) -> ::ort::Result
         .ok_or_else(|| ::ort::Error::new(format!("{op}: input {slot} is missing")))
 }
 
-/// The gate of a fused operator at `slot` ([`crate::fused_ops::KEEP_NONFINITE`]): true when
-/// absent.
-fn keep_input(ctx: &ComputeContext, op: &str, slot: usize) -> ::ort::Result<bool> {
-    let Some(value) = kernel_io::input(ctx, op, slot)? else {
-        return Ok(true);
+/// The gate of a fused update ([`crate::fused_ops::keeps`]) from its `keep` slot and the
+/// `loss` slot after it.
+fn gate(ctx: &ComputeContext, op: &str, keep_slot: usize) -> ::ort::Result<bool> {
+    let loss_slot = keep_slot + 1;
+    let keep = match kernel_io::input(ctx, op, keep_slot)? {
+        None => None,
+        Some(value) => match value.bools(op, keep_slot)? {
+            [keep] => Some(*keep),
+            data => {
+                return Err(::ort::Error::new(format!(
+                    "{op}: the gate's keep (input {keep_slot}) has {} elements, not one",
+                    data.len()
+                )))
+            }
+        },
     };
-    match value.bools(op, slot)? {
-        [keep] => Ok(*keep),
-        data => Err(::ort::Error::new(format!(
-            "{op}: the gate (input {slot}) has {} elements, not one",
-            data.len()
-        ))),
-    }
+    let loss = match kernel_io::input(ctx, op, loss_slot)? {
+        None => None,
+        Some(value) => match value.f32s(op, loss_slot)? {
+            [loss] => Some(*loss),
+            data => {
+                return Err(::ort::Error::new(format!(
+                    "{op}: the gate's loss (input {loss_slot}) has {} elements, not one",
+                    data.len()
+                )))
+            }
+        },
+    };
+    Ok(crate::fused_ops::keeps(keep, loss))
 }
 
 /// Runs a fused update of the `N` states at input slots `state` into outputs
@@ -266,7 +282,8 @@ impl Operator for AdamWUpdate {
                 | adamw_slot::C
                 | adamw_slot::LR_WD
                 | adamw_slot::GRAD_ADDEND
-                | adamw_slot::GRAD_DIVISOR => OperatorInput::optional(TensorElementType::Float32),
+                | adamw_slot::GRAD_DIVISOR
+                | adamw_slot::LOSS => OperatorInput::optional(TensorElementType::Float32),
                 adamw_slot::KEEP => OperatorInput::optional(TensorElementType::Bool),
                 _ => OperatorInput::required(TensorElementType::Float32),
             })
@@ -306,7 +323,7 @@ fn adamw_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
     let s = adamw_scalars(ctx, ADAMW_UPDATE, adamw_group_slot::FROM_SINGLE)?;
     let g = f32_input(ctx, ADAMW_UPDATE, adamw_slot::GRAD)?.1;
     let addend = optional_f32s(ctx, ADAMW_UPDATE, adamw_slot::GRAD_ADDEND)?;
-    let keep = keep_input(ctx, ADAMW_UPDATE, adamw_slot::KEEP)?;
+    let keep = gate(ctx, ADAMW_UPDATE, adamw_slot::KEEP)?;
     let len = kernel_io::required(ctx, ADAMW_UPDATE, adamw_slot::PARAM)?.len();
     if g.len() != len || addend.is_some_and(|a| a.len() != len) {
         return Err(::ort::Error::new(format!(
@@ -495,7 +512,7 @@ fn sgd_kernel(ctx: &ComputeContext, nesterov: bool) -> ::ort::Result<()> {
             addend.map(<[f32]>::len)
         )));
     }
-    let keep = keep_input(ctx, SGD_UPDATE, sgd_slot::KEEP)?;
+    let keep = gate(ctx, SGD_UPDATE, sgd_slot::KEEP)?;
     let gradient = |range: std::ops::Range<usize>| (&g[range.clone()], addend.map(|a| &a[range]));
     match has_buffer {
         true => run_update(
@@ -526,6 +543,7 @@ impl Operator for AccumulateGrad {
             OperatorInput::required(TensorElementType::Float32),
             OperatorInput::required(TensorElementType::Float32),
             OperatorInput::optional(TensorElementType::Bool),
+            OperatorInput::optional(TensorElementType::Float32),
             OperatorInput::variadic(0),
         ]
     }
@@ -546,7 +564,7 @@ impl Operator for AccumulateGrad {
 
 fn accumulate_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
     let g = f32_input(ctx, ACCUMULATE_GRAD, accumulate_slot::GRAD)?.1;
-    let keep = keep_input(ctx, ACCUMULATE_GRAD, accumulate_slot::KEEP)?;
+    let keep = gate(ctx, ACCUMULATE_GRAD, accumulate_slot::KEEP)?;
     let len = kernel_io::required(ctx, ACCUMULATE_GRAD, accumulate_slot::ACC)?.len();
     if g.len() != len {
         return Err(::ort::Error::new(format!(
@@ -579,6 +597,7 @@ impl Operator for AccumulateProduct {
             OperatorInput::required(TensorElementType::Float32),
             OperatorInput::required(TensorElementType::Float32),
             OperatorInput::optional(TensorElementType::Bool),
+            OperatorInput::optional(TensorElementType::Float32),
             OperatorInput::variadic(0),
         ]
     }
@@ -810,7 +829,7 @@ fn accumulate_product_kernel(ctx: &ComputeContext, gemm: &InvokedOp) -> ::ort::R
             )))
         }
     };
-    let keep = keep_input(ctx, op, at::KEEP)?;
+    let keep = gate(ctx, op, at::KEEP)?;
     // A discarded micro-step: the accumulator stays as it was, nothing to multiply.
     if !keep {
         return run_update(ctx, op, [at::ACC], 0, keep, |_, _| {});

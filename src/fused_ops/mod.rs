@@ -5,8 +5,8 @@
 //! ONNX Runtime kernels in `engine::ort_ops`). This module is the one place both sides
 //! read: the rewrite for the slots, the kernel for the arithmetic.
 //!
-//! Every operator ends with two kinds of optional input: the gate ([`KEEP_NONFINITE`]) and,
-//! from its `AFTER` slot on, ordering inputs (variadic, any type): values the kernel never
+//! Every operator that updates a state ends with two kinds of optional input: the gate, its
+//! `KEEP` and `LOSS` slots ([`keeps`]), and, from its `AFTER` slot on, ordering inputs (variadic, any type): values the kernel never
 //! reads, there only so that the nodes making them run before it. A kernel that updates a
 //! state in place is ordered after every other reader of that state
 //! (`passes::fuse::in_place::plan`): the backward reads a layer's weight again for the
@@ -17,7 +17,7 @@ pub const DOMAIN: &str = "ai.onnx_ga";
 pub const DOMAIN_VERSION: i64 = 1;
 
 /// `AdamWUpdate(p, g, m, v, alpha, one_minus_alpha, beta, one_minus_beta, epsilon, lr,
-/// [a], [c], [lr_wd], [g_addend], [g_divisor], [keep]) -> (p', m', v')`: one parameter's AdamW
+/// [a], [c], [lr_wd], [g_addend], [g_divisor], [keep], [loss]) -> (p', m', v')`: one parameter's AdamW
 /// step, element by element, in the order of operations of the standard-op lowering
 /// (`passes::legalize::adamw_optimizer::lower_adamw_for_params`), so that float32 results
 /// are bit-identical to it:
@@ -56,11 +56,12 @@ pub mod adamw_slot {
     pub const GRAD_ADDEND: usize = 13;
     /// The gradient is divided by it, after the addend (optional scalar).
     pub const GRAD_DIVISOR: usize = 14;
-    /// The gate (optional bool scalar, [`super::KEEP_NONFINITE`]).
+    /// The gate ([`super::keeps`]).
     pub const KEEP: usize = 15;
+    pub const LOSS: usize = KEEP + 1;
     /// Ordering inputs from here on (any number, any type, never read: see the module's comment).
-    pub const AFTER: usize = 16;
-    pub const COUNT: usize = 16;
+    pub const AFTER: usize = 17;
+    pub const COUNT: usize = 17;
 }
 
 /// `AdamWUpdates(alpha, one_minus_alpha, beta, one_minus_beta, epsilon, lr, [a], [c],
@@ -458,7 +459,7 @@ fn moments(s: &AdamWScalars, g: f32, m: f32, v: f32) -> (f32, f32) {
     (m1, v1)
 }
 
-/// `SgdUpdate(p, g, lr, [buf], [mu], [wd], [g_addend], [g_divisor], [keep]) -> (p', [buf'])`,
+/// `SgdUpdate(p, g, lr, [buf], [mu], [wd], [g_addend], [g_divisor], [keep], [loss]) -> (p', [buf'])`,
 /// attribute `nesterov` (0 or 1): one parameter's SGD step in the optimizer pass's order of
 /// operations (`passes::optimizer`, bit-identical in float32):
 ///
@@ -482,11 +483,12 @@ pub mod sgd_slot {
     pub const WD: usize = 5;
     pub const GRAD_ADDEND: usize = 6;
     pub const GRAD_DIVISOR: usize = 7;
-    /// The gate (optional bool scalar, [`super::KEEP_NONFINITE`]).
+    /// The gate ([`super::keeps`]).
     pub const KEEP: usize = 8;
+    pub const LOSS: usize = KEEP + 1;
     /// Ordering inputs from here on (see the module's comment).
-    pub const AFTER: usize = 9;
-    pub const COUNT: usize = 9;
+    pub const AFTER: usize = 10;
+    pub const COUNT: usize = 10;
 }
 
 /// The scalars of one [`SGD_UPDATE`].
@@ -588,18 +590,20 @@ fn sgd_loops(s: &SgdScalars, grad: impl Fn(usize, f32) -> f32, io: SgdIo<'_>, n:
     }
 }
 
-/// `AccumulateGrad(acc, g, [keep]) -> acc'`: the window's gradient sum, `acc' = acc + g`
-/// element by element (the standard `Add` it replaces, bit-identical), with the gate of
-/// every fused operator (see [`KEEP_NONFINITE`]).
+/// `AccumulateGrad(acc, g, [keep], [loss]) -> acc'`: the window's gradient sum,
+/// `acc' = acc + g` element by element (the standard `Add` it replaces, bit-identical), with
+/// the gate of every fused update ([`keeps`]).
 pub const ACCUMULATE_GRAD: &str = "AccumulateGrad";
 
 pub mod accumulate_slot {
     pub const ACC: usize = 0;
     pub const GRAD: usize = 1;
+    /// The gate ([`super::keeps`]).
     pub const KEEP: usize = 2;
+    pub const LOSS: usize = KEEP + 1;
     /// Ordering inputs from here on (see the module's comment).
-    pub const AFTER: usize = 3;
-    pub const COUNT: usize = 3;
+    pub const AFTER: usize = 4;
+    pub const COUNT: usize = 4;
 }
 
 /// `acc' = acc + g` over `io` (`[acc]`).
@@ -618,17 +622,50 @@ fn accumulate_portable(g: &[f32], io: Io<'_, 1>) {
     each(io, n, |i, [acc]| [acc + g[i]]);
 }
 
-/// The optional last input of every fused operator, `keep` (a bool scalar): when false,
-/// the node leaves its state as it was (outputs equal to inputs; in place, untouched). The
-/// fuse pass feeds it `Or(loss is finite, <KEEP_NONFINITE input>)`, and the trainer that
-/// input: true unless it discards a micro-step with a non-finite loss (`OnNonFinite::Stop`
-/// or `Skip` without loss scaling). A state updated in place then needs no copy to put
-/// back: the kernel never wrote it.
+/// The gate of every fused update, from its two optional inputs: `keep` (a bool scalar at
+/// its `KEEP` slot) and `loss` (a float32 scalar at its `LOSS` slot, the one after `KEEP`). The update is made
+/// when `keep` is true or `loss` is finite, each of the two counting only when given, and
+/// always when neither is; otherwise the node leaves its state as it was (outputs equal to
+/// inputs; in place, untouched), and a state updated in place needs no copy to put back.
+///
+/// The fuse pass gives the step's loss and the input [`KEEP_NONFINITE`], which the trainer
+/// feeds true unless it discards a micro-step with a non-finite loss (`OnNonFinite::Stop`
+/// or `Skip` without loss scaling). The kernels read the loss themselves: ONNX has no
+/// IsFinite, and `Or(Not(Or(IsNaN, IsInf)), keep)` is five more nodes in every session.
+pub fn keeps(keep: Option<bool>, loss: Option<f32>) -> bool {
+    match (keep, loss) {
+        (None, None) => true,
+        (keep, loss) => keep == Some(true) || loss.is_some_and(f32::is_finite),
+    }
+}
+
 pub const KEEP_NONFINITE: &str = "ga.keep_nonfinite";
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The gate as the session's standard ops wrote it before the kernels read the loss:
+    /// `Or(Not(Or(IsNaN(loss), IsInf(loss))), keep)`, each input counting when given.
+    #[test]
+    fn the_gate_keeps_a_finite_loss_or_what_the_host_keeps() {
+        let losses = [None, Some(0.5), Some(-0.0), Some(f32::MAX), Some(f32::NAN)];
+        let losses = losses
+            .into_iter()
+            .chain([Some(f32::INFINITY), Some(f32::NEG_INFINITY)]);
+        for loss in losses {
+            for keep in [None, Some(false), Some(true)] {
+                let finite = loss.map(|l| !(l.is_nan() || l.is_infinite()));
+                let expected = match (keep, finite) {
+                    (None, None) => true,
+                    (Some(k), None) => k,
+                    (None, Some(f)) => f,
+                    (Some(k), Some(f)) => f || k,
+                };
+                assert_eq!(keeps(keep, loss), expected, "keep {keep:?}, loss {loss:?}");
+            }
+        }
+    }
 
     /// AdamW's usual scalars (β 0.9 and 0.999, ε 1e-8, lr 1e-3) with these corrections,
     /// weight decay and divisor.

@@ -4,7 +4,7 @@
 //! other way round; `k` rows each, the micro-batch) added to the window's sum.
 //!
 //! ```text
-//! AccumulateProduct(acc [m, n], A [k, m], B [k, n], [keep]) -> acc' [m, n]
+//! AccumulateProduct(acc [m, n], A [k, m], B [k, n], [keep], [loss]) -> acc' [m, n]
 //! s_ij  = fma(A[k-1,i], B[k-1,j], ... fma(A[1,i], B[1,j], fma(A[0,i], B[0,j], +0)))
 //! acc'_ij = acc_ij + s_ij
 //! ```
@@ -36,11 +36,12 @@ pub mod accumulate_product_slot {
     pub const A: usize = 1;
     /// `[k, n]`.
     pub const B: usize = 2;
-    /// The gate (optional bool scalar, [`super::super::KEEP_NONFINITE`]).
+    /// The gate ([`super::super::keeps`]).
     pub const KEEP: usize = 3;
+    pub const LOSS: usize = KEEP + 1;
     /// Ordering inputs from here on (see [`super::super`]'s comment).
-    pub const AFTER: usize = 4;
-    pub const COUNT: usize = 4;
+    pub const AFTER: usize = 5;
+    pub const COUNT: usize = 5;
 }
 
 /// Tasks that split the accumulator at multiples of this many rows keep every tile of the

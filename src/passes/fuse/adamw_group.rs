@@ -41,6 +41,7 @@ pub fn group_adamw(model: &mut Model) -> usize {
         let n = model.node(node);
         let groupable = n.inputs.len() <= adamw_slot::COUNT
             && input(model, node, adamw_slot::KEEP).is_none()
+            && input(model, node, adamw_slot::LOSS).is_none()
             && n.outputs.len() == 3;
         if !groupable {
             continue;
@@ -188,6 +189,7 @@ impl FlatGroup {
             adamw_slot::GRAD_ADDEND,
             adamw_slot::GRAD_DIVISOR,
             adamw_slot::KEEP,
+            adamw_slot::LOSS,
         ]
         .iter()
         .all(|&slot| input(model, node, slot).is_none())

@@ -17,8 +17,9 @@
 //!
 //! The host runs the update after the whole session, so every other reader of a state has
 //! read it by then: the ordering inputs the plan added are dropped with the node. The gate
-//! ([`super::in_place::gate`]) still decides, computed by the host from the loss
-//! ([`Operand::Gate`]): a micro-step the host discards leaves the state untouched.
+//! ([`super::in_place::gate`]) still decides, from the same operands (the loss, returned
+//! anyway, and the host's own `keep` input): a micro-step the host discards leaves the
+//! state untouched.
 
 use crate::data::Tensor;
 use crate::fused_ops::{
@@ -63,18 +64,6 @@ pub enum Operand {
     },
     /// A value the session computes, returned as this output.
     Output(String),
-    /// The gate ([`super::in_place::gate`]), `Or(loss is finite, keep)`, computed by the
-    /// host from the loss output and the host's own `keep` input (true when not fed) instead
-    /// of five nodes in the session.
-    Gate { loss: String, keep: String },
-}
-
-/// The gate of a session's fused updates: its value, the loss it tests and the input that
-/// overrides it.
-pub struct Gate {
-    pub value: ValueId,
-    pub loss: String,
-    pub keep: String,
 }
 
 /// One update for the host: the kernel, its operands by the fused operator's input slots
@@ -99,7 +88,7 @@ pub struct HostUpdates {
 /// ordering inputs it added go with the nodes) when every pair of the plan is a state such
 /// an update writes; `None` otherwise, when `model` is to be dropped (the caller peels a
 /// copy).
-pub fn peel(model: &mut Model, plan: &InPlacePlan, gate: Option<&Gate>) -> Option<HostUpdates> {
+pub fn peel(model: &mut Model, plan: &InPlacePlan) -> Option<HostUpdates> {
     if plan.pairs.is_empty() {
         return None;
     }
@@ -153,13 +142,7 @@ pub fn peel(model: &mut Model, plan: &InPlacePlan, gate: Option<&Gate>) -> Optio
         let inputs: Vec<Option<ValueId>> = model.node(n).inputs.clone();
         let mut operands = Vec::with_capacity(after);
         for v in inputs.iter().take(after) {
-            operands.push(v.map(|v| match gate {
-                Some(g) if g.value == v => Operand::Gate {
-                    loss: g.loss.clone(),
-                    keep: g.keep.clone(),
-                },
-                _ => operand(model, v, &outputs, &mut peeled.added_outputs),
-            }));
+            operands.push(v.map(|v| operand(model, v, &outputs, &mut peeled.added_outputs)));
         }
         peeled.updates.push(HostUpdate {
             op,

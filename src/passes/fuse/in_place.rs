@@ -32,7 +32,7 @@ use crate::fused_ops::{
     accumulate_product_slot, accumulate_slot, adamw_slot, sgd_slot, ACCUMULATE_GRAD,
     ACCUMULATE_PRODUCT, ADAMW_UPDATE, DOMAIN, KEEP_NONFINITE, SGD_UPDATE,
 };
-use crate::ir::builder::{tensor_bool, Builder};
+use crate::ir::builder::{attr_int, tensor_bool, Builder};
 use crate::ir::{tensor_type, BodyId, Model, NodeId, Use, ValueId};
 use crate::proto::elem;
 use crate::state::Manifest;
@@ -114,9 +114,10 @@ fn fused_nodes(model: &Model) -> Vec<NodeId> {
         .collect()
 }
 
-/// Gives every fused node of the main graph the gate `keep = Or(loss is finite, k)`, `k` a
-/// new bool input (default true: a host that does not feed it keeps every update). Returns
-/// `k`'s name; `None` (and nothing changed) when there is no fused node or no loss output.
+/// Gives every fused node of the main graph its gate ([`crate::fused_ops::keeps`]): the
+/// step's loss, and `k`, a new bool input (default true: a host that does not feed it keeps
+/// every update). Returns `k`'s name; `None` (and nothing changed) when there is no fused
+/// node or no loss output.
 pub fn gate(model: &mut Model, manifest: &Manifest) -> Option<String> {
     let nodes = fused_nodes(model);
     let loss = model.lookup(BodyId::MAIN, &manifest.loss)?;
@@ -129,29 +130,26 @@ pub fn gate(model: &mut Model, manifest: &Manifest) -> Option<String> {
         tensor_type(elem::BOOL, &[]),
         Some(tensor_bool(&[], &[true])),
     );
-    let mut b = Builder::new(model, BodyId::MAIN, PASS);
-    // ONNX has no IsFinite: finite = Not(Or(IsNaN, IsInf)).
-    let nan = b.op("IsNaN", &[loss], vec![], "ga.loss_nan");
-    let inf = b.op("IsInf", &[loss], vec![], "ga.loss_inf");
-    let bad = b.op("Or", &[nan, inf], vec![], "ga.loss_not_finite");
-    let finite = b.op("Not", &[bad], vec![], "ga.loss_finite");
-    let keep = b.op("Or", &[finite, k], vec![], "ga.keep");
+    // The kernels read a float32 loss; a float16 or bfloat16 one converts exactly,
+    // non-finite values included.
+    let declared = model.value_type(loss).and_then(|t| t.tensor_elem());
+    let loss = match declared {
+        Some(e) if e != elem::FLOAT => Builder::new(model, BodyId::MAIN, PASS).op(
+            "Cast",
+            &[loss],
+            vec![attr_int("to", i64::from(elem::FLOAT))],
+            "ga.loss_float",
+        ),
+        _ => loss,
+    };
     for n in nodes {
         let op = model.node(n).proto.op_type().to_string();
         if let Some((_, slot, _)) = state_slots(&op, &model.node(n).inputs) {
-            model.set_input_growing(n, slot, keep);
+            model.set_input_growing(n, slot, k);
+            model.set_input_growing(n, slot + 1, loss);
         }
     }
     Some(model.name(k).to_string())
-}
-
-/// The value [`gate`] gave the fused nodes of the main graph, when it gave them one.
-pub fn gate_value(model: &Model) -> Option<ValueId> {
-    fused_nodes(model).into_iter().find_map(|n| {
-        let node = model.node(n);
-        let (_, slot, _) = state_slots(node.proto.op_type(), &node.inputs)?;
-        node.inputs.get(slot).copied().flatten()
-    })
 }
 
 /// The pairs of `model` (a session of the step `manifest` describes) to update in place;
@@ -387,4 +385,60 @@ fn same_static_shape(model: &Model, a: ValueId, b: ValueId) -> bool {
         (static_float32_shape(model, a), static_float32_shape(model, b)),
         (Some(x), Some(y)) if x == y
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fused_ops::accumulate_slot;
+
+    /// `AccumulateGrad(acc, g) -> acc2` beside a loss of `loss_type`; the model and its
+    /// manifest (only the loss is read).
+    fn accumulation_beside_a_loss(loss_type: &str) -> (Model, Manifest) {
+        let text = format!(
+            "<ir_version: 8, opset_import: [\"\" : 17, \"{DOMAIN}\" : 1]>\n\
+             g (float[4] acc, float[4] g, {loss_type} x) => (float[4] acc2, {loss_type} loss) {{\n\
+               loss = Identity(x)\n\
+               acc2 = {DOMAIN}.AccumulateGrad(acc, g)\n\
+             }}"
+        );
+        let proto = crate::ir::text::parse_model(&text).unwrap_or_else(|e| panic!("{e}"));
+        let manifest = Manifest {
+            state: Vec::new(),
+            data_inputs: Vec::new(),
+            loss: "loss".to_string(),
+            pipeline: String::new(),
+            version: String::new(),
+            apply: None,
+            learning_rate: None,
+            init: Default::default(),
+        };
+        (Model::from_proto(proto), manifest)
+    }
+
+    /// The gate's two inputs as the kernel gets them: the host's `keep`, and the loss as
+    /// float32 (converted once where the step's loss is not).
+    #[test]
+    fn the_gate_gives_the_kernels_the_host_keep_and_a_float32_loss() {
+        for (loss_type, cast) in [("float", false), ("float16", true), ("bfloat16", true)] {
+            let (mut model, manifest) = accumulation_beside_a_loss(loss_type);
+            let k = gate(&mut model, &manifest).expect("a gate");
+            assert_eq!(k, KEEP_NONFINITE);
+            let node = fused_nodes(&model)[0];
+            let inputs = &model.node(node).inputs;
+            let name = |slot: usize| inputs[slot].map(|v| model.name(v).to_string());
+            assert_eq!(name(accumulate_slot::KEEP).as_deref(), Some(KEEP_NONFINITE));
+            let loss = inputs[accumulate_slot::LOSS].expect("the loss");
+            match model.producer(loss) {
+                Some((p, _)) if cast => {
+                    let p = &model.node(p);
+                    assert_eq!(p.proto.op_type(), "Cast", "{loss_type}");
+                    let to = p.proto.attribute.iter().find(|a| a.name() == "to");
+                    assert_eq!(to.map(|a| a.i()), Some(i64::from(elem::FLOAT)));
+                    assert_eq!(p.inputs[0].map(|v| model.name(v)), Some("loss"));
+                }
+                _ => assert!(!cast && model.name(loss) == "loss", "{loss_type}"),
+            }
+        }
+    }
 }

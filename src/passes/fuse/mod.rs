@@ -183,20 +183,11 @@ fn for_host_updates(
     accumulate::fuse_accumulate(&mut ir, manifest, 0);
     let keep = in_place::gate(&mut ir, manifest);
     super::dce::eliminate_dead_code(&mut ir);
-    // Every fused node reads the one gate value.
-    let gate = keep.as_ref().and_then(|k| {
-        let value = in_place::gate_value(&ir)?;
-        Some(host::Gate {
-            value,
-            loss: manifest.loss.clone(),
-            keep: k.clone(),
-        })
-    });
     let plan = in_place::plan(&mut ir, manifest, keep, options.window_start);
     if in_place::elements(&ir, &plan) >= max_elements {
         return Ok(None);
     }
-    let Some(updates) = host::peel(&mut ir, &plan, gate.as_ref()) else {
+    let Some(updates) = host::peel(&mut ir, &plan) else {
         return Ok(None);
     };
     let mut prepared = finish(ir, fused, 0, plan)?;
