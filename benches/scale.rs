@@ -43,8 +43,7 @@ struct Opts {
     /// `--least`: the least a step can add to the floor with standard sessions ([`least`]).
     least: bool,
     /// `--columns floor,step,step_if` (the default; also `floor_kept`, `floor_shared`,
-    /// `floor_no_pattern`, `floor_arena`, `floor_pool`, `floor_bound`, `step_in_place`,
-    /// `step_in_place_total`).
+    /// `floor_no_pattern`, `floor_arena`, `floor_pool`, `floor_bound`, `step_in_place`).
     columns: Vec<String>,
     /// `--only COLUMN`: run that column alone, `--rounds` cells at the first width, and
     /// print its times: a run to profile (perf record), not a comparison.
@@ -554,26 +553,13 @@ fn run_cell(s: &Sized, column: &str, cell: Duration) -> Result<Measured> {
             })
         }
         "floor_bound" => floor_bound(s, cell),
-        "step" | "step_if" | "step_in_place" | "step_in_place_total" => {
+        "step" | "step_if" | "step_in_place" => {
             let mut t = match column {
-                // In place in every session however small its state, but small
-                // accumulators still a standard `Add` (the default threshold).
-                "step_in_place_total" => Trainer::with_options(
-                    &s.step,
-                    &TrainOptions {
-                        session: SessionOptions {
-                            in_place_min_total: 0,
-                            ..session_options()
-                        },
-                        ..TrainOptions::default()
-                    },
-                )?,
                 // Every state the fused kernels update, updated in place.
                 "step_in_place" => Trainer::with_options(
                     &s.step,
                     &TrainOptions {
                         session: SessionOptions {
-                            in_place_min_elements: 0,
                             in_place_min_total: 0,
                             ..session_options()
                         },

@@ -488,7 +488,6 @@ impl Trainer {
                 let in_place = |window_start| crate::passes::fuse::FuseOptions {
                     in_place: true,
                     window_start,
-                    min_accumulator_elements: session.in_place_min_elements,
                     min_in_place_total: session.in_place_min_total,
                     products: session.fused_weight_grads,
                     host_updates: session

@@ -531,7 +531,6 @@ fn in_place_updates_wait_for_the_fused_layers() {
     let trainer = |in_place: bool| {
         let session = SessionOptions {
             in_place_updates: in_place,
-            in_place_min_elements: 0,
             in_place_min_total: 0,
             ..options(true)
         };

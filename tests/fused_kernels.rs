@@ -19,9 +19,9 @@ use std::collections::BTreeMap;
 
 const MICRO_STEPS: u64 = 32;
 
-/// Every accumulator fused and in place, however small (the trainer's default leaves the
-/// shipped graphs' small ones apart: [`small_states_stay_apart`]), so that
-/// the in-place machinery is exercised on these graphs. BatchNorm and the layer-norm
+/// Every session in place, however small its states (the trainer's default leaves the
+/// shipped graphs' sessions apart: [`small_states_stay_apart`]), so that the in-place
+/// machinery is exercised on these graphs. BatchNorm and the layer-norm
 /// gradients stay in standard ops: their fused kernels sum in another order
 /// (tests/fused_batch_norm.rs, tests/fused_layer_norm_grad.rs).
 fn options(fused: bool, threads: usize, split: bool) -> TrainOptions {
@@ -31,7 +31,6 @@ fn options(fused: bool, threads: usize, split: bool) -> TrainOptions {
             fused_kernels: fused,
             fused_batch_norm: false,
             fused_layer_norm_grad: false,
-            in_place_min_elements: 0,
             in_place_min_total: 0,
             ..SessionOptions::default()
         },
@@ -421,7 +420,6 @@ fn in_place_waits_for_every_read_of_a_weight() {
                     session: SessionOptions {
                         in_place_updates,
                         host_updates,
-                        in_place_min_elements: 0,
                         in_place_min_total: 0,
                         ..SessionOptions::default()
                     },
@@ -472,13 +470,12 @@ fn in_place_waits_for_every_read_of_a_weight() {
     }
 }
 
-/// What the trainer's defaults leave apart, bit for bit like the standard ops either way:
-/// accumulators under `accumulate::MIN_ELEMENTS` stay standard `Add`s (a custom kernel's
-/// dispatch costs more than in place saves there), and a session whose in-place states hold
-/// under `in_place::MIN_SESSION_ELEMENTS` in all binds none (binding costs per state and
-/// run). The shipped MLP and the 512x256 linear layer are under both; with the session
-/// minimum off, the linear layer's weight accumulator (131072 elements) goes in place and its
-/// bias's (256) does not.
+/// What the trainer's defaults leave apart, bit for bit like the standard ops either way: a
+/// session whose in-place states hold under `in_place::MIN_SESSION_ELEMENTS` in all binds
+/// none (binding costs per state and run). The shipped MLP and the 512x256 linear layer are
+/// under it; with the session minimum off, the linear layer's accumulators go in place, the
+/// weight's (131072 elements) and the bias's (256) alike: a small one left a standard `Add`
+/// would be a fresh buffer bound again every run.
 #[test]
 fn small_states_stay_apart() {
     if !ort_available() {
@@ -515,13 +512,13 @@ fn small_states_stay_apart() {
     let cases = [
         ("mlp_ce_adamw, defaults", mlp(), None, 0),
         ("linear 512x256, defaults", linear(), None, 0),
-        // The weight's accumulator in the accumulate session, and the apply's p, m and v of
-        // both parameters.
+        // The weight's and the bias's accumulators in the accumulate session, and the
+        // apply's p, m and v of both parameters.
         (
             "linear 512x256, no session minimum",
             linear(),
             Some(0),
-            1 + 6,
+            2 + 6,
         ),
     ];
     for (what, (step, data), min_total, expected) in cases {

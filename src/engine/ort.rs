@@ -163,10 +163,6 @@ pub struct SessionOptions {
     /// at a small micro-batch makes the gradient inside the accumulator
     /// (`passes::fuse::accumulate_product`); bit-identical.
     pub fused_weight_grads: bool,
-    /// With `in_place_updates`: the smallest accumulator the trainer fuses and updates in
-    /// place (`passes::fuse::accumulate::MIN_ELEMENTS` by default; 0 takes every one, which
-    /// tests use to exercise in-place updates on small graphs).
-    pub in_place_min_elements: i64,
     /// With `in_place_updates`: a session whose in-place states would hold fewer elements
     /// in all runs apart (`passes::fuse::in_place::MIN_SESSION_ELEMENTS` by default; 0:
     /// never apart for being small).
@@ -212,7 +208,6 @@ impl Default for SessionOptions {
             bias_in_gemm: true,
             fused_leading_sum: true,
             fused_weight_grads: true,
-            in_place_min_elements: crate::passes::fuse::accumulate::MIN_ELEMENTS,
             in_place_min_total: crate::passes::fuse::in_place::MIN_SESSION_ELEMENTS,
             host_scalars: true,
             host_updates: true,

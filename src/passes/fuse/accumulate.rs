@@ -5,8 +5,14 @@
 //!
 //! Matched: an accumulator's next value made by `Add` of the accumulator itself and a
 //! gradient of its exact shape (either operand order: float addition commutes), the
-//! accumulator read by nothing else, of at least the elements the caller asks for
-//! ([`MIN_ELEMENTS`] in the trainer).
+//! accumulator read by nothing else, whatever its size. A small one too: left a standard
+//! `Add`, it is a fresh buffer every run, which the session's kept binding binds again as
+//! the next run's input (~2.5 µs a `BindInput` at two threads) beside the `Add`'s own
+//! dispatch, more than the kernel's dispatch in place (the MLP's four small accumulators
+//! at B 8, two threads, and the GPT's at B 4: their accumulating micro-steps 2-3% faster
+//! fused; benches/README.md, "Run AK"). A session is in place in ONNX Runtime only at 1 Mi
+//! elements or more (`in_place::MIN_SESSION_ELEMENTS`); below, the host adds them
+//! ([`super::host`]).
 
 use super::{accumulators, static_float32_shape, PASS};
 use crate::fused_ops::{accumulate_slot, ACCUMULATE_GRAD, DOMAIN};
@@ -14,19 +20,11 @@ use crate::ir::builder::Builder;
 use crate::ir::{BodyId, Model, ValueId};
 use crate::state::Manifest;
 
-/// The smallest accumulator fused, and the smallest the window start writes in place (a
-/// binding of its own costs a run more than it saves there). Below it the standard `Add` is
-/// faster: ONNX Runtime dispatches a custom kernel in ~4.5 µs (its inputs and outputs are
-/// wrapped and queried through the C API) against ~1 µs for its own `Add`, and in place
-/// saves nothing worth that at 64 KiB (the ResNet-8 BN's 29 accumulators, 78 K parameters:
-/// 0.131 ms per micro-step as kernels, ORT's profiler).
-pub const MIN_ELEMENTS: i64 = 16384;
-
-/// Fuses every accumulation of the main graph of `min_elements` or more; returns how many.
-pub fn fuse_accumulate(model: &mut Model, manifest: &Manifest, min_elements: i64) -> usize {
+/// Fuses every accumulation of the main graph; returns how many.
+pub fn fuse_accumulate(model: &mut Model, manifest: &Manifest) -> usize {
     let mut fused = 0;
     for (acc, next) in accumulators(model, manifest) {
-        let Some(grad) = matched(model, acc, next, min_elements) else {
+        let Some(grad) = matched(model, acc, next) else {
             continue;
         };
         let mut inputs = vec![None; accumulate_slot::COUNT];
@@ -49,8 +47,8 @@ pub fn fuse_accumulate(model: &mut Model, manifest: &Manifest, min_elements: i64
 
 /// The gradient `d` of the window's sum `next = Add(acc, d)` ([`super::accumulation`]), `d`
 /// of `acc`'s declared static float32 shape (or undeclared).
-fn matched(model: &Model, acc: ValueId, next: ValueId, min_elements: i64) -> Option<ValueId> {
-    let (_, grad) = super::accumulation(model, (acc, next), min_elements)?;
+fn matched(model: &Model, acc: ValueId, next: ValueId) -> Option<ValueId> {
+    let (_, grad) = super::accumulation(model, (acc, next))?;
     // An undeclared gradient is taken: grad-accum adds each parameter's gradient, of the
     // parameter's shape, and the kernel checks the sizes (an error, never a broadcast).
     let acc_shape = static_float32_shape(model, acc);

@@ -4,8 +4,8 @@
 //! otherwise has ONNX Runtime's `Gemm` make it and adds it: the standard ops' bits either
 //! way (`fused_ops::product`).
 //!
-//! Matched, for an accumulator read only by that `Add` (either operand order) and of at
-//! least the elements the caller asks for, the gradient read by nothing else and made by
+//! Matched, for an accumulator read only by that `Add` (either operand order) and of a
+//! declared static float32 shape, the gradient read by nothing else and made by
 //!
 //! - `Gemm(A, B)` with `transA = 1`, `transB = 0`, `alpha = 1` and no C (the weight gradient
 //!   our autodiff writes for `Gemm`, and PyTorch's `Linear`),
@@ -25,18 +25,13 @@ use crate::ir::builder::Builder;
 use crate::ir::{normalize_domain, BodyId, Model, NodeId, Use, ValueId};
 use crate::passes::autodiff::shapes::Shapes;
 
-/// Fuses every matched accumulation of the main graph of `min_elements` or more; returns how
-/// many.
-pub fn fuse_accumulate_products(
-    model: &mut Model,
-    manifest: &crate::state::Manifest,
-    min_elements: i64,
-) -> usize {
+/// Fuses every matched accumulation of the main graph; returns how many.
+pub fn fuse_accumulate_products(model: &mut Model, manifest: &crate::state::Manifest) -> usize {
     let mut fused = 0;
     // Ranks are derived only when a `MatMul` form asks for them, once.
     let mut shapes = None;
     for (acc, next) in accumulators(model, manifest) {
-        let Some((a, b)) = matched(model, &mut shapes, (acc, next), min_elements) else {
+        let Some((a, b)) = matched(model, &mut shapes, (acc, next)) else {
             continue;
         };
         let mut inputs = vec![None; accumulate_product_slot::COUNT];
@@ -65,9 +60,8 @@ fn matched(
     model: &Model,
     shapes: &mut Option<Shapes>,
     (acc, next): (ValueId, ValueId),
-    min_elements: i64,
 ) -> Option<(ValueId, ValueId)> {
-    let (add, gradient) = super::accumulation(model, (acc, next), min_elements)?;
+    let (add, gradient) = super::accumulation(model, (acc, next))?;
     if !matches!(model.uses(gradient), [Use::Node { node, .. }] if *node == add) {
         return None;
     }

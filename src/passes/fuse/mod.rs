@@ -63,9 +63,6 @@ pub struct FuseOptions {
     /// The session is the window-start specialisation: accumulators it does not read go
     /// in place as well ([`in_place`]).
     pub window_start: bool,
-    /// Accumulators of fewer elements stay a standard `Add`, apart
-    /// ([`accumulate::MIN_ELEMENTS`] is the trainer's default; 0 takes every one).
-    pub min_accumulator_elements: i64,
     /// A session whose in-place states hold fewer elements in all runs apart, as if
     /// `in_place` were off ([`in_place::MIN_SESSION_ELEMENTS`] is the trainer's default),
     /// unless the host updates them all (`host_updates`).
@@ -132,12 +129,11 @@ pub fn prepare<'m>(
             return Ok(prepared);
         }
     }
-    let min = options.min_accumulator_elements;
     let products = match options.products {
-        true => accumulate_product::fuse_accumulate_products(&mut ir, manifest, min),
+        true => accumulate_product::fuse_accumulate_products(&mut ir, manifest),
         false => 0,
     };
-    let accumulations = products + accumulate::fuse_accumulate(&mut ir, manifest, min);
+    let accumulations = products + accumulate::fuse_accumulate(&mut ir, manifest);
     let keep = in_place::gate(&mut ir, manifest);
     // The replaced nodes must be gone first: they still read the states.
     super::dce::eliminate_dead_code(&mut ir);
@@ -178,9 +174,7 @@ fn for_host_updates(
     max_elements: i64,
 ) -> Result<Option<Prepared<'static>>, super::PassError> {
     adamw_group::unflatten_all(&mut ir);
-    // Every accumulator: the host adds into a small one without the dispatch and the
-    // binding that keep small ones apart in a session (`accumulate::MIN_ELEMENTS`).
-    accumulate::fuse_accumulate(&mut ir, manifest, 0);
+    accumulate::fuse_accumulate(&mut ir, manifest);
     let keep = in_place::gate(&mut ir, manifest);
     super::dce::eliminate_dead_code(&mut ir);
     let plan = in_place::plan(&mut ir, manifest, keep, options.window_start);
@@ -344,12 +338,11 @@ pub(crate) fn accumulators(
 }
 
 /// The window's sum `next = Add(acc, d)` (or `Add(d, acc)`) in the main graph, `acc` read
-/// only there, of at least `min_elements` (a declared static float32 shape): the `Add` and
-/// the gradient `d`. What [`accumulate`] and [`accumulate_product`] fuse.
+/// only there and of a declared static float32 shape: the `Add` and the gradient `d`. What
+/// [`accumulate`] and [`accumulate_product`] fuse.
 pub(crate) fn accumulation(
     model: &Model,
     (acc, next): (ValueId, ValueId),
-    min_elements: i64,
 ) -> Option<(NodeId, ValueId)> {
     let (add, _) = model.producer(next)?;
     let main_add = is_op(model, add, "Add", 2) && model.node(add).body == BodyId::MAIN;
@@ -363,7 +356,8 @@ pub(crate) fn accumulation(
         _ => return None,
     };
     let only_here = matches!(model.uses(acc), [Use::Node { node, .. }] if *node == add);
-    (only_here && at_least(model, acc, min_elements)).then_some((add, gradient))
+    let float32 = static_float32_shape(model, acc).is_some();
+    (only_here && float32).then_some((add, gradient))
 }
 
 /// The fully known shape of `v` when it is declared float32 with one.
@@ -379,11 +373,6 @@ pub(crate) fn static_float32_shape(model: &Model, v: ValueId) -> Option<Vec<i64>
             _ => None,
         })
         .collect()
-}
-
-/// Whether `v` is a float32 tensor of a declared static shape of at least `min` elements.
-pub(crate) fn at_least(model: &Model, v: ValueId, min: i64) -> bool {
-    static_float32_shape(model, v).is_some_and(|dims| dims.iter().product::<i64>() >= min)
 }
 
 pub(crate) fn float32_or_unknown(model: &Model, v: ValueId) -> bool {
