@@ -70,8 +70,8 @@ pub(super) struct KeptBinding {
     cpu: MemoryInfo<'static>,
     /// Nothing bound yet: the first run binds everything and fixes the positions.
     fresh: bool,
-    /// The host inputs: name, C name, and the value this binding owns and bound once.
-    host: Vec<(String, CString, DynValue)>,
+    /// The host inputs, each bound once to a value this binding owns.
+    host: Vec<HostInput>,
     /// The held inputs: name, C name, and the address of the buffer bound (compared, never
     /// dereferenced).
     held: Vec<(String, CString, usize)>,
@@ -111,49 +111,61 @@ fn address_of(value: &DynValue, name: &str) -> Result<usize, EngineError> {
     Ok(data as usize)
 }
 
-/// Copies `tensor` into `value`, which has its element type and shape.
-fn copy_into(value: &DynValue, tensor: &Tensor, name: &str) -> Result<(), EngineError> {
-    let data = address_of(value, name)? as *mut c_void;
-    macro_rules! copy {
-        ($a:expr, $t:ty) => {{
-            // SAFETY: `value` holds as many elements of this type as `$a` (checked by the
-            // caller: same element type, same shape), and nothing else writes it now.
-            let to = unsafe { std::slice::from_raw_parts_mut(data as *mut $t, $a.len()) };
-            match $a.as_slice() {
-                Some(from) => to.copy_from_slice(from),
-                None => to.iter_mut().zip($a.iter()).for_each(|(t, f)| *t = *f),
-            }
-        }};
-    }
-    match tensor {
-        Tensor::F32(a) => copy!(a, f32),
-        Tensor::F64(a) => copy!(a, f64),
-        Tensor::I64(a) => copy!(a, i64),
-        Tensor::I32(a) => copy!(a, i32),
-        Tensor::Bool(a) => copy!(a, bool),
-    }
-    Ok(())
+/// A host input as bound: the value this binding made from the first run's tensor and
+/// owns, and what a later run's tensor must match to be copied into it (its element type
+/// and shape) and where, read once: asking ONNX Runtime about the value every run cost
+/// 0.4-0.5 µs an input (benches/README.md, "Run AK").
+struct HostInput {
+    name: String,
+    c: CString,
+    value: DynValue,
+    kind: std::mem::Discriminant<Tensor>,
+    shape: Vec<usize>,
+    /// The address of `value`'s buffer, which moves only with a new value.
+    data: usize,
 }
 
-/// The element type and shape a host value was made for.
-fn same_layout(value: &DynValue, tensor: &Tensor) -> bool {
-    use ::ort::value::TensorElementType as E;
-    let Some(shape) = value.dtype().tensor_shape() else {
-        return false;
-    };
-    let dtype = match tensor {
-        Tensor::F32(_) => E::Float32,
-        Tensor::F64(_) => E::Float64,
-        Tensor::I64(_) => E::Int64,
-        Tensor::I32(_) => E::Int32,
-        Tensor::Bool(_) => E::Bool,
-    };
-    value.dtype().tensor_type() == Some(dtype)
-        && shape.len() == tensor.shape().len()
-        && shape
-            .iter()
-            .zip(tensor.shape())
-            .all(|(a, b)| *a == *b as i64)
+impl HostInput {
+    fn new(name: &str, tensor: &Tensor) -> Result<HostInput, EngineError> {
+        let value = to_owned_ort(name, tensor)?;
+        Ok(HostInput {
+            name: name.to_string(),
+            c: c_name(name)?,
+            data: address_of(&value, name)?,
+            value,
+            kind: std::mem::discriminant(tensor),
+            shape: tensor.shape().to_vec(),
+        })
+    }
+
+    /// Whether `tensor` has the element type and shape of the value bound.
+    fn fits(&self, tensor: &Tensor) -> bool {
+        std::mem::discriminant(tensor) == self.kind && tensor.shape() == self.shape
+    }
+
+    /// Copies `tensor`, which [`fits`](Self::fits), into the value bound.
+    fn copy_in(&self, tensor: &Tensor) {
+        let data = self.data as *mut c_void;
+        macro_rules! copy {
+            ($a:expr, $t:ty) => {{
+                // SAFETY: the value holds as many elements of this type as `$a` (`fits`:
+                // the element type and shape it was made with), and nothing else writes it
+                // now.
+                let to = unsafe { std::slice::from_raw_parts_mut(data as *mut $t, $a.len()) };
+                match $a.as_slice() {
+                    Some(from) => to.copy_from_slice(from),
+                    None => to.iter_mut().zip($a.iter()).for_each(|(t, f)| *t = *f),
+                }
+            }};
+        }
+        match tensor {
+            Tensor::F32(a) => copy!(a, f32),
+            Tensor::F64(a) => copy!(a, f64),
+            Tensor::I64(a) => copy!(a, i64),
+            Tensor::I32(a) => copy!(a, i32),
+            Tensor::Bool(a) => copy!(a, bool),
+        }
+    }
 }
 
 impl KeptBinding {
@@ -186,7 +198,7 @@ impl KeptBinding {
             || (host.len() == self.host.len()
                 && held.len() == self.held.len()
                 && in_place.len() == self.in_place.len()
-                && host.iter().zip(&self.host).all(|((a, _), (b, ..))| a == b)
+                && host.iter().zip(&self.host).all(|((a, _), b)| *a == b.name)
                 && held.iter().zip(&self.held).all(|((a, _), (b, ..))| a == b)
                 && in_place
                     .iter()
@@ -223,9 +235,9 @@ impl KeptBinding {
         transient: &[String],
     ) -> Result<(), EngineError> {
         for (name, tensor) in host {
-            let (c, value) = (c_name(name)?, to_owned_ort(name, tensor)?);
-            self.bind_input(&c, name, &value)?;
-            self.host.push((name.to_string(), c, value));
+            let input = HostInput::new(name, tensor)?;
+            self.bind_input(&input.c, name, &input.value)?;
+            self.host.push(input);
         }
         for (name, value) in held {
             let c = c_name(name)?;
@@ -270,12 +282,12 @@ impl KeptBinding {
         in_place: &[(&str, &mut DynValue)],
     ) -> Result<(), EngineError> {
         for (i, (name, tensor)) in host.iter().enumerate() {
-            if same_layout(&self.host[i].2, tensor) {
-                copy_into(&self.host[i].2, tensor, name)?;
+            if self.host[i].fits(tensor) {
+                self.host[i].copy_in(tensor);
             } else {
-                let value = to_owned_ort(name, tensor)?;
-                self.bind_input(&self.host[i].1, name, &value)?;
-                self.host[i].2 = value;
+                let input = HostInput::new(name, tensor)?;
+                self.bind_input(&input.c, name, &input.value)?;
+                self.host[i] = input;
             }
         }
         for (i, (name, value)) in held.iter().enumerate() {
