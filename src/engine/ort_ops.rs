@@ -146,31 +146,19 @@ fn required_scalar(ctx: &ComputeContext, op: &str, slot: usize) -> ::ort::Result
 /// The gate of a fused update ([`crate::fused_ops::keeps`]) from its `keep` slot and the
 /// `loss` slot after it.
 fn gate(ctx: &ComputeContext, op: &str, keep_slot: usize) -> ::ort::Result<bool> {
-    let loss_slot = keep_slot + 1;
     let keep = match kernel_io::input(ctx, op, keep_slot)? {
         None => None,
         Some(value) => match value.bools(op, keep_slot)? {
             [keep] => Some(*keep),
             data => {
                 return Err(::ort::Error::new(format!(
-                    "{op}: the gate's keep (input {keep_slot}) has {} elements, not one",
+                    "{op}: input {keep_slot} has {} elements, not one",
                     data.len()
                 )))
             }
         },
     };
-    let loss = match kernel_io::input(ctx, op, loss_slot)? {
-        None => None,
-        Some(value) => match value.f32s(op, loss_slot)? {
-            [loss] => Some(*loss),
-            data => {
-                return Err(::ort::Error::new(format!(
-                    "{op}: the gate's loss (input {loss_slot}) has {} elements, not one",
-                    data.len()
-                )))
-            }
-        },
-    };
+    let loss = scalar_input(ctx, op, keep_slot + 1)?;
     Ok(crate::fused_ops::keeps(keep, loss))
 }
 
