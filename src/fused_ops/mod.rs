@@ -6,21 +6,22 @@
 //! read: the rewrite for the slots, the kernel for the arithmetic.
 //!
 //! Every operator that updates a state ends with two kinds of optional input: the gate, its
-//! `KEEP` and `LOSS` slots ([`keeps`]), and, from its `AFTER` slot on, ordering inputs (variadic, any type): values the kernel never
-//! reads, there only so that the nodes making them run before it. A kernel that updates a
-//! state in place is ordered after every other reader of that state
-//! (`passes::fuse::in_place::plan`): the backward reads a layer's weight again for the
-//! gradient of the layer below, which nothing else orders before the weight's update.
+//! `KEEP` and `LOSS` slots ([`keeps`]), and, from its `AFTER` slot on, ordering inputs
+//! (variadic, any type): values the kernel never reads, there only so that the nodes making
+//! them run before it. A kernel that updates a state in place is ordered after every other
+//! reader of that state (`passes::fuse::in_place::plan`): the backward reads a layer's
+//! weight again for the gradient of the layer below, which nothing else orders before the
+//! weight's update.
 
 /// The operator domain of the fused operators (never written to a file).
 pub const DOMAIN: &str = "ai.onnx_ga";
 pub const DOMAIN_VERSION: i64 = 1;
 
 /// `AdamWUpdate(p, g, m, v, alpha, one_minus_alpha, beta, one_minus_beta, epsilon, lr,
-/// [a], [c], [lr_wd], [g_addend], [g_divisor], [keep], [loss]) -> (p', m', v')`: one parameter's AdamW
-/// step, element by element, in the order of operations of the standard-op lowering
-/// (`passes::legalize::adamw_optimizer::lower_adamw_for_params`), so that float32 results
-/// are bit-identical to it:
+/// [a], [c], [lr_wd], [g_addend], [g_divisor], [keep], [loss]) -> (p', m', v')`: one
+/// parameter's AdamW step, element by element, in the order of operations of the standard-op
+/// lowering (`passes::legalize::adamw_optimizer::lower_adamw_for_params`), so that float32
+/// results are bit-identical to it:
 ///
 /// ```text
 /// g = (g + g_addend) / g_divisor   (each when given: the window's accumulated gradient,
@@ -459,9 +460,9 @@ fn moments(s: &AdamWScalars, g: f32, m: f32, v: f32) -> (f32, f32) {
     (m1, v1)
 }
 
-/// `SgdUpdate(p, g, lr, [buf], [mu], [wd], [g_addend], [g_divisor], [keep], [loss]) -> (p', [buf'])`,
-/// attribute `nesterov` (0 or 1): one parameter's SGD step in the optimizer pass's order of
-/// operations (`passes::optimizer`, bit-identical in float32):
+/// `SgdUpdate(p, g, lr, [buf], [mu], [wd], [g_addend], [g_divisor], [keep], [loss]) ->
+/// (p', [buf'])`, attribute `nesterov` (0 or 1): one parameter's SGD step in the optimizer
+/// pass's order of operations (`passes::optimizer`, bit-identical in float32):
 ///
 /// ```text
 /// g = (g + g_addend) / g_divisor    (each when given, as for AdamWUpdate)
@@ -623,10 +624,11 @@ fn accumulate_portable(g: &[f32], io: Io<'_, 1>) {
 }
 
 /// The gate of every fused update, from its two optional inputs: `keep` (a bool scalar at
-/// its `KEEP` slot) and `loss` (a float32 scalar at its `LOSS` slot, the one after `KEEP`). The update is made
-/// when `keep` is true or `loss` is finite, each of the two counting only when given, and
-/// always when neither is; otherwise the node leaves its state as it was (outputs equal to
-/// inputs; in place, untouched), and a state updated in place needs no copy to put back.
+/// its `KEEP` slot) and `loss` (a float32 scalar at its `LOSS` slot, the one after `KEEP`).
+/// The update is made when `keep` is true or `loss` is finite, each of the two counting only
+/// when given, and always when neither is; otherwise the node leaves its state as it was
+/// (outputs equal to inputs; in place, untouched), and a state updated in place needs no
+/// copy to put back.
 ///
 /// The fuse pass gives the step's loss and the input [`KEEP_NONFINITE`], which the trainer
 /// feeds true unless it discards a micro-step with a non-finite loss (`OnNonFinite::Stop`
