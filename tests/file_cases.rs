@@ -278,6 +278,8 @@ macro_rules! cases {
 
 cases! {
     dce_if_branches => "dce/if_branches.onnxtxt",
+    errors_layer_norm_axis_out_of_range => "errors/layer_norm_axis_out_of_range.onnxtxt",
+    errors_layer_norm_grad_axis_unknown_rank => "errors/layer_norm_grad_axis_unknown_rank.onnxtxt",
     errors_loop_body_draws_random => "errors/loop_body_draws_random.onnxtxt",
     errors_loop_body_signature => "errors/loop_body_signature.onnxtxt",
     errors_missing_gradient => "errors/missing_gradient.onnxtxt",

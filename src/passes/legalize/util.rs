@@ -13,6 +13,10 @@ use crate::proto::{AttributeProto, TensorProto};
 
 pub(super) use crate::proto::elem::{BFLOAT16, DOUBLE, FLOAT, FLOAT16, INT32, INT64};
 
+/// More axes than any tensor a model trains on has (ONNX itself sets no limit): the bound an
+/// axis attribute is checked against when the rank it counts back from is not declared.
+pub const MAX_RANK: i64 = 64;
+
 /// Constants minted during one run of the pass, keyed by body, element type, dims and
 /// bytes, so that e.g. every `ReluGrad` of a graph compares against the same `0.0`.
 #[derive(Default)]
@@ -167,6 +171,10 @@ impl Lowering<'_, '_> {
 
     /// The axes `[axis, rank)` that an op "normalising from `axis` on" reduces over: written
     /// with negative numbers when `axis` is negative, so the rank need not be known.
+    ///
+    /// A negative `axis` is checked against the rank when the model declares it, and otherwise
+    /// against [`MAX_RANK`]: the axis list is as long as `-axis`, and an attribute the user wrote
+    /// must not decide how much memory the rewrite asks for.
     pub fn trailing_axes(
         &self,
         node: NodeId,
@@ -174,6 +182,17 @@ impl Lowering<'_, '_> {
         x: ValueId,
     ) -> Result<Vec<i64>, PassError> {
         if axis < 0 {
+            let rank = self.rank(x);
+            let deepest = rank.map_or(MAX_RANK, |r| r as i64);
+            if axis < -deepest {
+                let against = match rank {
+                    Some(r) => format!("a rank-{r} input"),
+                    None => format!(
+                        "an input of undeclared rank (no tensor has more than {MAX_RANK} axes)"
+                    ),
+                };
+                return Err(self.unsupported(node, "axis", format!("{axis} for {against}")));
+            }
             return Ok((axis..0).collect());
         }
         let rank = self.rank(x).ok_or_else(|| {
