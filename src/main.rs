@@ -206,6 +206,12 @@ struct TrainArgs {
     /// row once an epoch, the same order on every run, rank and resume. Default: in order.
     #[arg(long, value_name = "SEED")]
     shuffle: Option<u64>,
+    /// Seed every random draw of the step from SEED (Dropout masks, RandomNormal/Uniform,
+    /// Bernoulli, Multinomial; each node and session its own stream), so that a run with
+    /// dropout repeats exactly. A resumed run restarts the streams: reproducible, not the
+    /// first run's continuation. Default: the engine seeds them (runs differ).
+    #[arg(long, value_name = "SEED")]
+    draw_seed: Option<u64>,
     /// The engine: ONNX Runtime, tract (pure Rust), or auto: ONNX Runtime when its library
     /// is found, else tract.
     #[arg(long, value_enum, default_value = "auto")]
@@ -1447,6 +1453,7 @@ fn train(mut args: TrainArgs) -> Result<(), Failure> {
             ..Default::default()
         },
         split: !args.no_split,
+        draw_seed: args.draw_seed,
     };
     let mut trainer =
         Trainer::with_options(&model, &options).map_err(|e| step_context(e, &args.model))?;
@@ -1454,6 +1461,9 @@ fn train(mut args: TrainArgs) -> Result<(), Failure> {
     // and a copy kept for the whole run would be one more of the parameters' size.
     let limits = onnx_ga::index_check::index_limits(&model, &trainer.manifest.data_inputs);
     let schedule = lr_schedule(&args, &model, &trainer.manifest)?;
+    if let Some(note) = draw_note(&model, args.draw_seed) {
+        progress.note(note);
+    }
     drop(model);
     trainer.set_on_nonfinite(on_nonfinite);
     progress.note(format!(
@@ -2067,6 +2077,17 @@ fn read_progress(path: &Path) -> Result<Option<Progress>, UsageError> {
 /// record; an error when the record is of another state.
 /// Where training starts: `--start-step`, else the micro-step `--init-state`'s progress
 /// record gives, else 0; with the notes to print about it.
+/// What `train` says of the step's random draws (`--draw-seed`), when it has any.
+fn draw_note(model: &onnx_ga::proto::ModelProto, seed: Option<u64>) -> Option<String> {
+    if !onnx_ga::train::draw_seed::draws(model) {
+        return None;
+    }
+    Some(match seed {
+        Some(seed) => format!("random draws (dropout): seeded from --draw-seed {seed}"),
+        None => "random draws (dropout): seeded by the engine, so runs differ; --draw-seed SEED makes them repeat".into(),
+    })
+}
+
 fn start_step(
     trainer: &onnx_ga::train::Trainer,
     args: &TrainArgs,

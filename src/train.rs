@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 pub mod distributed;
+pub mod draw_seed;
 mod host_counter;
 mod window_start;
 mod zero_after_apply;
@@ -22,6 +23,7 @@ pub const SKIPPED_OUTPUT: &str = "ga.skipped";
 const SKIPPED: &str = SKIPPED_OUTPUT;
 use crate::state::Manifest;
 use crate::step::StepError;
+use draw_seed::SessionRole;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -147,6 +149,9 @@ pub struct TrainOptions {
     /// ([`crate::split`]): no `If` and no copies of unchanged state per micro-step. Off runs
     /// the exported graph as is (same results).
     pub split: bool,
+    /// Seeds every random draw of the sessions (Dropout masks, random ops) from this
+    /// ([`draw_seed`]), so that runs repeat; `None` leaves them to the engine's own seeding.
+    pub draw_seed: Option<u64>,
 }
 
 impl Default for TrainOptions {
@@ -155,6 +160,7 @@ impl Default for TrainOptions {
             engine: EngineKind::Ort,
             session: SessionOptions::default(),
             split: true,
+            draw_seed: None,
         }
     }
 }
@@ -430,6 +436,8 @@ impl Trainer {
             false => None,
         };
         let micro_step_input = crate::split::micro_step_input(&manifest).map(str::to_string);
+        // Each session's draws seeded apart (`draw_seed`); the model itself when there is
+        // nothing to seed.
         // Parameter updates the sessions run as one fused kernel each (`fuse-adamw`).
         let mut fused = FusedCounts::default();
         let mut runner = match (split, micro_step_input) {
@@ -497,7 +505,7 @@ impl Trainer {
                 let start = match start_model {
                     Some(s) => Some(Box::new(open_engine(
                         kind,
-                        &s.model,
+                        &seeded_draws(&s.model, options.draw_seed, SessionRole::WindowStart),
                         &session,
                         &manifest,
                         &mut fused,
@@ -508,7 +516,11 @@ impl Trainer {
                 Runner::Split {
                     accumulate: Box::new(open_engine(
                         kind,
-                        &split.accumulate.model,
+                        &seeded_draws(
+                            &split.accumulate.model,
+                            options.draw_seed,
+                            SessionRole::Accumulate,
+                        ),
                         &session,
                         &manifest,
                         &mut fused,
@@ -517,7 +529,7 @@ impl Trainer {
                     start,
                     apply: Box::new(open_engine(
                         kind,
-                        &apply.model,
+                        &seeded_draws(&apply.model, options.draw_seed, SessionRole::Apply),
                         &session,
                         &manifest,
                         &mut fused,
@@ -539,7 +551,7 @@ impl Trainer {
             )),
             _ => Runner::Whole(Box::new(open_engine(
                 kind,
-                model,
+                &seeded_draws(model, options.draw_seed, SessionRole::Whole),
                 &options.session,
                 &manifest,
                 &mut fused,
@@ -1379,6 +1391,19 @@ pub fn micro_batch(
 /// The data rows micro-step `step` takes (see [`micro_batch`]), in order.
 pub fn micro_batch_rows(samples: usize, batch: usize, step: u64) -> Vec<usize> {
     crate::sample_order::SampleOrder::InOrder.rows(samples, batch, step)
+}
+
+/// `model` with its draws seeded from `seed` as session `role` ([`draw_seed`]); the model
+/// itself without a seed or with nothing to seed.
+fn seeded_draws(model: &ModelProto, seed: Option<u64>, role: SessionRole) -> Cow<'_, ModelProto> {
+    match seed {
+        Some(seed) if draw_seed::draws(model) => {
+            let mut model = model.clone();
+            draw_seed::seed_draws(&mut model, seed, role);
+            Cow::Owned(model)
+        }
+        _ => Cow::Borrowed(model),
+    }
 }
 
 /// What [`open_engine`] fused, summed over the sessions.

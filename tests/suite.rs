@@ -25,6 +25,7 @@ mod controls;
 mod data_safety;
 mod device_cuda;
 mod distributed;
+mod draw_seed;
 mod eval_loss;
 mod export_trained;
 mod file_cases;

@@ -329,6 +329,9 @@ fn set_up(args: &mut TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup
             ..Default::default()
         },
         split: true,
+        draw_seed: args
+            .draw_seed
+            .map(|seed| onnx_ga::train::draw_seed::for_rank(seed, rank)),
     };
     let shared: Box<dyn Collective> = Box::new(collective.clone());
     let mut trainer = Trainer::with_collective(&model, &options, shared)
@@ -336,6 +339,11 @@ fn set_up(args: &mut TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup
     // Not read again: its initial values live in the trainer's state now (as in `train`).
     let limits = onnx_ga::index_check::index_limits(&model, &trainer.manifest.data_inputs);
     let schedule = super::lr_schedule(args, &model, &trainer.manifest)?;
+    if lead {
+        if let Some(note) = super::draw_note(&model, args.draw_seed) {
+            eprintln!("{note}");
+        }
+    }
     drop(model);
     trainer.set_on_nonfinite(on_nonfinite);
     crate::host_controls(&mut trainer, args.lr, args.accum_steps)?;

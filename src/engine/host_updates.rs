@@ -106,7 +106,7 @@ impl<'a> Operands<'a> {
             Some(Data::Bool([keep])) => Some(*keep),
             Some(_) => return Err(wrong(update, keep_slot, "one bool")),
         };
-        let loss = self.scalar(update, keep_slot + 1)?;
+        let loss = self.scalar(update, crate::fused_ops::loss_slot(keep_slot))?;
         Ok(crate::fused_ops::keeps(keep, loss))
     }
 }
@@ -170,7 +170,10 @@ impl<'a> Shared<'a> {
         keep_slot: usize,
     ) -> Result<bool, EngineError> {
         let operand = |slot: usize| update.operands.get(slot).and_then(Option::as_ref);
-        let gate = (operand(keep_slot), operand(keep_slot + 1));
+        let gate = (
+            operand(keep_slot),
+            operand(crate::fused_ops::loss_slot(keep_slot)),
+        );
         if let Some((seen, keep)) = self.gate {
             if seen == gate {
                 return Ok(keep);

@@ -158,7 +158,7 @@ fn gate(ctx: &ComputeContext, op: &str, keep_slot: usize) -> ::ort::Result<bool>
             }
         },
     };
-    let loss = scalar_input(ctx, op, keep_slot + 1)?;
+    let loss = scalar_input(ctx, op, crate::fused_ops::loss_slot(keep_slot))?;
     Ok(crate::fused_ops::keeps(keep, loss))
 }
 

@@ -59,7 +59,7 @@ pub mod adamw_slot {
     pub const GRAD_DIVISOR: usize = 14;
     /// The gate ([`super::keeps`]).
     pub const KEEP: usize = 15;
-    pub const LOSS: usize = KEEP + 1;
+    pub const LOSS: usize = super::loss_slot(KEEP);
     /// Ordering inputs from here on (any number, any type, never read: see the module's comment).
     pub const AFTER: usize = 17;
     pub const COUNT: usize = 17;
@@ -486,7 +486,7 @@ pub mod sgd_slot {
     pub const GRAD_DIVISOR: usize = 7;
     /// The gate ([`super::keeps`]).
     pub const KEEP: usize = 8;
-    pub const LOSS: usize = KEEP + 1;
+    pub const LOSS: usize = super::loss_slot(KEEP);
     /// Ordering inputs from here on (see the module's comment).
     pub const AFTER: usize = 10;
     pub const COUNT: usize = 10;
@@ -601,7 +601,7 @@ pub mod accumulate_slot {
     pub const GRAD: usize = 1;
     /// The gate ([`super::keeps`]).
     pub const KEEP: usize = 2;
-    pub const LOSS: usize = KEEP + 1;
+    pub const LOSS: usize = super::loss_slot(KEEP);
     /// Ordering inputs from here on (see the module's comment).
     pub const AFTER: usize = 4;
     pub const COUNT: usize = 4;
@@ -639,6 +639,13 @@ pub fn keeps(keep: Option<bool>, loss: Option<f32>) -> bool {
         (None, None) => true,
         (keep, loss) => keep == Some(true) || loss.is_some_and(f32::is_finite),
     }
+}
+
+/// The gate's `LOSS` slot of a fused operator whose `KEEP` slot is `keep_slot`: the one after
+/// it, in every slot module (`LOSS = KEEP + 1`), so that code generic over the operators
+/// finds both from one number.
+pub const fn loss_slot(keep_slot: usize) -> usize {
+    keep_slot + 1
 }
 
 pub const KEEP_NONFINITE: &str = "ga.keep_nonfinite";

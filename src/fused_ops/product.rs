@@ -38,7 +38,7 @@ pub mod accumulate_product_slot {
     pub const B: usize = 2;
     /// The gate ([`super::super::keeps`]).
     pub const KEEP: usize = 3;
-    pub const LOSS: usize = KEEP + 1;
+    pub const LOSS: usize = crate::fused_ops::loss_slot(KEEP);
     /// Ordering inputs from here on (see [`super::super`]'s comment).
     pub const AFTER: usize = 5;
     pub const COUNT: usize = 5;

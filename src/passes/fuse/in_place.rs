@@ -146,7 +146,7 @@ pub fn gate(model: &mut Model, manifest: &Manifest) -> Option<String> {
         let op = model.node(n).proto.op_type().to_string();
         if let Some((_, slot, _)) = state_slots(&op, &model.node(n).inputs) {
             model.set_input_growing(n, slot, k);
-            model.set_input_growing(n, slot + 1, loss);
+            model.set_input_growing(n, crate::fused_ops::loss_slot(slot), loss);
         }
     }
     Some(model.name(k).to_string())

@@ -16,7 +16,8 @@
 //! gradient uses what the forward drew. A Dropout that does not drop (no training mode, or
 //! it false) is left: tract runs it as the identity. The draw's node gets a name ending in
 //! "Like": tract 0.23 tells `RandomUniformLike` from `RandomUniform` by the node's name,
-//! not its op (`lower_for_tract`'s `name_random_likes`).
+//! not its op (`lower_for_tract`'s `name_random_likes`). A Dropout's `seed` becomes the
+//! draw's.
 
 use super::util::constant_scalar;
 use super::Lowering;
@@ -37,16 +38,24 @@ pub fn lower(l: &mut Lowering<'_, '_>, node: NodeId) -> Result<(), PassError> {
     let x = l.input(node, 0)?;
     let t = l.float_type(node, x)?;
     let ratio = l.optional_input(node, 1);
-    let uniform = l.op(
-        "RandomUniformLike",
-        &[x],
-        vec![
-            attr_int("dtype", t as i64),
-            attr_float("low", 0.0),
-            attr_float("high", 1.0),
-        ],
-        "dropout_uniform",
-    );
+    let mut draw = vec![
+        attr_int("dtype", t as i64),
+        attr_float("low", 0.0),
+        attr_float("high", 1.0),
+    ];
+    // A seeded Dropout (the model's, or `train --draw-seed`'s) stays seeded: the draw's
+    // seed is a float, so the int is taken below 2^24, where float32 holds it exactly.
+    let seed = l
+        .model()
+        .node(node)
+        .proto
+        .attribute
+        .iter()
+        .find(|a| a.name() == "seed");
+    if let Some(seed) = seed.and_then(|a| a.i) {
+        draw.push(attr_float("seed", seed.rem_euclid(1 << 24) as f32));
+    }
+    let uniform = l.op("RandomUniformLike", &[x], draw, "dropout_uniform");
     // The ratio in X's type for the comparison, and keep = 1 - ratio as the kernel makes
     // it: in float32, whatever the types, then in X's type.
     let float = DataType::Float as i32;
