@@ -236,6 +236,17 @@ mod tests {
         assert_eq!(seed_draws(&mut a, 9, SessionRole::Whole), 0);
     }
 
+    /// Rank 0 seeds as a single process does; every other rank from a seed of its own.
+    #[test]
+    fn each_rank_draws_from_its_own_seed() {
+        assert_eq!(for_rank(7, 0), 7);
+        let mut seeds: Vec<u64> = (0..64).map(|rank| for_rank(7, rank)).collect();
+        seeds.extend((0..64).map(|rank| for_rank(8, rank)));
+        seeds.sort_unstable();
+        seeds.dedup();
+        assert_eq!(seeds.len(), 128);
+    }
+
     #[test]
     fn a_model_without_draws_says_so() {
         let model = crate::ir::text::parse_model(
