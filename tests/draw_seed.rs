@@ -30,16 +30,12 @@ dropout_mlp (float[N,8] x, int64[N] labels) => (float loss)
         graph,
         &[("w1", &[8, 32], 31, 0.5), ("w2", &[32, 4], 32, 0.5)],
     );
-    let mut ratio = onnx_ga::ir::builder::tensor_f32(&[], &[0.5]);
-    ratio.name = Some("ratio".into());
-    graph.initializer.push(ratio);
-    let mut forward = onnx_ga::signature::forward(model, std::path::Path::new("dropout_mlp.onnx"));
-    forward.signature.loss = "loss".into();
-    let spec = "autodiff(loss=loss,grads=internal,freeze=ratio),grad-accum(steps=4),optimizer(kind=sgd,lr=0.1),legalize-ort,dce";
-    onnx_ga::step::build_step(forward, spec, true)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .model
-        .to_proto()
+    crate::common::push_initializer(graph, "ratio", &[], &[0.5]);
+    crate::common::ort_step(
+        model,
+        "dropout_mlp.onnx",
+        "grad-accum(steps=4),optimizer(kind=sgd,lr=0.1)",
+    )
 }
 
 /// The losses of 12 micro-steps (three windows) of `step` on one fixed micro-batch, and the

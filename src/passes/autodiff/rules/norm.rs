@@ -238,17 +238,6 @@ pub fn batch_norm_internal(
         return Ok(vec![None; wants.len()]);
     };
     let (x, scale) = (cx.input(node, 0)?, cx.input(node, 1)?);
-    // Checked here, where the error can name the user's node, when the rank is known; the
-    // lowering of the gradient op checks again against what it knows.
-    if let Some(rank) = cx.facts(x).rank() {
-        let (axis, rank) = (cx.int_attr(node, "axis", -1)?, rank as i64);
-        if !(-rank..rank).contains(&axis) {
-            return Err(cx.error(
-                node,
-                format!("attribute 'axis' = {axis} is out of range for rank {rank}"),
-            ));
-        }
-    }
     let y = cx.model().name(cx.forward_output(node, 0)?).to_string();
     let saved_mean =
         cx.b.model
