@@ -895,3 +895,44 @@ fn patience_stops_every_rank_where_one_process_stops() {
     assert!(out.status.success(), "2 ranks: {}", stderr(&out));
     assert_eq!(saved(&two), 12);
 }
+
+/// `--draw-seed` on two ranks: the run repeats bit for bit (each rank seeds its sessions
+/// from its own stream, `draw_seed::for_rank`), and another seed trains otherwise.
+#[test]
+fn a_seeded_dropout_run_on_two_ranks_repeats() {
+    let Some(mpirun) = mpirun() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let step = d.join("dropout_mlp.onnx");
+    std::fs::write(
+        &step,
+        prost::Message::encode_to_vec(&crate::draw_seed::dropout_step()),
+    )
+    .unwrap();
+    let data = d.join("data.npz");
+    let rows = common::labelled_data(&[16, 8], 5, 4);
+    onnx_ga::data::write_npz(&data, rows.iter().map(|(k, v)| (k.as_str(), v))).unwrap();
+    let trained = |name: &str, seed: &str| {
+        let state = d.join(name);
+        let flags = [
+            "--distributed",
+            "mpi",
+            "--draw-seed",
+            seed,
+            "--save-state",
+            s(&state),
+        ];
+        let out = mpi(&mpirun, 2, &train_args(&step, &data, "16", &flags));
+        assert!(out.status.success(), "--draw-seed {seed}: {}", stderr(&out));
+        std::fs::read(&state).unwrap()
+    };
+    let first = trained("a.npz", "3");
+    assert!(
+        first == trained("b.npz", "3"),
+        "--draw-seed 3 on two ranks, twice: the states differ"
+    );
+    assert!(
+        first != trained("c.npz", "4"),
+        "--draw-seed 3 and 4: the same state"
+    );
+}

@@ -13,7 +13,7 @@ use crate::common::{labelled_data, ort_available};
 
 /// A linear layer, ReLU, a Dropout of half, a linear layer and a cross-entropy: the step
 /// (K = 4, SGD) for ONNX Runtime or tract.
-fn dropout_step() -> ModelProto {
+pub(crate) fn dropout_step() -> ModelProto {
     let text = r#"<ir_version: 8, opset_import: ["" : 17]>
 dropout_mlp (float[N,8] x, int64[N] labels) => (float loss)
 {
