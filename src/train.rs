@@ -1393,16 +1393,16 @@ pub fn micro_batch_rows(samples: usize, batch: usize, step: u64) -> Vec<usize> {
     crate::sample_order::SampleOrder::InOrder.rows(samples, batch, step)
 }
 
-/// `model` with its draws seeded from `seed` as session `role` ([`draw_seed`]); the model
-/// itself without a seed or with nothing to seed.
+/// `model` with its draws seeded as session `role` of a run seeded `seed` ([`draw_seed`]);
+/// the model itself when that changes nothing.
 fn seeded_draws(model: &ModelProto, seed: Option<u64>, role: SessionRole) -> Cow<'_, ModelProto> {
-    match seed {
-        Some(seed) if draw_seed::draws(model) => {
+    match draw_seed::would_seed(model, seed, role) {
+        true => {
             let mut model = model.clone();
             draw_seed::seed_draws(&mut model, seed, role);
             Cow::Owned(model)
         }
-        _ => Cow::Borrowed(model),
+        false => Cow::Borrowed(model),
     }
 }
 

@@ -14,7 +14,15 @@ use crate::common::{labelled_data, ort_available};
 /// A linear layer, ReLU, a Dropout of half, a linear layer and a cross-entropy: the step
 /// (K = 4, SGD) for ONNX Runtime or tract.
 pub(crate) fn dropout_step() -> ModelProto {
-    let text = r#"<ir_version: 8, opset_import: ["" : 17]>
+    step_of(DROPOUT_MLP)
+}
+
+/// The same model with a Dropout its author seeded.
+fn seeded_dropout_step() -> ModelProto {
+    step_of(&DROPOUT_MLP.replace("Dropout (h, ratio)", "Dropout <seed = 5> (h, ratio)"))
+}
+
+const DROPOUT_MLP: &str = r#"<ir_version: 8, opset_import: ["" : 17]>
 dropout_mlp (float[N,8] x, int64[N] labels) => (float loss)
 {
   p1 = MatMul (x, w1)
@@ -24,6 +32,8 @@ dropout_mlp (float[N,8] x, int64[N] labels) => (float loss)
   loss = SoftmaxCrossEntropyLoss <reduction = "mean"> (logits, labels)
 }
 "#;
+
+fn step_of(text: &str) -> ModelProto {
     let mut model = onnx_ga::ir::text::parse_model(text).unwrap();
     let graph = model.graph.as_mut().unwrap();
     crate::common::push_parameters(
@@ -68,20 +78,24 @@ fn same_state(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> boo
         })
 }
 
-fn check(engine: EngineKind) {
-    let step = dropout_step();
-    let data = labelled_data(&[16, 8], 5, 4);
-    let batch = micro_batch(&data, 16, 8, 0);
-    let (losses, state) = run(&step, engine, Some(11), &batch);
-    let (again, state_again) = run(&step, engine, Some(11), &batch);
+/// Two runs of `step` with `seed` train bit for bit alike, and the four micro-steps of the
+/// first window draw four masks; returns the losses and the state.
+fn repeats(
+    step: &ModelProto,
+    engine: EngineKind,
+    seed: Option<u64>,
+    batch: &BTreeMap<String, Tensor>,
+) -> (Vec<f32>, BTreeMap<String, Tensor>) {
+    let (losses, state) = run(step, engine, seed, batch);
+    let (again, state_again) = run(step, engine, seed, batch);
     assert_eq!(
         losses.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
         again.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
-        "{engine:?}: one seed, two runs: {losses:?} against {again:?}"
+        "{engine:?}, seed {seed:?}: two runs: {losses:?} against {again:?}"
     );
     assert!(
         same_state(&state, &state_again),
-        "{engine:?}: one seed, two final states"
+        "{engine:?}, seed {seed:?}: two final states"
     );
 
     // Within the first window the parameters do not change and the batch is the same, so
@@ -92,11 +106,19 @@ fn check(engine: EngineKind) {
             assert_ne!(
                 first[i].to_bits(),
                 first[j].to_bits(),
-                "{engine:?}: micro-steps {i} and {j} drew the same mask: {first:?}"
+                "{engine:?}, seed {seed:?}: micro-steps {i} and {j} drew the same mask: {first:?}"
             );
         }
     }
 
+    (losses, state)
+}
+
+fn check(engine: EngineKind) {
+    let step = dropout_step();
+    let data = labelled_data(&[16, 8], 5, 4);
+    let batch = micro_batch(&data, 16, 8, 0);
+    let (losses, state) = repeats(&step, engine, Some(11), &batch);
     let (other, other_state) = run(&step, engine, Some(12), &batch);
     assert_ne!(
         losses, other,
@@ -106,6 +128,20 @@ fn check(engine: EngineKind) {
         !same_state(&state, &other_state),
         "{engine:?}: seeds 11 and 12, one state"
     );
+}
+
+/// A Dropout its author seeded, trained without `--draw-seed`: the run repeats, and the
+/// split runner's sessions still draw apart (with the author's seed kept verbatim in each,
+/// the window start's first mask was the accumulate's first).
+#[test]
+fn an_author_seeded_dropout_draws_apart_in_each_session() {
+    let step = seeded_dropout_step();
+    let data = labelled_data(&[16, 8], 5, 4);
+    let batch = micro_batch(&data, 16, 8, 0);
+    if ort_available() {
+        repeats(&step, EngineKind::Ort, None, &batch);
+    }
+    repeats(&step, EngineKind::Tract, None, &batch);
 }
 
 #[test]

@@ -12,15 +12,19 @@
 //! Each node's seed is derived from the run's seed, the session (the split runner's window
 //! start, accumulate and apply specialisations each run the forward pass, and with one seed
 //! they would draw the same masks at the same count of their own runs) and the node's place
-//! in the graph, so no two generators of a run start alike. A node that already has a
-//! `seed` keeps it: the model's author chose it.
+//! in the graph, so no two generators of a run start alike. `--draw-seed` seeds every
+//! drawing node, over any seed the model gives. Without it, a node the model seeds itself
+//! (its author's choice) keeps that seed in the whole step, and in each specialisation of
+//! the split runner draws from it mixed with the session: kept verbatim there, the window
+//! start's, the accumulate's and the apply's generators would start alike, and the
+//! micro-steps of a window would draw the same masks.
 //!
 //! A resumed run seeds its sessions the same way, so from the resume point on it draws what
 //! the first run drew from its start, not what the first run would have drawn next: it is
 //! reproducible (the same resume point gives the same run), not a continuation.
 
 use crate::proto::attribute_proto::AttributeType;
-use crate::proto::{AttributeProto, GraphProto, ModelProto};
+use crate::proto::{AttributeProto, GraphProto, ModelProto, NodeProto};
 
 /// Which of a trainer's sessions a model is, for its nodes' seeds (the discriminant is
 /// part of every seed, so it must not change between versions without reason).
@@ -54,14 +58,23 @@ enum SeedKind {
     Float,
 }
 
-/// Seeds every drawing node of `model` (at any depth: If branches, Loop and Scan bodies)
-/// that has no seed; returns how many were seeded.
-pub fn seed_draws(model: &mut ModelProto, seed: u64, role: SessionRole) -> usize {
+/// Seeds the drawing nodes of `model` (at any depth: If branches, Loop and Scan bodies) as
+/// session `role` of a run: from `seed` when given (`--draw-seed`, over any seed the model
+/// has), else only the nodes the model seeds itself, and only where the session is not the
+/// whole step (see the module's comment); returns how many nodes it seeded.
+pub fn seed_draws(model: &mut ModelProto, seed: Option<u64>, role: SessionRole) -> usize {
     let Some(graph) = model.graph.as_mut() else {
         return 0;
     };
-    let base = mix(mix(seed) ^ role as u64);
-    seed_graph(graph, base)
+    let session = mix(role as u64 + 1);
+    let derive = |existing: Option<u64>, place: u64| match (seed, existing) {
+        (Some(seed), _) => Some(mix(mix(seed) ^ session ^ place)),
+        // The author's seed, told apart per session but not per node: two nodes the author
+        // gave one seed still draw alike within a session.
+        (None, Some(own)) if role != SessionRole::Whole => Some(mix(mix(own) ^ session)),
+        _ => None,
+    };
+    seed_graph(graph, 0, &derive)
 }
 
 /// The seed rank `rank` of a data-parallel job seeds its sessions from: each rank draws
@@ -76,35 +89,66 @@ pub fn for_rank(seed: u64, rank: usize) -> u64 {
 
 /// Whether `model` has a node that draws random numbers (seeded or not).
 pub fn draws(model: &ModelProto) -> bool {
-    fn any(graph: &GraphProto) -> bool {
-        graph.node.iter().any(|node| {
-            kind_of(node.domain(), node.op_type()).is_some()
-                || node.attribute.iter().any(|a| subgraphs(a).any(any))
-        })
-    }
-    model.graph.as_ref().is_some_and(any)
+    any_draw(model, &|_| true)
 }
 
-fn seed_graph(graph: &mut GraphProto, path: u64) -> usize {
+/// Whether [`seed_draws`] would change `model` as session `role` with `seed`.
+pub fn would_seed(model: &ModelProto, seed: Option<u64>, role: SessionRole) -> bool {
+    match (seed, role) {
+        (Some(_), _) => draws(model),
+        (None, SessionRole::Whole) => false,
+        (None, _) => any_draw(model, &|node| own_seed(node).is_some()),
+    }
+}
+
+fn any_draw(model: &ModelProto, wanted: &dyn Fn(&NodeProto) -> bool) -> bool {
+    fn any(graph: &GraphProto, wanted: &dyn Fn(&NodeProto) -> bool) -> bool {
+        graph.node.iter().any(|node| {
+            (kind_of(node.domain(), node.op_type()).is_some() && wanted(node))
+                || node
+                    .attribute
+                    .iter()
+                    .any(|a| subgraphs(a).any(|g| any(g, wanted)))
+        })
+    }
+    model.graph.as_ref().is_some_and(|g| any(g, wanted))
+}
+
+/// The `seed` a node carries, as bits (an int's value, a float's bits).
+fn own_seed(node: &NodeProto) -> Option<u64> {
+    let attribute = node.attribute.iter().find(|a| a.name() == "seed")?;
+    attribute
+        .i
+        .map(|i| i as u64)
+        .or(attribute.f.map(|f| f.to_bits() as u64))
+}
+
+fn seed_graph(
+    graph: &mut GraphProto,
+    path: u64,
+    derive: &dyn Fn(Option<u64>, u64) -> Option<u64>,
+) -> usize {
     let mut seeded = 0;
     for (index, node) in graph.node.iter_mut().enumerate() {
         // The node's place: its index in its body, the body's place, its op and its name.
-        let here = mix(path ^ mix(index as u64 + 1) ^ bytes_hash(node.op_type().as_bytes()))
-            ^ bytes_hash(node.name().as_bytes());
-        let here = mix(here);
+        let place = mix(path
+            ^ mix(index as u64 + 1)
+            ^ bytes_hash(node.op_type().as_bytes())
+            ^ mix(bytes_hash(node.name().as_bytes())));
         if let Some(kind) = kind_of(node.domain(), node.op_type()) {
-            if !node.attribute.iter().any(|a| a.name() == "seed") {
-                node.attribute.push(seed_attribute(kind, here));
+            if let Some(value) = derive(own_seed(node), place) {
+                node.attribute.retain(|a| a.name() != "seed");
+                node.attribute.push(seed_attribute(kind, value));
                 seeded += 1;
             }
         }
         for (a, attribute) in node.attribute.iter_mut().enumerate() {
-            let attribute_path = mix(here ^ (a as u64 + 1));
+            let attribute_path = mix(place ^ (a as u64 + 1));
             if let Some(g) = attribute.g.as_mut() {
-                seeded += seed_graph(g, mix(attribute_path));
+                seeded += seed_graph(g, mix(attribute_path), derive);
             }
             for (b, g) in attribute.graphs.iter_mut().enumerate() {
-                seeded += seed_graph(g, mix(attribute_path ^ mix(b as u64 + 1)));
+                seeded += seed_graph(g, mix(attribute_path ^ mix(b as u64 + 1)), derive);
             }
         }
     }
@@ -192,22 +236,28 @@ mod tests {
         .unwrap()
     }
 
-    /// Every drawing node is seeded, at any depth; a seed the model gives is kept; the same
-    /// seed and session give the same seeds, and another seed or session others, all distinct.
+    /// With a run's seed every drawing node is seeded, at any depth, the model's own seed
+    /// replaced; the same seed and session give the same seeds, and another seed or session
+    /// others, all distinct.
     #[test]
     fn every_draw_gets_a_seed_of_its_own_and_the_run_s() {
         let mut a = model();
-        assert!(draws(&a));
-        assert_eq!(seed_draws(&mut a, 7, SessionRole::Accumulate), 4);
+        assert!(draws(&a) && would_seed(&a, Some(7), SessionRole::Whole));
+        assert_eq!(seed_draws(&mut a, Some(7), SessionRole::Accumulate), 5);
         let seen = seeds(&a);
         let names: Vec<&str> = seen.iter().map(|(n, _, _)| n.as_str()).collect();
         assert_eq!(names, ["d1", "u1", "kept", "d2", "d3"]);
-        assert_eq!(seen[2].2, Some(5.0), "the model's own seed is kept");
-        assert!(seen[0].1.is_some_and(|i| i >= 0) && seen[1].2.is_some_and(|f| f < 16_777_216.0));
-        assert!(seen[1].2.is_some_and(|f| f.fract() == 0.0));
+        assert!(
+            seen[2].2.is_some_and(|f| f != 5.0),
+            "--draw-seed decides every draw"
+        );
+        assert!(seen[0].1.is_some_and(|i| i >= 0));
+        assert!(seen[1]
+            .2
+            .is_some_and(|f| f < 16_777_216.0 && f.fract() == 0.0));
 
         let mut again = model();
-        seed_draws(&mut again, 7, SessionRole::Accumulate);
+        seed_draws(&mut again, Some(7), SessionRole::Accumulate);
         assert_eq!(
             seeds(&again),
             seen,
@@ -216,9 +266,9 @@ mod tests {
 
         let ints = |m: &ModelProto| -> Vec<i64> { seeds(m).iter().filter_map(|s| s.1).collect() };
         let mut other_role = model();
-        seed_draws(&mut other_role, 7, SessionRole::Apply);
+        seed_draws(&mut other_role, Some(7), SessionRole::Apply);
         let mut other_seed = model();
-        seed_draws(&mut other_seed, 8, SessionRole::Accumulate);
+        seed_draws(&mut other_seed, Some(8), SessionRole::Accumulate);
         let mut all: Vec<i64> = [&a, &other_role, &other_seed]
             .iter()
             .flat_map(|m| ints(m))
@@ -231,9 +281,46 @@ mod tests {
             9,
             "every Dropout of the three seedings has its own seed"
         );
+    }
 
-        // Seeding a seeded model changes nothing.
-        assert_eq!(seed_draws(&mut a, 9, SessionRole::Whole), 0);
+    /// Without a run's seed only what the model seeds itself changes, and only in the split
+    /// runner's sessions, each its own way; the whole step keeps the author's seed.
+    #[test]
+    fn the_model_s_own_seeds_are_told_apart_per_session() {
+        let mut whole = model();
+        assert!(!would_seed(&whole, None, SessionRole::Whole));
+        assert_eq!(seed_draws(&mut whole, None, SessionRole::Whole), 0);
+        assert_eq!(seeds(&whole), [("kept".to_string(), None, Some(5.0))]);
+
+        let own = |role| {
+            let mut m = model();
+            assert!(would_seed(&m, None, role));
+            assert_eq!(seed_draws(&mut m, None, role), 1, "{role:?}");
+            let seen = seeds(&m);
+            assert_eq!(seen.len(), 1, "{role:?}: unseeded draws stay the engine's");
+            seen[0].2.unwrap()
+        };
+        let sessions = [
+            own(SessionRole::WindowStart),
+            own(SessionRole::Accumulate),
+            own(SessionRole::Apply),
+        ];
+        assert!(sessions.iter().all(|&f| f != 5.0));
+        assert!(
+            sessions[0] != sessions[1] && sessions[1] != sessions[2] && sessions[0] != sessions[2]
+        );
+        assert_eq!(
+            own(SessionRole::Apply),
+            sessions[2],
+            "the same run, the same seed"
+        );
+
+        let plain = crate::ir::text::parse_model(
+            r#"<ir_version: 8, opset_import: ["" : 17]>
+            g (float[4] x) => (float[4] y) { y, m = Dropout (x) }"#,
+        )
+        .unwrap();
+        assert!(!would_seed(&plain, None, SessionRole::Apply));
     }
 
     /// Rank 0 seeds as a single process does; every other rank from a seed of its own.
