@@ -23,7 +23,6 @@ pub const SKIPPED_OUTPUT: &str = "ga.skipped";
 const SKIPPED: &str = SKIPPED_OUTPUT;
 use crate::state::Manifest;
 use crate::step::StepError;
-use draw_seed::SessionRole;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -505,7 +504,7 @@ impl Trainer {
                 let start = match start_model {
                     Some(s) => Some(Box::new(open_engine(
                         kind,
-                        &seeded_draws(&s.model, options.draw_seed, SessionRole::WindowStart),
+                        &seeded_draws(&s.model, options.draw_seed, Session::WindowStart),
                         &session,
                         &manifest,
                         &mut fused,
@@ -519,7 +518,7 @@ impl Trainer {
                         &seeded_draws(
                             &split.accumulate.model,
                             options.draw_seed,
-                            SessionRole::Accumulate,
+                            Session::Accumulate,
                         ),
                         &session,
                         &manifest,
@@ -529,7 +528,7 @@ impl Trainer {
                     start,
                     apply: Box::new(open_engine(
                         kind,
-                        &seeded_draws(&apply.model, options.draw_seed, SessionRole::Apply),
+                        &seeded_draws(&apply.model, options.draw_seed, Session::Apply),
                         &session,
                         &manifest,
                         &mut fused,
@@ -551,7 +550,7 @@ impl Trainer {
             )),
             _ => Runner::Whole(Box::new(open_engine(
                 kind,
-                &seeded_draws(model, options.draw_seed, SessionRole::Whole),
+                &seeded_draws(model, options.draw_seed, Session::Whole),
                 &options.session,
                 &manifest,
                 &mut fused,
@@ -1395,7 +1394,7 @@ pub fn micro_batch_rows(samples: usize, batch: usize, step: u64) -> Vec<usize> {
 
 /// `model` with its draws seeded as session `role` of a run seeded `seed` ([`draw_seed`]);
 /// the model itself when that changes nothing.
-fn seeded_draws(model: &ModelProto, seed: Option<u64>, role: SessionRole) -> Cow<'_, ModelProto> {
+fn seeded_draws(model: &ModelProto, seed: Option<u64>, role: Session) -> Cow<'_, ModelProto> {
     match draw_seed::would_seed(model, seed, role) {
         true => {
             let mut model = model.clone();

@@ -23,18 +23,9 @@
 //! the first run drew from its start, not what the first run would have drawn next: it is
 //! reproducible (the same resume point gives the same run), not a continuation.
 
+use super::Session;
 use crate::proto::attribute_proto::AttributeType;
 use crate::proto::{AttributeProto, GraphProto, ModelProto, NodeProto};
-
-/// Which of a trainer's sessions a model is, for its nodes' seeds (the discriminant is
-/// part of every seed, so it must not change between versions without reason).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SessionRole {
-    Whole = 0,
-    Accumulate = 1,
-    WindowStart = 2,
-    Apply = 3,
-}
 
 /// The ops that draw, by domain, and whether their `seed` attribute is an int (else a float).
 const DRAWING: &[(&str, &str, SeedKind)] = &[
@@ -62,16 +53,17 @@ enum SeedKind {
 /// session `role` of a run: from `seed` when given (`--draw-seed`, over any seed the model
 /// has), else only the nodes the model seeds itself, and only where the session is not the
 /// whole step (see the module's comment); returns how many nodes it seeded.
-pub fn seed_draws(model: &mut ModelProto, seed: Option<u64>, role: SessionRole) -> usize {
+pub(crate) fn seed_draws(model: &mut ModelProto, seed: Option<u64>, role: Session) -> usize {
     let Some(graph) = model.graph.as_mut() else {
         return 0;
     };
-    let session = mix(role as u64 + 1);
+    // The session's index is part of every seed: it must not change without reason.
+    let session = mix(role.index() as u64 + 1);
     let derive = |existing: Option<u64>, place: u64| match (seed, existing) {
         (Some(seed), _) => Some(mix(mix(seed) ^ session ^ place)),
         // The author's seed, told apart per session but not per node: two nodes the author
         // gave one seed still draw alike within a session.
-        (None, Some(own)) if role != SessionRole::Whole => Some(mix(mix(own) ^ session)),
+        (None, Some(own)) if role != Session::Whole => Some(mix(mix(own) ^ session)),
         _ => None,
     };
     seed_graph(graph, 0, &derive)
@@ -93,10 +85,10 @@ pub fn draws(model: &ModelProto) -> bool {
 }
 
 /// Whether [`seed_draws`] would change `model` as session `role` with `seed`.
-pub fn would_seed(model: &ModelProto, seed: Option<u64>, role: SessionRole) -> bool {
+pub(crate) fn would_seed(model: &ModelProto, seed: Option<u64>, role: Session) -> bool {
     match (seed, role) {
         (Some(_), _) => draws(model),
-        (None, SessionRole::Whole) => false,
+        (None, Session::Whole) => false,
         (None, _) => any_draw(model, &|node| own_seed(node).is_some()),
     }
 }
@@ -242,8 +234,8 @@ mod tests {
     #[test]
     fn every_draw_gets_a_seed_of_its_own_and_the_run_s() {
         let mut a = model();
-        assert!(draws(&a) && would_seed(&a, Some(7), SessionRole::Whole));
-        assert_eq!(seed_draws(&mut a, Some(7), SessionRole::Accumulate), 5);
+        assert!(draws(&a) && would_seed(&a, Some(7), Session::Whole));
+        assert_eq!(seed_draws(&mut a, Some(7), Session::Accumulate), 5);
         let seen = seeds(&a);
         let names: Vec<&str> = seen.iter().map(|(n, _, _)| n.as_str()).collect();
         assert_eq!(names, ["d1", "u1", "kept", "d2", "d3"]);
@@ -257,7 +249,7 @@ mod tests {
             .is_some_and(|f| f < 16_777_216.0 && f.fract() == 0.0));
 
         let mut again = model();
-        seed_draws(&mut again, Some(7), SessionRole::Accumulate);
+        seed_draws(&mut again, Some(7), Session::Accumulate);
         assert_eq!(
             seeds(&again),
             seen,
@@ -266,9 +258,9 @@ mod tests {
 
         let ints = |m: &ModelProto| -> Vec<i64> { seeds(m).iter().filter_map(|s| s.1).collect() };
         let mut other_role = model();
-        seed_draws(&mut other_role, Some(7), SessionRole::Apply);
+        seed_draws(&mut other_role, Some(7), Session::Apply);
         let mut other_seed = model();
-        seed_draws(&mut other_seed, Some(8), SessionRole::Accumulate);
+        seed_draws(&mut other_seed, Some(8), Session::Accumulate);
         let mut all: Vec<i64> = [&a, &other_role, &other_seed]
             .iter()
             .flat_map(|m| ints(m))
@@ -288,8 +280,8 @@ mod tests {
     #[test]
     fn the_model_s_own_seeds_are_told_apart_per_session() {
         let mut whole = model();
-        assert!(!would_seed(&whole, None, SessionRole::Whole));
-        assert_eq!(seed_draws(&mut whole, None, SessionRole::Whole), 0);
+        assert!(!would_seed(&whole, None, Session::Whole));
+        assert_eq!(seed_draws(&mut whole, None, Session::Whole), 0);
         assert_eq!(seeds(&whole), [("kept".to_string(), None, Some(5.0))]);
 
         let own = |role| {
@@ -301,16 +293,16 @@ mod tests {
             seen[0].2.unwrap()
         };
         let sessions = [
-            own(SessionRole::WindowStart),
-            own(SessionRole::Accumulate),
-            own(SessionRole::Apply),
+            own(Session::WindowStart),
+            own(Session::Accumulate),
+            own(Session::Apply),
         ];
         assert!(sessions.iter().all(|&f| f != 5.0));
         assert!(
             sessions[0] != sessions[1] && sessions[1] != sessions[2] && sessions[0] != sessions[2]
         );
         assert_eq!(
-            own(SessionRole::Apply),
+            own(Session::Apply),
             sessions[2],
             "the same run, the same seed"
         );
@@ -320,7 +312,7 @@ mod tests {
             g (float[4] x) => (float[4] y) { y, m = Dropout (x) }"#,
         )
         .unwrap();
-        assert!(!would_seed(&plain, None, SessionRole::Apply));
+        assert!(!would_seed(&plain, None, Session::Apply));
     }
 
     /// Rank 0 seeds as a single process does; every other rank from a seed of its own.
