@@ -2073,10 +2073,6 @@ fn read_progress(path: &Path) -> Result<Option<Progress>, UsageError> {
     }
 }
 
-/// The start step recorded next to `state` (just loaded into `trainer`), when there is a
-/// record; an error when the record is of another state.
-/// Where training starts: `--start-step`, else the micro-step `--init-state`'s progress
-/// record gives, else 0; with the notes to print about it.
 /// What `train` says of the step's random draws (`--draw-seed`), when it has any.
 fn draw_note(model: &onnx_ga::proto::ModelProto, seed: Option<u64>) -> Option<String> {
     if !onnx_ga::train::draw_seed::draws(model) {
@@ -2088,6 +2084,8 @@ fn draw_note(model: &onnx_ga::proto::ModelProto, seed: Option<u64>) -> Option<St
     })
 }
 
+/// Where training starts: `--start-step`, else the micro-step `--init-state`'s progress
+/// record gives, else 0; with the notes to print about it.
 fn start_step(
     trainer: &onnx_ga::train::Trainer,
     args: &TrainArgs,

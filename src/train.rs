@@ -435,8 +435,6 @@ impl Trainer {
             false => None,
         };
         let micro_step_input = crate::split::micro_step_input(&manifest).map(str::to_string);
-        // Each session's draws seeded apart (`draw_seed`); the model itself when there is
-        // nothing to seed.
         // Parameter updates the sessions run as one fused kernel each (`fuse-adamw`).
         let mut fused = FusedCounts::default();
         let mut runner = match (split, micro_step_input) {
