@@ -5,6 +5,7 @@ use std::borrow::Cow;
 use std::cell::OnceCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
+use std::sync::Arc;
 
 pub mod distributed;
 pub mod draw_seed;
@@ -13,6 +14,7 @@ mod window_start;
 mod zero_after_apply;
 
 use crate::data::Tensor;
+use crate::engine::deferred_products::DeferredProducts;
 use crate::engine::ort::SessionOptions;
 use crate::engine::{Engine, EngineError, EngineKind, Held};
 use crate::proto::{type_proto, ModelProto};
@@ -259,6 +261,9 @@ pub struct Trainer {
     /// For each session, by [`Session::index`], and each state in the state map's order,
     /// whether the session updates it in place ([`in_place_masks`]).
     in_place: [Vec<bool>; 4],
+    /// The weight gradients the accumulating session keeps until the window needs their
+    /// sum (`engine::deferred_products`): held accumulators are behind by these.
+    deferred: Option<Arc<DeferredProducts>>,
 }
 
 /// For each session, by [`Session::index`], and each key of `state` in order: whether the
@@ -437,6 +442,7 @@ impl Trainer {
         let micro_step_input = crate::split::micro_step_input(&manifest).map(str::to_string);
         // Parameter updates the sessions run as one fused kernel each (`fuse-adamw`).
         let mut fused = FusedCounts::default();
+        let mut deferred = None;
         let mut runner = match (split, micro_step_input) {
             (Some(mut split), Some(micro_step_input)) => {
                 let window_size = scalar_i64(&initial(&split.trigger.steps)?).ok_or_else(|| {
@@ -510,6 +516,20 @@ impl Trainer {
                     )?)),
                     None => None,
                 };
+                // Its weight gradients may wait for the window's sum (not for data
+                // parallel, whose window ends in the collective's reduction).
+                deferred = (kind == EngineKind::Ort
+                    && session.device == crate::engine::ort::Device::Cpu
+                    && session.fused_kernels
+                    && session.in_place_updates
+                    && session.fused_weight_grads
+                    && session.defer_weight_grads
+                    && apply_only.is_none())
+                .then(Arc::<DeferredProducts>::default);
+                let accumulating = SessionOptions {
+                    deferred_products: deferred.clone(),
+                    ..session.clone()
+                };
                 Runner::Split {
                     accumulate: Box::new(open_engine(
                         kind,
@@ -518,7 +538,7 @@ impl Trainer {
                             options.draw_seed,
                             Session::Accumulate,
                         ),
-                        &session,
+                        &accumulating,
                         &manifest,
                         &mut fused,
                         in_place(false),
@@ -612,6 +632,7 @@ impl Trainer {
             fused_updates: fused.updates,
             grouped_updates: fused.grouped,
             accumulated_products: fused.products,
+            deferred,
         })
     }
 
@@ -825,13 +846,15 @@ impl Trainer {
             &self.runner,
             Runner::Split { zero_after_apply, stale_sums: true, .. } if zero_after_apply.contains(name)
         );
+        let behind = self.is_behind(name);
         match held {
-            Held::Host(t) if !stale => Ok(Cow::Borrowed(t)),
+            Held::Host(t) if !stale && !behind => Ok(Cow::Borrowed(t)),
             held => {
                 let mut t = held.to_host(name)?;
                 if stale {
                     zero_after_apply::zero_fill(&mut t);
                 }
+                self.add_kept_to_copy(name, &mut t);
                 Ok(Cow::Owned(t))
             }
         }
@@ -882,6 +905,32 @@ impl Trainer {
         Ok(())
     }
 
+    /// The accumulators whose held value is behind by weight gradients kept for the
+    /// window's sum (`engine::deferred_products`), at the moment; `state` and `host_value`
+    /// give them whole.
+    pub fn accumulators_behind(&self) -> Vec<String> {
+        self.deferred
+            .as_ref()
+            .map(|d| d.kept_names())
+            .unwrap_or_default()
+    }
+
+    fn is_behind(&self, name: &str) -> bool {
+        self.deferred
+            .as_ref()
+            .is_some_and(|d| d.kept_names().iter().any(|n| n == name))
+    }
+
+    /// Adds the products kept for accumulator `name` to `copy`, a host copy of its held
+    /// value: what it is.
+    fn add_kept_to_copy(&self, name: &str, copy: &mut Tensor) {
+        if let (Some(deferred), Tensor::F32(values)) = (&self.deferred, copy) {
+            if let Some(values) = values.as_slice_mut() {
+                deferred.add_kept(name, values, false);
+            }
+        }
+    }
+
     /// Whether the step runs as two specialised graphs ([`crate::split`]).
     pub fn is_split(&self) -> bool {
         matches!(self.runner, Runner::Split { .. })
@@ -907,6 +956,7 @@ impl Trainer {
             if stale.is_some_and(|s| s.contains(name)) {
                 zero_after_apply::zero_fill(&mut t);
             }
+            self.add_kept_to_copy(name, &mut t);
             host.insert(name.clone(), t);
         }
         Ok(self.host_state.get_or_init(|| host))
@@ -970,6 +1020,9 @@ impl Trainer {
             {
                 *start = None;
             }
+        }
+        if let Some(deferred) = &self.deferred {
+            deferred.forget();
         }
         // The loaded values become the state itself (no second copy on the host).
         self.state = loaded
@@ -1156,6 +1209,19 @@ impl Trainer {
                 let keep_input = engine.keep_input().map(str::to_string);
                 if let Some(k) = &keep_input {
                     host.push((k, keep_nonfinite));
+                }
+                if let Some(deferred) = &self.deferred {
+                    match ran {
+                        // Its kernels keep their products unless the next micro-step applies.
+                        Session::Accumulate => deferred.set_sum_now(crate::split::applies(
+                            *micro_step + 1,
+                            *window_size,
+                            false,
+                        )),
+                        // A window ended before its last accumulating micro-step made the
+                        // sums (a flush, K lowered): made here.
+                        _ => add_kept_products(deferred, &mut self.state)?,
+                    }
                 }
                 // Only the window start may see the last window's sums (it reads none).
                 stale_before = *stale_sums;
@@ -1511,6 +1577,31 @@ fn zero_stale_sums(
             )));
         }
         *held = Held::Host(zeros);
+    }
+    Ok(())
+}
+
+/// Adds every kept product (`engine::deferred_products`) into its accumulator's held
+/// value, which then holds the sum, on the host; forgets them.
+fn add_kept_products(
+    deferred: &DeferredProducts,
+    state: &mut BTreeMap<String, Held>,
+) -> Result<(), TrainError> {
+    for name in deferred.kept_names() {
+        let Some(held) = state.get_mut(&name) else {
+            continue;
+        };
+        let mut whole = held.to_host(&name)?;
+        let Some(values) = (match &mut whole {
+            Tensor::F32(values) => values.as_slice_mut(),
+            _ => None,
+        }) else {
+            return Err(TrainError::Model(format!(
+                "accumulator '{name}' is not a contiguous float32 tensor"
+            )));
+        };
+        deferred.add_kept(&name, values, true);
+        *held = Held::Host(whole);
     }
     Ok(())
 }

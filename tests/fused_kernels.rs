@@ -702,6 +702,122 @@ fn weight_gradients_made_in_their_accumulators_train_bit_identically() {
     }
 }
 
+/// Weight gradients kept as their operands until the window needs their sum
+/// (`engine::deferred_products`) train bit for bit as the standard ops and as the kernel
+/// that adds each micro-step's product at once: windows of 3, 4 and 6, one and two threads,
+/// a window ended early by a flush, K lowered inside a window and raised again, micro-steps
+/// of NaN inputs discarded (the first of a window and one inside), the state read mid-window
+/// (the held accumulator is behind, `state` adds what was kept), and a checkpoint written
+/// mid-window and resumed.
+#[test]
+fn weight_gradients_kept_for_the_window_train_bit_identically() {
+    use onnx_ga::train::OnNonFinite;
+    if !ort_available() {
+        return;
+    }
+    let data = large_linear_data(
+        |i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5,
+        |i| ((i * 104729) % 1000) as f32 / 500.0 - 1.0,
+    );
+    let dir = tempfile::tempdir().unwrap();
+    for steps in [3i64, 4, 6] {
+        let step = large_linear_step_with(8, steps);
+        for threads in [1, 2] {
+            let what = format!("K {steps}, {threads} threads");
+            let make = |fused: bool, defer: bool| {
+                let mut options = options(fused, threads, true);
+                options.session.host_updates = false;
+                options.session.defer_weight_grads = defer;
+                let mut trainer = Trainer::with_options(&step, &options).unwrap();
+                trainer.set_on_nonfinite(OnNonFinite::Skip);
+                trainer
+            };
+            let mut kept = make(true, true);
+            let mut at_once = make(true, false);
+            let mut standard = make(false, false);
+            let mut resumed: Option<Trainer> = None;
+            let samples = kept.check_data(&data, Path::new("data.npz")).unwrap();
+            let mut behind = 0;
+            for i in 0..30u64 {
+                let mut micro = micro_batch(&data, samples, 8, i);
+                if [6, 17].contains(&i) {
+                    if let Some(Tensor::F32(x)) = micro.get_mut("x") {
+                        x.fill(f32::NAN);
+                    }
+                }
+                let flush = i == 10;
+                let k = match i {
+                    15 => Some(2),
+                    21 => Some(steps),
+                    _ => None,
+                };
+                let mut trainers = vec![&mut kept, &mut at_once, &mut standard];
+                trainers.extend(resumed.as_mut());
+                if let Some(k) = k {
+                    for t in trainers.iter_mut() {
+                        t.set_accum_steps(k).unwrap();
+                    }
+                }
+                let metrics: Vec<String> = trainers
+                    .iter_mut()
+                    .map(|t| {
+                        // Not the step number: the resumed trainer counts from its resume.
+                        let m = t.step(&micro, flush);
+                        let m = m.map(|m| (m.loss.to_bits(), m.applied, m.skipped, m.discarded));
+                        format!("{m:?}")
+                    })
+                    .collect();
+                for (m, who) in metrics
+                    .iter()
+                    .zip(["kept", "at once", "standard", "resumed"])
+                    .skip(1)
+                {
+                    assert_eq!(&metrics[0], m, "{what}: micro-step {i}, {who}");
+                }
+                if !kept.accumulators_behind().is_empty() {
+                    behind += 1;
+                    // Read mid-window: the held accumulator plus what was kept.
+                    let (a, b) = (kept.state().unwrap(), standard.state().unwrap());
+                    assert_same_state(a, b, &format!("{what}: micro-step {i}"));
+                }
+                if i == 13 {
+                    let path = dir.path().join(format!("k{steps}t{threads}.safetensors"));
+                    kept.save_state(&path).unwrap();
+                    let mut fresh = make(true, true);
+                    fresh.load_state(&path).unwrap();
+                    resumed = Some(fresh);
+                }
+            }
+            // A window of 3 has one accumulating micro-step, which makes its sum at once.
+            match steps {
+                3 => assert_eq!(behind, 0, "{what}"),
+                _ => assert!(behind >= 4, "{what}: behind after {behind} micro-steps"),
+            }
+            let standard_state = standard.state().unwrap();
+            let resumed = resumed.unwrap();
+            for (who, trainer) in [
+                ("kept", &kept),
+                ("at once", &at_once),
+                ("resumed", &resumed),
+            ] {
+                assert_same_state(
+                    trainer.state().unwrap(),
+                    standard_state,
+                    &format!("{what}: {who}"),
+                );
+            }
+        }
+    }
+}
+
+/// Every state tensor of `a` equal to `b`'s, bit for bit.
+fn assert_same_state(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (name, value) in b {
+        assert_eq!(&a[name], value, "{what}: state '{name}'");
+    }
+}
+
 /// How many accumulators the step's manifest declares.
 fn step_accumulators(step: &ModelProto) -> usize {
     let manifest = onnx_ga::state::Manifest::from_model(step).unwrap();
@@ -736,6 +852,11 @@ fn large_linear_step() -> ModelProto {
 
 /// [`large_linear_step`] for micro-batches of `batch`.
 fn large_linear_step_of(batch: i64) -> ModelProto {
+    large_linear_step_with(batch, 4)
+}
+
+/// [`large_linear_step`] for micro-batches of `batch` and windows of `steps`.
+fn large_linear_step_with(batch: i64, steps: i64) -> ModelProto {
     use onnx_ga::ir::builder::Builder;
     use onnx_ga::ir::{tensor_type, BodyId};
     let mut model = common::empty_model(17);
@@ -763,8 +884,8 @@ fn large_linear_step_of(batch: i64) -> ModelProto {
     let proto = model.to_proto();
     let path = Path::new("large_linear.onnx");
     let graph = onnx_ga::signature::forward(proto, path);
-    let spec = "autodiff(loss_fn=mse,labels=y,grads=internal),grad-accum(steps=4),optimizer(kind=adamw,lr=0.01),legalize-ort,dce";
-    onnx_ga::step::build_step(graph, spec, true)
+    let spec = format!("autodiff(loss_fn=mse,labels=y,grads=internal),grad-accum(steps={steps}),optimizer(kind=adamw,lr=0.01),legalize-ort,dce");
+    onnx_ga::step::build_step(graph, &spec, true)
         .unwrap_or_else(|e| panic!("{spec}: {e}"))
         .model
         .to_proto()

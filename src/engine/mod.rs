@@ -1,6 +1,7 @@
 //! Engines that run ONNX graphs: ONNX Runtime through the `ort` crate, and tract (pure Rust,
 //! the `tract` cargo feature, on by default). [`Engine`] is either, behind one `run`.
 
+pub mod deferred_products;
 pub mod host_scalars;
 mod host_updates;
 mod kept_binding;

@@ -179,6 +179,14 @@ pub struct SessionOptions {
     /// `engine::host_updates`). The same kernels, so the same bits. Off leaves them in the
     /// session (bound in place, or apart below `in_place_min_total`).
     pub host_updates: bool,
+    /// With `fused_weight_grads`: keep the weight gradients' operands in this table instead
+    /// of adding each micro-step's product to its accumulator, until the window needs the
+    /// sum (`engine::deferred_products`). The trainer sets it for its accumulating session
+    /// where `defer_weight_grads` lets it; bit-identical.
+    pub deferred_products: Option<std::sync::Arc<super::deferred_products::DeferredProducts>>,
+    /// Let the trainer keep weight gradients for the window's sum (`deferred_products`).
+    /// Off adds each micro-step's product to its accumulator as it is made.
+    pub defer_weight_grads: bool,
 }
 
 impl Default for SessionOptions {
@@ -211,6 +219,8 @@ impl Default for SessionOptions {
             in_place_min_total: crate::passes::fuse::in_place::MIN_SESSION_ELEMENTS,
             host_scalars: true,
             host_updates: true,
+            deferred_products: None,
+            defer_weight_grads: true,
         }
     }
 }
@@ -554,7 +564,8 @@ impl OrtSession {
                 .map_err(|e| ort_err("profiling")(e.into()))?;
         }
         if options.fused_kernels && options.device == Device::Cpu {
-            let domain = super::ort_ops::domain().map_err(ort_err("onnx-ga's fused kernels"))?;
+            let domain = super::ort_ops::domain(options.deferred_products.clone())
+                .map_err(ort_err("onnx-ga's fused kernels"))?;
             builder = builder
                 .with_operators(domain)
                 .map_err(|e| ort_err("onnx-ga's fused kernels")(e.into()))?;

@@ -3,7 +3,7 @@
 //! `fused_kernels`. A model only contains them after `passes::fuse` ran on it in
 //! memory; files never do.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use ::ort::operator::{
     BoxedKernel, ComputeContext, KernelContext, Operator, OperatorDomain, OperatorInput,
@@ -11,29 +11,31 @@ use ::ort::operator::{
 };
 use ::ort::value::TensorElementType;
 
+use super::deferred_products::{DeferredProducts, Kept};
 use super::kernel_io;
 
 use crate::fused_ops::{
-    accumulate_grad, accumulate_product_slot, accumulate_slot, adamw_group_slot, adamw_slot,
-    adamw_update, batch_norm_grad_channel, batch_norm_train_channel, blocked_weight,
-    conv_weight_grad_slot, folded_size, gelu_forward_slot, gelu_grad, gelu_quotient, gelu_slot,
-    gelu_tail, largest_fast_contraction, layer_norm_grad_rows, layer_norm_grad_slot, leading_sum,
-    relu_grad, sgd_slot, sgd_update, AdamWScalars, BatchNormLayout, ChannelStats, GeluGradScalars,
-    GeluScalars, Io, ProductLayout, ProductShape, RowLayout, SgdIo, SgdScalars, Unfolding,
-    Window2d, ACCUMULATE_GRAD, ACCUMULATE_PRODUCT, ADAMW_UPDATE, ADAMW_UPDATES, BATCH_NORM_GRAD,
-    BATCH_NORM_TRAIN, BLOCKED_WEIGHT, COL2IM, CONV_WEIGHT_GRAD, DOMAIN, GELU, GELU_GRAD, IM2COL,
-    LAYER_NORM_GRAD, LAYER_NORM_GRAD_ROWS, LEADING_SUM, PRODUCT_TASK_ROWS, RELU_GRAD,
-    ROW_TRANSPOSE, SGD_UPDATE,
+    accumulate_grad, accumulate_product_slot, accumulate_products, accumulate_slot,
+    adamw_group_slot, adamw_slot, adamw_update, batch_norm_grad_channel, batch_norm_train_channel,
+    blocked_weight, conv_weight_grad_slot, folded_size, gelu_forward_slot, gelu_grad,
+    gelu_quotient, gelu_slot, gelu_tail, largest_fast_contraction, layer_norm_grad_rows,
+    layer_norm_grad_slot, leading_sum, relu_grad, sgd_slot, sgd_update, AdamWScalars,
+    BatchNormLayout, ChannelStats, GeluGradScalars, GeluScalars, Io, ProductLayout, ProductShape,
+    RowLayout, SgdIo, SgdScalars, Unfolding, Window2d, ACCUMULATE_GRAD, ACCUMULATE_PRODUCT,
+    ADAMW_UPDATE, ADAMW_UPDATES, BATCH_NORM_GRAD, BATCH_NORM_TRAIN, BLOCKED_WEIGHT, COL2IM,
+    CONV_WEIGHT_GRAD, DOMAIN, GELU, GELU_GRAD, IM2COL, LAYER_NORM_GRAD, LAYER_NORM_GRAD_ROWS,
+    LEADING_SUM, PRODUCT_ACCUMULATOR, PRODUCT_TASK_ROWS, RELU_GRAD, ROW_TRANSPOSE, SGD_UPDATE,
 };
 
-/// The domain with every fused operator, for a session builder.
-pub fn domain() -> ::ort::Result<OperatorDomain> {
+/// The domain with every fused operator, for a session builder; its `AccumulateProduct`
+/// keeps products in `deferred` when given (`super::deferred_products`).
+pub fn domain(deferred: Option<Arc<DeferredProducts>>) -> ::ort::Result<OperatorDomain> {
     OperatorDomain::new(DOMAIN)?
         .add(AdamWUpdate)?
         .add(AdamWUpdates)?
         .add(SgdUpdate)?
         .add(AccumulateGrad)?
-        .add(AccumulateProduct)?
+        .add(AccumulateProduct { deferred })?
         .add(BatchNormTrain)?
         .add(BatchNormGrad)?
         .add(Im2Col)?
@@ -570,7 +572,11 @@ fn accumulate_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
     )
 }
 
-struct AccumulateProduct;
+struct AccumulateProduct {
+    /// The trainer's kept products, in its accumulating session
+    /// (`SessionOptions::deferred_products`).
+    deferred: Option<Arc<DeferredProducts>>,
+}
 
 impl Operator for AccumulateProduct {
     type Kernel<'attr> = BoxedKernel<'attr>;
@@ -610,8 +616,13 @@ impl Operator for AccumulateProduct {
         kctx: &KernelContext<'attr>,
     ) -> ::ort::Result<Self::Kernel<'attr>> {
         let gemm = InvokedOp::gemm_transposed_a(kctx)?;
+        // Products are kept only where the trainer keeps them and knows the accumulator.
+        let deferred = match (&self.deferred, kctx.get::<String>(PRODUCT_ACCUMULATOR)) {
+            (Some(table), Some(name)) => Some((Arc::clone(table), name)),
+            _ => None,
+        };
         Ok(Box::new(move |ctx: &ComputeContext| {
-            accumulate_product_kernel(ctx, &gemm)
+            accumulate_product_kernel(ctx, &gemm, deferred.as_ref())
         }))
     }
 }
@@ -794,7 +805,15 @@ thread_local! {
         std::cell::RefCell::new(ProductLayout::default());
 }
 
-fn accumulate_product_kernel(ctx: &ComputeContext, gemm: &InvokedOp) -> ::ort::Result<()> {
+/// A fused product's run. With `deferred` (the trainer's table and this node's
+/// accumulator), a kept micro-step whose window goes on keeps its product for later
+/// instead, where the bounds of `engine::deferred_products` leave room; a run that makes
+/// the sum adds the kept products and its own in one pass.
+fn accumulate_product_kernel(
+    ctx: &ComputeContext,
+    gemm: &InvokedOp,
+    deferred: Option<&(Arc<DeferredProducts>, String)>,
+) -> ::ort::Result<()> {
     use accumulate_product_slot as at;
     let op = ACCUMULATE_PRODUCT;
     let (a, b) = (
@@ -818,18 +837,52 @@ fn accumulate_product_kernel(ctx: &ComputeContext, gemm: &InvokedOp) -> ::ort::R
         }
     };
     let keep = gate(ctx, op, at::KEEP)?;
-    // A discarded micro-step: the accumulator stays as it was, nothing to multiply.
-    if !keep {
-        return run_update(ctx, op, [at::ACC], 0, keep, |_, _| {});
-    }
-    let state = ([at::ACC], 0);
-    if shape.k <= largest_fast_contraction() {
+    let fast = shape.k <= largest_fast_contraction();
+    let operand_values = || -> ::ort::Result<(&[f32], &[f32])> {
         let (a, b) = (a.f32s(op, at::A)?, b.f32s(op, at::B)?);
         if a.len() != shape.k * shape.m || b.len() != shape.k * shape.n {
             return Err(::ort::Error::new(format!(
                 "{op}: A or B is not its shape's size"
             )));
         }
+        Ok((a, b))
+    };
+    if let Some((table, name)) = deferred {
+        // Only an accumulator updated in place is kept behind: one written apart would be
+        // replaced, and a discarded micro-step's old value put back, beside the table.
+        let in_place = kernel_io::output(ctx, op, 0, acc.shape)?.address() == acc.address();
+        let mut kept = table.take(name);
+        let later = in_place && !table.sum_now() && (!keep || (fast && kept.has_room_for(shape)));
+        let ran = match later {
+            // The window goes on: this micro-step's product (if kept) waits with the
+            // others; the accumulator stays as it is.
+            true => operand_values().map(|(a, b)| {
+                if keep {
+                    kept.keep(a, b, shape);
+                }
+            }),
+            false => sum_with_kept(
+                (ctx, gemm),
+                &mut kept,
+                (keep, fast, shape),
+                ([a.value(), b.value()], acc.shape),
+                operand_values,
+            ),
+        };
+        table.put_back(name, kept);
+        ran?;
+        if later {
+            return run_update(ctx, op, [at::ACC], 0, false, |_, _| {});
+        }
+        return Ok(());
+    }
+    // A discarded micro-step: the accumulator stays as it was, nothing to multiply.
+    if !keep {
+        return run_update(ctx, op, [at::ACC], 0, keep, |_, _| {});
+    }
+    let state = ([at::ACC], 0);
+    if fast {
+        let (a, b) = operand_values()?;
         // Tasks of whole tiles of rows (83 rows of 784 columns left 3 rows a task on
         // one-row tiles), every one reading the operands laid out once in this thread's
         // kept memory.
@@ -846,18 +899,64 @@ fn accumulate_product_kernel(ctx: &ComputeContext, gemm: &InvokedOp) -> ::ort::R
             ))),
         });
     }
-    // MLAS's product into output 1 (ONNX Runtime's arena), then added: the standard ops'
-    // computation, bits and passes.
-    let product = kernel_io::output(ctx, op, 1, acc.shape)?;
-    gemm.run(
-        RunningContext::of(ctx),
-        &[a.value(), b.value()],
-        product.value(),
-    )?;
-    let product: &[f32] = product.into_slice();
+    // MLAS's product, then added: the standard ops' computation, bits and passes.
+    let product = mlas_product(ctx, gemm, acc.shape, [a.value(), b.value()])?;
     run_update(ctx, op, [at::ACC], 0, keep, |range, io| {
         accumulate_grad(&product[range], io)
     })
+}
+
+/// MLAS's product `Aᵀ·B` into the operator's output 1 (ONNX Runtime's arena): the standard
+/// ops' computation and bits, to be added to the accumulator.
+fn mlas_product<'c>(
+    ctx: &'c ComputeContext,
+    gemm: &InvokedOp,
+    shape: &[i64],
+    operands: [*const ::ort::sys::OrtValue; 2],
+) -> ::ort::Result<&'c [f32]> {
+    let product = kernel_io::output(ctx, ACCUMULATE_PRODUCT, 1, shape)?;
+    gemm.run(RunningContext::of(ctx), &operands, product.value())?;
+    Ok(product.into_slice())
+}
+
+/// The accumulator plus every product `kept` holds, in order, then this run's own when it
+/// is kept (`keep`), in one pass: by the kernel when `fast`, else after MLAS's product (see
+/// [`mlas_product`]). `kept` is left empty.
+fn sum_with_kept<'v>(
+    (ctx, gemm): (&ComputeContext, &InvokedOp),
+    kept: &mut Kept,
+    (keep, fast, shape): (bool, bool, ProductShape),
+    (values, acc_dims): ([*const ::ort::sys::OrtValue; 2], &[i64]),
+    operand_values: impl FnOnce() -> ::ort::Result<(&'v [f32], &'v [f32])>,
+) -> ::ort::Result<()> {
+    use accumulate_product_slot as at;
+    let op = ACCUMULATE_PRODUCT;
+    let state = ([at::ACC], 0);
+    let tile = PRODUCT_TASK_ROWS * shape.n;
+    let first_row = |range: &std::ops::Range<usize>| range.start / shape.n.max(1);
+    let summed = if keep && fast {
+        let (a, b) = operand_values()?;
+        let operands = kept.operands(Some((a, b, shape)));
+        run_update_by(ctx, op, state, true, tile, |range, io| {
+            accumulate_products(&operands, first_row(&range), io)
+        })
+    } else {
+        let product = match keep {
+            true => Some(mlas_product(ctx, gemm, acc_dims, values)?),
+            false => None,
+        };
+        let operands = kept.operands(None);
+        let anything = keep || !operands.is_empty();
+        run_update_by(ctx, op, state, anything, tile, |range, io| {
+            let acc = io.written();
+            accumulate_products(&operands, first_row(&range), Io::InPlace([&mut *acc]));
+            if let Some(product) = product {
+                accumulate_grad(&product[range], Io::InPlace([acc]));
+            }
+        })
+    };
+    kept.clear();
+    summed
 }
 
 /// `ty` has a known rank and every dimension known. ort reports a tensor of unknown rank

@@ -219,8 +219,9 @@ pub use layer_norm_grad::{
 };
 pub use leading_sum::{leading_sum, LEADING_SUM};
 pub use product::{
-    accumulate_product, accumulate_product_slot, largest_fast_contraction, ProductLayout,
-    ProductOperands, ProductShape, ACCUMULATE_PRODUCT, TASK_ROWS as PRODUCT_TASK_ROWS,
+    accumulate_product, accumulate_product_slot, accumulate_products, largest_fast_contraction,
+    ProductLayout, ProductOperands, ProductShape, ACCUMULATE_PRODUCT,
+    ACCUMULATOR as PRODUCT_ACCUMULATOR, TASK_ROWS as PRODUCT_TASK_ROWS,
 };
 use quotient::KnownDivisor;
 pub use relu_grad::{relu_grad, RELU_GRAD};
@@ -233,6 +234,20 @@ pub use row_transpose::{RowLayout, ROW_TRANSPOSE};
 pub enum Io<'a, const N: usize> {
     Apart([&'a [f32]; N], [&'a mut [f32]; N]),
     InPlace([&'a mut [f32]; N]),
+}
+
+impl<'a> Io<'a, 1> {
+    /// The one buffer to update in place: the state's own, or the output with the state
+    /// copied into it.
+    pub fn written(self) -> &'a mut [f32] {
+        match self {
+            Io::InPlace([state]) => state,
+            Io::Apart([src], [dst]) => {
+                dst.copy_from_slice(src);
+                dst
+            }
+        }
+    }
 }
 
 impl<const N: usize> Io<'_, N> {

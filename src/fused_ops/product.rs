@@ -29,6 +29,11 @@ use super::Io;
 /// The fused operator (see the module's comment).
 pub const ACCUMULATE_PRODUCT: &str = "AccumulateProduct";
 
+/// The string attribute naming the node's accumulator (its state input), under which a
+/// trainer that keeps products until the window needs them (`engine::deferred_products`)
+/// keeps this node's.
+pub const ACCUMULATOR: &str = "accumulator";
+
 /// Input slots of [`ACCUMULATE_PRODUCT`].
 pub mod accumulate_product_slot {
     pub const ACC: usize = 0;
@@ -236,13 +241,7 @@ impl ProductOperands<'_> {
     /// # Panics
     /// When `io` is not whole rows within the product's.
     pub fn accumulate(&self, first_row: usize, io: Io<'_, 1>) {
-        let acc = match io {
-            Io::InPlace([acc]) => acc,
-            Io::Apart([src], [dst]) => {
-                dst.copy_from_slice(src);
-                dst
-            }
-        };
+        let acc = io.written();
         let ProductOperands { a, b, shape, .. } = *self;
         let (m, n) = (shape.m, shape.n);
         let rows = acc.len() / n.max(1);
@@ -266,6 +265,45 @@ impl ProductOperands<'_> {
         with_widest_vectors!(portable_rows(a, b, shape, first_row, acc))
     }
 }
+
+/// The products of `pairs` (one accumulator's, every pair of its `m` and `n`) added to the
+/// accumulator's rows `first_row..` that `io` holds, one after the other:
+/// `acc' = ((acc + s_1) + s_2) + ...`, each `s_p` pair `p`'s chain of the module's comment.
+/// So each element takes the same operations in the same order as one
+/// [`accumulate_product`] per pair, run in turn: the same bits.
+///
+/// Why: a window's weight gradients kept until the window needs their sum
+/// (`engine::deferred_products`) are added in one pass over the accumulator instead of one
+/// per micro-step. The rows go [`GROUP_ROWS`] at a time, every pair over a group before the
+/// next group: the group stays in cache between pairs, so the accumulator is read from
+/// memory and written back once for all of them.
+///
+/// # Panics
+/// When the pairs' accumulators differ in shape, or `io` is not whole rows within them.
+pub fn accumulate_products(pairs: &[ProductOperands<'_>], first_row: usize, io: Io<'_, 1>) {
+    let acc = io.written();
+    let Some(first) = pairs.first() else {
+        return;
+    };
+    let (m, n) = (first.shape.m, first.shape.n);
+    assert!(
+        pairs.iter().all(|p| (p.shape.m, p.shape.n) == (m, n)),
+        "AccumulateProduct: the products of one accumulator differ in shape",
+    );
+    if acc.is_empty() {
+        return;
+    }
+    for (group, rows) in acc.chunks_mut(GROUP_ROWS * n).enumerate() {
+        for pair in pairs {
+            pair.accumulate(first_row + group * GROUP_ROWS, Io::InPlace([&mut *rows]));
+        }
+    }
+}
+
+/// Rows of the accumulator [`accumulate_products`] adds every pair to before it goes on: a
+/// multiple of the tiles' rows, so that a group starting on a panel of A ends on one
+/// (1024 columns: 32 KiB, an L1 data cache's worth or less).
+const GROUP_ROWS: usize = TASK_ROWS;
 
 /// B's full blocks of `width` columns, each block's `k` rows one after the other (the
 /// columns past the last full block are read from B): a tile reads its `k` rows of B from
@@ -788,6 +826,58 @@ mod tests {
                             );
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// Several products added by one pass give, element by element, the bits of one
+    /// [`accumulate_product`] per product in turn: pairs of different `k` (with A in place
+    /// and on panels), rows from a task's offset on and off a tile's multiple, in place
+    /// and apart; no pairs leave the accumulator as it was.
+    #[test]
+    fn products_in_one_pass_are_the_products_in_turn() {
+        for (m, n) in [(1, 5), (9, 33), (20, 70), (37, 16)] {
+            let ks = [3, 8, 1, 17, 32];
+            let operands: Vec<(Vec<f32>, Vec<f32>, ProductShape)> = ks
+                .iter()
+                .enumerate()
+                .map(|(p, &k)| {
+                    let shape = ProductShape { k, m, n };
+                    (
+                        values(10 + p as u32, k * m),
+                        values(20 + p as u32, k * n),
+                        shape,
+                    )
+                })
+                .collect();
+            let acc = values(9, m * n);
+            for pairs in 0..=ks.len() {
+                let mut want = acc.clone();
+                for (a, b, shape) in &operands[..pairs] {
+                    accumulate_product(a, b, *shape, 0, Io::InPlace([&mut want]));
+                }
+                let mut layouts: Vec<ProductLayout> =
+                    (0..pairs).map(|_| ProductLayout::default()).collect();
+                let laid_out: Vec<ProductOperands<'_>> = layouts
+                    .iter_mut()
+                    .zip(&operands)
+                    .map(|(layout, (a, b, shape))| layout.operands(a, b, *shape))
+                    .collect();
+                // In place, in two tasks split at a row that is not a tile's multiple.
+                let mut in_place = acc.clone();
+                let split = m / 2 + 1;
+                let (top, bottom) = in_place.split_at_mut(split.min(m) * n);
+                accumulate_products(&laid_out, 0, Io::InPlace([top]));
+                accumulate_products(&laid_out, split.min(m), Io::InPlace([bottom]));
+                let mut apart = vec![0f32; m * n];
+                accumulate_products(&laid_out, 0, Io::Apart([&acc], [&mut apart]));
+                for (what, got) in [("in place", &in_place), ("apart", &apart)] {
+                    let same = got
+                        .iter()
+                        .zip(&want)
+                        .all(|(g, w)| g.to_bits() == w.to_bits());
+                    assert!(same, "{what}, {pairs} pairs, {m} x {n}");
                 }
             }
         }

@@ -4,6 +4,10 @@
 //! otherwise has ONNX Runtime's `Gemm` make it and adds it: the standard ops' bits either
 //! way (`fused_ops::product`).
 //!
+//! The node names its accumulator (the state input) in its `accumulator` attribute, under
+//! which a trainer may keep its products until the window needs them
+//! (`engine::deferred_products`).
+//!
 //! Matched, for an accumulator read only by that `Add` (either operand order) and of a
 //! declared static float32 shape, the gradient read by nothing else and made by
 //!
@@ -20,8 +24,8 @@
 //!   threads).
 
 use super::{accumulators, float32_or_unknown, input, PASS};
-use crate::fused_ops::{accumulate_product_slot, ACCUMULATE_PRODUCT, DOMAIN};
-use crate::ir::builder::Builder;
+use crate::fused_ops::{accumulate_product_slot, ACCUMULATE_PRODUCT, DOMAIN, PRODUCT_ACCUMULATOR};
+use crate::ir::builder::{attr_string, Builder};
 use crate::ir::{normalize_domain, BodyId, Model, NodeId, Use, ValueId};
 use crate::passes::autodiff::shapes::Shapes;
 
@@ -38,6 +42,7 @@ pub fn fuse_accumulate_products(model: &mut Model, manifest: &crate::state::Mani
         inputs[accumulate_product_slot::ACC] = Some(acc);
         inputs[accumulate_product_slot::A] = Some(a);
         inputs[accumulate_product_slot::B] = Some(b);
+        let accumulator = attr_string(PRODUCT_ACCUMULATOR, model.name(acc));
         let hint = format!("{}.fused", model.name(next));
         let product = format!("{}.product", model.name(next));
         let node = Builder::new(model, BodyId::MAIN, PASS).node(
@@ -45,7 +50,7 @@ pub fn fuse_accumulate_products(model: &mut Model, manifest: &crate::state::Mani
             DOMAIN,
             &inputs,
             &[&hint, &product],
-            Vec::new(),
+            vec![accumulator],
         );
         let new = model.output(node, 0);
         model.replace_value(next, new);
