@@ -88,5 +88,61 @@ fn main() {
             acc[0]
         );
     }
+    kept_products(bench, &mut stream);
     std::hint::black_box(&stream);
+}
+
+/// A window's kept products (`engine::deferred_products`): `P` products of one 1024 x 1024
+/// accumulator added in one pass (`accumulate_products`) against `P` passes of one product
+/// each, every pass after the stream, as each micro-step finds its accumulator out of cache
+/// when the products are added as they are made. Medians of cold runs, µs.
+fn kept_products(bench: bool, stream: &mut [f32]) {
+    use onnx_ga::fused_ops::{accumulate_products, ProductOperands};
+    let (m, n) = if bench { (1024, 1024) } else { (40, 24) };
+    let runs = if bench { 60 } else { 2 };
+    println!("\n| k | P | P passes of one product, µs | one pass of P products, µs | ratio |\n|--:|--:|--:|--:|--:|");
+    for k in [8usize, 16] {
+        for pairs in [2usize, 3, 5] {
+            let shape = ProductShape { k, m, n };
+            let operands: Vec<(Vec<f32>, Vec<f32>)> = (0..pairs)
+                .map(|p| {
+                    let a = (0..k * m).map(|i| ((i + p) % 7) as f32 * 0.1).collect();
+                    let b = (0..k * n).map(|i| ((i + 2 * p) % 5) as f32 * 0.1).collect();
+                    (a, b)
+                })
+                .collect();
+            let mut acc = vec![0f32; m * n];
+            let mut layouts: Vec<ProductLayout> =
+                (0..pairs).map(|_| ProductLayout::default()).collect();
+            let (mut apart, mut together) = (Vec::new(), Vec::new());
+            for r in 0..runs {
+                let mut total = 0.0;
+                for (a, b) in &operands {
+                    stream.iter_mut().for_each(|x| *x += r as f32);
+                    let t0 = Instant::now();
+                    accumulate_product(a, b, shape, 0, Io::InPlace([&mut acc]));
+                    total += t0.elapsed().as_secs_f64() * 1e6;
+                }
+                apart.push(total);
+                stream.iter_mut().for_each(|x| *x += r as f32);
+                let t0 = Instant::now();
+                let laid_out: Vec<ProductOperands<'_>> = layouts
+                    .iter_mut()
+                    .zip(&operands)
+                    .map(|(layout, (a, b))| layout.operands(a, b, shape))
+                    .collect();
+                accumulate_products(&laid_out, 0, Io::InPlace([&mut acc]));
+                together.push(t0.elapsed().as_secs_f64() * 1e6);
+            }
+            let median = |mut t: Vec<f64>| {
+                t.sort_by(f64::total_cmp);
+                t[t.len() / 2]
+            };
+            let (apart, together) = (median(apart), median(together));
+            println!(
+                "| {k} | {pairs} | {apart:.0} | {together:.0} | {:.2} |",
+                together / apart
+            );
+        }
+    }
 }

@@ -43,7 +43,8 @@ struct Opts {
     /// `--least`: the least a step can add to the floor with standard sessions ([`least`]).
     least: bool,
     /// `--columns floor,step,step_if` (the default; also `floor_kept`, `floor_shared`,
-    /// `floor_no_pattern`, `floor_arena`, `floor_pool`, `floor_bound`, `step_in_place`).
+    /// `floor_no_pattern`, `floor_arena`, `floor_pool`, `floor_bound`, `step_in_place`,
+    /// `step_at_once`).
     columns: Vec<String>,
     /// `--only COLUMN`: run that column alone, `--rounds` cells at the first width, and
     /// print its times: a run to profile (perf record), not a comparison.
@@ -553,8 +554,20 @@ fn run_cell(s: &Sized, column: &str, cell: Duration) -> Result<Measured> {
             })
         }
         "floor_bound" => floor_bound(s, cell),
-        "step" | "step_if" | "step_in_place" => {
+        "step" | "step_if" | "step_in_place" | "step_at_once" => {
             let mut t = match column {
+                // Each micro-step's weight gradients added as they are made, none kept for
+                // the window's sum (`SessionOptions::defer_weight_grads` off).
+                "step_at_once" => Trainer::with_options(
+                    &s.step,
+                    &TrainOptions {
+                        session: SessionOptions {
+                            defer_weight_grads: false,
+                            ..session_options()
+                        },
+                        ..TrainOptions::default()
+                    },
+                )?,
                 // Every state the fused kernels update, updated in place.
                 "step_in_place" => Trainer::with_options(
                     &s.step,
