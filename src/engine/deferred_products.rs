@@ -220,7 +220,7 @@ mod tests {
     /// rows, past the share, and of other sides.
     #[test]
     fn kept_products_add_up_as_in_turn_and_within_bounds() {
-        let (m, n) = (40, 24);
+        let (m, n) = (200, 120);
         let table = DeferredProducts::default();
         let acc = values(1, m * n);
         let mut want = acc.clone();
@@ -249,9 +249,9 @@ mod tests {
         assert_eq!(untouched, acc);
 
         let kept = Kept::default();
-        // 240 floats of accumulator: a quarter is 60, one row of 40 + 24 is 64.
-        assert!(!kept.has_room_for(ProductShape { k: 1, m: 12, n: 20 }));
-        assert!(kept.has_room_for(ProductShape { k: 1, m: 40, n: 24 }));
+        // 240 floats of accumulator: a quarter is 60; a row of A and B is 32.
+        assert!(kept.has_room_for(ProductShape { k: 1, m: 12, n: 20 }));
+        assert!(!kept.has_room_for(ProductShape { k: 2, m: 12, n: 20 }));
         assert!(!kept.has_room_for(ProductShape {
             k: 65,
             m: 4096,
