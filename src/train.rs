@@ -461,6 +461,8 @@ impl Trainer {
                     shared_arena: true,
                     spin: false,
                     shared_pool: true,
+                    // Only the accumulating session keeps products, in this trainer's table.
+                    deferred_products: None,
                     ..options.session.clone()
                 };
                 let apply = match &apply_only {

@@ -1061,9 +1061,9 @@ fn hf_llama_dynamo18_weighted_adamw_equals_full_batch() {
 /// K = 4 micro-batches of 4 with AdamW against torch's full batches (`run_adamw.npz`), each
 /// element within 2e-6 plus twice torch's own float32 error there (`run_adamw64.npz`, the
 /// same run in float64), at most 0.5% of the elements beyond 2e-6. (The share was a count,
-/// fewer than 10, until an AVX2-only Xeon, whose ONNX Runtime kernels round otherwise than
-/// on AVX-512, put 10 of the Llama's 5712 elements beyond 2e-6 at opset 18, the worst
-/// 7.4e-6, each within its bound.)
+/// fewer than 10, until an AMD EPYC of Zen 3 (AVX2, no AVX-512), whose ONNX Runtime
+/// kernels round otherwise, put 10 of the Llama's 5712 elements beyond 2e-6 at opset 18,
+/// the worst 7.4e-6, each within its bound.)
 fn adamw_within_torch_rounding(model: &str, export: &str, normalize: &str) {
     if !ort_available() {
         return;
