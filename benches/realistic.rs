@@ -20,6 +20,8 @@
 //!   small its state.
 //! - `step_session_updates` (only with `--pair`): `step` with the optimizer updates kept in
 //!   the sessions (`SessionOptions::host_updates` off), as before host updates.
+//! - `step_at_once` (only with `--pair`): `step` adding each micro-step's weight gradients
+//!   as they are made (`SessionOptions::defer_weight_grads` off), as before run AL.
 //!
 //! Modes (`cargo bench` passes `--bench`; without it and without a mode, as under `cargo test
 //! --all-targets`, the executable does nothing: the models need torch):
@@ -905,7 +907,8 @@ fn runner(
                 ..session(threads)
             },
         )?)),
-        "step" | "step_whole" | "step_copy" | "step_in_place" | "step_session_updates" => {
+        "step" | "step_whole" | "step_copy" | "step_in_place" | "step_session_updates"
+        | "step_at_once" => {
             let step = load(&dir.join("step.onnx"))?;
             let split = column != "step_whole";
             let options = TrainOptions {
@@ -918,6 +921,9 @@ fn runner(
                         _ => session(threads).in_place_min_total,
                     },
                     host_updates: column != "step_session_updates",
+                    // `step_at_once` (for `--pair`): each micro-step's weight gradients added
+                    // as they are made, none kept for the window's sum.
+                    defer_weight_grads: column != "step_at_once",
                     ..session(threads)
                 },
                 split,
