@@ -907,7 +907,11 @@ fn runner(
                 ..session(threads)
             },
         )?)),
-        "step" | "step_whole" | "step_copy" | "step_in_place" | "step_session_updates"
+        "step"
+        | "step_whole"
+        | "step_copy"
+        | "step_in_place"
+        | "step_session_updates"
         | "step_at_once" => {
             let step = load(&dir.join("step.onnx"))?;
             let split = column != "step_whole";

@@ -59,11 +59,12 @@ pub const TASK_ROWS: usize = AVX512_TILE_ROWS;
 /// 0.41 + 0.31; from about 48 MLAS's faster product wins.
 const AVX512_CONTRACTION: usize = 32;
 
-/// The largest `k` the kernel takes on AVX2, where it ran at 44-64 GFLOP/s on run X's CPU
-/// against 47-101 for its AVX-512 form. MLAS's AVX2 product is not measured here (no
-/// AVX2-only machine): taken at half its AVX-512 speed, the kernel wins to about `k` = 24,
-/// so half the AVX-512 limit.
-const AVX2_CONTRACTION: usize = 16;
+/// The largest `k` the kernel takes on AVX2. Measured on an AVX2-only CPU (AMD EPYC, Zen 3;
+/// benches/README.md, "Run AL"): the realistic MLP at B 32 (`k` 32), its accumulating
+/// micro-steps 1.10-1.16x the gradient graph's time with ONNX Runtime's product and an
+/// added pass, 0.97-1.02x on the kernel, one and two threads. (Until then it was 16, a
+/// guess from run X's AVX-512 CPU, where the kernel's AVX2 form ran at 44-64 GFLOP/s.)
+const AVX2_CONTRACTION: usize = 32;
 
 /// The shapes of one product: `A` is `[k, m]`, `B` `[k, n]`, the accumulator `[m, n]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
