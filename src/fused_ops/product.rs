@@ -60,11 +60,13 @@ pub const TASK_ROWS: usize = AVX512_TILE_ROWS;
 const AVX512_CONTRACTION: usize = 32;
 
 /// The largest `k` the kernel takes on AVX2. Measured on an AVX2-only CPU (AMD EPYC, Zen 3;
-/// benches/README.md, "Run AL"): the realistic MLP at B 32 (`k` 32), its accumulating
-/// micro-steps 1.10-1.16x the gradient graph's time with ONNX Runtime's product and an
-/// added pass, 0.97-1.02x on the kernel, one and two threads. (Until then it was 16, a
-/// guess from run X's AVX-512 CPU, where the kernel's AVX2 form ran at 44-64 GFLOP/s.)
-const AVX2_CONTRACTION: usize = 32;
+/// benches/README.md, "Run AL"), the realistic MLP's step against its gradient graph, one
+/// and two threads: at B 32 the accumulating micro-steps 1.10-1.16x with ONNX Runtime's
+/// product and an added pass, 0.97-1.02x on the kernel; at B 48 and 64 the window 1.10-1.16x
+/// against 1.08-1.12x on the kernel (with the products kept, `engine::deferred_products`).
+/// Past 64 not measured. (Until then it was 16, a guess from run X's AVX-512 CPU, where the
+/// kernel's AVX2 form ran at 44-64 GFLOP/s.)
+const AVX2_CONTRACTION: usize = 64;
 
 /// The shapes of one product: `A` is `[k, m]`, `B` `[k, n]`, the accumulator `[m, n]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -772,7 +774,7 @@ mod tests {
     #[test]
     fn the_product_is_the_fused_chain() {
         let mut kept = ProductLayout::default();
-        for k in [1, 3, 8, 17, 32] {
+        for k in [1, 3, 8, 17, 32, 64] {
             for m in [1, 7, 8, 9, 17] {
                 for n in [1, 15, 16, 17, 33, 48, 70] {
                     let shape = ProductShape { k, m, n };
