@@ -918,9 +918,7 @@ impl Trainer {
     }
 
     fn is_behind(&self, name: &str) -> bool {
-        self.deferred
-            .as_ref()
-            .is_some_and(|d| d.kept_names().iter().any(|n| n == name))
+        self.deferred.as_ref().is_some_and(|d| d.is_behind(name))
     }
 
     /// Adds the products kept for accumulator `name` to `copy`, a host copy of its held

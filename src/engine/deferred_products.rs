@@ -72,6 +72,11 @@ impl DeferredProducts {
             .collect()
     }
 
+    /// Whether accumulator `name` has products kept (its held value is behind).
+    pub fn is_behind(&self, name: &str) -> bool {
+        self.table().get(name).is_some_and(|kept| !kept.is_empty())
+    }
+
     /// Adds the products kept for accumulator `name` to `acc`, its value as held, in the
     /// order they were kept, and forgets them when `forget`. `acc` is the whole accumulator.
     pub fn add_kept(&self, name: &str, acc: &mut [f32], forget: bool) {
