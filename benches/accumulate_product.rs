@@ -97,7 +97,7 @@ fn main() {
 /// each, every pass after the stream, as each micro-step finds its accumulator out of cache
 /// when the products are added as they are made. Medians of cold runs, µs.
 fn kept_products(bench: bool, stream: &mut [f32]) {
-    use onnx_ga::fused_ops::{accumulate_products, ProductOperands};
+    use onnx_ga::fused_ops::{accumulate_products, ProductOperands, SumFrom};
     let (m, n) = if bench { (1024, 1024) } else { (40, 24) };
     let runs = if bench { 60 } else { 2 };
     println!("\n| k | P | P passes of one product, µs | one pass of P products, µs | ratio |\n|--:|--:|--:|--:|--:|");
@@ -131,7 +131,11 @@ fn kept_products(bench: bool, stream: &mut [f32]) {
                     .zip(&operands)
                     .map(|(layout, (a, b))| layout.operands(a, b, shape))
                     .collect();
-                accumulate_products(&laid_out, 0, Io::InPlace([&mut acc]));
+                accumulate_products(
+                    &laid_out,
+                    (0, SumFrom::Accumulator),
+                    Io::InPlace([&mut acc]),
+                );
                 together.push(t0.elapsed().as_secs_f64() * 1e6);
             }
             let median = |mut t: Vec<f64>| {

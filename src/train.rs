@@ -461,7 +461,7 @@ impl Trainer {
                     shared_arena: true,
                     spin: false,
                     shared_pool: true,
-                    // Only the accumulating session keeps products, in this trainer's table.
+                    // Only the window's sessions keep products, in this trainer's table.
                     deferred_products: None,
                     ..options.session.clone()
                 };
@@ -507,19 +507,9 @@ impl Trainer {
                         .host_updates
                         .then_some(crate::passes::fuse::host::MAX_ELEMENTS),
                 };
-                let start = match start_model {
-                    Some(s) => Some(Box::new(open_engine(
-                        kind,
-                        &seeded_draws(&s.model, options.draw_seed, Session::WindowStart),
-                        &session,
-                        &manifest,
-                        &mut fused,
-                        in_place(true),
-                    )?)),
-                    None => None,
-                };
-                // Its weight gradients may wait for the window's sum (not for data
-                // parallel, whose window ends in the collective's reduction).
+                // The window's weight gradients (its first micro-step's and the accumulating
+                // ones') may wait for the window's sum (not for data parallel, whose window
+                // ends in the collective's reduction).
                 deferred = (kind == EngineKind::Ort
                     && session.device == crate::engine::ort::Device::Cpu
                     && session.fused_kernels
@@ -531,6 +521,17 @@ impl Trainer {
                 let accumulating = SessionOptions {
                     deferred_products: deferred.clone(),
                     ..session.clone()
+                };
+                let start = match start_model {
+                    Some(s) => Some(Box::new(open_engine(
+                        kind,
+                        &seeded_draws(&s.model, options.draw_seed, Session::WindowStart),
+                        &accumulating,
+                        &manifest,
+                        &mut fused,
+                        in_place(true),
+                    )?)),
+                    None => None,
                 };
                 Runner::Split {
                     accumulate: Box::new(open_engine(
@@ -1211,17 +1212,18 @@ impl Trainer {
                     host.push((k, keep_nonfinite));
                 }
                 if let Some(deferred) = &self.deferred {
-                    match ran {
-                        // Its kernels keep their products unless the next micro-step applies.
-                        Session::Accumulate => deferred.set_sum_now(crate::split::applies(
-                            *micro_step + 1,
-                            *window_size,
-                            false,
-                        )),
-                        // A window ended before its last accumulating micro-step made the
-                        // sums (a flush, K lowered): made here.
-                        _ => add_kept_products(deferred, &mut self.state)?,
+                    // A window ended before its last accumulating micro-step made the sums
+                    // (a flush, K lowered): made here, before another session reads them.
+                    if ran != Session::Accumulate {
+                        add_kept_products(deferred, &mut self.state)?;
                     }
+                    // The window's kernels keep their products unless the next micro-step
+                    // applies.
+                    deferred.set_sum_now(crate::split::applies(
+                        *micro_step + 1,
+                        *window_size,
+                        false,
+                    ));
                 }
                 // Only the window start may see the last window's sums (it reads none).
                 stale_before = *stale_sums;

@@ -9,8 +9,16 @@
 //! same order, `((acc + s_1) + s_2) + ...`, so the bits are the standard ops'; the
 //! accumulator is read and written once a window instead of once a micro-step.
 //!
+//! The window's first micro-step keeps its product too (the window-start session's
+//! `AccumulateProduct` with `overwrites`, `train::window_start`): its accumulator holds
+//! nothing yet, so the kept products then sum from nothing, `(s_1 + s_2) + ...`, the first
+//! written as the window start's `Gemm` writes it and the buffer never read
+//! ([`SumFrom::Nothing`]): no pass over the accumulator until the sum, which writes it
+//! without reading it.
+//!
 //! Between those micro-steps the accumulator the engine holds is behind: its value is the
-//! buffer plus the kept products, in order. Whoever reads it from outside the sessions adds
+//! buffer plus the kept products, in order (or the kept products alone, from a window's
+//! first). Whoever reads it from outside the sessions adds
 //! them first ([`DeferredProducts::add_kept`]): the trainer's host copies (`state`,
 //! `host_value`, checkpoints), and the held buffer itself before a session other than the
 //! accumulating one runs (a window ended early by a flush or a lowered K). Loading a state
@@ -24,7 +32,9 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-use crate::fused_ops::{accumulate_products, Io, ProductLayout, ProductOperands, ProductShape};
+use crate::fused_ops::{
+    accumulate_products, Io, ProductLayout, ProductOperands, ProductShape, SumFrom,
+};
 
 /// The most rows (micro-batch samples) kept for one accumulator: the pass that adds them
 /// reads every kept product's `B` once per group of the accumulator's rows, which at 64
@@ -78,7 +88,8 @@ impl DeferredProducts {
     }
 
     /// Adds the products kept for accumulator `name` to `acc`, its value as held, in the
-    /// order they were kept, and forgets them when `forget`. `acc` is the whole accumulator.
+    /// order they were kept (or writes their sum over it, when they start from nothing),
+    /// and forgets them when `forget`. `acc` is the whole accumulator.
     pub fn add_kept(&self, name: &str, acc: &mut [f32], forget: bool) {
         let mut table = self.table();
         let Some(kept) = table.get_mut(name) else {
@@ -87,8 +98,9 @@ impl DeferredProducts {
         if kept.is_empty() {
             return;
         }
+        let from = kept.from();
         let operands = kept.operands(None);
-        accumulate_products(&operands, 0, Io::InPlace([acc]));
+        accumulate_products(&operands, (0, from), Io::InPlace([acc]));
         if forget {
             kept.clear();
         }
@@ -126,6 +138,14 @@ pub(crate) struct Kept {
     /// The kept products first (`len` of them), then spare buffers of earlier windows.
     pairs: Vec<KeptPair>,
     len: usize,
+    /// What the kept products sum from: the held buffer, or nothing (the first was a
+    /// window's first product, its buffer not yet written).
+    from: SumFrom,
+    /// Whether the accumulating session's kernel for this accumulator updates it in place
+    /// (as of its last run): only then is a window's first product kept, for that kernel
+    /// to sum. (With the host's updates, or apart, nothing would sum it in the window; a
+    /// discarded micro-step apart puts the accumulator's old value back beside the table.)
+    summed_in_place: bool,
     /// One layout per product added at once (the kept ones and a kernel's own).
     layouts: Vec<ProductLayout>,
 }
@@ -139,6 +159,21 @@ struct KeptPair {
 impl Kept {
     pub(crate) fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// What the kept products sum from.
+    pub(crate) fn from(&self) -> SumFrom {
+        self.from
+    }
+
+    /// Notes whether the accumulating session's kernel updates this accumulator in place.
+    pub(crate) fn set_summed_in_place(&mut self, in_place: bool) {
+        self.summed_in_place = in_place;
+    }
+
+    /// Whether a window's first product may be kept (see the field).
+    pub(crate) fn first_may_wait(&self) -> bool {
+        self.summed_in_place
     }
 
     fn kept(&self) -> &[KeptPair] {
@@ -157,6 +192,14 @@ impl Kept {
         same_sides
             && rows <= MOST_KEPT_ROWS
             && floats <= shape.m.saturating_mul(shape.n) / MOST_KEPT_SHARE
+    }
+
+    /// Keeps a window's first product, the accumulator's whole value from now on (its
+    /// buffer is not read): what was kept before is forgotten.
+    pub(crate) fn keep_first(&mut self, a: &[f32], b: &[f32], shape: ProductShape) {
+        self.clear();
+        self.from = SumFrom::Nothing;
+        self.keep(a, b, shape);
     }
 
     /// Keeps a copy of the product's operands (`a` is `[k, m]`, `b` `[k, n]`).
@@ -187,6 +230,7 @@ impl Kept {
             pairs,
             len,
             layouts,
+            ..
         } = self;
         let count = *len + usize::from(own.is_some());
         if layouts.len() < count {
@@ -206,6 +250,7 @@ impl Kept {
     /// Forgets the kept products (their buffers stay for the next window).
     pub(crate) fn clear(&mut self) {
         self.len = 0;
+        self.from = SumFrom::Accumulator;
     }
 }
 
@@ -252,6 +297,34 @@ mod tests {
         let mut untouched = acc.clone();
         table.add_kept("w", &mut untouched, true);
         assert_eq!(untouched, acc);
+
+        // A window's first product kept: the value is the kept products alone, the buffer
+        // (NaN here) not read; the first written as it is (`+0 + s` would lose a `-0`).
+        let mut kept = table.take("w");
+        let mut want = vec![0f32; m * n];
+        for (p, k) in [2usize, 5].into_iter().enumerate() {
+            let shape = ProductShape { k, m, n };
+            let (a, b) = (values(8 + p, k * m), values(9 + p, k * n));
+            match p {
+                0 => {
+                    kept.keep_first(&a, &b, shape);
+                    ProductLayout::default()
+                        .operands(&a, &b, shape)
+                        .write(0, &mut want);
+                }
+                _ => {
+                    kept.keep(&a, &b, shape);
+                    accumulate_product(&a, &b, shape, 0, Io::InPlace([&mut want]));
+                }
+            }
+        }
+        table.put_back("w", kept);
+        let mut got = vec![f32::NAN; m * n];
+        table.add_kept("w", &mut got, true);
+        assert!(got
+            .iter()
+            .zip(&want)
+            .all(|(g, w)| g.to_bits() == w.to_bits()));
 
         let kept = Kept::default();
         // 240 floats of accumulator: a quarter is 60; a row of A and B is 32.

@@ -21,10 +21,11 @@ use crate::fused_ops::{
     gelu_quotient, gelu_slot, gelu_tail, largest_fast_contraction, layer_norm_grad_rows,
     layer_norm_grad_slot, leading_sum, relu_grad, sgd_slot, sgd_update, AdamWScalars,
     BatchNormLayout, ChannelStats, GeluGradScalars, GeluScalars, Io, ProductLayout, ProductShape,
-    RowLayout, SgdIo, SgdScalars, Unfolding, Window2d, ACCUMULATE_GRAD, ACCUMULATE_PRODUCT,
-    ADAMW_UPDATE, ADAMW_UPDATES, BATCH_NORM_GRAD, BATCH_NORM_TRAIN, BLOCKED_WEIGHT, COL2IM,
-    CONV_WEIGHT_GRAD, DOMAIN, GELU, GELU_GRAD, IM2COL, LAYER_NORM_GRAD, LAYER_NORM_GRAD_ROWS,
-    LEADING_SUM, PRODUCT_ACCUMULATOR, PRODUCT_TASK_ROWS, RELU_GRAD, ROW_TRANSPOSE, SGD_UPDATE,
+    RowLayout, SgdIo, SgdScalars, SumFrom, Unfolding, Window2d, ACCUMULATE_GRAD,
+    ACCUMULATE_PRODUCT, ADAMW_UPDATE, ADAMW_UPDATES, BATCH_NORM_GRAD, BATCH_NORM_TRAIN,
+    BLOCKED_WEIGHT, COL2IM, CONV_WEIGHT_GRAD, DOMAIN, GELU, GELU_GRAD, IM2COL, LAYER_NORM_GRAD,
+    LAYER_NORM_GRAD_ROWS, LEADING_SUM, PRODUCT_ACCUMULATOR, PRODUCT_OVERWRITES, PRODUCT_TASK_ROWS,
+    RELU_GRAD, ROW_TRANSPOSE, SGD_UPDATE,
 };
 
 /// The domain with every fused operator, for a session builder; its `AccumulateProduct`
@@ -621,8 +622,9 @@ impl Operator for AccumulateProduct {
             (Some(table), Some(name)) => Some((Arc::clone(table), name)),
             _ => None,
         };
+        let overwrites = kctx.get::<i64>(PRODUCT_OVERWRITES).unwrap_or(0) == 1;
         Ok(Box::new(move |ctx: &ComputeContext| {
-            accumulate_product_kernel(ctx, &gemm, deferred.as_ref())
+            accumulate_product_kernel(ctx, &gemm, deferred.as_ref(), overwrites)
         }))
     }
 }
@@ -808,11 +810,13 @@ thread_local! {
 /// A fused product's run. With `deferred` (the trainer's table and this node's
 /// accumulator), a kept micro-step whose window goes on keeps its product for later
 /// instead, where the bounds of `engine::deferred_products` leave room; a run that makes
-/// the sum adds the kept products and its own in one pass.
+/// the sum adds the kept products and its own in one pass. With `overwrites` (a window's
+/// first product) the accumulator is not read: see [`first_product`].
 fn accumulate_product_kernel(
     ctx: &ComputeContext,
     gemm: &InvokedOp,
     deferred: Option<&(Arc<DeferredProducts>, String)>,
+    overwrites: bool,
 ) -> ::ort::Result<()> {
     use accumulate_product_slot as at;
     let op = ACCUMULATE_PRODUCT;
@@ -847,11 +851,23 @@ fn accumulate_product_kernel(
         }
         Ok((a, b))
     };
+    if overwrites {
+        let in_place = kernel_io::output(ctx, op, 0, acc.shape)?.address() == acc.address();
+        let dims = ([a.value(), b.value()], acc.shape, in_place);
+        return first_product(
+            (ctx, gemm),
+            deferred,
+            (keep, fast, shape),
+            dims,
+            operand_values,
+        );
+    }
     if let Some((table, name)) = deferred {
         // Only an accumulator updated in place is kept behind: one written apart would be
         // replaced, and a discarded micro-step's old value put back, beside the table.
         let in_place = kernel_io::output(ctx, op, 0, acc.shape)?.address() == acc.address();
         let mut kept = table.take(name);
+        kept.set_summed_in_place(in_place);
         let later = in_place && !table.sum_now() && (!keep || (fast && kept.has_room_for(shape)));
         let ran = match later {
             // The window goes on: this micro-step's product (if kept) waits with the
@@ -906,6 +922,64 @@ fn accumulate_product_kernel(
     })
 }
 
+/// A window's first product, the accumulator's whole next value (its buffer holds nothing
+/// of this window and is not read): written by the kernel when `fast`, else by ONNX
+/// Runtime's `Gemm` straight into the output, as the window start's own `Gemm` writes it.
+/// With `deferred`, a window that goes on keeps it instead, in place and within the bounds
+/// of `engine::deferred_products`: the accumulator's kept products then sum from nothing
+/// and the buffer is first written by the window's sum.
+fn first_product<'v>(
+    (ctx, gemm): (&ComputeContext, &InvokedOp),
+    deferred: Option<&(Arc<DeferredProducts>, String)>,
+    (keep, fast, shape): (bool, bool, ProductShape),
+    (values, acc_dims, in_place): ([*const ::ort::sys::OrtValue; 2], &[i64], bool),
+    operand_values: impl Fn() -> ::ort::Result<(&'v [f32], &'v [f32])>,
+) -> ::ort::Result<()> {
+    use accumulate_product_slot as at;
+    let op = ACCUMULATE_PRODUCT;
+    // A discarded micro-step: the accumulator stays as it was, and so does what is kept
+    // for it.
+    if !keep {
+        return run_update(ctx, op, [at::ACC], 0, false, |_, _| {});
+    }
+    if let Some((table, name)) = deferred {
+        let mut kept = table.take(name);
+        // The product replaces the accumulator's value, products kept for it included.
+        kept.clear();
+        let later = in_place
+            && kept.first_may_wait()
+            && !table.sum_now()
+            && fast
+            && kept.has_room_for(shape);
+        let ran = match later {
+            true => operand_values().map(|(a, b)| kept.keep_first(a, b, shape)),
+            false => Ok(()),
+        };
+        table.put_back(name, kept);
+        ran?;
+        if later {
+            return run_update(ctx, op, [at::ACC], 0, false, |_, _| {});
+        }
+    }
+    if fast {
+        let (a, b) = operand_values()?;
+        let tile = PRODUCT_TASK_ROWS * shape.n;
+        return PRODUCT_LAYOUT.with(|layout| match layout.try_borrow_mut() {
+            Ok(mut layout) => {
+                let operands = layout.operands(a, b, shape);
+                run_update_by(ctx, op, ([at::ACC], 0), true, tile, |range, io| {
+                    operands.write(range.start / shape.n.max(1), io.unread())
+                })
+            }
+            Err(_) => Err(::ort::Error::new(format!(
+                "{op}: its layout is in use on this thread"
+            ))),
+        });
+    }
+    let out = kernel_io::output(ctx, op, 0, acc_dims)?;
+    gemm.run(RunningContext::of(ctx), &values, out.value())
+}
+
 /// MLAS's product `Aᵀ·B` into the operator's output 1 (ONNX Runtime's arena): the standard
 /// ops' computation and bits, to be added to the accumulator.
 fn mlas_product<'c>(
@@ -934,11 +1008,12 @@ fn sum_with_kept<'v>(
     let state = ([at::ACC], 0);
     let tile = PRODUCT_TASK_ROWS * shape.n;
     let first_row = |range: &std::ops::Range<usize>| range.start / shape.n.max(1);
+    let from = kept.from();
     let summed = if keep && fast {
         let (a, b) = operand_values()?;
         let operands = kept.operands(Some((a, b, shape)));
         run_update_by(ctx, op, state, true, tile, |range, io| {
-            accumulate_products(&operands, first_row(&range), io)
+            accumulate_products(&operands, (first_row(&range), from), io)
         })
     } else {
         let product = match keep {
@@ -948,8 +1023,13 @@ fn sum_with_kept<'v>(
         let operands = kept.operands(None);
         let anything = keep || !operands.is_empty();
         run_update_by(ctx, op, state, anything, tile, |range, io| {
-            let acc = io.written();
-            accumulate_products(&operands, first_row(&range), Io::InPlace([&mut *acc]));
+            // From nothing the kept products are the whole value (at least one is kept).
+            let acc = match from {
+                SumFrom::Accumulator => io.written(),
+                SumFrom::Nothing => io.unread(),
+            };
+            let from = (first_row(&range), from);
+            accumulate_products(&operands, from, Io::InPlace([&mut *acc]));
             if let Some(product) = product {
                 accumulate_grad(&product[range], Io::InPlace([acc]));
             }

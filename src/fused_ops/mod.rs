@@ -220,8 +220,9 @@ pub use layer_norm_grad::{
 pub use leading_sum::{leading_sum, LEADING_SUM};
 pub use product::{
     accumulate_product, accumulate_product_slot, accumulate_products, largest_fast_contraction,
-    ProductLayout, ProductOperands, ProductShape, ACCUMULATE_PRODUCT,
-    ACCUMULATOR as PRODUCT_ACCUMULATOR, TASK_ROWS as PRODUCT_TASK_ROWS,
+    ProductLayout, ProductOperands, ProductShape, SumFrom, ACCUMULATE_PRODUCT,
+    ACCUMULATOR as PRODUCT_ACCUMULATOR, OVERWRITES as PRODUCT_OVERWRITES,
+    TASK_ROWS as PRODUCT_TASK_ROWS,
 };
 use quotient::KnownDivisor;
 pub use relu_grad::{relu_grad, RELU_GRAD};
@@ -246,6 +247,14 @@ impl<'a> Io<'a, 1> {
                 dst.copy_from_slice(src);
                 dst
             }
+        }
+    }
+    /// The one buffer to write a next value into that does not depend on the state: the
+    /// state's own, or the output (the state not copied).
+    pub fn unread(self) -> &'a mut [f32] {
+        match self {
+            Io::InPlace([state]) => state,
+            Io::Apart(_, [dst]) => dst,
         }
     }
 }

@@ -34,6 +34,12 @@ pub const ACCUMULATE_PRODUCT: &str = "AccumulateProduct";
 /// keeps this node's.
 pub const ACCUMULATOR: &str = "accumulator";
 
+/// The int attribute that, at 1, makes the node's output the product alone, its
+/// accumulator input not read (`s_ij`, written as ONNX Runtime's `Gemm` writes it): the
+/// window-start specialisation's weight gradients (`train::window_start`), whose
+/// accumulators hold nothing yet, made by the kernel so that a trainer may keep them too.
+pub const OVERWRITES: &str = "overwrites";
+
 /// Input slots of [`ACCUMULATE_PRODUCT`].
 pub mod accumulate_product_slot {
     pub const ACC: usize = 0;
@@ -244,7 +250,20 @@ impl ProductOperands<'_> {
     /// # Panics
     /// When `io` is not whole rows within the product's.
     pub fn accumulate(&self, first_row: usize, io: Io<'_, 1>) {
-        let acc = io.written();
+        self.run(first_row, io.written(), SumFrom::Accumulator)
+    }
+
+    /// The product alone (`s_ij`, the chain of the module's comment) written over the
+    /// accumulator's rows `first_row..` that `out` holds, which are not read: a window's
+    /// first weight gradient, written as the standard `Gemm` writes it.
+    ///
+    /// # Panics
+    /// When `out` is not whole rows within the product's.
+    pub fn write(&self, first_row: usize, out: &mut [f32]) {
+        self.run(first_row, out, SumFrom::Nothing)
+    }
+
+    fn run(&self, first_row: usize, acc: &mut [f32], from: SumFrom) {
         let ProductOperands { a, b, shape, .. } = *self;
         let (m, n) = (shape.m, shape.n);
         let rows = acc.len() / n.max(1);
@@ -261,19 +280,35 @@ impl ProductOperands<'_> {
         match self.lanes {
             // SAFETY: the CPU has the vectors and FMA (`fast_lanes`), the sizes were checked
             // here and in `new`, which packed B and A for this width.
-            Some(16) => return unsafe { simd::rows_avx512(operands, shape, first_row, acc) },
-            Some(8) => return unsafe { simd::rows_avx2(operands, shape, first_row, acc) },
+            Some(16) => {
+                return unsafe { simd::rows_avx512(operands, shape, (first_row, from), acc) }
+            }
+            Some(8) => return unsafe { simd::rows_avx2(operands, shape, (first_row, from), acc) },
             _ => {}
         }
-        with_widest_vectors!(portable_rows(a, b, shape, first_row, acc))
+        with_widest_vectors!(portable_rows(a, b, shape, (first_row, from), acc))
     }
+}
+
+/// What a sum of products starts from: the accumulator's value (`acc + s_1 + ...`), or
+/// nothing (`s_1 + s_2 + ...`, the first product written as it is and the accumulator not
+/// read: a window whose first weight gradient was kept too, `engine::deferred_products`).
+/// Written as it is, not added to a zero: `0 + s` is `s` but for the sign of a zero.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SumFrom {
+    #[default]
+    Accumulator,
+    Nothing,
 }
 
 /// The products of `pairs` (one accumulator's, every pair of its `m` and `n`) added to the
 /// accumulator's rows `first_row..` that `io` holds, one after the other:
 /// `acc' = ((acc + s_1) + s_2) + ...`, each `s_p` pair `p`'s chain of the module's comment.
 /// So each element takes the same operations in the same order as one
-/// [`accumulate_product`] per pair, run in turn: the same bits.
+/// [`accumulate_product`] per pair, run in turn: the same bits. From
+/// [`SumFrom::Nothing`] the accumulator is not read and the first pair's chain is written
+/// ([`ProductOperands::write`]), then the others added: the bits of a window whose first
+/// micro-step wrote its gradient.
 ///
 /// Why: a window's weight gradients kept until the window needs their sum
 /// (`engine::deferred_products`) are added in one pass over the accumulator instead of one
@@ -283,10 +318,19 @@ impl ProductOperands<'_> {
 ///
 /// # Panics
 /// When the pairs' accumulators differ in shape, or `io` is not whole rows within them.
-pub fn accumulate_products(pairs: &[ProductOperands<'_>], first_row: usize, io: Io<'_, 1>) {
-    let acc = io.written();
+pub fn accumulate_products(
+    pairs: &[ProductOperands<'_>],
+    (first_row, from): (usize, SumFrom),
+    io: Io<'_, 1>,
+) {
     let Some(first) = pairs.first() else {
+        // Nothing to add; nothing to write over (no pair says what).
+        io.written();
         return;
+    };
+    let acc = match from {
+        SumFrom::Accumulator => io.written(),
+        SumFrom::Nothing => io.unread(),
     };
     let (m, n) = (first.shape.m, first.shape.n);
     assert!(
@@ -297,8 +341,13 @@ pub fn accumulate_products(pairs: &[ProductOperands<'_>], first_row: usize, io: 
         return;
     }
     for (group, rows) in acc.chunks_mut(GROUP_ROWS * n).enumerate() {
-        for pair in pairs {
-            pair.accumulate(first_row + group * GROUP_ROWS, Io::InPlace([&mut *rows]));
+        let row = first_row + group * GROUP_ROWS;
+        for (p, pair) in pairs.iter().enumerate() {
+            let from = match p {
+                0 => from,
+                _ => SumFrom::Accumulator,
+            };
+            pair.run(row, rows, from);
         }
     }
 }
@@ -370,7 +419,13 @@ fn pack_panels<const ROWS: usize>(a: &[f32], shape: ProductShape, into: &mut Lin
 
 /// The same chains a row at a time, `BLOCK` columns of partial sums on the stack.
 #[inline(always)]
-fn portable_rows(a: &[f32], b: &[f32], shape: ProductShape, first_row: usize, acc: &mut [f32]) {
+fn portable_rows(
+    a: &[f32],
+    b: &[f32],
+    shape: ProductShape,
+    (first_row, from): (usize, SumFrom),
+    acc: &mut [f32],
+) {
     const BLOCK: usize = 256;
     let ProductShape { k, m, n } = shape;
     for (r, row) in acc.chunks_exact_mut(n).enumerate() {
@@ -386,8 +441,9 @@ fn portable_rows(a: &[f32], b: &[f32], shape: ProductShape, first_row: usize, ac
                     *s = coefficient.mul_add(x, *s);
                 }
             }
-            for (out, s) in out.iter_mut().zip(s.iter()) {
-                *out += *s;
+            match from {
+                SumFrom::Accumulator => out.iter_mut().zip(s.iter()).for_each(|(o, s)| *o += *s),
+                SumFrom::Nothing => out.copy_from_slice(s),
             }
         }
     }
@@ -396,7 +452,7 @@ fn portable_rows(a: &[f32], b: &[f32], shape: ProductShape, first_row: usize, ac
 /// The kernel on x86-64 vectors, one body for both widths ([`Lanes`]).
 #[cfg(target_arch = "x86_64")]
 mod simd {
-    use super::ProductShape;
+    use super::{ProductShape, SumFrom};
     use std::arch::x86_64::*;
 
     /// One vector of float32 lanes and the operations the kernel uses, each one instruction.
@@ -510,7 +566,8 @@ mod simd {
     const PREFETCH_TILES: usize = 3;
 
     /// `R` rows of the accumulator from `acc` (row `i` of the product: `first_row + i`) by
-    /// `V` vectors from column `j`, with `MASKED` the last of them cut to `mask`'s lanes.
+    /// `V` vectors from column `j`, with `MASKED` the last of them cut to `mask`'s lanes;
+    /// the chains added to them, or written over them unread (`from`).
     ///
     /// # Safety
     /// The width's instructions and FMA; `R` rows from `i` and the lanes of `V` vectors from
@@ -519,7 +576,7 @@ mod simd {
     unsafe fn tile<S: Lanes, const R: usize, const V: usize, const MASKED: bool>(
         ((a, a_stride), acc): ((*const f32, usize), *mut f32),
         (b, b_stride): (*const f32, usize),
-        shape: ProductShape,
+        (shape, from): (ProductShape, SumFrom),
         (i, j): (usize, usize),
         mask: S::Mask,
     ) {
@@ -556,9 +613,13 @@ mod simd {
         for (r, s) in s.iter().enumerate() {
             for (v, s) in s.iter().enumerate() {
                 let out = acc.add((i + r) * n + j + v * S::LANES);
-                match masked(v) {
-                    true => S::load_masked(mask, out).add(*s).store_masked(mask, out),
-                    false => S::load(out).add(*s).store(out),
+                match (masked(v), from) {
+                    (true, SumFrom::Accumulator) => {
+                        S::load_masked(mask, out).add(*s).store_masked(mask, out)
+                    }
+                    (false, SumFrom::Accumulator) => S::load(out).add(*s).store(out),
+                    (true, SumFrom::Nothing) => s.store_masked(mask, out),
+                    (false, SumFrom::Nothing) => s.store(out),
                 }
             }
         }
@@ -573,10 +634,10 @@ mod simd {
     unsafe fn row_block<S: Lanes, const R: usize>(
         (a, b, acc): ((*const f32, usize), *const f32, *mut f32),
         packed: &[f32],
-        shape: ProductShape,
+        shape: (ProductShape, SumFrom),
         i: usize,
     ) {
-        let (k, n, lanes) = (shape.k, shape.n, S::LANES);
+        let (k, n, lanes) = (shape.0.k, shape.0.n, S::LANES);
         let all = S::first(lanes);
         let width = 2 * lanes;
         let mut j = 0;
@@ -607,11 +668,12 @@ mod simd {
     unsafe fn rows<S: Lanes>(
         (a, b, packed, panels): (&[f32], &[f32], &[f32], &[f32]),
         shape: ProductShape,
-        first_row: usize,
+        (first_row, from): (usize, SumFrom),
         acc: &mut [f32],
     ) {
         let (k, m) = (shape.k, shape.m);
         let rows = acc.len() / shape.n.max(1);
+        let shape = (shape, from);
         let (b, acc) = (b.as_ptr(), acc.as_mut_ptr());
         // Row `i`'s coefficients in A itself, a row of A (m elements) apart per p.
         let in_a = |i: usize| (a.as_ptr().add(first_row + i), m);
@@ -655,7 +717,7 @@ mod simd {
     pub(super) unsafe fn rows_avx512(
         operands: (&[f32], &[f32], &[f32], &[f32]),
         shape: ProductShape,
-        first_row: usize,
+        first_row: (usize, SumFrom),
         acc: &mut [f32],
     ) {
         rows::<__m512>(operands, shape, first_row, acc)
@@ -670,7 +732,7 @@ mod simd {
     pub(super) unsafe fn rows_avx2(
         operands: (&[f32], &[f32], &[f32], &[f32]),
         shape: ProductShape,
-        first_row: usize,
+        first_row: (usize, SumFrom),
         acc: &mut [f32],
     ) {
         rows::<__m256>(operands, shape, first_row, acc)
@@ -695,7 +757,7 @@ mod tests {
             .collect()
     }
 
-    type Kernel = fn(&[f32], &[f32], ProductShape, usize, &mut [f32]);
+    type Kernel = fn(&[f32], &[f32], ProductShape, (usize, SumFrom), &mut [f32]);
 
     /// What `pack` lays out of `matrix`.
     fn laid_out(
@@ -751,20 +813,21 @@ mod tests {
         kernels
     }
 
+    /// The module's chains `s_ij`, one element at a time.
+    fn products(a: &[f32], b: &[f32], shape: ProductShape) -> Vec<f32> {
+        let ProductShape { k, m, n } = shape;
+        let mut s = vec![0f32; m * n];
+        for (ij, s) in s.iter_mut().enumerate() {
+            let (i, j) = (ij / n, ij % n);
+            *s = (0..k).fold(0f32, |s, p| a[p * m + i].mul_add(b[p * n + j], s));
+        }
+        s
+    }
+
     /// The module's formula, one element at a time.
     fn chain(a: &[f32], b: &[f32], shape: ProductShape, acc: &[f32]) -> Vec<f32> {
-        let ProductShape { k, m, n } = shape;
-        let mut out = acc.to_vec();
-        for i in 0..m {
-            for j in 0..n {
-                let mut s = 0f32;
-                for p in 0..k {
-                    s = a[p * m + i].mul_add(b[p * n + j], s);
-                }
-                out[i * n + j] += s;
-            }
-        }
-        out
+        let s = products(a, b, shape);
+        acc.iter().zip(&s).map(|(acc, s)| acc + s).collect()
     }
 
     /// Every tile shape and tail of the kernel (rows by 8 and one, columns by two vectors, one
@@ -801,8 +864,22 @@ mod tests {
                     ];
                     for (what, kernel) in kernels() {
                         let mut got = acc.clone();
-                        kernel(&a, &b, shape, 0, &mut got);
+                        kernel(&a, &b, shape, (0, SumFrom::Accumulator), &mut got);
                         results.push((what, got));
+                    }
+                    // Written over, unread: the chains themselves.
+                    let s = products(&a, &b, shape);
+                    let mut written = vec![f32::NAN; m * n];
+                    kept.operands(&a, &b, shape).write(0, &mut written);
+                    let mut writes = vec![("written, kept layout", written)];
+                    for (what, kernel) in kernels() {
+                        let mut got = vec![f32::NAN; m * n];
+                        kernel(&a, &b, shape, (0, SumFrom::Nothing), &mut got);
+                        writes.push((what, got));
+                    }
+                    for (what, got) in &writes {
+                        let same = got.iter().zip(&s).all(|(g, w)| g.to_bits() == w.to_bits());
+                        assert!(same, "{what}: written {shape:?}");
                     }
                     for (what, got) in &results {
                         let same = got
@@ -837,7 +914,9 @@ mod tests {
     /// Several products added by one pass give, element by element, the bits of one
     /// [`accumulate_product`] per product in turn: pairs of different `k` (with A in place
     /// and on panels), rows from a task's offset on and off a tile's multiple, in place
-    /// and apart; no pairs leave the accumulator as it was.
+    /// and apart; no pairs leave the accumulator as it was. From nothing, the accumulator
+    /// (NaN) is not read and the first product is its chain of the module's comment,
+    /// written as it is.
     #[test]
     fn products_in_one_pass_are_the_products_in_turn() {
         for (m, n) in [(1, 5), (9, 33), (20, 70), (37, 16)] {
@@ -871,14 +950,46 @@ mod tests {
                 let mut in_place = acc.clone();
                 let split = m / 2 + 1;
                 let (top, bottom) = in_place.split_at_mut(split.min(m) * n);
-                accumulate_products(&laid_out, 0, Io::InPlace([top]));
-                accumulate_products(&laid_out, split.min(m), Io::InPlace([bottom]));
+                let from = (0, SumFrom::Accumulator);
+                accumulate_products(&laid_out, from, Io::InPlace([top]));
+                let from = (split.min(m), SumFrom::Accumulator);
+                accumulate_products(&laid_out, from, Io::InPlace([bottom]));
                 let mut apart = vec![0f32; m * n];
-                accumulate_products(&laid_out, 0, Io::Apart([&acc], [&mut apart]));
+                let from = (0, SumFrom::Accumulator);
+                accumulate_products(&laid_out, from, Io::Apart([&acc], [&mut apart]));
                 for (what, got) in [("in place", &in_place), ("apart", &apart)] {
                     let same = got
                         .iter()
                         .zip(&want)
+                        .all(|(g, w)| g.to_bits() == w.to_bits());
+                    assert!(same, "{what}, {pairs} pairs, {m} x {n}");
+                }
+                let Some((a, b, shape)) = operands[..pairs].first() else {
+                    continue;
+                };
+                let mut fresh = products(a, b, *shape);
+                for (a, b, shape) in &operands[1..pairs] {
+                    accumulate_product(a, b, *shape, 0, Io::InPlace([&mut fresh]));
+                }
+                let mut in_place = vec![f32::NAN; m * n];
+                let (top, bottom) = in_place.split_at_mut(split.min(m) * n);
+                accumulate_products(&laid_out, (0, SumFrom::Nothing), Io::InPlace([top]));
+                let from = (split.min(m), SumFrom::Nothing);
+                accumulate_products(&laid_out, from, Io::InPlace([bottom]));
+                let mut apart = vec![f32::NAN; m * n];
+                let from = (0, SumFrom::Nothing);
+                accumulate_products(&laid_out, from, Io::Apart([&acc], [&mut apart]));
+                let mut written = vec![f32::NAN; m * n];
+                laid_out[0].write(0, &mut written);
+                let first = products(a, b, *shape);
+                for (what, got, want) in [
+                    ("from nothing, in place", &in_place, &fresh),
+                    ("from nothing, apart", &apart, &fresh),
+                    ("written", &written, &first),
+                ] {
+                    let same = got
+                        .iter()
+                        .zip(want)
                         .all(|(g, w)| g.to_bits() == w.to_bits());
                     assert!(same, "{what}, {pairs} pairs, {m} x {n}");
                 }
@@ -924,7 +1035,7 @@ mod tests {
         accumulate_product(&a, &b, shape, 0, Io::InPlace([&mut got]));
         for (what, kernel) in kernels() {
             let mut other = acc.clone();
-            kernel(&a, &b, shape, 0, &mut other);
+            kernel(&a, &b, shape, (0, SumFrom::Accumulator), &mut other);
             for (o, w) in other.iter().zip(&want) {
                 assert!(
                     o.to_bits() == w.to_bits() || (o.is_nan() && w.is_nan()),

@@ -8,6 +8,13 @@
 //! which a trainer may keep its products until the window needs them
 //! (`engine::deferred_products`).
 //!
+//! In the window-start specialisation (`train::window_start`) the accumulator is not read:
+//! its next value is the product itself, `acc' = Aᵀ·B`. That product becomes the same node
+//! with `overwrites = 1` (its accumulator input given, for the in-place plan, and not read),
+//! so that a trainer may keep a window's first weight gradient too: matched for an
+//! accumulator read by nothing, of a declared static float32 shape, whose next value is
+//! made by one of the forms below and read by nothing but the graph's output.
+//!
 //! Matched, for an accumulator read only by that `Add` (either operand order) and of a
 //! declared static float32 shape, the gradient read by nothing else and made by
 //!
@@ -23,9 +30,11 @@
 //!   K blocking does not depend on M and N (measured equal at `k` 200-1000, 1 and 2
 //!   threads).
 
-use super::{accumulators, float32_or_unknown, input, PASS};
-use crate::fused_ops::{accumulate_product_slot, ACCUMULATE_PRODUCT, DOMAIN, PRODUCT_ACCUMULATOR};
-use crate::ir::builder::{attr_string, Builder};
+use super::{accumulators, float32_or_unknown, input, static_float32_shape, PASS};
+use crate::fused_ops::{
+    accumulate_product_slot, ACCUMULATE_PRODUCT, DOMAIN, PRODUCT_ACCUMULATOR, PRODUCT_OVERWRITES,
+};
+use crate::ir::builder::{attr_int, attr_string, Builder};
 use crate::ir::{normalize_domain, BodyId, Model, NodeId, Use, ValueId};
 use crate::passes::autodiff::shapes::Shapes;
 
@@ -35,14 +44,21 @@ pub fn fuse_accumulate_products(model: &mut Model, manifest: &crate::state::Mani
     // Ranks are derived only when a `MatMul` form asks for them, once.
     let mut shapes = None;
     for (acc, next) in accumulators(model, manifest) {
-        let Some((a, b)) = matched(model, &mut shapes, (acc, next)) else {
-            continue;
+        let (a, b, overwrites) = match matched(model, &mut shapes, (acc, next)) {
+            Some((a, b)) => (a, b, false),
+            None => match first_product(model, &mut shapes, (acc, next)) {
+                Some((a, b)) => (a, b, true),
+                None => continue,
+            },
         };
         let mut inputs = vec![None; accumulate_product_slot::COUNT];
         inputs[accumulate_product_slot::ACC] = Some(acc);
         inputs[accumulate_product_slot::A] = Some(a);
         inputs[accumulate_product_slot::B] = Some(b);
-        let accumulator = attr_string(PRODUCT_ACCUMULATOR, model.name(acc));
+        let mut attributes = vec![attr_string(PRODUCT_ACCUMULATOR, model.name(acc))];
+        if overwrites {
+            attributes.push(attr_int(PRODUCT_OVERWRITES, 1));
+        }
         let hint = format!("{}.fused", model.name(next));
         let product = format!("{}.product", model.name(next));
         let node = Builder::new(model, BodyId::MAIN, PASS).node(
@@ -50,7 +66,7 @@ pub fn fuse_accumulate_products(model: &mut Model, manifest: &crate::state::Mani
             DOMAIN,
             &inputs,
             &[&hint, &product],
-            vec![accumulator],
+            attributes,
         );
         let new = model.output(node, 0);
         model.replace_value(next, new);
@@ -71,6 +87,23 @@ fn matched(
         return None;
     }
     let (a, b) = product_operands(model, shapes, gradient)?;
+    (float32_or_unknown(model, a) && float32_or_unknown(model, b)).then_some((a, b))
+}
+
+/// `(A, B)` when `next = Aᵀ·B` is a window start's accumulator value as the module's
+/// comment says: `acc` read by nothing, `next` by nothing but the graph's output.
+fn first_product(
+    model: &Model,
+    shapes: &mut Option<Shapes>,
+    (acc, next): (ValueId, ValueId),
+) -> Option<(ValueId, ValueId)> {
+    let unread = model.uses(acc).is_empty() && static_float32_shape(model, acc).is_some();
+    let only_output =
+        matches!(model.uses(next), [Use::Output { body, .. }] if *body == BodyId::MAIN);
+    if !unread || !only_output {
+        return None;
+    }
+    let (a, b) = product_operands(model, shapes, next)?;
     (float32_or_unknown(model, a) && float32_or_unknown(model, b)).then_some((a, b))
 }
 

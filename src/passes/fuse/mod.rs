@@ -148,9 +148,17 @@ pub fn prepare<'m>(
         });
     }
     if in_place::elements(&ir, &plan) < options.min_in_place_total {
-        let apart = FuseOptions {
-            in_place: false,
-            ..options
+        let apart = match options.window_start && products > 0 {
+            // A window start too small for kernels: its products made by the standard ops,
+            // its unread accumulators still in place (as above).
+            true => FuseOptions {
+                products: false,
+                ..options
+            },
+            false => FuseOptions {
+                in_place: false,
+                ..options
+            },
         };
         return prepare(model, manifest, apart);
     }
