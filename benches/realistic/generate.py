@@ -78,6 +78,30 @@ def make_data(name: str) -> dict[str, np.ndarray]:
     return {"idx": np.ascontiguousarray(stream[:, :-1]), "labels": np.ascontiguousarray(stream[:, 1:])}
 
 
+def relu_margin(model: torch.nn.Module, x: np.ndarray) -> float:
+    """The smallest |input| of any ReLU of `model` on `x`: its forward in float64, train
+    mode, on a copy. A ReLU input within float32 rounding of 0 may take the other side of the
+    kink in another engine's sums, which moves a weight's gradient by far more than rounding
+    (ResNet-8 BN on an AVX2 CPU: one at -7.2e-7, layer3.conv1.weight's gradient 9% of its
+    largest element off torch's)."""
+    seen = []
+    relu = torch.nn.functional.relu
+
+    def recording(t, inplace=False):
+        seen.append(float(t.detach().abs().min()))
+        return relu(t, inplace=inplace)
+
+    inputs = torch.from_numpy(x)
+    inputs = inputs.double() if inputs.is_floating_point() else inputs  # not token ids
+    torch.nn.functional.relu = recording  # models.py calls F.relu
+    try:
+        with torch.no_grad():
+            copy.deepcopy(model).double().train()(inputs)
+    finally:
+        torch.nn.functional.relu = relu
+    return min(seen, default=float("inf"))
+
+
 def save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
     """np.savez, byte-deterministic (fixed member timestamps)."""
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
@@ -167,13 +191,18 @@ def generate(name: str, out: str) -> dict:
     finally:
         os.chdir(cwd)
     save_npz(os.path.join(d, "data.npz"), data)
-    # torch's loss and gradients on micro-batch 0 (the bench's first micro-batch size), train
-    # mode, on a copy: the bench checks its floor graph against them.
+    # torch's loss and gradients on one micro-batch (the bench's first micro-batch size),
+    # train mode, on a copy: the bench checks its floor graph against them. The micro-batch
+    # whose ReLU inputs keep farthest from 0 (`relu_margin`), so that rounding alone cannot
+    # move a gradient across a kink; the first one without ReLUs.
     b = models.MODELS[name][2][0]
+    margins = [relu_margin(model, data[input_name][i * b:(i + 1) * b]) for i in range(SAMPLES // b)]
+    check = int(np.argmax(margins)) if np.isfinite(margins).any() else 0
+    rows = slice(check * b, (check + 1) * b)
     ref = copy.deepcopy(model).train()
-    loss0 = models.loss_fn(ref(torch.from_numpy(data[input_name][:b])), torch.from_numpy(data["labels"][:b]))
+    loss0 = models.loss_fn(ref(torch.from_numpy(data[input_name][rows])), torch.from_numpy(data["labels"][rows]))
     loss0.backward()
-    grads = {"loss": np.array(loss0.item(), np.float32)}
+    grads = {"loss": np.array(loss0.item(), np.float32), "micro_step": np.array(check, np.int64)}
     grads.update({n: p.grad.numpy().astype(np.float32) for n, p in ref.named_parameters()})
     save_npz(os.path.join(d, "grads.npz"), grads)
     meta = {
@@ -185,6 +214,8 @@ def generate(name: str, out: str) -> dict:
         "frozen_initializers": sorted(frozen),
         "input_shape": list(data[input_name].shape),
         "forward_check_max_abs": err,
+        "gradient_check_micro_step": check,
+        "gradient_check_relu_margin": margins[check],
         "opset": OPSET,
         "torch": torch.__version__,
         "onnx": onnx.__version__,

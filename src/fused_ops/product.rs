@@ -6,7 +6,7 @@
 //! ```text
 //! AccumulateProduct(acc [m, n], A [k, m], B [k, n], [keep], [loss]) -> acc' [m, n]
 //! s_ij  = fma(A[k-1,i], B[k-1,j], ... fma(A[1,i], B[1,j], fma(A[0,i], B[0,j], +0)))
-//! acc'_ij = acc_ij + s_ij
+//! acc'_ij = acc_ij + s_ij          (with `overwrites`: acc'_ij = s_ij, acc not read)
 //! ```
 //!
 //! Why: the standard ops write the gradient, then read it back beside the accumulator and

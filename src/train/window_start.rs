@@ -13,6 +13,10 @@
 //! Any other use of an accumulator leaves that accumulator read as before. The accumulator
 //! stays a graph input (fed, unread), so the host feeds the same values to every
 //! specialisation. Exact: `0 + g` is `g` (up to the sign of a zero gradient).
+//!
+//! On ONNX Runtime's CPU a weight gradient written so becomes an `AccumulateProduct` that
+//! overwrites (`passes::fuse::accumulate_product`), which a trainer may keep until the
+//! window's sum (`engine::deferred_products`).
 
 use crate::ir::builder::NodeAttributes;
 use crate::ir::{BodyId, Model, NodeId, NodeSpec, Use, ValueDef, ValueId};
