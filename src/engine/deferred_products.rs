@@ -38,7 +38,8 @@ use crate::fused_ops::{
 
 /// The most rows (micro-batch samples) kept for one accumulator: the pass that adds them
 /// reads every kept product's `B` once per group of the accumulator's rows, which at 64
-/// rows of 1024 columns is 256 KiB, within a core's L2.
+/// rows of 1024 columns is 256 KiB, within a core's L2. (128 against 64 on the realistic
+/// MLP at B 48 and 64, Zen 3: one or two points either way; benches/README.md, "Run AM".)
 const MOST_KEPT_ROWS: usize = 64;
 
 /// The kept operands may take at most this share of the accumulator's size (`1 / 4`): past
