@@ -896,24 +896,9 @@ fn accumulate_product_kernel(
     if !keep {
         return run_update(ctx, op, [at::ACC], 0, keep, |_, _| {});
     }
-    let state = ([at::ACC], 0);
     if fast {
         let (a, b) = operand_values()?;
-        // Tasks of whole tiles of rows (83 rows of 784 columns left 3 rows a task on
-        // one-row tiles), every one reading the operands laid out once in this thread's
-        // kept memory.
-        let tile = PRODUCT_TASK_ROWS * shape.n;
-        return PRODUCT_LAYOUT.with(|layout| match layout.try_borrow_mut() {
-            Ok(mut layout) => {
-                let operands = layout.operands(a, b, shape);
-                run_update_by(ctx, op, state, keep, tile, |range, io| {
-                    operands.accumulate(range.start / shape.n.max(1), io)
-                })
-            }
-            Err(_) => Err(::ort::Error::new(format!(
-                "{op}: its layout is in use on this thread"
-            ))),
-        });
+        return product_on_kernel(ctx, (a, b, shape), SumFrom::Accumulator);
     }
     // MLAS's product, then added: the standard ops' computation, bits and passes.
     let product = mlas_product(ctx, gemm, acc.shape, [a.value(), b.value()])?;
@@ -963,21 +948,39 @@ fn first_product<'v>(
     }
     if fast {
         let (a, b) = operand_values()?;
-        let tile = PRODUCT_TASK_ROWS * shape.n;
-        return PRODUCT_LAYOUT.with(|layout| match layout.try_borrow_mut() {
-            Ok(mut layout) => {
-                let operands = layout.operands(a, b, shape);
-                run_update_by(ctx, op, ([at::ACC], 0), true, tile, |range, io| {
-                    operands.write(range.start / shape.n.max(1), io.unread())
-                })
-            }
-            Err(_) => Err(::ort::Error::new(format!(
-                "{op}: its layout is in use on this thread"
-            ))),
-        });
+        return product_on_kernel(ctx, (a, b, shape), SumFrom::Nothing);
     }
     let out = kernel_io::output(ctx, op, 0, acc_dims)?;
     gemm.run(RunningContext::of(ctx), &values, out.value())
+}
+
+/// The kernel's product `Aᵀ·B` added to the accumulator, or written over it unread
+/// (`from`), in tasks of whole tiles of rows (83 rows of 784 columns left 3 rows a task on
+/// one-row tiles), every one reading the operands laid out once in this thread's kept
+/// memory.
+fn product_on_kernel(
+    ctx: &ComputeContext,
+    (a, b, shape): (&[f32], &[f32], ProductShape),
+    from: SumFrom,
+) -> ::ort::Result<()> {
+    let op = ACCUMULATE_PRODUCT;
+    let tile = PRODUCT_TASK_ROWS * shape.n;
+    PRODUCT_LAYOUT.with(|layout| match layout.try_borrow_mut() {
+        Ok(mut layout) => {
+            let operands = layout.operands(a, b, shape);
+            let state = ([accumulate_product_slot::ACC], 0);
+            run_update_by(ctx, op, state, true, tile, |range, io| {
+                let row = range.start / shape.n.max(1);
+                match from {
+                    SumFrom::Accumulator => operands.accumulate(row, io),
+                    SumFrom::Nothing => operands.write(row, io.unread()),
+                }
+            })
+        }
+        Err(_) => Err(::ort::Error::new(format!(
+            "{op}: its layout is in use on this thread"
+        ))),
+    })
 }
 
 /// MLAS's product `Aᵀ·B` into the operator's output 1 (ONNX Runtime's arena): the standard
