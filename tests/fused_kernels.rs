@@ -355,9 +355,7 @@ fn in_place_updates_leave_a_discarded_micro_step_unwritten() {
         for i in 0..16 {
             let mut batch = micro_batch(&data, samples, 8, i);
             if poisoned.contains(&i) {
-                if let Some(Tensor::F32(x)) = batch.get_mut("x") {
-                    x.fill(f32::NAN);
-                }
+                poison(&mut batch);
             }
             let (a, b) = (in_place.step(&batch, false), standard.step(&batch, false));
             match (a, b) {
@@ -680,9 +678,7 @@ fn weight_gradients_made_in_their_accumulators_train_bit_identically() {
             for i in 0..24 {
                 let mut micro = micro_batch(&data, samples, batch, i);
                 if [8, 13].contains(&i) {
-                    if let Some(Tensor::F32(x)) = micro.get_mut("x") {
-                        x.fill(f32::NAN);
-                    }
+                    poison(&mut micro);
                 }
                 let (a, b) = (fused.step(&micro, false), standard.step(&micro, false));
                 assert_eq!(format!("{a:?}"), format!("{b:?}"), "{what}: micro-step {i}");
@@ -748,9 +744,7 @@ fn weight_gradients_kept_for_the_window_train_bit_identically() {
             for i in 0..30u64 {
                 let mut micro = micro_batch(&data, samples, 8, i);
                 if [6, 17].contains(&i) {
-                    if let Some(Tensor::F32(x)) = micro.get_mut("x") {
-                        x.fill(f32::NAN);
-                    }
+                    poison(&mut micro);
                 }
                 let flush = i == 10;
                 let k = match i {
@@ -869,9 +863,7 @@ fn weight_gradients_kept_under_every_optimizer_train_bit_identically() {
             for i in 0..16u64 {
                 let mut micro = micro_batch(&data, samples, 8, i);
                 if i == 9 {
-                    if let Some(Tensor::F32(x)) = micro.get_mut("x") {
-                        x.fill(f32::NAN);
-                    }
+                    poison(&mut micro);
                 }
                 let (a, b) = (kept.step(&micro, false), standard.step(&micro, false));
                 assert_eq!(
@@ -893,6 +885,13 @@ fn weight_gradients_kept_under_every_optimizer_train_bit_identically() {
             assert!(behind >= 6, "{training}: behind after {behind} micro-steps");
             assert_same_state(kept.state().unwrap(), standard.state().unwrap(), &training);
         }
+    }
+}
+
+/// Makes a micro-batch's inputs `x` all NaN (its loss is not finite).
+fn poison(micro: &mut BTreeMap<String, Tensor>) {
+    if let Some(Tensor::F32(x)) = micro.get_mut("x") {
+        x.fill(f32::NAN);
     }
 }
 

@@ -1027,10 +1027,7 @@ fn sum_with_kept<'v>(
         let anything = keep || !operands.is_empty();
         run_update_by(ctx, op, state, anything, tile, |range, io| {
             // From nothing the kept products are the whole value (at least one is kept).
-            let acc = match from {
-                SumFrom::Accumulator => io.written(),
-                SumFrom::Nothing => io.unread(),
-            };
+            let acc = from.buffer(io);
             let from = (first_row(&range), from);
             accumulate_products(&operands, from, Io::InPlace([&mut *acc]));
             if let Some(product) = product {

@@ -301,6 +301,17 @@ pub enum SumFrom {
     Nothing,
 }
 
+impl SumFrom {
+    /// The buffer a sum from here is made in: the state's (copied into the output when
+    /// apart), or, from nothing, the output unread.
+    pub fn buffer(self, io: Io<'_, 1>) -> &mut [f32] {
+        match self {
+            SumFrom::Accumulator => io.written(),
+            SumFrom::Nothing => io.unread(),
+        }
+    }
+}
+
 /// The products of `pairs` (one accumulator's, every pair of its `m` and `n`) added to the
 /// accumulator's rows `first_row..` that `io` holds, one after the other:
 /// `acc' = ((acc + s_1) + s_2) + ...`, each `s_p` pair `p`'s chain of the module's comment.
@@ -328,10 +339,7 @@ pub fn accumulate_products(
         io.written();
         return;
     };
-    let acc = match from {
-        SumFrom::Accumulator => io.written(),
-        SumFrom::Nothing => io.unread(),
-    };
+    let acc = from.buffer(io);
     let (m, n) = (first.shape.m, first.shape.n);
     assert!(
         pairs.iter().all(|p| (p.shape.m, p.shape.n) == (m, n)),
