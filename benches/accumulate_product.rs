@@ -26,7 +26,15 @@ fn quantiles(mut t: Vec<f64>) -> String {
 fn main() {
     let bench = std::env::args().any(|a| a == "--bench");
     let shapes: &[(usize, usize)] = if bench {
-        &[(784, 8), (784, 32), (1024, 8), (1024, 32), (256, 8)]
+        &[
+            (784, 8),
+            (784, 32),
+            (784, 64),
+            (1024, 8),
+            (1024, 32),
+            (1024, 64),
+            (256, 8),
+        ]
     } else {
         &[(40, 3)]
     };

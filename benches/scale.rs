@@ -44,10 +44,11 @@ struct Opts {
     least: bool,
     /// `--columns floor,step,step_if` (the default; also `floor_kept`, `floor_shared`,
     /// `floor_no_pattern`, `floor_arena`, `floor_pool`, `floor_bound`, `step_in_place`,
-    /// `step_at_once`).
+    /// `step_at_once`, `step_no_host`).
     columns: Vec<String>,
-    /// `--only COLUMN`: run that column alone, `--rounds` cells at the first width, and
-    /// print its times: a run to profile (perf record), not a comparison.
+    /// `--only COLUMN`: run that column alone, `--rounds` cells at the first width and the
+    /// first thread count, and print its times: a run to profile (perf record), not a
+    /// comparison.
     only: Option<String>,
 }
 
@@ -554,7 +555,7 @@ fn run_cell(s: &Sized, column: &str, cell: Duration) -> Result<Measured> {
             })
         }
         "floor_bound" => floor_bound(s, cell),
-        "step" | "step_if" | "step_in_place" | "step_at_once" => {
+        "step" | "step_if" | "step_in_place" | "step_at_once" | "step_no_host" => {
             let mut t = match column {
                 // Each micro-step's weight gradients added as they are made, none kept for
                 // the window's sum (`SessionOptions::defer_weight_grads` off).
@@ -574,6 +575,18 @@ fn run_cell(s: &Sized, column: &str, cell: Duration) -> Result<Measured> {
                     &TrainOptions {
                         session: SessionOptions {
                             in_place_min_total: 0,
+                            ..session_options()
+                        },
+                        ..TrainOptions::default()
+                    },
+                )?,
+                // Small sessions' updates left in ONNX Runtime's kernels, not run by the host
+                // (`SessionOptions::host_updates` off).
+                "step_no_host" => Trainer::with_options(
+                    &s.step,
+                    &TrainOptions {
+                        session: SessionOptions {
+                            host_updates: false,
                             ..session_options()
                         },
                         ..TrainOptions::default()
@@ -722,6 +735,7 @@ fn main() -> Result<()> {
     }
     if let Some(column) = &o.only {
         let s = build(o.widths[0], o.batch)?;
+        THREADS.store(o.threads[0], std::sync::atomic::Ordering::Relaxed);
         for _ in 0..o.rounds {
             let m = run_cell(&s, column, o.cell)?;
             println!("{column}: {:.1} µs per micro-step", m.per_step * 1e3);
