@@ -261,8 +261,8 @@ pub struct Trainer {
     /// For each session, by [`Session::index`], and each state in the state map's order,
     /// whether the session updates it in place ([`in_place_masks`]).
     in_place: [Vec<bool>; 4],
-    /// The weight gradients the accumulating session keeps until the window needs their
-    /// sum (`engine::deferred_products`): held accumulators are behind by these.
+    /// The weight gradients the window's sessions keep until the window needs their sum
+    /// (`engine::deferred_products`): held accumulators are behind by these.
     deferred: Option<Arc<DeferredProducts>>,
 }
 
@@ -547,10 +547,12 @@ impl Trainer {
                         in_place(false),
                     )?),
                     start,
+                    // The apply's updates may add the products kept for their accumulators
+                    // (`passes::fuse::adamw_kept_sum`).
                     apply: Box::new(open_engine(
                         kind,
                         &seeded_draws(&apply.model, options.draw_seed, Session::Apply),
-                        &session,
+                        &accumulating,
                         &manifest,
                         &mut fused,
                         in_place(false),
@@ -1213,17 +1215,17 @@ impl Trainer {
                 }
                 if let Some(deferred) = &self.deferred {
                     // A window ended before its last accumulating micro-step made the sums
-                    // (a flush, K lowered): made here, before another session reads them.
+                    // (a flush, K lowered), or what the apply's updates do not sum: made
+                    // here, before another session reads them.
                     if ran != Session::Accumulate {
-                        add_kept_products(deferred, &mut self.state)?;
+                        add_kept_products(deferred, &mut self.state, ran == Session::Apply)?;
                     }
                     // The window's kernels keep their products unless the next micro-step
-                    // applies.
-                    deferred.set_sum_now(crate::split::applies(
-                        *micro_step + 1,
-                        *window_size,
-                        false,
-                    ));
+                    // applies (and the apply's update does not add them), or this one does.
+                    deferred.set_sum_now(
+                        ran == Session::Apply
+                            || crate::split::applies(*micro_step + 1, *window_size, false),
+                    );
                 }
                 // Only the window start may see the last window's sums (it reads none).
                 stale_before = *stale_sums;
@@ -1584,12 +1586,17 @@ fn zero_stale_sums(
 }
 
 /// Adds every kept product (`engine::deferred_products`) into its accumulator's held
-/// value, which then holds the sum, on the host; forgets them.
+/// value, which then holds the sum, on the host; forgets them. Before the apply
+/// (`at_apply`), those the apply's own updates add are left to them.
 fn add_kept_products(
     deferred: &DeferredProducts,
     state: &mut BTreeMap<String, Held>,
+    at_apply: bool,
 ) -> Result<(), TrainError> {
     for name in deferred.kept_names() {
+        if at_apply && deferred.summed_at_apply(&name) {
+            continue;
+        }
         let Some(held) = state.get_mut(&name) else {
             continue;
         };

@@ -16,15 +16,24 @@
 //! ([`SumFrom::Nothing`]): no pass over the accumulator until the sum, which writes it
 //! without reading it.
 //!
+//! Where the apply's AdamW update reads the accumulator and nothing else does
+//! (`passes::fuse::adamw_kept_sum`), the last accumulating micro-step keeps its product too
+//! and the update adds the kept products itself, rows at a time as it reads them
+//! (`engine::ort_ops`): the accumulator is then not written in the window at all, and the
+//! apply reads the sum from its own thread's memory instead of the accumulator's. The
+//! realistic MLP (1.9M parameters, K 4) at B 8: the window 3-5% faster (benches/README.md,
+//! "Run AN"). Adaptive gradient clipping and loss scaling read the window's gradient whole
+//! before the update: there the last accumulating micro-step makes the sum, as before.
+//!
 //! Between those micro-steps the accumulator the engine holds is behind: its value is the
 //! buffer plus the kept products, in order (or the kept products alone, from a window's
 //! first). Whoever reads it from outside the sessions adds
 //! them first ([`DeferredProducts::add_kept`]): the trainer's host copies (`state`,
 //! `host_value`, checkpoints), and the held buffer itself before a session other than the
-//! accumulating one runs (a window ended early by a flush or a lowered K). Loading a state
-//! forgets them ([`DeferredProducts::forget`]).
+//! accumulating one runs (a window ended early by a flush or a lowered K), but for what the
+//! apply's own updates add. Loading a state forgets them ([`DeferredProducts::forget`]).
 //!
-//! One table per trainer, shared by its accumulating session's kernels (through
+//! One table per trainer, shared by its window's sessions' kernels (through
 //! `SessionOptions::deferred_products`) and the trainer; the kernels find their
 //! accumulator's entry by its state name (the node's `accumulator` attribute).
 
@@ -81,6 +90,23 @@ impl DeferredProducts {
             .filter(|(_, kept)| !kept.is_empty())
             .map(|(name, _)| name.clone())
             .collect()
+    }
+
+    /// Notes that the apply session's optimizer update of accumulator `name` adds the
+    /// products kept for it as it reads it (`passes::fuse::adamw_kept_sum`): the window's
+    /// last accumulating micro-step may then keep its product too.
+    pub(crate) fn set_summed_at_apply(&self, name: &str) {
+        self.table()
+            .entry(name.to_string())
+            .or_default()
+            .summed_at_apply = true;
+    }
+
+    /// Whether the apply's update of accumulator `name` adds its kept products.
+    pub fn summed_at_apply(&self, name: &str) -> bool {
+        self.table()
+            .get(name)
+            .is_some_and(|kept| kept.summed_at_apply)
     }
 
     /// Whether accumulator `name` has products kept (its held value is behind).
@@ -147,6 +173,9 @@ pub(crate) struct Kept {
     /// to sum. (With the host's updates, or apart, nothing would sum it in the window; a
     /// discarded micro-step apart puts the accumulator's old value back beside the table.)
     summed_in_place: bool,
+    /// Whether the apply session's update adds the kept products as it reads the
+    /// accumulator ([`DeferredProducts::set_summed_at_apply`]).
+    summed_at_apply: bool,
     /// One layout per product added at once (the kept ones and a kernel's own).
     layouts: Vec<ProductLayout>,
 }
@@ -175,6 +204,16 @@ impl Kept {
     /// Whether a window's first product may be kept (see the field).
     pub(crate) fn first_may_wait(&self) -> bool {
         self.summed_in_place
+    }
+
+    /// Whether the apply adds the kept products (see the field).
+    pub(crate) fn summed_at_apply(&self) -> bool {
+        self.summed_at_apply
+    }
+
+    /// The accumulator's sides `(m, n)` as the kept products have them (none kept: `None`).
+    pub(crate) fn sides(&self) -> Option<(usize, usize)> {
+        self.kept().first().map(|p| (p.shape.m, p.shape.n))
     }
 
     fn kept(&self) -> &[KeptPair] {

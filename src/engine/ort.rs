@@ -181,8 +181,8 @@ pub struct SessionOptions {
     pub host_updates: bool,
     /// With `fused_weight_grads`: keep the weight gradients' operands in this table instead
     /// of adding each micro-step's product to its accumulator, until the window needs the
-    /// sum (`engine::deferred_products`). The trainer sets it for its accumulating session
-    /// where `defer_weight_grads` lets it; bit-identical.
+    /// sum (`engine::deferred_products`). The trainer sets it for its window start,
+    /// accumulating and apply sessions where `defer_weight_grads` lets it; bit-identical.
     pub deferred_products: Option<std::sync::Arc<super::deferred_products::DeferredProducts>>,
     /// Let the trainer keep weight gradients for the window's sum (`deferred_products`).
     /// Off adds each micro-step's product to its accumulator as it is made.

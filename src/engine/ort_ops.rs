@@ -32,7 +32,9 @@ use crate::fused_ops::{
 /// keeps products in `deferred` when given (`super::deferred_products`).
 pub fn domain(deferred: Option<Arc<DeferredProducts>>) -> ::ort::Result<OperatorDomain> {
     OperatorDomain::new(DOMAIN)?
-        .add(AdamWUpdate)?
+        .add(AdamWUpdate {
+            deferred: deferred.clone(),
+        })?
         .add(AdamWUpdates)?
         .add(SgdUpdate)?
         .add(AccumulateGrad)?
@@ -257,7 +259,11 @@ fn run_update_by<const N: usize>(
     })
 }
 
-struct AdamWUpdate;
+struct AdamWUpdate {
+    /// The trainer's kept products, in its apply session
+    /// (`SessionOptions::deferred_products`).
+    deferred: Option<Arc<DeferredProducts>>,
+}
 
 impl Operator for AdamWUpdate {
     type Kernel<'attr> = BoxedKernel<'attr>;
@@ -293,8 +299,22 @@ impl Operator for AdamWUpdate {
         Ok(())
     }
 
-    fn create_kernel<'attr>(&self, _: &KernelContext<'attr>) -> ::ort::Result<Self::Kernel<'attr>> {
-        Ok(Box::new(|ctx: &ComputeContext| adamw_kernel(ctx)))
+    fn create_kernel<'attr>(
+        &self,
+        kctx: &KernelContext<'attr>,
+    ) -> ::ort::Result<Self::Kernel<'attr>> {
+        // A node told its accumulator (`passes::fuse::adamw_kept_sum`) adds the products the
+        // trainer keeps for it; the trainer's kernels learn so now, before any run.
+        let deferred = match (&self.deferred, kctx.get::<String>(PRODUCT_ACCUMULATOR)) {
+            (Some(table), Some(name)) => {
+                table.set_summed_at_apply(&name);
+                Some((Arc::clone(table), name))
+            }
+            _ => None,
+        };
+        Ok(Box::new(move |ctx: &ComputeContext| {
+            adamw_kernel(ctx, deferred.as_ref())
+        }))
     }
 }
 
@@ -310,7 +330,14 @@ fn adamw_scalars(
     .map_err(|message: String| ::ort::Error::new(format!("{op}: {message}")))
 }
 
-fn adamw_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
+/// One parameter's AdamW update. With `deferred` (the trainer's table and the accumulator
+/// the gradient input is) and products kept for it, the gradient is that accumulator with
+/// the kept products added, row block by row block as the update reads it
+/// ([`adamw_with_kept_products`]).
+fn adamw_kernel(
+    ctx: &ComputeContext,
+    deferred: Option<&(Arc<DeferredProducts>, String)>,
+) -> ::ort::Result<()> {
     let s = adamw_scalars(ctx, ADAMW_UPDATE, adamw_group_slot::FROM_SINGLE)?;
     let g = f32_input(ctx, ADAMW_UPDATE, adamw_slot::GRAD)?.1;
     let addend = optional_f32s(ctx, ADAMW_UPDATE, adamw_slot::GRAD_ADDEND)?;
@@ -324,10 +351,80 @@ fn adamw_kernel(ctx: &ComputeContext) -> ::ort::Result<()> {
         )));
     }
     let state = [adamw_slot::PARAM, adamw_slot::M, adamw_slot::V];
+    // A discarded micro-step updates nothing and leaves what is kept for the next try.
+    if let (Some((table, name)), true) = (deferred, keep) {
+        let mut kept = table.take(name);
+        let ran = match kept.is_empty() {
+            true => None,
+            false => Some(adamw_with_kept_products(ctx, &s, (g, addend), &mut kept)),
+        };
+        table.put_back(name, kept);
+        if let Some(ran) = ran {
+            return ran;
+        }
+    }
     run_update(ctx, ADAMW_UPDATE, state, 0, keep, |range, io| {
         let gradient = (&g[range.clone()], addend.map(|a| &a[range]));
         adamw_update(&s, gradient, io);
     })
+}
+
+thread_local! {
+    /// The window's gradient sum for the rows of one task of [`adamw_with_kept_products`],
+    /// one per thread that runs its tasks, kept between runs.
+    static KEPT_SUM: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The AdamW update whose gradient input is an accumulator behind by the products `kept`
+/// for it: each task first makes its rows of the sum (the accumulator's rows plus every kept
+/// product, or the kept products alone when they start from nothing, in the order of
+/// `fused_ops::accumulate_products`: the bits the micro-step before would have written),
+/// in memory of its own thread, then updates those rows from it. The accumulator itself is
+/// neither written nor, from nothing, read. `kept` is left empty.
+fn adamw_with_kept_products(
+    ctx: &ComputeContext,
+    s: &AdamWScalars,
+    (g, addend): (&[f32], Option<&[f32]>),
+    kept: &mut Kept,
+) -> ::ort::Result<()> {
+    let op = ADAMW_UPDATE;
+    let dims = kernel_io::required(ctx, op, adamw_slot::GRAD)?.shape;
+    let (m, n) = match (dims, kept.sides()) {
+        (&[m, n], Some(sides))
+            if usize::try_from(m) == Ok(sides.0) && usize::try_from(n) == Ok(sides.1) =>
+        {
+            sides
+        }
+        (dims, sides) => {
+            return Err(::ort::Error::new(format!(
+                "{op}: its accumulator {dims:?} is not the kept products' {sides:?}"
+            )))
+        }
+    };
+    if m * n != g.len() {
+        return Err(::ort::Error::new(format!(
+            "{op}: the accumulator holds {} elements, not {m} x {n}",
+            g.len()
+        )));
+    }
+    let from = kept.from();
+    let operands = kept.operands(None);
+    let state = ([adamw_slot::PARAM, adamw_slot::M, adamw_slot::V], 0);
+    let ran = run_update_by(ctx, op, state, true, PRODUCT_TASK_ROWS * n, |range, io| {
+        let rows = (range.start / n, from);
+        let update = |sum: &mut Vec<f32>| {
+            sum.resize(range.len(), 0.0);
+            let acc = Io::Apart([&g[range.clone()]], [&mut sum[..]]);
+            accumulate_products(&operands, rows, acc);
+            adamw_update(s, (&sum[..], addend.map(|a| &a[range.clone()])), io);
+        };
+        KEPT_SUM.with(|sum| match sum.try_borrow_mut() {
+            Ok(mut sum) => update(&mut sum),
+            Err(_) => update(&mut Vec::new()),
+        })
+    });
+    kept.clear();
+    ran
 }
 
 struct AdamWUpdates;
@@ -868,7 +965,9 @@ fn accumulate_product_kernel(
         let in_place = kernel_io::output(ctx, op, 0, acc.shape)?.address() == acc.address();
         let mut kept = table.take(name);
         kept.set_summed_in_place(in_place);
-        let later = in_place && !table.sum_now() && (!keep || (fast && kept.has_room_for(shape)));
+        // The window goes on, or the apply's update adds what is kept.
+        let waits = !table.sum_now() || kept.summed_at_apply();
+        let later = in_place && waits && (!keep || (fast && kept.has_room_for(shape)));
         let ran = match later {
             // The window goes on: this micro-step's product (if kept) waits with the
             // others; the accumulator stays as it is.

@@ -33,6 +33,11 @@ pub const DOMAIN_VERSION: i64 = 1;
 ///
 /// `lr` is the learning rate the elementwise chain multiplies by: in mode 1 already scaled
 /// by the bias corrections (`lr·√c/a`, a scalar the graph computes once per step).
+///
+/// With the string attribute `accumulator` ([`PRODUCT_ACCUMULATOR`]), `g` is that
+/// accumulator, read by this node alone, and a trainer that keeps the window's weight
+/// gradients as their operands has the kernel add them to `g` first
+/// (`passes::fuse::adamw_kept_sum`, `engine::deferred_products`).
 pub const ADAMW_UPDATE: &str = "AdamWUpdate";
 
 /// Input slots of [`ADAMW_UPDATE`]; every scalar is a one-element float32 tensor.

@@ -27,6 +27,7 @@ pub mod accumulate;
 pub mod accumulate_product;
 pub mod adamw;
 pub mod adamw_group;
+pub mod adamw_kept_sum;
 pub mod host;
 pub mod in_place;
 pub mod sgd;
@@ -137,6 +138,9 @@ pub fn prepare<'m>(
     let keep = in_place::gate(&mut ir, manifest);
     // The replaced nodes must be gone first: they still read the states.
     super::dce::eliminate_dead_code(&mut ir);
+    if options.products {
+        adamw_kept_sum::name_kept_sums(&mut ir, manifest);
+    }
     let plan = in_place::plan(&mut ir, manifest, keep, options.window_start);
     if fused + accumulations == 0 {
         // Nothing fused (a window start): the model as it was, with the plan (unread
