@@ -380,7 +380,7 @@ thread_local! {
 /// product, or the kept products alone when they start from nothing, in the order of
 /// `fused_ops::accumulate_products`: the bits the micro-step before would have written),
 /// in memory of its own thread, then updates those rows from it. The accumulator itself is
-/// neither written nor, from nothing, read. `kept` is left empty.
+/// neither written nor, from nothing, read. `kept` is left empty when the update ran.
 fn adamw_with_kept_products(
     ctx: &ComputeContext,
     s: &AdamWScalars,
@@ -423,7 +423,10 @@ fn adamw_with_kept_products(
             Err(_) => update(&mut Vec::new()),
         })
     });
-    kept.clear();
+    // Summed into the update: forgotten (after a failed run they stay, as the state does).
+    if ran.is_ok() {
+        kept.clear();
+    }
     ran
 }
 
