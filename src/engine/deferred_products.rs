@@ -22,8 +22,9 @@
 //! (`engine::ort_ops`): the accumulator is then not written in the window at all, and the
 //! apply reads the sum from its own thread's memory instead of the accumulator's. The
 //! realistic MLP (1.9M parameters, K 4) at B 8: the window 3% (one thread) and 5% (two)
-//! faster in the medians (benches/README.md, "Run AN"). Adaptive gradient clipping and loss scaling read the window's gradient whole
-//! before the update: there the last accumulating micro-step makes the sum, as before.
+//! faster in the medians (benches/README.md, "Run AN"). Adaptive gradient clipping and loss
+//! scaling read the window's gradient whole before the update: there the last accumulating
+//! micro-step makes the sum, as before.
 //!
 //! Between those micro-steps the accumulator the engine holds is behind: its value is the
 //! buffer plus the kept products, in order (or the kept products alone, from a window's
