@@ -548,7 +548,7 @@ impl Trainer {
                     )?),
                     start,
                     // The apply's updates may add the products kept for their accumulators
-                    // (`passes::fuse::adamw_kept_sum`).
+                    // (`passes::fuse::apply_kept_sum`).
                     apply: Box::new(open_engine(
                         kind,
                         &seeded_draws(&apply.model, options.draw_seed, Session::Apply),

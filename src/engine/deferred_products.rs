@@ -16,10 +16,10 @@
 //! ([`SumFrom::Nothing`]): no pass over the accumulator until the sum, which writes it
 //! without reading it.
 //!
-//! Where the apply's AdamW update reads the accumulator and nothing else does
-//! (`passes::fuse::adamw_kept_sum`), the last accumulating micro-step keeps its product too
-//! and the update adds the kept products itself, rows at a time as it reads them
-//! (`engine::ort_ops`): the accumulator is then not written in the window at all, and the
+//! Where the apply's fused update (AdamW, or SGD with or without momentum) reads the
+//! accumulator and nothing else does (`passes::fuse::apply_kept_sum`), the last
+//! accumulating micro-step keeps its product too and the update adds the kept products
+//! itself, rows at a time as it reads them (`engine::ort_ops`): the accumulator is then not written in the window at all, and the
 //! apply reads the sum from its own thread's memory instead of the accumulator's. The
 //! realistic MLP (1.9M parameters, K 4) at B 8: the window 3% (one thread) and 5% (two)
 //! faster in the medians (benches/README.md, "Run AN"). Adaptive gradient clipping and loss
@@ -94,7 +94,7 @@ impl DeferredProducts {
     }
 
     /// Notes that the apply session's optimizer update of accumulator `name` adds the
-    /// products kept for it as it reads it (`passes::fuse::adamw_kept_sum`): the window's
+    /// products kept for it as it reads it (`passes::fuse::apply_kept_sum`): the window's
     /// last accumulating micro-step may then keep its product too.
     pub(crate) fn set_summed_at_apply(&self, name: &str) {
         self.table()

@@ -36,7 +36,9 @@ pub fn domain(deferred: Option<Arc<DeferredProducts>>) -> ::ort::Result<Operator
             deferred: deferred.clone(),
         })?
         .add(AdamWUpdates)?
-        .add(SgdUpdate)?
+        .add(SgdUpdate {
+            deferred: deferred.clone(),
+        })?
         .add(AccumulateGrad)?
         .add(AccumulateProduct { deferred })?
         .add(BatchNormTrain)?
@@ -303,15 +305,7 @@ impl Operator for AdamWUpdate {
         &self,
         kctx: &KernelContext<'attr>,
     ) -> ::ort::Result<Self::Kernel<'attr>> {
-        // A node told its accumulator (`passes::fuse::adamw_kept_sum`) adds the products the
-        // trainer keeps for it; the trainer's kernels learn so now, before any run.
-        let deferred = match (&self.deferred, kctx.get::<String>(PRODUCT_ACCUMULATOR)) {
-            (Some(table), Some(name)) => {
-                table.set_summed_at_apply(&name);
-                Some((Arc::clone(table), name))
-            }
-            _ => None,
-        };
+        let deferred = summed_at_apply(&self.deferred, kctx);
         Ok(Box::new(move |ctx: &ComputeContext| {
             adamw_kernel(ctx, deferred.as_ref())
         }))
@@ -332,8 +326,7 @@ fn adamw_scalars(
 
 /// One parameter's AdamW update. With `deferred` (the trainer's table and the accumulator
 /// the gradient input is) and products kept for it, the gradient is that accumulator with
-/// the kept products added, row block by row block as the update reads it
-/// ([`adamw_with_kept_products`]).
+/// the kept products added, row block by row block as the update reads it ([`KeptSum`]).
 fn adamw_kernel(
     ctx: &ComputeContext,
     deferred: Option<&(Arc<DeferredProducts>, String)>,
@@ -351,83 +344,134 @@ fn adamw_kernel(
         )));
     }
     let state = [adamw_slot::PARAM, adamw_slot::M, adamw_slot::V];
-    // A discarded micro-step updates nothing and leaves what is kept for the next try.
-    if let (Some((table, name)), true) = (deferred, keep) {
-        let mut kept = table.take(name);
-        let ran = match kept.is_empty() {
-            true => None,
-            false => Some(adamw_with_kept_products(ctx, &s, (g, addend), &mut kept)),
-        };
-        table.put_back(name, kept);
-        if let Some(ran) = ran {
-            return ran;
-        }
+    let update = |gradient: (&[f32], Option<&[f32]>), io: Io<'_, 3>| adamw_update(&s, gradient, io);
+    let with_kept = KeptSum {
+        op: ADAMW_UPDATE,
+        grad_slot: adamw_slot::GRAD,
+        deferred,
+    };
+    if let Some(ran) = with_kept.run(ctx, (state, keep), (g, addend), update) {
+        return ran;
     }
     run_update(ctx, ADAMW_UPDATE, state, 0, keep, |range, io| {
-        let gradient = (&g[range.clone()], addend.map(|a| &a[range]));
-        adamw_update(&s, gradient, io);
+        update((&g[range.clone()], addend.map(|a| &a[range])), io)
     })
 }
 
 thread_local! {
-    /// The window's gradient sum for the rows of one task of [`adamw_with_kept_products`],
-    /// one per thread that runs its tasks, kept between runs.
+    /// The window's gradient sum for the rows of one task of [`KeptSum::run`], one per
+    /// thread that runs its tasks, kept between runs.
     static KEPT_SUM: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// The AdamW update whose gradient input is an accumulator behind by the products `kept`
-/// for it: each task first makes its rows of the sum (the accumulator's rows plus every kept
-/// product, or the kept products alone when they start from nothing, in the order of
-/// `fused_ops::accumulate_products`: the bits the micro-step before would have written),
-/// in memory of its own thread, then updates those rows from it. The accumulator itself is
-/// neither written nor, from nothing, read. `kept` is left empty when the update ran.
-fn adamw_with_kept_products(
-    ctx: &ComputeContext,
-    s: &AdamWScalars,
-    (g, addend): (&[f32], Option<&[f32]>),
-    kept: &mut Kept,
-) -> ::ort::Result<()> {
-    let op = ADAMW_UPDATE;
-    let dims = kernel_io::required(ctx, op, adamw_slot::GRAD)?.shape;
-    let (m, n) = match (dims, kept.sides()) {
-        (&[m, n], Some(sides))
-            if usize::try_from(m) == Ok(sides.0) && usize::try_from(n) == Ok(sides.1) =>
-        {
-            sides
-        }
-        (dims, sides) => {
-            return Err(::ort::Error::new(format!(
-                "{op}: its accumulator {dims:?} is not the kept products' {sides:?}"
-            )))
-        }
-    };
-    if m * n != g.len() {
-        return Err(::ort::Error::new(format!(
-            "{op}: the accumulator holds {} elements, not {m} x {n}",
-            g.len()
-        )));
-    }
-    let from = kept.from();
-    let operands = kept.operands(None);
-    let state = ([adamw_slot::PARAM, adamw_slot::M, adamw_slot::V], 0);
-    let ran = run_update_by(ctx, op, state, true, PRODUCT_TASK_ROWS * n, |range, io| {
-        let rows = (range.start / n, from);
-        let update = |sum: &mut Vec<f32>| {
-            sum.resize(range.len(), 0.0);
-            let acc = Io::Apart([&g[range.clone()]], [&mut sum[..]]);
-            accumulate_products(&operands, rows, acc);
-            adamw_update(s, (&sum[..], addend.map(|a| &a[range.clone()])), io);
+/// An optimizer update whose gradient input is an accumulator that may be behind by the
+/// products the trainer keeps for it (a node told its accumulator by
+/// `passes::fuse::apply_kept_sum`): `deferred` is the trainer's table and that name.
+struct KeptSum<'d> {
+    op: &'static str,
+    /// The update's gradient input (the accumulator).
+    grad_slot: usize,
+    deferred: Option<&'d (Arc<DeferredProducts>, String)>,
+}
+
+impl KeptSum<'_> {
+    /// With products kept (and the gate keeping), the update of the states at `state`'s
+    /// slots from the accumulator with the kept products added: each task first makes its
+    /// rows of the sum (the accumulator's rows plus every kept product, or the kept products
+    /// alone when they start from nothing, in the order of `fused_ops::accumulate_products`:
+    /// the bits the micro-step before would have written) in memory of its own thread, then
+    /// runs `update` on those rows from it. The accumulator itself is neither written nor,
+    /// from nothing, read. `None` when nothing is kept (a discarded micro-step leaves what
+    /// is kept for the next try): the caller updates from the accumulator as it is.
+    fn run<const N: usize>(
+        &self,
+        ctx: &ComputeContext,
+        (state, keep): ([usize; N], bool),
+        (g, addend): (&[f32], Option<&[f32]>),
+        update: impl Fn((&[f32], Option<&[f32]>), Io<'_, N>) + Sync,
+    ) -> Option<::ort::Result<()>> {
+        let (table, name) = self.deferred.filter(|_| keep)?;
+        let mut kept = table.take(name);
+        let ran = match kept.is_empty() {
+            true => None,
+            false => Some(self.summed(ctx, state, (g, addend), &mut kept, update)),
         };
-        KEPT_SUM.with(|sum| match sum.try_borrow_mut() {
-            Ok(mut sum) => update(&mut sum),
-            Err(_) => update(&mut Vec::new()),
-        })
-    });
-    // Summed into the update: forgotten (after a failed run they stay, as the state does).
-    if ran.is_ok() {
-        kept.clear();
+        table.put_back(name, kept);
+        ran
     }
-    ran
+
+    fn summed<const N: usize>(
+        &self,
+        ctx: &ComputeContext,
+        state: [usize; N],
+        (g, addend): (&[f32], Option<&[f32]>),
+        kept: &mut Kept,
+        update: impl Fn((&[f32], Option<&[f32]>), Io<'_, N>) + Sync,
+    ) -> ::ort::Result<()> {
+        let op = self.op;
+        let dims = kernel_io::required(ctx, op, self.grad_slot)?.shape;
+        let (m, n) = match (dims, kept.sides()) {
+            (&[m, n], Some(sides))
+                if usize::try_from(m) == Ok(sides.0) && usize::try_from(n) == Ok(sides.1) =>
+            {
+                sides
+            }
+            (dims, sides) => {
+                return Err(::ort::Error::new(format!(
+                    "{op}: its accumulator {dims:?} is not the kept products' {sides:?}"
+                )))
+            }
+        };
+        if m * n != g.len() {
+            return Err(::ort::Error::new(format!(
+                "{op}: the accumulator holds {} elements, not {m} x {n}",
+                g.len()
+            )));
+        }
+        let from = kept.from();
+        let operands = kept.operands(None);
+        let ran = run_update_by(
+            ctx,
+            op,
+            (state, 0),
+            true,
+            PRODUCT_TASK_ROWS * n,
+            |range, io| {
+                let rows = (range.start / n, from);
+                let sum_then_update = |sum: &mut Vec<f32>| {
+                    sum.resize(range.len(), 0.0);
+                    let acc = Io::Apart([&g[range.clone()]], [&mut sum[..]]);
+                    accumulate_products(&operands, rows, acc);
+                    update((&sum[..], addend.map(|a| &a[range.clone()])), io);
+                };
+                KEPT_SUM.with(|sum| match sum.try_borrow_mut() {
+                    Ok(mut sum) => sum_then_update(&mut sum),
+                    Err(_) => sum_then_update(&mut Vec::new()),
+                })
+            },
+        );
+        // Summed into the update: forgotten (after a failed run they stay, as the state does).
+        if ran.is_ok() {
+            kept.clear();
+        }
+        ran
+    }
+}
+
+/// The accumulator a fused update is told it reads (`passes::fuse::apply_kept_sum`), with
+/// the trainer's table, which learns now, before any run, that this update sums what it
+/// keeps for that accumulator.
+fn summed_at_apply(
+    deferred: &Option<Arc<DeferredProducts>>,
+    kctx: &KernelContext<'_>,
+) -> Option<(Arc<DeferredProducts>, String)> {
+    match (deferred, kctx.get::<String>(PRODUCT_ACCUMULATOR)) {
+        (Some(table), Some(name)) => {
+            table.set_summed_at_apply(&name);
+            Some((Arc::clone(table), name))
+        }
+        _ => None,
+    }
 }
 
 struct AdamWUpdates;
@@ -541,7 +585,11 @@ fn in_chunks<O: Send>(
     }
 }
 
-struct SgdUpdate;
+struct SgdUpdate {
+    /// The trainer's kept products, in its apply session
+    /// (`SessionOptions::deferred_products`).
+    deferred: Option<Arc<DeferredProducts>>,
+}
 
 impl Operator for SgdUpdate {
     type Kernel<'attr> = BoxedKernel<'attr>;
@@ -581,13 +629,20 @@ impl Operator for SgdUpdate {
         kctx: &KernelContext<'attr>,
     ) -> ::ort::Result<Self::Kernel<'attr>> {
         let nesterov = kctx.get::<i64>("nesterov").unwrap_or(0) != 0;
+        let deferred = summed_at_apply(&self.deferred, kctx);
         Ok(Box::new(move |ctx: &ComputeContext| {
-            sgd_kernel(ctx, nesterov)
+            sgd_kernel(ctx, nesterov, deferred.as_ref())
         }))
     }
 }
 
-fn sgd_kernel(ctx: &ComputeContext, nesterov: bool) -> ::ort::Result<()> {
+/// One parameter's SGD update, with its momentum buffer when given; with `deferred`, the
+/// kept products added to its accumulator as in [`adamw_kernel`].
+fn sgd_kernel(
+    ctx: &ComputeContext,
+    nesterov: bool,
+    deferred: Option<&(Arc<DeferredProducts>, String)>,
+) -> ::ort::Result<()> {
     let has_buffer = kernel_io::input(ctx, SGD_UPDATE, sgd_slot::BUF)?.is_some();
     let s = SgdScalars::read(nesterov, has_buffer, |slot| {
         scalar_input(ctx, SGD_UPDATE, slot).map_err(|e| e.to_string())
@@ -604,6 +659,28 @@ fn sgd_kernel(ctx: &ComputeContext, nesterov: bool) -> ::ort::Result<()> {
         )));
     }
     let keep = gate(ctx, SGD_UPDATE, sgd_slot::KEEP)?;
+    let with_kept = KeptSum {
+        op: SGD_UPDATE,
+        grad_slot: sgd_slot::GRAD,
+        deferred,
+    };
+    let ran = match has_buffer {
+        true => with_kept.run(
+            ctx,
+            ([sgd_slot::PARAM, sgd_slot::BUF], keep),
+            (g, addend),
+            |gradient, io| sgd_update(&s, gradient, SgdIo::Momentum(io)),
+        ),
+        false => with_kept.run(
+            ctx,
+            ([sgd_slot::PARAM], keep),
+            (g, addend),
+            |gradient, io| sgd_update(&s, gradient, SgdIo::Plain(io)),
+        ),
+    };
+    if let Some(ran) = ran {
+        return ran;
+    }
     let gradient = |range: std::ops::Range<usize>| (&g[range.clone()], addend.map(|a| &a[range]));
     match has_buffer {
         true => run_update(

@@ -37,7 +37,7 @@ pub const DOMAIN_VERSION: i64 = 1;
 /// With the string attribute `accumulator` ([`PRODUCT_ACCUMULATOR`]), `g` is that
 /// accumulator, read by this node alone, and a trainer that keeps the window's weight
 /// gradients as their operands has the kernel add them to `g` first
-/// (`passes::fuse::adamw_kept_sum`, `engine::deferred_products`).
+/// (`passes::fuse::apply_kept_sum`, `engine::deferred_products`).
 pub const ADAMW_UPDATE: &str = "AdamWUpdate";
 
 /// Input slots of [`ADAMW_UPDATE`]; every scalar is a one-element float32 tensor.
@@ -499,6 +499,8 @@ fn moments(s: &AdamWScalars, g: f32, m: f32, v: f32) -> (f32, f32) {
 /// with buf, mu:  buf' = buf·mu + g;  d = nesterov ? g + buf'·mu : buf'     (else d = g)
 /// p' = p - lr·d
 /// ```
+///
+/// The `accumulator` attribute as for [`ADAMW_UPDATE`].
 pub const SGD_UPDATE: &str = "SgdUpdate";
 
 /// Input slots of [`SGD_UPDATE`]; scalars are one-element float32 tensors.

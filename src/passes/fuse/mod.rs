@@ -27,7 +27,7 @@ pub mod accumulate;
 pub mod accumulate_product;
 pub mod adamw;
 pub mod adamw_group;
-pub mod adamw_kept_sum;
+pub mod apply_kept_sum;
 pub mod host;
 pub mod in_place;
 pub mod sgd;
@@ -139,7 +139,7 @@ pub fn prepare<'m>(
     // The replaced nodes must be gone first: they still read the states.
     super::dce::eliminate_dead_code(&mut ir);
     if options.products {
-        adamw_kept_sum::name_kept_sums(&mut ir, manifest);
+        apply_kept_sum::name_kept_sums(&mut ir, manifest);
     }
     let plan = in_place::plan(&mut ir, manifest, keep, options.window_start);
     if fused + accumulations == 0 {
