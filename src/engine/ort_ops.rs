@@ -344,22 +344,18 @@ fn adamw_kernel(
         )));
     }
     let state = [adamw_slot::PARAM, adamw_slot::M, adamw_slot::V];
-    let update = |gradient: (&[f32], Option<&[f32]>), io: Io<'_, 3>| adamw_update(&s, gradient, io);
     let with_kept = KeptSum {
         op: ADAMW_UPDATE,
         grad_slot: adamw_slot::GRAD,
         deferred,
     };
-    if let Some(ran) = with_kept.run(ctx, (state, keep), (g, addend), update) {
-        return ran;
-    }
-    run_update(ctx, ADAMW_UPDATE, state, 0, keep, |range, io| {
-        update((&g[range.clone()], addend.map(|a| &a[range])), io)
+    with_kept.update(ctx, (state, keep), (g, addend), |gradient, io| {
+        adamw_update(&s, gradient, io)
     })
 }
 
 thread_local! {
-    /// The window's gradient sum for the rows of one task of [`KeptSum::run`], one per
+    /// The window's gradient sum for the rows of one task of [`KeptSum::update`], one per
     /// thread that runs its tasks, kept between runs.
     static KEPT_SUM: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -381,23 +377,29 @@ impl KeptSum<'_> {
     /// alone when they start from nothing, in the order of `fused_ops::accumulate_products`:
     /// the bits the micro-step before would have written) in memory of its own thread, then
     /// runs `update` on those rows from it. The accumulator itself is neither written nor,
-    /// from nothing, read. `None` when nothing is kept (a discarded micro-step leaves what
-    /// is kept for the next try): the caller updates from the accumulator as it is.
-    fn run<const N: usize>(
+    /// from nothing, read. Otherwise (nothing kept, or a discarded micro-step, which leaves
+    /// what is kept for the next try) `update` runs on the accumulator as it is.
+    fn update<const N: usize>(
         &self,
         ctx: &ComputeContext,
         (state, keep): ([usize; N], bool),
         (g, addend): (&[f32], Option<&[f32]>),
         update: impl Fn((&[f32], Option<&[f32]>), Io<'_, N>) + Sync,
-    ) -> Option<::ort::Result<()>> {
-        let (table, name) = self.deferred.filter(|_| keep)?;
-        let mut kept = table.take(name);
-        let ran = match kept.is_empty() {
-            true => None,
-            false => Some(self.summed(ctx, state, (g, addend), &mut kept, update)),
-        };
-        table.put_back(name, kept);
-        ran
+    ) -> ::ort::Result<()> {
+        if let Some((table, name)) = self.deferred.filter(|_| keep) {
+            let mut kept = table.take(name);
+            let ran = match kept.is_empty() {
+                true => None,
+                false => Some(self.summed(ctx, state, (g, addend), &mut kept, &update)),
+            };
+            table.put_back(name, kept);
+            if let Some(ran) = ran {
+                return ran;
+            }
+        }
+        run_update(ctx, self.op, state, 0, keep, |range, io| {
+            update((&g[range.clone()], addend.map(|a| &a[range])), io)
+        })
     }
 
     fn summed<const N: usize>(
@@ -664,36 +666,19 @@ fn sgd_kernel(
         grad_slot: sgd_slot::GRAD,
         deferred,
     };
-    let ran = match has_buffer {
-        true => with_kept.run(
+    match has_buffer {
+        true => with_kept.update(
             ctx,
             ([sgd_slot::PARAM, sgd_slot::BUF], keep),
             (g, addend),
             |gradient, io| sgd_update(&s, gradient, SgdIo::Momentum(io)),
         ),
-        false => with_kept.run(
+        false => with_kept.update(
             ctx,
             ([sgd_slot::PARAM], keep),
             (g, addend),
             |gradient, io| sgd_update(&s, gradient, SgdIo::Plain(io)),
         ),
-    };
-    if let Some(ran) = ran {
-        return ran;
-    }
-    let gradient = |range: std::ops::Range<usize>| (&g[range.clone()], addend.map(|a| &a[range]));
-    match has_buffer {
-        true => run_update(
-            ctx,
-            SGD_UPDATE,
-            [sgd_slot::PARAM, sgd_slot::BUF],
-            0,
-            keep,
-            |r, io| sgd_update(&s, gradient(r), SgdIo::Momentum(io)),
-        ),
-        false => run_update(ctx, SGD_UPDATE, [sgd_slot::PARAM], 0, keep, |r, io| {
-            sgd_update(&s, gradient(r), SgdIo::Plain(io))
-        }),
     }
 }
 
