@@ -1492,6 +1492,12 @@ fn train(mut args: TrainArgs) -> Result<(), Failure> {
             trainer.accumulated_products()
         ));
     }
+    if trainer.apply_products() > 0 {
+        progress.note(format!(
+            "weight gradients: {} of the applying micro-step made inside their optimizer updates (not written and read back)",
+            trainer.apply_products()
+        ));
+    }
     if trainer.nchwc_convs() > 0 {
         progress.note(format!(
             "convolutions: {} on ONNX Runtime's blocked (NCHWc) CPU kernels, summed over the sessions (--no-nchwc: im2col, as written)",

@@ -254,6 +254,8 @@ pub struct Trainer {
     grouped_updates: usize,
     /// See [`Self::accumulated_products`].
     accumulated_products: usize,
+    /// See [`Self::apply_products`].
+    apply_products: usize,
     /// For each session, by [`Session::index`], and each entry of the manifest's state,
     /// whether a run leaves the state where it is when it returns no output for it
     /// ([`left_alone`]).
@@ -637,6 +639,7 @@ impl Trainer {
             fused_updates: fused.updates,
             grouped_updates: fused.grouped,
             accumulated_products: fused.products,
+            apply_products: fused.apply_products,
             deferred,
         })
     }
@@ -664,6 +667,12 @@ impl Trainer {
     /// over the sessions.
     pub fn accumulated_products(&self) -> usize {
         self.accumulated_products
+    }
+
+    /// How many weight gradients the apply's optimizer updates make themselves, unwritten
+    /// (`passes::fuse::apply_product`), summed over the sessions.
+    pub fn apply_products(&self) -> usize {
+        self.apply_products
     }
 
     /// Whether the host counts the micro-steps that continue a window, instead of the
@@ -1479,6 +1488,7 @@ struct FusedCounts {
     updates: usize,
     grouped: usize,
     products: usize,
+    apply_products: usize,
 }
 
 /// A session of `kind` for `model`, prepared for the engine first: tract gets the ops it
@@ -1516,6 +1526,7 @@ fn open_engine(
         fused.updates += prepared.fused;
         fused.grouped += prepared.grouped;
         fused.products += prepared.products;
+        fused.apply_products += prepared.apply_products;
         let mut engine = with_host_scalars(kind, &prepared.model, options)?;
         engine.set_in_place(prepared.in_place.pairs, prepared.in_place.keep_input);
         if let Some(updates) = prepared.host_updates {

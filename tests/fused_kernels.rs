@@ -633,10 +633,11 @@ fn host_updates_train_bit_identically() {
 /// The weight's gradient made inside its accumulator (`AccumulateProduct`): at micro-batches
 /// of 8, 24 and 32 by onnx-ga's kernel, at 40 and 64 by the kernel on AVX2 (its limit there
 /// is 64) and by ONNX Runtime's `Gemm` on AVX-512 (32), at 72 by the `Gemm` on both, into a
-/// buffer of its own and then added. Both train bit for bit as the standard
+/// buffer of its own and then added. The apply's own weight gradient likewise, made by its
+/// AdamW update (`passes::fuse::apply_product`). Both train bit for bit as the standard
 /// ops, on one thread and on two (the 512 rows split into tasks), with micro-steps of NaN
 /// inputs discarded (the gate leaves the accumulator unwritten) at a window's start and
-/// inside one; and without the option nothing is fused so.
+/// inside one, and at an apply; and without the option nothing is fused so.
 #[test]
 fn weight_gradients_made_in_their_accumulators_train_bit_identically() {
     use onnx_ga::train::OnNonFinite;
@@ -668,8 +669,11 @@ fn weight_gradients_made_in_their_accumulators_train_bit_identically() {
             fused_options.session.host_updates = false;
             let mut fused = Trainer::with_options(&step, &fused_options).unwrap();
             // The weight's, in the accumulate session and in the window start (written
-            // there, its accumulator unread); the bias's gradient is a ReduceSum.
+            // there, its accumulator unread); the bias's gradient is a ReduceSum. The
+            // apply's own product is made in its update (by ONNX Runtime's Gemm past the
+            // kernel's `k`: 72 on AVX2, 40-72 on AVX-512).
             assert_eq!(fused.accumulated_products(), 2, "{what}");
+            assert_eq!(fused.apply_products(), 1, "{what}");
             let mut standard = Trainer::with_options(&step, &options(false, 1, true)).unwrap();
             for trainer in [&mut fused, &mut standard] {
                 trainer.set_on_nonfinite(OnNonFinite::Skip);
@@ -677,7 +681,7 @@ fn weight_gradients_made_in_their_accumulators_train_bit_identically() {
             let samples = fused.check_data(&data, Path::new("data.npz")).unwrap();
             for i in 0..24 {
                 let mut micro = micro_batch(&data, samples, batch, i);
-                if [8, 13].contains(&i) {
+                if [8, 13, 19].contains(&i) {
                     poison(&mut micro);
                 }
                 let (a, b) = (fused.step(&micro, false), standard.step(&micro, false));
@@ -693,8 +697,8 @@ fn weight_gradients_made_in_their_accumulators_train_bit_identically() {
         off.session.fused_weight_grads = false;
         let trainer = Trainer::with_options(&step, &off).unwrap();
         assert_eq!(
-            trainer.accumulated_products(),
-            0,
+            (trainer.accumulated_products(), trainer.apply_products()),
+            (0, 0),
             "micro-batch {batch}, off"
         );
     }
@@ -859,6 +863,10 @@ fn weight_gradients_kept_under_every_optimizer_train_bit_identically() {
             };
             let (mut kept, mut standard) = (make(true), make(false));
             assert_eq!(kept.accumulated_products(), 2, "{training}");
+            // The apply's own weight gradient is made inside its update where the update's
+            // addend is that product: plain (not Adam's L2, added to it first).
+            let plain = around == "grad-accum(steps=4)" && !optimizer.contains("kind=adam,");
+            assert_eq!(kept.apply_products(), usize::from(plain), "{training}");
             let samples = kept.check_data(&data, Path::new("data.npz")).unwrap();
             let (mut behind, mut skipped) = (0, 0);
             // Applies, and those that found the accumulators behind (the products of the

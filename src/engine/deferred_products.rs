@@ -187,6 +187,9 @@ struct KeptPair {
     b: Vec<f32>,
 }
 
+/// One product's operands `A` `[k, m]` and `B` `[k, n]` and its shape, as given.
+pub(crate) type ProductPair<'a> = (&'a [f32], &'a [f32], ProductShape);
+
 impl Kept {
     pub(crate) fn is_empty(&self) -> bool {
         self.len == 0
@@ -265,7 +268,7 @@ impl Kept {
     /// kernel in this entry's layouts.
     pub(crate) fn operands<'a>(
         &'a mut self,
-        own: Option<(&'a [f32], &'a [f32], ProductShape)>,
+        own: Option<ProductPair<'a>>,
     ) -> Vec<ProductOperands<'a>> {
         let Kept {
             pairs,

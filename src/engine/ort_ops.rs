@@ -11,7 +11,7 @@ use ::ort::operator::{
 };
 use ::ort::value::TensorElementType;
 
-use super::deferred_products::{DeferredProducts, Kept};
+use super::deferred_products::{DeferredProducts, Kept, ProductPair};
 use super::kernel_io;
 
 use crate::fused_ops::{
@@ -282,7 +282,9 @@ impl Operator for AdamWUpdate {
                 | adamw_slot::LR_WD
                 | adamw_slot::GRAD_ADDEND
                 | adamw_slot::GRAD_DIVISOR
-                | adamw_slot::LOSS => OperatorInput::optional(TensorElementType::Float32),
+                | adamw_slot::LOSS
+                | adamw_slot::ADDEND_A
+                | adamw_slot::ADDEND_B => OperatorInput::optional(TensorElementType::Float32),
                 adamw_slot::KEEP => OperatorInput::optional(TensorElementType::Bool),
                 _ => OperatorInput::required(TensorElementType::Float32),
             })
@@ -305,9 +307,14 @@ impl Operator for AdamWUpdate {
         &self,
         kctx: &KernelContext<'attr>,
     ) -> ::ort::Result<Self::Kernel<'attr>> {
-        let deferred = summed_at_apply(&self.deferred, kctx);
+        let with_kept = KeptSum {
+            op: ADAMW_UPDATE,
+            grad_slot: adamw_slot::GRAD,
+            deferred: summed_at_apply(&self.deferred, kctx),
+            gemm: InvokedOp::gemm(kctx, [1, 0], ADAMW_UPDATE)?,
+        };
         Ok(Box::new(move |ctx: &ComputeContext| {
-            adamw_kernel(ctx, deferred.as_ref())
+            adamw_kernel(ctx, &with_kept)
         }))
     }
 }
@@ -324,95 +331,216 @@ fn adamw_scalars(
     .map_err(|message: String| ::ort::Error::new(format!("{op}: {message}")))
 }
 
-/// One parameter's AdamW update. With `deferred` (the trainer's table and the accumulator
-/// the gradient input is) and products kept for it, the gradient is that accumulator with
-/// the kept products added, row block by row block as the update reads it ([`KeptSum`]).
-fn adamw_kernel(
-    ctx: &ComputeContext,
-    deferred: Option<&(Arc<DeferredProducts>, String)>,
-) -> ::ort::Result<()> {
+/// One parameter's AdamW update, its gradient as [`KeptSum`] reads it: with kept products
+/// added, and the addend given as its product's operands, row block by row block.
+fn adamw_kernel(ctx: &ComputeContext, with_kept: &KeptSum) -> ::ort::Result<()> {
     let s = adamw_scalars(ctx, ADAMW_UPDATE, adamw_group_slot::FROM_SINGLE)?;
-    let g = f32_input(ctx, ADAMW_UPDATE, adamw_slot::GRAD)?.1;
-    let addend = optional_f32s(ctx, ADAMW_UPDATE, adamw_slot::GRAD_ADDEND)?;
     let keep = gate(ctx, ADAMW_UPDATE, adamw_slot::KEEP)?;
-    let len = kernel_io::required(ctx, ADAMW_UPDATE, adamw_slot::PARAM)?.len();
-    if g.len() != len || addend.is_some_and(|a| a.len() != len) {
-        return Err(::ort::Error::new(format!(
-            "{ADAMW_UPDATE}: parameter ({len}), gradient ({}) and addend ({:?}) differ in size",
-            g.len(),
-            addend.map(<[f32]>::len)
-        )));
-    }
+    let gradient = UpdateGradient::read(
+        ctx,
+        ADAMW_UPDATE,
+        adamw_slot::PARAM,
+        [adamw_slot::GRAD, adamw_slot::GRAD_ADDEND],
+        [adamw_slot::ADDEND_A, adamw_slot::ADDEND_B],
+    )?;
     let state = [adamw_slot::PARAM, adamw_slot::M, adamw_slot::V];
-    let with_kept = KeptSum {
-        op: ADAMW_UPDATE,
-        grad_slot: adamw_slot::GRAD,
-        deferred,
-    };
-    with_kept.update(ctx, (state, keep), (g, addend), |gradient, io| {
+    with_kept.update(ctx, (state, keep), gradient, |gradient, io| {
         adamw_update(&s, gradient, io)
     })
+}
+
+/// What an update's gradient is made of: its gradient input `g` (the window's accumulator
+/// at an apply), and an addend added to it first, given (`g_addend`) or as the operands of
+/// its product (`addend_a`, `addend_b`; `passes::fuse::apply_product`).
+struct UpdateGradient<'c> {
+    g: &'c [f32],
+    addend: Option<&'c [f32]>,
+    product: Option<AddendProduct<'c>>,
+}
+
+/// An addend `Aᵀ·B` given as `A` `[k, m]` and `B` `[k, n]`, the parameter `[m, n]`.
+struct AddendProduct<'c> {
+    a: &'c [f32],
+    b: &'c [f32],
+    shape: ProductShape,
+    /// Both as ONNX Runtime's values, for its `Gemm`.
+    values: [*const ::ort::sys::OrtValue; 2],
+}
+
+impl<'c> UpdateGradient<'c> {
+    /// Reads them from `op`'s slots, checking that they are the parameter's size.
+    fn read(
+        ctx: &'c ComputeContext,
+        op: &str,
+        param_slot: usize,
+        [g_slot, addend_slot]: [usize; 2],
+        [a_slot, b_slot]: [usize; 2],
+    ) -> ::ort::Result<UpdateGradient<'c>> {
+        let param = kernel_io::required(ctx, op, param_slot)?;
+        let len = param.len();
+        let g = f32_input(ctx, op, g_slot)?.1;
+        let addend = optional_f32s(ctx, op, addend_slot)?;
+        if g.len() != len || addend.is_some_and(|a| a.len() != len) {
+            return Err(::ort::Error::new(format!(
+                "{op}: parameter ({len}), gradient ({}) and addend ({:?}) differ in size",
+                g.len(),
+                addend.map(<[f32]>::len)
+            )));
+        }
+        let operands = (
+            kernel_io::input(ctx, op, a_slot)?,
+            kernel_io::input(ctx, op, b_slot)?,
+        );
+        let product = match operands {
+            (None, None) => None,
+            (Some(a), Some(b)) if addend.is_none() => {
+                let dim = |d: &i64| usize::try_from(*d).ok();
+                let dims = (a.shape, b.shape, param.shape);
+                let shape = match dims {
+                    ([k, m], [k_b, n], [m_p, n_p]) if k == k_b && m == m_p && n == n_p => {
+                        match (dim(k), dim(m), dim(n)) {
+                            (Some(k), Some(m), Some(n)) => ProductShape { k, m, n },
+                            _ => {
+                                let negative = format!("{op}: a negative dimension");
+                                return Err(::ort::Error::new(negative));
+                            }
+                        }
+                    }
+                    (a, b, p) => {
+                        return Err(::ort::Error::new(format!(
+                            "{op}: the addend's operands {a:?} and {b:?} are not [k, m] and \
+                             [k, n] of the parameter's {p:?}"
+                        )))
+                    }
+                };
+                let (a_values, b_values) = (a.f32s(op, a_slot)?, b.f32s(op, b_slot)?);
+                if a_values.len() != shape.k * shape.m || b_values.len() != shape.k * shape.n {
+                    return Err(::ort::Error::new(format!(
+                        "{op}: the addend's operands are not their shapes' sizes"
+                    )));
+                }
+                Some(AddendProduct {
+                    a: a_values,
+                    b: b_values,
+                    shape,
+                    values: [a.value(), b.value()],
+                })
+            }
+            _ => {
+                return Err(::ort::Error::new(format!(
+                    "{op}: an addend and its product's operands are given together, or one \
+                     operand alone"
+                )))
+            }
+        };
+        Ok(UpdateGradient { g, addend, product })
+    }
 }
 
 thread_local! {
     /// The window's gradient sum for the rows of one task of [`KeptSum::update`], one per
     /// thread that runs its tasks, kept between runs.
     static KEPT_SUM: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+
+    /// Where [`KeptSum::update`] lays out an addend's operands when no trainer keeps
+    /// products for the update (nothing kept in it), one per thread that runs sessions, kept
+    /// between runs as [`PRODUCT_LAYOUT`] is.
+    static ADDEND_LAYOUT: std::cell::RefCell<Kept> = std::cell::RefCell::new(Kept::default());
 }
 
-/// An optimizer update whose gradient input is an accumulator that may be behind by the
-/// products the trainer keeps for it (a node told its accumulator by
-/// `passes::fuse::apply_kept_sum`): `deferred` is the trainer's table and that name.
-struct KeptSum<'d> {
+/// An optimizer update whose gradient is made as it is read: its gradient input an
+/// accumulator that may be behind by the products the trainer keeps for it (a node told its
+/// accumulator by `passes::fuse::apply_kept_sum`: `deferred` is the trainer's table and
+/// that name), its addend given as its product's operands (`passes::fuse::apply_product`),
+/// or both.
+struct KeptSum {
     op: &'static str,
     /// The update's gradient input (the accumulator).
     grad_slot: usize,
-    deferred: Option<&'d (Arc<DeferredProducts>, String)>,
+    deferred: Option<(Arc<DeferredProducts>, String)>,
+    /// ONNX Runtime's `Gemm(A, B, transA = 1)`, for an addend's product past the kernel's
+    /// `k`.
+    gemm: InvokedOp,
 }
 
-impl KeptSum<'_> {
-    /// With products kept (and the gate keeping), the update of the states at `state`'s
-    /// slots from the accumulator with the kept products added: each task first makes its
-    /// rows of the sum (the accumulator's rows plus every kept product, or the kept products
-    /// alone when they start from nothing, in the order of `fused_ops::accumulate_products`:
-    /// the bits the micro-step before would have written) in memory of its own thread, then
-    /// runs `update` on those rows from it. The accumulator itself is neither written nor,
-    /// from nothing, read. Otherwise (nothing kept, or a discarded micro-step, which leaves
-    /// what is kept for the next try) `update` runs on the accumulator as it is.
+impl KeptSum {
+    /// The update of the states at `state`'s slots (the gate keeping) from the gradient
+    /// [`UpdateGradient`] describes. With products kept for the accumulator, or the addend
+    /// as its product's operands (where `k` suits the kernel), each task first makes its
+    /// rows of the gradient in memory of its own thread (the accumulator's rows plus every
+    /// kept product, then the addend's, in the order of `fused_ops::accumulate_products`:
+    /// the bits the standard ops write; the kept products alone when they start from
+    /// nothing), then runs `update` on those rows from it: the accumulator is not written,
+    /// nor the addend's product. Otherwise `update` runs on the accumulator as it is, and
+    /// the addend given or made by ONNX Runtime's `Gemm`. A discarded micro-step leaves
+    /// what is kept for the next try.
     fn update<const N: usize>(
         &self,
         ctx: &ComputeContext,
         (state, keep): ([usize; N], bool),
-        (g, addend): (&[f32], Option<&[f32]>),
+        gradient: UpdateGradient<'_>,
         update: impl Fn((&[f32], Option<&[f32]>), Io<'_, N>) + Sync,
     ) -> ::ort::Result<()> {
-        if let Some((table, name)) = self.deferred.filter(|_| keep) {
+        let UpdateGradient { g, addend, product } = gradient;
+        if !keep {
+            return run_update(ctx, self.op, state, 0, false, |_, _| {});
+        }
+        // Past the kernel's `k`, ONNX Runtime's product as the addend: the standard op's
+        // bits and passes.
+        let made;
+        let (addend, own) = match product {
+            Some(p) if p.shape.k > largest_fast_contraction() => {
+                made = self.mlas_product(ctx, &p)?;
+                (Some(made.extract_tensor().1), None)
+            }
+            Some(p) => (None, Some((p.a, p.b, p.shape))),
+            None => (addend, None),
+        };
+        if let Some((table, name)) = &self.deferred {
             let mut kept = table.take(name);
-            let ran = match kept.is_empty() {
+            let ran = match kept.is_empty() && own.is_none() {
                 true => None,
-                false => Some(self.summed(ctx, state, (g, addend), &mut kept, &update)),
+                false => Some(self.summed(ctx, state, (g, addend), (&mut kept, own), &update)),
             };
             table.put_back(name, kept);
             if let Some(ran) = ran {
                 return ran;
             }
+        } else if let Some(own) = own {
+            return ADDEND_LAYOUT.with(|alone| match alone.try_borrow_mut() {
+                Ok(mut alone) => {
+                    self.summed(ctx, state, (g, addend), (&mut alone, Some(own)), &update)
+                }
+                Err(_) => Err(::ort::Error::new(format!(
+                    "{}: its layout is in use on this thread",
+                    self.op
+                ))),
+            });
         }
         run_update(ctx, self.op, state, 0, keep, |range, io| {
             update((&g[range.clone()], addend.map(|a| &a[range])), io)
         })
     }
 
+    /// The update from the gradient made by its tasks (see [`Self::update`]): `kept`'s
+    /// products, then `own` (the addend's operands), added to the accumulator `g`; `kept` is
+    /// left empty once the update ran.
     fn summed<const N: usize>(
         &self,
         ctx: &ComputeContext,
         state: [usize; N],
         (g, addend): (&[f32], Option<&[f32]>),
-        kept: &mut Kept,
+        (kept, own): (&mut Kept, Option<ProductPair<'_>>),
         update: impl Fn((&[f32], Option<&[f32]>), Io<'_, N>) + Sync,
     ) -> ::ort::Result<()> {
         let op = self.op;
         let dims = kernel_io::required(ctx, op, self.grad_slot)?.shape;
-        let (m, n) = match (dims, kept.sides()) {
+        let own_sides = own.map(|(_, _, shape)| (shape.m, shape.n));
+        let sides = match (kept.sides(), own_sides) {
+            (Some(kept), Some(own)) if kept != own => None,
+            (kept, own) => kept.or(own),
+        };
+        let (m, n) = match (dims, sides) {
             (&[m, n], Some(sides))
                 if usize::try_from(m) == Ok(sides.0) && usize::try_from(n) == Ok(sides.1) =>
             {
@@ -420,7 +548,8 @@ impl KeptSum<'_> {
             }
             (dims, sides) => {
                 return Err(::ort::Error::new(format!(
-                    "{op}: its accumulator {dims:?} is not the kept products' {sides:?}"
+                    "{op}: its accumulator {dims:?} is not the kept products' and the \
+                     addend's {sides:?}"
                 )))
             }
         };
@@ -431,7 +560,7 @@ impl KeptSum<'_> {
             )));
         }
         let from = kept.from();
-        let operands = kept.operands(None);
+        let operands = kept.operands(own);
         let ran = run_update_by(
             ctx,
             op,
@@ -452,11 +581,27 @@ impl KeptSum<'_> {
                 })
             },
         );
+        drop(operands);
         // Summed into the update: forgotten (after a failed run they stay, as the state does).
         if ran.is_ok() {
             kept.clear();
         }
         ran
+    }
+
+    /// ONNX Runtime's product of the addend's operands, in memory of its own.
+    fn mlas_product(
+        &self,
+        ctx: &ComputeContext,
+        p: &AddendProduct<'_>,
+    ) -> ::ort::Result<::ort::value::Tensor<f32>> {
+        let shape = [p.shape.m, p.shape.n];
+        let mut made =
+            ::ort::value::Tensor::<f32>::new(&::ort::memory::Allocator::default(), shape)?;
+        use ::ort::AsPointer;
+        self.gemm
+            .run(RunningContext::of(ctx), &p.values, made.ptr_mut())?;
+        Ok(made)
     }
 }
 
@@ -631,54 +776,44 @@ impl Operator for SgdUpdate {
         kctx: &KernelContext<'attr>,
     ) -> ::ort::Result<Self::Kernel<'attr>> {
         let nesterov = kctx.get::<i64>("nesterov").unwrap_or(0) != 0;
-        let deferred = summed_at_apply(&self.deferred, kctx);
+        let with_kept = KeptSum {
+            op: SGD_UPDATE,
+            grad_slot: sgd_slot::GRAD,
+            deferred: summed_at_apply(&self.deferred, kctx),
+            gemm: InvokedOp::gemm(kctx, [1, 0], SGD_UPDATE)?,
+        };
         Ok(Box::new(move |ctx: &ComputeContext| {
-            sgd_kernel(ctx, nesterov, deferred.as_ref())
+            sgd_kernel(ctx, nesterov, &with_kept)
         }))
     }
 }
 
-/// One parameter's SGD update, with its momentum buffer when given; with `deferred`, the
-/// kept products added to its accumulator as in [`adamw_kernel`].
-fn sgd_kernel(
-    ctx: &ComputeContext,
-    nesterov: bool,
-    deferred: Option<&(Arc<DeferredProducts>, String)>,
-) -> ::ort::Result<()> {
+/// One parameter's SGD update, with its momentum buffer when given, its gradient as in
+/// [`adamw_kernel`].
+fn sgd_kernel(ctx: &ComputeContext, nesterov: bool, with_kept: &KeptSum) -> ::ort::Result<()> {
     let has_buffer = kernel_io::input(ctx, SGD_UPDATE, sgd_slot::BUF)?.is_some();
     let s = SgdScalars::read(nesterov, has_buffer, |slot| {
         scalar_input(ctx, SGD_UPDATE, slot).map_err(|e| e.to_string())
     })
     .map_err(|message: String| ::ort::Error::new(format!("{SGD_UPDATE}: {message}")))?;
-    let len = kernel_io::required(ctx, SGD_UPDATE, sgd_slot::PARAM)?.len();
-    let g = f32_input(ctx, SGD_UPDATE, sgd_slot::GRAD)?.1;
-    let addend = optional_f32s(ctx, SGD_UPDATE, sgd_slot::GRAD_ADDEND)?;
-    if g.len() != len || addend.is_some_and(|a| a.len() != len) {
-        return Err(::ort::Error::new(format!(
-            "{SGD_UPDATE}: parameter ({len}), gradient ({}) and addend ({:?}) differ in size",
-            g.len(),
-            addend.map(<[f32]>::len)
-        )));
-    }
+    let gradient = UpdateGradient::read(
+        ctx,
+        SGD_UPDATE,
+        sgd_slot::PARAM,
+        [sgd_slot::GRAD, sgd_slot::GRAD_ADDEND],
+        [sgd_slot::ADDEND_A, sgd_slot::ADDEND_B],
+    )?;
     let keep = gate(ctx, SGD_UPDATE, sgd_slot::KEEP)?;
-    let with_kept = KeptSum {
-        op: SGD_UPDATE,
-        grad_slot: sgd_slot::GRAD,
-        deferred,
-    };
     match has_buffer {
         true => with_kept.update(
             ctx,
             ([sgd_slot::PARAM, sgd_slot::BUF], keep),
-            (g, addend),
+            gradient,
             |gradient, io| sgd_update(&s, gradient, SgdIo::Momentum(io)),
         ),
-        false => with_kept.update(
-            ctx,
-            ([sgd_slot::PARAM], keep),
-            (g, addend),
-            |gradient, io| sgd_update(&s, gradient, SgdIo::Plain(io)),
-        ),
+        false => with_kept.update(ctx, ([sgd_slot::PARAM], keep), gradient, |gradient, io| {
+            sgd_update(&s, gradient, SgdIo::Plain(io))
+        }),
     }
 }
 

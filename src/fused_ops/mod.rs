@@ -18,7 +18,8 @@ pub const DOMAIN: &str = "ai.onnx_ga";
 pub const DOMAIN_VERSION: i64 = 1;
 
 /// `AdamWUpdate(p, g, m, v, alpha, one_minus_alpha, beta, one_minus_beta, epsilon, lr,
-/// [a], [c], [lr_wd], [g_addend], [g_divisor], [keep], [loss]) -> (p', m', v')`: one
+/// [a], [c], [lr_wd], [g_addend], [g_divisor], [keep], [loss], [addend_a], [addend_b]) ->
+/// (p', m', v')`: one
 /// parameter's AdamW step, element by element, in the order of operations of the standard-op
 /// lowering (`passes::legalize::adamw_optimizer::lower_adamw_for_params`), so that float32
 /// results are bit-identical to it:
@@ -38,6 +39,13 @@ pub const DOMAIN_VERSION: i64 = 1;
 /// accumulator, read by this node alone, and a trainer that keeps the window's weight
 /// gradients as their operands has the kernel add them to `g` first
 /// (`passes::fuse::apply_kept_sum`, `engine::deferred_products`).
+///
+/// With `addend_a` `[k, m]` and `addend_b` `[k, n]` instead of `g_addend` (a parameter of
+/// `[m, n]`), the addend is their product `addend_aᵀ·addend_b`, the apply's own weight
+/// gradient (`passes::fuse::apply_product`). Where `k` suits onnx-ga's product kernel, each
+/// task makes its rows of it as it updates them, so it is never written whole; the chains
+/// of [`accumulate_product`], added to `g` as `g_addend` is: the bits of
+/// `Gemm(addend_a, addend_b, transA = 1)` given as `g_addend`.
 pub const ADAMW_UPDATE: &str = "AdamWUpdate";
 
 /// Input slots of [`ADAMW_UPDATE`]; every scalar is a one-element float32 tensor.
@@ -65,9 +73,13 @@ pub mod adamw_slot {
     /// The gate ([`super::keeps`]).
     pub const KEEP: usize = 15;
     pub const LOSS: usize = super::loss_slot(KEEP);
+    /// The addend as the operands of its product, `[k, m]` and `[k, n]` (optional, both or
+    /// neither, and then no `GRAD_ADDEND`; see [`super::ADAMW_UPDATE`]).
+    pub const ADDEND_A: usize = 17;
+    pub const ADDEND_B: usize = 18;
     /// Ordering inputs from here on (any number, any type, never read: see the module's comment).
-    pub const AFTER: usize = 17;
-    pub const COUNT: usize = 17;
+    pub const AFTER: usize = 19;
+    pub const COUNT: usize = 19;
 }
 
 /// `AdamWUpdates(alpha, one_minus_alpha, beta, one_minus_beta, epsilon, lr, [a], [c],
@@ -489,9 +501,10 @@ fn moments(s: &AdamWScalars, g: f32, m: f32, v: f32) -> (f32, f32) {
     (m1, v1)
 }
 
-/// `SgdUpdate(p, g, lr, [buf], [mu], [wd], [g_addend], [g_divisor], [keep], [loss]) ->
-/// (p', [buf'])`, attribute `nesterov` (0 or 1): one parameter's SGD step in the optimizer
-/// pass's order of operations (`passes::optimizer`, bit-identical in float32):
+/// `SgdUpdate(p, g, lr, [buf], [mu], [wd], [g_addend], [g_divisor], [keep], [loss],
+/// [addend_a], [addend_b]) -> (p', [buf'])`, attribute `nesterov` (0 or 1): one parameter's
+/// SGD step in the optimizer pass's order of operations (`passes::optimizer`, bit-identical
+/// in float32):
 ///
 /// ```text
 /// g = (g + g_addend) / g_divisor    (each when given, as for AdamWUpdate)
@@ -500,7 +513,7 @@ fn moments(s: &AdamWScalars, g: f32, m: f32, v: f32) -> (f32, f32) {
 /// p' = p - lr·d
 /// ```
 ///
-/// The `accumulator` attribute as for [`ADAMW_UPDATE`].
+/// The `accumulator` attribute and the addend as a product as for [`ADAMW_UPDATE`].
 pub const SGD_UPDATE: &str = "SgdUpdate";
 
 /// Input slots of [`SGD_UPDATE`]; scalars are one-element float32 tensors.
@@ -518,9 +531,12 @@ pub mod sgd_slot {
     /// The gate ([`super::keeps`]).
     pub const KEEP: usize = 8;
     pub const LOSS: usize = super::loss_slot(KEEP);
+    /// The addend as the operands of its product (as [`super::adamw_slot::ADDEND_A`]).
+    pub const ADDEND_A: usize = 10;
+    pub const ADDEND_B: usize = 11;
     /// Ordering inputs from here on (see the module's comment).
-    pub const AFTER: usize = 10;
-    pub const COUNT: usize = 10;
+    pub const AFTER: usize = 12;
+    pub const COUNT: usize = 12;
 }
 
 /// The scalars of one [`SGD_UPDATE`].

@@ -108,7 +108,7 @@ fn first_product(
 }
 
 /// `(A, B)` when `v = Aᵀ·B` by one of the forms of the module's comment.
-fn product_operands(
+pub(super) fn product_operands(
     model: &Model,
     shapes: &mut Option<Shapes>,
     v: ValueId,

@@ -13,6 +13,9 @@
 //! - [`accumulate`]: the window's gradient sum (`AccumulateGrad`), with in-place updates;
 //! - [`accumulate_product`]: a weight gradient made inside its accumulator
 //!   (`AccumulateProduct`), with in-place updates;
+//! - [`apply_kept_sum`]: an apply's update told the accumulator it reads, whose kept
+//!   products it may add itself;
+//! - [`apply_product`]: an apply's own weight gradient made inside its update;
 //! - [`in_place`]: the gate of every fused node, and which states the session may update in
 //!   place.
 //!
@@ -28,6 +31,7 @@ pub mod accumulate_product;
 pub mod adamw;
 pub mod adamw_group;
 pub mod apply_kept_sum;
+pub mod apply_product;
 pub mod host;
 pub mod in_place;
 pub mod sgd;
@@ -49,6 +53,8 @@ pub struct Prepared<'m> {
     pub grouped: usize,
     /// Weight gradients made inside their accumulators ([`accumulate_product`]).
     pub products: usize,
+    /// Weight gradients made inside the apply's optimizer updates ([`apply_product`]).
+    pub apply_products: usize,
     /// The states the session updates in place (empty unless asked for).
     pub in_place: InPlacePlan,
     /// The updates of those states the host runs after the session ([`host`]), when it
@@ -106,6 +112,7 @@ pub fn prepare<'m>(
         fused: 0,
         grouped: 0,
         products: 0,
+        apply_products: 0,
         in_place: InPlacePlan::default(),
         host_updates: None,
     };
@@ -138,9 +145,16 @@ pub fn prepare<'m>(
     let keep = in_place::gate(&mut ir, manifest);
     // The replaced nodes must be gone first: they still read the states.
     super::dce::eliminate_dead_code(&mut ir);
-    if options.products {
-        apply_kept_sum::name_kept_sums(&mut ir, manifest);
-    }
+    let apply_products = match options.products {
+        true => {
+            apply_kept_sum::name_kept_sums(&mut ir, manifest);
+            let made = apply_product::fuse_apply_products(&mut ir);
+            // The products' own nodes are dead now.
+            super::dce::eliminate_dead_code(&mut ir);
+            made
+        }
+        false => 0,
+    };
     let plan = in_place::plan(&mut ir, manifest, keep, options.window_start);
     if fused + accumulations == 0 {
         // Nothing fused (a window start): the model as it was, with the plan (unread
@@ -169,6 +183,7 @@ pub fn prepare<'m>(
     let prepared = finish(ir, fused, 0, plan)?;
     Ok(Prepared {
         products,
+        apply_products,
         ..prepared
     })
 }
@@ -219,6 +234,7 @@ fn finish(
         fused,
         grouped,
         products: 0,
+        apply_products: 0,
         in_place,
         host_updates: None,
     })
