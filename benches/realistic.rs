@@ -22,6 +22,9 @@
 //!   the sessions (`SessionOptions::host_updates` off), as before host updates.
 //! - `step_at_once` (only with `--pair`): `step` adding each micro-step's weight gradients
 //!   as they are made (`SessionOptions::defer_weight_grads` off), as before run AL.
+//! - `step_gemm_at_apply` (only with `--pair`): `step` with the apply's own weight
+//!   gradients written by ONNX Runtime's `Gemm` for its updates to read
+//!   (`SessionOptions::apply_products` off), as before run AO.
 //!
 //! Modes (`cargo bench` passes `--bench`; without it and without a mode, as under `cargo test
 //! --all-targets`, the executable does nothing: the models need torch):
@@ -925,7 +928,8 @@ fn runner(
         | "step_copy"
         | "step_in_place"
         | "step_session_updates"
-        | "step_at_once" => {
+        | "step_at_once"
+        | "step_gemm_at_apply" => {
             let step = load(&dir.join("step.onnx"))?;
             let split = column != "step_whole";
             let options = TrainOptions {
@@ -941,6 +945,7 @@ fn runner(
                     // `step_at_once` (for `--pair`): each micro-step's weight gradients added
                     // as they are made, none kept for the window's sum.
                     defer_weight_grads: column != "step_at_once",
+                    apply_products: column != "step_gemm_at_apply",
                     ..session(threads)
                 },
                 split,

@@ -44,7 +44,7 @@ struct Opts {
     least: bool,
     /// `--columns floor,step,step_if` (the default; also `floor_kept`, `floor_shared`,
     /// `floor_no_pattern`, `floor_arena`, `floor_pool`, `floor_bound`, `step_in_place`,
-    /// `step_at_once`, `step_no_host`).
+    /// `step_at_once`, `step_no_host`, `step_kernels`, `step_gemm_at_apply`).
     columns: Vec<String>,
     /// `--only COLUMN`: run that column alone, `--rounds` cells at the first width and the
     /// first thread count, and print its times: a run to profile (perf record), not a
@@ -555,7 +555,8 @@ fn run_cell(s: &Sized, column: &str, cell: Duration) -> Result<Measured> {
             })
         }
         "floor_bound" => floor_bound(s, cell),
-        "step" | "step_if" | "step_in_place" | "step_at_once" | "step_no_host" => {
+        "step" | "step_if" | "step_in_place" | "step_at_once" | "step_no_host" | "step_kernels"
+        | "step_gemm_at_apply" => {
             let mut t = match column {
                 // Each micro-step's weight gradients added as they are made, none kept for
                 // the window's sum (`SessionOptions::defer_weight_grads` off).
@@ -574,6 +575,31 @@ fn run_cell(s: &Sized, column: &str, cell: Duration) -> Result<Measured> {
                     &s.step,
                     &TrainOptions {
                         session: SessionOptions {
+                            in_place_min_total: 0,
+                            ..session_options()
+                        },
+                        ..TrainOptions::default()
+                    },
+                )?,
+                // The apply's own weight gradients written by ONNX Runtime's `Gemm` for its
+                // updates to read (`SessionOptions::apply_products` off).
+                "step_gemm_at_apply" => Trainer::with_options(
+                    &s.step,
+                    &TrainOptions {
+                        session: SessionOptions {
+                            apply_products: false,
+                            ..session_options()
+                        },
+                        ..TrainOptions::default()
+                    },
+                )?,
+                // Every session on the kernels in place whatever its size: neither the
+                // host's updates nor states apart (so weight gradients are kept).
+                "step_kernels" => Trainer::with_options(
+                    &s.step,
+                    &TrainOptions {
+                        session: SessionOptions {
+                            host_updates: false,
                             in_place_min_total: 0,
                             ..session_options()
                         },

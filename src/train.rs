@@ -505,6 +505,7 @@ impl Trainer {
                     window_start,
                     min_in_place_total: session.in_place_min_total,
                     products: session.fused_weight_grads,
+                    apply_products: session.apply_products,
                     host_updates: session
                         .host_updates
                         .then_some(crate::passes::fuse::host::MAX_ELEMENTS),

@@ -187,6 +187,10 @@ pub struct SessionOptions {
     /// Let the trainer keep weight gradients for the window's sum (`deferred_products`).
     /// Off adds each micro-step's product to its accumulator as it is made.
     pub defer_weight_grads: bool,
+    /// With `fused_weight_grads`: the apply's own weight gradients made inside its fused
+    /// optimizer updates (`passes::fuse::apply_product`); bit-identical. Off has ONNX
+    /// Runtime's `Gemm` write them for the update to read.
+    pub apply_products: bool,
 }
 
 impl Default for SessionOptions {
@@ -221,6 +225,7 @@ impl Default for SessionOptions {
             host_updates: true,
             deferred_products: None,
             defer_weight_grads: true,
+            apply_products: true,
         }
     }
 }

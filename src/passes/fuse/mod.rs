@@ -77,6 +77,9 @@ pub struct FuseOptions {
     /// With `in_place`: weight gradients made inside their accumulators
     /// ([`accumulate_product`]), where the session does not give its updates to the host.
     pub products: bool,
+    /// With `products`: the apply's own weight gradients made inside its updates
+    /// ([`apply_product`]).
+    pub apply_products: bool,
     /// With `in_place`: a session whose every in-place state is a fused update's or
     /// accumulation's, and which holds fewer elements in them than this, gives those
     /// kernels to the host ([`host`]).
@@ -148,7 +151,10 @@ pub fn prepare<'m>(
     let apply_products = match options.products {
         true => {
             apply_kept_sum::name_kept_sums(&mut ir, manifest);
-            let made = apply_product::fuse_apply_products(&mut ir);
+            let made = match options.apply_products {
+                true => apply_product::fuse_apply_products(&mut ir),
+                false => 0,
+            };
             // The products' own nodes are dead now.
             super::dce::eliminate_dead_code(&mut ir);
             made
