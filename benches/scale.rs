@@ -557,68 +557,49 @@ fn run_cell(s: &Sized, column: &str, cell: Duration) -> Result<Measured> {
         "floor_bound" => floor_bound(s, cell),
         "step" | "step_if" | "step_in_place" | "step_at_once" | "step_no_host" | "step_kernels"
         | "step_gemm_at_apply" => {
-            let mut t = match column {
+            let defaults = session_options();
+            let session = match column {
                 // Each micro-step's weight gradients added as they are made, none kept for
                 // the window's sum (`SessionOptions::defer_weight_grads` off).
-                "step_at_once" => Trainer::with_options(
-                    &s.step,
-                    &TrainOptions {
-                        session: SessionOptions {
-                            defer_weight_grads: false,
-                            ..session_options()
-                        },
-                        ..TrainOptions::default()
-                    },
-                )?,
+                "step_at_once" => Some(SessionOptions {
+                    defer_weight_grads: false,
+                    ..defaults
+                }),
                 // Every state the fused kernels update, updated in place.
-                "step_in_place" => Trainer::with_options(
-                    &s.step,
-                    &TrainOptions {
-                        session: SessionOptions {
-                            in_place_min_total: 0,
-                            ..session_options()
-                        },
-                        ..TrainOptions::default()
-                    },
-                )?,
+                "step_in_place" => Some(SessionOptions {
+                    in_place_min_total: 0,
+                    ..defaults
+                }),
                 // The apply's own weight gradients written by ONNX Runtime's `Gemm` for its
                 // updates to read (`SessionOptions::apply_products` off).
-                "step_gemm_at_apply" => Trainer::with_options(
-                    &s.step,
-                    &TrainOptions {
-                        session: SessionOptions {
-                            apply_products: false,
-                            ..session_options()
-                        },
-                        ..TrainOptions::default()
-                    },
-                )?,
+                "step_gemm_at_apply" => Some(SessionOptions {
+                    apply_products: false,
+                    ..defaults
+                }),
                 // Every session on the kernels in place whatever its size: neither the
                 // host's updates nor states apart (so weight gradients are kept).
-                "step_kernels" => Trainer::with_options(
-                    &s.step,
-                    &TrainOptions {
-                        session: SessionOptions {
-                            host_updates: false,
-                            in_place_min_total: 0,
-                            ..session_options()
-                        },
-                        ..TrainOptions::default()
-                    },
-                )?,
+                "step_kernels" => Some(SessionOptions {
+                    host_updates: false,
+                    in_place_min_total: 0,
+                    ..defaults
+                }),
                 // Small sessions' updates left in ONNX Runtime's kernels, not run by the host
                 // (`SessionOptions::host_updates` off).
-                "step_no_host" => Trainer::with_options(
+                "step_no_host" => Some(SessionOptions {
+                    host_updates: false,
+                    ..defaults
+                }),
+                _ => None,
+            };
+            let mut t = match session {
+                Some(session) => Trainer::with_options(
                     &s.step,
                     &TrainOptions {
-                        session: SessionOptions {
-                            host_updates: false,
-                            ..session_options()
-                        },
+                        session,
                         ..TrainOptions::default()
                     },
                 )?,
-                _ => trainer(&s.step, column == "step")?,
+                None => trainer(&s.step, column == "step")?,
             };
             measure(cell, |i| {
                 Ok(t.step(&s.batches[(i % nb) as usize], false)?.applied)
