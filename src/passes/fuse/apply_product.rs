@@ -15,7 +15,8 @@
 //! Matched: an update of the main graph with its `GRAD_ADDEND` given and read by nothing
 //! else, the parameter of a declared static float32 shape of rank 2, and the addend made by
 //! one of the product forms [`super::accumulate_product`] takes (a `Gemm` with `transA = 1`,
-//! `MatMul(Transpose(A), B)`, `Transpose(Gemm(P, Q))`).
+//! `MatMul(Transpose(A), B)`, `Transpose(Gemm(P, Q))`), neither operand one of the update's
+//! own inputs.
 
 use super::accumulate_product::product_operands;
 use super::{float32_or_unknown, input, static_float32_shape};
@@ -46,7 +47,11 @@ pub fn fuse_apply_products(model: &mut Model) -> usize {
         let Some((a, b)) = product_operands(model, &mut shapes, addend) else {
             continue;
         };
-        if !float32_or_unknown(model, a) || !float32_or_unknown(model, b) {
+        // An operand the update also reads as a state (a weight in its own gradient's
+        // product) would be read by its tasks while they write it in place.
+        let own_input = |v| model.node(node).inputs.contains(&Some(v));
+        let float32 = float32_or_unknown(model, a) && float32_or_unknown(model, b);
+        if !float32 || own_input(a) || own_input(b) {
             continue;
         }
         model.set_input(node, addend_slot, None);
