@@ -743,9 +743,10 @@ fn check(
     }
     let standard_same = optimizer_fused.state()? == standard.state()?;
     lines.push(format!(
-        "{model}: step with fused optimizer kernels ({} in place, {} weight gradients made in their accumulators, {} sums over leading axes on their kernel, {} transposed convolutions folded by Col2Im, {} transposes on RowTranspose) vs standard ops after 2 windows: {}",
+        "{model}: step with fused optimizer kernels ({} in place, {} weight gradients made in their accumulators and {} in the apply's updates, {} sums over leading axes on their kernel, {} transposed convolutions folded by Col2Im, {} transposes on RowTranspose) vs standard ops after 2 windows: {}",
         optimizer_fused.in_place_updates(),
         optimizer_fused.accumulated_products(),
+        optimizer_fused.apply_products(),
         optimizer_fused.fused_leading_sums(),
         optimizer_fused.fused_foldings(),
         optimizer_fused.fused_transposes(),
