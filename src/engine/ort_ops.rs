@@ -309,7 +309,12 @@ impl Operator for AdamWUpdate {
     ) -> ::ort::Result<Self::Kernel<'attr>> {
         let with_kept = KeptSum {
             op: ADAMW_UPDATE,
-            grad_slot: adamw_slot::GRAD,
+            slots: GradientSlots {
+                param: adamw_slot::PARAM,
+                grad: adamw_slot::GRAD,
+                addend: adamw_slot::GRAD_ADDEND,
+                addend_product: [adamw_slot::ADDEND_A, adamw_slot::ADDEND_B],
+            },
             deferred: summed_at_apply(&self.deferred, kctx),
             gemm: InvokedOp::gemm(kctx, [1, 0], ADAMW_UPDATE)?,
         };
@@ -336,17 +341,21 @@ fn adamw_scalars(
 fn adamw_kernel(ctx: &ComputeContext, with_kept: &KeptSum) -> ::ort::Result<()> {
     let s = adamw_scalars(ctx, ADAMW_UPDATE, adamw_group_slot::FROM_SINGLE)?;
     let keep = gate(ctx, ADAMW_UPDATE, adamw_slot::KEEP)?;
-    let gradient = UpdateGradient::read(
-        ctx,
-        ADAMW_UPDATE,
-        adamw_slot::PARAM,
-        [adamw_slot::GRAD, adamw_slot::GRAD_ADDEND],
-        [adamw_slot::ADDEND_A, adamw_slot::ADDEND_B],
-    )?;
     let state = [adamw_slot::PARAM, adamw_slot::M, adamw_slot::V];
-    with_kept.update(ctx, (state, keep), gradient, |gradient, io| {
+    with_kept.update(ctx, (state, keep), |gradient, io| {
         adamw_update(&s, gradient, io)
     })
+}
+
+/// Where an update's gradient comes from: its input slots.
+struct GradientSlots {
+    /// The parameter, whose shape the gradient has.
+    param: usize,
+    /// The gradient input (at an apply, the window's accumulator).
+    grad: usize,
+    addend: usize,
+    /// The addend as its product's operands.
+    addend_product: [usize; 2],
 }
 
 /// What an update's gradient is made of: its gradient input `g` (the window's accumulator
@@ -368,14 +377,18 @@ struct AddendProduct<'c> {
 }
 
 impl<'c> UpdateGradient<'c> {
-    /// Reads them from `op`'s slots, checking that they are the parameter's size.
+    /// Reads them from `op`'s `slots`, checking that they are the parameter's size.
     fn read(
         ctx: &'c ComputeContext,
         op: &str,
-        param_slot: usize,
-        [g_slot, addend_slot]: [usize; 2],
-        [a_slot, b_slot]: [usize; 2],
+        slots: &GradientSlots,
     ) -> ::ort::Result<UpdateGradient<'c>> {
+        let GradientSlots {
+            param: param_slot,
+            grad: g_slot,
+            addend: addend_slot,
+            addend_product: [a_slot, b_slot],
+        } = *slots;
         let param = kernel_io::required(ctx, op, param_slot)?;
         let len = param.len();
         let g = f32_input(ctx, op, g_slot)?.1;
@@ -394,25 +407,8 @@ impl<'c> UpdateGradient<'c> {
         let product = match operands {
             (None, None) => None,
             (Some(a), Some(b)) if addend.is_none() => {
-                let dim = |d: &i64| usize::try_from(*d).ok();
-                let dims = (a.shape, b.shape, param.shape);
-                let shape = match dims {
-                    ([k, m], [k_b, n], [m_p, n_p]) if k == k_b && m == m_p && n == n_p => {
-                        match (dim(k), dim(m), dim(n)) {
-                            (Some(k), Some(m), Some(n)) => ProductShape { k, m, n },
-                            _ => {
-                                let negative = format!("{op}: a negative dimension");
-                                return Err(::ort::Error::new(negative));
-                            }
-                        }
-                    }
-                    (a, b, p) => {
-                        return Err(::ort::Error::new(format!(
-                            "{op}: the addend's operands {a:?} and {b:?} are not [k, m] and \
-                             [k, n] of the parameter's {p:?}"
-                        )))
-                    }
-                };
+                let dims = [a.shape, b.shape, param.shape];
+                let shape = product_shape(op, dims, "the parameter")?;
                 let (a_values, b_values) = (a.f32s(op, a_slot)?, b.f32s(op, b_slot)?);
                 if a_values.len() != shape.k * shape.m || b_values.len() != shape.k * shape.n {
                     return Err(::ort::Error::new(format!(
@@ -455,8 +451,7 @@ thread_local! {
 /// or both.
 struct KeptSum {
     op: &'static str,
-    /// The update's gradient input (the accumulator).
-    grad_slot: usize,
+    slots: GradientSlots,
     deferred: Option<(Arc<DeferredProducts>, String)>,
     /// ONNX Runtime's `Gemm(A, B, transA = 1)`, for an addend's product past the kernel's
     /// `k`.
@@ -478,10 +473,10 @@ impl KeptSum {
         &self,
         ctx: &ComputeContext,
         (state, keep): ([usize; N], bool),
-        gradient: UpdateGradient<'_>,
         update: impl Fn((&[f32], Option<&[f32]>), Io<'_, N>) + Sync,
     ) -> ::ort::Result<()> {
-        let UpdateGradient { g, addend, product } = gradient;
+        let UpdateGradient { g, addend, product } =
+            UpdateGradient::read(ctx, self.op, &self.slots)?;
         if !keep {
             return run_update(ctx, self.op, state, 0, false, |_, _| {});
         }
@@ -534,7 +529,7 @@ impl KeptSum {
         update: impl Fn((&[f32], Option<&[f32]>), Io<'_, N>) + Sync,
     ) -> ::ort::Result<()> {
         let op = self.op;
-        let dims = kernel_io::required(ctx, op, self.grad_slot)?.shape;
+        let dims = kernel_io::required(ctx, op, self.slots.grad)?.shape;
         let own_sides = own.map(|(_, _, shape)| (shape.m, shape.n));
         let sides = match (kept.sides(), own_sides) {
             (Some(kept), Some(own)) if kept != own => None,
@@ -778,7 +773,12 @@ impl Operator for SgdUpdate {
         let nesterov = kctx.get::<i64>("nesterov").unwrap_or(0) != 0;
         let with_kept = KeptSum {
             op: SGD_UPDATE,
-            grad_slot: sgd_slot::GRAD,
+            slots: GradientSlots {
+                param: sgd_slot::PARAM,
+                grad: sgd_slot::GRAD,
+                addend: sgd_slot::GRAD_ADDEND,
+                addend_product: [sgd_slot::ADDEND_A, sgd_slot::ADDEND_B],
+            },
             deferred: summed_at_apply(&self.deferred, kctx),
             gemm: InvokedOp::gemm(kctx, [1, 0], SGD_UPDATE)?,
         };
@@ -796,22 +796,14 @@ fn sgd_kernel(ctx: &ComputeContext, nesterov: bool, with_kept: &KeptSum) -> ::or
         scalar_input(ctx, SGD_UPDATE, slot).map_err(|e| e.to_string())
     })
     .map_err(|message: String| ::ort::Error::new(format!("{SGD_UPDATE}: {message}")))?;
-    let gradient = UpdateGradient::read(
-        ctx,
-        SGD_UPDATE,
-        sgd_slot::PARAM,
-        [sgd_slot::GRAD, sgd_slot::GRAD_ADDEND],
-        [sgd_slot::ADDEND_A, sgd_slot::ADDEND_B],
-    )?;
     let keep = gate(ctx, SGD_UPDATE, sgd_slot::KEEP)?;
     match has_buffer {
         true => with_kept.update(
             ctx,
             ([sgd_slot::PARAM, sgd_slot::BUF], keep),
-            gradient,
             |gradient, io| sgd_update(&s, gradient, SgdIo::Momentum(io)),
         ),
-        false => with_kept.update(ctx, ([sgd_slot::PARAM], keep), gradient, |gradient, io| {
+        false => with_kept.update(ctx, ([sgd_slot::PARAM], keep), |gradient, io| {
             sgd_update(&s, gradient, SgdIo::Plain(io))
         }),
     }
@@ -1104,6 +1096,27 @@ thread_local! {
         std::cell::RefCell::new(ProductLayout::default());
 }
 
+/// The shape of a product `Aᵀ·B` from the dimensions of `A` `[k, m]`, `B` `[k, n]` and
+/// what it is added to (`target`, `[m, n]`); an error naming `op` and the target otherwise.
+fn product_shape(
+    op: &str,
+    [a, b, target]: [&[i64]; 3],
+    target_name: &str,
+) -> ::ort::Result<ProductShape> {
+    match (a, b, target) {
+        (&[k, m], &[k_b, n], &[m_t, n_t]) if k == k_b && m == m_t && n == n_t => {
+            let dim = |d: i64| usize::try_from(d).ok();
+            match (dim(k), dim(m), dim(n)) {
+                (Some(k), Some(m), Some(n)) => Ok(ProductShape { k, m, n }),
+                _ => Err(::ort::Error::new(format!("{op}: a negative dimension"))),
+            }
+        }
+        (a, b, t) => Err(::ort::Error::new(format!(
+            "{op}: A {a:?}, B {b:?} and {target_name} {t:?} are not [k, m], [k, n] and [m, n]"
+        ))),
+    }
+}
+
 /// A fused product's run. With `deferred` (the trainer's table and this node's
 /// accumulator), a kept micro-step whose window goes on keeps its product for later
 /// instead, where the bounds of `engine::deferred_products` leave room; a run that makes
@@ -1122,21 +1135,7 @@ fn accumulate_product_kernel(
         kernel_io::required(ctx, op, at::B)?,
     );
     let acc = kernel_io::required(ctx, op, at::ACC)?;
-    let shape = match (a.shape, b.shape, acc.shape) {
-        (&[k, m], &[k_b, n], &[m_acc, n_acc]) if k == k_b && m == m_acc && n == n_acc => {
-            let dim = |d: i64| usize::try_from(d).ok();
-            match (dim(k), dim(m), dim(n)) {
-                (Some(k), Some(m), Some(n)) => ProductShape { k, m, n },
-                _ => return Err(::ort::Error::new(format!("{op}: a negative dimension"))),
-            }
-        }
-        (a, b, acc) => {
-            return Err(::ort::Error::new(format!(
-                "{op}: A {a:?}, B {b:?} and the accumulator {acc:?} are not [k, m], [k, n] \
-                 and [m, n]"
-            )))
-        }
-    };
+    let shape = product_shape(op, [a.shape, b.shape, acc.shape], "the accumulator")?;
     let keep = gate(ctx, op, at::KEEP)?;
     let fast = shape.k <= largest_fast_contraction();
     let operand_values = || -> ::ort::Result<(&[f32], &[f32])> {
