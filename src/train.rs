@@ -930,6 +930,32 @@ impl Trainer {
             .unwrap_or_default()
     }
 
+    /// After a discarded window start: zeros in the accumulators that session writes in
+    /// place. It writes them without reading them, and no gate stops ONNX Runtime's own
+    /// nodes (a bias gradient's sum, a product bound to the accumulator's buffer) from
+    /// writing: they hold the discarded micro-step's gradients, NaN for a NaN input. The
+    /// window's first micro-step runs again and overwrites them, unless an apply reads them
+    /// first (a flush, K lowered to 1), or the state is read or saved: an apply after a
+    /// discarded window start trained every parameter into NaN.
+    fn zero_window_start_writes(&mut self) -> Result<(), TrainError> {
+        let Runner::Split {
+            start: Some(start), ..
+        } = &self.runner
+        else {
+            return Ok(());
+        };
+        let accumulators: BTreeSet<String> = self
+            .manifest
+            .state
+            .iter()
+            .filter(|e| e.role == crate::state::Role::Accumulator)
+            .filter(|e| start.updates_in_place(&e.input))
+            .map(|e| e.input.clone())
+            .collect();
+        self.host_state = OnceCell::new();
+        zero_stale_sums(&mut self.state, &accumulators)
+    }
+
     fn is_behind(&self, name: &str) -> bool {
         self.deferred.as_ref().is_some_and(|d| d.is_behind(name))
     }
@@ -1320,6 +1346,9 @@ impl Trainer {
             {
                 *micro_step = before;
                 *stale_sums = stale_before;
+            }
+            if ran == Session::WindowStart {
+                self.zero_window_start_writes()?;
             }
             if self.on_nonfinite == OnNonFinite::Stop {
                 return Err(TrainError::NonFinite {

@@ -1087,3 +1087,231 @@ fn train_saves_the_same_state_with_and_without_host_updates() {
     .collect();
     assert!(states[0] == states[1], "the saved states differ");
 }
+
+/// The fast paths under any schedule the trainer allows, not only the ones written out
+/// above (it found [`a_discarded_window_start_leaves_no_gradient_behind`]'s bug): for eight
+/// seeds, 48 micro-steps whose flushes, window sizes (1 to 6, changed
+/// mid-window) and discarded micro-steps (NaN inputs, anywhere: a window's first, the one
+/// before its apply, the apply itself, right after a flush) are drawn at random, on AdamW and
+/// on SGD with momentum (the two kernels that sum kept products), one and two threads. Four
+/// trainers take every micro-step: every session on the kernels in place (weight gradients
+/// kept, the apply's made in its updates), the same with the apply's gradient written by
+/// ONNX Runtime's `Gemm`, the trainer's defaults (at this size the host runs the updates),
+/// and the standard ops. Every micro-step's metrics, the state every 8 micro-steps (read
+/// mid-window: what the window kept added) and at the end, bit for bit.
+#[test]
+fn the_fast_paths_follow_any_schedule_bit_identically() {
+    use onnx_ga::train::OnNonFinite;
+    if !ort_available() {
+        return;
+    }
+    let data = large_linear_data(
+        |i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5,
+        |i| ((i * 104729) % 1000) as f32 / 500.0 - 1.0,
+    );
+    let optimizers = [
+        "optimizer(kind=adamw,lr=0.01)",
+        "optimizer(kind=momentum,lr=0.05,momentum=0.9)",
+    ];
+    for optimizer in optimizers {
+        let step = large_linear_step_training(8, &format!("grad-accum(steps=4),{optimizer}"));
+        for seed in 1..=8u64 {
+            let threads = 1 + (seed % 2) as usize;
+            let what = format!("{optimizer}, seed {seed}, {threads} threads");
+            let make = |options: TrainOptions| {
+                let mut trainer = Trainer::with_options(&step, &options).unwrap();
+                trainer.set_on_nonfinite(OnNonFinite::Skip);
+                trainer
+            };
+            let kernels = |apply_products: bool| {
+                let mut o = options(true, threads, true);
+                o.session.host_updates = false;
+                o.session.apply_products = apply_products;
+                o
+            };
+            let mut trainers = [
+                ("kernels", make(kernels(true))),
+                ("apply's Gemm", make(kernels(false))),
+                ("defaults", make(defaults(true, threads, true))),
+                ("standard", make(options(false, threads, true))),
+            ];
+            let samples = trainers[0]
+                .1
+                .check_data(&data, Path::new("data.npz"))
+                .unwrap();
+            let mut draws = Draws(seed);
+            let (mut flushes, mut resized, mut poisoned, mut applied) = (0, 0, 0, 0);
+            for i in 0..48u64 {
+                let mut micro = micro_batch(&data, samples, 8, i);
+                let flush = draws.one_in(6);
+                let k = draws.one_in(8).then(|| 1 + draws.below(6) as i64);
+                let poison_it = draws.one_in(7);
+                if poison_it {
+                    poison(&mut micro);
+                }
+                let mut metrics = Vec::new();
+                for (who, trainer) in trainers.iter_mut() {
+                    if let Some(k) = k {
+                        trainer.set_accum_steps(k).unwrap();
+                    }
+                    let m = trainer
+                        .step(&micro, flush)
+                        .unwrap_or_else(|e| panic!("{what}: micro-step {i}, {who}: {e}"));
+                    metrics.push((*who, m));
+                }
+                // The loss by its bits: a discarded micro-step's is NaN.
+                let key = |m: &onnx_ga::train::StepMetrics| {
+                    (m.step, m.loss.to_bits(), m.applied, m.skipped, m.discarded)
+                };
+                let (_, first) = &metrics[0];
+                for (who, m) in &metrics[1..] {
+                    assert_eq!(
+                        key(first),
+                        key(m),
+                        "{what}: micro-step {i}, {who} against kernels"
+                    );
+                }
+                flushes += usize::from(flush);
+                resized += usize::from(k.is_some());
+                poisoned += usize::from(first.discarded);
+                applied += usize::from(first.applied);
+                if i % 8 == 7 || i == 47 {
+                    let standard = trainers[3].1.state().unwrap();
+                    for (who, trainer) in &trainers[..3] {
+                        let state = trainer.state().unwrap();
+                        assert_same_state(
+                            state,
+                            standard,
+                            &format!("{what}: {who}, micro-step {i}"),
+                        );
+                    }
+                }
+            }
+            // The schedule exercised what it is for.
+            assert!(
+                flushes > 0 && resized > 0 && poisoned > 0 && applied > 4,
+                "{what}: {flushes} flushes, {resized} sizes, {poisoned} discarded, {applied} applied"
+            );
+            assert!(
+                trainers[0].1.accumulated_products() > 0,
+                "{what}: no product kept"
+            );
+        }
+    }
+}
+
+/// A window's first micro-step discarded (NaN inputs, `--on-nonfinite skip`), then a
+/// session that reads the accumulators before the window's first micro-step runs again: an
+/// apply at once (a flush, as `train --flush` ends a run; K set to 1), or the state read or
+/// saved. The window-start session writes its accumulators in place without reading them,
+/// and ONNX Runtime's own nodes write them whatever the gate says: the discarded gradients
+/// (NaN) were left there, and the apply trained every parameter and moment into NaN. The
+/// trainer now puts zeros back. Every micro-step and the state bit for bit as the standard
+/// ops, under the trainer's defaults (the host's updates at this size) and with every
+/// session on the kernels in place.
+#[test]
+fn a_discarded_window_start_leaves_no_gradient_behind() {
+    use onnx_ga::train::OnNonFinite;
+    if !ort_available() {
+        return;
+    }
+    let data = large_linear_data(
+        |i| ((i * 37) % 200) as f32 / 200.0 - 0.5,
+        |i| ((i * 11) % 90) as f32 / 45.0 - 1.0,
+    );
+    let step = large_linear_step();
+    let kernels = {
+        let mut o = options(true, 1, true);
+        o.session.host_updates = false;
+        o
+    };
+    let dir = tempfile::tempdir().unwrap();
+    // Before the discarded window start: nothing (the run's first micro-step), two windows,
+    // or two windows and a resume from their state; after it: a flush, K lowered to 1, the
+    // state read.
+    for before in ["nothing", "two windows", "a resume"] {
+        for follow in ["flush", "K 1", "state"] {
+            for (who, fused) in [
+                ("defaults", defaults(true, 1, true)),
+                ("kernels", kernels.clone()),
+            ] {
+                let what = format!("{who}: {before}, a discarded window start, then {follow}");
+                let make = |o: &TrainOptions| {
+                    let mut t = Trainer::with_options(&step, o).unwrap();
+                    t.set_on_nonfinite(OnNonFinite::Skip);
+                    t
+                };
+                let standard_options = options(false, 1, true);
+                let (mut fused_t, mut standard) = (make(&fused), make(&standard_options));
+                let samples = fused_t.check_data(&data, Path::new("data.npz")).unwrap();
+                let windows = if before == "nothing" { 0 } else { 8 };
+                let both = |f: &mut Trainer, s: &mut Trainer, i: u64, flush: bool| {
+                    let mut micro = micro_batch(&data, samples, 8, i);
+                    if i == windows {
+                        poison(&mut micro);
+                    }
+                    let (a, b) = (
+                        f.step(&micro, flush).unwrap(),
+                        s.step(&micro, flush).unwrap(),
+                    );
+                    assert_eq!(a.discarded, i == windows, "{what}: micro-step {i}");
+                    assert_eq!(
+                        (a.loss.to_bits(), a.applied),
+                        (b.loss.to_bits(), b.applied),
+                        "{what}: micro-step {i}"
+                    );
+                    a
+                };
+                for i in 0..windows {
+                    both(&mut fused_t, &mut standard, i, false);
+                }
+                if before == "a resume" {
+                    let path = dir.path().join(format!("{who}-{follow}.safetensors"));
+                    fused_t.save_state(&path).unwrap();
+                    fused_t = make(&fused);
+                    fused_t.load_state(&path).unwrap();
+                }
+                both(&mut fused_t, &mut standard, windows, false);
+                if follow == "K 1" {
+                    fused_t.set_accum_steps(1).unwrap();
+                    standard.set_accum_steps(1).unwrap();
+                }
+                if follow != "state" {
+                    let m = both(&mut fused_t, &mut standard, windows + 1, follow == "flush");
+                    assert!(m.applied && m.loss.is_finite(), "{what}: {m:?}");
+                }
+                let state = fused_t.state().unwrap();
+                for (name, value) in state {
+                    if let Tensor::F32(v) = value {
+                        assert!(
+                            v.iter().all(|x| x.is_finite()),
+                            "{what}: '{name}' not finite"
+                        );
+                    }
+                }
+                assert_same_state(state, standard.state().unwrap(), &what);
+            }
+        }
+    }
+}
+
+/// SplitMix64: the test schedule's draws, the same on every run.
+struct Draws(u64);
+
+impl Draws {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    fn one_in(&mut self, n: u64) -> bool {
+        self.below(n) == 0
+    }
+}
