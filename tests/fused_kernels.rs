@@ -924,6 +924,24 @@ fn poison(micro: &mut BTreeMap<String, Tensor>) {
     }
 }
 
+/// Every state tensor of `a` equal to `b`'s, a NaN where `b` has one (loss scaling
+/// accumulates a non-finite micro-step's gradient until its apply skips the window).
+fn assert_same_state_nan(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (name, value) in b {
+        match (&a[name], value) {
+            (Tensor::F32(x), Tensor::F32(y)) => {
+                let same = x.shape() == y.shape()
+                    && x.iter()
+                        .zip(y)
+                        .all(|(p, q)| p == q || (p.is_nan() && q.is_nan()));
+                assert!(same, "{what}: state '{name}'");
+            }
+            (x, y) => assert_eq!(x, y, "{what}: state '{name}'"),
+        }
+    }
+}
+
 /// Every state tensor of `a` equal to `b`'s, bit for bit.
 fn assert_same_state(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>, what: &str) {
     assert_eq!(a.len(), b.len(), "{what}");
@@ -1089,16 +1107,19 @@ fn train_saves_the_same_state_with_and_without_host_updates() {
 }
 
 /// The fast paths under any schedule the trainer allows, not only the ones written out
-/// above (it found [`a_discarded_window_start_leaves_no_gradient_behind`]'s bug): for eight
-/// seeds, 48 micro-steps whose flushes, window sizes (1 to 6, changed
-/// mid-window) and discarded micro-steps (NaN inputs, anywhere: a window's first, the one
-/// before its apply, the apply itself, right after a flush) are drawn at random, on AdamW and
-/// on SGD with momentum (the two kernels that sum kept products), one and two threads. Four
-/// trainers take every micro-step: every session on the kernels in place (weight gradients
-/// kept, the apply's made in its updates), the same with the apply's gradient written by
+/// above (it found [`a_discarded_window_start_leaves_no_gradient_behind`]'s bug): for six
+/// seeds, 48 micro-steps whose flushes, window sizes (1 to 6, changed mid-window),
+/// discarded micro-steps (NaN inputs, anywhere: a window's first, the one before its apply,
+/// the apply itself, right after a flush), learning rates and resumes are drawn at random,
+/// on one and two threads, under AdamW, SGD with momentum (the two kernels that sum kept
+/// products), AGC, loss scaling (which skips the window instead) and Nesterov on a window's
+/// sum. Four trainers take every micro-step: every session on the kernels in place (weight
+/// gradients kept, the apply's made in its updates; now and then saved and replaced by a
+/// fresh trainer resumed from the file), the same with the apply's gradient written by
 /// ONNX Runtime's `Gemm`, the trainer's defaults (at this size the host runs the updates),
 /// and the standard ops. Every micro-step's metrics, the state every 8 micro-steps (read
-/// mid-window: what the window kept added) and at the end, bit for bit.
+/// mid-window: what the window kept added) and at the end, bit for bit (a NaN where the
+/// standard ops have one).
 #[test]
 fn the_fast_paths_follow_any_schedule_bit_identically() {
     use onnx_ga::train::OnNonFinite;
@@ -1109,17 +1130,25 @@ fn the_fast_paths_follow_any_schedule_bit_identically() {
         |i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5,
         |i| ((i * 104729) % 1000) as f32 / 500.0 - 1.0,
     );
-    let optimizers = [
-        "optimizer(kind=adamw,lr=0.01)",
-        "optimizer(kind=momentum,lr=0.05,momentum=0.9)",
+    // The two kernels that sum kept products, the wrappers around the accumulation that
+    // read the gradient whole first (AGC, loss scaling: its windows skipped by the graph,
+    // not discarded), and a window's sum instead of its mean.
+    let trainings = [
+        "grad-accum(steps=4),optimizer(kind=adamw,lr=0.01)",
+        "grad-accum(steps=4),optimizer(kind=momentum,lr=0.05,momentum=0.9)",
+        "grad-accum(steps=4),agc(clip=0.01,include_final=true),optimizer(kind=adamw,lr=0.01)",
+        "grad-accum(steps=4),loss-scale(init=1024,interval=2),optimizer(kind=adamw,lr=0.01)",
+        "grad-accum(steps=4,normalize=sum),optimizer(kind=nesterov,lr=0.05,momentum=0.9)",
     ];
-    for optimizer in optimizers {
-        let step = large_linear_step_training(8, &format!("grad-accum(steps=4),{optimizer}"));
-        for seed in 1..=8u64 {
+    let dir = tempfile::tempdir().unwrap();
+    let mut resumed_runs = 0;
+    for training in trainings {
+        let step = large_linear_step_training(8, training);
+        for seed in 1..=6u64 {
             let threads = 1 + (seed % 2) as usize;
-            let what = format!("{optimizer}, seed {seed}, {threads} threads");
-            let make = |options: TrainOptions| {
-                let mut trainer = Trainer::with_options(&step, &options).unwrap();
+            let what = format!("{training}, seed {seed}, {threads} threads");
+            let make = |options: &TrainOptions| {
+                let mut trainer = Trainer::with_options(&step, options).unwrap();
                 trainer.set_on_nonfinite(OnNonFinite::Skip);
                 trainer
             };
@@ -1130,10 +1159,10 @@ fn the_fast_paths_follow_any_schedule_bit_identically() {
                 o
             };
             let mut trainers = [
-                ("kernels", make(kernels(true))),
-                ("apply's Gemm", make(kernels(false))),
-                ("defaults", make(defaults(true, threads, true))),
-                ("standard", make(options(false, threads, true))),
+                ("kernels", make(&kernels(true))),
+                ("apply's Gemm", make(&kernels(false))),
+                ("defaults", make(&defaults(true, threads, true))),
+                ("standard", make(&options(false, threads, true))),
             ];
             let samples = trainers[0]
                 .1
@@ -1141,6 +1170,7 @@ fn the_fast_paths_follow_any_schedule_bit_identically() {
                 .unwrap();
             let mut draws = Draws(seed);
             let (mut flushes, mut resized, mut poisoned, mut applied) = (0, 0, 0, 0);
+            let (mut window_size, mut learning_rate, mut resumes) = (None, None, 0);
             for i in 0..48u64 {
                 let mut micro = micro_batch(&data, samples, 8, i);
                 let flush = draws.one_in(6);
@@ -1149,19 +1179,43 @@ fn the_fast_paths_follow_any_schedule_bit_identically() {
                 if poison_it {
                     poison(&mut micro);
                 }
+                let lr = draws
+                    .one_in(9)
+                    .then(|| 0.001 * (1 + draws.below(20)) as f32);
+                // The kernels' trainer saved and replaced by a fresh one resumed from it.
+                if draws.one_in(12) {
+                    let path = dir.path().join(format!("s{seed}-{i}.safetensors"));
+                    trainers[0].1.save_state(&path).unwrap();
+                    let mut resumed = make(&kernels(true));
+                    resumed.load_state(&path).unwrap();
+                    if let Some(k) = window_size {
+                        resumed.set_accum_steps(k).unwrap();
+                    }
+                    if let Some(lr) = learning_rate {
+                        resumed.set_learning_rate(lr).unwrap();
+                    }
+                    trainers[0].1 = resumed;
+                    resumes += 1;
+                }
                 let mut metrics = Vec::new();
+                window_size = k.or(window_size);
+                learning_rate = lr.or(learning_rate);
                 for (who, trainer) in trainers.iter_mut() {
                     if let Some(k) = k {
                         trainer.set_accum_steps(k).unwrap();
+                    }
+                    if let Some(lr) = lr {
+                        trainer.set_learning_rate(lr).unwrap();
                     }
                     let m = trainer
                         .step(&micro, flush)
                         .unwrap_or_else(|e| panic!("{what}: micro-step {i}, {who}: {e}"));
                     metrics.push((*who, m));
                 }
-                // The loss by its bits: a discarded micro-step's is NaN.
+                // The loss by its bits (a discarded micro-step's is NaN); not the step number:
+                // a resumed trainer counts from its resume.
                 let key = |m: &onnx_ga::train::StepMetrics| {
-                    (m.step, m.loss.to_bits(), m.applied, m.skipped, m.discarded)
+                    (m.loss.to_bits(), m.applied, m.skipped, m.discarded, m.scale)
                 };
                 let (_, first) = &metrics[0];
                 for (who, m) in &metrics[1..] {
@@ -1173,17 +1227,14 @@ fn the_fast_paths_follow_any_schedule_bit_identically() {
                 }
                 flushes += usize::from(flush);
                 resized += usize::from(k.is_some());
-                poisoned += usize::from(first.discarded);
+                poisoned += usize::from(first.discarded || first.skipped);
                 applied += usize::from(first.applied);
                 if i % 8 == 7 || i == 47 {
                     let standard = trainers[3].1.state().unwrap();
                     for (who, trainer) in &trainers[..3] {
                         let state = trainer.state().unwrap();
-                        assert_same_state(
-                            state,
-                            standard,
-                            &format!("{what}: {who}, micro-step {i}"),
-                        );
+                        let what = format!("{what}: {who}, micro-step {i}");
+                        assert_same_state_nan(state, standard, &what);
                     }
                 }
             }
@@ -1192,12 +1243,17 @@ fn the_fast_paths_follow_any_schedule_bit_identically() {
                 flushes > 0 && resized > 0 && poisoned > 0 && applied > 4,
                 "{what}: {flushes} flushes, {resized} sizes, {poisoned} discarded, {applied} applied"
             );
+            resumed_runs += usize::from(resumes > 0);
             assert!(
                 trainers[0].1.accumulated_products() > 0,
                 "{what}: no product kept"
             );
         }
     }
+    assert!(
+        resumed_runs >= 10,
+        "{resumed_runs} schedules resumed the kernels' trainer"
+    );
 }
 
 /// A window's first micro-step discarded (NaN inputs, `--on-nonfinite skip`), then a
