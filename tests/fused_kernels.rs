@@ -295,10 +295,7 @@ fn fused_adamw_splits_large_parameters_across_threads() {
         return;
     }
     let step = large_linear_step();
-    let data = large_linear_data(
-        |i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5,
-        |i| ((i * 104729) % 1000) as f32 / 500.0 - 1.0,
-    );
+    let data = varied_linear_data();
     for host in [true, false] {
         for threads in [1, 2] {
             let what = format!("linear 512x256, {threads} threads, host updates {host}");
@@ -719,10 +716,7 @@ fn weight_gradients_kept_for_the_window_train_bit_identically() {
     if !ort_available() {
         return;
     }
-    let data = large_linear_data(
-        |i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5,
-        |i| ((i * 104729) % 1000) as f32 / 500.0 - 1.0,
-    );
+    let data = varied_linear_data();
     let dir = tempfile::tempdir().unwrap();
     for steps in [3i64, 4, 6] {
         let step = large_linear_step_with(8, steps);
@@ -833,10 +827,7 @@ fn weight_gradients_kept_under_every_optimizer_train_bit_identically() {
     if !ort_available() {
         return;
     }
-    let data = large_linear_data(
-        |i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5,
-        |i| ((i * 104729) % 1000) as f32 / 500.0 - 1.0,
-    );
+    let data = varied_linear_data();
     let optimizers = [
         "optimizer(kind=sgd,lr=0.05)",
         "optimizer(kind=momentum,lr=0.05,momentum=0.9,weight_decay=0.01)",
@@ -974,6 +965,15 @@ fn large_linear_data(
         ("x".to_string(), tensor([64, 512], &x)),
         ("y".to_string(), tensor([64, 256], &y)),
     ])
+}
+
+/// [`large_linear_data`] with values spread over [-0.5, 0.5) and [-1, 1) in no pattern a
+/// product would line up with.
+fn varied_linear_data() -> BTreeMap<String, Tensor> {
+    large_linear_data(
+        |i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5,
+        |i| ((i * 104729) % 1000) as f32 / 500.0 - 1.0,
+    )
 }
 
 /// y = x W + b with W of 512 x 256 = 131072 elements, mean squared error, AdamW mode 0,
@@ -1126,10 +1126,7 @@ fn the_fast_paths_follow_any_schedule_bit_identically() {
     if !ort_available() {
         return;
     }
-    let data = large_linear_data(
-        |i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5,
-        |i| ((i * 104729) % 1000) as f32 / 500.0 - 1.0,
-    );
+    let data = varied_linear_data();
     // The two kernels that sum kept products, the wrappers around the accumulation that
     // read the gradient whole first (AGC, loss scaling: its windows skipped by the graph,
     // not discarded), and a window's sum instead of its mean.
