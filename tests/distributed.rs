@@ -410,16 +410,174 @@ fn batchnorm_window_statistics_pool_over_the_ranks() {
 
 /// The shipped data with NaN in the rows of global micro-batch `i` (of 4 rows).
 fn poisoned(dir: &Path, graph: &str, i: usize) -> PathBuf {
+    poisoned_batches(dir, graph, &[i])
+}
+
+/// The shipped data with NaN in the rows of global micro-batches `batches` (of 4 rows).
+fn poisoned_batches(dir: &Path, graph: &str, batches: &[usize]) -> PathBuf {
     let mut d = onnx_ga::data::read_npz(&data(graph)).unwrap();
     let Some(Tensor::F32(x)) = d.get_mut("input") else {
         panic!("input")
     };
-    for row in 4 * i..4 * i + 4 {
-        x[[row, 0]] = f32::NAN;
+    for i in batches {
+        for row in 4 * i..4 * i + 4 {
+            x[[row, 0]] = f32::NAN;
+        }
     }
-    let path = dir.join(format!("{graph}.poisoned{i}.npz"));
+    let tag: Vec<String> = batches.iter().map(|i| i.to_string()).collect();
+    let path = dir.join(format!("{graph}.poisoned{}.npz", tag.join("_")));
     onnx_ga::data::write_npz(&path, d.iter().map(|(k, v)| (k.as_str(), v))).unwrap();
     path
+}
+
+/// The shipped data without the rows of global micro-batch `i` (of 4 rows).
+fn without_batch(dir: &Path, graph: &str, i: usize) -> PathBuf {
+    let d = onnx_ga::data::read_npz(&data(graph)).unwrap();
+    let kept: Vec<usize> = (0..d["input"].shape()[0])
+        .filter(|row| row / 4 != i)
+        .collect();
+    let d: BTreeMap<String, Tensor> = d
+        .into_iter()
+        .map(|(name, t)| {
+            let t = match t {
+                Tensor::F32(a) => Tensor::F32(a.select(ndarray::Axis(0), &kept)),
+                Tensor::I64(a) => Tensor::I64(a.select(ndarray::Axis(0), &kept)),
+                other => panic!("{name}: {other:?}"),
+            };
+            (name, t)
+        })
+        .collect();
+    let path = dir.join(format!("{graph}.without{i}.npz"));
+    onnx_ga::data::write_npz(&path, d.iter().map(|(k, v)| (k.as_str(), v))).unwrap();
+    path
+}
+
+/// `--on-nonfinite skip` with every micro-step of a window poisoned (window 1, both ranks'
+/// micro-batches): the window has nothing to apply and ends without an update, and the
+/// next window trains as one process's first (which discards the same four micro-steps
+/// and fills its window with the next four). The apply used to run on the empty sums
+/// with a count of zero, and every parameter became NaN.
+#[test]
+fn a_window_discarded_on_every_rank_leaves_the_parameters_alone() {
+    let Some(mpirun) = mpirun() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let step = rewritten(d, "skip_all", "mlp_ce_adamw", &["--lr", "0.01"]);
+    let bad = poisoned_batches(d, "mlp_ce_adamw", &[0, 1, 2, 3]);
+    let skip = ["--on-nonfinite", "skip"];
+    let one = d.join("one.npz");
+    let out = onnx_ga(&train_args(
+        &step,
+        &bad,
+        "8",
+        &[&skip[..], &["--save-state", s(&one)]].concat(),
+    ));
+    assert!(out.status.success(), "one process: {}", stderr(&out));
+    let (two, m) = (d.join("two.npz"), d.join("two.jsonl"));
+    let flags = [
+        &skip[..],
+        &["--distributed", "mpi", "--save-state", s(&two)],
+        &["--metrics", s(&m)],
+    ]
+    .concat();
+    let out = mpi(&mpirun, 2, &train_args(&step, &bad, "8", &flags));
+    assert!(out.status.success(), "2 ranks: {}", stderr(&out));
+    let lines = metrics(&m);
+    let discarded: Vec<bool> = lines.iter().map(|l| l["discarded"] == true).collect();
+    let applied: Vec<bool> = lines.iter().map(|l| l["applied"] == true).collect();
+    assert_eq!(discarded, [[true; 4], [false; 4]].concat(), "discarded");
+    assert_eq!(
+        applied,
+        [false, false, false, false, false, false, false, true]
+    );
+    let state = read_state(&two);
+    assert_eq!(
+        state["ga.opt_step"],
+        Tensor::I64(ndarray::arr0(1i64).into_dyn())
+    );
+    let (rel, name) = worst_relative(&state, &read_state(&one));
+    eprintln!("a discarded window on 2 ranks vs one process: worst relative difference {rel:.3e} ({name})");
+    assert!(rel <= 1e-6, "'{name}' differs by {rel:e} relative");
+}
+
+/// A window that ends short of K kept micro-steps applies as a flushed window, and its
+/// metrics say so: one discarded micro-step (`--on-nonfinite skip`) leaves three, whose
+/// mean trains as one process's flushed window of those three micro-batches; a run ended
+/// by `--flush` mid-window reports its last window applied, as one process does. Both
+/// windows used to update the parameters while reporting `applied: false`, which
+/// `--save-every`, `--eval-every` and the summary count.
+#[test]
+fn a_window_short_of_k_applies_as_a_flushed_one_and_says_so() {
+    let Some(mpirun) = mpirun() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let step = rewritten(d, "short", "mlp_ce_adamw", &["--lr", "0.01"]);
+    let bad = poisoned(d, "mlp_ce_adamw", 1);
+    let (two, m) = (d.join("two.npz"), d.join("two.jsonl"));
+    let flags = [
+        "--on-nonfinite",
+        "skip",
+        "--distributed",
+        "mpi",
+        "--save-state",
+        s(&two),
+        "--metrics",
+        s(&m),
+    ];
+    let out = mpi(&mpirun, 2, &train_args(&step, &bad, "4", &flags));
+    assert!(out.status.success(), "2 ranks: {}", stderr(&out));
+    let lines = metrics(&m);
+    let applied: Vec<bool> = lines.iter().map(|l| l["applied"] == true).collect();
+    assert_eq!(applied, [false, false, false, true], "applied");
+    assert_eq!(lines[1]["discarded"], true);
+    // One process on micro-batches 0, 2 and 3 alone, flushed after the third.
+    let kept = without_batch(d, "mlp_ce_adamw", 1);
+    let one = d.join("one.npz");
+    let out = onnx_ga(&train_args(
+        &step,
+        &kept,
+        "3",
+        &["--flush", "--save-state", s(&one)],
+    ));
+    assert!(out.status.success(), "one process: {}", stderr(&out));
+    let (rel, name) = worst_relative(&read_state(&two), &read_state(&one));
+    eprintln!("a window short of K on 2 ranks vs one process's flushed window: worst relative difference {rel:.3e} ({name})");
+    assert!(rel <= 1e-6, "'{name}' differs by {rel:e} relative");
+
+    // --flush: 6 micro-steps, the second window flushed after 2.
+    let good = data("mlp_ce_adamw");
+    let mut runs = Vec::new();
+    for ranks in [0, 2] {
+        let (state, m) = (
+            d.join(format!("f{ranks}.npz")),
+            d.join(format!("f{ranks}.jsonl")),
+        );
+        let flags = ["--flush", "--save-state", s(&state), "--metrics", s(&m)];
+        let out = match ranks {
+            0 => onnx_ga(&train_args(&step, &good, "6", &flags)),
+            n => mpi(
+                &mpirun,
+                n,
+                &train_args(
+                    &step,
+                    &good,
+                    "6",
+                    &[&flags[..], &["--distributed", "mpi"]].concat(),
+                ),
+            ),
+        };
+        assert!(out.status.success(), "{ranks} ranks: {}", stderr(&out));
+        let applied: Vec<bool> = metrics(&m).iter().map(|l| l["applied"] == true).collect();
+        runs.push((read_state(&state), applied));
+    }
+    assert_eq!(
+        runs[0].1,
+        [false, false, false, true, false, true],
+        "one process"
+    );
+    assert_eq!(runs[1].1, runs[0].1, "2 ranks report what one process does");
+    let (rel, name) = worst_relative(&runs[1].0, &runs[0].0);
+    assert!(rel <= 1e-6, "flushed: '{name}' differs by {rel:e} relative");
 }
 
 /// Loss scaling: a poisoned micro-batch on rank 1 (global micro-batch 5, window 2) makes

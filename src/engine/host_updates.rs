@@ -1,7 +1,14 @@
 //! The host's side of `passes::fuse::host`: after a run, the optimizer updates and
 //! accumulations the pass took out of the session, computed by the same kernels as ONNX
 //! Runtime's fused nodes ([`crate::fused_ops`]), in place on the states' own buffers.
+//!
+//! At small sizes the update costs its bookkeeping more than its arithmetic (8K
+//! parameters: 1.4 µs a parameter's AdamW update against 0.4 of arithmetic before the
+//! scalars were shared), so what every run of a session's updates has in common is worked
+//! out once ([`Prepared`]): which updates read one gate and one optimizer's scalars, and
+//! where the last run found each operand and state.
 
+use std::cell::Cell;
 use std::ops::Range;
 
 use ::ort::value::DynValue;
@@ -25,21 +32,118 @@ pub(super) struct Operands<'a> {
     pub transient: &'a [(String, DynValue)],
 }
 
+/// Where a run found an operand: the list of [`Operands`] and the position in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Found {
+    Host(usize),
+    Computed(usize),
+    Held(usize),
+    Output(usize),
+    Transient(usize),
+}
+
 /// One operand's data.
 enum Data<'a> {
     F32(&'a [f32]),
     Bool(&'a [bool]),
 }
 
+/// The most operand slots of an update (AdamW's).
+const MOST_SLOTS: usize = adamw_slot::COUNT;
+
+/// [`HostUpdates`] with what all its runs share, worked out when the session gets them.
+pub(super) struct Prepared {
+    pub updates: HostUpdates,
+    /// For each update, the first update reading the same gate (its keep and loss
+    /// operands): a run decides each gate once.
+    gate_group: Vec<usize>,
+    /// For each update, the first update of the same kernel reading the same scalars
+    /// (learning rate, betas, bias corrections): a run reads each group's once.
+    scalar_group: Vec<usize>,
+    /// Where the last run found each update's operands, by slot: the next run looks there
+    /// first (checking the name), and searches only when it is not there.
+    found: Vec<[Cell<Option<Found>>; MOST_SLOTS]>,
+    /// Where the last run's states held each update's written states.
+    write_at: Vec<[usize; MOST_WRITES]>,
+}
+
+impl Prepared {
+    pub fn new(updates: HostUpdates) -> Prepared {
+        let list = &updates.updates;
+        let first_alike = |alike: &dyn Fn(&HostUpdate, &HostUpdate) -> bool| -> Vec<usize> {
+            (0..list.len())
+                .map(|i| (0..=i).find(|&j| alike(&list[j], &list[i])).unwrap_or(i))
+                .collect()
+        };
+        let gate_group = first_alike(&|a, b| {
+            let (ka, kb) = (keep_slot(a.op), keep_slot(b.op));
+            a.operands.get(ka) == b.operands.get(kb)
+                && a.operands.get(crate::fused_ops::loss_slot(ka))
+                    == b.operands.get(crate::fused_ops::loss_slot(kb))
+        });
+        let scalar_group = first_alike(&|a, b| match (a.op, b.op) {
+            (HostOp::AdamW, HostOp::AdamW) => same_operands(a, b, &adamw_group_slot::FROM_SINGLE),
+            (HostOp::Sgd { .. }, HostOp::Sgd { .. }) => {
+                a.op == b.op
+                    && a.writes.len() == b.writes.len()
+                    && same_operands(a, b, &SGD_SCALARS)
+            }
+            _ => false,
+        });
+        Prepared {
+            found: (0..list.len())
+                .map(|_| std::array::from_fn(|_| Cell::new(None)))
+                .collect(),
+            write_at: vec![[0; MOST_WRITES]; list.len()],
+            gate_group,
+            scalar_group,
+            updates,
+        }
+    }
+}
+
+/// One update's operands as one run reads them, remembering where it found them.
+struct Reader<'r, 'a> {
+    operands: &'r Operands<'a>,
+    update: &'a HostUpdate,
+    found: &'r [Cell<Option<Found>>; MOST_SLOTS],
+}
+
 impl<'a> Operands<'a> {
-    /// The session's output `name`, kept or returned.
-    fn output(&self, name: &str) -> Option<&'a DynValue> {
-        let mut outputs = self.transient.iter().chain(self.outputs);
-        outputs.find(|(n, _)| n == name).map(|(_, v)| v)
+    /// The session's output `name`, kept or returned, and where.
+    fn output(&self, name: &str) -> Option<(Found, &'a DynValue)> {
+        let kept = self.transient.iter().position(|(n, _)| n == name);
+        if let Some(i) = kept {
+            return Some((Found::Transient(i), &self.transient[i].1));
+        }
+        let returned = self.outputs.iter().position(|(n, _)| n == name);
+        returned.map(|i| (Found::Output(i), &self.outputs[i].1))
     }
 
-    fn find(&self, update: &'a HostUpdate, slot: usize) -> Result<Option<Data<'a>>, EngineError> {
-        let Some(Some(operand)) = update.operands.get(slot) else {
+    /// The operand `name` where `at` says, if it is there.
+    fn at(&self, at: Found, name: &str) -> Option<Result<Data<'a>, EngineError>> {
+        fn named<'l, T>(list: &'l [(impl AsRef<str>, T)], i: usize, name: &str) -> Option<&'l T> {
+            list.get(i)
+                .filter(|(n, _)| n.as_ref() == name)
+                .map(|(_, v)| v)
+        }
+        match at {
+            Found::Host(i) => named(self.host, i, name).map(|t| tensor_data(t, name)),
+            Found::Computed(i) => named(self.computed, i, name).map(|t| tensor_data(t, name)),
+            Found::Held(i) => named(self.held, i, name).map(|v| value_data(v, name)),
+            Found::Output(i) => named(self.outputs, i, name).map(|v| value_data(v, name)),
+            Found::Transient(i) => named(self.transient, i, name).map(|v| value_data(v, name)),
+        }
+    }
+
+    /// `operand`'s data: where `hint` says when it is there, else searched for (and `hint`
+    /// set to where it was).
+    fn find(
+        &self,
+        operand: Option<&'a Operand>,
+        hint: &Cell<Option<Found>>,
+    ) -> Result<Option<Data<'a>>, EngineError> {
+        let Some(operand) = operand else {
             return Ok(None);
         };
         let (name, default) = match operand {
@@ -47,6 +151,9 @@ impl<'a> Operands<'a> {
             Operand::Input { name, default } => (name.as_str(), default.as_ref()),
             Operand::Output(name) => (name.as_str(), None),
         };
+        if let Some(data) = hint.get().and_then(|at| self.at(at, name)) {
+            return data.map(Some);
+        }
         // A gradient, the usual operand, is among the few kept outputs: looked for there
         // first, before the feeds.
         let kept = match operand {
@@ -54,59 +161,64 @@ impl<'a> Operands<'a> {
             _ => None,
         };
         if kept.is_none() {
-            let on_host = self.host.iter().map(|(n, t)| (*n, *t));
-            let computed = self.computed.iter().map(|(n, t)| (*n, t));
-            if let Some((_, t)) = on_host.chain(computed).find(|(n, _)| *n == name) {
-                return tensor_data(t, name).map(Some);
+            if let Some(i) = self.host.iter().position(|(n, _)| *n == name) {
+                hint.set(Some(Found::Host(i)));
+                return tensor_data(self.host[i].1, name).map(Some);
+            }
+            if let Some(i) = self.computed.iter().position(|(n, _)| *n == name) {
+                hint.set(Some(Found::Computed(i)));
+                return tensor_data(&self.computed[i].1, name).map(Some);
             }
         }
         let value = kept.or_else(|| {
-            let held = self.held.iter().find(|(n, _)| *n == name);
-            held.map(|(_, v)| *v).or_else(|| self.output(name))
+            let held = self.held.iter().position(|(n, _)| *n == name);
+            held.map(|i| (Found::Held(i), self.held[i].1))
+                .or_else(|| self.output(name))
         });
-        let Some(value) = value else {
+        let Some((found, value)) = value else {
             return match default {
                 Some(t) => tensor_data(t, name).map(Some),
                 None => Err(missing(name)),
             };
         };
-        if let Ok((_, data)) = value.try_extract_tensor::<f32>() {
-            return Ok(Some(Data::F32(data)));
-        }
-        match value.try_extract_tensor::<bool>() {
-            Ok((_, data)) => Ok(Some(Data::Bool(data))),
-            Err(e) => Err(EngineError::Input {
-                name: name.to_string(),
-                message: format!("a host update reads it: {e}"),
-            }),
-        }
+        hint.set(Some(found));
+        value_data(value, name).map(Some)
+    }
+}
+
+impl<'a> Reader<'_, 'a> {
+    fn find(&self, slot: usize) -> Result<Option<Data<'a>>, EngineError> {
+        let operand = self.update.operands.get(slot).and_then(Option::as_ref);
+        let unhinted = Cell::new(None);
+        let hint = self.found.get(slot).unwrap_or(&unhinted);
+        self.operands.find(operand, hint)
     }
 
-    fn f32s(&self, update: &'a HostUpdate, slot: usize) -> Result<Option<&'a [f32]>, EngineError> {
-        match self.find(update, slot)? {
+    fn f32s(&self, slot: usize) -> Result<Option<&'a [f32]>, EngineError> {
+        match self.find(slot)? {
             None => Ok(None),
             Some(Data::F32(data)) => Ok(Some(data)),
-            Some(Data::Bool(_)) => Err(wrong(update, slot, "float32")),
+            Some(Data::Bool(_)) => Err(wrong(self.update, slot, "float32")),
         }
     }
 
-    fn scalar(&self, update: &'a HostUpdate, slot: usize) -> Result<Option<f32>, EngineError> {
-        match self.f32s(update, slot)? {
+    fn scalar(&self, slot: usize) -> Result<Option<f32>, EngineError> {
+        match self.f32s(slot)? {
             None => Ok(None),
             Some([x]) => Ok(Some(*x)),
-            Some(_) => Err(wrong(update, slot, "one element")),
+            Some(_) => Err(wrong(self.update, slot, "one element")),
         }
     }
 
     /// The gate ([`crate::fused_ops::keeps`]) from its `keep` slot and the `loss` slot after
     /// it.
-    fn gate(&self, update: &'a HostUpdate, keep_slot: usize) -> Result<bool, EngineError> {
-        let keep = match self.find(update, keep_slot)? {
+    fn gate(&self, keep_slot: usize) -> Result<bool, EngineError> {
+        let keep = match self.find(keep_slot)? {
             None => None,
             Some(Data::Bool([keep])) => Some(*keep),
-            Some(_) => return Err(wrong(update, keep_slot, "one bool")),
+            Some(_) => return Err(wrong(self.update, keep_slot, "one bool")),
         };
-        let loss = self.scalar(update, crate::fused_ops::loss_slot(keep_slot))?;
+        let loss = self.scalar(crate::fused_ops::loss_slot(keep_slot))?;
         Ok(crate::fused_ops::keeps(keep, loss))
     }
 }
@@ -126,6 +238,19 @@ fn tensor_data<'a>(t: &'a Tensor, name: &str) -> Result<Data<'a>, EngineError> {
     }
 }
 
+fn value_data<'a>(value: &'a DynValue, name: &str) -> Result<Data<'a>, EngineError> {
+    if let Ok((_, data)) = value.try_extract_tensor::<f32>() {
+        return Ok(Data::F32(data));
+    }
+    match value.try_extract_tensor::<bool>() {
+        Ok((_, data)) => Ok(Data::Bool(data)),
+        Err(e) => Err(EngineError::Input {
+            name: name.to_string(),
+            message: format!("a host update reads it: {e}"),
+        }),
+    }
+}
+
 fn missing(name: &str) -> EngineError {
     EngineError::Input {
         name: name.to_string(),
@@ -140,21 +265,6 @@ fn wrong(update: &HostUpdate, slot: usize, what: &str) -> EngineError {
     }
 }
 
-/// What one run's updates share, read once: the updates of one optimizer read the same
-/// scalars (learning rate, betas, bias corrections) and the one gate, and at small sizes
-/// finding them again for every tensor cost more than the arithmetic (8K parameters: 1.4
-/// µs a parameter's AdamW update against 0.4 of arithmetic).
-type GateOperands<'a> = (Option<&'a Operand>, Option<&'a Operand>);
-
-#[derive(Default)]
-struct Shared<'a> {
-    /// The gate's operands (keep, loss) and its value.
-    gate: Option<(GateOperands<'a>, bool)>,
-    /// The AdamW update whose scalars were read last, and them.
-    adamw: Option<(&'a HostUpdate, AdamWScalars)>,
-    sgd: Option<(&'a HostUpdate, SgdScalars)>,
-}
-
 /// Whether `a` and `b` read the same operands at `slots`.
 fn same_operands(a: &HostUpdate, b: &HostUpdate, slots: &[usize]) -> bool {
     slots
@@ -162,34 +272,28 @@ fn same_operands(a: &HostUpdate, b: &HostUpdate, slots: &[usize]) -> bool {
         .all(|&s| a.operands.get(s) == b.operands.get(s))
 }
 
-impl<'a> Shared<'a> {
-    fn keep(
-        &mut self,
-        operands: &Operands<'a>,
-        update: &'a HostUpdate,
-        keep_slot: usize,
-    ) -> Result<bool, EngineError> {
-        let operand = |slot: usize| update.operands.get(slot).and_then(Option::as_ref);
-        let gate = (
-            operand(keep_slot),
-            operand(crate::fused_ops::loss_slot(keep_slot)),
-        );
-        if let Some((seen, keep)) = self.gate {
-            if seen == gate {
-                return Ok(keep);
-            }
-        }
-        let keep = operands.gate(update, keep_slot)?;
-        self.gate = Some((gate, keep));
-        Ok(keep)
-    }
+/// The scalars of an SGD update.
+const SGD_SCALARS: [usize; 4] = [
+    sgd_slot::LR,
+    sgd_slot::MU,
+    sgd_slot::WD,
+    sgd_slot::GRAD_DIVISOR,
+];
+
+/// What one run's updates share, read once: each gate's value and each group's scalars,
+/// by the group's first update ([`Prepared`]).
+#[derive(Default)]
+struct Shared {
+    gate: Option<(usize, bool)>,
+    adamw: Option<(usize, AdamWScalars)>,
+    sgd: Option<(usize, SgdScalars)>,
 }
 
-/// Runs every update of `updates` on `operands`, writing into `states` (those the updates
+/// Runs every update of `prepared` on `operands`, writing into `states` (those the updates
 /// write, by their inputs' names), on the calling thread (`passes::fuse::host::MAX_ELEMENTS`
 /// says why one).
 pub(super) fn run(
-    updates: &HostUpdates,
+    prepared: &mut Prepared,
     operands: &Operands<'_>,
     states: &mut [(&str, &mut DynValue)],
 ) -> Result<(), EngineError> {
@@ -203,9 +307,29 @@ pub(super) fn run(
             })?;
         buffers.push((*name, data));
     }
+    let Prepared {
+        updates,
+        gate_group,
+        scalar_group,
+        found,
+        write_at,
+    } = prepared;
     let mut shared = Shared::default();
-    for update in &updates.updates {
-        if !shared.keep(operands, update, keep_slot(update.op))? {
+    for (i, update) in updates.updates.iter().enumerate() {
+        let reader = Reader {
+            operands,
+            update,
+            found: &found[i],
+        };
+        let keep = match shared.gate {
+            Some((group, keep)) if group == gate_group[i] => keep,
+            _ => {
+                let keep = reader.gate(keep_slot(update.op))?;
+                shared.gate = Some((gate_group[i], keep));
+                keep
+            }
+        };
+        if !keep {
             continue;
         }
         // The states it writes, taken out of `buffers` for the update and put back after
@@ -214,16 +338,18 @@ pub(super) fn run(
         if writes > MOST_WRITES {
             return Err(wrong(update, 0, "an update of at most three states"));
         }
-        let mut at = [0usize; MOST_WRITES];
+        let at = &mut write_at[i];
         let mut slices: [&mut [f32]; MOST_WRITES] = Default::default();
         for (k, write) in update.writes.iter().enumerate() {
-            at[k] = buffers
-                .iter()
-                .position(|(n, _)| n == write)
-                .ok_or_else(|| missing(write))?;
+            if buffers.get(at[k]).is_none_or(|(n, _)| n != write) {
+                at[k] = buffers
+                    .iter()
+                    .position(|(n, _)| n == write)
+                    .ok_or_else(|| missing(write))?;
+            }
             slices[k] = std::mem::take(&mut buffers[at[k]].1);
         }
-        let result = run_one(update, operands, &mut shared, &mut slices[..writes]);
+        let result = run_one(&reader, &mut shared, scalar_group[i], &mut slices[..writes]);
         for (k, slice) in slices.into_iter().take(writes).enumerate() {
             buffers[at[k]].1 = slice;
         }
@@ -243,23 +369,24 @@ fn keep_slot(op: HostOp) -> usize {
     }
 }
 
-fn run_one<'a>(
-    update: &'a HostUpdate,
-    operands: &Operands<'a>,
-    shared: &mut Shared<'a>,
+fn run_one(
+    reader: &Reader<'_, '_>,
+    shared: &mut Shared,
+    scalar_group: usize,
     states: &mut [&mut [f32]],
 ) -> Result<(), EngineError> {
+    let update = reader.update;
     let len = states.first().map_or(0, |s| s.len());
     let (grad_slot, addend_slot) = match update.op {
         HostOp::AdamW => (adamw_slot::GRAD, Some(adamw_slot::GRAD_ADDEND)),
         HostOp::Sgd { .. } => (sgd_slot::GRAD, Some(sgd_slot::GRAD_ADDEND)),
         HostOp::Accumulate => (accumulate_slot::GRAD, None),
     };
-    let g = operands
-        .f32s(update, grad_slot)?
+    let g = reader
+        .f32s(grad_slot)?
         .ok_or_else(|| wrong(update, grad_slot, "given"))?;
     let addend = match addend_slot {
-        Some(slot) => operands.f32s(update, slot)?,
+        Some(slot) => reader.f32s(slot)?,
         None => None,
     };
     if states.iter().any(|s| s.len() != len)
@@ -269,7 +396,6 @@ fn run_one<'a>(
         return Err(wrong(update, grad_slot, "of its state's size"));
     }
     let gradient = |r: &Range<usize>| (&g[r.clone()], addend.map(|a| &a[r.clone()]));
-    let scalar = |slot: usize| operands.scalar(update, slot);
     let message = |m: String| EngineError::Input {
         name: update.writes.first().cloned().unwrap_or_default(),
         message: m,
@@ -286,13 +412,13 @@ fn run_one<'a>(
                 return Err(wrong(update, adamw_slot::PARAM, "three states"));
             };
             let s = match shared.adamw {
-                Some((last, s)) if same_operands(last, update, &adamw_group_slot::FROM_SINGLE) => s,
+                Some((group, s)) if group == scalar_group => s,
                 _ => {
                     let s = AdamWScalars::read(adamw_group_slot::FROM_SINGLE, |slot| {
-                        scalar(slot).map_err(|e| e.to_string())
+                        reader.scalar(slot).map_err(|e| e.to_string())
                     })
                     .map_err(message)?;
-                    shared.adamw = Some((update, s));
+                    shared.adamw = Some((scalar_group, s));
                     s
                 }
             };
@@ -303,26 +429,14 @@ fn run_one<'a>(
             );
         }
         HostOp::Sgd { nesterov } => {
-            const SCALARS: [usize; 4] = [
-                sgd_slot::LR,
-                sgd_slot::MU,
-                sgd_slot::WD,
-                sgd_slot::GRAD_DIVISOR,
-            ];
             let s = match shared.sgd {
-                Some((last, s))
-                    if last.op == update.op
-                        && last.writes.len() == update.writes.len()
-                        && same_operands(last, update, &SCALARS) =>
-                {
-                    s
-                }
+                Some((group, s)) if group == scalar_group => s,
                 _ => {
                     let s = SgdScalars::read(nesterov, states.len() == 2, |slot| {
-                        scalar(slot).map_err(|e| e.to_string())
+                        reader.scalar(slot).map_err(|e| e.to_string())
                     })
                     .map_err(message)?;
-                    shared.sgd = Some((update, s));
+                    shared.sgd = Some((scalar_group, s));
                     s
                 }
             };

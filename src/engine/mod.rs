@@ -311,14 +311,17 @@ impl Engine {
         if let Engine::Ort(s) = self {
             // The session's runs keep the gradients the updates read.
             s.add_transient(&updates.added_outputs);
-            s.host_updates = Some(Box::new(updates));
+            s.host_updates = Some(Box::new(host_updates::Prepared::new(updates)));
         }
     }
 
     /// How many optimizer updates the host runs after each run of this session.
     pub fn host_updates(&self) -> usize {
         match self {
-            Engine::Ort(s) => s.host_updates.as_ref().map_or(0, |u| u.updates.len()),
+            Engine::Ort(s) => s
+                .host_updates
+                .as_ref()
+                .map_or(0, |u| u.updates.updates.len()),
             #[cfg(feature = "tract")]
             Engine::Tract(_) => 0,
         }
@@ -497,7 +500,7 @@ impl Engine {
                 targets.push((*name, v));
             }
         }
-        if let Some(updates) = s.host_updates.take() {
+        if let Some(mut updates) = s.host_updates.take() {
             // The session reads the states as any input; the host then updates them.
             let mut feeds = ort_feeds.clone();
             feeds.extend(targets.iter().map(|(name, value)| (*name, &**value)));
@@ -512,9 +515,9 @@ impl Engine {
                     outputs: &outputs,
                     transient: s.transient_outputs(),
                 };
-                host_updates::run(&updates, &operands, &mut targets)?;
+                host_updates::run(&mut updates, &operands, &mut targets)?;
                 // On a device the run returned them.
-                outputs.retain(|(name, _)| !updates.added_outputs.contains(name));
+                outputs.retain(|(name, _)| !updates.updates.added_outputs.contains(name));
                 Ok(outputs)
             });
             s.host_updates = Some(updates);

@@ -287,7 +287,7 @@ pub struct OrtSession {
     kept: Option<Box<super::kept_binding::KeptBinding>>,
     /// The optimizer updates the host runs after each run, in place
     /// (`passes::fuse::host`; run by [`super::Engine`]).
-    pub(super) host_updates: Option<Box<crate::passes::fuse::host::HostUpdates>>,
+    pub(super) host_updates: Option<Box<super::host_updates::Prepared>>,
     /// The outputs of static shape and at most [`SMALL_OUTPUT`] elements (the loss, flags).
     small_outputs: Vec<String>,
     /// The outputs runs through the kept binding write into buffers of the binding's own

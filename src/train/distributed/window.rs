@@ -380,6 +380,11 @@ impl Trainer {
             }
         }
 
+        // Every micro-step of the window discarded, on every rank (`OnNonFinite::Skip`):
+        // there is no gradient to apply, and the apply would divide the empty sums by a
+        // count of zero (NaN in every parameter). The window ends without an update; the
+        // accumulators and the counter are zero already.
+        let apply = apply && count > 0;
         let scale_before = self.loss_scale()?;
         let (applied, skipped) = match apply {
             true => {
@@ -409,8 +414,15 @@ impl Trainer {
     /// Runs the apply-only specialisation on the state (the window's sums reduced); returns
     /// whether the update applied (loss scaling may skip it).
     fn run_apply_only(&mut self) -> Result<bool, TrainError> {
-        let host: Vec<(&str, &Tensor)> =
+        let mut host: Vec<(&str, &Tensor)> =
             self.controls.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        // The run applies whatever the window's count: a window the run ends early
+        // (`--flush`), or one short of K after discarded micro-steps, applies as a flushed
+        // one. Fed as a flush, so that the `applied` flag (`count >= K or flush`, narrowed
+        // by loss scaling) says what the run did.
+        if let Some(apply) = &self.manifest.apply {
+            host.push((apply.flush.as_str(), &self.flags[1]));
+        }
         let held: Vec<(&str, &Held)> = self.state.iter().map(|(k, v)| (k.as_str(), v)).collect();
         let (outputs, unchanged) = match &mut self.runner {
             Runner::Split {
