@@ -329,6 +329,7 @@ impl Trainer {
         let keep = apply || rank == 0;
         let mut at = states_at;
         let mut count = 0i64;
+        let mut counted = false;
         {
             // The reduced states only, made from the host state before any is replaced (no
             // copy of the whole state).
@@ -351,6 +352,7 @@ impl Trainer {
                         }
                         if r.role == Role::MicroStep {
                             count = a.iter().next().copied().unwrap_or(0);
+                            counted = true;
                         }
                         Tensor::I64(a)
                     }
@@ -384,7 +386,7 @@ impl Trainer {
         // there is no gradient to apply, and the apply would divide the empty sums by a
         // count of zero (NaN in every parameter). The window ends without an update; the
         // accumulators and the counter are zero already.
-        let apply = apply && count > 0;
+        let apply = apply && (count > 0 || !counted);
         let scale_before = self.loss_scale()?;
         let (applied, skipped) = match apply {
             true => {
