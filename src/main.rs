@@ -1639,6 +1639,14 @@ fn train(mut args: TrainArgs) -> Result<(), Failure> {
                 args.data.display()
             ));
         }
+        if flush && metrics.discarded {
+            // One process has no apply without a micro-batch of its own (data parallel's
+            // apply-only session applies a short window, `train::distributed`).
+            progress.note(format!(
+                "micro-step {}, the run's last, was to apply the window in progress (--flush) and was discarded: that window was not applied; its sums stay in the state, and a run resumed from it continues the window",
+                metrics.step
+            ));
+        }
         if let Some(out) = &mut metrics_out {
             out.line(&serde_json::to_string(&metrics)?)?;
         }

@@ -724,6 +724,56 @@ fn nonfinite_data_skip_discards_the_micro_step() {
     }
 }
 
+/// `--flush` whose micro-step (the run's last) is discarded: one process cannot apply the
+/// window without it, and says so; the window's sums stay in the saved state, finite, and a
+/// resumed run continues the window as if the discarded micro-step had never run.
+#[test]
+fn a_discarded_flush_says_its_window_was_not_applied() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let step = rewritten(d, "step.onnx", &[]);
+    // Row 41: micro-step 6 (rows 40-47), the second window's second.
+    let data = poisoned_data(d, "poisoned.npz", 41, f32::NAN);
+    let state = d.join("s.npz");
+    let extra = [
+        "--on-nonfinite",
+        "skip",
+        "--flush",
+        "--save-state",
+        s(&state),
+    ];
+    let out = onnx_ga(&train_args(&step, &data, "6", &extra));
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("micro-step 6, the run's last, was to apply the window in progress (--flush) and was discarded: that window was not applied"),
+        "{err}"
+    );
+    let saved = common::read_npz(&state);
+    assert!(all_finite(&saved));
+    assert_eq!(
+        saved["ga.opt_step"],
+        Tensor::I64(ndarray::arr0(1).into_dyn())
+    );
+    assert_eq!(
+        saved["ga.micro_step"],
+        Tensor::I64(ndarray::arr0(1).into_dyn())
+    );
+    // Without --flush and without micro-step 6, the same state, bit for bit.
+    let straight = d.join("straight.npz");
+    let out = onnx_ga(&train_args(
+        &step,
+        &shipped_data(),
+        "5",
+        &["--save-state", s(&straight)],
+    ));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        saved == common::read_npz(&straight),
+        "the discarded flush left a trace"
+    );
+}
+
 /// With loss scaling the graph skips a poisoned window itself, on ONNX Runtime and on
 /// tract: no stop, the skipped windows reported (metrics and summary), parameters finite.
 #[test]
