@@ -1689,6 +1689,9 @@ fn train(mut args: TrainArgs) -> Result<(), Failure> {
     }
     if let Some(v) = &mut validation {
         v.run(&trainer, end, metrics_out.as_mut(), |n| progress.note(n))?;
+        if let Some(n) = v.unwritten_best() {
+            progress.note(n);
+        }
     }
     if let Some(path) = &args.save_state {
         if saved_at != Some(end) {

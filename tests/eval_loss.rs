@@ -603,6 +603,61 @@ fn save_best_refuses_to_overwrite_an_input_or_another_output() {
     }
 }
 
+/// Validation data holding NaN (rows 5 and 12-13 of 20): the validation loss is NaN, and
+/// train says once why (the file, the array, the rows), that `--save-best` writes only
+/// after a finite loss, and at the end that it was not written. It used to end without
+/// the file and without a word.
+#[test]
+fn a_non_finite_validation_loss_names_its_rows_and_the_unwritten_best() {
+    if !ort_available() {
+        return;
+    }
+    let dir = TempDir::new().unwrap();
+    let d = dir.path();
+    let step = d.join("step.onnx");
+    let args = [
+        "--loss-fn",
+        "cross-entropy",
+        "--accum-steps",
+        "4",
+        "--optimizer",
+        "sgd",
+    ];
+    cli_rewrite("forward/torch_mlp/dynamo.onnx", &step, &args);
+    let clean = root().join("fixtures/forward/torch_mlp/eval_data.npz");
+    let mut data = onnx_ga::data::read_npz(&clean).unwrap();
+    let input = data.keys().find(|k| *k != "labels").unwrap().clone();
+    let Some(Tensor::F32(x)) = data.get_mut(&input) else {
+        panic!("{input}: float32")
+    };
+    assert_eq!(x.shape()[0], 20);
+    for (row, value) in [(5, f32::NAN), (12, f32::INFINITY), (13, f32::NAN)] {
+        x[[row, 1]] = value;
+    }
+    let bad = d.join("bad_eval.npz");
+    onnx_ga::data::write_npz(&bad, data.iter().map(|(k, v)| (k.as_str(), v))).unwrap();
+    let best = d.join("best.npz");
+    let mut args = validated_train(&step, "torch_mlp", "8", "8");
+    let at = args.iter().position(|a| a == "--eval-data").unwrap() + 1;
+    args[at] = bad.to_str().unwrap().to_string();
+    args.extend(["--eval-every", "1", "--save-best", best.to_str().unwrap()].map(String::from));
+    let err = succeeds(&args);
+    let why = format!(
+        "validation: the loss is NaN: {} holds NaN or inf: '{input}' at rows 5, 12-13; --save-best writes {} only after a finite validation loss",
+        bad.display(),
+        best.display()
+    );
+    assert_eq!(err.matches(&why).count(), 1, "said once: {err}");
+    assert!(
+        err.contains(&format!(
+            "--save-best {}: not written: no validation loss was finite",
+            best.display()
+        )),
+        "{err}"
+    );
+    assert!(!best.exists());
+}
+
 /// `--ignore-index` naming a class: those labels count neither in the loss nor in the
 /// accuracy, even where the model predicts that class. The class is one the untrained
 /// model predicts right on some row, so counting ignored labels would change the accuracy.

@@ -226,6 +226,9 @@ fn run_job(args: TrainArgs, collective: Rc<dyn Collective>) -> Result<(), Failur
             &progress,
             place,
         )?;
+        if let Some(n) = setup.validation.as_ref().and_then(|v| v.unwritten_best()) {
+            progress.note(n);
+        }
     }
     if let Some(path) = &args.save_state {
         if saved_at != Some(end) {

@@ -13,6 +13,8 @@
 
 use std::path::PathBuf;
 
+use ndarray::Axis;
+use onnx_ga::data::Tensor;
 use onnx_ga::dataset::Dataset;
 use onnx_ga::evaluate::{EvalGraph, Evaluator};
 use onnx_ga::train::{TrainOptions, Trainer};
@@ -45,6 +47,8 @@ pub(crate) struct Validation {
     /// `--patience`, and the validations since the lowest.
     patience: Option<u64>,
     since_best: u64,
+    /// Whether a validation loss was NaN or infinite (said once, with its cause).
+    told_nonfinite: bool,
 }
 
 /// One line of the metrics file.
@@ -155,7 +159,61 @@ impl Validation {
             shuffle: args.shuffle,
             patience: args.patience,
             since_best: 0,
+            told_nonfinite: false,
         }))
+    }
+
+    /// Why the validation loss is `loss` (NaN or infinite): the validation rows whose data
+    /// holds NaN or inf, else the model's outputs; and what `--save-best` and `--patience`
+    /// make of it. Without it a run asked to save its best state ended without one, and
+    /// without a word on why.
+    fn nonfinite_note(&self, trainer: &Trainer, loss: f64) -> Result<String, Failure> {
+        let mut found = Vec::new();
+        for name in &trainer.manifest.data_inputs {
+            let mut bad = Vec::new();
+            for start in (0..self.rows).step_by(self.batch.max(1)) {
+                let rows: Vec<usize> = (start..(start + self.batch).min(self.rows)).collect();
+                let batch = self.data.rows(&rows)?;
+                let finite = |r: usize| match batch.get(name) {
+                    Some(Tensor::F32(a)) => a.index_axis(Axis(0), r).iter().all(|v| v.is_finite()),
+                    Some(Tensor::F64(a)) => a.index_axis(Axis(0), r).iter().all(|v| v.is_finite()),
+                    _ => true,
+                };
+                bad.extend((0..rows.len()).filter(|&r| !finite(r)).map(|r| rows[r]));
+            }
+            if !bad.is_empty() {
+                found.push(format!("'{name}' at rows {}", super::row_ranges(&bad)));
+            }
+        }
+        let cause = match found.is_empty() {
+            true => "its data is finite: the model's outputs overflowed".to_string(),
+            false => format!(
+                "{} holds NaN or inf: {}",
+                self.file.display(),
+                found.join(", ")
+            ),
+        };
+        let counted = match (&self.save_best, self.patience) {
+            (Some(path), _) => format!(
+                "; --save-best writes {} only after a finite validation loss",
+                path.display()
+            ),
+            (None, Some(_)) => "; --patience counts it as no improvement".to_string(),
+            (None, None) => String::new(),
+        };
+        Ok(format!("validation: the loss is {loss}: {cause}{counted}"))
+    }
+
+    /// At the end of the run: that `--save-best` was not written, when no validation loss
+    /// (of this run, or recorded by the run it resumes) was finite.
+    pub(crate) fn unwritten_best(&self) -> Option<String> {
+        match (&self.save_best, self.best) {
+            (Some(path), None) => Some(format!(
+                "--save-best {}: not written: no validation loss was finite",
+                path.display()
+            )),
+            _ => None,
+        }
     }
 
     /// Whether `--patience` validations in a row have not lowered the lowest.
@@ -219,6 +277,10 @@ impl Validation {
             e.rows,
             e.wall.as_secs_f64()
         ));
+        if !e.loss.is_finite() && !self.told_nonfinite {
+            self.told_nonfinite = true;
+            note(self.nonfinite_note(trainer, e.loss)?);
+        }
         if let Some(out) = metrics.as_deref_mut() {
             let line = MetricsLine {
                 step,
