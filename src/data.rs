@@ -31,6 +31,15 @@ impl Tensor {
         }
     }
 
+    /// How many elements are NaN or infinite (none in an integer or bool tensor).
+    pub fn non_finite_count(&self) -> usize {
+        match self {
+            Tensor::F32(a) => a.iter().filter(|v| !v.is_finite()).count(),
+            Tensor::F64(a) => a.iter().filter(|v| !v.is_finite()).count(),
+            Tensor::I64(_) | Tensor::I32(_) | Tensor::Bool(_) => 0,
+        }
+    }
+
     /// The ONNX `TensorProto.DataType` of the elements.
     pub fn elem_type(&self) -> i32 {
         use crate::proto::tensor_proto::DataType as D;

@@ -1560,7 +1560,7 @@ fn train(mut args: TrainArgs) -> Result<(), Failure> {
     onnx_ga::index_check::check_data(&data, &limits)
         .map_err(|m| UsageError(format!("{}: {m}", args.data.display())))?;
     if let Some(path) = &args.init_state {
-        trainer.load_state(path)?;
+        load_initial_state(&mut trainer, path)?;
     }
     let (start_step, notes) = start_step(&trainer, &args)?;
     for note in notes {
@@ -2175,6 +2175,21 @@ fn recorded_progress(
                 .join(", ")
         ))
         .into()),
+    }
+}
+
+/// `--init-state PATH` into `trainer`, refused when a parameter, moment or running
+/// statistic in it is NaN or infinite: `train` never saves such a state, and training from
+/// one stopped at its first micro-step blaming the data or the learning rate.
+fn load_initial_state(trainer: &mut onnx_ga::train::Trainer, path: &Path) -> Result<(), Failure> {
+    trainer.load_state(path)?;
+    match trainer.nonfinite_state()? {
+        Some(name) => Err(UsageError(format!(
+            "--init-state {}: state '{name}' is not finite (NaN or inf): training from it computes NaN; start from a state saved before training diverged",
+            path.display()
+        ))
+        .into()),
+        None => Ok(()),
     }
 }
 

@@ -826,12 +826,7 @@ impl Trainer {
             if !checked || !self.state.contains_key(&e.input) {
                 continue;
             }
-            let finite = match self.host_value(&e.input)?.as_ref() {
-                Tensor::F32(a) => a.iter().all(|v| v.is_finite()),
-                Tensor::F64(a) => a.iter().all(|v| v.is_finite()),
-                _ => true,
-            };
-            if !finite {
+            if self.host_value(&e.input)?.non_finite_count() > 0 {
                 return Ok(Some(e.input.clone()));
             }
         }

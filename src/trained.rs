@@ -73,6 +73,15 @@ pub enum ExportError {
         model_file: PathBuf,
         state_file: String,
     },
+    #[error(
+        "tensor '{name}': {state_file} holds {count} NaN or infinite values (of {elements}): a model with them computes NaN; export a state saved before training diverged"
+    )]
+    NotFinite {
+        name: String,
+        state_file: String,
+        count: usize,
+        elements: usize,
+    },
     #[error("{}: {message}", model_file.display())]
     Model {
         model_file: PathBuf,
@@ -305,6 +314,19 @@ pub fn export_trained_with(
         .chain(&report.converted)
         .map(String::as_str)
         .collect();
+    // `train` never saves such a state; a file made or edited elsewhere may hold one.
+    for name in &in_model {
+        let value = &state[*name];
+        let count = value.non_finite_count();
+        if count > 0 {
+            return Err(ExportError::NotFinite {
+                name: name.to_string(),
+                state_file,
+                count,
+                elements: value.shape().iter().product(),
+            });
+        }
+    }
     for (name, role) in &required {
         if !in_model.contains(name) {
             return Err(ExportError::MissingParam {

@@ -774,6 +774,61 @@ fn a_discarded_flush_says_its_window_was_not_applied() {
     );
 }
 
+/// A state file holding NaN or inf in a parameter (made or edited elsewhere: `train` never
+/// saves one) is refused by `train --init-state` (it stopped at micro-step 1 blaming the
+/// data or the learning rate) and by `export` (it wrote a model computing NaN), with exit
+/// code 2, the tensor named, and nothing written.
+#[test]
+fn a_non_finite_state_file_is_refused_by_train_and_export() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let step = rewritten(d, "step.onnx", &[]);
+    let good = d.join("good.npz");
+    let out = onnx_ga(&train_args(
+        &step,
+        &shipped_data(),
+        "4",
+        &["--save-state", s(&good)],
+    ));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut state = common::read_npz(&good);
+    let Some(Tensor::F32(w)) = state.get_mut("fc2.weight") else {
+        panic!("fc2.weight")
+    };
+    w[[1, 2]] = f32::INFINITY;
+    w[[3, 4]] = f32::NAN;
+    let bad = d.join("bad.npz");
+    onnx_ga::data::write_npz(&bad, state.iter().map(|(k, v)| (k.as_str(), v))).unwrap();
+    let saved = d.join("s.npz");
+    let data = shipped_data();
+    let args = train_args(
+        &step,
+        &data,
+        "4",
+        &["--init-state", s(&bad), "--save-state", s(&saved)],
+    );
+    refused(
+        d,
+        &args,
+        &["--init-state", "bad.npz", "'fc2.weight' is not finite"],
+    );
+    let eval_model = root().join("graphs/mlp_ce_adamw/eval_model.onnx");
+    let exported = d.join("trained.onnx");
+    let args = [
+        "export",
+        s(&eval_model),
+        "--state",
+        s(&bad),
+        "-o",
+        s(&exported),
+    ];
+    refused(
+        d,
+        &args,
+        &["'fc2.weight'", "bad.npz holds 2 NaN or infinite values"],
+    );
+}
+
 /// With loss scaling the graph skips a poisoned window itself, on ONNX Runtime and on
 /// tract: no stop, the skipped windows reported (metrics and summary), parameters finite.
 #[test]

@@ -365,7 +365,7 @@ fn set_up(args: &mut TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup
     onnx_ga::index_check::check_data(&data, &limits)
         .map_err(|m| UsageError(format!("{}: {m}", args.data.display())))?;
     if let Some(path) = &args.init_state {
-        trainer.load_state(path)?;
+        super::load_initial_state(&mut trainer, path)?;
     }
     let (start_step, notes) = super::start_step(&trainer, args)?;
     for note in notes.iter().filter(|_| lead) {
