@@ -92,6 +92,23 @@ fn validated_train(step: &Path, model: &str, micro_batch: &str, steps: &str) -> 
     ]
 }
 
+/// The torch MLP's forward export rewritten into `dir`/step.onnx: cross-entropy, K = 4,
+/// SGD, and `extra`.
+fn mlp_sgd_step(dir: &Path, extra: &[&str]) -> PathBuf {
+    let step = dir.join("step.onnx");
+    let mut args = vec![
+        "--loss-fn",
+        "cross-entropy",
+        "--accum-steps",
+        "4",
+        "--optimizer",
+        "sgd",
+    ];
+    args.extend_from_slice(extra);
+    cli_rewrite("forward/torch_mlp/dynamo.onnx", &step, &args);
+    step
+}
+
 /// `onnx-ga ARGS`, which must succeed; its stderr.
 fn succeeds(args: &[String]) -> String {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -565,19 +582,7 @@ fn save_best_keeps_the_lowest_and_patience_stops_at_the_first_rise() {
 #[test]
 fn save_best_refuses_to_overwrite_an_input_or_another_output() {
     let dir = TempDir::new().unwrap();
-    let step = dir.path().join("step.onnx");
-    cli_rewrite(
-        "forward/torch_mlp/dynamo.onnx",
-        &step,
-        &[
-            "--loss-fn",
-            "cross-entropy",
-            "--accum-steps",
-            "4",
-            "--optimizer",
-            "sgd",
-        ],
-    );
+    let step = mlp_sgd_step(dir.path(), &[]);
     let eval_data = root().join("fixtures/forward/torch_mlp/eval_data.npz");
     let state = dir.path().join("s.npz");
     for (best, what) in [
@@ -614,16 +619,7 @@ fn a_non_finite_validation_loss_names_its_rows_and_the_unwritten_best() {
     }
     let dir = TempDir::new().unwrap();
     let d = dir.path();
-    let step = d.join("step.onnx");
-    let args = [
-        "--loss-fn",
-        "cross-entropy",
-        "--accum-steps",
-        "4",
-        "--optimizer",
-        "sgd",
-    ];
-    cli_rewrite("forward/torch_mlp/dynamo.onnx", &step, &args);
+    let step = mlp_sgd_step(d, &[]);
     let clean = root().join("fixtures/forward/torch_mlp/eval_data.npz");
     let mut data = onnx_ga::data::read_npz(&clean).unwrap();
     let input = data.keys().find(|k| *k != "labels").unwrap().clone();
@@ -705,19 +701,8 @@ fn an_ignored_class_counts_in_neither_loss_nor_accuracy() {
     }
 
     let dir = TempDir::new().unwrap();
-    let step = dir.path().join("step.onnx");
     let ignore = ignored.to_string();
-    let rewrite = [
-        "--loss-fn",
-        "cross-entropy",
-        "--ignore-index",
-        &ignore,
-        "--optimizer",
-        "sgd",
-        "--accum-steps",
-        "4",
-    ];
-    cli_rewrite("forward/torch_mlp/dynamo.onnx", &step, &rewrite);
+    let step = mlp_sgd_step(dir.path(), &["--ignore-index", &ignore]);
     let metrics = dir.path().join("m.jsonl");
     let mut args = validated_train(&step, "torch_mlp", "8", "0");
     for a in ["--eval-batch", "3", "--metrics", metrics.to_str().unwrap()] {
@@ -752,16 +737,7 @@ fn a_fixed_batch_eval_model_takes_whole_batches() {
     use onnx_ga::proto::tensor_shape_proto::dimension::Value as Dim;
     let dir = TempDir::new().unwrap();
     let d = dir.path();
-    let step = d.join("step.onnx");
-    let rewrite = [
-        "--loss-fn",
-        "cross-entropy",
-        "--optimizer",
-        "sgd",
-        "--accum-steps",
-        "4",
-    ];
-    cli_rewrite("forward/torch_mlp/dynamo.onnx", &step, &rewrite);
+    let step = mlp_sgd_step(d, &[]);
     let mut fixed = onnx_ga::model::load_model(&forward("torch_mlp")).unwrap();
     let graph = fixed.graph.as_mut().unwrap();
     for value in graph.input.iter_mut().chain(graph.output.iter_mut()) {
@@ -845,19 +821,7 @@ fn an_eval_model_with_external_data_evaluates_alike_and_its_data_is_never_overwr
     }
     let dir = TempDir::new().unwrap();
     let d = dir.path();
-    let step = d.join("step.onnx");
-    cli_rewrite(
-        "forward/torch_mlp/dynamo.onnx",
-        &step,
-        &[
-            "--loss-fn",
-            "cross-entropy",
-            "--accum-steps",
-            "4",
-            "--optimizer",
-            "sgd",
-        ],
-    );
+    let step = mlp_sgd_step(d, &[]);
     let proto = onnx_ga::model::load_model_with_data(&forward("torch_mlp")).unwrap();
     let eval_model = d.join("eval.onnx");
     onnx_ga::model::save_model_with_external_data(&proto, &eval_model, "w.npz", 0).unwrap();
