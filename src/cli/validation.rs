@@ -168,12 +168,13 @@ impl Validation {
     /// make of it. Without it a run asked to save its best state ended without one, and
     /// without a word on why.
     fn nonfinite_note(&self, trainer: &Trainer, loss: f64) -> Result<String, Failure> {
-        let mut found = Vec::new();
-        for name in &trainer.manifest.data_inputs {
-            let mut bad = Vec::new();
-            for start in (0..self.rows).step_by(self.batch.max(1)) {
-                let rows: Vec<usize> = (start..(start + self.batch).min(self.rows)).collect();
-                let batch = self.data.rows(&rows)?;
+        let names = &trainer.manifest.data_inputs;
+        // Per data input, its rows holding NaN or inf, the data read a batch at a time.
+        let mut bad: Vec<Vec<usize>> = vec![Vec::new(); names.len()];
+        for start in (0..self.rows).step_by(self.batch.max(1)) {
+            let rows: Vec<usize> = (start..(start + self.batch).min(self.rows)).collect();
+            let batch = self.data.rows(&rows)?;
+            for (name, bad) in names.iter().zip(&mut bad) {
                 let finite = |r: usize| match batch.get(name) {
                     Some(Tensor::F32(a)) => a.index_axis(Axis(0), r).iter().all(|v| v.is_finite()),
                     Some(Tensor::F64(a)) => a.index_axis(Axis(0), r).iter().all(|v| v.is_finite()),
@@ -181,10 +182,13 @@ impl Validation {
                 };
                 bad.extend((0..rows.len()).filter(|&r| !finite(r)).map(|r| rows[r]));
             }
-            if !bad.is_empty() {
-                found.push(format!("'{name}' at rows {}", super::row_ranges(&bad)));
-            }
         }
+        let found: Vec<String> = names
+            .iter()
+            .zip(&bad)
+            .filter(|(_, rows)| !rows.is_empty())
+            .map(|(name, rows)| format!("'{name}' at rows {}", super::row_ranges(rows)))
+            .collect();
         let cause = match found.is_empty() {
             true => "its data is finite: the model's outputs overflowed".to_string(),
             false => format!(
