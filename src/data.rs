@@ -40,6 +40,27 @@ impl Tensor {
         }
     }
 
+    /// The rows (indices along the first axis) holding a NaN or infinite element, in order
+    /// (none in an integer or bool tensor, or a scalar).
+    pub fn non_finite_rows(&self) -> Vec<usize> {
+        fn rows<T: Copy>(a: &ArrayD<T>, finite: impl Fn(T) -> bool) -> Vec<usize> {
+            if a.ndim() == 0 {
+                return Vec::new();
+            }
+            let bad = |(_, r): &(usize, ndarray::ArrayViewD<T>)| !r.iter().all(|v| finite(*v));
+            a.outer_iter()
+                .enumerate()
+                .filter(bad)
+                .map(|(i, _)| i)
+                .collect()
+        }
+        match self {
+            Tensor::F32(a) => rows(a, f32::is_finite),
+            Tensor::F64(a) => rows(a, f64::is_finite),
+            Tensor::I64(_) | Tensor::I32(_) | Tensor::Bool(_) => Vec::new(),
+        }
+    }
+
     /// The ONNX `TensorProto.DataType` of the elements.
     pub fn elem_type(&self) -> i32 {
         use crate::proto::tensor_proto::DataType as D;

@@ -2332,23 +2332,11 @@ impl NonFiniteStep<'_> {
         trainer: &onnx_ga::train::Trainer,
         batch: &std::collections::BTreeMap<String, onnx_ga::data::Tensor>,
     ) -> String {
-        use onnx_ga::data::Tensor;
         let mut found = Vec::new();
         for name in &trainer.manifest.data_inputs {
             let bad_rows: Vec<usize> = match batch.get(name) {
-                Some(Tensor::F32(a)) => a
-                    .outer_iter()
-                    .enumerate()
-                    .filter(|(_, r)| r.iter().any(|v| !v.is_finite()))
-                    .map(|(j, _)| self.rows[j])
-                    .collect(),
-                Some(Tensor::F64(a)) => a
-                    .outer_iter()
-                    .enumerate()
-                    .filter(|(_, r)| r.iter().any(|v| !v.is_finite()))
-                    .map(|(j, _)| self.rows[j])
-                    .collect(),
-                _ => Vec::new(),
+                Some(t) => t.non_finite_rows().iter().map(|&j| self.rows[j]).collect(),
+                None => Vec::new(),
             };
             if !bad_rows.is_empty() {
                 let mut bad_rows = bad_rows;

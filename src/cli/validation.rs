@@ -13,8 +13,6 @@
 
 use std::path::PathBuf;
 
-use ndarray::Axis;
-use onnx_ga::data::Tensor;
 use onnx_ga::dataset::Dataset;
 use onnx_ga::evaluate::{EvalGraph, Evaluator};
 use onnx_ga::train::{TrainOptions, Trainer};
@@ -175,12 +173,9 @@ impl Validation {
             let rows: Vec<usize> = (start..(start + self.batch).min(self.rows)).collect();
             let batch = self.data.rows(&rows)?;
             for (name, bad) in names.iter().zip(&mut bad) {
-                let finite = |r: usize| match batch.get(name) {
-                    Some(Tensor::F32(a)) => a.index_axis(Axis(0), r).iter().all(|v| v.is_finite()),
-                    Some(Tensor::F64(a)) => a.index_axis(Axis(0), r).iter().all(|v| v.is_finite()),
-                    _ => true,
-                };
-                bad.extend((0..rows.len()).filter(|&r| !finite(r)).map(|r| rows[r]));
+                if let Some(t) = batch.get(name) {
+                    bad.extend(t.non_finite_rows().iter().map(|&r| rows[r]));
+                }
             }
         }
         let found: Vec<String> = names

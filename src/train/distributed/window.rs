@@ -328,8 +328,8 @@ impl Trainer {
         // them and the others restart from zero (the sum over ranks stays the window's).
         let keep = apply || rank == 0;
         let mut at = states_at;
-        let mut count = 0i64;
-        let mut counted = false;
+        // The window's micro-step count, where the step keeps one.
+        let mut count: Option<i64> = None;
         {
             // The reduced states only, made from the host state before any is replaced (no
             // copy of the whole state).
@@ -351,8 +351,7 @@ impl Trainer {
                             *d = if keep { v.round() as i64 } else { 0 };
                         }
                         if r.role == Role::MicroStep {
-                            count = a.iter().next().copied().unwrap_or(0);
-                            counted = true;
+                            count = Some(a.iter().next().copied().unwrap_or(0));
                         }
                         Tensor::I64(a)
                     }
@@ -365,7 +364,7 @@ impl Trainer {
                 self.replace_state(&input, value);
             }
         }
-        self.set_micro_step_mirror(if keep { count } else { 0 });
+        self.set_micro_step_mirror(if keep { count.unwrap_or(0) } else { 0 });
         if apply && buf[NONFINITE] > 0.0 {
             // A rank saw non-finite gradients: the sum carries them (NaN and inf survive a
             // sum), but the flag decides, so every rank skips even if the sum came out finite.
@@ -386,7 +385,7 @@ impl Trainer {
         // there is no gradient to apply, and the apply would divide the empty sums by a
         // count of zero (NaN in every parameter). The window ends without an update; the
         // accumulators and the counter are zero already.
-        let apply = apply && (count > 0 || !counted);
+        let apply = apply && count != Some(0);
         let scale_before = self.loss_scale()?;
         let (applied, skipped) = match apply {
             true => {
