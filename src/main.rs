@@ -963,6 +963,83 @@ fn check_micro_batch(batch: usize, samples: usize, data: &Path) -> Result<(), Us
     Ok(())
 }
 
+/// The step `train` runs, and the files it was read from (the model and its external data).
+/// What is not a step yet (ONNX Runtime's artifacts folder, a forward model, a gradient
+/// graph) is refused with the `rewrite` that makes one: the first thing a new user tries is
+/// training the model they have.
+pub(crate) fn load_step(
+    path: &Path,
+) -> Result<(onnx_ga::proto::ModelProto, Vec<PathBuf>), Failure> {
+    let rewrite_first = |source: &Path, what: &str, flags: &str, choices: &str| {
+        UsageError(format!(
+            "{}: {what}, not a training step: make one first with `onnx-ga rewrite {} -o step.onnx --accum-steps 4{flags}`{choices}, then `onnx-ga train step.onnx ...` (`onnx-ga rewrite --help` lists the optimizers and their settings)",
+            path.display(),
+            shell_word(&source.display().to_string())
+        ))
+    };
+    let artifacts = |folder: &Path| folder.join(onnx_ga::signature::TRAINING_MODEL).is_file();
+    if artifacts(path) {
+        return Err(rewrite_first(
+            path,
+            "a folder of ONNX Runtime training artifacts",
+            " --lr 0.001",
+            " (the optimizer their optimizer_model.onnx configures)",
+        )
+        .into());
+    }
+    let (model, files) = onnx_ga::model::load_model_with_data_listing(path)?;
+    let written_by_us = model
+        .metadata_props
+        .iter()
+        .any(|p| p.key().starts_with("onnx_ga."));
+    if written_by_us {
+        return Ok((model, files));
+    }
+    let folder = path
+        .parent()
+        .filter(|f| artifacts(f) && path.ends_with(onnx_ga::signature::TRAINING_MODEL));
+    let refusal = match folder {
+        Some(folder) => rewrite_first(
+            folder,
+            "the training model of ONNX Runtime's artifacts",
+            " --lr 0.001",
+            " (the optimizer their optimizer_model.onnx configures)",
+        ),
+        None if has_gradients(&model) => rewrite_first(
+            path,
+            "a gradient graph",
+            " --loss LOSS --seed SEED --grad PARAM=GRADIENT ... --optimizer adamw --lr 0.001",
+            " (naming its loss, the seed of its backward pass and each parameter's gradient)",
+        ),
+        None => rewrite_first(
+            path,
+            "a model without onnx-ga's metadata (a forward model?)",
+            " --loss-fn cross-entropy --optimizer adamw --lr 0.001",
+            " (the loss on its first output; or nll, mse, l1, bce-logits; --loss NAME for a loss the model computes)",
+        ),
+    };
+    Err(refusal.into())
+}
+
+/// `word` as a POSIX shell reads it back: as is when it holds nothing the shell would
+/// split or expand, else in single quotes (a command the user can paste).
+fn shell_word(word: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "/._-+=:,@%".contains(c);
+    match !word.is_empty() && word.chars().all(plain) {
+        true => word.to_string(),
+        false => format!("'{}'", word.replace('\'', "'\\''")),
+    }
+}
+
+/// Whether `model` looks like a gradient graph: an output named as a gradient (`*_grad`,
+/// what ONNX Runtime's tooling and most exporters of backward graphs write).
+fn has_gradients(model: &onnx_ga::proto::ModelProto) -> bool {
+    model
+        .graph
+        .as_ref()
+        .is_some_and(|g| g.output.iter().any(|o| o.name().ends_with("_grad")))
+}
+
 /// A command-line usage problem found after parsing.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
@@ -1420,7 +1497,7 @@ fn train(mut args: TrainArgs) -> Result<(), Failure> {
         return Err(UsageError("--save-every 0: must be at least 1".into()).into());
     }
     let on_nonfinite = args.on_nonfinite;
-    let (model, model_files) = onnx_ga::model::load_model_with_data_listing(&args.model)?;
+    let (model, model_files) = load_step(&args.model)?;
     take_recorded_eval_model(&mut args, &model)?;
     check_train_outputs(&args, &model_files)?;
     check_plot_output(&args, &model_files)?;

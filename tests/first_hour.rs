@@ -637,3 +637,88 @@ fn python_example_names_the_python_to_use() {
     assert!(err.contains(".venv-ort/bin/python"), "{err}");
     assert!(!err.contains("Traceback"), "{err}");
 }
+
+/// The first thing a new user tries is `train` on the model they have. What is not a step
+/// yet (ONNX Runtime's artifacts folder or its training model, a forward model) is refused
+/// (exit 2, nothing written) with the `rewrite` that makes one, and that command, run as
+/// printed, writes a step `train` then trains.
+#[test]
+fn train_on_what_is_not_a_step_prints_the_rewrite_that_makes_one() {
+    let cases = [
+        (
+            "graphs/mlp_ce_adamw",
+            "graphs/mlp_ce_adamw/data.npz",
+            "artifacts",
+        ),
+        (
+            "graphs/mlp_ce_adamw/training_model.onnx",
+            "graphs/mlp_ce_adamw/data.npz",
+            "the training model of ONNX Runtime's artifacts",
+        ),
+        (
+            "graphs/forward/torch_mlp/dynamo.onnx",
+            "graphs/forward/torch_mlp/data.npz",
+            "a forward model",
+        ),
+    ];
+    for (model, data, what) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let model = root().join(model);
+        let data = root().join(data);
+        let run = |args: &[&str]| {
+            Command::new(env!("CARGO_BIN_EXE_onnx-ga"))
+                .args(args)
+                .current_dir(dir.path())
+                .output()
+                .expect("run onnx-ga")
+        };
+        let train = |step: &Path| {
+            run(&[
+                "train",
+                s(step),
+                "--data",
+                s(&data),
+                "--micro-batch",
+                "4",
+                "--steps",
+                "8",
+                "--save-state",
+                "s.npz",
+            ])
+        };
+        let refused = train(&model);
+        let err = stderr(&refused);
+        assert_eq!(refused.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains(what) && err.contains("not a training step"),
+            "{err}"
+        );
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            0,
+            "nothing written"
+        );
+
+        let command = err
+            .split("`onnx-ga ")
+            .nth(1)
+            .and_then(|rest| rest.split('`').next())
+            .unwrap_or_else(|| panic!("a command in backticks: {err}"));
+        let args: Vec<&str> = command.split_whitespace().collect();
+        assert_eq!(args[0], "rewrite", "{command}");
+        let rewritten = run(&args);
+        assert!(
+            rewritten.status.success(),
+            "{command}: {}",
+            stderr(&rewritten)
+        );
+        let trained = train(&dir.path().join("step.onnx"));
+        assert!(trained.status.success(), "{}", stderr(&trained));
+        // Two windows of K = 4 applied: the optimizer stepped twice.
+        let state = onnx_ga::data::read_state(&dir.path().join("s.npz")).unwrap();
+        match &state["ga.opt_step"] {
+            onnx_ga::data::Tensor::I64(steps) => assert_eq!(steps.iter().sum::<i64>(), 2),
+            other => panic!("ga.opt_step: {other:?}"),
+        }
+    }
+}

@@ -273,7 +273,8 @@ fn model_that_is_not_a_rewritten_step() {
         },
         &[
             "training_model.onnx",
-            "not a step graph written by `onnx-ga rewrite`",
+            "not a training step",
+            "`onnx-ga rewrite",
         ],
     );
 }

@@ -275,7 +275,7 @@ fn set_up(args: &mut TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup
         .into());
     }
     let on_nonfinite = args.on_nonfinite;
-    let (model, model_files) = onnx_ga::model::load_model_with_data_listing(&args.model)?;
+    let (model, model_files) = super::load_step(&args.model)?;
     // Only rank 0 writes, so only its outputs are checked (the others may run where those
     // paths do not exist).
     if lead {
