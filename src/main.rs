@@ -601,7 +601,11 @@ impl Failure {
                     message = format!("{message}: {text}");
                 }
             }
-            eprintln!("error: {message}");
+            // One write of the whole line: the ranks of a data-parallel job share one
+            // stderr, and a line written in pieces interleaves with theirs.
+            use std::io::Write;
+            let line = format!("error: {message}\n");
+            let _ = std::io::stderr().lock().write_all(line.as_bytes());
         }
         Failure {
             code: self.code,
