@@ -339,7 +339,8 @@ impl TrainArgs {
 #[derive(Args)]
 struct ExportArgs {
     /// The model to write with trained values: a forward .onnx (parameters as initializers)
-    /// or ONNX Runtime's eval_model.onnx (parameters as graph inputs).
+    /// or ONNX Runtime's eval_model.onnx (parameters as graph inputs); or the step, which
+    /// exports the model `rewrite` made it from (recorded in the step).
     model: PathBuf,
     /// The trained state: a file written by `train --save-state` (.npz or .safetensors).
     #[arg(long)]
@@ -1388,8 +1389,26 @@ fn external_data_path(output: &Path) -> PathBuf {
     output.with_file_name(name)
 }
 
-fn export(args: ExportArgs) -> Result<(), Failure> {
+fn export(mut args: ExportArgs) -> Result<(), Failure> {
     use onnx_ga::model::same_file;
+    let (model, external) = onnx_ga::trained::load_model_for_export(&args.model)?;
+    // A step is not what a user wants out, but it names what is: the model it was made from.
+    let (model, external) = match the_model_a_step_was_made_from(&args.model, &model)? {
+        None => (model, external),
+        Some(made_from) => {
+            drop(model);
+            eprintln!(
+                "{} is a training step: exporting the model it was made from, {} (recorded by `rewrite`, unchanged since)",
+                args.model.display(),
+                made_from.display()
+            );
+            if args.step.is_none() {
+                args.step = Some(args.model.clone());
+            }
+            args.model = made_from;
+            onnx_ga::trained::load_model_for_export(&args.model)?
+        }
+    };
     let out = &args.output;
     let mut inputs = vec![("the model", &args.model), ("the state file", &args.state)];
     inputs.extend(args.step.iter().map(|p| ("the step", p)));
@@ -1409,7 +1428,6 @@ fn export(args: ExportArgs) -> Result<(), Failure> {
         ),
         None => None,
     };
-    let (model, external) = onnx_ga::trained::load_model_for_export(&args.model)?;
     // Only the state entries that can be model tensors are read; the rest are named.
     let wanted = onnx_ga::trained::state_to_read(&model, manifest.as_ref());
     let state = onnx_ga::data::read_state_only(&args.state, &wanted)?;
@@ -1945,6 +1963,35 @@ fn check_writable(flag: &str, path: &Path) -> Result<(), UsageError> {
 /// `rewrite` read, by path and SHA-256: [`onnx_ga::eval_model`]), if it is still the file
 /// that was read; else an error saying to name one. Called where the step is loaded, before
 /// the outputs are checked against it (on `--distributed`, by the rank that validates).
+/// When `model` (read from `path`) is a step written by `rewrite`: the forward model or
+/// ONNX Runtime eval model it was made from (its record checked: the file `rewrite` read,
+/// unchanged), or an error saying what to export instead.
+fn the_model_a_step_was_made_from(
+    path: &Path,
+    model: &onnx_ga::proto::ModelProto,
+) -> Result<Option<PathBuf>, UsageError> {
+    let is_step = model
+        .metadata_props
+        .iter()
+        .any(|p| p.key() == onnx_ga::state::STATE_KEY);
+    if !is_step {
+        return Ok(None);
+    }
+    let name_it = |why: String| {
+        UsageError(format!(
+            "{}: a training step, not a model to export ({why}); name the forward model it was made from (or the artifacts' eval_model.onnx): `onnx-ga export MODEL.onnx --state S --step {} -o TRAINED.onnx`",
+            path.display(),
+            shell_word(&path.display().to_string())
+        ))
+    };
+    let record = match onnx_ga::eval_model::RecordedEvalModel::read(model) {
+        None => return Err(name_it("it records no model it was made from".into())),
+        Some(record) => record.map_err(name_it)?,
+    };
+    record.check().map_err(name_it)?;
+    Ok(Some(record.path))
+}
+
 fn take_recorded_eval_model(
     args: &mut TrainArgs,
     step: &onnx_ga::proto::ModelProto,

@@ -844,3 +844,102 @@ fn a_half_model_trains_and_exports_as_half() {
     }
     assert_eq!(checked, 4);
 }
+
+/// `export STEP.onnx`: a step is not the model a user wants out, but it records the one it
+/// was made from (path and SHA-256): that model is exported, with the step's manifest, the
+/// same bytes as naming it. A step whose record is gone, or whose model changed since
+/// `rewrite` read it, is refused (exit 2, nothing written), naming what to pass instead.
+#[test]
+fn export_of_a_step_exports_the_model_it_was_made_from() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = |name: &str| dir.path().join(name);
+    let forward = d("mlp.onnx");
+    std::fs::copy(
+        root().join("graphs/forward/torch_mlp/dynamo.onnx"),
+        &forward,
+    )
+    .unwrap();
+    let data = root().join("graphs/forward/torch_mlp/data.npz");
+    let ok = |args: &[&str]| {
+        let out = onnx_ga(args);
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+        stderr(&out)
+    };
+    let path = |p: &Path| p.to_str().unwrap().to_string();
+    let (step, state) = (d("step.onnx"), d("s.npz"));
+    ok(&[
+        "rewrite",
+        &path(&forward),
+        "-o",
+        &path(&step),
+        "--accum-steps",
+        "4",
+        "--loss-fn",
+        "cross-entropy",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.01",
+    ]);
+    ok(&[
+        "train",
+        &path(&step),
+        "--data",
+        &path(&data),
+        "--micro-batch",
+        "4",
+        "--steps",
+        "8",
+        "--save-state",
+        &path(&state),
+        "--quiet",
+    ]);
+
+    let from_step = export(&step, &state, &d("from_step.onnx"), None);
+    let err = stderr(&from_step);
+    assert!(from_step.status.success(), "{err}");
+    assert!(
+        err.contains("is a training step: exporting the model it was made from")
+            && err.contains("mlp.onnx"),
+        "{err}"
+    );
+    export(&forward, &state, &d("named.onnx"), Some(&step));
+    let read = |name: &str| std::fs::read(d(name)).unwrap();
+    assert!(
+        read("from_step.onnx") == read("named.onnx"),
+        "the same model as naming it"
+    );
+    // And it holds the trained parameters, not the forward model's initial ones.
+    let trained = initializers(&onnx_ga::model::load_model(&d("from_step.onnx")).unwrap());
+    let saved = onnx_ga::data::read_state(&state).unwrap();
+    let initial = initializers(&onnx_ga::model::load_model(&forward).unwrap());
+    let some_weight = saved
+        .keys()
+        .find(|k| initial.contains_key(*k))
+        .expect("a parameter in the state");
+    assert_eq!(bits(&trained[some_weight]), bits(&saved[some_weight]));
+    assert_ne!(bits(&trained[some_weight]), bits(&initial[some_weight]));
+
+    // The record removed: refused, naming the command that works.
+    let mut unrecorded = onnx_ga::model::load_model(&step).unwrap();
+    unrecorded
+        .metadata_props
+        .retain(|p| p.key() != onnx_ga::eval_model::EVAL_MODEL_KEY);
+    let unrecorded_path = d("unrecorded.onnx");
+    onnx_ga::model::save_model(&unrecorded, &unrecorded_path).unwrap();
+    // The model changed since `rewrite` read it (the same graph, saved again with a note).
+    let mut edited = onnx_ga::model::load_model(&forward).unwrap();
+    edited.doc_string = Some("edited".into());
+    onnx_ga::model::save_model(&edited, &forward).unwrap();
+    for (step, why) in [
+        (&unrecorded_path, "it records no model it was made from"),
+        (&step, "changed since `rewrite` read it"),
+    ] {
+        let before = listing(dir.path());
+        let out = export(step, &state, &d("refused.onnx"), None);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains(why) && err.contains("--step"), "{err}");
+        assert!(listing(dir.path()) == before, "nothing written");
+    }
+}
