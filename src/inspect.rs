@@ -668,3 +668,149 @@ fn role_name(role: Role) -> String {
         .and_then(|v| v.as_str().map(str::to_string))
         .unwrap_or_default()
 }
+
+/// `inspect MODEL.onnx` of a forward model without a loss: what the model takes and gives,
+/// the floating-point initializers autodiff would train, its ops, and the commands that go
+/// on from there (the loss is the user's choice: the report cannot pick it).
+#[derive(Debug, Serialize)]
+pub struct ForwardOverview {
+    pub file: std::path::PathBuf,
+    pub inputs: Vec<crate::signature::TensorInfo>,
+    pub outputs: Vec<crate::signature::TensorInfo>,
+    /// Floating-point initializers autodiff trains where a loss reaches them (unless
+    /// `--freeze`/`--trainable` say otherwise): all of them, or torch's parameters where
+    /// the exporter recorded its list.
+    pub parameters: usize,
+    pub parameter_elements: u64,
+    /// Floating-point initializers torch's export names as buffers or constants: not
+    /// trained.
+    pub buffers: usize,
+    /// Every other initializer (integer shapes, indices, masks): never trained.
+    pub other_initializers: usize,
+    /// Whether the parameters are torch's own list (its dynamo exporter's record).
+    pub torch_parameter_list: bool,
+    pub ops: BTreeMap<String, BTreeMap<String, usize>>,
+    pub training_only_ops: Vec<String>,
+}
+
+impl ForwardOverview {
+    pub fn of(model: &Model, file: &std::path::Path) -> ForwardOverview {
+        use crate::signature::TensorInfo;
+        let main = model.main();
+        let inputs = main
+            .inputs
+            .iter()
+            .filter(|(v, _)| model.initializer(*v).is_none())
+            .map(|(v, info)| TensorInfo::of(model.name(*v), info.r#type.as_ref()))
+            .collect();
+        let outputs = main
+            .outputs
+            .iter()
+            .map(|(v, info)| TensorInfo::of(model.name(*v), info.r#type.as_ref()))
+            .collect();
+        let torch = crate::passes::autodiff::torch_signature::TorchSignature::of(model);
+        let (mut parameters, mut parameter_elements, mut buffers, mut other_initializers) =
+            (0, 0u64, 0, 0);
+        for (v, tensor) in &main.initializers {
+            let trains = torch
+                .as_ref()
+                .is_none_or(|t| t.is_parameter(model.name(*v)));
+            match (crate::ir::is_float_elem(tensor.data_type()), trains) {
+                (true, true) => {
+                    parameters += 1;
+                    let elements = tensor
+                        .dims
+                        .iter()
+                        .map(|d| (*d).max(0) as u64)
+                        .product::<u64>();
+                    parameter_elements = parameter_elements.saturating_add(elements);
+                }
+                (true, false) => buffers += 1,
+                (false, _) => other_initializers += 1,
+            }
+        }
+        let ops = op_counts(model);
+        let training_only_ops = ops
+            .iter()
+            .flat_map(|(domain, ops)| ops.keys().map(move |op| (domain.clone(), op.clone())))
+            .filter(|(d, o)| crate::ops::is_training_only(d, o))
+            .map(|(d, o)| format!("{}::{o}", if d.is_empty() { "ai.onnx" } else { &d }))
+            .collect();
+        ForwardOverview {
+            file: file.to_path_buf(),
+            inputs,
+            outputs,
+            parameters,
+            parameter_elements,
+            buffers,
+            other_initializers,
+            torch_parameter_list: torch.is_some(),
+            ops,
+            training_only_ops,
+        }
+    }
+
+    pub fn render_text(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "source: forward model {} (no loss given: what it takes and gives)",
+            self.file.display()
+        );
+        for (title, list) in [("inputs", &self.inputs), ("outputs", &self.outputs)] {
+            let _ = writeln!(out, "{title}:");
+            let width = list.iter().map(|t| t.name.len()).max().unwrap_or(0);
+            for t in list {
+                let _ = writeln!(out, "  {:width$}  {}", t.name, t.type_text());
+            }
+        }
+        let whose = match self.torch_parameter_list {
+            true => "torch's parameters, as its export records them",
+            false => "floating-point initializers",
+        };
+        let _ = writeln!(
+            out,
+            "parameters: {} ({} elements; {whose}): autodiff trains those a loss reaches, unless --freeze or --trainable",
+            self.parameters, self.parameter_elements
+        );
+        if self.buffers > 0 {
+            let _ = writeln!(
+                out,
+                "buffers and constants: {} (floating-point initializers torch's export does not train)",
+                self.buffers
+            );
+        }
+        if self.other_initializers > 0 {
+            let _ = writeln!(
+                out,
+                "other initializers: {} (integer or boolean: shapes, indices, masks)",
+                self.other_initializers
+            );
+        }
+        let _ = writeln!(out, "ops:");
+        for (domain, ops) in &self.ops {
+            let list: Vec<String> = ops.iter().map(|(op, n)| format!("{op} {n}")).collect();
+            let domain = if domain.is_empty() { "ai.onnx" } else { domain };
+            let _ = writeln!(out, "  {domain}: {}", list.join(", "));
+        }
+        if !self.training_only_ops.is_empty() {
+            let _ = writeln!(
+                out,
+                "ops standard ONNX Runtime lacks: {}",
+                self.training_only_ops.join(", ")
+            );
+        }
+        let path = self.file.display();
+        let first = self.outputs.first().map_or("", |o| o.name.as_str());
+        let _ = writeln!(out, "to train it, choose a loss on an output (default the first, '{first}'; --model-output NAME another):");
+        let _ = writeln!(
+            out,
+            "  onnx-ga inspect {path} --loss-fn cross-entropy    # the trainable set and its gradients (or nll, mse, l1, bce-logits; --loss NAME for a loss it computes)"
+        );
+        let _ = writeln!(
+            out,
+            "  onnx-ga rewrite {path} -o step.onnx --accum-steps 4 --loss-fn cross-entropy --optimizer adamw --lr 0.001"
+        );
+        out
+    }
+}

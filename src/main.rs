@@ -877,7 +877,20 @@ fn inspect(args: InspectArgs) -> Result<(), Failure> {
                 onnx_ga::passes::autodiff::differentiated_graph(&args.path, &autodiff)?;
             (graph, Some(untrained))
         }
-        None => (signature::open(&args.path, &args.roles.roles())?, None),
+        None => {
+            let roles = args.roles.roles();
+            match args.path.is_file() {
+                true => {
+                    let proto = onnx_ga::model::load_model_with_data(&args.path)?;
+                    let no_roles = roles.loss.is_none() && roles.grads.is_empty();
+                    if no_roles && signature::is_forward_model(&proto) && !has_gradients(&proto) {
+                        return inspect_forward(&args, proto);
+                    }
+                    (signature::from_model(proto, &roles, &args.path)?, None)
+                }
+                false => (signature::open(&args.path, &roles)?, None),
+            }
+        }
     };
     let report = onnx_ga::inspect::report(&graph);
     // A rewritten step: its recipe, state by role, controls and engines.
@@ -928,6 +941,33 @@ fn inspect(args: InspectArgs) -> Result<(), Failure> {
         if args.graph {
             println!();
             print!("{}", onnx_ga::ir::print::print_model(&graph.model));
+        }
+    }
+    Ok(())
+}
+
+/// `inspect` of a forward model given no loss: what it takes and gives and how to go on.
+fn inspect_forward(args: &InspectArgs, proto: onnx_ga::proto::ModelProto) -> Result<(), Failure> {
+    if args.agc {
+        return Err(UsageError(format!(
+            "--agc: {} is a forward model: AGC's units come from the training graph; add --loss-fn (or --loss) to differentiate it first",
+            args.path.display()
+        ))
+        .into());
+    }
+    let model = onnx_ga::ir::Model::from_proto(proto);
+    let overview = onnx_ga::inspect::ForwardOverview::of(&model, &args.path);
+    if args.json {
+        let mut value = serde_json::json!({ "forward": overview });
+        if args.graph {
+            value["graph"] = serde_json::Value::String(onnx_ga::ir::print::print_model(&model));
+        }
+        println!("{}", serde_json::to_string_pretty(&value)?);
+    } else {
+        print!("{}", overview.render_text());
+        if args.graph {
+            println!();
+            print!("{}", onnx_ga::ir::print::print_model(&model));
         }
     }
     Ok(())

@@ -539,3 +539,69 @@ fn inspect_says_which_variance_batch_norm_running_statistics_move_with() {
     common::cli_rewrite("cnn_bn", &artifacts, &["--accum-steps", "4", "--lr", "0.1"]);
     assert_eq!(line(&artifacts), "BatchNorm statistics: window");
 }
+
+/// `inspect FORWARD.onnx` given no loss shows the model rather than refusing it: its inputs
+/// and outputs, the parameters autodiff would train (torch's own list where its exporter
+/// recorded one, buffers apart), and the commands to go on with, which run as printed.
+/// The parameter count is checked against the differentiated report (`--loss-fn`), which
+/// finds the trainable set by autodiff's own route.
+#[test]
+fn a_forward_model_without_a_loss_is_shown_with_the_commands_to_go_on() {
+    for (model, input, output, buffers) in [
+        (
+            "graphs/forward/torch_gpt/dynamo.onnx",
+            "idx  int64[batch,8]",
+            "logits  float[batch,8,32]",
+            2,
+        ),
+        (
+            "graphs/forward/keras_cnn/keras.onnx",
+            "x  float[unk__19,8,8,3]",
+            "logits  float[unk__20,4]",
+            0,
+        ),
+    ] {
+        let text = ok(&["inspect", model]);
+        assert!(text.contains(&format!("inputs:\n  {input}\n")), "{text}");
+        assert!(text.contains(&format!("outputs:\n  {output}\n")), "{text}");
+        assert_eq!(
+            text.contains("buffers and constants: 2"),
+            buffers == 2,
+            "{text}"
+        );
+
+        let json: Value = serde_json::from_str(&ok(&["inspect", model, "--json"])).unwrap();
+        let forward = &json["forward"];
+        let differentiated: Value = serde_json::from_str(&ok(&[
+            "inspect",
+            model,
+            "--loss-fn",
+            "cross-entropy",
+            "--json",
+        ]))
+        .unwrap();
+        assert_eq!(
+            forward["parameter_elements"], differentiated["parameter_count"]["trainable"],
+            "{model}: the elements autodiff trains"
+        );
+        assert_eq!(
+            forward["parameters"].as_u64().unwrap() as usize,
+            differentiated["signature"]["params"]
+                .as_array()
+                .unwrap()
+                .len(),
+            "{model}: the parameters autodiff trains"
+        );
+        assert_eq!(forward["buffers"], buffers);
+
+        // The suggested inspect runs as printed (in the crate root, where `model` is).
+        let suggested = text
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("onnx-ga inspect "))
+            .expect("a suggested inspect");
+        let args: Vec<&str> = std::iter::once("inspect")
+            .chain(suggested.split('#').next().unwrap().split_whitespace())
+            .collect();
+        assert!(ok(&args).contains("parameters:"), "{args:?}");
+    }
+}

@@ -891,6 +891,20 @@ pub struct NodeSpec<'a> {
     pub pass: Option<&'a str>,
 }
 
+/// Whether ONNX element type `elem` is floating point (float, double, float16, bfloat16):
+/// the types that carry gradients and that autodiff trains.
+pub fn is_float_elem(elem: i32) -> bool {
+    use crate::proto::tensor_proto::DataType;
+    [
+        DataType::Float,
+        DataType::Double,
+        DataType::Float16,
+        DataType::Bfloat16,
+    ]
+    .iter()
+    .any(|t| *t as i32 == elem)
+}
+
 /// "" and "ai.onnx" name the same domain.
 pub fn normalize_domain(domain: &str) -> &str {
     if domain == "ai.onnx" {

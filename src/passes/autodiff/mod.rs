@@ -741,12 +741,7 @@ fn update_signature(model: &Model, cx: &mut PassContext<'_>, d: &Differentiated)
     }
 }
 
-fn is_float(elem: i32) -> bool {
-    elem == DataType::Float as i32
-        || elem == DataType::Double as i32
-        || elem == DataType::Float16 as i32
-        || elem == DataType::Bfloat16 as i32
-}
+use crate::ir::is_float_elem as is_float;
 
 /// Bytes per element of the numeric types.
 pub(crate) fn elem_size(elem: i32) -> usize {

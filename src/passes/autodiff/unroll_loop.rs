@@ -104,9 +104,7 @@ impl Scalar {
     }
 }
 
-fn is_float(elem: i32) -> bool {
-    matches!(elem, FLOAT | DOUBLE | FLOAT16 | BFLOAT16)
-}
+use crate::ir::is_float_elem as is_float;
 
 /// The value of a node's output, for the ops loop counters and conditions are made of;
 /// `None` for any other op. Its inputs' values come from `value`, asked only for an op it

@@ -31,9 +31,7 @@ pub(super) fn float_bytes(elem: i32, value: f64) -> Option<Vec<u8>> {
         .flatten()
 }
 
-fn is_float(elem: i32) -> bool {
-    matches!(elem, FLOAT | DOUBLE | FLOAT16 | BFLOAT16)
-}
+use crate::ir::is_float_elem as is_float;
 
 /// The element type of `v` when the model declares it or a short walk up its producers
 /// determines it (training graphs declare most but not all intermediate values).
