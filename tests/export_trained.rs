@@ -654,10 +654,12 @@ fn bad_input_is_refused_with_exit_2_and_nothing_written() {
     );
     // train refuses a --save-state it could not write before it trains.
     let data = root().join("graphs").join(MODEL).join("data.npz");
+    let step = d.join("step.onnx");
+    onnx_ga::model::save_model(&common::rewrite_shipped(MODEL, SPEC), &step).unwrap();
     bad_export(
         &[
             "train",
-            &s(&model),
+            &s(&step),
             "--data",
             &s(&data),
             "--micro-batch",
