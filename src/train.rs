@@ -383,6 +383,9 @@ impl Trainer {
         collective: Option<Box<dyn crate::train::distributed::Collective>>,
     ) -> Result<Trainer, TrainError> {
         let manifest = Manifest::from_model(model).map_err(StepError::from)?;
+        // Each rank of data-parallel training draws its own masks (`draw_seed::for_rank`).
+        let rank = collective.as_ref().map_or(0, |c| c.rank());
+        let seed = options.draw_seed;
         // Split or whole, a step trains only when its apply If is the region its manifest
         // describes: with swapped branches the two modes would train differently.
         crate::split::check_apply_region(model, &manifest)
@@ -528,7 +531,7 @@ impl Trainer {
                 let start = match start_model {
                     Some(s) => Some(Box::new(open_engine(
                         kind,
-                        &seeded_draws(&s.model, options.draw_seed, Session::WindowStart),
+                        &seeded_draws(&s.model, seed, rank, Session::WindowStart),
                         &accumulating,
                         &manifest,
                         &mut fused,
@@ -539,11 +542,7 @@ impl Trainer {
                 Runner::Split {
                     accumulate: Box::new(open_engine(
                         kind,
-                        &seeded_draws(
-                            &split.accumulate.model,
-                            options.draw_seed,
-                            Session::Accumulate,
-                        ),
+                        &seeded_draws(&split.accumulate.model, seed, rank, Session::Accumulate),
                         &accumulating,
                         &manifest,
                         &mut fused,
@@ -554,7 +553,7 @@ impl Trainer {
                     // (`passes::fuse::apply_kept_sum`).
                     apply: Box::new(open_engine(
                         kind,
-                        &seeded_draws(&apply.model, options.draw_seed, Session::Apply),
+                        &seeded_draws(&apply.model, seed, rank, Session::Apply),
                         &accumulating,
                         &manifest,
                         &mut fused,
@@ -576,7 +575,7 @@ impl Trainer {
             )),
             _ => Runner::Whole(Box::new(open_engine(
                 kind,
-                &seeded_draws(model, options.draw_seed, Session::Whole),
+                &seeded_draws(model, seed, rank, Session::Whole),
                 &options.session,
                 &manifest,
                 &mut fused,
@@ -1494,13 +1493,18 @@ pub fn micro_batch_rows(samples: usize, batch: usize, step: u64) -> Vec<usize> {
     crate::sample_order::SampleOrder::InOrder.rows(samples, batch, step)
 }
 
-/// `model` with its draws seeded as session `role` of a run seeded `seed` ([`draw_seed`]);
-/// the model itself when that changes nothing.
-fn seeded_draws(model: &ModelProto, seed: Option<u64>, role: Session) -> Cow<'_, ModelProto> {
+/// `model` with its draws seeded as session `role` of rank `rank` of a run seeded `seed`
+/// ([`draw_seed`]); the model itself when that changes nothing.
+fn seeded_draws(
+    model: &ModelProto,
+    seed: Option<u64>,
+    rank: usize,
+    role: Session,
+) -> Cow<'_, ModelProto> {
     match draw_seed::would_seed(model, seed, role) {
         true => {
             let mut model = model.clone();
-            draw_seed::seed_draws(&mut model, seed, role);
+            draw_seed::seed_draws(&mut model, seed, rank, role);
             Cow::Owned(model)
         }
         false => Cow::Borrowed(model),

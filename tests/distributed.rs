@@ -1055,7 +1055,7 @@ fn patience_stops_every_rank_where_one_process_stops() {
 }
 
 /// `--draw-seed` on two ranks: the run repeats bit for bit (each rank seeds its sessions
-/// from its own stream, `draw_seed::for_rank`), and another seed trains otherwise.
+/// from its own stream: the trainer mixes its rank in), and another seed trains otherwise.
 #[test]
 fn a_seeded_dropout_run_on_two_ranks_repeats() {
     let Some(mpirun) = mpirun() else { return };

@@ -332,9 +332,8 @@ fn set_up(args: &mut TrainArgs, collective: &Rc<dyn Collective>) -> Result<Setup
             ..Default::default()
         },
         split: true,
-        draw_seed: args
-            .draw_seed
-            .map(|seed| onnx_ga::train::draw_seed::for_rank(seed, rank)),
+        // The trainer mixes its rank in: each rank draws its own masks.
+        draw_seed: args.draw_seed,
     };
     let shared: Box<dyn Collective> = Box::new(collective.clone());
     let mut trainer = Trainer::with_collective(&model, &options, shared)

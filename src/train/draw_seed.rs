@@ -50,20 +50,30 @@ enum SeedKind {
 }
 
 /// Seeds the drawing nodes of `model` (at any depth: If branches, Loop and Scan bodies) as
-/// session `role` of a run: from `seed` when given (`--draw-seed`, over any seed the model
-/// has), else only the nodes the model seeds itself, and only where the session is not the
-/// whole step (see the module's comment); returns how many nodes it seeded.
-pub(crate) fn seed_draws(model: &mut ModelProto, seed: Option<u64>, role: Session) -> usize {
+/// session `role` of rank `rank` of a run (0 alone): from `seed` when given
+/// (`--draw-seed`, over any seed the model has), else only the nodes the model seeds itself,
+/// and only where the session is not the whole step (see the module's comment); returns how
+/// many nodes it seeded. Each rank of data-parallel training seeds from its own stream
+/// ([`for_rank`]), the author's seeds too: ranks drawing alike would give rows of different
+/// micro-batches the same masks, which one process never does.
+pub(crate) fn seed_draws(
+    model: &mut ModelProto,
+    seed: Option<u64>,
+    rank: usize,
+    role: Session,
+) -> usize {
     let Some(graph) = model.graph.as_mut() else {
         return 0;
     };
     // The session's index is part of every seed: it must not change without reason.
     let session = mix(role.index() as u64 + 1);
     let derive = |existing: Option<u64>, place: u64| match (seed, existing) {
-        (Some(seed), _) => Some(mix(mix(seed) ^ session ^ place)),
+        (Some(seed), _) => Some(mix(mix(for_rank(seed, rank)) ^ session ^ place)),
         // The author's seed, told apart per session but not per node: two nodes the author
         // gave one seed still draw alike within a session.
-        (None, Some(own)) if role != Session::Whole => Some(mix(mix(own) ^ session)),
+        (None, Some(own)) if role != Session::Whole => {
+            Some(mix(mix(for_rank(own, rank)) ^ session))
+        }
         _ => None,
     };
     seed_graph(graph, 0, &derive)
@@ -72,7 +82,7 @@ pub(crate) fn seed_draws(model: &mut ModelProto, seed: Option<u64>, role: Sessio
 /// The seed rank `rank` of a data-parallel job seeds its sessions from: each rank draws
 /// its own masks (with one seed they would draw the same ones for different rows); rank 0
 /// the run's seed itself.
-pub fn for_rank(seed: u64, rank: usize) -> u64 {
+fn for_rank(seed: u64, rank: usize) -> u64 {
     match rank {
         0 => seed,
         rank => mix(seed ^ mix(rank as u64)),
@@ -235,7 +245,7 @@ mod tests {
     fn every_draw_gets_a_seed_of_its_own_and_the_run_s() {
         let mut a = model();
         assert!(draws(&a) && would_seed(&a, Some(7), Session::Whole));
-        assert_eq!(seed_draws(&mut a, Some(7), Session::Accumulate), 5);
+        assert_eq!(seed_draws(&mut a, Some(7), 0, Session::Accumulate), 5);
         let seen = seeds(&a);
         let names: Vec<&str> = seen.iter().map(|(n, _, _)| n.as_str()).collect();
         assert_eq!(names, ["d1", "u1", "kept", "d2", "d3"]);
@@ -249,7 +259,7 @@ mod tests {
             .is_some_and(|f| f < 16_777_216.0 && f.fract() == 0.0));
 
         let mut again = model();
-        seed_draws(&mut again, Some(7), Session::Accumulate);
+        seed_draws(&mut again, Some(7), 0, Session::Accumulate);
         assert_eq!(
             seeds(&again),
             seen,
@@ -258,9 +268,9 @@ mod tests {
 
         let ints = |m: &ModelProto| -> Vec<i64> { seeds(m).iter().filter_map(|s| s.1).collect() };
         let mut other_role = model();
-        seed_draws(&mut other_role, Some(7), Session::Apply);
+        seed_draws(&mut other_role, Some(7), 0, Session::Apply);
         let mut other_seed = model();
-        seed_draws(&mut other_seed, Some(8), Session::Accumulate);
+        seed_draws(&mut other_seed, Some(8), 0, Session::Accumulate);
         let mut all: Vec<i64> = [&a, &other_role, &other_seed]
             .iter()
             .flat_map(|m| ints(m))
@@ -281,13 +291,13 @@ mod tests {
     fn the_model_s_own_seeds_are_told_apart_per_session() {
         let mut whole = model();
         assert!(!would_seed(&whole, None, Session::Whole));
-        assert_eq!(seed_draws(&mut whole, None, Session::Whole), 0);
+        assert_eq!(seed_draws(&mut whole, None, 0, Session::Whole), 0);
         assert_eq!(seeds(&whole), [("kept".to_string(), None, Some(5.0))]);
 
         let own = |role| {
             let mut m = model();
             assert!(would_seed(&m, None, role));
-            assert_eq!(seed_draws(&mut m, None, role), 1, "{role:?}");
+            assert_eq!(seed_draws(&mut m, None, 0, role), 1, "{role:?}");
             let seen = seeds(&m);
             assert_eq!(seen.len(), 1, "{role:?}: unseeded draws stay the engine's");
             seen[0].2.unwrap()
@@ -324,6 +334,35 @@ mod tests {
         seeds.sort_unstable();
         seeds.dedup();
         assert_eq!(seeds.len(), 128);
+    }
+
+    /// Ranks of data-parallel training seed apart, the model's own seeds too (else every
+    /// rank would draw the same masks for rows of different micro-batches); rank 0 seeds
+    /// as one process does.
+    #[test]
+    fn ranks_seed_apart_whoever_gave_the_seed() {
+        let seeds_of = |seed: Option<u64>, rank: usize| {
+            let mut m = model();
+            seed_draws(&mut m, seed, rank, Session::Accumulate);
+            seeds(&m)
+        };
+        for seed in [Some(7), None] {
+            let (zero, one, two) = (seeds_of(seed, 0), seeds_of(seed, 1), seeds_of(seed, 2));
+            assert!(!zero.is_empty());
+            assert!(zero != one && one != two && zero != two, "{seed:?}");
+            assert_eq!(
+                seeds_of(seed, 1),
+                one,
+                "{seed:?}: the same rank, the same seeds"
+            );
+        }
+        // Rank 0 is the single process: its seeds are those of the process (`for_rank`'s
+        // identity), with or without a run's seed.
+        assert_eq!(for_rank(7, 0), 7);
+        assert_eq!(
+            for_rank(5.0f32.to_bits() as u64, 0),
+            5.0f32.to_bits() as u64
+        );
     }
 
     #[test]
