@@ -800,8 +800,19 @@ impl ForwardOverview {
                 self.training_only_ops.join(", ")
             );
         }
-        let path = self.file.display();
-        let first = self.outputs.first().map_or("", |o| o.name.as_str());
+        let path = shell_word(&self.file.display().to_string());
+        let Some(first) = self.outputs.first() else {
+            let _ = writeln!(
+                out,
+                "to train it: nothing to train, it has no output a loss could read"
+            );
+            return out;
+        };
+        if self.parameters == 0 {
+            let _ = writeln!(out, "to train it: nothing to train, it has no floating-point initializers (parameters given as graph inputs, as in ONNX Runtime's eval_model.onnx, are data to autodiff)");
+            return out;
+        }
+        let first = &first.name;
         let _ = writeln!(out, "to train it, choose a loss on an output (default the first, '{first}'; --model-output NAME another):");
         let _ = writeln!(
             out,
@@ -812,5 +823,15 @@ impl ForwardOverview {
             "  onnx-ga rewrite {path} -o step.onnx --accum-steps 4 --loss-fn cross-entropy --optimizer adamw --lr 0.001"
         );
         out
+    }
+}
+
+/// `word` as a POSIX shell reads it back: as is when it holds nothing the shell would
+/// split or expand, else in single quotes (a command the user can paste).
+pub fn shell_word(word: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "/._-+=:,@%".contains(c);
+    match !word.is_empty() && word.chars().all(plain) {
+        true => word.to_string(),
+        false => format!("'{}'", word.replace('\'', "'\\''")),
     }
 }

@@ -1019,7 +1019,7 @@ pub(crate) fn load_step(
         UsageError(format!(
             "{}: {what}, not a training step: make one first with `onnx-ga rewrite {} -o step.onnx --accum-steps 4{flags}`{choices}, then `onnx-ga train step.onnx ...` (`onnx-ga rewrite --help` lists the optimizers and their settings)",
             path.display(),
-            shell_word(&source.display().to_string())
+            onnx_ga::inspect::shell_word(&source.display().to_string())
         ))
     };
     let artifacts = |folder: &Path| folder.join(onnx_ga::signature::TRAINING_MODEL).is_file();
@@ -1064,16 +1064,6 @@ pub(crate) fn load_step(
         ),
     };
     Err(refusal.into())
-}
-
-/// `word` as a POSIX shell reads it back: as is when it holds nothing the shell would
-/// split or expand, else in single quotes (a command the user can paste).
-fn shell_word(word: &str) -> String {
-    let plain = |c: char| c.is_ascii_alphanumeric() || "/._-+=:,@%".contains(c);
-    match !word.is_empty() && word.chars().all(plain) {
-        true => word.to_string(),
-        false => format!("'{}'", word.replace('\'', "'\\''")),
-    }
 }
 
 /// Whether `model` looks like a gradient graph: an output named as a gradient (`*_grad`,
@@ -2021,7 +2011,7 @@ fn the_model_a_step_was_made_from(
         UsageError(format!(
             "{}: a training step, not a model to export ({why}); name the forward model it was made from (or the artifacts' eval_model.onnx): `onnx-ga export MODEL.onnx --state S --step {} -o TRAINED.onnx`",
             path.display(),
-            shell_word(&path.display().to_string())
+            onnx_ga::inspect::shell_word(&path.display().to_string())
         ))
     };
     let record = match onnx_ga::eval_model::RecordedEvalModel::read(model) {

@@ -604,4 +604,12 @@ fn a_forward_model_without_a_loss_is_shown_with_the_commands_to_go_on() {
             .collect();
         assert!(ok(&args).contains("parameters:"), "{args:?}");
     }
+    // ONNX Runtime's eval model takes its parameters as inputs: nothing autodiff would
+    // train, and no command suggested that would fail.
+    let text = ok(&["inspect", "graphs/mlp_ce_adamw/eval_model.onnx"]);
+    assert!(text.contains("parameters: 0 (0 elements"), "{text}");
+    assert!(
+        text.contains("to train it: nothing to train") && !text.contains("onnx-ga rewrite"),
+        "{text}"
+    );
 }
