@@ -39,12 +39,7 @@ pub fn report(graph: &TrainingGraph) -> Report<'_> {
     }
     count.total = count.trainable.saturating_add(count.frozen);
     let ops = op_counts(&graph.model);
-    let training_only_ops = ops
-        .iter()
-        .flat_map(|(domain, ops)| ops.keys().map(move |op| (domain.clone(), op.clone())))
-        .filter(|(d, o)| crate::ops::is_training_only(d, o))
-        .map(|(d, o)| format!("{}::{o}", if d.is_empty() { "ai.onnx" } else { &d }))
-        .collect();
+    let training_only_ops = training_only_in(&ops);
     Report {
         signature,
         parameter_count: count,
@@ -64,6 +59,16 @@ pub fn op_counts(model: &Model) -> BTreeMap<String, BTreeMap<String, usize>> {
             .or_default() += 1;
     }
     ops
+}
+
+/// The ops of `ops` (counts by domain) that standard ONNX Runtime lacks, as `domain::Op`
+/// (`ai.onnx::Op` for the default domain).
+fn training_only_in(ops: &BTreeMap<String, BTreeMap<String, usize>>) -> Vec<String> {
+    ops.iter()
+        .flat_map(|(domain, ops)| ops.keys().map(move |op| (domain.as_str(), op.as_str())))
+        .filter(|(d, o)| crate::ops::is_training_only(d, o))
+        .map(|(d, o)| format!("{}::{o}", if d.is_empty() { "ai.onnx" } else { d }))
+        .collect()
 }
 
 /// The human-readable report.
@@ -730,12 +735,7 @@ impl ForwardOverview {
             }
         }
         let ops = op_counts(model);
-        let training_only_ops = ops
-            .iter()
-            .flat_map(|(domain, ops)| ops.keys().map(move |op| (domain.clone(), op.clone())))
-            .filter(|(d, o)| crate::ops::is_training_only(d, o))
-            .map(|(d, o)| format!("{}::{o}", if d.is_empty() { "ai.onnx" } else { &d }))
-            .collect();
+        let training_only_ops = training_only_in(&ops);
         ForwardOverview {
             file: file.to_path_buf(),
             inputs,
