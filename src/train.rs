@@ -1003,6 +1003,18 @@ impl Trainer {
             file: path.to_path_buf(),
             message,
         };
+        // Training state this step and the file's disagree on (`ga.` moments, counters,
+        // sums): the file was saved by a step rewritten otherwise. Its parameters can
+        // still start this step, through the model.
+        let made_otherwise = |name: &str, message: String| {
+            match name.starts_with("ga.") {
+            true => bad(format!(
+                "{message}: the file was saved by a step made otherwise (another optimizer, normalisation, loss scaling or model); to start this step from its parameters, write them into the model (`onnx-ga export MODEL.onnx --state {} -o TRAINED.onnx`) and rewrite that",
+                path.display()
+            )),
+            false => bad(message),
+        }
+        };
         // Checked against the values held (no host copy of the whole state for it).
         for (name, held) in &self.state {
             let copy;
@@ -1016,7 +1028,7 @@ impl Trainer {
             };
             let value = loaded
                 .get(name)
-                .ok_or_else(|| bad(format!("state '{name}' is missing")))?;
+                .ok_or_else(|| made_otherwise(name, format!("state '{name}' is missing")))?;
             if value.elem_type() != current.elem_type() || value.shape() != current.shape() {
                 return Err(bad(format!(
                     "state '{name}' is {} {:?} in the file but the model wants {} {:?}",
@@ -1028,7 +1040,10 @@ impl Trainer {
             }
         }
         if let Some(extra) = loaded.keys().find(|k| !self.state.contains_key(*k)) {
-            return Err(bad(format!("'{extra}' is not a state of this model")));
+            return Err(made_otherwise(
+                extra,
+                format!("'{extra}' is not a state of this model"),
+            ));
         }
         if let Runner::Split {
             micro_step,

@@ -722,3 +722,95 @@ fn train_on_what_is_not_a_step_prints_the_rewrite_that_makes_one() {
         }
     }
 }
+
+/// A state saved by a step made otherwise (here AdamW's, resumed into an SGD step) is
+/// refused, naming the way on: write its parameters into the model (`export`) and rewrite
+/// that. Followed, the new step starts from exactly those parameters.
+#[test]
+fn a_state_from_another_optimizer_names_the_way_to_start_from_its_parameters() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = |name: &str| dir.path().join(name);
+    let forward = root().join("graphs/forward/torch_mlp/dynamo.onnx");
+    let data = root().join("graphs/forward/torch_mlp/data.npz");
+    let rewrite = |model: &Path, out: &str, optimizer: &str| {
+        ok(&[
+            "rewrite",
+            s(model),
+            "-o",
+            s(&d(out)),
+            "--accum-steps",
+            "4",
+            "--loss-fn",
+            "cross-entropy",
+            "--optimizer",
+            optimizer,
+            "--lr",
+            "0.01",
+        ]);
+    };
+    let train = |step: &str, extra: &[&str]| {
+        let step = d(step);
+        let mut args = vec![
+            "train",
+            s(&step),
+            "--data",
+            s(&data),
+            "--micro-batch",
+            "4",
+            "--quiet",
+        ];
+        args.extend(extra);
+        onnx_ga(&args)
+    };
+    rewrite(&forward, "adamw.onnx", "adamw");
+    rewrite(&forward, "sgd.onnx", "sgd");
+    let adamw_state = d("adamw.npz");
+    assert!(train(
+        "adamw.onnx",
+        &["--steps", "8", "--save-state", s(&adamw_state)]
+    )
+    .status
+    .success());
+
+    let refused = train(
+        "sgd.onnx",
+        &["--steps", "8", "--init-state", s(&adamw_state)],
+    );
+    let err = stderr(&refused);
+    assert_eq!(refused.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("is not a state of this model")
+            && err.contains("saved by a step made otherwise")
+            && err.contains("onnx-ga export"),
+        "{err}"
+    );
+
+    // The way on: the parameters into the model, the model rewritten.
+    ok(&[
+        "export",
+        s(&d("sgd.onnx")),
+        "--state",
+        s(&adamw_state),
+        "-o",
+        s(&d("trained.onnx")),
+    ]);
+    rewrite(&d("trained.onnx"), "sgd_from_adamw.onnx", "sgd");
+    let start = d("start.npz");
+    let out = train(
+        "sgd_from_adamw.onnx",
+        &["--steps", "0", "--save-state", s(&start)],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let (saved, started) = (
+        onnx_ga::data::read_state(&adamw_state).unwrap(),
+        onnx_ga::data::read_state(&start).unwrap(),
+    );
+    let params: Vec<&String> = started.keys().filter(|k| !k.starts_with("ga.")).collect();
+    assert!(!params.is_empty());
+    for name in params {
+        assert_eq!(
+            started[name], saved[name],
+            "{name}: starts where AdamW left it"
+        );
+    }
+}
