@@ -1989,10 +1989,6 @@ fn check_writable(flag: &str, path: &Path) -> Result<(), UsageError> {
     })
 }
 
-/// `--eval-data` without `--eval-model`: the eval model `step` records (the model
-/// `rewrite` read, by path and SHA-256: [`onnx_ga::eval_model`]), if it is still the file
-/// that was read; else an error saying to name one. Called where the step is loaded, before
-/// the outputs are checked against it (on `--distributed`, by the rank that validates).
 /// When `model` (read from `path`) is a step written by `rewrite`: the forward model or
 /// ONNX Runtime eval model it was made from (its record checked: the file `rewrite` read,
 /// unchanged), or an error saying what to export instead.
@@ -2022,6 +2018,10 @@ fn the_model_a_step_was_made_from(
     Ok(Some(record.path))
 }
 
+/// `--eval-data` without `--eval-model`: the eval model `step` records (the model
+/// `rewrite` read, by path and SHA-256: [`onnx_ga::eval_model`]), if it is still the file
+/// that was read; else an error saying to name one. Called where the step is loaded, before
+/// the outputs are checked against it (on `--distributed`, by the rank that validates).
 fn take_recorded_eval_model(
     args: &mut TrainArgs,
     step: &onnx_ga::proto::ModelProto,
