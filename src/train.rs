@@ -1006,14 +1006,13 @@ impl Trainer {
         // Training state this step and the file's disagree on (`ga.` moments, counters,
         // sums): the file was saved by a step rewritten otherwise. Its parameters can
         // still start this step, through the model.
-        let made_otherwise = |name: &str, message: String| {
-            match name.starts_with("ga.") {
-            true => bad(format!(
-                "{message}: the file was saved by a step made otherwise (another optimizer, normalisation, loss scaling or model); to start this step from its parameters, write them into the model (`onnx-ga export MODEL.onnx --state {} -o TRAINED.onnx`) and rewrite that",
-                path.display()
-            )),
+        let way_on = format!(
+            "the file was saved by a step made otherwise (another optimizer, normalisation, loss scaling or model); to start this step from its parameters, write them into the model (`onnx-ga export MODEL.onnx --state {} -o TRAINED.onnx`) and rewrite that",
+            path.display()
+        );
+        let made_otherwise = |name: &str, message: String| match name.starts_with("ga.") {
+            true => bad(format!("{message}: {way_on}")),
             false => bad(message),
-        }
         };
         // Checked against the values held (no host copy of the whole state for it).
         for (name, held) in &self.state {

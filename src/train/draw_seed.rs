@@ -9,13 +9,15 @@
 //! Runtime's `RandomGenerator::NextSeed` per `Compute`; tract's op state, which the engine
 //! keeps across runs): every micro-step draws anew, and the sequence is the seed's.
 //!
-//! Each node's seed is derived from the run's seed, the session (the split runner's window
-//! start, accumulate and apply specialisations each run the forward pass, and with one seed
-//! they would draw the same masks at the same count of their own runs) and the node's place
-//! in the graph, so no two generators of a run start alike. `--draw-seed` seeds every
+//! Each node's seed is derived from the run's seed, the data-parallel rank (0 alone; ranks
+//! seeded alike would draw the same masks for rows of different micro-batches), the session
+//! (the split runner's window start, accumulate and apply specialisations each run the
+//! forward pass, and with one seed they would draw the same masks at the same count of
+//! their own runs) and the node's place in the graph, so no two generators of a run start
+//! alike. `--draw-seed` seeds every
 //! drawing node, over any seed the model gives. Without it, a node the model seeds itself
 //! (its author's choice) keeps that seed in the whole step, and in each specialisation of
-//! the split runner draws from it mixed with the session: kept verbatim there, the window
+//! the split runner draws from it mixed with the session (and the rank): kept verbatim there, the window
 //! start's, the accumulate's and the apply's generators would start alike, and the
 //! micro-steps of a window would draw the same masks.
 //!
