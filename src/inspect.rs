@@ -699,15 +699,13 @@ pub struct ForwardOverview {
 }
 
 impl ForwardOverview {
-    pub fn of(model: &Model, file: &std::path::Path) -> ForwardOverview {
+    /// The overview of `graph`, a forward model as [`crate::signature::forward`] reads it
+    /// (its data inputs found there), from `file`.
+    pub fn of(graph: &TrainingGraph, file: &std::path::Path) -> ForwardOverview {
         use crate::signature::TensorInfo;
+        let model = &graph.model;
         let main = model.main();
-        let inputs = main
-            .inputs
-            .iter()
-            .filter(|(v, _)| model.initializer(*v).is_none())
-            .map(|(v, info)| TensorInfo::of(model.name(*v), info.r#type.as_ref()))
-            .collect();
+        let inputs = graph.signature.data_inputs.clone();
         let outputs = main
             .outputs
             .iter()

@@ -955,19 +955,20 @@ fn inspect_forward(args: &InspectArgs, proto: onnx_ga::proto::ModelProto) -> Res
         ))
         .into());
     }
-    let model = onnx_ga::ir::Model::from_proto(proto);
-    let overview = onnx_ga::inspect::ForwardOverview::of(&model, &args.path);
+    let graph = signature::forward(proto, &args.path);
+    let overview = onnx_ga::inspect::ForwardOverview::of(&graph, &args.path);
+    let model = &graph.model;
     if args.json {
         let mut value = serde_json::json!({ "forward": overview });
         if args.graph {
-            value["graph"] = serde_json::Value::String(onnx_ga::ir::print::print_model(&model));
+            value["graph"] = serde_json::Value::String(onnx_ga::ir::print::print_model(model));
         }
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
         print!("{}", overview.render_text());
         if args.graph {
             println!();
-            print!("{}", onnx_ga::ir::print::print_model(&model));
+            print!("{}", onnx_ga::ir::print::print_model(model));
         }
     }
     Ok(())
